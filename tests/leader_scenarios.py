@@ -1,0 +1,128 @@
+"""Leader-side scenarios, each run in a fresh process by the tests.
+
+A process can host rank 0 of one mx.distributed group only (an MLX limit), so
+every multi-rank pool a test needs gets a process of its own. Run as
+``python tests/leader_scenarios.py NAME JSON_ARGS``; the result is one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from neuron import log
+from neuron.pool import Pool, PoolBroken, PoolError
+from neuron.tp.model import ModelError
+from neuron.tp.sampling import Sampler, SamplingParams
+
+PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
+
+
+async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
+    await pool.clear_kv_cache()
+    sampler = Sampler(SamplingParams())
+    tokens: list[int] = []
+    feed, offset = prompt, 0
+    for _ in range(count):
+        sampled = await pool.step(feed, offset, sampler)
+        offset += len(feed)
+        tokens.append(sampled.token)
+        feed = [sampled.token]
+    return tokens
+
+
+async def spawn(world_size: int) -> dict[str, Any]:
+    async with Pool(world_size) as pool:
+        pids = [w.pid for w in pool.workers]
+    return {"pids": pids}
+
+
+async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
+    async with Pool(world_size) as pool:
+        loaded = await pool.load(model)
+        return {"tokens": await greedy(pool, PROMPT, count), "parameters": [loaded[r].parameters for r in loaded]}
+
+
+async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
+    """Generate with a fault injected (by the environment); then clear and generate again."""
+    async with Pool(2) as pool:
+        await pool.load(model)
+        try:
+            await greedy(pool, PROMPT, count)
+            failure: dict[str, Any] = {}
+        except PoolError as e:
+            failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken, "message": str(e)}
+        await pool.clear_kv_cache()
+        return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+async def kill_mid_step(model: str) -> dict[str, Any]:
+    async with Pool(2) as pool:
+        await pool.load(model)
+        victim = pool.workers[0]
+        outcome: dict[str, Any] = {}
+
+        async def long_step() -> None:
+            try:
+                await pool.step(list(range(3, 200)) * 10, 0, Sampler(SamplingParams()))
+            except PoolError as e:
+                outcome["failures"] = {str(r): m for r, m in e.failures.items()}
+                outcome["broken"] = e.broken
+            outcome["ended"] = time.monotonic()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long_step)
+            before = _cpu_ticks(victim.pid)
+            # Kill it once it is busy with the step, not before the request reached it.
+            deadline = time.monotonic() + 30
+            while _cpu_ticks(victim.pid) < before + 5 and time.monotonic() < deadline:
+                await anyio.sleep(0.005)
+            outcome["ended_before_kill"] = "ended" in outcome
+            os.kill(victim.pid, signal.SIGKILL)
+            killed = time.monotonic()
+        outcome["seconds_to_error"] = outcome.pop("ended") - killed
+        try:
+            await pool.clear_kv_cache()
+            outcome["refused_after"] = False
+        except PoolBroken:
+            outcome["refused_after"] = True
+        return outcome
+
+
+async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
+    async with Pool(world_size) as pool:
+        try:
+            await pool.load(model)
+            error = ""
+        except ModelError as e:
+            error = str(e)
+        await pool.clear_kv_cache()  # the pool is untouched and still answers
+        return {"error": error, "model_path": pool.model_path}
+
+
+async def hold(world_size: int) -> None:
+    """Print the worker pids, then wait on stdin until killed."""
+    async with Pool(world_size) as pool:
+        print(json.dumps({"pids": [w.pid for w in pool.workers]}), flush=True)
+        await anyio.to_thread.run_sync(sys.stdin.readline)
+
+
+SCENARIOS = {f.__name__: f for f in (spawn, generate, fail_then_recover, kill_mid_step, unsplittable, hold)}
+
+if __name__ == "__main__":
+    log.configure("info", "json")  # on stderr: stdout carries the result
+    name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
+    result = anyio.run(SCENARIOS[name], *args)
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,108 @@
+"""The leader's pool with real worker processes and a real ring group on loopback.
+
+Each multi-rank scenario runs in a fresh leader process (tests/leader_scenarios.py):
+MLX lets a process host rank 0 of one group only.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, alive, wait_until
+
+from neuron.pool import Pool
+from neuron.tp.rank import FAULT_ENV
+
+SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
+
+
+def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
+    import os
+
+    done = subprocess.run([sys.executable, SCENARIOS, name, json.dumps(args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, f"scenario {name} failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def clean_tokens(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
+    """Greedy tokens of each tiny model at TP=1: the reference every multi-rank run must reproduce."""
+    return {arch: scenario("generate", str(path), 1, 32)["tokens"] for arch, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_spawn_ping_group_and_shutdown(world_size: int) -> None:
+    pids = scenario("spawn", world_size)["pids"]
+    assert len(pids) == world_size - 1
+    assert not any(alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], arch: str) -> None:
+    result = scenario("generate", str(tiny_models[arch]), 2, 32)
+    assert result["tokens"] == clean_tokens[arch]
+    assert len(set(clean_tokens[arch])) > 8  # a degenerate model would make the comparison meaningless
+    full = scenario("generate", str(tiny_models[arch]), 1, 1)["parameters"][0]
+    assert result["parameters"][0] == result["parameters"][1] < full  # each rank holds only its slices
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_injected_step_failure_leaves_the_pipes_in_step(
+    tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], failing_rank: int
+) -> None:
+    result = scenario("fail_then_recover", str(tiny_models["llama"]), 32, env={FAULT_ENV: f"{failing_rank}:4"})
+    failure = result["failure"]
+    assert failure, "the injected fault did not surface"
+    assert list(failure["failures"]) == [str(failing_rank)]
+    assert f"rank {failing_rank}" in failure["message"] and not failure["broken"]
+    # Had the leader skipped draining the failed step's replies, clear_kv_cache would have read a stale one.
+    assert result["after"] == clean_tokens["llama"]
+
+
+def test_worker_killed_mid_step_fails_within_5s_naming_it(tiny_models: dict[str, Path]) -> None:
+    result = scenario("kill_mid_step", str(tiny_models["llama"]))
+    assert not result["ended_before_kill"], "the step ended before the worker could be killed mid-step"
+    assert result["broken"] is True
+    assert result["seconds_to_error"] < 5.0
+    assert "SIGKILL" in result["failures"]["1"]
+    assert result["refused_after"]  # a broken pool refuses at once instead of hanging
+
+
+def test_unsplittable_model_is_refused_before_any_rank_loads(tiny_models: dict[str, Path]) -> None:
+    result = scenario("unsplittable", str(tiny_models["qwen3"]), 3)
+    assert "4 attention heads" in result["error"] and "one of [1, 2]" in result["error"]
+    assert result["model_path"] is None
+
+
+def test_no_worker_outlives_a_sigkilled_leader() -> None:
+    leader = subprocess.Popen([sys.executable, SCENARIOS, "hold", "[3]"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert leader.stdout is not None
+        pids = json.loads(leader.stdout.readline())["pids"]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        leader.kill()
+        leader.wait()
+        wait_until(lambda: not any(alive(p) for p in pids), 10, "workers to exit after their leader died")
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+@pytest.mark.anyio
+async def test_a_process_hosts_one_group_only() -> None:
+    from neuron.tp import rank
+
+    rank._joined_group, was = True, rank._joined_group
+    try:
+        with pytest.raises(RuntimeError, match="fresh process"):
+            async with Pool(2):
+                pass
+    finally:
+        rank._joined_group = was

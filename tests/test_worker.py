@@ -1,0 +1,99 @@
+"""A real worker process, driven over its pipes like the leader does."""
+
+from __future__ import annotations
+
+import select
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from conftest import ROOT, neuron_command, wait_until
+
+from neuron import rpc
+from neuron.rpc import ErrorKind
+
+
+class WorkerProcess:
+    def __init__(self, rank: int = 1, world_size: int = 2) -> None:
+        self.proc = subprocess.Popen(
+            neuron_command("--worker", "--rank", str(rank), "--world-size", str(world_size)),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT,
+        )
+
+    def send(self, line: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line)
+        self.proc.stdin.flush()
+
+    def reply(self, timeout: float = 30.0) -> rpc.Reply:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"no reply within {timeout} s"
+        line = self.proc.stdout.readline()
+        assert line, "worker closed its stdout"
+        return rpc.decode_reply(line)  # raises on anything that is not a protocol line
+
+    def request(self, message: rpc.Request) -> rpc.Reply:
+        self.send(rpc.encode(message))
+        return self.reply()
+
+
+@pytest.fixture
+def worker() -> Iterator[WorkerProcess]:
+    w = WorkerProcess()
+    yield w
+    if w.proc.poll() is None:
+        w.proc.kill()
+    w.proc.wait()
+
+
+GARBAGE = [
+    (b"hello\n", ErrorKind.INVALID_JSON),
+    (b"\x00\x01\x02\xff\n", ErrorKind.INVALID_JSON),
+    (b"\n", ErrorKind.INVALID_JSON),
+    (b"42\n", ErrorKind.INVALID_JSON),
+    (b'{"op": "teleport", "id": 9}\n', ErrorKind.UNKNOWN_OP),
+    (b'{"op": "generate_step", "id": 10, "tokens": "x", "offset": 0}\n', ErrorKind.INVALID_FIELD),
+    (b'{"op": "ping"}\n', ErrorKind.INVALID_FIELD),
+    (b"x" * (rpc.MAX_LINE_BYTES + 100) + b"\n", ErrorKind.LINE_TOO_LONG),
+]
+
+
+def test_garbage_gets_error_replies_and_the_worker_keeps_serving(worker: WorkerProcess) -> None:
+    for line, kind in GARBAGE:
+        worker.send(line)
+        reply = worker.reply()
+        assert isinstance(reply, rpc.Error), line[:40]
+        assert reply.kind == kind, (line[:40], reply)
+        assert reply.message.startswith("rank 1:")
+    pong = worker.request(rpc.Ping(id=77))
+    assert isinstance(pong, rpc.Pong)
+    assert (pong.id, pong.rank, pong.world_size, pong.protocol) == (77, 1, 2, rpc.PROTOCOL_VERSION)
+    assert pong.pid == worker.proc.pid
+
+
+def test_error_reply_echoes_the_request_id(worker: WorkerProcess) -> None:
+    reply = worker.request(rpc.GenerateStep(id=5, tokens=[1], offset=0))
+    assert isinstance(reply, rpc.Error) and reply.id == 5 and reply.kind == ErrorKind.BAD_STATE
+    assert "load_shard" in reply.message  # says what to do
+    reply = worker.request(rpc.LoadShard(id=6, model_path="/nonexistent"))
+    assert isinstance(reply, rpc.Error) and reply.id == 6 and reply.kind == ErrorKind.LOAD_FAILED
+
+
+def test_shutdown_replies_bye_then_exits(worker: WorkerProcess) -> None:
+    assert worker.request(rpc.Shutdown(id=3)) == rpc.Bye(id=3)
+    assert worker.proc.wait(timeout=30) == 0
+    assert worker.proc.stdout is not None and worker.proc.stdout.read() == b""  # nothing but protocol lines
+
+
+def test_stdin_eof_ends_the_worker(worker: WorkerProcess) -> None:
+    assert isinstance(worker.request(rpc.Ping(id=1)), rpc.Pong)
+    assert worker.proc.stdin is not None
+    worker.proc.stdin.close()
+    wait_until(lambda: worker.proc.poll() is not None, 30, "the worker to exit on stdin EOF")
+    assert worker.proc.returncode == 0
+
+
+def test_worker_flag_is_hidden_from_help() -> None:
+    out = subprocess.run(neuron_command("--help"), capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert "generate" in out and "--worker" not in out
