@@ -41,7 +41,7 @@ def _tokenizer_files(folder: Path) -> int:
     return len(vocab)
 
 
-def make_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
+def make_tiny_model(folder: Path, model_type: str, seed: int = 0, hidden: int = 256, layers: int = 4) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
@@ -50,9 +50,9 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0) -> Path:
     vocab = _tokenizer_files(folder)
     config = {
         "model_type": model_type,
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "intermediate_size": 512,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 64,

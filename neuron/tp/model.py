@@ -70,11 +70,17 @@ def backbone(model: nn.Module) -> nn.Module:
 
 
 def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn.Module:
-    """Load the model lazily, keep this rank's slices, then materialize only those."""
+    """Load the model lazily, keep this rank's slices, then materialize only those.
+
+    One tensor at a time: evaluating a slice reads its whole tensor from disk,
+    and evaluating every slice at once would hold every whole tensor at the
+    same moment, a peak as large as the unsplit model on every rank.
+    """
     model, _ = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
         model.shard(group)
-    mx.eval(model.parameters())
+    for _, parameter in tree_flatten(model.parameters()):
+        mx.eval(parameter)
     return model
 
 

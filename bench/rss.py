@@ -1,0 +1,84 @@
+"""Peak RSS per rank, TP=1 against TP=2, on a generated fp32 model.
+
+Run: .venv/bin/python bench/rss.py [--hidden 1024 --layers 8]
+Prints a markdown table. Each TP size runs in a fresh leader process (MLX
+allows one group per process); peak RSS is each process's VmHWM after loading
+the model and generating 16 tokens. The floor row is a process that only
+imported MLX and mlx-lm, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field}")
+
+
+LEADER = """
+import anyio, json, sys
+sys.path.insert(0, {tests!r})
+from leader_scenarios import greedy, PROMPT
+from neuron.pool import Pool
+
+async def main(model, world_size):
+    async with Pool(world_size) as pool:
+        loaded = await pool.load(model)
+        await greedy(pool, PROMPT, 16)
+        pids = ["self"] + [w.pid for w in pool.workers]
+        rss = [__import__("rss").peak_rss_mb(p) for p in pids]
+        now = [__import__("rss").peak_rss_mb(p, "VmRSS") for p in pids]
+        print(json.dumps({{"rss": rss, "now": now, "params": [loaded[r].parameters for r in sorted(loaded)]}}))
+
+anyio.run(main, sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def run_leader(model: Path, world_size: int) -> dict:
+    code = LEADER.format(tests=str(ROOT / "tests"))
+    env_path = f"{ROOT / 'bench'}"
+    out = subprocess.run([sys.executable, "-c", code, str(model), str(world_size)], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env={"PYTHONPATH": env_path, **__import__("os").environ})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    from conftest import make_tiny_model
+
+    floor = subprocess.run([sys.executable, "-c", "import mlx.core, mlx_lm.utils, sys; sys.path.insert(0, "
+                            f"{str(ROOT / 'bench')!r}); import rss; print(rss.peak_rss_mb('self'))"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_model(Path(tmp) / "m", "qwen3", hidden=args.hidden, layers=args.layers)
+        tp1, tp2 = run_leader(model, 1), run_leader(model, 2)
+    weights_mb = tp1["params"][0] * 4 / 2**20
+    print(f"Model: generated qwen3, hidden {args.hidden}, {args.layers} layers, "
+          f"{tp1['params'][0] / 1e6:.1f}M params, fp32 ({weights_mb:.0f} MiB)\n")
+    print("| run | rank | params on rank (M) | peak RSS (MiB) | peak vs TP=1 | RSS after 16 tokens (MiB) |")
+    print("|---|---|---|---|---|---|")
+    print(f"| floor (import mlx) | - | - | {float(floor):.0f} | - | - |")
+    base = tp1["rss"][0]
+    for name, result in (("TP=1", tp1), ("TP=2", tp2)):
+        rows = zip(result["rss"], result["now"], result["params"], strict=True)
+        for rank, (rss, now, params) in enumerate(rows):
+            print(f"| {name} | {rank} | {params / 1e6:.1f} | {rss:.0f} | {rss / base:.2f}x | {now:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

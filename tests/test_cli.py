@@ -1,0 +1,75 @@
+"""`neuron generate` end to end: real leader, real workers, the real embedded SmolLM2."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, neuron_command, run_neuron
+
+from neuron import cpu
+
+
+def test_smollm2_chat_answers_paris(smollm2: Path) -> None:
+    done = run_neuron("generate", "--chat", "What is the capital of France?", "--max-tokens", "30")
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+    assert "{" not in done.stdout  # no log line leaked into the text
+
+
+def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:
+    args = ("generate", "--model", str(smollm2), "--max-tokens", "16", "The history of Rome")
+    tp1 = run_neuron(*args)
+    tp3 = run_neuron(*args, "--tp", "3")
+    assert tp1.returncode == 0 and tp3.returncode == 0, tp1.stderr + tp3.stderr
+    assert len(tp1.stdout.strip()) > 20
+    assert tp3.stdout == tp1.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_tp2_equals_tp1_through_the_cli(tiny_models: dict[str, Path], arch: str) -> None:
+    args = ("generate", "--model", str(tiny_models[arch]), "--max-tokens", "32", "hello")
+    tp1, tp2 = run_neuron(*args), run_neuron(*args, "--tp", "2")
+    assert tp1.returncode == 0 and tp2.returncode == 0, tp1.stderr + tp2.stderr
+    assert tp2.stdout == tp1.stdout
+
+
+def test_text_streams_while_generating(smollm2: Path) -> None:
+    proc = subprocess.Popen(neuron_command("generate", "--model", str(smollm2), "--max-tokens", "200",
+                                           "Write a long story about a dragon."),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.read1(1)  # type: ignore[attr-defined]
+        assert first and proc.poll() is None, "no text arrived before the generation ended"
+    finally:
+        proc.wait(timeout=120)
+    assert proc.returncode == 0
+
+
+def test_startup_log_names_the_blas(smollm2: Path) -> None:
+    done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi")
+    assert done.returncode == 0, done.stderr
+    if cpu.is_linux_cpu_backend() and cpu.find_openblas():
+        assert '"blas": "OpenBLAS' in done.stderr
+    elif cpu.is_linux_cpu_backend():
+        assert "apt-get install libopenblas0-pthread" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (("--model", "/no/such/model", "x"), 1, "does not exist"),
+        (("--tp", "2", "x"), 1, "9 attention heads, which do not divide over 2 ranks"),
+        (("--max-tokens", "0", "x"), 2, "--max-tokens must be at least 1"),
+        (("--tp", "0", "x"), 2, "--tp must be at least 1"),
+        (("--temperature", "-1", "x"), 1, "temperature must lie in"),
+    ],
+)
+def test_errors_go_to_stderr_with_a_nonzero_exit(smollm2: Path, args: tuple[str, ...], code: int,
+                                                  message: str) -> None:
+    done = run_neuron("generate", *args)
+    assert done.returncode == code
+    assert message in done.stderr
+    assert done.stdout == ""
