@@ -49,8 +49,14 @@ anyio.run(main, sys.argv[1], int(sys.argv[2]))
 def run_leader(model: Path, world_size: int) -> dict:
     code = LEADER.format(tests=str(ROOT / "tests"))
     env_path = f"{ROOT / 'bench'}"
-    out = subprocess.run([sys.executable, "-c", code, str(model), str(world_size)], capture_output=True, text=True,
-                         check=True, cwd=ROOT, env={"PYTHONPATH": env_path, **__import__("os").environ})
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(model), str(world_size)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": env_path, **__import__("os").environ},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -61,15 +67,25 @@ def main() -> None:
     args = parser.parse_args()
     from conftest import make_tiny_model
 
-    floor = subprocess.run([sys.executable, "-c", "import mlx.core, mlx_lm.utils, sys; sys.path.insert(0, "
-                            f"{str(ROOT / 'bench')!r}); import rss; print(rss.peak_rss_mb('self'))"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    floor = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import mlx.core, mlx_lm.utils, sys; sys.path.insert(0, "
+            f"{str(ROOT / 'bench')!r}); import rss; print(rss.peak_rss_mb('self'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m", "qwen3", hidden=args.hidden, layers=args.layers)
         tp1, tp2 = run_leader(model, 1), run_leader(model, 2)
     weights_mb = tp1["params"][0] * 4 / 2**20
-    print(f"Model: generated qwen3, hidden {args.hidden}, {args.layers} layers, "
-          f"{tp1['params'][0] / 1e6:.1f}M params, fp32 ({weights_mb:.0f} MiB)\n")
+    print(
+        f"Model: generated qwen3, hidden {args.hidden}, {args.layers} layers, "
+        f"{tp1['params'][0] / 1e6:.1f}M params, fp32 ({weights_mb:.0f} MiB)\n"
+    )
     print("| run | rank | params on rank (M) | peak RSS (MiB) | peak vs TP=1 | RSS after 16 tokens (MiB) |")
     print("|---|---|---|---|---|---|")
     print(f"| floor (import mlx) | - | - | {float(floor):.0f} | - | - |")

@@ -8,6 +8,7 @@ OpenBLAS preloaded, which only works before MLX is loaded.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from neuron import __version__
@@ -48,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds a step may take on any rank before it is declared lost (default 120)",
     )
-    gen.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    gen.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="logs go to stderr (default info)")
     return parser
 
 
@@ -82,6 +84,7 @@ def _generate(args: argparse.Namespace) -> int:
     from neuron import log as logging_setup
 
     logging_setup.configure(args.log_level)
+    os.environ["NEURON_LOG_LEVEL"] = args.log_level  # the workers log at the leader's level
     import structlog
 
     from neuron.engine import Chunk, Engine, RequestError

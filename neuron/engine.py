@@ -17,6 +17,7 @@ import structlog
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
+from neuron.log import progress
 from neuron.pool import Deadlines, Pool
 from neuron.tp.model import ModelError, check_shardable
 from neuron.tp.sampling import Sampled, Sampler, SamplingParams
@@ -63,7 +64,9 @@ class Engine:
         context = int(text.get("max_position_embeddings") or config.get("max_position_embeddings") or 4096)
         tokenizer = load_tokenizer(model_path)
         async with Pool(world_size, backend, deadlines) as pool:
-            await pool.load(model_path)
+            with progress(f"loading {model_path.name} on {world_size} rank(s)", 1) as advance:
+                await pool.load(model_path)
+                advance()
             yield cls(pool, tokenizer, model_path, context)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -45,6 +45,9 @@ def progress(label: str, total: int) -> Iterator[Callable[[], None]]:
     started = time.perf_counter()
     done = 0
     live = sys.stderr.isatty()
+    if live:
+        sys.stderr.write(f"{label}: 0/{total}")
+        sys.stderr.flush()
 
     def advance() -> None:
         nonlocal done

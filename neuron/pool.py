@@ -361,6 +361,7 @@ class Pool:
         """Load each rank's shard, all ranks at once, after checking the model can be split."""
         path = str(Path(model_path).resolve())
         check_shardable(path, self.world_size)
+        self.model_path = None
         started = time.perf_counter()
         replies = await self._fan_out(
             "load_shard",
@@ -388,6 +389,11 @@ class Pool:
         ``on_rank0`` is where rank 0 samples: it receives the logits while they are
         still an MLX array on rank 0's thread, and only its result leaves that thread.
         """
+        if self.model_path is None:
+            # Refused here, not by the ranks: after a load that failed on some ranks
+            # only, the ranks that have a model would wait in a collective for those
+            # that refuse.
+            raise PoolError("generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False)
         replies = await self._fan_out(
             "generate_step",
             lambda _, id: rpc.GenerateStep(id=id, tokens=tokens, offset=offset),

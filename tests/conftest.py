@@ -34,10 +34,16 @@ def _tokenizer_files(folder: Path) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
-        "chat_template": CHAT_TEMPLATE,
-    }))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
     return len(vocab)
 
 

@@ -45,9 +45,17 @@ async def spawn(world_size: int) -> dict[str, Any]:
 
 
 async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
+    """Generate, then unload, reload and generate again."""
     async with Pool(world_size) as pool:
         loaded = await pool.load(model)
-        return {"tokens": await greedy(pool, PROMPT, count), "parameters": [loaded[r].parameters for r in loaded]}
+        tokens = await greedy(pool, PROMPT, count)
+        await pool.unload()
+        await pool.load(model)
+        return {
+            "tokens": tokens,
+            "after_reload": await greedy(pool, PROMPT, count),
+            "parameters": [loaded[r].parameters for r in loaded],
+        }
 
 
 async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
@@ -109,7 +117,12 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
         except ModelError as e:
             error = str(e)
         await pool.clear_kv_cache()  # the pool is untouched and still answers
-        return {"error": error, "model_path": pool.model_path}
+        try:
+            await pool.step([1, 2], 0, Sampler(SamplingParams()))
+            step_error = ""
+        except PoolError as e:
+            step_error = f"broken={e.broken}: {e}"
+        return {"error": error, "model_path": pool.model_path, "step_error": step_error}
 
 
 async def hold(world_size: int) -> None:

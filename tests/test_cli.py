@@ -36,9 +36,14 @@ def test_tiny_tp2_equals_tp1_through_the_cli(tiny_models: dict[str, Path], arch:
 
 
 def test_text_streams_while_generating(smollm2: Path) -> None:
-    proc = subprocess.Popen(neuron_command("generate", "--model", str(smollm2), "--max-tokens", "200",
-                                           "Write a long story about a dragon."),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(
+        neuron_command(
+            "generate", "--model", str(smollm2), "--max-tokens", "200", "Write a long story about a dragon."
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     try:
         assert proc.stdout is not None
         first = proc.stdout.read1(1)  # type: ignore[attr-defined]
@@ -67,8 +72,7 @@ def test_startup_log_names_the_blas(smollm2: Path) -> None:
         (("--temperature", "-1", "x"), 1, "temperature must lie in"),
     ],
 )
-def test_errors_go_to_stderr_with_a_nonzero_exit(smollm2: Path, args: tuple[str, ...], code: int,
-                                                  message: str) -> None:
+def test_errors_go_to_stderr_with_a_nonzero_exit(smollm2: Path, args: tuple[str, ...], code: int, message: str) -> None:
     done = run_neuron("generate", *args)
     assert done.returncode == code
     assert message in done.stderr

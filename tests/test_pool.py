@@ -24,8 +24,14 @@ SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
 def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
     import os
 
-    done = subprocess.run([sys.executable, SCENARIOS, name, json.dumps(args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        [sys.executable, SCENARIOS, name, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == 0, f"scenario {name} failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -47,6 +53,7 @@ def test_spawn_ping_group_and_shutdown(world_size: int) -> None:
 def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], arch: str) -> None:
     result = scenario("generate", str(tiny_models[arch]), 2, 32)
     assert result["tokens"] == clean_tokens[arch]
+    assert result["after_reload"] == clean_tokens[arch]  # unload, then load again
     assert len(set(clean_tokens[arch])) > 8  # a degenerate model would make the comparison meaningless
     full = scenario("generate", str(tiny_models[arch]), 1, 1)["parameters"][0]
     assert result["parameters"][0] == result["parameters"][1] < full  # each rank holds only its slices
@@ -78,11 +85,13 @@ def test_unsplittable_model_is_refused_before_any_rank_loads(tiny_models: dict[s
     result = scenario("unsplittable", str(tiny_models["qwen3"]), 3)
     assert "4 attention heads" in result["error"] and "one of [1, 2]" in result["error"]
     assert result["model_path"] is None
+    assert result["step_error"].startswith("broken=False") and "load one first" in result["step_error"]
 
 
 def test_no_worker_outlives_a_sigkilled_leader() -> None:
-    leader = subprocess.Popen([sys.executable, SCENARIOS, "hold", "[3]"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    leader = subprocess.Popen(
+        [sys.executable, SCENARIOS, "hold", "[3]"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         assert leader.stdout is not None
         pids = json.loads(leader.stdout.readline())["pids"]

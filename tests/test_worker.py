@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, neuron_command, wait_until
@@ -17,7 +19,10 @@ class WorkerProcess:
     def __init__(self, rank: int = 1, world_size: int = 2) -> None:
         self.proc = subprocess.Popen(
             neuron_command("--worker", "--rank", str(rank), "--world-size", str(world_size)),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
         )
 
     def send(self, line: bytes) -> None:
@@ -97,3 +102,23 @@ def test_stdin_eof_ends_the_worker(worker: WorkerProcess) -> None:
 def test_worker_flag_is_hidden_from_help() -> None:
     out = subprocess.run(neuron_command("--help"), capture_output=True, text=True, cwd=ROOT, check=True).stdout
     assert "generate" in out and "--worker" not in out
+
+
+def test_a_stray_print_lands_in_stderr_not_in_the_protocol(tmp_path: Path) -> None:
+    # A library that prints, from Python or straight to fd 1 as C code does (here at exit,
+    # via sitecustomize), must not corrupt the stream.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os\natexit.register(print, 'STRAY PRINT')\natexit.register(os.write, 1, b'STRAY FD1\\n')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        neuron_command("--worker", "--rank", "1", "--world-size", "2"),
+        cwd=ROOT,
+        env=env,
+        input=rpc.encode(rpc.Ping(id=1)) + rpc.encode(rpc.Shutdown(id=2)),
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert [rpc.decode_reply(line).op for line in done.stdout.splitlines()] == ["pong", "bye"]
+    assert b"STRAY PRINT" in done.stderr and b"STRAY FD1" in done.stderr
