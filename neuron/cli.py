@@ -49,8 +49,12 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="seconds a step may take on any rank before it is declared lost (default 120)",
     )
-    gen.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                     help="logs go to stderr (default info)")
+    gen.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="logs go to stderr (default info)",
+    )
     return parser
 
 

@@ -93,7 +93,9 @@ def blas_in_use() -> str:
     except OSError:
         return "unknown (no /proc)"
     paths = {line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line}
-    openblas = sorted(p for p in paths if "openblas" in p)
+    # Only a libopenblas* can serve MLX's unversioned cblas_sgemm: numpy's bundled
+    # libscipy_openblas64_ exports suffixed symbols that MLX never calls.
+    openblas = sorted(p for p in paths if Path(p).name.startswith("libopenblas"))
     if openblas:
         return f"OpenBLAS ({openblas[0]})"
     if sys.platform == "darwin":

@@ -102,8 +102,15 @@ def neuron_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "neuron", *args]
 
 
-def run_neuron(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(neuron_command(*args), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run_neuron(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        neuron_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -53,6 +53,14 @@ def test_text_streams_while_generating(smollm2: Path) -> None:
     assert proc.returncode == 0
 
 
+@pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="the hint is for the Linux CPU backend")
+def test_without_openblas_a_hint_says_how_to_get_it(smollm2: Path) -> None:
+    done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "Hi", env={cpu.BLAS_ENV: "reference"})
+    assert done.returncode == 0, done.stderr
+    assert '"blas": "reference BLAS bundled with mlx"' in done.stderr
+    assert "apt-get install libopenblas0-pthread" in done.stderr
+
+
 def test_startup_log_names_the_blas(smollm2: Path) -> None:
     done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi")
     assert done.returncode == 0, done.stderr
