@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import anyio
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -27,57 +29,52 @@ def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
     raise RuntimeError(f"no {field}")
 
 
-LEADER = """
-import anyio, json, sys
-sys.path.insert(0, {tests!r})
-from leader_scenarios import greedy, PROMPT
-from neuron.pool import Pool
+async def _measure(model: str, world_size: int) -> dict:
+    """In a fresh leader process: load, generate 16 tokens, read every rank's RSS."""
+    from leader_scenarios import PROMPT, greedy
 
-async def main(model, world_size):
+    from neuron.pool import Pool
+
     async with Pool(world_size) as pool:
         loaded = await pool.load(model)
         await greedy(pool, PROMPT, 16)
-        pids = ["self"] + [w.pid for w in pool.workers]
-        rss = [__import__("rss").peak_rss_mb(p) for p in pids]
-        now = [__import__("rss").peak_rss_mb(p, "VmRSS") for p in pids]
-        print(json.dumps({{"rss": rss, "now": now, "params": [loaded[r].parameters for r in sorted(loaded)]}}))
+        pids: list[int | str] = ["self", *(w.pid for w in pool.workers)]
+        return {
+            "rss": [peak_rss_mb(p) for p in pids],
+            "now": [peak_rss_mb(p, "VmRSS") for p in pids],
+            "params": [loaded[r].parameters for r in sorted(loaded)],
+        }
 
-anyio.run(main, sys.argv[1], int(sys.argv[2]))
-"""
+
+def _child(*args: str) -> str:
+    """Run this script again with ``args`` (one group per process) and return its last stdout line."""
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True, cwd=ROOT)
+    return out.stdout.strip().splitlines()[-1]
 
 
 def run_leader(model: Path, world_size: int) -> dict:
-    code = LEADER.format(tests=str(ROOT / "tests"))
-    env_path = f"{ROOT / 'bench'}"
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(model), str(world_size)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-        env={"PYTHONPATH": env_path, **__import__("os").environ},
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(_child("--leader", str(model), str(world_size)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--leader", nargs=2, metavar=("MODEL", "TP"), help=argparse.SUPPRESS)
+    parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.leader:
+        print(json.dumps(anyio.run(_measure, args.leader[0], int(args.leader[1]))))
+        return
+    if args.floor:
+        import mlx.core  # noqa: F401
+        import mlx_lm.utils  # noqa: F401
+
+        print(peak_rss_mb("self"))
+        return
     from conftest import make_tiny_model
 
-    floor = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import mlx.core, mlx_lm.utils, sys; sys.path.insert(0, "
-            f"{str(ROOT / 'bench')!r}); import rss; print(rss.peak_rss_mb('self'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    floor = _child("--floor")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m", "qwen3", hidden=args.hidden, layers=args.layers)
         tp1, tp2 = run_leader(model, 1), run_leader(model, 2)

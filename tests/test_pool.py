@@ -7,6 +7,7 @@ MLX lets a process host rank 0 of one group only.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,6 @@ SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
 
 
 def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
-    import os
-
     done = subprocess.run(
         [sys.executable, SCENARIOS, name, json.dumps(args)],
         capture_output=True,
