@@ -37,6 +37,14 @@ def default_gguf() -> Path:
     return path
 
 
+def model_id(model: str | None) -> str:
+    """The name clients send as ``model``: the folder's name or the GGUF file's stem; the default's own name."""
+    if model is None:
+        return DEFAULT_GGUF.split(".")[0]
+    path = Path(model).expanduser().resolve()
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
 def resolve(model: str | None) -> Path:
     """The model folder to load for ``--model`` (converting a GGUF on first use)."""
     path = default_gguf() if model is None else Path(model).expanduser()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -132,3 +133,69 @@ def alive(pid: int) -> bool:
 
 
 os.environ.setdefault("NEURON_LOG_LEVEL", "warning")
+
+
+class Server:
+    """A real ``neuron serve`` subprocess on a free port; its log (JSON lines) lands in a file."""
+
+    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, api_key: str | None = None):
+        self.log_path = log_path
+        self.api_key = api_key
+        self._log = open(log_path, "w")
+        extra = ("--api-key", api_key) if api_key else ()
+        self.process = subprocess.Popen(
+            neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args),
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        self.port = 0
+
+    def logs(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+    def find_log(self, event: str, **fields: object) -> dict | None:
+        for entry in self.logs():
+            if entry.get("event") == event and all(entry.get(k) == v for k, v in fields.items()):
+                return entry
+        return None
+
+    def wait_log(self, event: str, timeout: float = 120, **fields: object) -> dict:
+        found: list[dict] = []
+
+        def seen() -> bool:
+            if (entry := self.find_log(event, **fields)) is not None:
+                found.append(entry)
+                return True
+            assert self.process.poll() is None, f"neuron serve exited {self.process.returncode}:\n{self.stderr()}"
+            return False
+
+        wait_until(seen, timeout, f"log event {event!r} {fields}")
+        return found[0]
+
+    def start(self) -> Server:
+        self.port = self.wait_log("serving")["port"]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self._log.close()

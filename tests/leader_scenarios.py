@@ -19,15 +19,16 @@ import anyio
 
 from neuron import log
 from neuron.pool import Pool, PoolBroken, PoolError
+from neuron.sampling_params import SamplingParams
 from neuron.tp.model import ModelError
-from neuron.tp.sampling import Sampler, SamplingParams
+from neuron.tp.sampler import Sampler
 
 PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
 
 
 async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
     await pool.clear_kv_cache()
-    sampler = Sampler(SamplingParams())
+    sampler = Sampler(SamplingParams(), [])
     tokens: list[int] = []
     feed, offset = prompt, 0
     for _ in range(count):
@@ -84,7 +85,7 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
 
         async def long_step() -> None:
             try:
-                await pool.step(list(range(3, 200)) * 10, 0, Sampler(SamplingParams()))
+                await pool.step(list(range(3, 200)) * 10, 0, Sampler(SamplingParams(), []))
             except PoolError as e:
                 outcome["failures"] = {str(r): m for r, m in e.failures.items()}
                 outcome["broken"] = e.broken
@@ -118,7 +119,7 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
             error = str(e)
         await pool.clear_kv_cache()  # the pool is untouched and still answers
         try:
-            await pool.step([1, 2], 0, Sampler(SamplingParams()))
+            await pool.step([1, 2], 0, Sampler(SamplingParams(), []))
             step_error = ""
         except PoolError as e:
             step_error = f"broken={e.broken}: {e}"

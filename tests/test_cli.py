@@ -77,7 +77,7 @@ def test_startup_log_names_the_blas(smollm2: Path) -> None:
         (("--tp", "2", "x"), 1, "9 attention heads, which do not divide over 2 ranks"),
         (("--max-tokens", "0", "x"), 2, "--max-tokens must be at least 1"),
         (("--tp", "0", "x"), 2, "--tp must be at least 1"),
-        (("--temperature", "-1", "x"), 1, "temperature must lie in"),
+        (("--temperature", "-1", "x"), 2, "temperature must lie in"),  # checked before loading
     ],
 )
 def test_errors_go_to_stderr_with_a_nonzero_exit(smollm2: Path, args: tuple[str, ...], code: int, message: str) -> None:

@@ -1,0 +1,132 @@
+"""One request on its way through the engine, and the events it streams back.
+
+No MLX here: the HTTP server reads these types without loading a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from neuron.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One generated token, the text it released, and its logprobs (when asked for).
+
+    ``text`` may be empty: mid-character, or held back while it might be the
+    start of a stop string.
+    """
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: str  # "stop" (end of sequence or a stop string), "length", or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    text: str  # the last text released (held back until the end)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """The request could not be finished; ``message`` names the rank and the cause."""
+
+    kind: str  # "unavailable" (not ready, shutting down: retry elsewhere or later) or "step_failed"
+    message: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Chunk | Finish | Failure
+
+
+# Why the engine refuses a request at the door.
+
+
+class RequestError(ValueError):
+    """A request refused as given; the message names the field and the limit."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unavailable(RuntimeError):
+    """The engine cannot take requests now: not ready, broken, or shutting down."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full."""
+
+
+class StopText:
+    """Releases generated text, holding back any tail that could still become a stop string.
+
+    A stop string split across tokens ("\\n\\nUs" then "er:") is caught because
+    its beginning is never released until it can no longer be one.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return what may be released now and whether a stop string was reached."""
+        pending = self._pending + text
+        hits = [i for stop in self.stops if (i := pending.find(stop)) >= 0]
+        if hits:
+            self._pending = ""
+            return pending[: min(hits)], True
+        held = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(pending)), held, -1):
+                if pending.endswith(stop[:k]):
+                    held = k
+                    break
+        self._pending = pending[len(pending) - held :]
+        return pending[: len(pending) - held], False
+
+    def flush(self) -> str:
+        pending, self._pending = self._pending, ""
+        return pending
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state in the engine. The engine writes its events; the caller reads them."""
+
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: StopText
+    completion_tokens: int = 0
+    # The engine's step count when the caller stopped listening; None while it listens.
+    cancelled_at: int | None = None
+    finished: bool = False
+    _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
+    events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Unbounded: the step loop must never wait on a slow reader. A request's
+        # backlog is at most one small event per token it was allowed.
+        self._send, self.events = anyio.create_memory_object_stream[Event](float("inf"))
+
+    def emit(self, event: Event) -> None:
+        """Hand an event to the reader; a reader that has gone away counts as a cancellation."""
+        if isinstance(event, Finish | Failure):
+            self.finished = True
+        try:
+            self._send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        if self.finished:
+            self._send.close()

@@ -1,0 +1,332 @@
+"""The HTTP layer: OpenAI-compatible routes on Starlette. No MLX here.
+
+Why Starlette and not FastAPI: our surface is six routes, and every refusal must
+be OpenAI's error body naming the field. FastAPI's pydantic validation answers
+422 in its own shape, which we would have to undo; Starlette is the anyio-native
+core FastAPI is built on, without that layer.
+
+A client that goes away never tears a step: the handler only tells the engine
+(``engine.cancel``), and the engine drops the request at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import orjson
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from neuron.engine.sequence import Chunk, Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
+from neuron.server import openai
+from neuron.server.openai import ApiError, Generation, Replies
+
+if TYPE_CHECKING:
+    from neuron.engine.engine import Engine
+
+log = structlog.get_logger("neuron.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServerState:
+    model_id: str
+    api_key: str | None = None
+    engine: Engine | None = None  # None while the model loads
+    status: str = "loading the model"
+    started: int = 0
+
+
+class OrjsonResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(error: ApiError) -> Response:
+    return OrjsonResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+# Plumbing shared by the routes.
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.neuron
+
+
+def _authorize(request: Request, state: ServerState) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise ApiError(
+            401,
+            "no API key given: send the header `Authorization: Bearer KEY`",
+            code="invalid_api_key",
+            headers={"www-authenticate": "Bearer"},
+        )
+    # Constant time: how long the compare takes must not tell how much of the key matched.
+    if not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+
+
+def _engine(state: ServerState) -> Engine:
+    if state.engine is None:
+        raise ApiError(503, f"not ready: {state.status}", type="server_error", code="not_ready")
+    return state.engine
+
+
+async def _read_json(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it and return None."""
+    result: list[T] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await _until_disconnect(receive)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            result.append(await work())
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what ``work`` raised; the error handlers want it as it was.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return result[0] if result else None
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class EventStream(Response):
+    """Server-sent events that stop when the client disconnects, and always run ``on_close``.
+
+    ``on_close`` runs even when the body never started, so a request whose client
+    left early is still cancelled in the engine.
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes], on_close: Callable[[], None]) -> None:
+        # No Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # nginx: pass each event on at once
+        ]
+        self.events = events
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+
+            async def stream() -> None:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                async for data in self.events:
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+            await _unless_disconnected(receive, stream)
+        finally:
+            self.on_close()
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+
+
+def _failure_error(failure: Failure) -> ApiError:
+    if failure.kind == "unavailable":
+        return ApiError(503, failure.message, type="server_error", code="not_ready")
+    return ApiError(500, failure.message, type="server_error", code="step_failed")
+
+
+# Routes.
+
+
+async def health(request: Request) -> Response:
+    return OrjsonResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    if state.engine is None:
+        reason = state.status
+    elif not state.engine.accepting:
+        reason = "shutting down"
+    elif state.engine.health.ready:
+        return OrjsonResponse({"status": "ready", "model": state.model_id})
+    else:
+        reason = state.engine.health.reason
+    return error_response(ApiError(503, f"not ready: {reason}", type="server_error", code="not_ready"))
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "neuron"}
+
+
+async def list_models(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    return OrjsonResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    if request.path_params["model"] != state.model_id:
+        raise ApiError(404, f"the model `{request.path_params['model']}` does not exist", code="model_not_found")
+    return OrjsonResponse(_model_card(state))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: Request, *, chat: bool) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    gen = openai.parse(body, chat=chat, served_model=state.model_id)
+    engine = _engine(state)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
+        if chat:
+            prompt = engine.encode_chat(gen.messages)
+        else:
+            prompt = gen.prompt if isinstance(gen.prompt, list) else engine.encode(gen.prompt)
+        seq = engine.submit(prompt, gen.max_tokens, gen.params, gen.stop, request_id)
+    except RequestError as e:
+        param = "messages" if chat and e.param == "prompt" else e.param
+        raise ApiError(400, str(e), param=param, code="invalid_value") from e
+    except Overloaded as e:
+        raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
+    except Unavailable as e:
+        raise ApiError(503, str(e), type="server_error", code="not_ready") from e
+    replies = Replies(gen, request_id, engine.token_text)
+    if gen.stream:
+        return EventStream(_stream(seq, gen, replies), on_close=lambda: engine.cancel(seq))
+    try:
+        reply = await _unless_disconnected(request.receive, lambda: _collect(seq, replies))
+    finally:
+        engine.cancel(seq)
+    if reply is None:
+        return Response(status_code=499)  # nginx's "client closed request": nobody will read it
+    return OrjsonResponse(reply)
+
+
+async def _collect(seq: Sequence, replies: Replies) -> dict[str, Any]:
+    chunks: list[Chunk] = []
+    async for event in seq.events:
+        if isinstance(event, Chunk):
+            chunks.append(event)
+        elif isinstance(event, Finish):
+            text = "".join(c.text for c in chunks) + event.text
+            usage = openai.usage(event.prompt_tokens, event.completion_tokens)
+            return replies.whole(text, event.reason, replies.logprobs(chunks), usage)
+        else:
+            raise _failure_error(event)
+    raise ApiError(500, "the engine ended the request without an answer", type="server_error")
+
+
+async def _stream(seq: Sequence, gen: Generation, replies: Replies) -> AsyncIterator[bytes]:
+    if first := replies.first_chunk():
+        yield _sse(first)
+    async for event in seq.events:
+        if isinstance(event, Chunk):
+            if event.text or gen.logprobs:
+                choice = replies.choice(event.text, None, replies.logprobs([event]), delta=True)
+                yield _sse(replies.chunk([choice]))
+        elif isinstance(event, Finish):
+            if event.text:
+                yield _sse(replies.chunk([replies.choice(event.text, None, None, delta=True)]))
+            yield _sse(replies.chunk([replies.choice("", event.reason, None, delta=True)]))
+            if gen.include_usage:
+                yield _sse(replies.chunk([], openai.usage(event.prompt_tokens, event.completion_tokens)))
+            yield b"data: [DONE]\n\n"
+            return
+        else:
+            # Headers are long sent: the error travels as the stream's last event.
+            yield _sse(_failure_error(event).body())
+            return
+
+
+# The application.
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions"
+    else:
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+    return error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("internal error", path=request.url.path)
+    return error_response(
+        ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", type="server_error")
+    )
+
+
+def build_app(state: ServerState) -> Starlette:
+    state.started = state.started or int(time.time())
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/v1/models", list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.neuron = state
+    return app
