@@ -57,8 +57,18 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(API_KEY_ENV),
         help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; unset means no key)",
     )
+    serve.add_argument("--max-batch", type=int, default=8, help="sequences decoding together (default 8)")
     serve.add_argument(
-        "--max-waiting", type=int, default=64, help="requests that may wait for their turn; more get 429 (default 64)"
+        "--max-waiting", type=int, default=64, help="requests queued beyond the batch; more get 429 (default 64)"
+    )
+    serve.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens fed per step, so long prompts do not stall running streams (default 512)",
+    )
+    serve.add_argument(
+        "--max-context", type=int, help="tokens per request, prompt and completion (default: the model's context)"
     )
 
     gen = commands.add_parser("generate", parents=[model], help="generate text for one prompt, streamed to stdout")
@@ -102,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--port must lie in [0, 65535], got {args.port}")
         if args.max_waiting < 0:
             parser.error(f"--max-waiting must be 0 or more, got {args.max_waiting}")
+        for flag in ("max_batch", "prefill_chunk", "max_context"):
+            if (value := getattr(args, flag)) is not None and value < 1:
+                parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
         if args.api_key is not None and not args.api_key.strip():
             parser.error(f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset")
 
@@ -142,6 +155,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    from neuron.engine.engine import Limits
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
     from neuron.server.serve import ServeOptions, serve
@@ -156,7 +170,7 @@ async def _serve(args: argparse.Namespace) -> None:
             port=args.port,
             api_key=args.api_key.strip() if args.api_key else None,
             deadlines=Deadlines(step=args.step_timeout),
-            max_waiting=args.max_waiting,
+            limits=Limits(args.max_batch, args.max_waiting, args.prefill_chunk, args.max_context),
         )
     )
 

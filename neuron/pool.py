@@ -383,11 +383,13 @@ class Pool:
         )
         return loaded
 
-    async def step(self, tokens: list[int], offset: int, on_rank0: Callable[[Any], T]) -> T:
-        """One forward of ``tokens`` at ``offset`` on every rank; ``on_rank0(logits)`` runs on rank 0's thread.
+    async def step(self, plan: rpc.StepPlan, on_rank0: Callable[[dict[int, Any]], T]) -> T:
+        """One batched step on every rank; ``on_rank0(logits by sequence)`` runs on rank 0's thread.
 
         ``on_rank0`` is where rank 0 samples: it receives the logits while they are
-        still an MLX array on rank 0's thread, and only its result leaves that thread.
+        still MLX arrays on rank 0's thread, and only its result leaves that thread.
+        Every worker's fingerprint of its state must equal rank 0's, or the step
+        fails as a desync naming the rank (the group stays usable once cleared).
         """
         if self.model_path is None:
             # Refused here, not by the ranks: after a load that failed on some ranks
@@ -396,11 +398,20 @@ class Pool:
             raise PoolError("generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False)
         replies = await self._fan_out(
             "generate_step",
-            lambda _, id: rpc.GenerateStep(id=id, tokens=tokens, offset=offset),
-            lambda rank: on_rank0(rank.forward(tokens, offset)),
+            lambda _, id: plan.request(id),
+            lambda rank: (on_rank0(rank.step(plan)), rank.fingerprint()),
             self.deadlines.step,
         )
-        return replies[0]
+        result, expected = replies[0]
+        desynced = {
+            r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
+            for r, reply in replies.items()
+            if r != 0 and reply.fingerprint != expected
+        }
+        if desynced:
+            log.error("desync", op="generate_step", failures=desynced)
+            raise PoolError("generate_step", desynced, broken=False)
+        return result
 
     async def clear_kv_cache(self) -> None:
         await self._fan_out(

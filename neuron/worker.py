@@ -96,9 +96,13 @@ def serve(rank: int, world_size: int) -> int:
                 loaded = state.load(path)
                 log.info("shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2))
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
-            case rpc.GenerateStep(id=id, tokens=tokens, offset=offset):
-                state.forward(tokens, offset)
-                return rpc.GenerateStepOk(id=id, offset=state.offset)
+            case rpc.GenerateStep(id=id):
+                try:
+                    plan = request.plan()
+                except ValueError as e:
+                    raise RankError(f"rank {rank}: {e}") from e
+                state.step(plan)
+                return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id):
                 state.clear_kv_cache()
                 return rpc.KvCacheCleared(id=id)

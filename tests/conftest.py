@@ -11,7 +11,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,15 @@ class Server:
                 self.process.kill()
                 self.process.wait()
             self._log.close()
+
+
+@contextmanager
+def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: object) -> Iterator[Server]:
+    """A started server, stopped on exit; it must exit 0 on SIGTERM."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    server = Server(*args, log_path=log, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server.start()
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.stderr()

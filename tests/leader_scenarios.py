@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import anyio
 
 from neuron import log
 from neuron.pool import Pool, PoolBroken, PoolError
+from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.tp.model import ModelError
 from neuron.tp.sampler import Sampler
@@ -26,16 +28,17 @@ from neuron.tp.sampler import Sampler
 PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
 
 
+def _sample_one(sampler: Sampler) -> Callable[[dict[int, Any]], Any]:
+    return lambda logits: sampler(logits[1])
+
+
 async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
+    """One sequence (number 1): its prompt, then one token per step."""
     await pool.clear_kv_cache()
-    sampler = Sampler(SamplingParams(), [])
-    tokens: list[int] = []
-    feed, offset = prompt, 0
-    for _ in range(count):
-        sampled = await pool.step(feed, offset, sampler)
-        offset += len(feed)
-        tokens.append(sampled.token)
-        feed = [sampled.token]
+    sample = _sample_one(Sampler(SamplingParams(), []))
+    tokens = [(await pool.step(StepPlan(prefill=[(1, prompt, True)]), sample)).token]
+    while len(tokens) < count:
+        tokens.append((await pool.step(StepPlan(decode=[(1, tokens[-1])]), sample)).token)
     return tokens
 
 
@@ -72,6 +75,20 @@ async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
         return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
 
 
+async def impossible_plan(model: str, count: int) -> dict[str, Any]:
+    """A plan no rank can follow (a sequence nobody holds): every rank still runs the step's
+    collectives on throwaway caches, so the group stays in step, and says so."""
+    async with Pool(2) as pool:
+        await pool.load(model)
+        try:
+            await pool.step(StepPlan(decode=[(42, 7), (43, 8)]), lambda _logits: None)
+            failure = {}
+        except PoolError as e:
+            failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
+        await pool.clear_kv_cache()
+        return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
+
+
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
@@ -85,7 +102,8 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
 
         async def long_step() -> None:
             try:
-                await pool.step(list(range(3, 200)) * 10, 0, Sampler(SamplingParams(), []))
+                long_prompt = list(range(3, 200)) * 10
+                await pool.step(StepPlan(prefill=[(1, long_prompt, True)]), _sample_one(Sampler(SamplingParams(), [])))
             except PoolError as e:
                 outcome["failures"] = {str(r): m for r, m in e.failures.items()}
                 outcome["broken"] = e.broken
@@ -119,7 +137,7 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
             error = str(e)
         await pool.clear_kv_cache()  # the pool is untouched and still answers
         try:
-            await pool.step([1, 2], 0, Sampler(SamplingParams(), []))
+            await pool.step(StepPlan(prefill=[(1, [1, 2], True)]), _sample_one(Sampler(SamplingParams(), [])))
             step_error = ""
         except PoolError as e:
             step_error = f"broken={e.broken}: {e}"
@@ -133,7 +151,9 @@ async def hold(world_size: int) -> None:
         await anyio.to_thread.run_sync(sys.stdin.readline)
 
 
-SCENARIOS = {f.__name__: f for f in (spawn, generate, fail_then_recover, kill_mid_step, unsplittable, hold)}
+SCENARIOS = {
+    f.__name__: f for f in (spawn, generate, fail_then_recover, impossible_plan, kill_mid_step, unsplittable, hold)
+}
 
 if __name__ == "__main__":
     log.configure("info", "json")  # on stderr: stdout carries the result

@@ -71,6 +71,16 @@ def test_injected_step_failure_leaves_the_pipes_in_step(
     assert result["after"] == clean_tokens["llama"]
 
 
+def test_a_plan_no_rank_can_follow_fails_on_every_rank_without_a_hang(
+    tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]]
+) -> None:
+    result = scenario("impossible_plan", str(tiny_models["llama"]), 32, timeout=120)
+    failure = result["failure"]
+    assert sorted(failure["failures"]) == ["0", "1"] and not failure["broken"]
+    assert all("desync" in m and "sequence 42" in m for m in failure["failures"].values())
+    assert result["after"] == clean_tokens["llama"]
+
+
 def test_worker_killed_mid_step_fails_within_5s_naming_it(tiny_models: dict[str, Path]) -> None:
     result = scenario("kill_mid_step", str(tiny_models["llama"]))
     assert not result["ended_before_kill"], "the step ended before the worker could be killed mid-step"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from neuron import rpc
@@ -11,14 +13,14 @@ EVERY_MESSAGE = [
     rpc.Ping(id=1),
     rpc.Init(id=2, backend="ring", env={"MLX_RANK": "1", "MLX_HOSTFILE": "/tmp/h.json"}),
     rpc.LoadShard(id=3, model_path="/models/x"),
-    rpc.GenerateStep(id=4, tokens=[1, 2, 3], offset=7),
+    rpc.StepPlan(leave=[3], prefill=[(5, [1, 2, 3], True), (6, [9], False)], decode=[(1, 7), (2, 8)]).request(4),
     rpc.ClearKvCache(id=5),
     rpc.Unload(id=6),
     rpc.Shutdown(id=7),
     rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234),
     rpc.InitOk(id=2, all_sum=2.0),
     rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
-    rpc.GenerateStepOk(id=4, offset=10),
+    rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
     rpc.KvCacheCleared(id=5),
     rpc.Unloaded(id=6),
     rpc.Bye(id=7),
@@ -38,6 +40,12 @@ def test_every_op_is_covered() -> None:
     assert {type(m) for m in EVERY_MESSAGE} == set(rpc.REQUESTS) | set(rpc.REPLIES)
 
 
+def _step_line(**fields: object) -> bytes:
+    """A generate_step line, well formed but for ``fields``."""
+    step = {"op": "generate_step", "id": 4, "leave": [], "prefill_seqs": [], "prefill_tokens": [], "prefill_last": []}
+    return json.dumps({**step, "decode_seqs": [1], "decode_tokens": [1], **fields}).encode()
+
+
 MALFORMED = [
     (b"{not json", ErrorKind.INVALID_JSON, None),
     (b"\xff\xfe garbage", ErrorKind.INVALID_JSON, None),
@@ -46,10 +54,10 @@ MALFORMED = [
     (b'{"op": "fly", "id": 3}', ErrorKind.UNKNOWN_OP, 3),
     (b'{"id": 3}', ErrorKind.UNKNOWN_OP, 3),
     (b'{"op": "pong", "id": 3}', ErrorKind.UNKNOWN_OP, 3),  # a reply is not a request
-    (b'{"op": "generate_step", "id": 4, "tokens": [1]}', ErrorKind.INVALID_FIELD, 4),
-    (b'{"op": "generate_step", "id": 4, "tokens": [1, "2"], "offset": 0}', ErrorKind.INVALID_FIELD, 4),
-    (b'{"op": "generate_step", "id": 4, "tokens": [true], "offset": 0}', ErrorKind.INVALID_FIELD, 4),
-    (b'{"op": "generate_step", "id": 4, "tokens": [1], "offset": 1.5}', ErrorKind.INVALID_FIELD, 4),
+    (b'{"op": "generate_step", "id": 4, "decode_tokens": [1]}', ErrorKind.INVALID_FIELD, 4),
+    (_step_line(decode_tokens=["2"]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(decode_tokens=[True]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(prefill_tokens=[[1.5]]), ErrorKind.INVALID_FIELD, 4),
     (b'{"op": "ping", "id": 5, "extra": 1}', ErrorKind.INVALID_FIELD, 5),
     (b'{"op": "ping", "id": "5"}', ErrorKind.INVALID_FIELD, None),
     (b'{"op": "init", "id": 6, "backend": "ring", "env": {"A": 1}}', ErrorKind.INVALID_FIELD, 6),
@@ -67,10 +75,10 @@ def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, reque
 
 def test_field_errors_name_every_field() -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
-        rpc.decode_request(b'{"op": "generate_step", "id": 1, "tokens": "abc", "bogus": 0}')
+        rpc.decode_request(b'{"op": "generate_step", "id": 1, "decode_tokens": "abc", "bogus": 0}')
     message = caught.value.message
-    assert "'tokens' must be list[int]" in message
-    assert "missing field 'offset'" in message
+    assert "'decode_tokens' must be list[int]" in message
+    assert "missing field 'leave'" in message
     assert "unknown field 'bogus'" in message
 
 

@@ -6,28 +6,15 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import ROOT, Server, run_neuron, wait_until
+from conftest import ROOT, Server, run_neuron, serving, wait_until
 from transformers import AutoTokenizer
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
-
-
-@contextmanager
-def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: object) -> Iterator[Server]:
-    """A started server, stopped on exit; it must exit 0 on SIGTERM."""
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    server = Server(*args, log_path=log, **kwargs)  # type: ignore[arg-type]
-    try:
-        yield server.start()
-    finally:
-        rc = server.stop()
-    assert rc == 0, server.stderr()
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ GARBAGE = [
     (b"\n", ErrorKind.INVALID_JSON),
     (b"42\n", ErrorKind.INVALID_JSON),
     (b'{"op": "teleport", "id": 9}\n', ErrorKind.UNKNOWN_OP),
-    (b'{"op": "generate_step", "id": 10, "tokens": "x", "offset": 0}\n', ErrorKind.INVALID_FIELD),
+    (b'{"op": "generate_step", "id": 10, "decode_tokens": "x"}\n', ErrorKind.INVALID_FIELD),
     (b'{"op": "ping"}\n', ErrorKind.INVALID_FIELD),
     (b"x" * (rpc.MAX_LINE_BYTES + 100) + b"\n", ErrorKind.LINE_TOO_LONG),
 ]
@@ -78,7 +78,7 @@ def test_garbage_gets_error_replies_and_the_worker_keeps_serving(worker: WorkerP
 
 
 def test_error_reply_echoes_the_request_id(worker: WorkerProcess) -> None:
-    reply = worker.request(rpc.GenerateStep(id=5, tokens=[1], offset=0))
+    reply = worker.request(rpc.StepPlan(prefill=[(1, [1], True)]).request(5))
     assert isinstance(reply, rpc.Error) and reply.id == 5 and reply.kind == ErrorKind.BAD_STATE
     assert "load_shard" in reply.message  # says what to do
     reply = worker.request(rpc.LoadShard(id=6, model_path="/nonexistent"))

@@ -1,23 +1,29 @@
-"""The engine: one task owns the pool and runs every step; requests wait their turn.
+"""The engine: one task owns the pool and runs every step; requests share each step as a batch.
 
 Why one task: the pool's ranks must see the same steps in the same order, so
 exactly one caller may drive it. Requests never touch the pool; they queue a
-``Sequence`` and read its events. Requests run one at a time, each from an
-empty KV cache.
+``Sequence`` and read its events.
+
+Each step is a plan (``rpc.StepPlan``): sequences that ended leave, waiting
+prompts are fed in chunks (at most ``prefill_chunk`` tokens per step, so a long
+prompt never stalls the running sequences for long), and every running
+sequence decodes one token, all in one batched forward. Rank 0 samples each
+sequence with its own parameters.
 
 Why cancellation waits for the step boundary: a step handed to the workers
 must finish on every rank (the pool shields it), or a rank is left inside a
 collective. A caller that goes away only marks its sequence; the loop drops it
-before the next step, clears its KV cache and moves on. The request is not run
-to its end.
+before the next step (it leaves in that step's plan); the others keep going.
 
 Readiness: the engine is ready once a probe step has succeeded on every rank
-since the last failure. A failed step makes it unready (requests get 503); it
-probes again at once, then every few seconds until a probe passes.
+since the last failure. A failed step (or a desync) fails the sequences in the
+batch, clears every rank's cache, makes the engine unready (requests get 503),
+and probes again at once, then every few seconds until a probe passes.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections import deque
@@ -46,14 +52,22 @@ from neuron.engine.sequence import (
 )
 from neuron.log import progress
 from neuron.pool import Deadlines, Pool, PoolError
+from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.tp.model import ModelError, check_shardable
-from neuron.tp.sampler import Sampler
+from neuron.tp.sampler import Sampled, Sampler
 
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
-DEFAULT_MAX_WAITING = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int = 8  # sequences decoding together; more wait in the queue
+    max_waiting: int = 64  # requests queued beyond the batch; more get 429
+    prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
+    max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,19 +83,23 @@ class Engine:
         tokenizer: TokenizerWrapper,
         model_path: Path,
         config: dict[str, Any],
-        max_waiting: int = DEFAULT_MAX_WAITING,
+        limits: Limits | None = None,
     ) -> None:
         text = config.get("text_config", config)
         self.pool = pool
         self.tokenizer = tokenizer
         self.model_path = model_path
-        self.context_length = int(text.get("max_position_embeddings") or 4096)
+        self.limits = limits or Limits()
+        model_context = int(text.get("max_position_embeddings") or 4096)
+        self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(text["vocab_size"])
-        self.max_waiting = max_waiting
         self.health = Health(False, "not probed yet")
         self.steps = 0  # steps run by this engine; cancellations are measured against it
         self._waiting: deque[Sequence] = deque()
-        self._running: Sequence | None = None
+        self._filling: list[Sequence] = []  # admitted, prompt being fed
+        self._running: list[Sequence] = []  # decoding, in batch order
+        self._leaving: list[int] = []  # sequences to drop in the next plan
+        self._numbers = itertools.count(1)
         self._accepting = True
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
@@ -94,7 +112,7 @@ class Engine:
         world_size: int = 1,
         backend: str = "ring",
         deadlines: Deadlines | None = None,
-        max_waiting: int = DEFAULT_MAX_WAITING,
+        limits: Limits | None = None,
     ) -> AsyncIterator[Engine]:
         """Spawn the ranks, load the model, probe it, and run the step loop until the block exits."""
         # Refuse a model that cannot be split before a single worker is spawned.
@@ -104,7 +122,7 @@ class Engine:
             with progress(f"loading {model_path.name} on {world_size} rank(s)", 1) as advance:
                 await pool.load(model_path)
                 advance()
-            engine = cls(pool, tokenizer, model_path, config, max_waiting)
+            engine = cls(pool, tokenizer, model_path, config, limits)
             if not await engine._probe():
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
             async with anyio.create_task_group() as tg:
@@ -116,6 +134,18 @@ class Engine:
                     tg.cancel_scope.cancel()
 
     # What the caller sees.
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting or running."""
+        return len(self._waiting) + len(self._filling) + len(self._running)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
@@ -155,8 +185,7 @@ class Engine:
             raise RequestError(f"token ids must lie in [0, {self.vocab_size})", "prompt")
         if len(prompt) >= self.context_length:
             raise RequestError(
-                f"the prompt has {len(prompt)} tokens but the model's context holds {self.context_length}; "
-                "shorten the prompt",
+                f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}; shorten the prompt",
                 "prompt",
             )
         if max_tokens is not None and max_tokens < 1:
@@ -164,11 +193,12 @@ class Engine:
         params = params or SamplingParams()
         if problems := params.problems(self.vocab_size):
             raise RequestError("; ".join(problems))
-        if len(self._waiting) >= self.max_waiting:
+        if len(self._waiting) >= self.limits.max_waiting:
             raise Overloaded(f"{len(self._waiting)} requests are already waiting (the limit); retry shortly")
         budget = self.context_length - len(prompt)
         seq = Sequence(
             request_id or uuid.uuid4().hex,
+            next(self._numbers),
             list(prompt),
             min(max_tokens, budget) if max_tokens is not None else budget,
             params,
@@ -186,34 +216,18 @@ class Engine:
         if seq in self._waiting:
             # Never started: it frees its place in the queue at once.
             self._waiting.remove(seq)
-            self._finish(seq, "cancelled")
+            seq.emit(Finish("cancelled", len(seq.prompt), 0, ""))
 
     def abort(self, message: str) -> None:
         """Fail every queued and running request now (shutdown); the step in flight still completes."""
         self._accepting = False
-        for seq in [*self._waiting, *([self._running] if self._running else [])]:
-            if not seq.finished:
-                seq.cancelled_at = self.steps
-                seq.emit(Failure("unavailable", message, len(seq.prompt), seq.completion_tokens))
-        self._waiting.clear()
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
-    @property
-    def pending(self) -> int:
-        """Requests waiting or running."""
-        return len(self._waiting) + (self._running is not None)
-
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+        self._fail_all("unavailable", message)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new requests, then wait up to ``timeout`` s for the queued and running ones; True if all ended."""
         self._accepting = False
         with anyio.move_on_after(timeout):
-            while self._waiting or self._running is not None:
+            while self.pending:
                 await self._idle.wait()
             return True
         return False
@@ -223,91 +237,161 @@ class Engine:
     async def _loop(self) -> None:
         while True:
             if not self.health.ready and self.pool.broken is None and not await self._probe():
-                # Requests admitted before the failure would only wait for a probe that may never pass.
-                for seq in self._waiting:
-                    seq.emit(Failure("unavailable", f"not ready: {self.health.reason}", len(seq.prompt), 0))
-                self._waiting.clear()
+                self._fail_all("unavailable", f"not ready: {self.health.reason}")
                 await anyio.sleep(REPROBE_S)
                 continue
-            if not self._waiting:
-                self._idle.set()
-                self._wakeup = anyio.Event()
-                await self._wakeup.wait()
+            self._drop_cancelled()
+            self._admit()
+            if not self._filling and not self._running:
+                if self._leaving:
+                    # Nothing left to run: one clear frees every rank's caches at once.
+                    self._leaving.clear()
+                    await self._clear_cache()
+                if not self._waiting:
+                    self._idle.set()
+                    self._wakeup = anyio.Event()
+                    await self._wakeup.wait()
                 continue
-            seq = self._waiting.popleft()
-            self._running = seq
-            try:
-                await self._serve(seq)
-            finally:
-                self._running = None
+            await self._step()
 
-    async def _serve(self, seq: Sequence) -> None:
-        bound = log.bind(request_id=seq.id)
-        if not self.health.ready:
-            seq.emit(Failure("unavailable", f"not ready: {self.health.reason}", len(seq.prompt), 0))
-            return
+    def _admit(self) -> None:
+        while self._waiting and len(self._filling) + len(self._running) < self.limits.max_batch:
+            seq = self._waiting.popleft()
+            seq.sampler = Sampler(seq.params, seq.prompt)
+            seq.detokenizer = self._detokenizer()
+            seq.started = time.perf_counter()
+            self._filling.append(seq)
+            log.info(
+                "request started",
+                request_id=seq.id,
+                prompt_tokens=len(seq.prompt),
+                max_tokens=seq.max_tokens,
+                temperature=seq.params.temperature,
+                top_p=seq.params.top_p,
+            )
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in (*self._filling, *self._running) if s.cancelled_at is not None]:
+            self._remove(seq)
+            if not seq.finished:
+                log.info(
+                    "request cancelled",
+                    request_id=seq.id,
+                    completion_tokens=seq.completion_tokens,
+                    steps_after_cancel=self.steps - (seq.cancelled_at or 0),
+                    ms=round((time.perf_counter() - seq.started) * 1000, 1),
+                )
+                seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, ""))
+
+    def _plan(self) -> StepPlan:
+        budget = self.limits.prefill_chunk
+        prefill = []
+        for seq in self._filling:
+            if budget <= 0:
+                break
+            take = min(budget, len(seq.prompt) - seq.fed)
+            end = seq.fed + take
+            prefill.append((seq.no, seq.prompt[seq.fed : end], end == len(seq.prompt)))
+            budget -= take
+        decode = [(seq.no, seq.next_token) for seq in self._running]
+        return StepPlan(leave=list(self._leaving), prefill=prefill, decode=decode)  # type: ignore[arg-type]
+
+    async def _step(self) -> None:
+        plan = self._plan()
+        samplers = {seq.no: seq.sampler for seq in (*self._filling, *self._running)}
+
+        sample_s = 0.0
+
+        def sample(logits: dict[int, Any]) -> dict[int, Sampled]:
+            nonlocal sample_s
+            started = time.perf_counter()
+            out = {no: samplers[no](row) for no, row in logits.items()}
+            sample_s = time.perf_counter() - started
+            return out
+
         started = time.perf_counter()
-        sampler = Sampler(seq.params, seq.prompt)
-        detokenizer = self._detokenizer()
-        eos = self.tokenizer.eos_token_ids
-        feed, offset, reason, tail, stopped = seq.prompt, 0, "length", "", False
         try:
-            while seq.completion_tokens < seq.max_tokens:
-                if seq.cancelled_at is not None:
-                    reason = "cancelled"
-                    break
-                sampled = await self.pool.step(feed, offset, sampler)
-                self.steps += 1
-                offset += len(feed)
-                if sampled.token in eos:
-                    reason = "stop"
-                    break
-                seq.completion_tokens += 1
-                detokenizer.add_token(sampled.token)
-                text, stopped = seq.stop.push(detokenizer.last_segment)
-                seq.emit(Chunk(sampled.token, text, sampled.logprob, sampled.top))
-                if stopped:
-                    reason = "stop"
-                    break
-                feed = [sampled.token]
-            if reason != "cancelled" and not stopped:
-                # Release what the detokenizer (a partial character) and the stop check held back.
-                detokenizer.finalize()
-                tail, stopped = seq.stop.push(detokenizer.last_segment)
-                if stopped:
-                    reason = "stop"
-                else:
-                    tail += seq.stop.flush()
+            sampled = await self.pool.step(plan, sample)
         except PoolError as e:
             self._unready(e)
-            bound.error("request failed", error=str(e), completion_tokens=seq.completion_tokens)
-            seq.emit(Failure("step_failed", str(e), len(seq.prompt), seq.completion_tokens))
-        finally:
+            self._fail_all("step_failed", str(e))
             with anyio.CancelScope(shield=True):
                 await self._clear_cache()
-        if seq.finished:
             return
-        ms = round((time.perf_counter() - started) * 1000, 1)
-        if reason == "cancelled":
-            assert seq.cancelled_at is not None
-            bound.info(
-                "request cancelled",
-                completion_tokens=seq.completion_tokens,
-                steps_after_cancel=self.steps - seq.cancelled_at,
-                ms=ms,
-            )
-        else:
-            bound.info(
-                "request done",
-                prompt_tokens=len(seq.prompt),
-                completion_tokens=seq.completion_tokens,
-                finish_reason=reason,
-                ms=ms,
-            )
-        self._finish(seq, reason, tail)
+        self.steps += 1
+        log.debug(
+            "step",
+            decode_rows=len(plan.decode),
+            prefill_tokens=sum(len(t) for _, t, _ in plan.prefill),
+            ms=round((time.perf_counter() - started) * 1000, 2),
+            sample_ms=round(sample_s * 1000, 2),
+        )
+        self._leaving.clear()
+        by_no = {seq.no: seq for seq in (*self._filling, *self._running)}
+        # A sequence missing here was failed while the step ran (shutdown): nothing to deliver.
+        for no, tokens, last in plan.prefill:
+            if (seq := by_no.get(no)) is None:
+                continue
+            seq.fed += len(tokens)
+            if last:
+                self._filling.remove(seq)
+                self._running.append(seq)
+                self._take(seq, sampled[no])
+        for no, _ in plan.decode:
+            if (seq := by_no.get(no)) is not None:
+                self._take(seq, sampled[no])
 
-    def _finish(self, seq: Sequence, reason: str, tail: str = "") -> None:
+    def _take(self, seq: Sequence, sampled: Sampled) -> None:
+        """One sampled token for ``seq``: emit its text, or finish it."""
+        if sampled.token in self.tokenizer.eos_token_ids:
+            self._finish(seq, "stop", stopped=False)
+            return
+        seq.completion_tokens += 1
+        seq.detokenizer.add_token(sampled.token)
+        text, stopped = seq.stop.push(seq.detokenizer.last_segment)
+        seq.emit(Chunk(sampled.token, text, sampled.logprob, sampled.top))
+        if stopped or seq.completion_tokens >= seq.max_tokens:
+            self._finish(seq, "stop" if stopped else "length", stopped=stopped)
+        else:
+            seq.next_token = sampled.token
+
+    def _finish(self, seq: Sequence, reason: str, *, stopped: bool) -> None:
+        tail = ""
+        if not stopped:
+            # Release what the detokenizer (a partial character) and the stop check held back.
+            seq.detokenizer.finalize()
+            tail, stopped = seq.stop.push(seq.detokenizer.last_segment)
+            if stopped:
+                reason = "stop"
+            else:
+                tail += seq.stop.flush()
+        self._remove(seq)
+        log.info(
+            "request done",
+            request_id=seq.id,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=seq.completion_tokens,
+            finish_reason=reason,
+            ms=round((time.perf_counter() - seq.started) * 1000, 1),
+        )
         seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail))
+
+    def _remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch; the ranks drop it in the next plan."""
+        for group in (self._filling, self._running):
+            if seq in group:
+                group.remove(seq)
+                self._leaving.append(seq.no)
+
+    def _fail_all(self, kind: str, message: str) -> None:
+        for seq in (*self._waiting, *self._filling, *self._running):
+            if not seq.finished:
+                seq.cancelled_at = self.steps
+                seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))
+        self._waiting.clear()
+        self._filling.clear()
+        self._running.clear()
+        self._leaving.clear()
 
     def _detokenizer(self) -> StreamingDetokenizer:
         detokenizer = self.tokenizer.detokenizer
@@ -331,7 +415,7 @@ class Engine:
         """One token through every rank, from an empty cache and back to one."""
         try:
             await self.pool.clear_kv_cache()
-            await self.pool.step([0], 0, lambda _logits: None)
+            await self.pool.step(StepPlan(prefill=[(0, [0], True)]), lambda _logits: None)
             await self.pool.clear_kv_cache()
         except PoolError as e:
             self._unready(e)

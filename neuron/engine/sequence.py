@@ -6,6 +6,7 @@ No MLX here: the HTTP server reads these types without loading a model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -103,12 +104,18 @@ class StopText:
 class Sequence:
     """A request's state in the engine. The engine writes its events; the caller reads them."""
 
-    id: str
+    id: str  # the client's request id
+    no: int  # the sequence's number in step plans
     prompt: list[int]
     max_tokens: int
     params: SamplingParams
     stop: StopText
+    fed: int = 0  # prompt tokens fed so far
+    next_token: int | None = None  # sampled, to be fed in the next step
     completion_tokens: int = 0
+    sampler: Any = None  # rank 0's sampler for it (MLX; built and used on rank 0's thread)
+    detokenizer: Any = None
+    started: float = 0.0  # perf_counter when it was admitted to the batch
     # The engine's step count when the caller stopped listening; None while it listens.
     cancelled_at: int | None = None
     finished: bool = False

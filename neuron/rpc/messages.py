@@ -12,11 +12,11 @@ testable, and readable, without it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -71,17 +71,58 @@ class LoadShard:
 
 
 @dataclass(frozen=True, slots=True)
-class GenerateStep:
-    """Run one forward over ``tokens``, appended at KV position ``offset``.
+class StepPlan:
+    """Everything one batched step changes, the same for every rank.
 
-    The offset is the leader's idea of the cache length; a worker whose cache
-    disagrees refuses the step rather than computing on a different sequence.
+    In this order: the sequences in ``leave`` are dropped; sequences listed in
+    ``decode`` that finished their prompt join the batch, after those already in
+    it; each ``prefill`` chunk is fed to its sequence (a new id starts one;
+    ``last`` marks the chunk that ends the prompt, whose next-token logits rank
+    0 returns); then the batch decodes one token per sequence, in ``decode``
+    order. The plan alone fixes every tensor shape, so every rank issues the
+    same collectives even when its own state disagrees.
     """
+
+    leave: list[int] = field(default_factory=list)
+    prefill: list[tuple[int, list[int], bool]] = field(default_factory=list)  # (sequence, tokens, last)
+    decode: list[tuple[int, int]] = field(default_factory=list)  # (sequence, input token)
+
+    def request(self, id: int) -> GenerateStep:
+        return GenerateStep(
+            id=id,
+            leave=self.leave,
+            prefill_seqs=[s for s, _, _ in self.prefill],
+            prefill_tokens=[t for _, t, _ in self.prefill],
+            prefill_last=[last for _, _, last in self.prefill],
+            decode_seqs=[s for s, _ in self.decode],
+            decode_tokens=[t for _, t in self.decode],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateStep:
+    """One batched step (see ``StepPlan``), flattened into lists for the wire."""
 
     op: ClassVar[str] = "generate_step"
     id: int
-    tokens: list[int]
-    offset: int
+    leave: list[int]
+    prefill_seqs: list[int]
+    prefill_tokens: list[list[int]]
+    prefill_last: list[bool]
+    decode_seqs: list[int]
+    decode_tokens: list[int]
+
+    def plan(self) -> StepPlan:
+        """The plan, or ``ValueError`` if the parallel lists disagree in length."""
+        if not len(self.prefill_seqs) == len(self.prefill_tokens) == len(self.prefill_last):
+            raise ValueError("prefill_seqs, prefill_tokens and prefill_last differ in length")
+        if len(self.decode_seqs) != len(self.decode_tokens):
+            raise ValueError("decode_seqs and decode_tokens differ in length")
+        return StepPlan(
+            self.leave,
+            list(zip(self.prefill_seqs, self.prefill_tokens, self.prefill_last, strict=True)),
+            list(zip(self.decode_seqs, self.decode_tokens, strict=True)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +175,11 @@ class LoadShardOk:
 
 @dataclass(frozen=True, slots=True)
 class GenerateStepOk:
+    """``fingerprint`` digests the worker's batch state after the step; the leader compares it with rank 0's."""
+
     op: ClassVar[str] = "generate_step_ok"
     id: int
-    offset: int
+    fingerprint: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,4 +251,5 @@ __all__ = [
     "REQUESTS",
     "REPLIES",
     "EXPECTED_REPLY",
+    "StepPlan",
 ]

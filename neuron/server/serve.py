@@ -24,7 +24,7 @@ import anyio
 import structlog
 import uvicorn
 
-from neuron.engine.engine import DEFAULT_MAX_WAITING, Engine
+from neuron.engine.engine import Engine, Limits
 from neuron.pool import Deadlines
 from neuron.server.app import ServerState, build_app
 
@@ -43,7 +43,7 @@ class ServeOptions:
     port: int = 8000
     api_key: str | None = None
     deadlines: Deadlines = field(default_factory=Deadlines)
-    max_waiting: int = DEFAULT_MAX_WAITING
+    limits: Limits = field(default_factory=Limits)
 
 
 class ServeError(RuntimeError):
@@ -99,7 +99,7 @@ async def serve(options: ServeOptions) -> None:
         try:
             with lifetime:
                 async with Engine.open(
-                    options.model_path, options.world_size, options.backend, options.deadlines, options.max_waiting
+                    options.model_path, options.world_size, options.backend, options.deadlines, options.limits
                 ) as engine:
                     state.engine = engine
                     log.info("serving", host=host, port=port, model=options.model_id)

@@ -1,20 +1,28 @@
-"""One rank's MLX state: its group, its slice of the model, its KV cache.
+"""One rank's MLX state: its group, its slice of the model, and the KV caches of its sequences.
 
 A worker process drives one ``Rank`` from its main thread; the leader drives
 rank 0's from one dedicated thread. MLX streams belong to the thread that made
 them, so a ``Rank`` must stay on the thread that created its group and model.
+
+Sequences live in two places: while their prompt is fed (possibly over several
+steps, in chunks) each has a cache of its own; once the prompt is done they
+join one batched cache and decode together, one token each per step. Every
+change is named by the step plan, so the leader can always say what a rank
+holds, and a fingerprint of that state travels back with every step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from neuron.rpc import StepPlan
 from neuron.tp.model import backbone, check_shardable, load_shard, parameter_count
 
 # Prompts are fed in chunks of this many tokens: the attention scores of one
@@ -22,9 +30,11 @@ from neuron.tp.model import backbone, check_shardable, load_shard, parameter_cou
 # ranks issue the same collectives in the same order.
 PREFILL_CHUNK = 512
 
-# Test hook: "RANK:N" makes that rank fail its Nth step after the forward, with
-# every collective of the step done, as a bug in post-processing would.
+# Test hooks, "RANK:N": that rank fails its Nth step after the forward, with
+# every collective of the step done, as a bug in post-processing would; or, for
+# the desync hook, silently records a wrong token for a sequence at its Nth step.
 FAULT_ENV = "NEURON_TEST_FAIL_STEP"
+DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
 
 
 class RankError(RuntimeError):
@@ -57,21 +67,42 @@ class Loaded:
     seconds: float
 
 
+@dataclass(slots=True)
+class _Seq:
+    position: int = 0  # tokens in its cache
+    last: int = -1  # the last token it was fed
+    cache: list[KVCache] | None = None  # its own, while the prompt is fed; None once in the batch
+    prompt_done: bool = False
+
+
+def _hook_step(env: str, rank: int) -> int | None:
+    spec = os.environ.get(env, "")
+    hook_rank, _, step = spec.partition(":")
+    return int(step) if spec and int(hook_rank) == rank else None
+
+
+@dataclass(slots=True)
+class _Hooks:
+    fail_at: int | None = None
+    desync_at: int | None = None
+
+    @classmethod
+    def read(cls, rank: int) -> _Hooks:
+        return cls(_hook_step(FAULT_ENV, rank), _hook_step(DESYNC_ENV, rank))
+
+
 class Rank:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
-        self.cache: list | None = None
         self.vocab_size = 0
+        self.seqs: dict[int, _Seq] = {}
+        self.batch_ids: list[int] = []  # the batch's rows, in order
+        self.batch: list[BatchKVCache] | None = None  # one per layer
         self._steps = 0
-        self._fail_at = self._fault_step()
-
-    def _fault_step(self) -> int | None:
-        spec = os.environ.get(FAULT_ENV, "")
-        rank, _, step = spec.partition(":")
-        return int(step) if spec and int(rank) == self.rank else None
+        self._hooks = _Hooks.read(rank)
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -102,58 +133,170 @@ class Rank:
         self.unload()
         config = check_shardable(model_path, self.world_size)
         self.vocab_size = config.get("text_config", config)["vocab_size"]
-        self.model = load_shard(model_path, self.group)
-        self.cache = make_prompt_cache(self.model)
+        model = load_shard(model_path, self.group)
+        if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+            raise RankError(
+                f"rank {self.rank}: {model_path} uses a KV cache other than mlx-lm's KVCache "
+                "(sliding window or state space); batching supports plain attention models only"
+            )
+        self.model = model
         self._steps = 0
-        self._fail_at = self._fault_step()
+        self._hooks = _Hooks.read(self.rank)
         return Loaded(parameter_count(self.model), time.perf_counter() - start)
 
-    @property
-    def offset(self) -> int:
-        return self.cache[0].offset if self.cache else 0
+    # The step.
 
-    def forward(self, tokens: list[int], offset: int) -> mx.array | None:
-        """Append ``tokens`` to the sequence; rank 0 gets the next-token logits, workers ``None``.
+    def step(self, plan: StepPlan) -> dict[int, mx.array] | None:
+        """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch).
 
-        The prompt's last token goes through alone, so that only rank 0, and
-        only for one position, computes the projection to the vocabulary.
+        A plan this rank's state cannot follow still runs, on throwaway caches of
+        the same shapes, so that every peer's collectives are matched; the
+        mismatch is raised after.
         """
-        if self.model is None or self.cache is None:
+        if self.model is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_shard first")
-        if not tokens:
-            raise RankError(f"rank {self.rank}: a step needs at least one token")
-        if not all(0 <= t < self.vocab_size for t in tokens):
+        for _, tokens, _ in plan.prefill:
+            if not tokens or not all(0 <= t < self.vocab_size for t in tokens):
+                raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
+        if not all(0 <= t < self.vocab_size for _, t in plan.decode):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
-        # A rank whose cache disagrees with the leader still runs the step, so
-        # that its peers are not left waiting in a collective, then says so.
-        desync = offset != self.offset
-        cached = self.offset
-        trunk = backbone(self.model)
-        for start in range(0, len(tokens) - 1, PREFILL_CHUNK):
-            chunk = mx.array(tokens[start : min(start + PREFILL_CHUNK, len(tokens) - 1)])[None]
-            mx.eval(trunk(chunk, cache=self.cache), [c.state for c in self.cache])
-        last = mx.array(tokens[-1:])[None]
-        out = None
-        if self.rank == 0:
-            out = self.model(last, cache=self.cache)[0, -1, :]
-            mx.eval(out)
-        else:
-            mx.eval(trunk(last, cache=self.cache))
+        if problem := self._disagreement(plan):
+            self._shadow_step(plan)
+            self._steps += 1
+            raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
+        self._leave(plan.leave)
+        self._join([s for s, _ in plan.decode if s not in self.batch_ids])
+        out: dict[int, mx.array] = {}
+        for seq, tokens, last in plan.prefill:
+            logits = self._prefill(seq, tokens, last)
+            if logits is not None:
+                out[seq] = logits
+        if plan.decode:
+            out.update(self._decode(plan.decode))
         self._steps += 1
-        if desync:
-            raise RankError(
-                f"rank {self.rank}: step at offset {offset} but the KV cache held {cached} tokens; "
-                "clear_kv_cache to resynchronize"
-            )
-        if self._steps == self._fail_at:
+        if self._steps == self._hooks.desync_at and self.seqs:
+            self.seqs[min(self.seqs)].last += 1
+        if self._steps == self._hooks.fail_at:
             raise InjectedFault(f"rank {self.rank}: injected failure after step {self._steps} ({FAULT_ENV})")
-        return out
+        return out if self.rank == 0 else None
+
+    def fingerprint(self) -> str:
+        """A digest of what this rank holds: the batch rows in order, and every sequence's position and last token."""
+        state = [self.batch_ids, sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items())]
+        return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
+
+    def _disagreement(self, plan: StepPlan) -> str | None:
+        for seq in plan.leave:
+            if seq not in self.seqs:
+                return f"sequence {seq} cannot leave: this rank does not hold it"
+        left = set(plan.leave)
+        for seq, _, _ in plan.prefill:
+            known = self.seqs.get(seq)
+            if seq in left or (known is not None and known.prompt_done):
+                return f"sequence {seq} is fed a prompt chunk but its prompt is already done here"
+        staying = [s for s in self.batch_ids if s not in left]
+        rows = [s for s, _ in plan.decode]
+        if rows[: len(staying)] != staying:
+            return f"the batch here is {staying}, the plan decodes {rows}"
+        for seq in rows[len(staying) :]:
+            known = self.seqs.get(seq)
+            if known is None or not known.prompt_done or seq in left:
+                return f"sequence {seq} cannot join the batch: its prompt is not done here"
+        return None
+
+    def _shadow_step(self, plan: StepPlan) -> None:
+        assert self.model is not None
+        for _, tokens, last in plan.prefill:
+            self._forward_prompt(tokens, last, make_prompt_cache(self.model))
+        if plan.decode:
+            rows = len(plan.decode)
+            self._forward_batch(
+                mx.zeros((rows, 1), dtype=mx.int32), [BatchKVCache([0] * rows) for _ in self.model.layers]
+            )
+
+    def _leave(self, leaving: list[int]) -> None:
+        for seq in leaving:
+            del self.seqs[seq]
+        if self.batch is None or not any(s in leaving for s in self.batch_ids):
+            return
+        keep = [i for i, s in enumerate(self.batch_ids) if s not in leaving]
+        self.batch_ids = [self.batch_ids[i] for i in keep]
+        if not keep:
+            self.batch = None
+            return
+        for layer in self.batch:
+            layer.filter(keep)
+
+    def _join(self, joining: list[int]) -> None:
+        if not joining:
+            return
+        caches = [self.seqs[s].cache for s in joining]
+        assert self.model is not None and all(c is not None for c in caches)
+        merged = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(self.model.layers))]  # type: ignore[index]
+        if self.batch is None:
+            self.batch = merged
+        else:
+            for layer, new in zip(self.batch, merged, strict=True):
+                layer.extend(new)
+        self.batch_ids += joining
+        for s in joining:
+            self.seqs[s].cache = None
+
+    def _prefill(self, seq: int, tokens: list[int], last: bool) -> mx.array | None:
+        assert self.model is not None
+        state = self.seqs.setdefault(seq, _Seq(cache=make_prompt_cache(self.model)))
+        assert state.cache is not None
+        logits = self._forward_prompt(tokens, last, state.cache)
+        state.position += len(tokens)
+        state.last = tokens[-1]
+        state.prompt_done = last
+        return logits
+
+    def _forward_prompt(self, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
+        """Feed prompt tokens; when they end the prompt, the last goes through alone so only rank 0, for one
+        position, computes the projection to the vocabulary."""
+        assert self.model is not None
+        trunk = backbone(self.model)
+        body = tokens[:-1] if last else tokens
+        for start in range(0, len(body), PREFILL_CHUNK):
+            chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
+            mx.eval(trunk(chunk, cache=cache), [c.state for c in cache])
+        if not last:
+            return None
+        final = mx.array(tokens[-1:])[None]
+        if self.rank == 0:
+            out = self.model(final, cache=cache)[0, -1, :]
+            mx.eval(out)
+            return out
+        mx.eval(trunk(final, cache=cache))
+        return None
+
+    def _decode(self, rows: list[tuple[int, int]]) -> dict[int, mx.array]:
+        assert self.batch is not None
+        logits = self._forward_batch(mx.array([[t] for _, t in rows]), self.batch)
+        for seq, token in rows:
+            state = self.seqs[seq]
+            state.position += 1
+            state.last = token
+        if logits is None:
+            return {}
+        return {seq: logits[i] for i, (seq, _) in enumerate(rows)}
+
+    def _forward_batch(self, tokens: mx.array, cache: list[BatchKVCache]) -> mx.array | None:
+        assert self.model is not None
+        if self.rank == 0:
+            out = self.model(tokens, cache=cache)[:, -1, :]
+            mx.eval(out)
+            return out
+        mx.eval(backbone(self.model)(tokens, cache=cache))
+        return None
 
     def clear_kv_cache(self) -> None:
-        if self.model is not None:
-            self.cache = make_prompt_cache(self.model)
+        self.seqs.clear()
+        self.batch_ids = []
+        self.batch = None
 
     def unload(self) -> None:
+        self.clear_kv_cache()
         self.model = None
-        self.cache = None
         mx.clear_cache()

@@ -1,0 +1,175 @@
+"""Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams:
+``neuron serve`` against ``mlx_lm.server`` on the same model folder, started by this script in the same run.
+
+Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1]
+
+Each level sends that many streamed, greedy ``/v1/completions`` requests at
+once (different prompts), and measures the round's wall time, every stream's
+time to first token, and the completion tokens (``usage``; else one per text
+chunk). Aggregate tok/s = all completion tokens / the round's wall time. The
+two servers alternate level by level, so the machine's noise hits both alike;
+each figure is the median over ``--rounds``. Both run greedy and stop at end of
+sequence, so they generate the same text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived",
+    "The history of the Roman Empire begins with",
+    "In the middle of the forest stood an old house where",
+    "The recipe for a good loaf of bread starts with",
+    "Long ago, a young sailor set out to find",
+    "The first thing every gardener should know is",
+    "On a cold winter night, the old clock tower",
+    "Scientists have long wondered why the ocean",
+]
+LEVELS = (1, 2, 4, 8)
+
+
+def stream(url: str, model: str, prompt: str, tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} answered {response.status_code}: {response.read().decode()}")
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0].get("text"):
+                chunks += 1
+                first = first or time.perf_counter()
+    return {"ttft": (first or time.perf_counter()) - started, "tokens": usage if usage is not None else chunks}
+
+
+def level(url: str, model: str, concurrency: int, tokens: int) -> dict:
+    results: list[dict] = [{}] * concurrency
+
+    def one(i: int) -> None:
+        results[i] = stream(url, model, PROMPTS[i % len(PROMPTS)], tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft_p50": statistics.median(r["ttft"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, alive: Callable[[], bool], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server behind {url} exited")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up within {timeout} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="model folder (default: the embedded SmolLM2, converted to fp32)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1)
+    args = parser.parse_args()
+
+    from conftest import Server
+
+    from neuron import cpu
+    from neuron.models import model_id, resolve
+
+    path = resolve(args.model)
+    neuron_id = model_id(args.model)
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
+    neuron = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=log)
+    env = dict(os.environ)
+    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
+        env["LD_PRELOAD"] = str(lib)  # the same BLAS neuron uses
+    port = _free_port()
+    mlx_url = f"http://127.0.0.1:{port}"
+    mlx = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--port", str(port), "--log-level", "WARNING"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        neuron.start()
+        _wait_http(mlx_url, lambda: mlx.poll() is None)
+        servers = {"mlx_lm.server": (mlx_url, str(path)), "neuron serve": (neuron.url, neuron_id)}
+        for url, model in servers.values():
+            level(url, model, 2, 8)  # warm up
+        figures: dict[tuple[str, int], list[dict]] = {}
+        for _ in range(args.rounds):
+            for concurrency in LEVELS:
+                for name, (url, model) in servers.items():
+                    figures.setdefault((name, concurrency), []).append(level(url, model, concurrency, args.tokens))
+    finally:
+        mlx.terminate()
+        mlx.wait(timeout=60)
+        neuron.stop()
+        log.unlink(missing_ok=True)
+
+    def median(name: str, concurrency: int, key: str) -> float:
+        return statistics.median(r[key] for r in figures[(name, concurrency)])
+
+    single = median("neuron serve", 1, "tok_s")
+    print(f"model {path.name}, neuron TP={args.tp}, {args.tokens} tokens per stream, median of {args.rounds} rounds\n")
+    print("| streams | server | aggregate tok/s | TTFT p50 (ms) | vs mlx_lm.server | vs neuron at 1 stream |")
+    print("|---|---|---|---|---|---|")
+    for concurrency in LEVELS:
+        base = median("mlx_lm.server", concurrency, "tok_s")
+        for name in servers:
+            rate = median(name, concurrency, "tok_s")
+            ttft = median(name, concurrency, "ttft_p50") * 1000
+            print(f"| {concurrency} | {name} | {rate:.1f} | {ttft:.0f} | {rate / base:.2f}x | {rate / single:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

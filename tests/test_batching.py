@@ -1,0 +1,173 @@
+"""Continuous batching: concurrent requests decode together, and each gets exactly what it would get alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+from conftest import Server, serving
+
+# Different lengths, some longer than the prefill chunk the servers here use (16),
+# so prompts are fed over several steps while others decode.
+PROMPTS = [
+    "hello",
+    "The quick brown fox jumps over the lazy dog, again and again and again.",
+    "a",
+    "Once upon a time",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "What is the capital of France?",
+    "zzzz",
+    "Tensor parallel inference splits every layer over several ranks.",
+]
+MAX_TOKENS = [24, 9, 30, 16, 12, 27, 20, 5]  # they finish, and leave the batch, at different steps
+
+
+def _server(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: object) -> AbstractContextManager[Server]:
+    return serving(tmp_path_factory, "--prefill-chunk", "16", *args, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["tp1", "tp2"])
+def tiny(
+    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", request.param) as server:
+        yield server
+
+
+async def _complete(server: Server, model: str, prompt: str, max_tokens: int, **kwargs: object) -> str:
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+        reply = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return reply.choices[0].text
+
+
+async def _alone_then_together(server: Server, model: str, **kwargs: object) -> tuple[list[str], list[str]]:
+    alone = [await _complete(server, model, p, n, **kwargs) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    together = [""] * len(PROMPTS)
+
+    async def one(i: int) -> None:
+        together[i] = await _complete(server, model, PROMPTS[i], MAX_TOKENS[i], **kwargs)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    return alone, together
+
+
+def _most_running(server: Server) -> int:
+    """The most requests in the batch at once, from the log's start and end events."""
+    running = most = 0
+    for entry in server.logs():
+        if entry.get("event") == "request started":
+            running += 1
+            most = max(most, running)
+        elif entry.get("event") in ("request done", "request cancelled"):
+            running -= 1
+    return most
+
+
+@pytest.mark.anyio
+async def test_eight_concurrent_greedy_requests_equal_each_alone(tiny: Server) -> None:
+    alone, together = await _alone_then_together(tiny, "qwen3", temperature=0.0)
+    assert together == alone
+    assert all(alone) and len(set(alone)) == len(alone)
+    assert _most_running(tiny) >= 6  # they really shared steps
+
+
+@pytest.mark.anyio
+async def test_seeded_sampling_concurrent_equals_alone(tiny: Server) -> None:
+    alone, together = await _alone_then_together(tiny, "qwen3", temperature=0.9, seed=1234, top_p=0.95)
+    assert together == alone
+
+
+def _stream_texts(server: Server, prompt: str, max_tokens: int) -> Iterator[str]:
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                yield httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+
+
+@pytest.mark.anyio
+async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(tiny: Server) -> None:
+    prompts, lengths = PROMPTS[:4], [60, 60, 60, 60]
+    alone = [await _complete(tiny, "qwen3", p, n, temperature=0.0) for p, n in zip(prompts, lengths, strict=True)]
+    texts = [""] * 4
+
+    def read(i: int) -> None:
+        for count, piece in enumerate(_stream_texts(tiny, prompts[i], lengths[i])):
+            texts[i] += piece
+            if i == 0 and count == 5:
+                return  # leaves mid-stream: the connection closes
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(anyio.to_thread.run_sync, read, i)
+    assert texts[1:] == alone[1:]
+    assert alone[0].startswith(texts[0]) and len(texts[0]) < len(alone[0])
+    cancelled = tiny.wait_log("request cancelled", timeout=30)
+    assert cancelled["steps_after_cancel"] <= 1
+
+
+@pytest.mark.anyio
+async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_succeed(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # Rank 1 records a wrong token at its 6th step (the probe is its 1st): its digest no longer matches rank 0's.
+    env = {"NEURON_TEST_DESYNC_STEP": "1:6"}
+    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await _complete(server, "qwen3", "hello", 20, temperature=0.0)
+        message = str(caught.value)
+        assert "desync" in message and "rank 1" in message, message
+        assert server.find_log("desync") is not None
+        alone, together = await _alone_then_together(server, "qwen3", temperature=0.0)
+        assert together == alone
+
+
+@pytest.mark.anyio
+async def test_smollm2_eight_concurrent_chats_equal_each_alone(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    questions = [
+        "What is the capital of France?",
+        "Name three colours.",
+        "What is 2 + 2?",
+        "Say hello in Spanish.",
+        "What is the largest planet?",
+        "Who wrote Hamlet?",
+        "What do bees make?",
+        "How many legs does a spider have?",
+    ]
+    with _server(tmp_path_factory) as server:
+
+        async def chat(question: str) -> str:
+            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+                reply = await client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    messages=[{"role": "user", "content": question}],
+                    temperature=0.0,
+                    max_tokens=24,
+                )
+                return reply.choices[0].message.content or ""
+
+        alone = [await chat(q) for q in questions]
+        together = [""] * len(questions)
+
+        async def one(i: int) -> None:
+            together[i] = await chat(questions[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(questions)):
+                tg.start_soon(one, i)
+        assert together == alone
+        assert "Paris" in alone[0]
