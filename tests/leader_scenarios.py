@@ -36,7 +36,7 @@ async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
     """One sequence (number 1): its prompt, then one token per step."""
     await pool.clear_kv_cache()
     sample = _sample_one(Sampler(SamplingParams(), []))
-    tokens = [(await pool.step(StepPlan(prefill=[(1, prompt, True)]), sample)).token]
+    tokens = [(await pool.step(StepPlan(prefill=[(1, 0, prompt, True)]), sample)).token]
     while len(tokens) < count:
         tokens.append((await pool.step(StepPlan(decode=[(1, tokens[-1])]), sample)).token)
     return tokens
@@ -103,7 +103,9 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
         async def long_step() -> None:
             try:
                 long_prompt = list(range(3, 200)) * 10
-                await pool.step(StepPlan(prefill=[(1, long_prompt, True)]), _sample_one(Sampler(SamplingParams(), [])))
+                await pool.step(
+                    StepPlan(prefill=[(1, 0, long_prompt, True)]), _sample_one(Sampler(SamplingParams(), []))
+                )
             except PoolError as e:
                 outcome["failures"] = {str(r): m for r, m in e.failures.items()}
                 outcome["broken"] = e.broken
@@ -137,7 +139,7 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
             error = str(e)
         await pool.clear_kv_cache()  # the pool is untouched and still answers
         try:
-            await pool.step(StepPlan(prefill=[(1, [1, 2], True)]), _sample_one(Sampler(SamplingParams(), [])))
+            await pool.step(StepPlan(prefill=[(1, 0, [1, 2], True)]), _sample_one(Sampler(SamplingParams(), [])))
             step_error = ""
         except PoolError as e:
             step_error = f"broken={e.broken}: {e}"

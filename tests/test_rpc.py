@@ -13,7 +13,7 @@ EVERY_MESSAGE = [
     rpc.Ping(id=1),
     rpc.Init(id=2, backend="ring", env={"MLX_RANK": "1", "MLX_HOSTFILE": "/tmp/h.json"}),
     rpc.LoadShard(id=3, model_path="/models/x"),
-    rpc.StepPlan(leave=[3], prefill=[(5, [1, 2, 3], True), (6, [9], False)], decode=[(1, 7), (2, 8)]).request(4),
+    rpc.StepPlan(leave=[3], prefill=[(5, 0, [1, 2, 3], True), (6, 4, [9], False)], decode=[(1, 7), (2, 8)]).request(4),
     rpc.ClearKvCache(id=5),
     rpc.Unload(id=6),
     rpc.Shutdown(id=7),
@@ -43,6 +43,7 @@ def test_every_op_is_covered() -> None:
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields``."""
     step = {"op": "generate_step", "id": 4, "leave": [], "prefill_seqs": [], "prefill_tokens": [], "prefill_last": []}
+    step["prefill_positions"] = []
     return json.dumps({**step, "decode_seqs": [1], "decode_tokens": [1], **fields}).encode()
 
 

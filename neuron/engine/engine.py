@@ -55,7 +55,7 @@ from neuron.pool import Deadlines, Pool, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.tp.model import ModelError, check_shardable
-from neuron.tp.sampler import Sampled, Sampler
+from neuron.tp.sampler import Sampled, Sampler, sample_all
 
 log = structlog.get_logger("neuron.engine")
 
@@ -291,7 +291,7 @@ class Engine:
                 break
             take = min(budget, len(seq.prompt) - seq.fed)
             end = seq.fed + take
-            prefill.append((seq.no, seq.prompt[seq.fed : end], end == len(seq.prompt)))
+            prefill.append((seq.no, seq.fed, seq.prompt[seq.fed : end], end == len(seq.prompt)))
             budget -= take
         decode = [(seq.no, seq.next_token) for seq in self._running]
         return StepPlan(leave=list(self._leaving), prefill=prefill, decode=decode)  # type: ignore[arg-type]
@@ -305,7 +305,7 @@ class Engine:
         def sample(logits: dict[int, Any]) -> dict[int, Sampled]:
             nonlocal sample_s
             started = time.perf_counter()
-            out = {no: samplers[no](row) for no, row in logits.items()}
+            out = sample_all(samplers, logits)
             sample_s = time.perf_counter() - started
             return out
 
@@ -322,14 +322,14 @@ class Engine:
         log.debug(
             "step",
             decode_rows=len(plan.decode),
-            prefill_tokens=sum(len(t) for _, t, _ in plan.prefill),
+            prefill_tokens=sum(len(t) for _, _, t, _ in plan.prefill),
             ms=round((time.perf_counter() - started) * 1000, 2),
             sample_ms=round(sample_s * 1000, 2),
         )
         self._leaving.clear()
         by_no = {seq.no: seq for seq in (*self._filling, *self._running)}
         # A sequence missing here was failed while the step ran (shutdown): nothing to deliver.
-        for no, tokens, last in plan.prefill:
+        for no, _, tokens, last in plan.prefill:
             if (seq := by_no.get(no)) is None:
                 continue
             seq.fed += len(tokens)
@@ -415,7 +415,7 @@ class Engine:
         """One token through every rank, from an empty cache and back to one."""
         try:
             await self.pool.clear_kv_cache()
-            await self.pool.step(StepPlan(prefill=[(0, [0], True)]), lambda _logits: None)
+            await self.pool.step(StepPlan(prefill=[(0, 0, [0], True)]), lambda _logits: None)
             await self.pool.clear_kv_cache()
         except PoolError as e:
             self._unready(e)

@@ -76,24 +76,25 @@ class StepPlan:
 
     In this order: the sequences in ``leave`` are dropped; sequences listed in
     ``decode`` that finished their prompt join the batch, after those already in
-    it; each ``prefill`` chunk is fed to its sequence (a new id starts one;
-    ``last`` marks the chunk that ends the prompt, whose next-token logits rank
-    0 returns); then the batch decodes one token per sequence, in ``decode``
+    it; each ``prefill`` chunk is fed to its sequence at ``position`` (0 starts
+    a new sequence; ``last`` marks the chunk that ends the prompt, whose
+    next-token logits rank 0 returns); then the batch decodes one token per sequence, in ``decode``
     order. The plan alone fixes every tensor shape, so every rank issues the
     same collectives even when its own state disagrees.
     """
 
     leave: list[int] = field(default_factory=list)
-    prefill: list[tuple[int, list[int], bool]] = field(default_factory=list)  # (sequence, tokens, last)
+    prefill: list[tuple[int, int, list[int], bool]] = field(default_factory=list)  # (sequence, position, tokens, last)
     decode: list[tuple[int, int]] = field(default_factory=list)  # (sequence, input token)
 
     def request(self, id: int) -> GenerateStep:
         return GenerateStep(
             id=id,
             leave=self.leave,
-            prefill_seqs=[s for s, _, _ in self.prefill],
-            prefill_tokens=[t for _, t, _ in self.prefill],
-            prefill_last=[last for _, _, last in self.prefill],
+            prefill_seqs=[s for s, _, _, _ in self.prefill],
+            prefill_positions=[p for _, p, _, _ in self.prefill],
+            prefill_tokens=[t for _, _, t, _ in self.prefill],
+            prefill_last=[last for _, _, _, last in self.prefill],
             decode_seqs=[s for s, _ in self.decode],
             decode_tokens=[t for _, t in self.decode],
         )
@@ -107,6 +108,7 @@ class GenerateStep:
     id: int
     leave: list[int]
     prefill_seqs: list[int]
+    prefill_positions: list[int]
     prefill_tokens: list[list[int]]
     prefill_last: list[bool]
     decode_seqs: list[int]
@@ -114,13 +116,19 @@ class GenerateStep:
 
     def plan(self) -> StepPlan:
         """The plan, or ``ValueError`` if the parallel lists disagree in length."""
-        if not len(self.prefill_seqs) == len(self.prefill_tokens) == len(self.prefill_last):
-            raise ValueError("prefill_seqs, prefill_tokens and prefill_last differ in length")
+        lengths = {
+            len(self.prefill_seqs),
+            len(self.prefill_positions),
+            len(self.prefill_tokens),
+            len(self.prefill_last),
+        }
+        if len(lengths) != 1:
+            raise ValueError("prefill_seqs, prefill_positions, prefill_tokens and prefill_last differ in length")
         if len(self.decode_seqs) != len(self.decode_tokens):
             raise ValueError("decode_seqs and decode_tokens differ in length")
         return StepPlan(
             self.leave,
-            list(zip(self.prefill_seqs, self.prefill_tokens, self.prefill_last, strict=True)),
+            list(zip(self.prefill_seqs, self.prefill_positions, self.prefill_tokens, self.prefill_last, strict=True)),
             list(zip(self.decode_seqs, self.decode_tokens, strict=True)),
         )
 

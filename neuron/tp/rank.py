@@ -155,7 +155,7 @@ class Rank:
         """
         if self.model is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_shard first")
-        for _, tokens, _ in plan.prefill:
+        for _, _, tokens, _ in plan.prefill:
             if not tokens or not all(0 <= t < self.vocab_size for t in tokens):
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for _, t in plan.decode):
@@ -166,11 +166,7 @@ class Rank:
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
         self._join([s for s, _ in plan.decode if s not in self.batch_ids])
-        out: dict[int, mx.array] = {}
-        for seq, tokens, last in plan.prefill:
-            logits = self._prefill(seq, tokens, last)
-            if logits is not None:
-                out[seq] = logits
+        out = self._prefill(plan.prefill)
         if plan.decode:
             out.update(self._decode(plan.decode))
         self._steps += 1
@@ -190,10 +186,13 @@ class Rank:
             if seq not in self.seqs:
                 return f"sequence {seq} cannot leave: this rank does not hold it"
         left = set(plan.leave)
-        for seq, _, _ in plan.prefill:
+        for seq, position, _, _ in plan.prefill:
             known = self.seqs.get(seq)
-            if seq in left or (known is not None and known.prompt_done):
-                return f"sequence {seq} is fed a prompt chunk but its prompt is already done here"
+            if position == 0 and known is not None:
+                return f"sequence {seq} is started again but this rank already holds it"
+            if position > 0 and (known is None or known.prompt_done or known.position != position or seq in left):
+                held = "nothing" if known is None else f"{known.position} tokens, prompt done: {known.prompt_done}"
+                return f"sequence {seq} is fed a prompt chunk at {position} but this rank holds {held}"
         staying = [s for s in self.batch_ids if s not in left]
         rows = [s for s, _ in plan.decode]
         if rows[: len(staying)] != staying:
@@ -206,8 +205,7 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None
-        for _, tokens, last in plan.prefill:
-            self._forward_prompt(tokens, last, make_prompt_cache(self.model))
+        self._prefill(plan.prefill, shadow=True)
         if plan.decode:
             rows = len(plan.decode)
             self._forward_batch(
@@ -242,15 +240,53 @@ class Rank:
         for s in joining:
             self.seqs[s].cache = None
 
-    def _prefill(self, seq: int, tokens: list[int], last: bool) -> mx.array | None:
+    def _prefill(self, chunks: list[tuple[int, int, list[int], bool]], shadow: bool = False) -> dict[int, mx.array]:
+        """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
+
+        New prompts (position 0) go through together, left-padded into one batch,
+        then each is extracted into a cache of its own; continuing chunks of long
+        prompts go one by one. The grouping depends on the plan alone, so every
+        rank issues the same collectives. ``shadow`` runs the same shapes on
+        throwaway caches and records nothing.
+        """
         assert self.model is not None
-        state = self.seqs.setdefault(seq, _Seq(cache=make_prompt_cache(self.model)))
-        assert state.cache is not None
-        logits = self._forward_prompt(tokens, last, state.cache)
-        state.position += len(tokens)
-        state.last = tokens[-1]
-        state.prompt_done = last
-        return logits
+        out: dict[int, mx.array] = {}
+        fresh = [(seq, tokens, last) for seq, position, tokens, last in chunks if position == 0]
+        if fresh:
+            logits, caches = self._forward_new_prompts([tokens for _, tokens, _ in fresh])
+            for i, (seq, tokens, last) in enumerate(fresh):
+                if not shadow:
+                    own = [layer.extract(i) for layer in caches]
+                    self.seqs[seq] = _Seq(position=len(tokens), last=tokens[-1], cache=own, prompt_done=last)
+                if last and logits is not None:
+                    out[seq] = logits[i]
+        for seq, position, tokens, last in chunks:
+            if position == 0:
+                continue
+            state = _Seq(cache=make_prompt_cache(self.model)) if shadow else self.seqs[seq]
+            assert state.cache is not None
+            logits = self._forward_prompt(tokens, last, state.cache)
+            state.position += len(tokens)
+            state.last = tokens[-1]
+            state.prompt_done = last
+            if logits is not None:
+                out[seq] = logits
+        return out
+
+    def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
+        """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
+        assert self.model is not None
+        trunk = backbone(self.model)
+        bodies = [tokens[:-1] for tokens in prompts]
+        width = max(len(body) for body in bodies)
+        caches = [BatchKVCache([width - len(body) for body in bodies]) for _ in self.model.layers]
+        if width:
+            padded = mx.array([[0] * (width - len(body)) + body for body in bodies])
+            for start in range(0, width, PREFILL_CHUNK):
+                hidden = trunk(padded[:, start : start + PREFILL_CHUNK], cache=caches)
+                mx.eval(hidden, [(c.keys, c.values) for c in caches])
+        final = mx.array([tokens[-1:] for tokens in prompts])
+        return self._forward_batch(final, caches), caches
 
     def _forward_prompt(self, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
         """Feed prompt tokens; when they end the prompt, the last goes through alone so only rank 0, for one

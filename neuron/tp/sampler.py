@@ -19,6 +19,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from neuron.sampling_params import PENALTY_WINDOW, SamplingParams
 
+NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
+
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
@@ -38,6 +40,17 @@ class Sampler:
         # loop's thread, but its arrays must belong to rank 0's thread, where it runs.
         self._key: mx.array | None = None
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing else to compute: such rows can be sampled together (``sample_all``)."""
+        p = self.params
+        no_processing = not p.logit_bias and p.presence_penalty == p.frequency_penalty == 0.0
+        return p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
+
+    def record(self, sampled: Sampled) -> Sampled:
+        self._recent = [*self._recent[1 - PENALTY_WINDOW :], sampled.token]
+        return sampled
 
     def _start(self) -> mx.array:
         p = self.params
@@ -83,6 +96,23 @@ class Sampler:
             top = tuple((int(i), float(lp)) for i, lp in ranked)
         else:
             mx.eval(token, chosen)
-        sampled = Sampled(int(token.item()), float(chosen.item()), top)
-        self._recent = [*self._recent[1 - PENALTY_WINDOW :], sampled.token]
-        return sampled
+        return self.record(Sampled(int(token.item()), float(chosen.item()), top))
+
+
+def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
+    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax.
+
+    Plain rows asked for no logprobs, and none is computed: on the CPU backend
+    a log-sum-exp over the vocabulary costs more than the argmax and the
+    evaluation round trip together (about 1 ms per row for 49k tokens).
+    """
+    plain = [no for no in logits if samplers[no].plain]
+    out: dict[int, Sampled] = {}
+    if plain:
+        tokens = mx.argmax(mx.stack([logits[no] for no in plain]), axis=-1).tolist()
+        for no, token in zip(plain, tokens, strict=True):
+            out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
+    for no, row in logits.items():
+        if no not in out:
+            out[no] = samplers[no](row)
+    return out
