@@ -43,7 +43,7 @@ import anyio.lowlevel
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import cpu, rpc
+from neuron import cpu, metrics, rpc
 from neuron import log as _log  # noqa: F401 - keeps logs off stdout
 from neuron.rpc import ErrorKind
 from neuron.tp.model import check_shardable
@@ -257,6 +257,7 @@ class Pool:
         self._rank0 = Rank0Thread(world_size, self._cpus[0] if self._cpus else None)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._lock = anyio.Lock()
+        self._last_reply = 0.0  # when the latest worker reply arrived (for the drain timing)
 
     async def __aenter__(self) -> Pool:
         try:
@@ -396,12 +397,21 @@ class Pool:
             # only, the ranks that have a model would wait in a collective for those
             # that refuse.
             raise PoolError("generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False)
-        replies = await self._fan_out(
-            "generate_step",
-            lambda _, id: plan.request(id),
-            lambda rank: (on_rank0(rank.step(plan)), rank.fingerprint()),
-            self.deadlines.step,
-        )
+        rank0_s = 0.0
+
+        def on_rank(rank: Rank) -> tuple[T, str]:
+            nonlocal rank0_s
+            started = time.perf_counter()
+            result = on_rank0(rank.step(plan))
+            rank0_s = time.perf_counter() - started
+            return result, rank.fingerprint()
+
+        started = time.perf_counter()
+        replies = await self._fan_out("generate_step", lambda _, id: plan.request(id), on_rank, self.deadlines.step)
+        metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - started)
+        metrics.STEP_SECONDS.labels("rank0").observe(rank0_s)
+        if self.workers:
+            metrics.STEP_SECONDS.labels("drain").observe(self._last_reply - started)
         result, expected = replies[0]
         desynced = {
             r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
@@ -409,6 +419,7 @@ class Pool:
             if r != 0 and reply.fingerprint != expected
         }
         if desynced:
+            metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False)
         return result
@@ -505,6 +516,7 @@ class Pool:
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
                     lost.set()
                     return
+                self._last_reply = max(self._last_reply, time.perf_counter())
                 if isinstance(reply, rpc.Error):
                     breaks = reply.kind not in (ErrorKind.BAD_STATE, ErrorKind.STEP_FAILED, ErrorKind.LOAD_FAILED)
                     failures[worker.rank] = _RankFailure(f"{reply.kind}: {reply.message}", breaks=breaks)

@@ -380,3 +380,39 @@ def test_http_layer_imports_no_mlx() -> None:
     code = "import sys, neuron.server.app; assert not [m for m in sys.modules if m.startswith('mlx')], 'mlx loaded'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def _scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_move_with_a_request(tp2: Server) -> None:
+    before = _scrape(tp2)
+    reply = complete(tp2, max_tokens=12)
+    refused = _post(tp2, COMPLETIONS, {"model": "qwen3", "prompt": "x", "max_tokens": -1}, key=None)
+    assert refused.status_code == 400
+    after = _scrape(tp2)
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    outcome = reply.choices[0].finish_reason
+    assert grew("neuron_requests_total", outcome=outcome) == 1
+    assert grew("neuron_requests_total", outcome="rejected") == 1
+    assert grew("neuron_completion_tokens_total") == reply.usage.completion_tokens
+    assert grew("neuron_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert grew("neuron_time_to_first_token_seconds_count") == 1
+    steps = reply.usage.completion_tokens  # the prompt's step gives the first token, each later step one more
+    for part in ("total", "rank0", "drain"):
+        assert grew("neuron_step_seconds_count", part=part) >= steps
+    assert after[("neuron_ready", ())] == 1.0
+    assert after[("neuron_requests_running", ())] == 0.0

@@ -40,6 +40,7 @@ from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
+from neuron import metrics
 from neuron.engine.sequence import (
     Chunk,
     Failure,
@@ -103,6 +104,9 @@ class Engine:
         self._accepting = True
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
+        metrics.WAITING.set_function(lambda: len(self._waiting))
+        metrics.RUNNING.set_function(lambda: len(self._filling) + len(self._running))
+        metrics.READY.set_function(lambda: float(self.health.ready))
 
     @classmethod
     @asynccontextmanager
@@ -204,6 +208,7 @@ class Engine:
             params,
             StopText(tuple(stop)),
         )
+        seq.submitted = time.perf_counter()
         self._waiting.append(seq)
         self._idle = anyio.Event()
         self._wakeup.set()
@@ -216,6 +221,7 @@ class Engine:
         if seq in self._waiting:
             # Never started: it frees its place in the queue at once.
             self._waiting.remove(seq)
+            metrics.REQUESTS.labels("cancelled").inc()
             seq.emit(Finish("cancelled", len(seq.prompt), 0, ""))
 
     def abort(self, message: str) -> None:
@@ -260,6 +266,7 @@ class Engine:
             seq.sampler = Sampler(seq.params, seq.prompt)
             seq.detokenizer = self._detokenizer()
             seq.started = time.perf_counter()
+            metrics.PROMPT_TOKENS.inc(len(seq.prompt))
             self._filling.append(seq)
             log.info(
                 "request started",
@@ -281,6 +288,7 @@ class Engine:
                     steps_after_cancel=self.steps - (seq.cancelled_at or 0),
                     ms=round((time.perf_counter() - seq.started) * 1000, 1),
                 )
+                metrics.REQUESTS.labels("cancelled").inc()
                 seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, ""))
 
     def _plan(self) -> StepPlan:
@@ -347,6 +355,10 @@ class Engine:
             self._finish(seq, "stop", stopped=False)
             return
         seq.completion_tokens += 1
+        metrics.COMPLETION_TOKENS.inc()
+        if seq.completion_tokens == 1:
+            seq.first_token_at = time.perf_counter()
+            metrics.TIME_TO_FIRST_TOKEN.observe(seq.first_token_at - seq.submitted)
         seq.detokenizer.add_token(sampled.token)
         text, stopped = seq.stop.push(seq.detokenizer.last_segment)
         seq.emit(Chunk(sampled.token, text, sampled.logprob, sampled.top))
@@ -374,6 +386,10 @@ class Engine:
             finish_reason=reason,
             ms=round((time.perf_counter() - seq.started) * 1000, 1),
         )
+        metrics.REQUESTS.labels(reason).inc()
+        if seq.completion_tokens > 1:
+            decoding = time.perf_counter() - seq.first_token_at
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
         seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail))
 
     def _remove(self, seq: Sequence) -> None:
@@ -387,6 +403,7 @@ class Engine:
         for seq in (*self._waiting, *self._filling, *self._running):
             if not seq.finished:
                 seq.cancelled_at = self.steps
+                metrics.REQUESTS.labels("failed").inc()
                 seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))
         self._waiting.clear()
         self._filling.clear()

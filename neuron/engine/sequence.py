@@ -115,7 +115,9 @@ class Sequence:
     completion_tokens: int = 0
     sampler: Any = None  # rank 0's sampler for it (MLX; built and used on rank 0's thread)
     detokenizer: Any = None
-    started: float = 0.0  # perf_counter when it was admitted to the batch
+    submitted: float = 0.0  # perf_counter times: queued, admitted to the batch, first token
+    started: float = 0.0
+    first_token_at: float = 0.0
     # The engine's step count when the caller stopped listening; None while it listens.
     cancelled_at: int | None = None
     finished: bool = False

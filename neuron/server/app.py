@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import orjson
 import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from neuron import metrics
 from neuron.engine.sequence import Chunk, Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
 from neuron.server import openai
 from neuron.server.openai import ApiError, Generation, Replies
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 T = TypeVar("T")
 
 
@@ -199,6 +202,11 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_id, "object": "model", "created": state.started, "owned_by": "neuron"}
 
 
+async def prometheus(request: Request) -> Response:
+    """Unauthenticated, like /health: scrapers rarely carry keys, and it holds counts, not content."""
+    return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
 async def list_models(request: Request) -> Response:
     state = _state(request)
     _authorize(request, state)
@@ -295,6 +303,8 @@ async def _stream(seq: Sequence, gen: Generation, replies: Replies) -> AsyncIter
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    if request.url.path in GENERATION_PATHS:
+        metrics.REQUESTS.labels("rejected").inc()
     log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
     return error_response(exc)
 
@@ -321,6 +331,7 @@ def build_app(state: ServerState) -> Starlette:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", prometheus, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -1,0 +1,46 @@
+"""Prometheus metrics for the leader, served at ``GET /metrics``. No MLX.
+
+One registry per process, as Prometheus clients expect: the engine and the
+pool update it, the HTTP server renders it. Workers keep none; the leader sees
+every step's timing from its side of the pipes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+# Seconds: a step on a tiny model takes milliseconds, a prefill of a long prompt seconds.
+_FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SLOW = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+REQUESTS = Counter(
+    "neuron_requests",
+    "Requests ended, by outcome: stop, length, cancelled (the client left), failed, rejected (refused at the door)",
+    ["outcome"],
+    registry=REGISTRY,
+)
+PROMPT_TOKENS = Counter("neuron_prompt_tokens", "Prompt tokens of admitted requests", registry=REGISTRY)
+COMPLETION_TOKENS = Counter("neuron_completion_tokens", "Tokens generated", registry=REGISTRY)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "neuron_time_to_first_token_seconds", "From admission to the first token", buckets=_SLOW, registry=REGISTRY
+)
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "neuron_time_per_output_token_seconds",
+    "Mean time between a request's tokens after the first",
+    buckets=_FAST,
+    registry=REGISTRY,
+)
+STEP_SECONDS = Histogram(
+    "neuron_step_seconds",
+    "Step latency by part: total; rank0 (rank 0's forward and sampling); drain (until the last worker replied)",
+    ["part"],
+    buckets=_FAST,
+    registry=REGISTRY,
+)
+WAITING = Gauge("neuron_requests_waiting", "Requests queued for a place in the batch", registry=REGISTRY)
+RUNNING = Gauge("neuron_requests_running", "Requests in the batch (prompt being fed, or decoding)", registry=REGISTRY)
+READY = Gauge("neuron_ready", "1 when a probe step has passed on every rank since the last failure", registry=REGISTRY)
+DESYNCS = Counter("neuron_desyncs", "Steps failed because a rank's state digest differed", registry=REGISTRY)
+WORKER_RESTARTS = Counter("neuron_worker_restarts", "Worker processes started again after a failure", registry=REGISTRY)
