@@ -10,7 +10,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from conftest import Server, serving
+from conftest import Server, serving, wait_until
 
 # Different lengths, some longer than the prefill chunk the servers here use (16),
 # so prompts are fed over several steps while others decode.
@@ -171,3 +171,35 @@ async def test_smollm2_eight_concurrent_chats_equal_each_alone(
                 tg.start_soon(one, i)
         assert together == alone
         assert "Paris" in alone[0]
+
+
+@pytest.mark.anyio
+async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the_batch(tiny: Server) -> None:
+    # A 200-token prompt takes 13 steps at 16 tokens per step; a request admitted meanwhile waits for its first
+    # chunk. If its client leaves then, no rank ever held it: it must simply vanish.
+    long_prompt = "the " * 50
+    expected = await _complete(tiny, "qwen3", long_prompt, 8, temperature=0.0)
+
+    def count(event: str) -> int:
+        return sum(e.get("event") == event for e in tiny.logs())
+
+    started, cancelled = count("request started"), count("request cancelled")
+
+    def leave_once_admitted() -> None:
+        wait_until(lambda: count("request started") == started + 1, 30, "the long request's admission")
+        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            wait_until(lambda: count("request started") == started + 2, 30, "the short request's admission")
+
+    texts: list[str] = []
+
+    async def long_one() -> None:
+        texts.append(await _complete(tiny, "qwen3", long_prompt, 8, temperature=0.0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_one)
+        await anyio.to_thread.run_sync(leave_once_admitted)
+    assert texts == [expected]
+    assert count("request cancelled") == cancelled + 1
+    assert tiny.find_log("desync") is None

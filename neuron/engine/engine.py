@@ -393,11 +393,12 @@ class Engine:
         seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail))
 
     def _remove(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the batch; the ranks drop it in the next plan."""
+        """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
         for group in (self._filling, self._running):
             if seq in group:
                 group.remove(seq)
-                self._leaving.append(seq.no)
+                if seq.fed:
+                    self._leaving.append(seq.no)
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in (*self._waiting, *self._filling, *self._running):
