@@ -15,7 +15,6 @@ sequence, so they generate the same text.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from streaming import stream_completion
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -45,37 +45,13 @@ PROMPTS = [
 LEVELS = (1, 2, 4, 8)
 
 
-def stream(url: str, model: str, prompt: str, tokens: int) -> dict:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    first, chunks, usage = None, 0, None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                chunks += 1
-                first = first or time.perf_counter()
-    return {"ttft": (first or time.perf_counter()) - started, "tokens": usage if usage is not None else chunks}
-
-
 def level(url: str, model: str, concurrency: int, tokens: int) -> dict:
     results: list[dict] = [{}] * concurrency
 
     def one(i: int) -> None:
-        results[i] = stream(url, model, PROMPTS[i % len(PROMPTS)], tokens)
+        streamed = stream_completion(url, model, PROMPTS[i % len(PROMPTS)], tokens)
+        first = streamed.text_at[0] if streamed.text_at else time.perf_counter()
+        results[i] = {"ttft": first - streamed.started, "tokens": streamed.tokens}
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
     started = time.perf_counter()

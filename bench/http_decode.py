@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from streaming import stream_completion
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -48,30 +50,9 @@ def _blas_env() -> dict[str, str]:
 
 
 def http_round(url: str, model_id: str, tokens: int) -> dict:
-    import httpx
-
-    body = {
-        "model": model_id,
-        "prompt": PROMPT,
-        "max_tokens": tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    stamps, count = [], 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"neuron serve answered {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                stamps.append(time.perf_counter())
-            if event.get("usage"):
-                count = event["usage"]["completion_tokens"]
+    streamed = stream_completion(url, model_id, PROMPT, tokens)
     # Text can lag a token (a partial character), so time spans first to last text, counted in tokens.
-    return {"tokens": count, "seconds": stamps[-1] - stamps[0]}
+    return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0]}
 
 
 def main() -> None:

@@ -276,36 +276,32 @@ class Rank:
     def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
         """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
         assert self.model is not None
-        trunk = backbone(self.model)
         bodies = [tokens[:-1] for tokens in prompts]
         width = max(len(body) for body in bodies)
         caches = [BatchKVCache([width - len(body) for body in bodies]) for _ in self.model.layers]
         if width:
-            padded = mx.array([[0] * (width - len(body)) + body for body in bodies])
-            for start in range(0, width, PREFILL_CHUNK):
-                hidden = trunk(padded[:, start : start + PREFILL_CHUNK], cache=caches)
-                mx.eval(hidden, [(c.keys, c.values) for c in caches])
+            self._feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), caches)
         final = mx.array([tokens[-1:] for tokens in prompts])
         return self._forward_batch(final, caches), caches
 
     def _forward_prompt(self, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
         """Feed prompt tokens; when they end the prompt, the last goes through alone so only rank 0, for one
         position, computes the projection to the vocabulary."""
-        assert self.model is not None
-        trunk = backbone(self.model)
         body = tokens[:-1] if last else tokens
-        for start in range(0, len(body), PREFILL_CHUNK):
-            chunk = mx.array(body[start : start + PREFILL_CHUNK])[None]
-            mx.eval(trunk(chunk, cache=cache), [c.state for c in cache])
+        if body:
+            self._feed(mx.array(body)[None], cache)
         if not last:
             return None
-        final = mx.array(tokens[-1:])[None]
-        if self.rank == 0:
-            out = self.model(final, cache=cache)[0, -1, :]
-            mx.eval(out)
-            return out
-        mx.eval(trunk(final, cache=cache))
-        return None
+        logits = self._forward_batch(mx.array(tokens[-1:])[None], cache)
+        return None if logits is None else logits[0]
+
+    def _feed(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> None:
+        """Run the backbone over ``tokens`` (rows of equal length) in chunks of PREFILL_CHUNK, filling ``cache``."""
+        assert self.model is not None
+        trunk = backbone(self.model)
+        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+            hidden = trunk(tokens[:, start : start + PREFILL_CHUNK], cache=cache)
+            mx.eval(hidden, [(c.keys, c.values) for c in cache])
 
     def _decode(self, rows: list[tuple[int, int]]) -> dict[int, mx.array]:
         assert self.batch is not None
@@ -318,7 +314,8 @@ class Rank:
             return {}
         return {seq: logits[i] for i, (seq, _) in enumerate(rows)}
 
-    def _forward_batch(self, tokens: mx.array, cache: list[BatchKVCache]) -> mx.array | None:
+    def _forward_batch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array | None:
+        """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
         assert self.model is not None
         if self.rank == 0:
             out = self.model(tokens, cache=cache)[:, -1, :]
