@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from neuron import log
-from neuron.pool import Pool, PoolBroken, PoolError
+from neuron.pool import Deadlines, Pool, PoolBroken, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.tp.model import ModelError
@@ -89,6 +89,25 @@ async def impossible_plan(model: str, count: int) -> dict[str, Any]:
         return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
 
 
+async def one_rank_disagrees(model: str, count: int) -> dict[str, Any]:
+    """Rank 0 alone forgets a sequence: it must still run the step's collectives (on throwaway caches),
+    or rank 1 would wait inside them until the deadline."""
+    async with Pool(2, deadlines=Deadlines(step=30)) as pool:
+        await pool.load(model)
+        sample = _sample_one(Sampler(SamplingParams(), []))
+        first = await pool.step(StepPlan(prefill=[(1, 0, PROMPT, True)]), sample)
+        await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
+        started = time.monotonic()
+        try:
+            await pool.step(StepPlan(decode=[(1, first.token)]), sample)
+            failure = {}
+        except PoolError as e:
+            failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
+        seconds = time.monotonic() - started
+        await pool.clear_kv_cache()
+        return {"failure": failure, "seconds": seconds, "after": await greedy(pool, PROMPT, count)}
+
+
 def _cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
@@ -154,7 +173,17 @@ async def hold(world_size: int) -> None:
 
 
 SCENARIOS = {
-    f.__name__: f for f in (spawn, generate, fail_then_recover, impossible_plan, kill_mid_step, unsplittable, hold)
+    f.__name__: f
+    for f in (
+        spawn,
+        generate,
+        fail_then_recover,
+        impossible_plan,
+        one_rank_disagrees,
+        kill_mid_step,
+        unsplittable,
+        hold,
+    )
 }
 
 if __name__ == "__main__":

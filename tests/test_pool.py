@@ -81,6 +81,17 @@ def test_a_plan_no_rank_can_follow_fails_on_every_rank_without_a_hang(
     assert result["after"] == clean_tokens["llama"]
 
 
+def test_a_rank_that_alone_disagrees_still_matches_its_peers_collectives(
+    tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]]
+) -> None:
+    result = scenario("one_rank_disagrees", str(tiny_models["llama"]), 32, timeout=120)
+    failure = result["failure"]
+    assert list(failure["failures"]) == ["0"] and not failure["broken"], failure
+    assert "desync" in failure["failures"]["0"] and "sequence 1" in failure["failures"]["0"]
+    assert result["seconds"] < 10  # no wait on the 30 s step deadline
+    assert result["after"] == clean_tokens["llama"]
+
+
 def test_worker_killed_mid_step_fails_within_5s_naming_it(tiny_models: dict[str, Path]) -> None:
     result = scenario("kill_mid_step", str(tiny_models["llama"]))
     assert not result["ended_before_kill"], "the step ended before the worker could be killed mid-step"

@@ -367,7 +367,13 @@ def test_smollm2_chat_over_http_equals_neuron_generate(smollm2: Path, tmp_path_f
             temperature=0.0,
             max_tokens=30,
         )
+        # A completion continues its prompt: its text is exactly its tokens' text, leading space included.
+        continued = client(server).completions.create(
+            model="SmolLM2-135M-Instruct", prompt="The capital of France is", temperature=0.0, max_tokens=3, logprobs=0
+        )
     cli = run_neuron("generate", "--chat", question, "--max-tokens", "30")
+    assert continued.choices[0].text.startswith(" Paris")
+    assert continued.choices[0].text == "".join(continued.choices[0].logprobs.tokens)
     assert cli.returncode == 0, cli.stderr
     text = reply.choices[0].message.content
     assert "Paris" in text and text == cli.stdout.removesuffix("\n")
