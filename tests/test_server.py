@@ -159,7 +159,9 @@ def test_disconnect_drops_the_request_at_the_next_step_boundary(tp2: Server) -> 
 def test_full_queue_answers_429_and_a_cancelled_wait_frees_its_place(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--max-waiting", "1") as server:
+    # One in the batch, one waiting: the third finds the queue full.
+    args = ("--model", str(tiny_models["qwen3"]), "--max-batch", "1", "--max-waiting", "1")
+    with serving(tmp_path_factory, *args) as server:
         body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "stream": True}
         url = f"{server.url}/v1/completions"
         with httpx.Client(timeout=60) as http:
