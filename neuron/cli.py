@@ -11,11 +11,10 @@ import argparse
 import os
 import sys
 
-from neuron import __version__
+from neuron import __version__, config
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
-API_KEY_ENV = "NEURON_API_KEY"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,51 +26,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    model = argparse.ArgumentParser(add_help=False)
-    model.add_argument("--model", help="model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    model.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    model.add_argument(
-        "--backend",
-        default="ring",
-        choices=("ring", "jaccl", "nccl"),
-        help="mx.distributed backend for --tp > 1 (default ring; jaccl and nccl untested here)",
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "--config",
+        metavar="PATH",
+        help=f"TOML file of settings (default: ${config.CONFIG_ENV}, else {config.DEFAULT_CONFIG} when present)",
     )
-    model.add_argument(
-        "--step-timeout",
-        type=float,
-        default=120.0,
-        help="seconds a step may take on any rank before it is declared lost (default 120)",
-    )
-    model.add_argument(
-        "--log-level",
-        default="info",
-        choices=("debug", "info", "warning", "error"),
-        help="logs go to stderr (default info)",
-    )
+    config.add_arguments(serve, config.SERVE_SETTINGS)
 
-    serve = commands.add_parser("serve", parents=[model], help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    serve.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; unset means no key)",
-    )
-    serve.add_argument("--max-batch", type=int, default=8, help="sequences decoding together (default 8)")
-    serve.add_argument(
-        "--max-waiting", type=int, default=64, help="requests queued beyond the batch; more get 429 (default 64)"
-    )
-    serve.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="prompt tokens fed per step, so long prompts do not stall running streams (default 512)",
-    )
-    serve.add_argument(
-        "--max-context", type=int, help="tokens per request, prompt and completion (default: the model's context)"
-    )
-
-    gen = commands.add_parser("generate", parents=[model], help="generate text for one prompt, streamed to stdout")
+    gen = commands.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    config.add_arguments(gen, config.MODEL_SETTINGS)
     gen.add_argument("prompt", metavar="PROMPT")
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -95,28 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    if args.tp < 1:
-        parser.error(f"--tp must be at least 1, got {args.tp}")
-    if args.step_timeout <= 0:
-        parser.error(f"--step-timeout must be positive, got {args.step_timeout}")
+    problems = config.resolve(
+        args,
+        config.SERVE_SETTINGS if args.command == "serve" else config.MODEL_SETTINGS,
+        layered=args.command == "serve",
+    )
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
 
         if args.max_tokens < 1:
-            parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+            problems.append(f"--max-tokens must be at least 1, got {args.max_tokens}")
         args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-        if problems := args.sampling.problems():
-            parser.error("; ".join(problems))
-    if args.command == "serve":
-        if not 0 <= args.port <= 65535:
-            parser.error(f"--port must lie in [0, 65535], got {args.port}")
-        if args.max_waiting < 0:
-            parser.error(f"--max-waiting must be 0 or more, got {args.max_waiting}")
-        for flag in ("max_batch", "prefill_chunk", "max_context"):
-            if (value := getattr(args, flag)) is not None and value < 1:
-                parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-        if args.api_key is not None and not args.api_key.strip():
-            parser.error(f"--api-key (or ${API_KEY_ENV}) is empty; give a key or leave it unset")
+        problems += args.sampling.problems()
+    if problems:
+        parser.error("; ".join(problems))
 
     from neuron import cpu
 
@@ -130,8 +86,10 @@ def _run(args: argparse.Namespace) -> int:
     from neuron import cpu
     from neuron import log as logging_setup
 
-    logging_setup.configure(args.log_level)
-    os.environ["NEURON_LOG_LEVEL"] = args.log_level  # the workers log at the leader's level
+    # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
+    fmt = logging_setup.configure(args.log_level, args.log_format, rank=0)
+    os.environ[config.SETTINGS["log_level"].env] = args.log_level
+    os.environ[config.SETTINGS["log_format"].env] = fmt
     import structlog
 
     from neuron.engine.sequence import RequestError
@@ -171,6 +129,7 @@ async def _serve(args: argparse.Namespace) -> None:
             api_key=args.api_key.strip() if args.api_key else None,
             deadlines=Deadlines(step=args.step_timeout),
             limits=Limits(args.max_batch, args.max_waiting, args.prefill_chunk, args.max_context),
+            drain_timeout=args.drain_timeout,
         )
     )
 

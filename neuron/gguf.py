@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import structlog
 
-from neuron.log import progress
+from neuron.log import ms_since, progress
 
 log = structlog.get_logger("neuron.gguf")
 
@@ -183,5 +183,5 @@ def convert(gguf: Path, out: Path, dtype: mx.Dtype) -> None:
         source=str(gguf),
         folder=str(out),
         dtype=config["torch_dtype"],
-        ms=round((time.perf_counter() - started) * 1000, 1),
+        ms=ms_since(started),
     )

@@ -1,42 +1,164 @@
-"""Logging, configured once per process: JSON lines on stderr, or readable lines on a terminal.
+"""Logging, configured once per process: JSON lines, readable lines on a terminal, or native journald fields.
 
-Everything goes to stderr. A worker's stdout is the protocol, and the leader's
-is the generated text (``neuron generate``), so no log line may ever reach it.
+Everything goes to stderr (or the journal's socket). A worker's stdout is the
+protocol, and the leader's is the generated text (``neuron generate``), so no
+log line may ever reach it.
+
+Why a native journald sink: a ``<N>`` prefix on a stderr line sets only its
+priority. Fields an operator can filter on (``journalctl -u neuron RANK=1
+REQUEST_ID=...``) need the journal's own datagram protocol, which is small
+enough to write here: ``KEY=value`` lines, or a length-prefixed value when it
+holds a newline.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import socket
+import struct
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
+from typing import Any
 
 import structlog
 
-LEVELS = ("debug", "info", "warning", "error")
+LEVELS = ("trace", "debug", "info", "warning", "error")
+FORMATS = ("auto", "json", "console", "journal")
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+# Where the journal listens; a test, or a container with the socket mounted elsewhere, points it away.
+JOURNAL_SOCKET_ENV = "NEURON_JOURNAL_SOCKET"
+SYSLOG_IDENTIFIER = "neuron"
+
+# syslog priorities, as journalctl -p reads them.
+PRIORITIES = {"critical": 2, "error": 3, "exception": 3, "warning": 4, "info": 6, "debug": 7, "trace": 7}
+
+_tracing = False
 
 
-def configure(level: str = "info", fmt: str = "auto", **bound: object) -> None:
-    """``fmt`` is ``json``, ``console``, or ``auto`` (console on a terminal, JSON otherwise)."""
+def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
+    """Set up this process's logging; returns the format in use (``auto`` resolved).
+
+    ``fmt`` is ``json``, ``console``, ``journal``, or ``auto``: the journal when
+    stderr is the journal (``$JOURNAL_STREAM``, as systemd sets it), console on
+    a terminal, JSON otherwise. ``trace`` is below ``debug``: one event per step.
+    """
+    global _tracing
     if fmt == "auto":
-        fmt = "console" if sys.stderr.isatty() else "json"
-    renderer = structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else structlog.processors.JSONRenderer()
+        fmt = "journal" if stderr_is_journal() else "console" if sys.stderr.isatty() else "json"
+    _tracing = level == "trace"
+    processors: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        _trace_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+    ]
+    factory: Callable[..., Any]
+    if fmt == "journal":
+        processors.append(journal_datagram)
+        factory = JournalLogger.factory(os.environ.get(JOURNAL_SOCKET_ENV, JOURNAL_SOCKET))
+    else:
+        renderer = (
+            structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else structlog.processors.JSONRenderer()
+        )
+        processors.append(renderer)
+        factory = structlog.PrintLoggerFactory(file=sys.stderr)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.DEBUG if _tracing else getattr(logging, level.upper())
+        ),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
     if bound:
         structlog.contextvars.bind_contextvars(**bound)
+    return fmt
+
+
+def trace(logger: Any, event: str, **fields: object) -> None:
+    """Log below debug: per-step detail, too much for anything but chasing a problem."""
+    if _tracing:
+        logger.debug(event, _trace=True, **fields)
+
+
+def ms_since(started: float) -> float:
+    """Milliseconds since a ``time.perf_counter()`` reading, as logs show durations."""
+    return round((time.perf_counter() - started) * 1000, 1)
+
+
+def _trace_level(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    if event.pop("_trace", False):
+        event["level"] = "trace"
+    return event
+
+
+def stderr_is_journal() -> bool:
+    """systemd sets ``$JOURNAL_STREAM`` to ``device:inode`` of the stream it connected; a redirect changes them."""
+    try:
+        device, inode = (int(part) for part in os.environ["JOURNAL_STREAM"].split(":"))
+        stat = os.fstat(sys.stderr.fileno())
+    except (KeyError, ValueError, OSError):
+        return False
+    return (stat.st_dev, stat.st_ino) == (device, inode)
+
+
+_FIELD_NAME = re.compile(r"[^A-Z0-9_]")
+
+
+def journal_datagram(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> bytes:
+    """One journal entry: MESSAGE reads like a console line, and every key is also a field of its own."""
+    level = str(event.pop("level", "info"))
+    event.pop("timestamp", None)  # the journal stamps entries itself
+    message = str(event.pop("event", ""))
+    extra = " ".join(f"{key}={value}" for key, value in event.items() if key != "exception")
+    fields: dict[str, object] = {
+        "MESSAGE": f"{message} {extra}" if extra else message,
+        "PRIORITY": PRIORITIES.get(level, 6),
+        "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
+        "EVENT": message,  # journalctl EVENT="request done": MESSAGE also holds the fields
+        "LEVEL": level,
+    }
+    for key, value in event.items():
+        # Field names are upper-case letters, digits and underscores, not starting with one.
+        name = _FIELD_NAME.sub("_", key.upper()).lstrip("_")[:64]
+        if name and name not in fields:
+            fields[name] = value
+    out = bytearray()
+    for name, value in fields.items():
+        data = str(value).encode()
+        if b"\n" in data:
+            out += name.encode() + b"\n" + struct.pack("<Q", len(data)) + data + b"\n"
+        else:
+            out += name.encode() + b"=" + data + b"\n"
+    return bytes(out)
+
+
+class JournalLogger:
+    """Sends each rendered entry to the journal; if the journal refuses it, the line goes to stderr instead."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    @classmethod
+    def factory(cls, path: str) -> Callable[..., JournalLogger]:
+        shared = cls(path)
+        return lambda *_args: shared
+
+    def msg(self, entry: bytes) -> None:
+        try:
+            self._socket.sendto(entry, self._path)
+        except OSError:
+            # Too large for a datagram, or no journal: nothing is lost, stderr still reaches it.
+            sys.stderr.write(entry.decode(errors="replace").replace("\n", " ") + "\n")
+
+    debug = info = warning = error = critical = exception = log = msg
 
 
 @contextmanager
@@ -59,7 +181,7 @@ def progress(label: str, total: int) -> Iterator[Callable[[], None]]:
     yield advance
     if live:
         sys.stderr.write("\n")
-    structlog.get_logger("neuron").info(label, items=done, ms=round((time.perf_counter() - started) * 1000, 1))
+    structlog.get_logger("neuron").info(label, items=done, ms=ms_since(started))
 
 
 # A library default: until a program configures logging, structlog would print

@@ -44,7 +44,7 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
-from neuron import log as _log  # noqa: F401 - keeps logs off stdout
+from neuron.log import ms_since
 from neuron.rpc import ErrorKind
 from neuron.tp.model import check_shardable
 from neuron.tp.rank import Loaded, Rank, RankError, group_joined
@@ -320,7 +320,7 @@ class Pool:
             world_size=self.world_size,
             pids=[w.pid for w in self.workers],
             cpus=self._cpus,
-            ms=round((time.perf_counter() - started) * 1000, 1),
+            ms=ms_since(started),
         )
 
     def _rank_env(self, rank: int, hostfile: Path) -> dict[str, str]:
@@ -353,7 +353,7 @@ class Pool:
             "group ready",
             backend=self.backend,
             world_size=self.world_size,
-            ms=round((time.perf_counter() - started) * 1000, 1),
+            ms=ms_since(started),
         )
 
     # Model operations.
@@ -380,7 +380,7 @@ class Pool:
             model=path,
             world_size=self.world_size,
             parameters_per_rank=[loaded[r].parameters for r in sorted(loaded)],
-            ms=round((time.perf_counter() - started) * 1000, 1),
+            ms=ms_since(started),
         )
         return loaded
 
@@ -431,6 +431,7 @@ class Pool:
             lambda rank: rank.clear_kv_cache(),
             self.deadlines.control,
         )
+        log.debug("kv cache cleared", ranks=self.world_size)
 
     async def unload(self) -> None:
         await self._fan_out(
@@ -493,6 +494,8 @@ class Pool:
                     sent.append((worker, await worker.send(make(worker.rank, worker.take_id()), deadline)))
                 except Exception as e:  # noqa: BLE001 - recorded per rank
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
+            started = time.perf_counter()
+            log.debug("fan-out", op=op, sent=len(sent), failed=len(failures))
             # A worker lost mid-step makes rank 0 stop waiting at once: it may
             # sit inside a collective for that peer forever.
             lost = anyio.Event()
@@ -500,6 +503,7 @@ class Pool:
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
                 try:
                     results[0] = await self._rank0.call(fn, deadline, abandon=lost)
+                    log.debug("rank 0 forward", op=op, ms=ms_since(started))
                 except Abandoned as e:
                     failures[0] = _RankFailure(str(e), breaks=True)
                 except TimeoutError as e:
@@ -531,6 +535,7 @@ class Pool:
                     # for a worker that never got the request.
                     if on_rank0 is not None and not failures:
                         tg.start_soon(run_rank0, on_rank0)
+            log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
             if failures:
                 messages = {rank: str(f) for rank, f in failures.items()}
                 if any(f.breaks for f in failures.values()):

@@ -75,7 +75,7 @@ def serve(rank: int, world_size: int) -> int:
     if cpus:
         cpu.pin(cpus)  # before MLX starts any thread, so its threads inherit the mask
     logging_setup.configure(
-        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "json"), rank=rank
+        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "auto"), rank=rank
     )
     log = structlog.get_logger("neuron.worker")
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import pytest
 
@@ -124,6 +127,35 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.02)
 
 
+class DatagramSink:
+    """A Unix datagram socket standing in for systemd's (notify, journal); a thread collects what arrives."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.05)
+        self.datagrams: list[tuple[float, bytes]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.datagrams.append((time.monotonic(), self.sock.recv(1 << 17)))
+            except TimeoutError:
+                continue
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie counts as gone)."""
     try:
@@ -137,19 +169,42 @@ os.environ.setdefault("NEURON_LOG_LEVEL", "warning")
 
 
 class Server:
-    """A real ``neuron serve`` subprocess on a free port; its log (JSON lines) lands in a file."""
+    """A real ``neuron serve`` subprocess on a free port; its log (JSON lines) lands in a file.
 
-    def __init__(self, *args: str, log_path: Path, env: dict[str, str] | None = None, api_key: str | None = None):
+    With ``listen``, the server is socket-activated as systemd does it: the
+    socket becomes its file descriptor 3, with ``LISTEN_PID`` and ``LISTEN_FDS``.
+    """
+
+    def __init__(
+        self,
+        *args: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        listen: socket.socket | None = None,
+    ):
         self.log_path = log_path
         self.api_key = api_key
         self._log = open(log_path, "w")
         extra = ("--api-key", api_key) if api_key else ()
+        command = neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args)
+        setup = None
+        if listen is not None:
+            # LISTEN_PID must be the server's own pid, known only in the child: a shell sets it, then execs.
+            command = ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@"', *command]
+            fd = listen.fileno()
+
+            def setup() -> None:
+                os.dup2(fd, 3)  # the new descriptor is inheritable
+
         self.process = subprocess.Popen(
-            neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args),
+            command,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             cwd=ROOT,
             env={**os.environ, **(env or {})},
+            preexec_fn=setup,
+            close_fds=listen is None,
         )
         self.port = 0
 

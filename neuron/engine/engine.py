@@ -51,7 +51,7 @@ from neuron.engine.sequence import (
     StopText,
     Unavailable,
 )
-from neuron.log import progress
+from neuron.log import ms_since, progress, trace
 from neuron.pool import Deadlines, Pool, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
@@ -104,6 +104,7 @@ class Engine:
         self._accepting = True
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
+        self._busy_since: float | None = None  # when the loop's current pool call began; None while it waits
         metrics.WAITING.set_function(lambda: len(self._waiting))
         metrics.RUNNING.set_function(lambda: len(self._filling) + len(self._running))
         metrics.READY.set_function(lambda: float(self.health.ready))
@@ -147,6 +148,18 @@ class Engine:
     def pending(self) -> int:
         """Requests waiting or running."""
         return len(self._waiting) + len(self._filling) + len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._filling) + len(self._running)
+
+    def busy_for(self) -> float:
+        """Seconds the step loop has spent on its current turn (0 while idle): how a wedged step shows."""
+        return 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -242,8 +255,10 @@ class Engine:
 
     async def _loop(self) -> None:
         while True:
+            self._busy_since = time.monotonic()
             if not self.health.ready and self.pool.broken is None and not await self._probe():
                 self._fail_all("unavailable", f"not ready: {self.health.reason}")
+                self._busy_since = None
                 await anyio.sleep(REPROBE_S)
                 continue
             self._drop_cancelled()
@@ -256,6 +271,7 @@ class Engine:
                 if not self._waiting:
                     self._idle.set()
                     self._wakeup = anyio.Event()
+                    self._busy_since = None
                     await self._wakeup.wait()
                 continue
             await self._step()
@@ -286,7 +302,7 @@ class Engine:
                     request_id=seq.id,
                     completion_tokens=seq.completion_tokens,
                     steps_after_cancel=self.steps - (seq.cancelled_at or 0),
-                    ms=round((time.perf_counter() - seq.started) * 1000, 1),
+                    ms=ms_since(seq.started),
                 )
                 metrics.REQUESTS.labels("cancelled").inc()
                 seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, ""))
@@ -327,11 +343,12 @@ class Engine:
                 await self._clear_cache()
             return
         self.steps += 1
-        log.debug(
+        trace(
+            log,
             "step",
             decode_rows=len(plan.decode),
             prefill_tokens=sum(len(t) for _, _, t, _ in plan.prefill),
-            ms=round((time.perf_counter() - started) * 1000, 2),
+            ms=ms_since(started),
             sample_ms=round(sample_s * 1000, 2),
         )
         self._leaving.clear()
@@ -344,6 +361,7 @@ class Engine:
             if last:
                 self._filling.remove(seq)
                 self._running.append(seq)
+                log.info("prefill done", request_id=seq.id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
                 self._take(seq, sampled[no])
         for no, _ in plan.decode:
             if (seq := by_no.get(no)) is not None:
@@ -378,13 +396,15 @@ class Engine:
             else:
                 tail += seq.stop.flush()
         self._remove(seq)
+        if seq.first_token_at:
+            log.info("decode done", request_id=seq.id, tokens=seq.completion_tokens, ms=ms_since(seq.first_token_at))
         log.info(
             "request done",
             request_id=seq.id,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.completion_tokens,
             finish_reason=reason,
-            ms=round((time.perf_counter() - seq.started) * 1000, 1),
+            ms=ms_since(seq.started),
         )
         metrics.REQUESTS.labels(reason).inc()
         if seq.completion_tokens > 1:

@@ -1,0 +1,233 @@
+"""Every option of ``neuron serve`` and ``neuron generate``, defined once, and where each value comes from.
+
+For ``serve``, a value comes from the first of: the command line, the
+environment (``NEURON_`` + the name in capitals, e.g. ``NEURON_MAX_BATCH``),
+the TOML file (``--config``, else ``$NEURON_CONFIG``, else
+``/etc/neuron/neuron.toml`` when it exists), the default. A packaged server is
+configured in its file, a container in its environment, and a person trying
+something on the command line; each overrides the one before.
+
+``generate`` reads only its command line: a one-off run should not pick up a
+server's settings by surprise.
+
+Every value is checked here, before anything loads, and every problem is
+reported at once, named by where it came from (``--port``, ``NEURON_PORT``,
+``port in /etc/neuron/neuron.toml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
+CONFIG_ENV = "NEURON_CONFIG"
+ENV_PREFIX = "NEURON_"
+
+
+def _at_least(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be at least {low}, got {v}"
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else f"must be positive, got {v}"
+
+
+def _port(v: int) -> str | None:
+    return None if 0 <= v <= 65535 else f"must lie in [0, 65535], got {v}"
+
+
+def _not_blank(v: str) -> str | None:
+    return None if v.strip() else "is empty; give a value or leave it unset"
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    check: Callable[[Any], str | None] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def parse(self, value: Any, source: str, text: bool = False) -> tuple[Any, str | None]:
+        """``value`` as this setting's type (converted from ``text``, the environment's strings), or a problem."""
+        if text and self.type is not str:
+            try:
+                value = self.type(value)
+            except ValueError:
+                return None, f"{source} must be {_type_name(self.type)}, got {value!r}"
+        if self.type is float and type(value) is int:
+            value = float(value)
+        if type(value) is not self.type:
+            return None, f"{source} must be {_type_name(self.type)}, got {value!r}"
+        if self.choices and value not in self.choices:
+            return None, f"{source} must be one of {', '.join(self.choices)}, got {value!r}"
+        if self.check is not None and (problem := self.check(value)) is not None:
+            return None, f"{source} {problem}"
+        return value, None
+
+
+def _type_name(t: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string"}[t]
+
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console", "journal")
+
+SETTINGS = {
+    s.name: s
+    for s in (
+        Setting("model", str, None, "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+        Setting("tp", int, 1, "tensor-parallel ranks (default 1)", check=_at_least(1)),
+        Setting(
+            "backend",
+            str,
+            "ring",
+            "mx.distributed backend for --tp > 1 (default ring; jaccl and nccl untested here)",
+            ("ring", "jaccl", "nccl"),
+        ),
+        Setting(
+            "step_timeout",
+            float,
+            120.0,
+            "seconds a step may take on any rank before it is declared lost (default 120)",
+            check=_positive,
+        ),
+        Setting("log_level", str, "info", "trace is one event per step (default info)", LOG_LEVELS),
+        Setting(
+            "log_format",
+            str,
+            "auto",
+            "auto: the journal under systemd, readable on a terminal, JSON lines otherwise (default auto)",
+            LOG_FORMATS,
+        ),
+        Setting("host", str, "127.0.0.1", "address to listen on (default 127.0.0.1, loopback only)"),
+        Setting("port", int, 8000, "TCP port (default 8000; 0 picks a free one)", check=_port),
+        Setting(
+            "api_key",
+            str,
+            None,
+            "require `Authorization: Bearer KEY` on /v1 (unset: no key)",
+            check=_not_blank,
+        ),
+        Setting("max_batch", int, 8, "sequences decoding together (default 8)", check=_at_least(1)),
+        Setting(
+            "max_waiting", int, 64, "requests queued beyond the batch; more get 429 (default 64)", check=_at_least(0)
+        ),
+        Setting(
+            "prefill_chunk",
+            int,
+            512,
+            "prompt tokens fed per step, so long prompts do not stall running streams (default 512)",
+            check=_at_least(1),
+        ),
+        Setting(
+            "max_context",
+            int,
+            None,
+            "tokens per request, prompt and completion (default: the model's context)",
+            check=_at_least(1),
+        ),
+        Setting(
+            "drain_timeout",
+            float,
+            30.0,
+            "seconds SIGTERM lets running requests finish before ending them with an error (default 30)",
+            check=_at_least(0),
+        ),
+    )
+}
+
+MODEL_SETTINGS = ("model", "tp", "backend", "step_timeout", "log_level", "log_format")
+SERVE_SETTINGS = (
+    *MODEL_SETTINGS,
+    "host",
+    "port",
+    "api_key",
+    "max_batch",
+    "max_waiting",
+    "prefill_chunk",
+    "max_context",
+    "drain_timeout",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """Flags default to None, so that ``resolve`` can tell a flag given from one left out."""
+    for name in names:
+        s = SETTINGS[name]
+        parser.add_argument(
+            s.flag,
+            type=s.type,
+            default=None,
+            choices=s.choices or None,
+            help=s.help + (f"; one of {', '.join(s.choices)}" if s.choices else ""),
+            metavar=s.name.upper(),
+        )
+
+
+def resolve(args: argparse.Namespace, names: Iterable[str], layered: bool) -> list[str]:
+    """Fill each setting on ``args`` from its layers (see the module's docstring); returns every problem found."""
+    problems: list[str] = []
+    file: dict[str, Any] = {}
+    file_name = ""
+    if layered:
+        path, explicit = _config_path(getattr(args, "config", None))
+        if path is not None:
+            file_name = str(path)
+            file, problem = _read_toml(path, explicit)
+            if problem:
+                return [problem]
+            known = set(names)
+            for key in file:
+                if key not in known:
+                    problems.append(f"unknown setting {key!r} in {path}; known: {', '.join(sorted(known))}")
+    for name in names:
+        s = SETTINGS[name]
+        # Every layer is checked, not only the one that wins: a bad line in the file is a bug even when overridden.
+        layers = []
+        if (cli := getattr(args, name, None)) is not None:
+            layers.append(s.parse(cli, s.flag))
+        if layered and s.env in os.environ:
+            layers.append(s.parse(os.environ[s.env], s.env, text=True))
+        if name in file:
+            layers.append(s.parse(file[name], f"{name} in {file_name}"))
+        problems += [problem for _, problem in layers if problem]
+        setattr(args, name, layers[0][0] if layers else s.default)
+    return problems
+
+
+def _config_path(flag: str | None) -> tuple[Path | None, bool]:
+    if flag:
+        return Path(flag), True
+    if env := os.environ.get(CONFIG_ENV):
+        return Path(env), True
+    return (DEFAULT_CONFIG, False) if DEFAULT_CONFIG.exists() else (None, False)
+
+
+def _read_toml(path: Path, explicit: bool) -> tuple[dict[str, Any], str | None]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f), None
+    except FileNotFoundError:
+        if not explicit:
+            return {}, None
+        return {}, f"config file {path} does not exist; pass an existing --config or leave it out"
+    except OSError as e:
+        return {}, f"cannot read config file {path}: {e.strerror}"
+    except tomllib.TOMLDecodeError as e:
+        return {}, f"config file {path} is not valid TOML: {e}"
