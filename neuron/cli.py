@@ -10,8 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from neuron import __version__, config
+
+if TYPE_CHECKING:
+    from neuron.server.serve import Restart
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -103,22 +107,26 @@ def _run(args: argparse.Namespace) -> int:
         log.warning(cpu.OPENBLAS_HINT)
     run = _serve if args.command == "serve" else _generate
     try:
-        anyio.run(run, args)
+        restart = anyio.run(run, args)
     except (ModelError, RequestError, PoolError, RuntimeError, ValueError, OSError) as e:
         print(f"neuron: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
+    if restart is not None:
+        from neuron.server.serve import restart_leader
+
+        restart_leader(restart)
     return 0
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> Restart | None:
     from neuron.engine.engine import Limits
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
     from neuron.server.serve import ServeOptions, serve
 
-    await serve(
+    return await serve(
         ServeOptions(
             model_path=resolve(args.model),
             model_id=model_id(args.model),

@@ -66,7 +66,9 @@ def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
             structlog.dev.ConsoleRenderer(colors=False) if fmt == "console" else structlog.processors.JSONRenderer()
         )
         processors.append(renderer)
-        factory = structlog.PrintLoggerFactory(file=sys.stderr)
+        # One write per line: a worker runs unbuffered, and print() would write the newline separately,
+        # letting another process's line land in between (they share the leader's stderr).
+        factory = structlog.WriteLoggerFactory(file=sys.stderr)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -214,12 +214,15 @@ class Worker:
         """How the process ended, for an error message; waits briefly for the kernel to report it."""
         with anyio.move_on_after(2.0):
             await self.process.wait()
-        code = self.process.returncode
-        if code is None:
-            return "closed its stdout but is still running"
-        if code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+        return _describe_exit(self.process.returncode)
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its stdout but is still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _free_loopback_ports(count: int) -> list[int]:
@@ -258,6 +261,8 @@ class Pool:
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._lock = anyio.Lock()
         self._last_reply = 0.0  # when the latest worker reply arrived (for the drain timing)
+        self._lost = anyio.Event()  # set when a worker is lost mid-operation: rank 0 stops waiting for it
+        self._closing = False
 
     async def __aenter__(self) -> Pool:
         try:
@@ -439,11 +444,41 @@ class Pool:
         )
         self.model_path = None
 
+    async def watch(self, on_lost: Callable[[PoolBroken], None]) -> None:
+        """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
+
+        Why a task per process: a worker that dies between steps would otherwise
+        be noticed only by the next step, while ``/ready`` still said yes. Runs
+        until cancelled.
+        """
+
+        async def wait(worker: Worker) -> None:
+            await worker.process.wait()
+            if self._closing:
+                return
+            self._lost.set()
+            status = _describe_exit(worker.process.returncode)
+            log.error("worker lost", rank=worker.rank, pid=worker.pid, status=status)
+            on_lost(self.broken or self._break("liveness", {worker.rank: f"worker pid {worker.pid} {status}"}))
+
+        async with anyio.create_task_group() as tg:
+            for worker in self.workers:
+                tg.start_soon(wait, worker)
+            await anyio.sleep_forever()
+
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""
+        self._closing = True
         workers, self.workers = self.workers, []
 
         async def stop(worker: Worker) -> None:
+            if self.broken is not None:
+                # A broken group's workers may sit in a collective for a lost peer: asking them to leave only waits.
+                if worker.process.returncode is None:
+                    worker.process.kill()
+                await worker.process.wait()
+                await worker.process.aclose()
+                return
             try:
                 request = await worker.send(rpc.Shutdown(id=worker.take_id()), self.deadlines.shutdown)
                 await worker.receive(request, self.deadlines.shutdown)
@@ -460,7 +495,8 @@ class Pool:
         async with anyio.create_task_group() as tg:
             for worker in workers:
                 tg.start_soon(stop, worker)
-        await self._rank0.close(self.deadlines.shutdown)
+        # A broken group may hold rank 0 inside a collective forever: do not wait long for it.
+        await self._rank0.close(1.0 if self.broken else self.deadlines.shutdown)
         self._scratch.cleanup()
         if workers:
             log.info("workers stopped", world_size=self.world_size)
@@ -498,7 +534,7 @@ class Pool:
             log.debug("fan-out", op=op, sent=len(sent), failed=len(failures))
             # A worker lost mid-step makes rank 0 stop waiting at once: it may
             # sit inside a collective for that peer forever.
-            lost = anyio.Event()
+            lost = self._lost = anyio.Event()
 
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
                 try:

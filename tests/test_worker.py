@@ -23,6 +23,7 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             cwd=ROOT,
+            bufsize=0,  # unbuffered: reply() selects on the pipe, and a buffered reader would hide a second line
         )
 
     def send(self, line: bytes) -> None:

@@ -95,6 +95,8 @@ class Engine:
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(text["vocab_size"])
         self.health = Health(False, "not probed yet")
+        # Set once the group is lost for good (a rank died or hung): only a fresh leader process can serve again.
+        self.lost = anyio.Event()
         self.steps = 0  # steps run by this engine; cancellations are measured against it
         self._waiting: deque[Sequence] = deque()
         self._filling: list[Sequence] = []  # admitted, prompt being fed
@@ -132,6 +134,7 @@ class Engine:
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
             async with anyio.create_task_group() as tg:
                 tg.start_soon(engine._loop)
+                tg.start_soon(pool.watch, engine._on_lost)
                 try:
                     yield engine
                 finally:
@@ -338,7 +341,8 @@ class Engine:
             sampled = await self.pool.step(plan, sample)
         except PoolError as e:
             self._unready(e)
-            self._fail_all("step_failed", str(e))
+            # A lost group is a server that is about to restart (503, retry), not a failed request (500).
+            self._fail_all("unavailable" if e.broken else "step_failed", str(e))
             with anyio.CancelScope(shield=True):
                 await self._clear_cache()
             return
@@ -466,3 +470,10 @@ class Engine:
     def _unready(self, error: PoolError) -> None:
         self.health = Health(False, str(error))
         log.warning("not ready", reason=str(error), broken=error.broken)
+        if error.broken:
+            self.lost.set()
+
+    def _on_lost(self, error: PoolError) -> None:
+        """A worker exited: fail everything now, even between steps (a step in flight fails on its own)."""
+        self._unready(error)
+        self._fail_all("unavailable", str(error))

@@ -174,7 +174,7 @@ class EventStream(Response):
 
 def _failure_error(failure: Failure) -> ApiError:
     if failure.kind == "unavailable":
-        return ApiError(503, failure.message, type="server_error", code="not_ready")
+        return ApiError(503, failure.message, type="server_error", code="not_ready", headers={"retry-after": "5"})
     return ApiError(500, failure.message, type="server_error", code="step_failed")
 
 

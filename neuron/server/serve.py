@@ -17,6 +17,16 @@ the listener on the first signal: a restart answers every request, late
 rather than with a 503. A server that binds its own port answers at once
 instead, ``/health`` included, so that a supervisor can watch it load.
 
+Why a lost group restarts the whole leader: MLX allows one distributed group
+per process, and a group whose peer died or hung cannot be trusted or
+replaced. So when a rank is lost, every request in flight ends with an error
+(an SSE error event, or 503 with ``Retry-After``), the listener closes, the
+workers are stopped, and ``restart_leader`` re-executes this process (same
+pid, so systemd still sees its main process) with the listening socket
+handed over as a socket activation would. Connections that arrive meanwhile
+wait in the socket's backlog; the fresh leader answers them at once, with
+503 until its model is ready again.
+
 Under systemd (``Type=notify``) the server says ``READY=1`` once the model has
 answered a probe on every rank, keeps ``STATUS=`` current, and sends
 ``WATCHDOG=1`` only while the engine's step loop makes progress: a step wedged
@@ -26,17 +36,22 @@ for half of ``WatchdogSec`` stops the heartbeat, and systemd restarts us.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import socket
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 import structlog
 import uvicorn
 
-from neuron import systemd
+from neuron import metrics, systemd
 from neuron.engine.engine import Engine, Limits
 from neuron.pool import Deadlines
 from neuron.server.app import ServerState, build_app
@@ -62,6 +77,44 @@ class ServeOptions:
 
 class ServeError(RuntimeError):
     pass
+
+
+RESTART_ENV = "NEURON_RESTART"  # set by restart_leader for the fresh leader: why, when, and how many times
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """What ``serve`` returns when the group was lost: the caller passes it to ``restart_leader``."""
+
+    listener_fd: int
+    cause: str
+    lost_at: float  # time.time(), so the fresh process can log how long the recovery took
+    restarts: int
+
+
+def restart_leader(restart: Restart) -> NoReturn:
+    """Replace this process with a fresh leader that inherits the listening socket as file descriptor 3."""
+    os.dup2(restart.listener_fd, systemd.LISTEN_FDS_START)  # inheritable, unlike every other descriptor
+    note = {"cause": restart.cause, "lost_at": restart.lost_at, "restarts": restart.restarts}
+    env = {**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: json.dumps(note)}
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "neuron", *sys.argv[1:]], env)
+
+
+def _restarted() -> dict[str, object] | None:
+    note = os.environ.pop(RESTART_ENV, None)
+    return json.loads(note) if note else None
+
+
+async def _first(*events: anyio.Event) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
 
 
 class _Server(uvicorn.Server):
@@ -107,7 +160,25 @@ async def _tell_systemd(notifier: systemd.Notifier, options: ServeOptions, state
         await anyio.sleep(tick)
 
 
-async def serve(options: ServeOptions) -> None:
+def _stop_accepting(server: uvicorn.Server) -> None:
+    for listener in server.servers:
+        listener.close()
+
+
+async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notifier, timeout: float) -> None:
+    notifier.send("STOPPING=1", f"STATUS=draining {engine.pending} request(s)")
+    _stop_accepting(server)  # under neuron.socket, new connections wait for the next instance (see above)
+    log.info("draining", requests=engine.pending, timeout_s=timeout)
+    if not await engine.drain(timeout):
+        log.warning("drain timed out; failing the requests left", requests=engine.pending)
+        engine.abort("the server is shutting down")
+
+
+async def serve(options: ServeOptions) -> Restart | None:
+    """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
+    restarted = _restarted()
+    if restarted:
+        metrics.WORKER_RESTARTS.inc(int(restarted["restarts"]))  # type: ignore[call-overload]
     activated = systemd.activated_socket()
     sock = activated or bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
@@ -134,7 +205,7 @@ async def serve(options: ServeOptions) -> None:
                 stopping.set()
 
     async with anyio.create_task_group() as tg:
-        if not activated:
+        if not activated or restarted:
             tg.start_soon(server.serve, [sock])
 
         async def run_helpers() -> None:
@@ -151,31 +222,41 @@ async def serve(options: ServeOptions) -> None:
             port=port,
             model=options.model_id,
             tp=options.world_size,
-            socket="systemd" if activated else "bound",
+            socket="inherited" if restarted else "systemd" if activated else "bound",
         )
+        restart = None
         try:
             with lifetime:
                 async with Engine.open(
                     options.model_path, options.world_size, options.backend, options.deadlines, options.limits
                 ) as engine:
                     state.engine = engine
-                    if activated:
+                    if activated and not restarted:
                         tg.start_soon(server.serve, [sock])
                     notifier.send("READY=1", f"STATUS={_status(options, state, engine)}")
                     log.info("serving", host=host, port=port, model=options.model_id)
-                    await stopping.wait()
-                    notifier.send("STOPPING=1", f"STATUS=draining {engine.pending} request(s)")
-                    for listener in server.servers:
-                        listener.close()  # new connections wait for the next instance (see above)
-                    log.info("draining", requests=engine.pending, timeout_s=options.drain_timeout)
-                    if not await engine.drain(options.drain_timeout):
-                        log.warning("drain timed out; failing the requests left", requests=engine.pending)
-                        engine.abort("the server is shutting down")
+                    if restarted:
+                        lost_at = float(restarted["lost_at"])  # type: ignore[arg-type]
+                        ms = round((time.time() - lost_at) * 1000)
+                        log.info("recovered", cause=restarted["cause"], restarts=restarted["restarts"], ms=ms)
+                    await _first(stopping, engine.lost)
+                    if stopping.is_set():
+                        await _drain(engine, server, notifier, options.drain_timeout)
+                    else:
+                        cause = str(engine.pool.broken or engine.health.reason)
+                        count = int(restarted["restarts"]) + 1 if restarted else 1  # type: ignore[call-overload]
+                        log.error("group lost; restarting the leader", cause=cause, restarts=count)
+                        notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
+                        # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
+                        restart = Restart(os.dup(sock.fileno()), cause, time.time(), count)
+                        _stop_accepting(server)
         finally:
             state.engine = None
             state.status = "shutting down"
-            notifier.send("STOPPING=1")
+            if restart is None:
+                notifier.send("STOPPING=1")
             helpers.cancel()
             server.should_exit = True  # uvicorn closes the listener and lets the last responses finish
     notifier.close()
-    log.info("stopped")
+    log.info("restarting" if restart else "stopped")
+    return restart

@@ -1,0 +1,145 @@
+"""A rank lost for real (SIGKILL, SIGSTOP) while clients stream: clean ends, then recovery with no operator.
+
+``bench/faults.py`` runs the same trial 20 times and reports time-to-ready.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server, wait_until
+from test_server import _sse_events
+
+COMPLETIONS = "/v1/completions"
+GREEDY = {"model": "qwen3", "prompt": "hello", "max_tokens": 24, "temperature": 0.0}
+
+
+@dataclass
+class Stream:
+    chunks: int = 0
+    last: object = None
+    ended_at: float = 0.0
+    error: str = ""
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+def _stream(url: str, stream: Stream) -> None:
+    body = {**GREEDY, "max_tokens": 1900, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=60) as response:
+            for event in _sse_events(response):
+                stream.chunks += 1
+                stream.last = event
+    except httpx.HTTPError as e:  # a cut connection: what must never happen
+        stream.error = f"{type(e).__name__}: {e}"
+    stream.ended_at = time.monotonic()
+
+
+def worker_pid(server: Server) -> int:
+    return [e["pid"] for e in server.logs() if e.get("event") == "worker started"][-1]
+
+
+def ready(server: Server) -> bool:
+    try:
+        return httpx.get(f"{server.url}/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False  # the fresh leader is still starting: the connection waits, or times out here
+
+
+def kill_trial(server: Server, reference: str, rng: random.Random, sig: signal.Signals, end_within: float) -> float:
+    """Lose rank 1 under 3 streams; returns seconds from the kill to ready again."""
+    recovered_before = len([e for e in server.logs() if e.get("event") == "recovered"])
+    victim = worker_pid(server)
+    streams = [Stream() for _ in range(3)]
+    for s in streams:
+        s.thread = threading.Thread(target=_stream, args=(server.url, s), daemon=True)
+        s.thread.start()
+    at_least = rng.randint(1, 40)
+    wait_until(lambda: all(s.chunks >= at_least for s in streams), 60, f"{at_least} chunks on every stream")
+    killed_at = time.monotonic()
+    os.kill(victim, sig)
+    try:
+        for s in streams:
+            assert s.thread is not None
+            s.thread.join(timeout=30)
+            assert not s.thread.is_alive(), "a client was left hanging"
+            assert s.error == "", s.error
+            assert isinstance(s.last, dict) and "error" in s.last, f"the stream did not end with an error: {s.last}"
+            assert "rank 1" in s.last["error"]["message"]
+            assert s.ended_at - killed_at < end_within, f"a client waited {s.ended_at - killed_at:.1f} s"
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(victim, signal.SIGCONT)  # the recovery kills it anyway; this only avoids leaving it frozen
+    wait_until(lambda: ready(server), 90, "ready again")
+    time_to_ready = time.monotonic() - killed_at
+    assert worker_pid(server) != victim
+    wait_until(
+        lambda: len([e for e in server.logs() if e.get("event") == "recovered"]) > recovered_before, 10, "recovered"
+    )
+    recovered = [e for e in server.logs() if e.get("event") == "recovered"][-1]
+    assert "rank 1" in recovered["cause"] and recovered["ms"] > 0
+    again = httpx.post(f"{server.url}{COMPLETIONS}", json=GREEDY, timeout=60)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == reference
+    return time_to_ready
+
+
+@pytest.fixture
+def tp2(tiny_models: dict[str, Path], tmp_path: Path) -> Iterator[Server]:
+    server = Server("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3", log_path=tmp_path / "log")
+    yield server.start()
+    assert server.stop() == 0, server.stderr()
+
+
+def test_sigkill_a_worker_mid_stream_then_recover(tp2: Server) -> None:
+    reference = httpx.post(f"{tp2.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
+    rng = random.Random(6)
+    for _ in range(3):
+        kill_trial(tp2, reference, rng, signal.SIGKILL, end_within=2.0)
+    causes = [e["cause"] for e in tp2.logs() if e.get("event") == "recovered"]
+    assert len(causes) == 3 and all("SIGKILL" in c for c in causes), causes
+    assert [e["restarts"] for e in tp2.logs() if e.get("event") == "recovered"] == [1, 2, 3]
+    metrics = httpx.get(f"{tp2.url}/metrics").text
+    assert "neuron_worker_restarts_total 3.0" in metrics
+
+
+def test_sigstop_a_worker_the_step_deadline_fires_then_recover(tp2: Server) -> None:
+    reference = httpx.post(f"{tp2.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
+    kill_trial(tp2, reference, random.Random(7), signal.SIGSTOP, end_within=3.0 + 2.0)
+    cause = [e["cause"] for e in tp2.logs() if e.get("event") == "recovered"][-1]
+    assert "within the deadline" in cause or "stuck" in cause, cause
+
+
+def test_a_worker_dying_between_requests_turns_ready_off_at_once(tp2: Server) -> None:
+    victim = worker_pid(tp2)
+    os.kill(victim, signal.SIGKILL)
+    lost = tp2.wait_log("worker lost", timeout=10, pid=victim)
+    assert lost["rank"] == 1 and "SIGKILL" in lost["status"]
+    wait_until(lambda: ready(tp2), 90, "ready again")
+    assert tp2.find_log("recovered") is not None
+
+
+def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server) -> None:
+    victim = worker_pid(tp2)
+    replies: list[httpx.Response] = []
+    client = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(f"{tp2.url}{COMPLETIONS}", json={**GREEDY, "max_tokens": 1900}, timeout=60)
+        )
+    )
+    client.start()
+    wait_until(lambda: tp2.find_log("prefill done") is not None, 30, "the request running")
+    os.kill(victim, signal.SIGKILL)
+    client.join(timeout=30)
+    assert replies and replies[0].status_code == 503, replies
+    assert replies[0].headers["retry-after"] == "5"
+    assert "rank 1" in replies[0].json()["error"]["message"]
+    wait_until(lambda: ready(tp2), 90, "ready again")
