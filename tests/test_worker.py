@@ -6,6 +6,7 @@ import os
 import select
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,13 +45,21 @@ class WorkerProcess:
         return self.reply()
 
 
+@contextmanager
+def spawned_worker() -> Iterator[WorkerProcess]:
+    w = WorkerProcess()
+    try:
+        yield w
+    finally:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait()
+
+
 @pytest.fixture
 def worker() -> Iterator[WorkerProcess]:
-    w = WorkerProcess()
-    yield w
-    if w.proc.poll() is None:
-        w.proc.kill()
-    w.proc.wait()
+    with spawned_worker() as w:
+        yield w
 
 
 GARBAGE = [

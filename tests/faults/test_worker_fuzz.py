@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_worker import WorkerProcess
+from test_worker import WorkerProcess, spawned_worker
 
 from neuron import rpc
 
@@ -38,11 +38,8 @@ lines = st.lists(raw | requests, min_size=1, max_size=4)
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    w = WorkerProcess()
-    yield w
-    if w.proc.poll() is None:
-        w.proc.kill()
-    w.proc.wait()
+    with spawned_worker() as w:
+        yield w
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
