@@ -162,7 +162,7 @@ def test_full_queue_answers_429_and_a_cancelled_wait_frees_its_place(
     # One in the batch, one waiting: the third finds the queue full.
     args = ("--model", str(tiny_models["qwen3"]), "--max-batch", "1", "--max-waiting", "1")
     with serving(tmp_path_factory, *args) as server:
-        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "stream": True}
+        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
         url = f"{server.url}/v1/completions"
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body) as running:
