@@ -26,8 +26,6 @@ from typing import Any
 
 import structlog
 
-LEVELS = ("trace", "debug", "info", "warning", "error")
-FORMATS = ("auto", "json", "console", "journal")
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 # Where the journal listens; a test, or a container with the socket mounted elsewhere, points it away.
 JOURNAL_SOCKET_ENV = "NEURON_JOURNAL_SOCKET"

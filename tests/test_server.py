@@ -343,15 +343,20 @@ def test_a_model_whose_first_step_fails_never_serves(tiny_models: dict[str, Path
     assert "first step failed" in server.stderr() and "rank 1" in server.stderr()
 
 
+def sigterm_mid_stream(server: Server, max_tokens: int) -> list[dict | str]:
+    """SIGTERM once a greedy stream has begun; the rest of the stream (a cut connection raises)."""
+    body = {"model": "qwen3", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
+        events = _sse_events(response)
+        next(events)
+        server.process.terminate()
+        return list(events)
+
+
 def test_sigterm_lets_the_running_stream_finish_then_exits_0(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     server = Server("--model", str(tiny_models["qwen3"]), log_path=tmp_path / "log").start()
     try:
-        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 200, "temperature": 0.0, "stream": True}
-        with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-            events = _sse_events(response)
-            next(events)
-            server.process.terminate()
-            rest = list(events)
+        rest = sigterm_mid_stream(server, 200)
         assert rest[-1] == "[DONE]"
         assert rest[-2]["choices"][0]["finish_reason"] == "length"
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 from conftest import DatagramSink, Server, alive, wait_until
-from test_server import _sse_events
+from test_server import _sse_events, sigterm_mid_stream
 
 COMPLETIONS = "/v1/completions"
 
@@ -156,12 +156,7 @@ def test_sigterm_past_the_drain_deadline_ends_the_stream_with_an_error_event(
 ) -> None:
     server = Server("--model", str(tiny_models["qwen3"]), "--drain-timeout", "0.5", log_path=tmp_path / "log").start()
     try:
-        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
-        with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-            events = _sse_events(response)
-            next(events)
-            server.process.terminate()
-            rest = list(events)  # a cut connection would raise here
+        rest = sigterm_mid_stream(server, 1900)
         assert rest and isinstance(rest[-1], dict) and "error" in rest[-1], rest[-3:]
         assert "shutting down" in rest[-1]["error"]["message"]
         assert "[DONE]" not in rest

@@ -107,8 +107,8 @@ class Engine:
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._busy_since: float | None = None  # when the loop's current pool call began; None while it waits
-        metrics.WAITING.set_function(lambda: len(self._waiting))
-        metrics.RUNNING.set_function(lambda: len(self._filling) + len(self._running))
+        metrics.WAITING.set_function(lambda: self.waiting)
+        metrics.RUNNING.set_function(lambda: self.running)
         metrics.READY.set_function(lambda: float(self.health.ready))
 
     @classmethod

@@ -43,7 +43,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
@@ -83,27 +83,34 @@ RESTART_ENV = "NEURON_RESTART"  # set by restart_leader for the fresh leader: wh
 
 
 @dataclass(frozen=True, slots=True)
-class Restart:
-    """What ``serve`` returns when the group was lost: the caller passes it to ``restart_leader``."""
+class Recovery:
+    """Why the leader restarts, handed from the old process to the fresh one."""
 
-    listener_fd: int
     cause: str
     lost_at: float  # time.time(), so the fresh process can log how long the recovery took
     restarts: int
 
 
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """What ``serve`` returns when the group was lost: the caller passes it to ``restart_leader``."""
+
+    listener_fd: int
+    recovery: Recovery
+
+
 def restart_leader(restart: Restart) -> NoReturn:
     """Replace this process with a fresh leader that inherits the listening socket as file descriptor 3."""
     os.dup2(restart.listener_fd, systemd.LISTEN_FDS_START)  # inheritable, unlike every other descriptor
-    note = {"cause": restart.cause, "lost_at": restart.lost_at, "restarts": restart.restarts}
-    env = {**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: json.dumps(note)}
+    note = json.dumps(asdict(restart.recovery))
+    env = {**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: note}
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "neuron", *sys.argv[1:]], env)
 
 
-def _restarted() -> dict[str, object] | None:
+def _restarted() -> Recovery | None:
     note = os.environ.pop(RESTART_ENV, None)
-    return json.loads(note) if note else None
+    return Recovery(**json.loads(note)) if note else None
 
 
 async def _first(*events: anyio.Event) -> None:
@@ -178,7 +185,7 @@ async def serve(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
     if restarted:
-        metrics.WORKER_RESTARTS.inc(int(restarted["restarts"]))  # type: ignore[call-overload]
+        metrics.WORKER_RESTARTS.inc(restarted.restarts)
     activated = systemd.activated_socket()
     sock = activated or bind(options.host, options.port)
     host, port = sock.getsockname()[:2]
@@ -236,19 +243,18 @@ async def serve(options: ServeOptions) -> Restart | None:
                     notifier.send("READY=1", f"STATUS={_status(options, state, engine)}")
                     log.info("serving", host=host, port=port, model=options.model_id)
                     if restarted:
-                        lost_at = float(restarted["lost_at"])  # type: ignore[arg-type]
-                        ms = round((time.time() - lost_at) * 1000)
-                        log.info("recovered", cause=restarted["cause"], restarts=restarted["restarts"], ms=ms)
+                        ms = round((time.time() - restarted.lost_at) * 1000)
+                        log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
                     await _first(stopping, engine.lost)
                     if stopping.is_set():
                         await _drain(engine, server, notifier, options.drain_timeout)
                     else:
                         cause = str(engine.pool.broken or engine.health.reason)
-                        count = int(restarted["restarts"]) + 1 if restarted else 1  # type: ignore[call-overload]
+                        count = restarted.restarts + 1 if restarted else 1
                         log.error("group lost; restarting the leader", cause=cause, restarts=count)
                         notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
                         # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
-                        restart = Restart(os.dup(sock.fileno()), cause, time.time(), count)
+                        restart = Restart(os.dup(sock.fileno()), Recovery(cause, time.time(), count))
                         _stop_accepting(server)
         finally:
             state.engine = None

@@ -127,7 +127,8 @@ def test_a_worker_dying_between_requests_turns_ready_off_at_once(tp2: Server) ->
     assert tp2.find_log("recovered") is not None
 
 
-def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])  # noticed by the process watch, or the deadline
+def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server, sig: signal.Signals) -> None:
     victim = worker_pid(tp2)
     replies: list[httpx.Response] = []
     client = threading.Thread(
@@ -137,7 +138,7 @@ def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server) -> None:
     )
     client.start()
     wait_until(lambda: tp2.find_log("prefill done") is not None, 30, "the request running")
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     client.join(timeout=30)
     assert replies and replies[0].status_code == 503, replies
     assert replies[0].headers["retry-after"] == "5"
