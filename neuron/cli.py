@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         config.SERVE_SETTINGS if args.command == "serve" else config.MODEL_SETTINGS,
         layered=args.command == "serve",
     )
+    if args.command == "serve":
+        from neuron.models import outside
+
+        if problem := outside(args.model, args.model_dirs):
+            problems.append(problem)
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
 

@@ -46,6 +46,13 @@ def _not_blank(v: str) -> str | None:
     return None if v.strip() else "is empty; give a value or leave it unset"
 
 
+def _absolute_paths(v: str) -> str | None:
+    relative = [p for p in v.split(":") if not os.path.isabs(p)]
+    return (
+        f"must list absolute directories separated by ':', got {', '.join(map(repr, relative))}" if relative else None
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     name: str
@@ -115,6 +122,13 @@ SETTINGS = {
             "auto: the journal under systemd, readable on a terminal, JSON lines otherwise (default auto)",
             LOG_FORMATS,
         ),
+        Setting(
+            "model_dirs",
+            str,
+            None,
+            "directories, ':'-separated, that --model must lie in once symlinks are followed (unset: anywhere)",
+            check=_absolute_paths,
+        ),
         Setting("host", str, "127.0.0.1", "address to listen on (default 127.0.0.1, loopback only)"),
         Setting("port", int, 8000, "TCP port (default 8000; 0 picks a free one)", check=_port),
         Setting(
@@ -155,6 +169,7 @@ SETTINGS = {
 MODEL_SETTINGS = ("model", "tp", "backend", "step_timeout", "log_level", "log_format")
 SERVE_SETTINGS = (
     *MODEL_SETTINGS,
+    "model_dirs",
     "host",
     "port",
     "api_key",

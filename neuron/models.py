@@ -45,6 +45,21 @@ def model_id(model: str | None) -> str:
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
 
+def outside(model: str | None, allowed: str | None) -> str | None:
+    """Why ``model`` may not be served under the ``model_dirs`` setting, or None.
+
+    Symlinks are followed first, so a link placed inside an allowed directory
+    cannot point outside it. The embedded default ships with neuron and is always allowed.
+    """
+    if model is None or allowed is None:
+        return None
+    path = Path(model).expanduser().resolve()
+    dirs = [Path(d).resolve() for d in allowed.split(":")]
+    if any(path.is_relative_to(d) for d in dirs):
+        return None
+    return f"--model {path} lies outside the allowed model directories ({allowed}); move it there or change model_dirs"
+
+
 def resolve(model: str | None) -> Path:
     """The model folder to load for ``--model`` (converting a GGUF on first use)."""
     path = default_gguf() if model is None else Path(model).expanduser()

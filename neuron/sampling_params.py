@@ -32,28 +32,59 @@ class SamplingParams:
     def problems(self, vocab_size: int | None = None) -> list[str]:
         """What is wrong with these parameters, as messages naming each field."""
         out = []
-        if not 0.0 <= self.temperature <= 2.0:
-            out.append(f"temperature must lie in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            out.append(f"top_p must lie in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            out.append(f"top_k must be 0 (off) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p < 1.0:
-            out.append(f"min_p must lie in [0, 1), got {self.min_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            out.append(f"seed must lie in [0, 2**63), got {self.seed}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                out.append(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            out.append(f"repetition_penalty must lie in (0, 10], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            out.append(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not allowed.holds(value):
+                out.append(f"{'top_logprobs' if name == 'logprobs' else name} must lie in {allowed}, got {value}")
         for token, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= token < vocab_size:
                 out.append(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
                 break
-            if not -100.0 <= bias <= 100.0:
-                out.append(f"logit_bias values must lie in [-100, 100], got {bias} for token {token}")
+            if not LOGIT_BIAS.holds(bias):
+                out.append(f"logit_bias values must lie in {LOGIT_BIAS}, got {bias} for token {token}")
                 break
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """An interval of allowed values, told once: the checks, the error messages and the OpenAPI schema read it."""
+
+    low: float
+    high: float | None = None  # None: no upper bound
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = self.high is None or (value < self.high if self.open_high else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        opening = "(" if self.open_low else "["
+        high, closing = ("∞", ")") if self.high is None else (_number(self.high), ")" if self.open_high else "]")
+        return f"{opening}{_number(self.low)}, {high}{closing}"
+
+    def json_schema(self) -> dict[str, float]:
+        out = {"exclusiveMinimum" if self.open_low else "minimum": self.low}
+        if self.high is not None:
+            out["exclusiveMaximum" if self.open_high else "maximum"] = self.high
+        return out
+
+
+def _number(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+RANGES = {
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, open_low=True),
+    "top_k": Range(0),  # 0 means no limit
+    "min_p": Range(0.0, 1.0, open_high=True),
+    "seed": Range(0, 2**63, open_high=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, 10.0, open_low=True),
+    "logprobs": Range(0, MAX_TOP_LOGPROBS),
+}
+LOGIT_BIAS = Range(-100.0, 100.0)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,16 @@ def _tokenizer_files(folder: Path) -> int:
     return len(vocab)
 
 
-def make_tiny_model(folder: Path, model_type: str, seed: int = 0, hidden: int = 256, layers: int = 4) -> Path:
+def make_tiny_model(
+    folder: Path,
+    model_type: str,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    intermediate: int | None = None,
+) -> Path:
+    """A random-weight model with a real tokenizer; the defaults are the tests' tiny one (the benchmarks grow it)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
@@ -63,9 +73,9 @@ def make_tiny_model(folder: Path, model_type: str, seed: int = 0, hidden: int = 
         "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": hidden * 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "intermediate_size": intermediate or hidden * 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
         "head_dim": 64,
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
@@ -168,6 +178,41 @@ def alive(pid: int) -> bool:
 os.environ.setdefault("NEURON_LOG_LEVEL", "warning")
 
 
+def sse_events(response: httpx.Response) -> Iterator[dict | str]:
+    """A streamed reply's events: each JSON object, and the closing ``[DONE]``."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+TCP_STATES = {"01": "ESTABLISHED", "0A": "LISTEN"}
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, int, str]]:
+    """(local address, local port, state) of every TCP socket the process holds, read from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue  # closed since the listing
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] not in inodes:
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            out.append((socket.inet_ntop(family, packed), int(port, 16), TCP_STATES.get(fields[3], fields[3])))
+    return out
+
+
 class Server:
     """A real ``neuron serve`` subprocess on a free port; its log (JSON lines) lands in a file.
 
@@ -244,6 +289,18 @@ class Server:
 
     def stderr(self) -> str:
         return self.log_path.read_text()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """/metrics scraped: (name, sorted labels) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        response = httpx.get(f"{self.url}/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+        }
 
     def stop(self, timeout: float = 60) -> int:
         if self.process.poll() is None:

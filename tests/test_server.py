@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import ROOT, Server, run_neuron, serving, wait_until
+from conftest import ROOT, Server, run_neuron, serving, sse_events, wait_until
 from transformers import AutoTokenizer
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
@@ -126,18 +126,20 @@ def test_extension_sampling_fields_and_logit_bias(tp1: Server) -> None:
     assert forced.choices[0].logprobs.tokens == [forced.choices[0].logprobs.tokens[0]] * 8
 
 
-def _sse_events(response: httpx.Response) -> Iterator[dict | str]:
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            yield data if data == "[DONE]" else json.loads(data)
+def test_a_top_k_past_the_vocabulary_keeps_every_token_and_neutral_values_are_accepted(tp1: Server) -> None:
+    # A k this large once failed the step inside mlx-lm's top-k (schemathesis found it).
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "best_of": 1}
+    same = [
+        complete(tp1, temperature=1.0, seed=3, extra_body={"top_k": k, **neutral}).choices[0].text for k in (0, 10**9)
+    ]
+    assert same[0] == same[1]
 
 
 def test_disconnect_drops_the_request_at_the_next_step_boundary(tp2: Server) -> None:
     reference = complete(tp2).choices[0].text
     body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
     with httpx.stream("POST", f"{tp2.url}/v1/completions", json=body, timeout=60) as response:
-        events = _sse_events(response)
+        events = sse_events(response)
         first = next(events)
         for _ in range(3):
             next(events)
@@ -166,7 +168,7 @@ def test_full_queue_answers_429_and_a_cancelled_wait_frees_its_place(
         url = f"{server.url}/v1/completions"
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body) as running:
-                next(_sse_events(running))  # the engine is generating it
+                next(sse_events(running))  # the engine is generating it
                 with http.stream("POST", url, json=body) as waiting:
                     assert waiting.status_code == 200
                     full = http.post(url, json=body)
@@ -268,6 +270,40 @@ BAD_REQUESTS = [
         "logprobs",
         "[0, 5]",
     ),
+    ("role is an object", CHAT, {**GOOD_CHAT, "messages": [{"role": {}}]}, "secret", 400, "messages[0].role", "one of"),
+    (
+        "unicode digit as token id",
+        CHAT,
+        {**GOOD_CHAT, "logit_bias": {"²": 1}},
+        "secret",
+        400,
+        "logit_bias",
+        "token ids",
+    ),
+    ("integer past 64 bits", CHAT, {**GOOD_CHAT, "max_tokens": 2**64}, "secret", 400, "max_tokens", "64-bit"),
+    (
+        "zero max_tokens beside a good max_completion_tokens",
+        CHAT,
+        {**GOOD_CHAT, "max_tokens": 0, "max_completion_tokens": 5},
+        "secret",
+        400,
+        "max_tokens",
+        "at least 1",
+    ),
+    (
+        "JSON mode",
+        CHAT,
+        {**GOOD_CHAT, "response_format": {"type": "json_object"}},
+        "secret",
+        400,
+        "response_format",
+        "plain text",
+    ),
+    ("tools: true", CHAT, {**GOOD_CHAT, "tools": True}, "secret", 400, "tools", "not supported"),
+    ("nested 2000 deep", CHAT, b"[" * 2000 + b"]" * 2000, "secret", 400, None, "depth"),
+    ("lone surrogate", CHAT, b'{"model": "\\ud800"}', "secret", 400, None, "surrogate"),
+    ("infinite number", CHAT, b'{"model": "qwen3", "temperature": 1e400}', "secret", 400, None, "infinity"),
+    ("empty body", CHAT, b"", "secret", 400, None, "empty"),
     ("oversized body", CHAT, b'{"x": "' + b"a" * (5 << 20) + b'"}', "secret", 413, None, "bytes"),
     ("no key", CHAT, GOOD_CHAT, None, 401, None, "Authorization"),
     ("wrong key", CHAT, GOOD_CHAT, "guess", 401, None, "incorrect"),
@@ -315,7 +351,7 @@ def test_a_failed_step_ends_the_stream_with_an_error_event_and_ready_recovers(
     with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
         body = {"model": "qwen3", "prompt": "hello", "max_tokens": 10, "stream": True}
         with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-            events = list(_sse_events(response))
+            events = list(sse_events(response))
         assert "[DONE]" not in events
         error = events[-1]["error"]
         assert error["code"] == "step_failed" and "rank 1" in error["message"], error
@@ -347,7 +383,7 @@ def sigterm_mid_stream(server: Server, max_tokens: int) -> list[dict | str]:
     """SIGTERM once a greedy stream has begun; the rest of the stream (a cut connection raises)."""
     body = {"model": "qwen3", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
     with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-        events = _sse_events(response)
+        events = sse_events(response)
         next(events)
         server.process.terminate()
         return list(events)
@@ -395,24 +431,12 @@ def test_http_layer_imports_no_mlx() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    response = httpx.get(f"{server.url}/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-    }
-
-
 def test_metrics_move_with_a_request(tp2: Server) -> None:
-    before = _scrape(tp2)
+    before = tp2.metrics()
     reply = complete(tp2, max_tokens=12)
     refused = _post(tp2, COMPLETIONS, {"model": "qwen3", "prompt": "x", "max_tokens": -1}, key=None)
     assert refused.status_code == 400
-    after = _scrape(tp2)
+    after = tp2.metrics()
 
     def grew(name: str, **labels: str) -> float:
         key = (name, tuple(sorted(labels.items())))

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from conftest import DatagramSink, Server, alive, wait_until
-from test_server import _sse_events, sigterm_mid_stream
+from conftest import DatagramSink, Server, alive, sse_events, wait_until
+from test_server import sigterm_mid_stream
 
 COMPLETIONS = "/v1/completions"
 
@@ -71,7 +71,7 @@ def test_ready_status_watchdog_then_stopping(tiny_models: dict[str, Path], tmp_p
 
             body = {"model": "qwen3", "prompt": "hello", "max_tokens": 400, "temperature": 0.0, "stream": True}
             with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-                events = _sse_events(response)
+                events = sse_events(response)
                 next(events)
                 running = "ready: qwen3 on 2 rank(s), 1 running, 0 waiting"
                 wait_until(lambda: running in systemd.statuses(), 10, running)
@@ -97,7 +97,7 @@ def test_a_wedged_step_stops_the_watchdog(tiny_models: dict[str, Path], tmp_path
             worker = _worker_pids(server)[0]
             body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
             with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-                events = _sse_events(response)
+                events = sse_events(response)
                 next(events)
                 os.kill(worker, signal.SIGSTOP)
                 try:

@@ -107,6 +107,7 @@ class Engine:
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._busy_since: float | None = None  # when the loop's current pool call began; None while it waits
+        self._probe_failed = False  # True while the loop waits to probe again
         metrics.WAITING.set_function(lambda: self.waiting)
         metrics.RUNNING.set_function(lambda: self.running)
         metrics.READY.set_function(lambda: float(self.health.ready))
@@ -124,7 +125,8 @@ class Engine:
         """Spawn the ranks, load the model, probe it, and run the step loop until the block exits."""
         # Refuse a model that cannot be split before a single worker is spawned.
         config = check_shardable(model_path, world_size)
-        tokenizer = load_tokenizer(model_path)
+        # Said out loud: a tokenizer_config.json's auto_map must never import a .py from the model folder.
+        tokenizer = load_tokenizer(model_path, {"trust_remote_code": False})
         async with Pool(world_size, backend, deadlines) as pool:
             with progress(f"loading {model_path.name} on {world_size} rank(s)", 1) as advance:
                 await pool.load(model_path)
@@ -197,7 +199,9 @@ class Engine:
             raise Unavailable("the server is shutting down; retry on another instance")
         if self.pool.broken is not None:
             raise Unavailable(f"{self.pool.broken}")
-        if not self.health.ready:
+        if not self.health.ready and self._probe_failed:
+            # Otherwise it queues: a failed step is followed at once by a probe, and one
+            # step's failure should not turn away whoever arrives in the milliseconds it takes.
             raise Unavailable(f"not ready: {self.health.reason}")
         if not prompt:
             raise RequestError("the prompt is empty: it needs at least one token", "prompt")
@@ -207,6 +211,7 @@ class Engine:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}; shorten the prompt",
                 "prompt",
+                "context_length_exceeded",
             )
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
@@ -262,7 +267,9 @@ class Engine:
             if not self.health.ready and self.pool.broken is None and not await self._probe():
                 self._fail_all("unavailable", f"not ready: {self.health.reason}")
                 self._busy_since = None
+                self._probe_failed = True
                 await anyio.sleep(REPROBE_S)
+                self._probe_failed = False
                 continue
             self._drop_cancelled()
             self._admit()

@@ -55,9 +55,10 @@ Event = Chunk | Finish | Failure
 class RequestError(ValueError):
     """A request refused as given; the message names the field and the limit."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's error code
 
 
 class Unavailable(RuntimeError):

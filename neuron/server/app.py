@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from neuron import metrics
 from neuron.engine.sequence import Chunk, Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
-from neuron.server import openai
+from neuron.server import openai, schema
 from neuron.server.openai import ApiError, Generation, Replies
 
 if TYPE_CHECKING:
@@ -62,6 +62,11 @@ def error_response(error: ApiError) -> Response:
     return OrjsonResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+def not_ready(message: str, retry_after: int = 1) -> ApiError:
+    """503 with Retry-After, so that clients (the OpenAI SDKs among them) come back rather than give up."""
+    return ApiError(503, message, type="server_error", code="not_ready", headers={"retry-after": str(retry_after)})
+
+
 # Plumbing shared by the routes.
 
 
@@ -88,7 +93,7 @@ def _authorize(request: Request, state: ServerState) -> None:
 
 def _engine(state: ServerState) -> Engine:
     if state.engine is None:
-        raise ApiError(503, f"not ready: {state.status}", type="server_error", code="not_ready")
+        raise not_ready(f"not ready: {state.status}")
     return state.engine
 
 
@@ -174,7 +179,7 @@ class EventStream(Response):
 
 def _failure_error(failure: Failure) -> ApiError:
     if failure.kind == "unavailable":
-        return ApiError(503, failure.message, type="server_error", code="not_ready", headers={"retry-after": "5"})
+        return not_ready(failure.message, retry_after=5)  # a lost group: the leader restarts, which takes seconds
     return ApiError(500, failure.message, type="server_error", code="step_failed")
 
 
@@ -195,7 +200,7 @@ async def ready(request: Request) -> Response:
         return OrjsonResponse({"status": "ready", "model": state.model_id})
     else:
         reason = state.engine.health.reason
-    return error_response(ApiError(503, f"not ready: {reason}", type="server_error", code="not_ready"))
+    return error_response(not_ready(f"not ready: {reason}"))
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -205,6 +210,19 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 async def prometheus(request: Request) -> Response:
     """Unauthenticated, like /health: scrapers rarely carry keys, and it holds counts, not content."""
     return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def openapi(request: Request) -> Response:
+    state = _state(request)
+    engine = state.engine
+    return OrjsonResponse(
+        schema.document(
+            state.model_id,
+            vocab_size=engine.vocab_size if engine else None,
+            context=engine.context_length if engine else None,
+            keyed=state.api_key is not None,
+        )
+    )
 
 
 async def list_models(request: Request) -> Response:
@@ -245,11 +263,11 @@ async def _generate(request: Request, *, chat: bool) -> Response:
         seq = engine.submit(prompt, gen.max_tokens, gen.params, gen.stop, request_id)
     except RequestError as e:
         param = "messages" if chat and e.param == "prompt" else e.param
-        raise ApiError(400, str(e), param=param, code="invalid_value") from e
+        raise ApiError(400, str(e), param=param, code=e.code) from e
     except Overloaded as e:
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
-        raise ApiError(503, str(e), type="server_error", code="not_ready") from e
+        raise not_ready(str(e)) from e
     replies = Replies(gen, request_id, engine.token_text)
     if gen.stream:
         return EventStream(_stream(seq, gen, replies), on_close=lambda: engine.cancel(seq))
@@ -315,7 +333,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"
-    return error_response(ApiError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
+    code = "not_found" if exc.status_code == 404 else None
+    # The headers carry what the status promises, such as 405's Allow.
+    return error_response(ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -332,6 +352,7 @@ def build_app(state: ServerState) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", prometheus, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -7,6 +7,7 @@ works unchanged.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,22 +22,26 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 
 # Accepted and ignored: they change nothing about what a single server generates.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
-# Refused, with the reason: silently ignoring them would change what the client gets.
-UNSUPPORTED = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning controls are not supported",
-    "verbosity": "verbosity controls are not supported",
-    "best_of": "best_of is not supported; send n=1",
-    "suffix": "suffix (insertion) is not supported",
+# Refused unless they hold a value that asks for nothing (null, or a neutral value
+# below): silently ignoring them would change what the client gets.
+UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling is not supported", ([],)),
+    "tool_choice": ("tool calling is not supported", ("none",)),
+    "functions": ("function calling is not supported", ([],)),
+    "function_call": ("function calling is not supported", ("none",)),
+    "parallel_tool_calls": ("tool calling is not supported", (True, False)),
+    "audio": ("audio output is not supported", ()),
+    "modalities": ("only text output is supported", (["text"],)),
+    "prediction": ("predicted outputs are not supported", ()),
+    "web_search_options": ("web search is not supported", ()),
+    "reasoning_effort": ("reasoning controls are not supported", ()),
+    "verbosity": ("verbosity controls are not supported", ()),
+    "response_format": ("only plain text responses are supported", ({"type": "text"},)),
+    "best_of": ("best_of is not supported; send 1", (1,)),
+    "suffix": ("suffix (insertion) is not supported", ("",)),
 }
+INT64 = (-(2**63), 2**63 - 1)  # what JSON parsers on both ends agree an integer can be
+TOKEN_ID = re.compile(r"[0-9]+")
 SAMPLING_FIELDS = frozenset(
     {
         "temperature",
@@ -123,8 +128,20 @@ def _get(body: dict[str, Any], name: str, expected: str, check: Callable[[Any], 
     return value
 
 
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that tells true from 1."""
+    return type(a) is type(b) and a == b
+
+
+def _is_int64(value: Any) -> bool:
+    # JSON Schema counts 2.0 as an integer, and so do we.
+    whole = type(value) is int or (type(value) is float and value.is_integer())
+    return whole and INT64[0] <= value <= INT64[1]
+
+
 def _int(body: dict[str, Any], name: str, default: int | None = None) -> Any:
-    return _get(body, name, "an integer", lambda v: type(v) is int, default)
+    value = _get(body, name, "a 64-bit integer", _is_int64, default)
+    return value if value is None else int(value)
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
@@ -140,12 +157,12 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name in body:
-        if name in UNSUPPORTED and body[name] not in (None, False, [], {}, 1):
-            raise bad(name, f"`{name}`: {UNSUPPORTED[name]} by neuron", "unsupported_parameter")
-        if name not in allowed and name not in IGNORED and name not in UNSUPPORTED:
-            if name == "response_format" and body[name] in (None, {"type": "text"}):
-                continue
+    for name, value in body.items():
+        if name in UNSUPPORTED:
+            reason, neutral = UNSUPPORTED[name]
+            if value is not None and not any(_same(value, n) for n in neutral):
+                raise bad(name, f"`{name}`: {reason} by neuron", "unsupported_parameter")
+        elif name not in allowed and name not in IGNORED:
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
 
     model = _get(body, "model", "a string", lambda v: isinstance(v, str), None)
@@ -164,9 +181,9 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
     gen = Generation(chat=chat, model=model)
     if chat:
         gen.messages = _messages(body.get("messages"))
-        gen.max_tokens = _int(body, "max_completion_tokens", None)
-        if gen.max_tokens is None:
-            gen.max_tokens = _int(body, "max_tokens", None)
+        # Both are checked; the newer name wins.
+        legacy = _int(body, "max_tokens", None)
+        gen.max_tokens = _int(body, "max_completion_tokens", legacy)
         gen.logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs", None)
         if top is not None and not gen.logprobs:
@@ -183,9 +200,9 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         if top_n is not None and not 0 <= top_n <= MAX_COMPLETION_LOGPROBS:
             raise bad("logprobs", f"`logprobs` must lie in [0, {MAX_COMPLETION_LOGPROBS}], got {top_n}")
         gen.logprobs = top_n is not None
-    if gen.max_tokens is not None and gen.max_tokens < 1:
-        name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        raise bad(name, f"`{name}` must be at least 1, got {gen.max_tokens}")
+    for name in ("max_tokens", "max_completion_tokens"):
+        if (value := body.get(name)) is not None and value < 1:
+            raise bad(name, f"`{name}` must be at least 1, got {value}")
 
     gen.stream = _bool(body, "stream")
     options = _get(body, "stream_options", "an object", lambda v: isinstance(v, dict), None)
@@ -202,7 +219,7 @@ def _sampling(body: dict[str, Any], top_logprobs: int | None) -> SamplingParams:
     bias = _get(body, "logit_bias", "an object", lambda v: isinstance(v, dict), {})
     logit_bias: dict[int, float] = {}
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit() or type(value) not in (int, float):
+        if not TOKEN_ID.fullmatch(key) or type(value) not in (int, float):
             raise bad("logit_bias", "`logit_bias` maps token ids (as strings) to numbers in [-100, 100]")
         logit_bias[int(key)] = float(value)
     seed = _int(body, "seed", None)
@@ -237,7 +254,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise bad(where, f"`{where}` must be an object with `role` and `content`, got {_kind(message)}")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad(f"{where}.role", f"`{where}.role` must be one of {', '.join(ROLES)}, got {role!r}")
         out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
     return out
@@ -266,8 +283,8 @@ def _prompt(value: Any) -> str | list[int]:
         if not value:
             raise bad("prompt", "`prompt` is empty")
         return value
-    if isinstance(value, list) and value and all(type(t) is int for t in value):
-        return value
+    if isinstance(value, list) and value and all(_is_int64(t) for t in value):
+        return [int(t) for t in value]
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
         raise bad("prompt", "`prompt` holds several prompts; send one per request")
     raise bad("prompt", f"`prompt` must be a string or an array of token ids, got {_kind(value)}")

@@ -30,7 +30,13 @@ def read_config(model_path: str | Path) -> dict:
         )
     if not any(path.glob("model*.safetensors")):
         raise ModelError(f"{path} has no model*.safetensors weights; neuron loads safetensors or GGUF only")
-    return json.loads(config_file.read_text())
+    config = json.loads(config_file.read_text())
+    if "model_file" in config:
+        raise ModelError(
+            f"{path} needs its own Python code ({config['model_file']}) to build the model; "
+            "neuron never runs code shipped with a model: use an architecture mlx-lm supports"
+        )
+    return config
 
 
 def check_shardable(model_path: str | Path, world_size: int) -> dict:

@@ -75,20 +75,26 @@ class _Seq:
     prompt_done: bool = False
 
 
-def _hook_step(env: str, rank: int) -> int | None:
-    spec = os.environ.get(env, "")
-    hook_rank, _, step = spec.partition(":")
-    return int(step) if spec and int(hook_rank) == rank else None
+def _hook_steps(env: str, rank: int) -> frozenset[int]:
+    """The steps ``env`` names for ``rank``: ``R:N[,N...]``, several ranks joined by ``;`` (``0:50;1:20,80``)."""
+    steps: set[int] = set()
+    for spec in filter(None, os.environ.get(env, "").split(";")):
+        hook_rank, _, listed = spec.partition(":")
+        if int(hook_rank) == rank:
+            steps.update(int(step) for step in listed.split(","))
+    return frozenset(steps)
 
 
 @dataclass(slots=True)
 class _Hooks:
-    fail_at: int | None = None
-    desync_at: int | None = None
+    """Test-only faults, set through the environment: fail, or corrupt this rank's state, after given steps."""
+
+    fail_at: frozenset[int] = frozenset()
+    desync_at: frozenset[int] = frozenset()
 
     @classmethod
     def read(cls, rank: int) -> _Hooks:
-        return cls(_hook_step(FAULT_ENV, rank), _hook_step(DESYNC_ENV, rank))
+        return cls(_hook_steps(FAULT_ENV, rank), _hook_steps(DESYNC_ENV, rank))
 
 
 class Rank:
@@ -170,9 +176,9 @@ class Rank:
         if plan.decode:
             out.update(self._decode(plan.decode))
         self._steps += 1
-        if self._steps == self._hooks.desync_at and self.seqs:
+        if self._steps in self._hooks.desync_at and self.seqs:
             self.seqs[min(self.seqs)].last += 1
-        if self._steps == self._hooks.fail_at:
+        if self._steps in self._hooks.fail_at:
             raise InjectedFault(f"rank {self.rank}: injected failure after step {self._steps} ({FAULT_ENV})")
         return out if self.rank == 0 else None
 

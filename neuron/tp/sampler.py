@@ -84,7 +84,7 @@ class Sampler:
                 filtered = apply_top_p(filtered, p.top_p)
             if p.min_p > 0.0:
                 filtered = apply_min_p(filtered, p.min_p)
-            if p.top_k > 0:
+            if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token
                 filtered = apply_top_k(filtered, p.top_k)
             self._key, draw = mx.random.split(self._key)
             token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=draw)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, wait_until
-from test_server import _sse_events
+from conftest import Server, sse_events, wait_until
 
 COMPLETIONS = "/v1/completions"
 GREEDY = {"model": "qwen3", "prompt": "hello", "max_tokens": 24, "temperature": 0.0}
@@ -36,7 +35,7 @@ def _stream(url: str, stream: Stream) -> None:
     body = {**GREEDY, "max_tokens": 1900, "stream": True}
     try:
         with httpx.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=60) as response:
-            for event in _sse_events(response):
+            for event in sse_events(response):
                 stream.chunks += 1
                 stream.last = event
     except httpx.HTTPError as e:  # a cut connection: what must never happen

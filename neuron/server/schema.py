@@ -1,0 +1,397 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json``, built from the limits the checks use.
+
+It is written out rather than derived from the handlers because the handlers
+check by hand, to answer in OpenAI's error shape. To keep the two from drifting,
+every bound here is read from where the check reads it (``openai``, ``RANGES``,
+the engine's context and vocabulary), and tests/faults/test_http_fuzz.py runs
+schemathesis against a live server: whatever the schema allows must be answered
+2xx, whatever it forbids 4xx, and every reply must match it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from neuron.sampling_params import LOGIT_BIAS, MAX_TOP_LOGPROBS, RANGES
+from neuron.server.openai import (
+    IGNORED,
+    INT64,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_STOPS,
+    ROLES,
+    UNSUPPORTED,
+)
+
+Schema = dict[str, Any]
+REF = "#/components/schemas/"
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": REF + name}
+
+
+def _or_null(schema: Schema) -> Schema:
+    """Every optional field also takes null, meaning "the default", as OpenAI's do."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _integer(low: int = INT64[0], high: int = INT64[1]) -> Schema:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
+def below(limit: int) -> str:
+    """A regex for the decimal numbers in [0, limit), leading zeros allowed: logit_bias's keys."""
+    top = str(limit - 1)
+    shorter = f"[0-9]{{1,{len(top) - 1}}}" if len(top) > 1 else None
+    same_length = []
+    for i, digit in enumerate(top):
+        if digit != "0":
+            rest = len(top) - i - 1
+            lower = "0" if digit == "1" else f"[0-{int(digit) - 1}]"
+            same_length.append(top[:i] + lower + (f"[0-9]{{{rest}}}" if rest else ""))
+    same_length.append(top)
+    return "^0*(" + "|".join(filter(None, [shorter, *same_length])) + ")$"
+
+
+def _sampling_properties(vocab_size: int | None) -> Schema:
+    def ranged(name: str, kind: str) -> Schema:
+        bound = RANGES[name]
+        schema = {"type": kind, **bound.json_schema()}
+        if kind == "integer" and "maximum" not in schema and "exclusiveMaximum" not in schema:
+            schema["maximum"] = INT64[1]
+        return _or_null(schema)
+
+    bias_keys: Schema = {"pattern": below(vocab_size)} if vocab_size else {"pattern": "^[0-9]+$"}
+    return {
+        "temperature": ranged("temperature", "number"),
+        "top_p": ranged("top_p", "number"),
+        "top_k": ranged("top_k", "integer"),
+        "min_p": ranged("min_p", "number"),
+        "seed": ranged("seed", "integer"),
+        "presence_penalty": ranged("presence_penalty", "number"),
+        "frequency_penalty": ranged("frequency_penalty", "number"),
+        "repetition_penalty": ranged("repetition_penalty", "number"),
+        "logit_bias": _or_null(
+            {
+                "type": "object",
+                "propertyNames": bias_keys,
+                "additionalProperties": {"type": "number", **LOGIT_BIAS.json_schema()},
+                "description": "token id (a decimal string) -> bias added to its logit",
+            }
+        ),
+        "stop": _or_null(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS},
+                ]
+            }
+        ),
+        "n": {"enum": [1, None], "description": "one choice per request"},
+        "stream": _or_null({"type": "boolean"}),
+        "stream_options": _or_null({"type": "object", "properties": {"include_usage": _or_null({"type": "boolean"})}}),
+    }
+
+
+def _passthrough() -> Schema:
+    unsupported = {
+        name: {"enum": [None, *neutral], "description": f"{reason}; only null or a neutral value is accepted"}
+        for name, (reason, neutral) in UNSUPPORTED.items()
+    }
+    ignored = {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
+    return {**unsupported, **ignored}
+
+
+def _requires(field: str, kind: str, needs: str) -> Schema:
+    """``field``, when given (not null), needs ``needs`` set to true."""
+    return {
+        "if": {"properties": {field: {"type": kind}}, "required": [field]},
+        "then": {"properties": {needs: {"const": True}}, "required": [needs]},
+    }
+
+
+def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat: bool) -> Schema:
+    max_tokens = _or_null(
+        {
+            **_integer(1),
+            "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
+        }
+    )
+    properties: Schema = {"model": {"type": "string", "enum": [model_id]}, **_sampling_properties(vocab_size)}
+    tokens: Schema = {"type": "array", "minItems": 1, "items": _integer(0, (vocab_size or 2**63) - 1)}
+    if context:
+        tokens["maxItems"] = context - 1
+    prompt_note = f"at most {context - 1} tokens" if context else "shorter than the model's context"
+    if chat:
+        part = {
+            "type": "object",
+            "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+        }
+        message = {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"enum": list(ROLES)},
+                "content": _or_null({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+            },
+        }
+        properties |= {
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": message,
+                "description": f"the chat, through the model's template: {prompt_note}",
+            },
+            "max_tokens": max_tokens,
+            "max_completion_tokens": max_tokens,
+            "logprobs": _or_null({"type": "boolean"}),
+            "top_logprobs": _or_null(_integer(0, MAX_TOP_LOGPROBS)),
+        }
+        required = ["model", "messages"]
+        rules = [_requires("stream_options", "object", "stream"), _requires("top_logprobs", "integer", "logprobs")]
+    else:
+        text = {"type": "string", "minLength": 1}
+        properties |= {
+            "prompt": {
+                "anyOf": [
+                    text,
+                    tokens,
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, tokens]}},
+                ],
+                "description": f"text or token ids ({prompt_note}); a batch of one is unwrapped",
+            },
+            "max_tokens": {**max_tokens, "default": 16},
+            "logprobs": _or_null(_integer(0, MAX_COMPLETION_LOGPROBS)),
+            "echo": {"enum": [False, None], "description": "echo is not supported"},
+        }
+        required = ["model", "prompt"]
+        rules = [_requires("stream_options", "object", "stream")]
+    return {
+        "type": "object",
+        "required": required,
+        "properties": properties | _passthrough(),
+        "additionalProperties": False,
+        "allOf": rules,
+    }
+
+
+def _responses(*errors: int, ok: Schema | None = None, stream: bool = False) -> Schema:
+    out: Schema = {}
+    if ok is not None:
+        content = {"application/json": {"schema": ok}}
+        if stream:
+            event = {
+                "type": "object",
+                "required": ["data"],
+                "properties": {"data": {"type": "string"}},
+                "description": "one server-sent event: a chunk as JSON, an error body as JSON, or [DONE]",
+            }
+            content["text/event-stream"] = {"schema": event}
+        out["200"] = {"description": "OK", "content": content}
+    for status in errors:
+        headers = {"Retry-After": {"schema": {"type": "string"}}} if status in (429, 503) else {}
+        out[str(status)] = {
+            "description": ERROR_MEANINGS[status],
+            "content": {"application/json": {"schema": _ref("Error")}},
+            **({"headers": headers} if headers else {}),
+        }
+    return out
+
+
+ERROR_MEANINGS = {
+    400: "a field is wrong; `error.param` names it",
+    401: "no API key, or the wrong one",
+    404: "no such model",
+    413: "the body is too large",
+    429: "the queue is full; retry after Retry-After seconds",
+    500: "a step failed; the server log has the details",
+    503: "not ready (loading, recovering or shutting down); retry after Retry-After seconds",
+}
+
+
+def _components(model_id: str) -> Schema:
+    logprob = {
+        "type": "object",
+        "required": ["token", "logprob", "bytes"],
+        "properties": {
+            "token": {"type": "string"},
+            "logprob": {"type": "number"},
+            "bytes": {"type": "array", "items": _integer(0, 255)},
+        },
+    }
+    chat_logprobs = _or_null(
+        {
+            "type": "object",
+            "required": ["content"],
+            "properties": {
+                "content": {
+                    "type": "array",
+                    "items": {
+                        **logprob,
+                        "required": [*logprob["required"], "top_logprobs"],
+                        "properties": {**logprob["properties"], "top_logprobs": {"type": "array", "items": logprob}},
+                    },
+                },
+                "refusal": {"type": "null"},
+            },
+        }
+    )
+    completion_logprobs = _or_null(
+        {
+            "type": "object",
+            "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+            "properties": {
+                "tokens": {"type": "array", "items": {"type": "string"}},
+                "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                "top_logprobs": {
+                    "type": "array",
+                    "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                },
+                "text_offset": {"type": "array", "items": {"type": "integer"}},
+            },
+        }
+    )
+    finish = {"enum": ["stop", "length"]}
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+    }
+
+    def envelope(kind: str, choice: Schema) -> Schema:
+        return {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": kind},
+                "created": {"type": "integer"},
+                "model": {"const": model_id},
+                "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+                "usage": _ref("Usage"),
+            },
+        }
+
+    choice_base = {"index": {"const": 0}, "finish_reason": finish}
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "param", "code"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"]},
+                        "code": {"type": ["string", "null"]},
+                    },
+                }
+            },
+        },
+        "Usage": usage,
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {
+                "id": {"const": model_id},
+                "object": {"const": "model"},
+                "created": {"type": "integer"},
+                "owned_by": {"type": "string"},
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+        },
+        "ChatCompletion": envelope(
+            "chat.completion",
+            {
+                "type": "object",
+                "required": ["index", "message", "logprobs", "finish_reason"],
+                "properties": {
+                    **choice_base,
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": "string"},
+                            "refusal": {"type": "null"},
+                        },
+                    },
+                    "logprobs": chat_logprobs,
+                },
+            },
+        ),
+        "Completion": envelope(
+            "text_completion",
+            {
+                "type": "object",
+                "required": ["index", "text", "logprobs", "finish_reason"],
+                "properties": {**choice_base, "text": {"type": "string"}, "logprobs": completion_logprobs},
+            },
+        ),
+    }
+
+
+def document(model_id: str, *, vocab_size: int | None, context: int | None, keyed: bool) -> Schema:
+    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded."""
+    secured = {"security": [{"bearer": []}]} if keyed else {}
+    probe = {"security": []}
+
+    def get(summary: str, responses: Schema, **extra: Any) -> Schema:
+        return {"get": {"summary": summary, "responses": responses, **extra}}
+
+    def generate(summary: str, chat: bool) -> Schema:
+        body = _request(model_id, vocab_size, context, chat=chat)
+        return {
+            "post": {
+                "summary": summary,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                "responses": _responses(
+                    400, 401, 404, 413, 429, 503, ok=_ref("ChatCompletion" if chat else "Completion"), stream=True
+                ),
+                **secured,
+            }
+        }
+
+    status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "neuron", "version": "1", "description": f"OpenAI-compatible API serving `{model_id}`"},
+        "paths": {
+            "/health": get("the process answers", _responses(ok=status), **probe),
+            "/ready": get("the model is loaded and its last probe passed", _responses(503, ok=status), **probe),
+            "/metrics": get(
+                "Prometheus metrics",
+                {"200": {"description": "OK", "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+                **probe,
+            ),
+            "/openapi.json": get(
+                "this document",
+                {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}},
+                **probe,
+            ),
+            "/v1/models": get("the served model", _responses(401, ok=_ref("ModelList")), **secured),
+            "/v1/models/{model}": get(
+                "one model",
+                _responses(401, 404, ok=_ref("Model")),
+                parameters=[{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                **secured,
+            ),
+            "/v1/chat/completions": generate("a chat completion, whole or streamed", chat=True),
+            "/v1/completions": generate("a text completion, whole or streamed", chat=False),
+        },
+        "components": {
+            "schemas": _components(model_id),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,21 @@
+"""A check for schemathesis, loaded by name through ``SCHEMATHESIS_HOOKS``.
+
+It stands in for schemathesis's own ``positive_data_acceptance``, less the one
+limit no JSON schema can state: how many tokens a prompt becomes. A schema-valid
+body may answer 400 only with OpenAI's ``context_length_exceeded``.
+"""
+
+from __future__ import annotations
+
+import schemathesis
+
+
+@schemathesis.check
+def valid_requests_are_served(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> None:
+    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 400:
+        return
+    error = response.json().get("error", {})
+    if error.get("code") != "context_length_exceeded":
+        raise AssertionError(f"a schema-valid request was refused: {error.get('message')}")

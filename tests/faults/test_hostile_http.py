@@ -1,0 +1,121 @@
+"""Hostile HTTP input: schemathesis against the served schema, and clients that stall or vanish.
+
+The hand-written table of nasty bodies is ``BAD_REQUESTS`` in tests/test_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from conftest import Server, serving, tcp_sockets, wait_until
+
+KEY = "secret"
+HERE = Path(__file__).resolve().parent
+SCHEMATHESIS = Path(sys.executable).parent / "st"
+EXAMPLES = 20  # per operation and phase, about a minute here; bench/http_fuzz.py runs longer, stateful too
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # A short context bounds each generated request, so many fit in a minute.
+    args = ("--model", str(tiny_models["qwen3"]), "--max-context", "64")
+    with serving(tmp_path_factory, *args, api_key=KEY) as server:
+        yield server
+
+
+def run_schemathesis(
+    url: str, examples: int, seed: int, phases: str = "coverage,fuzzing"
+) -> subprocess.CompletedProcess[str]:
+    """Every schemathesis check, with ours standing in for ``positive_data_acceptance`` (see schemathesis_hooks)."""
+    command = [str(SCHEMATHESIS), "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {KEY}"]
+    command += ["--checks", "all", "--exclude-checks", "positive_data_acceptance"]
+    command += ["--phases", phases, "--max-examples", str(examples), "--seed", str(seed), "--workers", "1"]
+    command += ["--output-truncate", "true"]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(HERE)}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+
+
+def test_schema_states_this_servers_model_and_limits(fuzzed: Server) -> None:
+    document = httpx.get(f"{fuzzed.url}/openapi.json").json()
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    body = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert body["properties"]["model"]["enum"] == ["qwen3"]
+    assert chat["security"] == [{"bearer": []}]
+    prompt = document["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    tokens = prompt["properties"]["prompt"]["anyOf"][1]
+    assert tokens["maxItems"] == 63 and tokens["items"]["maximum"] == 258  # context 64, vocabulary 259
+    assert document["paths"]["/health"]["get"]["security"] == []
+
+
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzzed: Server) -> None:
+    result = run_schemathesis(fuzzed.url, EXAMPLES, seed=1)
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]
+    served = [e for e in fuzzed.logs() if e.get("event") == "request done"]
+    refused = [e for e in fuzzed.logs() if e.get("event") == "request refused"]
+    # It must have reached the model, not only the parser, and the parser must have been tried hard.
+    assert len(served) >= 50 and len(refused) >= 200, (len(served), len(refused))
+    assert not [e for e in fuzzed.logs() if e.get("level") == "error"]
+
+
+def _partial_request(url: str) -> socket.socket:
+    """Headers promising 1000 bytes of body, then 10 bytes, then silence."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n".encode()
+        + b'{"model": '
+    )
+    return s
+
+
+def _unread_stream(url: str) -> socket.socket:
+    """A streamed chat asked for and never read."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    body = orjson.dumps(
+        {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
+    )
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return s
+
+
+def test_stalled_and_abandoned_clients_cost_nothing_once_gone(fuzzed: Server) -> None:
+    baseline = len([s for s in tcp_sockets(fuzzed.process.pid) if s[2] == "ESTABLISHED"])
+    clients = [_partial_request(fuzzed.url) for _ in range(20)] + [_unread_stream(fuzzed.url) for _ in range(20)]
+
+    def busy() -> bool:
+        m = fuzzed.metrics()
+        return m[("neuron_requests_running", ())] + m[("neuron_requests_waiting", ())] == 20
+
+    wait_until(busy, 30, "the 20 streams admitted")
+    # Forty stalled clients hold no step hostage: a polite request still gets through.
+    polite = httpx.post(
+        f"{fuzzed.url}/v1/completions",
+        json={"model": "qwen3", "prompt": "x", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=60,
+    )
+    assert polite.status_code == 200, polite.text
+    for client in clients:
+        client.close()
+
+    def all_gone() -> bool:
+        m = fuzzed.metrics()
+        connected = [s for s in tcp_sockets(fuzzed.process.pid) if s[2] == "ESTABLISHED"]
+        idle = m[("neuron_requests_running", ())] == 0 and m[("neuron_requests_waiting", ())] == 0
+        return idle and len(connected) <= baseline
+
+    wait_until(all_gone, 30, "every abandoned request dropped and every connection closed")
