@@ -1,11 +1,13 @@
 """Decode speed of one streaming HTTP client against raw mlx-lm, on the same model, in the same run.
 
-Run: .venv/bin/python bench/http_decode.py [--model FOLDER] [--tokens 128] [--rounds 5] [--tp 1]
+Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,32,5888] [--tokens 128] [--rounds 5]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
-BLAS neuron uses (OpenBLAS preloaded when present). The contender is a real
-``neuron serve`` answering a streamed ``/v1/completions`` request. The two
-alternate, round by round, so that the machine's noise hits both alike.
+BLAS neuron uses (OpenBLAS preloaded when present). The contenders are neuron's
+engine in a process of its own (what ``neuron generate`` runs, less the process
+start) and a real ``neuron serve`` answering a streamed ``/v1/completions``
+request. All three alternate, round by round, so that the machine's noise hits
+them alike.
 Decode rate is (tokens - 1) / (time from first to last token): prefill excluded.
 Prints a markdown table; the ratio is what to trust, not the absolute rates.
 """
@@ -15,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +43,28 @@ def baseline_child(model: str, tokens: int) -> None:
         print(json.dumps({"tokens": len(stamps), "seconds": stamps[-1] - stamps[0]}), flush=True)
 
 
+def engine_child(model: str, tokens: int) -> None:
+    """``neuron generate``'s path without the process start: the engine at TP=1, one generation per stdin line."""
+    import anyio
+
+    sys.path.insert(0, str(ROOT))
+    from neuron.engine.engine import Engine
+    from neuron.engine.sequence import Chunk
+
+    async def serve() -> None:
+        async with Engine.open(Path(model), 1) as engine:
+            prompt = engine.encode(PROMPT)
+            while await anyio.to_thread.run_sync(sys.stdin.readline):
+                stamps = []
+                seq = engine.submit(prompt, tokens)
+                async for event in seq.events:
+                    if isinstance(event, Chunk):
+                        stamps.append(time.perf_counter())
+                print(json.dumps({"tokens": len(stamps), "seconds": stamps[-1] - stamps[0]}), flush=True)
+
+    anyio.run(serve)
+
+
 def _blas_env() -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     from neuron import cpu
@@ -55,10 +81,30 @@ def http_round(url: str, model_id: str, tokens: int) -> dict:
     return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0]}
 
 
+def _persistent(flag: str, path: Path, tokens: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, flag, str(path), str(tokens)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_blas_env(),
+        cwd=ROOT,
+    )
+
+
+def _round(child: subprocess.Popen[str]) -> dict:
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    return json.loads(child.stdout.readline())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", nargs=2, metavar=("MODEL", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine", nargs=2, metavar=("MODEL", "TOKENS"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help="model folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--generate", metavar="HIDDEN,LAYERS,HEADS,INTERMEDIATE", help="a generated qwen3 instead")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1)
@@ -66,53 +112,59 @@ def main() -> None:
     if args.baseline:
         baseline_child(args.baseline[0], int(args.baseline[1]))
         return
+    if args.engine:
+        engine_child(args.engine[0], int(args.engine[1]))
+        return
 
     sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    from conftest import Server
+    from conftest import Server, make_tiny_model
 
     from neuron.models import model_id, resolve
 
+    scratch = Path(tempfile.mkdtemp())
+    if args.generate:
+        hidden, layers, heads, intermediate = (int(x) for x in args.generate.split(","))
+        args.model = str(make_tiny_model(scratch / "qwen3", "qwen3", 0, hidden, layers, heads, intermediate))
     path = resolve(args.model)
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
     served_id = model_id(args.model)
-    server = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=log)
-    baseline = subprocess.Popen(
-        [sys.executable, __file__, "--baseline", str(path), str(args.tokens)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_blas_env(),
-        cwd=ROOT,
-    )
-    assert baseline.stdin is not None and baseline.stdout is not None
+    server = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=scratch / "log")
+    children = {
+        "mlx_lm": _persistent("--baseline", path, args.tokens),
+        "engine": _persistent("--engine", path, args.tokens),
+    }
     try:
         server.start()
-        results: dict[str, list[dict]] = {"mlx_lm": [], "http": []}
+        results: dict[str, list[dict]] = {"mlx_lm": [], "engine": [], "http": []}
         for warmup in (True,) + (False,) * args.rounds:
-            baseline.stdin.write("go\n")
-            baseline.stdin.flush()
-            raw = json.loads(baseline.stdout.readline())
-            served = http_round(server.url, served_id, args.tokens)
+            measured = {name: _round(child) for name, child in children.items()}
+            measured["http"] = http_round(server.url, served_id, args.tokens)
             if not warmup:
-                results["mlx_lm"].append(raw)
-                results["http"].append(served)
+                for name, result in measured.items():
+                    results[name].append(result)
     finally:
-        baseline.stdin.close()
-        baseline.wait(timeout=60)
+        for child in children.values():
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait(timeout=60)
         server.stop()
-        log.unlink(missing_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
     def rate(r: dict) -> float:
         return (r["tokens"] - 1) / r["seconds"]
 
-    base = statistics.median(rate(r) for r in results["mlx_lm"])
-    http = statistics.median(rate(r) for r in results["http"])
+    rates = {name: statistics.median(rate(r) for r in rs) for name, rs in results.items()}
+    base = rates["mlx_lm"]
     print(f"model {path.name}, TP={args.tp}, {args.tokens} tokens, median of {args.rounds} alternating rounds\n")
     print("| path | decode tok/s (median) | tokens/round | vs mlx_lm |")
     print("|---|---|---|---|")
-    print(f"| mlx_lm.stream_generate | {base:.1f} | {results['mlx_lm'][0]['tokens']} | 1.00x |")
-    print(f"| neuron serve, one streaming client | {http:.1f} | {results['http'][0]['tokens']} | {http / base:.2f}x |")
+    names = {
+        "mlx_lm": "mlx_lm.stream_generate",
+        "engine": "neuron's engine, TP=1 (what `neuron generate` runs)",
+        "http": f"neuron serve TP={args.tp}, one streaming HTTP client",
+    }
+    for name, label in names.items():
+        print(f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x |")
 
 
 if __name__ == "__main__":

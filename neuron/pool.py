@@ -308,7 +308,7 @@ class Pool:
             )
             assert process.stdout is not None
             self.workers.append(Worker(rank, process, BufferedByteReceiveStream(process.stdout), process.pid))
-        pongs = await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
+        pongs = await self.ping()
         for worker in self.workers:
             pong = pongs[worker.rank]
             if (pong.rank, pong.world_size, pong.protocol) != (worker.rank, self.world_size, rpc.PROTOCOL_VERSION):
@@ -428,6 +428,10 @@ class Pool:
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False)
         return result
+
+    async def ping(self) -> dict[int, rpc.Pong]:
+        """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
+        return await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
 
     async def clear_kv_cache(self) -> None:
         await self._fan_out(

@@ -61,6 +61,7 @@ def make_tiny_model(
     layers: int = 4,
     heads: int = 4,
     intermediate: int | None = None,
+    vocab: int | None = None,
 ) -> Path:
     """A random-weight model with a real tokenizer; the defaults are the tests' tiny one (the benchmarks grow it)."""
     import mlx.core as mx
@@ -68,7 +69,7 @@ def make_tiny_model(
     from mlx_lm.utils import _get_classes
 
     folder.mkdir(parents=True)
-    vocab = _tokenizer_files(folder)
+    vocab = max(_tokenizer_files(folder), vocab or 0)  # ids past the tokenizer's are never produced, only computed
     config = {
         "model_type": model_type,
         "hidden_size": hidden,

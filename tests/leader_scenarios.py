@@ -42,6 +42,19 @@ async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
     return tokens
 
 
+async def greedy_timed(pool: Pool, prompt: list[int], count: int) -> list[float]:
+    """Like ``greedy``; returns each decode step's seconds."""
+    await pool.clear_kv_cache()
+    sample = _sample_one(Sampler(SamplingParams(), []))
+    token = (await pool.step(StepPlan(prefill=[(1, 0, prompt, True)]), sample)).token
+    seconds = []
+    for _ in range(count):
+        started = time.perf_counter()
+        token = (await pool.step(StepPlan(decode=[(1, token)]), sample)).token
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 async def spawn(world_size: int) -> dict[str, Any]:
     async with Pool(world_size) as pool:
         pids = [w.pid for w in pool.workers]

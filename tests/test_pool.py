@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, alive, wait_until
+from conftest import ROOT, alive, make_tiny_model, wait_until
 
 from neuron.pool import Pool
 from neuron.tp.rank import FAULT_ENV
@@ -56,6 +56,15 @@ def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], clean_tokens: dict[
     assert len(set(clean_tokens[arch])) > 8  # a degenerate model would make the comparison meaningless
     full = scenario("generate", str(tiny_models[arch]), 1, 1)["parameters"][0]
     assert result["parameters"][0] == result["parameters"][1] < full  # each rank holds only its slices
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_vocabulary_projection_split_over_the_ranks_gives_tp1s_tokens(tmp_path: Path, arch: str) -> None:
+    # 40001 x 256 is past SPLIT_HEAD_MIN_PARAMS, and odd: rank 1's rows are padded. Untied (llama) and tied (qwen3).
+    model = str(make_tiny_model(tmp_path / arch, arch, vocab=40001))
+    alone = scenario("generate", model, 1, 24)["tokens"]
+    assert max(alone) > 258 and len(set(alone)) > 8  # tokens from beyond the tokenizer's ids: the whole head counts
+    assert scenario("generate", model, 2, 24)["tokens"] == alone
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])

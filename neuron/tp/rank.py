@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.rpc import StepPlan
-from neuron.tp.model import backbone, check_shardable, load_shard, parameter_count
+from neuron.tp.model import VocabShard, backbone, check_shardable, load_shard, parameter_count, shard_head
 
 # Prompts are fed in chunks of this many tokens: the attention scores of one
 # chunk stay small, and every rank cuts a prompt at the same places, so all
@@ -103,6 +103,7 @@ class Rank:
         self.world_size = world_size
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
+        self.head: VocabShard | None = None  # the vocabulary projection split over the ranks, where it can be
         self.vocab_size = 0
         self.seqs: dict[int, _Seq] = {}
         self.batch_ids: list[int] = []  # the batch's rows, in order
@@ -146,6 +147,7 @@ class Rank:
                 "(sliding window or state space); batching supports plain attention models only"
             )
         self.model = model
+        self.head = shard_head(model, config.get("model_type", ""), self.group)
         self._steps = 0
         self._hooks = _Hooks.read(self.rank)
         return Loaded(parameter_count(self.model), time.perf_counter() - start)
@@ -323,6 +325,10 @@ class Rank:
     def _forward_batch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array | None:
         """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
         assert self.model is not None
+        if self.head is not None:
+            logits = self.head(backbone(self.model)(tokens, cache=cache)[:, -1, :])
+            mx.eval(logits)
+            return logits if self.rank == 0 else None
         if self.rank == 0:
             out = self.model(tokens, cache=cache)[:, -1, :]
             mx.eval(out)
@@ -338,4 +344,5 @@ class Rank:
     def unload(self) -> None:
         self.clear_kv_cache()
         self.model = None
+        self.head = None
         mx.clear_cache()
