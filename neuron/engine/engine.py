@@ -24,6 +24,7 @@ and probes again at once, then every few seconds until a probe passes.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import uuid
 from collections import deque
@@ -202,7 +203,7 @@ class Engine:
         if not self.health.ready and self._probe_failed:
             # Otherwise it queues: a failed step is followed at once by a probe, and one
             # step's failure should not turn away whoever arrives in the milliseconds it takes.
-            raise Unavailable(f"not ready: {self.health.reason}")
+            raise Unavailable(f"not ready: {self.health.reason}", retry_after=math.ceil(REPROBE_S))
         if not prompt:
             raise RequestError("the prompt is empty: it needs at least one token", "prompt")
         if not all(0 <= t < self.vocab_size for t in prompt):

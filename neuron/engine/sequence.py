@@ -64,6 +64,10 @@ class RequestError(ValueError):
 class Unavailable(RuntimeError):
     """The engine cannot take requests now: not ready, broken, or shutting down."""
 
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds until it may take requests again, for Retry-After
+
 
 class Overloaded(RuntimeError):
     """The waiting queue is full."""

@@ -267,7 +267,7 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     except Overloaded as e:
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
-        raise not_ready(str(e)) from e
+        raise not_ready(str(e), retry_after=e.retry_after) from e
     replies = Replies(gen, request_id, engine.token_text)
     if gen.stream:
         return EventStream(_stream(seq, gen, replies), on_close=lambda: engine.cancel(seq))

@@ -95,9 +95,9 @@ def _one(
 
 
 def _refusal(response: httpx.Response) -> str:
-    """A request that arrives while the engine re-probes after a fault is refused: 503, come back shortly."""
+    """A request that arrives after a failed probe is refused until the next: 503, come back when it is due."""
     error = response.read() and response.json()["error"]
-    clean = response.status_code == 503 and response.headers.get("retry-after") == "1"
+    clean = response.status_code == 503 and response.headers.get("retry-after") == "5"  # REPROBE_S
     if clean and error["code"] == "not_ready" and any(cause in error["message"] for cause in INJECTED):
         return "refused"
     return f"wrong: HTTP {response.status_code}: {error}"
