@@ -357,7 +357,7 @@ def document(model_id: str, *, vocab_size: int | None, context: int | None, keye
                 "summary": summary,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
                 "responses": _responses(
-                    400, 401, 404, 413, 429, 503, ok=_ref("ChatCompletion" if chat else "Completion"), stream=True
+                    400, 401, 404, 413, 429, 500, 503, ok=_ref("ChatCompletion" if chat else "Completion"), stream=True
                 ),
                 **secured,
             }
