@@ -9,7 +9,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -65,57 +65,55 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(fuzzed: Serv
     assert not [e for e in fuzzed.logs() if e.get("level") == "error"]
 
 
-def _partial_request(url: str) -> socket.socket:
-    """Headers promising 1000 bytes of body, then 10 bytes, then silence."""
+def _raw_post(url: str, body: bytes, length: int) -> socket.socket:
+    """A chat request written straight to a socket, claiming ``length`` bytes of body; nothing is ever read."""
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)))
     s.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n".encode()
-        + b'{"model": '
-    )
-    return s
-
-
-def _unread_stream(url: str) -> socket.socket:
-    """A streamed chat asked for and never read."""
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.create_connection((host, int(port)))
-    body = orjson.dumps(
-        {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": True}
-    )
-    s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: {length}\r\n\r\n".encode()
         + body
     )
     return s
 
 
-def test_stalled_and_abandoned_clients_cost_nothing_once_gone(fuzzed: Server) -> None:
-    baseline = len([s for s in tcp_sockets(fuzzed.process.pid) if s[2] == "ESTABLISHED"])
-    clients = [_partial_request(fuzzed.url) for _ in range(20)] + [_unread_stream(fuzzed.url) for _ in range(20)]
+@pytest.fixture(scope="module")
+def roomy(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The model's whole context: streams long enough to be still running when their clients leave."""
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), api_key=KEY) as server:
+        yield server
 
-    def busy() -> bool:
-        m = fuzzed.metrics()
-        return m[("neuron_requests_running", ())] + m[("neuron_requests_waiting", ())] == 20
 
-    wait_until(busy, 30, "the 20 streams admitted")
-    # Forty stalled clients hold no step hostage: a polite request still gets through.
+def test_stalled_and_abandoned_clients_cost_nothing_once_gone(roomy: Server) -> None:
+    baseline = len([s for s in tcp_sockets(roomy.process.pid) if s[2] == "ESTABLISHED"])
+    stalled = [_raw_post(roomy.url, b'{"model": ', 1000) for _ in range(20)]  # 10 of 1000 bytes, then silence
+    chat = {"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1900, "stream": True}
+    body = orjson.dumps(chat)
+    unread = [_raw_post(roomy.url, body, len(body)) for _ in range(6)]  # 6 of the batch's 8 places
+
+    def running(count: int) -> Callable[[], bool]:
+        def check() -> bool:
+            m = roomy.metrics()
+            return m[("neuron_requests_running", ())] == count and m[("neuron_requests_waiting", ())] == 0
+
+        return check
+
+    wait_until(running(6), 30, "the 6 streams running")
+    # Stalled clients hold no step hostage: a polite request still gets through.
     polite = httpx.post(
-        f"{fuzzed.url}/v1/completions",
+        f"{roomy.url}/v1/completions",
         json={"model": "qwen3", "prompt": "x", "max_tokens": 2},
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=60,
     )
     assert polite.status_code == 200, polite.text
-    for client in clients:
+    for client in stalled + unread:
         client.close()
+    # The streams are dropped at a step boundary, not run to their 1900 tokens.
+    wait_until(running(0), 30, "every abandoned request dropped")
+    assert len([e for e in roomy.logs() if e.get("event") == "request cancelled"]) == 6
 
-    def all_gone() -> bool:
-        m = fuzzed.metrics()
-        connected = [s for s in tcp_sockets(fuzzed.process.pid) if s[2] == "ESTABLISHED"]
-        idle = m[("neuron_requests_running", ())] == 0 and m[("neuron_requests_waiting", ())] == 0
-        return idle and len(connected) <= baseline
+    def disconnected() -> bool:
+        return len([s for s in tcp_sockets(roomy.process.pid) if s[2] == "ESTABLISHED"]) <= baseline
 
-    wait_until(all_gone, 30, "every abandoned request dropped and every connection closed")
+    wait_until(disconnected, 30, "every connection closed")

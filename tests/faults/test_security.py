@@ -41,7 +41,10 @@ def test_a_model_outside_the_allowed_directories_is_refused_even_through_a_symli
     allowed = tmp_path / "allowed"
     allowed.mkdir()
     (allowed / "link").symlink_to(model_copy)
-    refused = run_neuron("serve", "--model", str(allowed / "link"), "--model-dirs", f"/nonexistent:{allowed}")
+    # A bad port rides along, so that a server that wrongly accepts the model still exits at once, with usage.
+    refused = run_neuron(
+        "serve", "--model", str(allowed / "link"), "--model-dirs", f"/nonexistent:{allowed}", "--port", "70000"
+    )
     assert refused.returncode == 2
     assert f"--model {model_copy} lies outside the allowed model directories" in refused.stderr
     # Inside, the model passes this check: the only problem left is the port, given wrong on purpose.
