@@ -179,7 +179,8 @@ class EventStream(Response):
 
 def _failure_error(failure: Failure) -> ApiError:
     if failure.kind == "unavailable":
-        return not_ready(failure.message, retry_after=5)  # a lost group: the leader restarts, which takes seconds
+        # A lost group (the leader restarts) or a failed probe (the next comes in 5 s): seconds either way.
+        return not_ready(failure.message, retry_after=5)
     return ApiError(500, failure.message, type="server_error", code="step_failed")
 
 

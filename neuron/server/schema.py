@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.sampling_params import LOGIT_BIAS, MAX_TOP_LOGPROBS, RANGES
+from neuron.sampling_params import LOGIT_BIAS, RANGES
 from neuron.server.openai import (
     IGNORED,
     INT64,
@@ -55,24 +55,25 @@ def below(limit: int) -> str:
     return "^0*(" + "|".join(filter(None, [shorter, *same_length])) + ")$"
 
 
-def _sampling_properties(vocab_size: int | None) -> Schema:
-    def ranged(name: str, kind: str) -> Schema:
-        bound = RANGES[name]
-        schema = {"type": kind, **bound.json_schema()}
-        if kind == "integer" and "maximum" not in schema and "exclusiveMaximum" not in schema:
-            schema["maximum"] = INT64[1]
-        return _or_null(schema)
+def _ranged(name: str, kind: str) -> Schema:
+    """A sampling field of ``kind`` within its ``RANGES`` bounds (integers capped at int64), or null."""
+    schema = {"type": kind, **RANGES[name].json_schema()}
+    if kind == "integer" and "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = INT64[1]
+    return _or_null(schema)
 
+
+def _sampling_properties(vocab_size: int | None) -> Schema:
     bias_keys: Schema = {"pattern": below(vocab_size)} if vocab_size else {"pattern": "^[0-9]+$"}
     return {
-        "temperature": ranged("temperature", "number"),
-        "top_p": ranged("top_p", "number"),
-        "top_k": ranged("top_k", "integer"),
-        "min_p": ranged("min_p", "number"),
-        "seed": ranged("seed", "integer"),
-        "presence_penalty": ranged("presence_penalty", "number"),
-        "frequency_penalty": ranged("frequency_penalty", "number"),
-        "repetition_penalty": ranged("repetition_penalty", "number"),
+        "temperature": _ranged("temperature", "number"),
+        "top_p": _ranged("top_p", "number"),
+        "top_k": _ranged("top_k", "integer"),
+        "min_p": _ranged("min_p", "number"),
+        "seed": _ranged("seed", "integer"),
+        "presence_penalty": _ranged("presence_penalty", "number"),
+        "frequency_penalty": _ranged("frequency_penalty", "number"),
+        "repetition_penalty": _ranged("repetition_penalty", "number"),
         "logit_bias": _or_null(
             {
                 "type": "object",
@@ -148,7 +149,7 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             "max_tokens": max_tokens,
             "max_completion_tokens": max_tokens,
             "logprobs": _or_null({"type": "boolean"}),
-            "top_logprobs": _or_null(_integer(0, MAX_TOP_LOGPROBS)),
+            "top_logprobs": _ranged("logprobs", "integer"),
         }
         required = ["model", "messages"]
         rules = [_requires("stream_options", "object", "stream"), _requires("top_logprobs", "integer", "logprobs")]

@@ -85,7 +85,7 @@ SPLIT_HEAD_MIN_PARAMS = 8_000_000
 
 @dataclass(frozen=True, slots=True)
 class VocabShard:
-    """This rank's rows of the projection to the vocabulary; every rank computes its rows, rank 0 gets all.
+    """This rank's rows of the projection to the vocabulary; each rank projects onto its rows, then all gather.
 
     Why split what ``shard()`` replicates: on a CPU host the head is read once per
     token by rank 0 alone, on one core; a 32000 x 2048 fp32 head is 262 MB, about

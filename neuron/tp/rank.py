@@ -293,8 +293,8 @@ class Rank:
         return self._forward_batch(final, caches), caches
 
     def _forward_prompt(self, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
-        """Feed prompt tokens; when they end the prompt, the last goes through alone so only rank 0, for one
-        position, computes the projection to the vocabulary."""
+        """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
+        to the vocabulary is computed for one position only."""
         body = tokens[:-1] if last else tokens
         if body:
             self._feed(mx.array(body)[None], cache)
@@ -325,16 +325,15 @@ class Rank:
     def _forward_batch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array | None:
         """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
         assert self.model is not None
-        if self.head is not None:
+        if self.head is not None:  # every rank projects onto its rows of the vocabulary
             logits = self.head(backbone(self.model)(tokens, cache=cache)[:, -1, :])
-            mx.eval(logits)
-            return logits if self.rank == 0 else None
-        if self.rank == 0:
-            out = self.model(tokens, cache=cache)[:, -1, :]
-            mx.eval(out)
-            return out
-        mx.eval(backbone(self.model)(tokens, cache=cache))
-        return None
+        elif self.rank == 0:
+            logits = self.model(tokens, cache=cache)[:, -1, :]
+        else:  # the whole head is rank 0's alone
+            mx.eval(backbone(self.model)(tokens, cache=cache))
+            return None
+        mx.eval(logits)
+        return logits if self.rank == 0 else None
 
     def clear_kv_cache(self) -> None:
         self.seqs.clear()
