@@ -50,13 +50,14 @@ def engine_child(model: str, tokens: int) -> None:
     sys.path.insert(0, str(ROOT))
     from neuron.engine.engine import Engine
     from neuron.engine.sequence import Chunk
+    from neuron.sampling_params import SamplingParams
 
     async def serve() -> None:
         async with Engine.open(Path(model), 1) as engine:
-            prompt = engine.encode(PROMPT)
+            prompt = engine.text.encode(PROMPT)
             while await anyio.to_thread.run_sync(sys.stdin.readline):
                 stamps = []
-                seq = engine.submit(prompt, tokens)
+                seq = engine.submit(prompt, SamplingParams(max_tokens=tokens))
                 async for event in seq.events:
                     if isinstance(event, Chunk):
                         stamps.append(time.perf_counter())

@@ -35,8 +35,8 @@ async def _measure(model: str, world_size: int) -> dict:
 
     from neuron.pool import Pool
 
-    async with Pool(world_size) as pool:
-        loaded = await pool.load(model)
+    async with Pool(world_size, model) as pool:
+        loaded = await pool.load()
         await greedy(pool, PROMPT, 16)
         pids: list[int | str] = ["self", *(w.pid for w in pool.workers)]
         return {

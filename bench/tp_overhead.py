@@ -70,7 +70,7 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
         loaded.shard(mx.distributed.init(backend="ring", strict=True))
     mx.eval(loaded.parameters())
     cache = make_prompt_cache(loaded)
-    from neuron.tp.model import backbone, shard_head
+    from neuron.tp.shard import backbone, shard_head
 
     mode = os.environ.get("BENCH_HEAD", "")
     head = shard_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None
@@ -109,8 +109,8 @@ async def pooled(model: str, world_size: int, tokens: int) -> dict[str, float]:
 
     from neuron.pool import Pool
 
-    async with Pool(world_size) as pool:
-        await pool.load(model)
+    async with Pool(world_size, model) as pool:
+        await pool.load()
         step_s = await greedy_timed(pool, PROMPT, tokens)
         from neuron import rpc
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from neuron import __version__, config
 
 if TYPE_CHECKING:
-    from neuron.server.serve import Restart
+    from neuron.leader import Restart
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         if args.rank is None or args.world_size is None or not 0 < args.rank < args.world_size:
             parser.error("--worker needs --rank R and --world-size N with 0 < R < N")
-        from neuron.worker import serve
+        from neuron.worker import run_worker
 
-        return serve(args.rank, args.world_size)
+        return run_worker(args.rank, args.world_size)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -76,10 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
 
-        if args.max_tokens < 1:
-            problems.append(f"--max-tokens must be at least 1, got {args.max_tokens}")
-        args.sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.min_p, args.seed)
-        problems += args.sampling.problems()
+        args.sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+        )
+        # Each problem starts with the field's name: say it as the flag the user typed.
+        problems += ["--" + problem.replace("_", "-", problem.index(" ")) for problem in args.sampling.problems()]
     if problems:
         parser.error("; ".join(problems))
 
@@ -102,8 +108,8 @@ def _run(args: argparse.Namespace) -> int:
     import structlog
 
     from neuron.engine.sequence import RequestError
+    from neuron.models import ModelError
     from neuron.pool import PoolError
-    from neuron.tp.model import ModelError
 
     log = structlog.get_logger("neuron.cli")
     blas = cpu.blas_in_use()
@@ -119,19 +125,19 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     if restart is not None:
-        from neuron.server.serve import restart_leader
+        from neuron.leader import restart_leader
 
         restart_leader(restart)
     return 0
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
-    from neuron.engine.engine import Limits
+    from neuron.engine.scheduler import Limits
+    from neuron.leader import ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
-    from neuron.server.serve import ServeOptions, serve
 
-    return await serve(
+    return await run_leader(
         ServeOptions(
             model_path=resolve(args.model),
             model_id=model_id(args.model),
@@ -156,10 +162,10 @@ async def _generate(args: argparse.Namespace) -> None:
     path = resolve(args.model)
     async with Engine.open(path, args.tp, args.backend, Deadlines(step=args.step_timeout)) as engine:
         if args.chat:
-            prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
+            prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
         else:
-            prompt = engine.encode(args.prompt)
-        seq = engine.submit(prompt, args.max_tokens, args.sampling)
+            prompt = engine.text.encode(args.prompt)
+        seq = engine.submit(prompt, args.sampling)
         try:
             async for event in seq.events:
                 if isinstance(event, Failure):

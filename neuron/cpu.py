@@ -23,6 +23,8 @@ import platform
 import sys
 from pathlib import Path
 
+from neuron.reexec import reexec
+
 PRELOAD_ENV = "LD_PRELOAD"
 CPUS_ENV = "NEURON_CPUS"  # the cores a worker pins itself to, set by the leader
 BLAS_ENV = "NEURON_BLAS"  # "reference" turns the fast path off; a path picks that library
@@ -81,9 +83,7 @@ def reexec_with_openblas() -> None:
     env = dict(os.environ)
     env[PRELOAD_ENV] = ":".join(filter(None, [library, env.get(PRELOAD_ENV)]))
     env[REEXEC_GUARD] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "neuron", *sys.argv[1:]], env)
+    reexec(env)
 
 
 def blas_in_use() -> str:

@@ -20,11 +20,10 @@ import mlx.core as mx
 import structlog
 
 from neuron.log import ms_since, progress
+from neuron.models import CONVERTER_VERSION
 
 log = structlog.get_logger("neuron.gguf")
 
-# Bump when the output format changes, so older conversions in the cache are not reused.
-CONVERTER_VERSION = 1
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -115,9 +114,11 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
     return tokenizer.to_str()
 
 
-def convert(gguf: Path, out: Path, dtype: mx.Dtype) -> None:
-    """Write an MLX model folder for ``gguf`` at ``out`` (atomically: a crash leaves no half folder)."""
+def convert(gguf: Path, out: Path, dtype_name: str) -> None:
+    """Write an MLX model folder for ``gguf`` at ``out``, weights in ``dtype_name`` (atomically: a crash leaves no
+    half folder)."""
     started = time.perf_counter()
+    dtype = getattr(mx, dtype_name)
     arrays, meta = mx.load(str(gguf), return_metadata=True)
     arch = meta.get("general.architecture")
     if arch != "llama":
@@ -143,7 +144,7 @@ def convert(gguf: Path, out: Path, dtype: mx.Dtype) -> None:
         "tie_word_embeddings": "output.weight" not in arrays,
         "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
-        "torch_dtype": {mx.float32: "float32", mx.bfloat16: "bfloat16", mx.float16: "float16"}[dtype],
+        "torch_dtype": dtype_name,
     }
     special = {
         k: tokens[int(_scalar(meta, f"tokenizer.ggml.{k}_token_id"))]

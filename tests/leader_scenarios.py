@@ -12,62 +12,72 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 
 from neuron import log
-from neuron.pool import Deadlines, Pool, PoolBroken, PoolError
-from neuron.rpc import StepPlan
+from neuron.models import ModelError
+from neuron.pool import Deadlines, Pool, PoolError
+from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
-from neuron.tp.model import ModelError
-from neuron.tp.sampler import Sampler
 
 PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
+GREEDY = {1: SamplingParams()}
 
 
-def _sample_one(sampler: Sampler) -> Callable[[dict[int, Any]], Any]:
-    return lambda logits: sampler(logits[1])
+def start(prompt: list[int]) -> StepPlan:
+    """Sequence number 1's whole prompt in one step."""
+    return StepPlan(prefill=[Prefill(1, 0, prompt, True)])
+
+
+def follow(token: int) -> StepPlan:
+    """Sequence number 1 decodes ``token``."""
+    return StepPlan(decode=[Decode(1, token)])
 
 
 async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
     """One sequence (number 1): its prompt, then one token per step."""
     await pool.clear_kv_cache()
-    sample = _sample_one(Sampler(SamplingParams(), []))
-    tokens = [(await pool.step(StepPlan(prefill=[(1, 0, prompt, True)]), sample)).token]
+    tokens = [(await pool.step(start(prompt), GREEDY))[1].token]
     while len(tokens) < count:
-        tokens.append((await pool.step(StepPlan(decode=[(1, tokens[-1])]), sample)).token)
+        tokens.append((await pool.step(follow(tokens[-1]), {}))[1].token)
     return tokens
 
 
 async def greedy_timed(pool: Pool, prompt: list[int], count: int) -> list[float]:
     """Like ``greedy``; returns each decode step's seconds."""
     await pool.clear_kv_cache()
-    sample = _sample_one(Sampler(SamplingParams(), []))
-    token = (await pool.step(StepPlan(prefill=[(1, 0, prompt, True)]), sample)).token
+    token = (await pool.step(start(prompt), GREEDY))[1].token
     seconds = []
     for _ in range(count):
         started = time.perf_counter()
-        token = (await pool.step(StepPlan(decode=[(1, token)]), sample)).token
+        token = (await pool.step(follow(token), {}))[1].token
         seconds.append(time.perf_counter() - started)
     return seconds
 
 
-async def spawn(world_size: int) -> dict[str, Any]:
-    async with Pool(world_size) as pool:
+async def spawn(model: str, world_size: int) -> dict[str, Any]:
+    """Spawn and join, then ask for a step before any load: it is refused, and the pool still answers."""
+    async with Pool(world_size, model) as pool:
         pids = [w.pid for w in pool.workers]
-    return {"pids": pids}
+        try:
+            await pool.step(start([1, 2]), GREEDY)
+            step_error = ""
+        except PoolError as e:
+            step_error = f"broken={e.broken}: {e}"
+        await pool.clear_kv_cache()
+    return {"pids": pids, "step_error": step_error}
 
 
 async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
     """Generate, then unload, reload and generate again."""
-    async with Pool(world_size) as pool:
-        loaded = await pool.load(model)
+    async with Pool(world_size, model) as pool:
+        loaded = await pool.load()
         tokens = await greedy(pool, PROMPT, count)
         await pool.unload()
-        await pool.load(model)
+        await pool.load()
         return {
             "tokens": tokens,
             "after_reload": await greedy(pool, PROMPT, count),
@@ -77,8 +87,8 @@ async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
 
 async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
     """Generate with a fault injected (by the environment); then clear and generate again."""
-    async with Pool(2) as pool:
-        await pool.load(model)
+    async with Pool(2, model) as pool:
+        await pool.load()
         try:
             await greedy(pool, PROMPT, count)
             failure: dict[str, Any] = {}
@@ -91,10 +101,10 @@ async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
 async def impossible_plan(model: str, count: int) -> dict[str, Any]:
     """A plan no rank can follow (a sequence nobody holds): every rank still runs the step's
     collectives on throwaway caches, so the group stays in step, and says so."""
-    async with Pool(2) as pool:
-        await pool.load(model)
+    async with Pool(2, model) as pool:
+        await pool.load()
         try:
-            await pool.step(StepPlan(decode=[(42, 7), (43, 8)]), lambda _logits: None)
+            await pool.step(StepPlan(decode=[Decode(42, 7), Decode(43, 8)]), {})
             failure = {}
         except PoolError as e:
             failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
@@ -105,14 +115,13 @@ async def impossible_plan(model: str, count: int) -> dict[str, Any]:
 async def one_rank_disagrees(model: str, count: int) -> dict[str, Any]:
     """Rank 0 alone forgets a sequence: it must still run the step's collectives (on throwaway caches),
     or rank 1 would wait inside them until the deadline."""
-    async with Pool(2, deadlines=Deadlines(step=30)) as pool:
-        await pool.load(model)
-        sample = _sample_one(Sampler(SamplingParams(), []))
-        first = await pool.step(StepPlan(prefill=[(1, 0, PROMPT, True)]), sample)
+    async with Pool(2, model, deadlines=Deadlines(step=30)) as pool:
+        await pool.load()
+        first = (await pool.step(start(PROMPT), GREEDY))[1]
         await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
         started = time.monotonic()
         try:
-            await pool.step(StepPlan(decode=[(1, first.token)]), sample)
+            await pool.step(follow(first.token), {})
             failure = {}
         except PoolError as e:
             failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
@@ -127,17 +136,14 @@ def _cpu_ticks(pid: int) -> int:
 
 
 async def kill_mid_step(model: str) -> dict[str, Any]:
-    async with Pool(2) as pool:
-        await pool.load(model)
+    async with Pool(2, model) as pool:
+        await pool.load()
         victim = pool.workers[0]
         outcome: dict[str, Any] = {}
 
         async def long_step() -> None:
             try:
-                long_prompt = list(range(3, 200)) * 10
-                await pool.step(
-                    StepPlan(prefill=[(1, 0, long_prompt, True)]), _sample_one(Sampler(SamplingParams(), []))
-                )
+                await pool.step(start(list(range(3, 200)) * 10), GREEDY)
             except PoolError as e:
                 outcome["failures"] = {str(r): m for r, m in e.failures.items()}
                 outcome["broken"] = e.broken
@@ -157,30 +163,26 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
         try:
             await pool.clear_kv_cache()
             outcome["refused_after"] = False
-        except PoolBroken:
-            outcome["refused_after"] = True
+        except PoolError as e:
+            outcome["refused_after"] = e.broken
         return outcome
 
 
 async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
-    async with Pool(world_size) as pool:
-        try:
-            await pool.load(model)
+    """The model is refused before a single worker is spawned."""
+    pool = Pool(world_size, model)
+    started = time.monotonic()
+    try:
+        async with pool:
             error = ""
-        except ModelError as e:
-            error = str(e)
-        await pool.clear_kv_cache()  # the pool is untouched and still answers
-        try:
-            await pool.step(StepPlan(prefill=[(1, 0, [1, 2], True)]), _sample_one(Sampler(SamplingParams(), [])))
-            step_error = ""
-        except PoolError as e:
-            step_error = f"broken={e.broken}: {e}"
-        return {"error": error, "model_path": pool.model_path, "step_error": step_error}
+    except ModelError as e:
+        error = str(e)
+    return {"error": error, "spawned": len(pool.workers), "seconds": time.monotonic() - started}
 
 
-async def hold(world_size: int) -> None:
+async def hold(model: str, world_size: int) -> None:
     """Print the worker pids, then wait on stdin until killed."""
-    async with Pool(world_size) as pool:
+    async with Pool(world_size, model) as pool:
         print(json.dumps({"pids": [w.pid for w in pool.workers]}), flush=True)
         await anyio.to_thread.run_sync(sys.stdin.readline)
 

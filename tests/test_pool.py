@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, alive, make_tiny_model, wait_until
 
 from neuron.pool import Pool
-from neuron.tp.rank import FAULT_ENV
+from neuron.tp.hooks import FAULT_ENV
 
 SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
 
@@ -42,10 +42,13 @@ def clean_tokens(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_spawn_ping_group_and_shutdown(world_size: int) -> None:
-    pids = scenario("spawn", world_size)["pids"]
-    assert len(pids) == world_size - 1
-    assert not any(alive(pid) for pid in pids)
+def test_spawn_ping_group_and_shutdown(tiny_models: dict[str, Path], smollm2: Path, world_size: int) -> None:
+    model = tiny_models["llama"] if world_size == 2 else smollm2  # SmolLM2's 9 and 3 heads split over 3 ranks
+    result = scenario("spawn", str(model), world_size)
+    assert len(result["pids"]) == world_size - 1
+    assert not any(alive(pid) for pid in result["pids"])
+    # A step before the model is loaded on every rank is refused by the leader, not sent to the ranks.
+    assert result["step_error"].startswith("broken=False") and "load one first" in result["step_error"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -110,16 +113,16 @@ def test_worker_killed_mid_step_fails_within_5s_naming_it(tiny_models: dict[str,
     assert result["refused_after"]  # a broken pool refuses at once instead of hanging
 
 
-def test_unsplittable_model_is_refused_before_any_rank_loads(tiny_models: dict[str, Path]) -> None:
+def test_unsplittable_model_is_refused_before_any_rank_is_spawned(tiny_models: dict[str, Path]) -> None:
     result = scenario("unsplittable", str(tiny_models["qwen3"]), 3)
     assert "4 attention heads" in result["error"] and "one of [1, 2]" in result["error"]
-    assert result["model_path"] is None
-    assert result["step_error"].startswith("broken=False") and "load one first" in result["step_error"]
+    assert result["spawned"] == 0 and result["seconds"] < 1
 
 
-def test_no_worker_outlives_a_sigkilled_leader() -> None:
+def test_no_worker_outlives_a_sigkilled_leader(smollm2: Path) -> None:
+    args = json.dumps([str(smollm2), 3])
     leader = subprocess.Popen(
-        [sys.executable, SCENARIOS, "hold", "[3]"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, SCENARIOS, "hold", args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     try:
         assert leader.stdout is not None
@@ -134,13 +137,13 @@ def test_no_worker_outlives_a_sigkilled_leader() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_process_hosts_one_group_only() -> None:
+async def test_a_process_hosts_one_group_only(tiny_models: dict[str, Path]) -> None:
     from neuron.tp import rank
 
     rank._joined_group, was = True, rank._joined_group
     try:
         with pytest.raises(RuntimeError, match="fresh process"):
-            async with Pool(2):
+            async with Pool(2, tiny_models["llama"]):
                 pass
     finally:
         rank._joined_group = was

@@ -13,7 +13,14 @@ EVERY_MESSAGE = [
     rpc.Ping(id=1),
     rpc.Init(id=2, backend="ring", env={"MLX_RANK": "1", "MLX_HOSTFILE": "/tmp/h.json"}),
     rpc.LoadShard(id=3, model_path="/models/x"),
-    rpc.StepPlan(leave=[3], prefill=[(5, 0, [1, 2, 3], True), (6, 4, [9], False)], decode=[(1, 7), (2, 8)]).request(4),
+    rpc.GenerateStep(
+        id=4,
+        plan=rpc.StepPlan(
+            leave=[3],
+            prefill=[rpc.Prefill(5, 0, [1, 2, 3], True), rpc.Prefill(6, 4, [9], False)],
+            decode=[rpc.Decode(1, 7), rpc.Decode(2, 8)],
+        ),
+    ),
     rpc.ClearKvCache(id=5),
     rpc.Unload(id=6),
     rpc.Shutdown(id=7),
@@ -41,10 +48,10 @@ def test_every_op_is_covered() -> None:
 
 
 def _step_line(**fields: object) -> bytes:
-    """A generate_step line, well formed but for ``fields``."""
-    step = {"op": "generate_step", "id": 4, "leave": [], "prefill_seqs": [], "prefill_tokens": [], "prefill_last": []}
-    step["prefill_positions"] = []
-    return json.dumps({**step, "decode_seqs": [1], "decode_tokens": [1], **fields}).encode()
+    """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
+    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, **fields}
+    plan = {"leave": [], "prefill": [chunk], "decode": [{"seq": 2, "token": 1}]}
+    return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 
 
 MALFORMED = [
@@ -56,9 +63,11 @@ MALFORMED = [
     (b'{"id": 3}', ErrorKind.UNKNOWN_OP, 3),
     (b'{"op": "pong", "id": 3}', ErrorKind.UNKNOWN_OP, 3),  # a reply is not a request
     (b'{"op": "generate_step", "id": 4, "decode_tokens": [1]}', ErrorKind.INVALID_FIELD, 4),
-    (_step_line(decode_tokens=["2"]), ErrorKind.INVALID_FIELD, 4),
-    (_step_line(decode_tokens=[True]), ErrorKind.INVALID_FIELD, 4),
-    (_step_line(prefill_tokens=[[1.5]]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(tokens=["2"]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(tokens=[True]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(tokens=[1.5]), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(last=1), ErrorKind.INVALID_FIELD, 4),
+    (_step_line(extra=1), ErrorKind.INVALID_FIELD, 4),
     (b'{"op": "ping", "id": 5, "extra": 1}', ErrorKind.INVALID_FIELD, 5),
     (b'{"op": "ping", "id": "5"}', ErrorKind.INVALID_FIELD, None),
     (b'{"op": "init", "id": 6, "backend": "ring", "env": {"A": 1}}', ErrorKind.INVALID_FIELD, 6),
@@ -76,11 +85,20 @@ def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, reque
 
 def test_field_errors_name_every_field() -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
-        rpc.decode_request(b'{"op": "generate_step", "id": 1, "decode_tokens": "abc", "bogus": 0}')
+        rpc.decode_request(b'{"op": "generate_step", "id": 1, "plan": "abc", "bogus": 0}')
+    assert "'plan' must be StepPlan" in caught.value.message
+    assert "unknown field 'bogus'" in caught.value.message
+    with pytest.raises(rpc.ProtocolError) as caught:
+        rpc.decode_request(_step_line(tokens="abc", last=None))
     message = caught.value.message
-    assert "'decode_tokens' must be list[int]" in message
-    assert "missing field 'leave'" in message
-    assert "unknown field 'bogus'" in message
+    assert "'plan.prefill[0].tokens' must be list[int]" in message
+    assert "'plan.prefill[0].last' must be bool" in message
+
+
+def test_nested_fields_come_back_as_their_types() -> None:
+    step = rpc.decode_request(_step_line())
+    assert isinstance(step, rpc.GenerateStep)
+    assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1)]
 
 
 def test_protocol_module_does_not_import_mlx() -> None:

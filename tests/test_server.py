@@ -168,7 +168,9 @@ def test_full_queue_answers_429_and_a_cancelled_wait_frees_its_place(
         url = f"{server.url}/v1/completions"
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body) as running:
-                next(sse_events(running))  # the engine is generating it
+                # Held in a name: a generator dropped at once is closed, and it closes the connection with it.
+                events = sse_events(running)
+                next(events)  # the engine is generating it
                 with http.stream("POST", url, json=body) as waiting:
                     assert waiting.status_code == 200
                     full = http.post(url, json=body)

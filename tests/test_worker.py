@@ -88,7 +88,7 @@ def test_garbage_gets_error_replies_and_the_worker_keeps_serving(worker: WorkerP
 
 
 def test_error_reply_echoes_the_request_id(worker: WorkerProcess) -> None:
-    reply = worker.request(rpc.StepPlan(prefill=[(1, 0, [1], True)]).request(5))
+    reply = worker.request(rpc.GenerateStep(id=5, plan=rpc.StepPlan(prefill=[rpc.Prefill(1, 0, [1], True)])))
     assert isinstance(reply, rpc.Error) and reply.id == 5 and reply.kind == ErrorKind.BAD_STATE
     assert "load_shard" in reply.message  # says what to do
     reply = worker.request(rpc.LoadShard(id=6, model_path="/nonexistent"))

@@ -112,14 +112,13 @@ class Sequence:
     id: str  # the client's request id
     no: int  # the sequence's number in step plans
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int  # what the request asked for, capped by what the context leaves
     params: SamplingParams
     stop: StopText
     fed: int = 0  # prompt tokens fed so far
     next_token: int | None = None  # sampled, to be fed in the next step
     completion_tokens: int = 0
-    sampler: Any = None  # rank 0's sampler for it (MLX; built and used on rank 0's thread)
-    detokenizer: Any = None
+    detokenizer: Any = None  # mlx-lm's streaming detokenizer (engine.text)
     submitted: float = 0.0  # perf_counter times: queued, admitted to the batch, first token
     started: float = 0.0
     first_token_at: float = 0.0

@@ -35,12 +35,13 @@ class _Schema:
     fields: dict[str, Any]  # name -> resolved type hint
 
 
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
 def _schemas(classes: tuple[type, ...]) -> dict[str, _Schema]:
-    out = {}
-    for cls in classes:
-        hints = typing.get_type_hints(cls)
-        out[cls.op] = _Schema(cls, {f.name: hints[f.name] for f in dataclasses.fields(cls)})
-    return out
+    return {cls.op: _Schema(cls, _fields(cls)) for cls in classes}
 
 
 _REQUEST_SCHEMAS = _schemas(REQUESTS)
@@ -49,36 +50,73 @@ _REPLY_SCHEMAS = _schemas(REPLIES)
 
 def _conforms(value: Any, hint: Any) -> bool:
     """Whether a decoded JSON value has the type ``hint`` names (the few types messages use)."""
+    return not _problems(value, hint, "")
+
+
+def _problems(value: Any, hint: Any, where: str) -> list[str]:
+    """What keeps ``value`` from being a ``hint``, each problem named by its path (``plan.prefill[0].tokens``)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, arg) for arg in typing.get_args(hint))
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
-    if origin is dict:
+        if any(_conforms(value, arg) for arg in typing.get_args(hint)):
+            return []
+    elif origin is list:
+        if isinstance(value, list):
+            (item,) = typing.get_args(hint)
+            # The first bad item only: a prompt of a million bad tokens needs one message, not a million.
+            return next(filter(None, (_problems(v, item, f"{where}[{i}]") for i, v in enumerate(value))), [])
+    elif origin is dict:
         key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items())
-    if hint is type(None):
-        return value is None
+        if isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item) for k, v in value.items()):
+            return []
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _field_problems(value, _fields(hint), f"{where}.")
+    elif hint is type(None):
+        if value is None:
+            return []
     # JSON has no int/bool distinction in Python's eyes (bool subclasses int): refuse true as 1.
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, hint)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return []
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return []
+    elif isinstance(value, hint):
+        return []
+    return [f"field {where!r} must be {_describe(hint)}, got {type(value).__name__}"]
+
+
+def _field_problems(obj: dict[str, Any], fields: dict[str, Any], prefix: str) -> list[str]:
+    problems = []
+    for name, hint in fields.items():
+        if name not in obj:
+            problems.append(f"missing field {prefix + name!r}")
+        else:
+            problems += _problems(obj[name], hint, prefix + name)
+    skip = {"op"} if not prefix else set()
+    return problems + [f"unknown field {prefix + n!r}" for n in obj if n not in fields and n not in skip]
+
+
+def _build(value: Any, hint: Any) -> Any:
+    """A checked JSON value as ``hint``: nested dataclasses are rebuilt from their objects."""
+    if dataclasses.is_dataclass(hint):
+        return hint(**{name: _build(value[name], h) for name, h in _fields(hint).items()})  # type: ignore[operator]
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return [_build(v, item) for v in value] if dataclasses.is_dataclass(item) else value
+    return value
 
 
 def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is None and isinstance(hint, type):
         return hint.__name__
-    return str(hint).replace("typing.", "")
+    return str(hint).replace("typing.", "").replace("neuron.rpc.messages.", "")
 
 
 def encode(message: Request | Reply) -> bytes:
     """One message as one line, newline included."""
-    body = {"op": message.op}
-    for f in dataclasses.fields(message):
-        body[f.name] = getattr(message, f.name)
+    # orjson writes nested dataclasses (a step's plan) as objects of their fields.
+    body = {"op": message.op, **{f.name: getattr(message, f.name) for f in dataclasses.fields(message)}}
     return orjson.dumps(body) + b"\n"
 
 
@@ -100,16 +138,9 @@ def _decode(line: bytes, schemas: dict[str, _Schema], what: str) -> Any:
     if schema is None:
         known = ", ".join(sorted(schemas))
         raise ProtocolError(ErrorKind.UNKNOWN_OP, f"unknown {what} op {op!r}; expected one of: {known}", request_id)
-    problems = []
-    for name, hint in schema.fields.items():
-        if name not in obj:
-            problems.append(f"missing field {name!r}")
-        elif not _conforms(obj[name], hint):
-            problems.append(f"field {name!r} must be {_describe(hint)}, got {type(obj[name]).__name__}")
-    problems += [f"unknown field {name!r}" for name in obj if name != "op" and name not in schema.fields]
-    if problems:
+    if problems := _field_problems(obj, schema.fields, ""):
         raise ProtocolError(ErrorKind.INVALID_FIELD, f"{op}: " + "; ".join(problems), request_id)
-    return schema.cls(**{name: obj[name] for name in schema.fields})
+    return _build(obj, schema.cls)
 
 
 def decode_request(line: bytes) -> Request:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -31,10 +31,9 @@ class ErrorKind(StrEnum):
     LINE_TOO_LONG = "line_too_long"
     UNKNOWN_OP = "unknown_op"
     INVALID_FIELD = "invalid_field"
-    BAD_STATE = "bad_state"
+    BAD_STATE = "bad_state"  # refused before any collective, or failed after all of them: the group is in step
     INIT_FAILED = "init_failed"
     LOAD_FAILED = "load_failed"
-    STEP_FAILED = "step_failed"  # the step failed after its collectives: the group is still in step
     GROUP_FAILED = "group_failed"  # the forward or a collective itself failed: the group is suspect
     INTERNAL = "internal"
 
@@ -71,66 +70,53 @@ class LoadShard:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefill:
+    """A chunk of one sequence's prompt, fed at ``position`` (0 starts the sequence).
+
+    ``last`` marks the chunk that ends the prompt: rank 0 gets that sequence's
+    next-token logits, and the sequence joins the batch in a later step's decode.
+    """
+
+    seq: int
+    position: int
+    tokens: list[int]
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Decode:
+    """One row of the batched decode: ``token`` (sampled in the previous step) is fed to ``seq``."""
+
+    seq: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Everything one batched step changes, the same for every rank.
 
     In this order: the sequences in ``leave`` are dropped; sequences listed in
-    ``decode`` that finished their prompt join the batch, after those already in
-    it; each ``prefill`` chunk is fed to its sequence at ``position`` (0 starts
-    a new sequence; ``last`` marks the chunk that ends the prompt, whose
-    next-token logits rank 0 returns); then the batch decodes one token per sequence, in ``decode``
-    order. The plan alone fixes every tensor shape, so every rank issues the
-    same collectives even when its own state disagrees.
+    ``decode`` whose prompt ended in an earlier step join the batch, after those
+    already in it; each ``prefill`` chunk is fed; then the batch decodes one
+    token per sequence, in ``decode`` order. The plan alone fixes every tensor
+    shape, so every rank issues the same collectives even when its own state
+    disagrees.
     """
 
     leave: list[int] = field(default_factory=list)
-    prefill: list[tuple[int, int, list[int], bool]] = field(default_factory=list)  # (sequence, position, tokens, last)
-    decode: list[tuple[int, int]] = field(default_factory=list)  # (sequence, input token)
+    prefill: list[Prefill] = field(default_factory=list)
+    decode: list[Decode] = field(default_factory=list)
 
-    def request(self, id: int) -> GenerateStep:
-        return GenerateStep(
-            id=id,
-            leave=self.leave,
-            prefill_seqs=[s for s, _, _, _ in self.prefill],
-            prefill_positions=[p for _, p, _, _ in self.prefill],
-            prefill_tokens=[t for _, _, t, _ in self.prefill],
-            prefill_last=[last for _, _, _, last in self.prefill],
-            decode_seqs=[s for s, _ in self.decode],
-            decode_tokens=[t for _, t in self.decode],
-        )
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(chunk.tokens) for chunk in self.prefill)
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateStep:
-    """One batched step (see ``StepPlan``), flattened into lists for the wire."""
-
     op: ClassVar[str] = "generate_step"
     id: int
-    leave: list[int]
-    prefill_seqs: list[int]
-    prefill_positions: list[int]
-    prefill_tokens: list[list[int]]
-    prefill_last: list[bool]
-    decode_seqs: list[int]
-    decode_tokens: list[int]
-
-    def plan(self) -> StepPlan:
-        """The plan, or ``ValueError`` if the parallel lists disagree in length."""
-        lengths = {
-            len(self.prefill_seqs),
-            len(self.prefill_positions),
-            len(self.prefill_tokens),
-            len(self.prefill_last),
-        }
-        if len(lengths) != 1:
-            raise ValueError("prefill_seqs, prefill_positions, prefill_tokens and prefill_last differ in length")
-        if len(self.decode_seqs) != len(self.decode_tokens):
-            raise ValueError("decode_seqs and decode_tokens differ in length")
-        return StepPlan(
-            self.leave,
-            list(zip(self.prefill_seqs, self.prefill_positions, self.prefill_tokens, self.prefill_last, strict=True)),
-            list(zip(self.decode_seqs, self.decode_tokens, strict=True)),
-        )
+    plan: StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +223,8 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
 
 __all__ = [
     "ErrorKind",
+    "Prefill",
+    "Decode",
     "Ping",
     "Init",
     "LoadShard",

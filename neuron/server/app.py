@@ -258,10 +258,10 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     structlog.contextvars.bind_contextvars(request_id=request_id)
     try:
         if chat:
-            prompt = engine.encode_chat(gen.messages)
+            prompt = engine.text.encode_chat(gen.messages)
         else:
-            prompt = gen.prompt if isinstance(gen.prompt, list) else engine.encode(gen.prompt)
-        seq = engine.submit(prompt, gen.max_tokens, gen.params, gen.stop, request_id)
+            prompt = gen.prompt if isinstance(gen.prompt, list) else engine.text.encode(gen.prompt)
+        seq = engine.submit(prompt, gen.params, request_id)
     except RequestError as e:
         param = "messages" if chat and e.param == "prompt" else e.param
         raise ApiError(400, str(e), param=param, code=e.code) from e
@@ -269,7 +269,7 @@ async def _generate(request: Request, *, chat: bool) -> Response:
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
         raise not_ready(str(e), retry_after=e.retry_after) from e
-    replies = Replies(gen, request_id, engine.token_text)
+    replies = Replies(gen, request_id, engine.text.token_text)
     if gen.stream:
         return EventStream(_stream(seq, gen, replies), on_close=lambda: engine.cancel(seq))
     try:

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron.engine.sequence import Chunk
-from neuron.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
 
-MAX_STOPS = 4
 MAX_COMPLETION_LOGPROBS = 5
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
@@ -102,9 +101,7 @@ class Generation:
     model: str
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
     prompt: str | list[int] = ""  # completions: text or token ids
-    max_tokens: int | None = None
     params: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -183,7 +180,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         gen.messages = _messages(body.get("messages"))
         # Both are checked; the newer name wins.
         legacy = _int(body, "max_tokens", None)
-        gen.max_tokens = _int(body, "max_completion_tokens", legacy)
+        max_tokens = _int(body, "max_completion_tokens", legacy)
         gen.logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs", None)
         if top is not None and not gen.logprobs:
@@ -193,7 +190,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         top_n = (top or 0) if gen.logprobs else None
     else:
         gen.prompt = _prompt(body.get("prompt"))
-        gen.max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         if _bool(body, "echo"):
             raise bad("echo", "`echo` is not supported by neuron", "unsupported_parameter")
         top_n = _int(body, "logprobs", None)
@@ -201,8 +198,9 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
             raise bad("logprobs", f"`logprobs` must lie in [0, {MAX_COMPLETION_LOGPROBS}], got {top_n}")
         gen.logprobs = top_n is not None
     for name in ("max_tokens", "max_completion_tokens"):
-        if (value := body.get(name)) is not None and value < 1:
-            raise bad(name, f"`{name}` must be at least 1, got {value}")
+        # Each field given is checked, the one overridden too; the limit itself is SamplingParams'.
+        if (value := body.get(name)) is not None and not RANGES["max_tokens"].holds(value):
+            raise bad(name, f"`{name}` {RANGES['max_tokens'].requirement}, got {value}")
 
     gen.stream = _bool(body, "stream")
     options = _get(body, "stream_options", "an object", lambda v: isinstance(v, dict), None)
@@ -210,12 +208,11 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         if not gen.stream:
             raise bad("stream_options", "`stream_options` is only allowed with `stream` set to true")
         gen.include_usage = _bool(options, "include_usage")
-    gen.stop = _stops(body.get("stop"))
-    gen.params = _sampling(body, top_n)
+    gen.params = _sampling(body, top_n, max_tokens)
     return gen
 
 
-def _sampling(body: dict[str, Any], top_logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
     bias = _get(body, "logit_bias", "an object", lambda v: isinstance(v, dict), {})
     logit_bias: dict[int, float] = {}
     for key, value in bias.items():
@@ -224,6 +221,8 @@ def _sampling(body: dict[str, Any], top_logprobs: int | None) -> SamplingParams:
         logit_bias[int(key)] = float(value)
     seed = _int(body, "seed", None)
     params = SamplingParams(
+        max_tokens=max_tokens,
+        stop=_stops(body.get("stop")),
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=_int(body, "top_k", 0),

@@ -3,7 +3,7 @@
 It is written out rather than derived from the handlers because the handlers
 check by hand, to answer in OpenAI's error shape. To keep the two from drifting,
 every bound here is read from where the check reads it (``openai``, ``RANGES``,
-the engine's context and vocabulary), and tests/faults/test_http_fuzz.py runs
+the engine's context and vocabulary), and tests/faults/test_hostile_http.py runs
 schemathesis against a live server: whatever the schema allows must be answered
 2xx, whatever it forbids 4xx, and every reply must match it.
 """
@@ -14,15 +14,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.sampling_params import LOGIT_BIAS, RANGES
-from neuron.server.openai import (
-    IGNORED,
-    INT64,
-    MAX_COMPLETION_LOGPROBS,
-    MAX_STOPS,
-    ROLES,
-    UNSUPPORTED,
-)
+from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
+from neuron.server.openai import IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
 
 Schema = dict[str, Any]
 REF = "#/components/schemas/"
@@ -116,7 +109,7 @@ def _requires(field: str, kind: str, needs: str) -> Schema:
 def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat: bool) -> Schema:
     max_tokens = _or_null(
         {
-            **_integer(1),
+            **_integer(int(RANGES["max_tokens"].low)),
             "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
         }
     )

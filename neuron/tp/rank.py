@@ -22,19 +22,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from neuron.rpc import StepPlan
-from neuron.tp.model import VocabShard, backbone, check_shardable, load_shard, parameter_count, shard_head
+from neuron.models import read_config, text_config
+from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.tp.hooks import Hooks
+from neuron.tp.shard import VocabShard, backbone, load_shard, parameter_count, shard_head
 
-# Prompts are fed in chunks of this many tokens: the attention scores of one
-# chunk stay small, and every rank cuts a prompt at the same places, so all
-# ranks issue the same collectives in the same order.
-PREFILL_CHUNK = 512
-
-# Test hooks, "RANK:N": that rank fails its Nth step after the forward, with
-# every collective of the step done, as a bug in post-processing would; or, for
-# the desync hook, silently records a wrong token for a sequence at its Nth step.
-FAULT_ENV = "NEURON_TEST_FAIL_STEP"
-DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
+# One forward pass takes at most this many tokens of a prompt (however many the
+# step feeds): the attention scores of one pass stay small, and every rank cuts
+# a prompt at the same places, so all ranks issue the same collectives in the
+# same order.
+FORWARD_TOKENS = 512
 
 
 class RankError(RuntimeError):
@@ -44,10 +41,6 @@ class RankError(RuntimeError):
     rank checks the same request) or after all of them, so no peer is left
     waiting inside a collective. Any other exception means the group is suspect.
     """
-
-
-class InjectedFault(RankError):
-    pass
 
 
 # MLX keeps one distributed group per process: a second init returns the first
@@ -75,28 +68,6 @@ class _Seq:
     prompt_done: bool = False
 
 
-def _hook_steps(env: str, rank: int) -> frozenset[int]:
-    """The steps ``env`` names for ``rank``: ``R:N[,N...]``, several ranks joined by ``;`` (``0:50;1:20,80``)."""
-    steps: set[int] = set()
-    for spec in filter(None, os.environ.get(env, "").split(";")):
-        hook_rank, _, listed = spec.partition(":")
-        if int(hook_rank) == rank:
-            steps.update(int(step) for step in listed.split(","))
-    return frozenset(steps)
-
-
-@dataclass(slots=True)
-class _Hooks:
-    """Test-only faults, set through the environment: fail, or corrupt this rank's state, after given steps."""
-
-    fail_at: frozenset[int] = frozenset()
-    desync_at: frozenset[int] = frozenset()
-
-    @classmethod
-    def read(cls, rank: int) -> _Hooks:
-        return cls(_hook_steps(FAULT_ENV, rank), _hook_steps(DESYNC_ENV, rank))
-
-
 class Rank:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -109,7 +80,7 @@ class Rank:
         self.batch_ids: list[int] = []  # the batch's rows, in order
         self.batch: list[BatchKVCache] | None = None  # one per layer
         self._steps = 0
-        self._hooks = _Hooks.read(rank)
+        self._hooks = Hooks.read(rank)
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -138,8 +109,8 @@ class Rank:
             raise RankError(f"rank {self.rank}: load_shard before init; send init first")
         start = time.perf_counter()
         self.unload()
-        config = check_shardable(model_path, self.world_size)
-        self.vocab_size = config.get("text_config", config)["vocab_size"]
+        config = read_config(model_path)  # the leader checked it can be split (tp.shard.check_shardable)
+        self.vocab_size = text_config(config)["vocab_size"]
         model = load_shard(model_path, self.group)
         if not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise RankError(
@@ -149,7 +120,7 @@ class Rank:
         self.model = model
         self.head = shard_head(model, config.get("model_type", ""), self.group)
         self._steps = 0
-        self._hooks = _Hooks.read(self.rank)
+        self._hooks = Hooks.read(self.rank)
         return Loaded(parameter_count(self.model), time.perf_counter() - start)
 
     # The step.
@@ -163,25 +134,23 @@ class Rank:
         """
         if self.model is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_shard first")
-        for _, _, tokens, _ in plan.prefill:
-            if not tokens or not all(0 <= t < self.vocab_size for t in tokens):
+        for chunk in plan.prefill:
+            if not chunk.tokens or not all(0 <= t < self.vocab_size for t in chunk.tokens):
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
-        if not all(0 <= t < self.vocab_size for _, t in plan.decode):
+        if not all(0 <= row.token < self.vocab_size for row in plan.decode):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
         if problem := self._disagreement(plan):
             self._shadow_step(plan)
             self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
-        self._join([s for s, _ in plan.decode if s not in self.batch_ids])
+        self._join([row.seq for row in plan.decode if row.seq not in self.batch_ids])
         out = self._prefill(plan.prefill)
         if plan.decode:
             out.update(self._decode(plan.decode))
         self._steps += 1
-        if self._steps in self._hooks.desync_at and self.seqs:
-            self.seqs[min(self.seqs)].last += 1
-        if self._steps in self._hooks.fail_at:
-            raise InjectedFault(f"rank {self.rank}: injected failure after step {self._steps} ({FAULT_ENV})")
+        if failure := self._hooks.after_step(self._steps, self.seqs):
+            raise RankError(failure)
         return out if self.rank == 0 else None
 
     def fingerprint(self) -> str:
@@ -194,7 +163,8 @@ class Rank:
             if seq not in self.seqs:
                 return f"sequence {seq} cannot leave: this rank does not hold it"
         left = set(plan.leave)
-        for seq, position, _, _ in plan.prefill:
+        for chunk in plan.prefill:
+            seq, position = chunk.seq, chunk.position
             known = self.seqs.get(seq)
             if position == 0 and known is not None:
                 return f"sequence {seq} is started again but this rank already holds it"
@@ -202,7 +172,7 @@ class Rank:
                 held = "nothing" if known is None else f"{known.position} tokens, prompt done: {known.prompt_done}"
                 return f"sequence {seq} is fed a prompt chunk at {position} but this rank holds {held}"
         staying = [s for s in self.batch_ids if s not in left]
-        rows = [s for s, _ in plan.decode]
+        rows = [row.seq for row in plan.decode]
         if rows[: len(staying)] != staying:
             return f"the batch here is {staying}, the plan decodes {rows}"
         for seq in rows[len(staying) :]:
@@ -248,7 +218,7 @@ class Rank:
         for s in joining:
             self.seqs[s].cache = None
 
-    def _prefill(self, chunks: list[tuple[int, int, list[int], bool]], shadow: bool = False) -> dict[int, mx.array]:
+    def _prefill(self, chunks: list[Prefill], shadow: bool = False) -> dict[int, mx.array]:
         """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
 
         New prompts (position 0) go through together, left-padded into one batch,
@@ -259,26 +229,26 @@ class Rank:
         """
         assert self.model is not None
         out: dict[int, mx.array] = {}
-        fresh = [(seq, tokens, last) for seq, position, tokens, last in chunks if position == 0]
+        fresh = [chunk for chunk in chunks if chunk.position == 0]
         if fresh:
-            logits, caches = self._forward_new_prompts([tokens for _, tokens, _ in fresh])
-            for i, (seq, tokens, last) in enumerate(fresh):
+            logits, caches = self._forward_new_prompts([chunk.tokens for chunk in fresh])
+            for i, chunk in enumerate(fresh):
                 if not shadow:
                     own = [layer.extract(i) for layer in caches]
-                    self.seqs[seq] = _Seq(position=len(tokens), last=tokens[-1], cache=own, prompt_done=last)
-                if last and logits is not None:
-                    out[seq] = logits[i]
-        for seq, position, tokens, last in chunks:
-            if position == 0:
+                    self.seqs[chunk.seq] = _Seq(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
+                if chunk.last and logits is not None:
+                    out[chunk.seq] = logits[i]
+        for chunk in chunks:
+            if chunk.position == 0:
                 continue
-            state = _Seq(cache=make_prompt_cache(self.model)) if shadow else self.seqs[seq]
+            state = _Seq(cache=make_prompt_cache(self.model)) if shadow else self.seqs[chunk.seq]
             assert state.cache is not None
-            logits = self._forward_prompt(tokens, last, state.cache)
-            state.position += len(tokens)
-            state.last = tokens[-1]
-            state.prompt_done = last
+            logits = self._forward_prompt(chunk.tokens, chunk.last, state.cache)
+            state.position += len(chunk.tokens)
+            state.last = chunk.tokens[-1]
+            state.prompt_done = chunk.last
             if logits is not None:
-                out[seq] = logits
+                out[chunk.seq] = logits
         return out
 
     def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
@@ -304,23 +274,23 @@ class Rank:
         return None if logits is None else logits[0]
 
     def _feed(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> None:
-        """Run the backbone over ``tokens`` (rows of equal length) in chunks of PREFILL_CHUNK, filling ``cache``."""
+        """Run the backbone over ``tokens`` (rows of equal length), FORWARD_TOKENS at a time, filling ``cache``."""
         assert self.model is not None
         trunk = backbone(self.model)
-        for start in range(0, tokens.shape[1], PREFILL_CHUNK):
-            hidden = trunk(tokens[:, start : start + PREFILL_CHUNK], cache=cache)
+        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
+            hidden = trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache)
             mx.eval(hidden, [(c.keys, c.values) for c in cache])
 
-    def _decode(self, rows: list[tuple[int, int]]) -> dict[int, mx.array]:
+    def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
         assert self.batch is not None
-        logits = self._forward_batch(mx.array([[t] for _, t in rows]), self.batch)
-        for seq, token in rows:
-            state = self.seqs[seq]
+        logits = self._forward_batch(mx.array([[row.token] for row in rows]), self.batch)
+        for row in rows:
+            state = self.seqs[row.seq]
             state.position += 1
-            state.last = token
+            state.last = row.token
         if logits is None:
             return {}
-        return {seq: logits[i] for i, (seq, _) in enumerate(rows)}
+        return {row.seq: logits[i] for i, row in enumerate(rows)}
 
     def _forward_batch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array | None:
         """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""

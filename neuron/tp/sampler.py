@@ -6,41 +6,33 @@ token id travels, inside the next step's request.
 
 Each request gets its own random key, split once per token, so a seeded
 request draws the same tokens whatever else the server is doing.
+
+``Samplers`` is rank 0's registry: a sampler is made when its sequence's first
+prompt chunk is in a step's plan, sees every token fed to it (the penalties look
+at them), and is dropped when the plan says the sequence leaves, as the ranks
+drop its KV cache. The leader only hands over each new sequence's parameters.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from neuron.sampling_params import PENALTY_WINDOW, SamplingParams
-
-NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    token: int
-    # Of the chosen token, under the model's own distribution (before penalties and
-    # temperature); NOT_ASKED unless the request asked for logprobs.
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
+from neuron.rpc import StepPlan
+from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
 
 
 class Sampler:
     """One request's sampler: its parameters, its random key, and the recent tokens the penalties see."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int]) -> None:
+    def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._recent = prompt[-PENALTY_WINDOW:]
-        # MLX state is made on first use: the engine builds a sampler on the event
-        # loop's thread, but its arrays must belong to rank 0's thread, where it runs.
-        self._key: mx.array | None = None
+        self._recent: list[int] = []
+        self._key: mx.array | None = None  # made on first use
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
 
     @property
@@ -50,8 +42,12 @@ class Sampler:
         no_processing = not p.logit_bias and p.presence_penalty == p.frequency_penalty == 0.0
         return p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
 
+    def feed(self, tokens: list[int]) -> None:
+        """Tokens fed to the sequence (its prompt): the penalties see the last PENALTY_WINDOW of them."""
+        self._recent = [*self._recent, *tokens][-PENALTY_WINDOW:]
+
     def record(self, sampled: Sampled) -> Sampled:
-        self._recent = [*self._recent[1 - PENALTY_WINDOW :], sampled.token]
+        self.feed([sampled.token])
         return sampled
 
     def _start(self) -> mx.array:
@@ -103,6 +99,33 @@ class Sampler:
         else:
             mx.eval(token, chosen)
         return self.record(Sampled(int(token.item()), float(chosen.item()), top))
+
+
+class Samplers:
+    """Rank 0's samplers, one per sequence, from its first prompt chunk until it leaves."""
+
+    def __init__(self) -> None:
+        self._by_seq: dict[int, Sampler] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_seq)
+
+    def step(
+        self, plan: StepPlan, joining: dict[int, SamplingParams], logits: dict[int, mx.array]
+    ) -> dict[int, Sampled]:
+        """Follow ``plan`` (who leaves, who starts with which parameters, what each prompt was fed), then sample
+        the logits of every sequence that has some."""
+        for seq in plan.leave:
+            self._by_seq.pop(seq, None)
+        for chunk in plan.prefill:
+            if chunk.position == 0:
+                self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))
+            if (sampler := self._by_seq.get(chunk.seq)) is not None:
+                sampler.feed(chunk.tokens)
+        return sample_all(self._by_seq, logits)
+
+    def clear(self) -> None:
+        self._by_seq.clear()
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:

@@ -1,4 +1,6 @@
-"""``neuron serve``: one event loop runs the HTTP server and the engine; the engine owns the pool.
+"""The leader process of ``neuron serve``: one event loop runs the HTTP server and the engine; the engine owns
+the pool. Its signals, its readiness for systemd, and its restart when the group is lost live here, beside the
+CLI: ``neuron.server`` is only the HTTP application.
 
 Why we bind the socket ourselves: a port in use is reported before the model
 loads, in our words, and uvicorn never gets to call ``sys.exit`` inside our loop.
@@ -40,7 +42,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -52,8 +53,10 @@ import structlog
 import uvicorn
 
 from neuron import metrics, systemd
-from neuron.engine.engine import Engine, Limits
+from neuron.engine.engine import Engine
+from neuron.engine.scheduler import Limits
 from neuron.pool import Deadlines
+from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
 
 log = structlog.get_logger("neuron.server")
@@ -103,9 +106,7 @@ def restart_leader(restart: Restart) -> NoReturn:
     """Replace this process with a fresh leader that inherits the listening socket as file descriptor 3."""
     os.dup2(restart.listener_fd, systemd.LISTEN_FDS_START)  # inheritable, unlike every other descriptor
     note = json.dumps(asdict(restart.recovery))
-    env = {**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: note}
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "neuron", *sys.argv[1:]], env)
+    reexec({**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: note})
 
 
 def _restarted() -> Recovery | None:
@@ -181,7 +182,7 @@ async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notif
         engine.abort("the server is shutting down")
 
 
-async def serve(options: ServeOptions) -> Restart | None:
+async def run_leader(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
     if restarted:

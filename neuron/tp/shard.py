@@ -1,13 +1,8 @@
-"""Load one rank's slice of a model with mlx-lm, and refuse models that cannot be split.
-
-The check runs on the leader before any rank loads a byte: a model whose heads
-do not divide by the world size would otherwise fail on every rank at once,
-after each had spent the time (and memory) to read its weights.
-"""
+"""One rank's slice of a model: loaded with mlx-lm, split by its ``shard()``, and the vocabulary projection
+split too where that pays; and the check that a model can be split at all."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,43 +11,26 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
-
-class ModelError(ValueError):
-    """A model that cannot be served as asked; the message says what to change."""
+from neuron.models import ModelError, text_config
 
 
-def read_config(model_path: str | Path) -> dict:
-    path = Path(model_path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(
-            f"{path} is not a model folder: it has no config.json. "
-            "Pass a folder with config.json and *.safetensors, or a .gguf file."
-        )
-    if not any(path.glob("model*.safetensors")):
-        raise ModelError(f"{path} has no model*.safetensors weights; neuron loads safetensors or GGUF only")
-    config = json.loads(config_file.read_text())
-    if "model_file" in config:
-        raise ModelError(
-            f"{path} needs its own Python code ({config['model_file']}) to build the model; "
-            "neuron never runs code shipped with a model: use an architecture mlx-lm supports"
-        )
-    return config
+def check_shardable(config: dict, world_size: int) -> None:
+    """Raise ``ModelError`` unless a model of this config can be split over ``world_size`` ranks.
 
-
-def check_shardable(model_path: str | Path, world_size: int) -> dict:
-    """Raise ``ModelError`` unless this model can be split over ``world_size`` ranks; return its config."""
-    config = read_config(model_path)
+    The leader calls it once, before any rank is spawned: a model whose heads do
+    not divide would otherwise fail on every rank at once, after each had spent
+    the time (and memory) to read its weights.
+    """
     try:
         model_class, _ = _get_classes(config)
     except ValueError as e:
-        raise ModelError(f"{model_path}: mlx-lm does not support this architecture ({e})") from None
+        raise ModelError(f"mlx-lm does not support this architecture ({e})") from None
     if world_size == 1:
-        return config
+        return
     arch = config.get("model_type", "?")
     if not hasattr(model_class, "shard"):
         raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
-    text = config.get("text_config", config)
+    text = text_config(config)
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -61,7 +39,6 @@ def check_shardable(model_path: str | Path, world_size: int) -> dict:
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
-    return config
 
 
 def backbone(model: nn.Module) -> nn.Module:
@@ -78,8 +55,9 @@ def backbone(model: nn.Module) -> nn.Module:
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:
 # nothing after it (no soft-capping, no scaling) that a split head would skip.
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# A split head costs one all_gather per step (about 2 ms inside a model on the ring, FACTS.md) and saves
-# reading half the head on rank 0's core (9.5 GB/s): it pays from about 5M fp32 parameters; 8M leaves a margin.
+# A split head costs one all_gather per step (about 2 ms inside a model on the ring, measured on a 2-core
+# Linux box) and saves reading half the head on rank 0's core (9.5 GB/s): it pays from about 5M fp32
+# parameters; 8M leaves a margin.
 SPLIT_HEAD_MIN_PARAMS = 8_000_000
 
 

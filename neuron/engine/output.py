@@ -1,0 +1,95 @@
+"""From what a step sampled to what each request's reader gets: text chunks, a finish, and the request's logs
+and metrics along the way (started, prefill done, decode done, request done or cancelled)."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from neuron import metrics
+from neuron.engine.scheduler import Delivery
+from neuron.engine.sequence import Chunk, Failure, Finish, Sequence
+from neuron.engine.text import Text
+from neuron.log import ms_since
+
+log = structlog.get_logger("neuron.engine")
+
+
+class Output:
+    def __init__(self, text: Text) -> None:
+        self.text = text
+
+    def started(self, seq: Sequence) -> None:
+        """``seq`` was admitted to the batch."""
+        self.text.start(seq)
+        seq.started = time.perf_counter()
+        metrics.PROMPT_TOKENS.inc(len(seq.prompt))
+        log.info(
+            "request started",
+            request_id=seq.id,
+            prompt_tokens=len(seq.prompt),
+            max_tokens=seq.max_tokens,
+            temperature=seq.params.temperature,
+            top_p=seq.params.top_p,
+        )
+
+    def deliver(self, delivery: Delivery) -> bool:
+        """Emit one sampled token's text, or the sequence's finish; True when the sequence has finished."""
+        seq, sampled = delivery.seq, delivery.sampled
+        if delivery.first:
+            log.info("prefill done", request_id=seq.id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
+        if delivery.finish == "stop":  # the end-of-sequence token: not part of the text
+            self.finish(seq, "stop")
+            return True
+        metrics.COMPLETION_TOKENS.inc()
+        if seq.completion_tokens == 1:
+            seq.first_token_at = time.perf_counter()
+            metrics.TIME_TO_FIRST_TOKEN.observe(seq.first_token_at - seq.submitted)
+        text, stopped = self.text.push(seq, sampled.token)
+        seq.emit(Chunk(sampled.token, text, sampled.logprob, sampled.top))
+        if stopped:
+            self.finish(seq, "stop", tail="")
+        elif delivery.finish is not None:
+            self.finish(seq, delivery.finish)
+        return stopped or delivery.finish is not None
+
+    def finish(self, seq: Sequence, reason: str, tail: str | None = None) -> None:
+        """End ``seq``: release the text held back (unless a stop string already ended it), and say why."""
+        if tail is None:
+            tail, stopped = self.text.finish(seq)
+            reason = "stop" if stopped else reason
+        if seq.first_token_at:
+            log.info("decode done", request_id=seq.id, tokens=seq.completion_tokens, ms=ms_since(seq.first_token_at))
+        log.info(
+            "request done",
+            request_id=seq.id,
+            prompt_tokens=len(seq.prompt),
+            completion_tokens=seq.completion_tokens,
+            finish_reason=reason,
+            ms=ms_since(seq.started),
+        )
+        metrics.REQUESTS.labels(reason).inc()
+        if seq.completion_tokens > 1:
+            decoding = time.perf_counter() - seq.first_token_at
+            metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
+        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail))
+
+    def cancelled(self, seq: Sequence, steps_after_cancel: int) -> None:
+        """The caller stopped listening: the sequence has left the batch (or never entered it)."""
+        if seq.finished:
+            return
+        if seq.started:
+            log.info(
+                "request cancelled",
+                request_id=seq.id,
+                completion_tokens=seq.completion_tokens,
+                steps_after_cancel=steps_after_cancel,
+                ms=ms_since(seq.started),
+            )
+        metrics.REQUESTS.labels("cancelled").inc()
+        seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, ""))
+
+    def failed(self, seq: Sequence, kind: str, message: str) -> None:
+        metrics.REQUESTS.labels("failed").inc()
+        seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))

@@ -1,0 +1,168 @@
+"""The scheduler: who waits, whose prompt is fed, who decodes; each step's plan, and what a step's outcome changes.
+
+It only decides. No I/O, no MLX, no event loop: the engine hands it requests,
+asks it for a plan, runs the plan on the pool, and hands the sampled tokens
+back. So every decision here can be tested in milliseconds, without a process.
+
+Continuous batching: up to ``max_batch`` sequences share each step. A waiting
+request is admitted when a place frees; its prompt is fed in chunks, at most
+``prefill_chunk`` tokens per step across all prompts being fed, so a long
+prompt never stalls the running sequences for long; once fed, it decodes one
+token per step with the others. A sequence that ends or is cancelled leaves
+at the next step boundary: the next plan tells every rank to drop it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from neuron.engine.sequence import Overloaded, Sequence
+from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.sampling_params import Sampled, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_batch: int = 8  # sequences decoding together; more wait in the queue
+    max_waiting: int = 64  # requests queued beyond the batch; more get 429
+    prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
+    max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A token sampled for ``seq`` in a step, and whether it ends the sequence.
+
+    ``finish`` is ``"stop"`` for an end-of-sequence token (which is not part of
+    the text), ``"length"`` for the last token ``max_tokens`` allows, else None.
+    ``first`` marks the token sampled from the end of the prompt.
+    """
+
+    seq: Sequence
+    sampled: Sampled
+    finish: str | None
+    first: bool
+
+
+class Scheduler:
+    def __init__(self, limits: Limits, eos_token_ids: set[int] | frozenset[int]) -> None:
+        self.limits = limits
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.steps = 0  # steps applied; cancellations are measured against it
+        self.waiting: deque[Sequence] = deque()
+        self.filling: list[Sequence] = []  # admitted, prompt being fed
+        self.running: list[Sequence] = []  # decoding, in batch order
+        self.leaving: list[int] = []  # sequences every rank drops in the next plan
+
+    @property
+    def batch(self) -> tuple[Sequence, ...]:
+        """Every admitted sequence: prompts being fed, then the decoding ones."""
+        return (*self.filling, *self.running)
+
+    @property
+    def pending(self) -> int:
+        return len(self.waiting) + len(self.filling) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` behind the others, or refuse it when the queue is full."""
+        if len(self.waiting) >= self.limits.max_waiting:
+            raise Overloaded(f"{len(self.waiting)} requests are already waiting (the limit); retry shortly")
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> bool:
+        """Mark ``seq`` as abandoned by its caller; True when it was still queued and has left at once."""
+        if seq.finished or seq.cancelled_at is not None:
+            return False
+        seq.cancelled_at = self.steps
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            return True
+        return False
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """Take the cancelled sequences out of the batch (they leave in the next plan); returns them."""
+        dropped = [seq for seq in self.batch if seq.cancelled_at is not None]
+        for seq in dropped:
+            self.remove(seq)
+        return dropped
+
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into the batch, in arrival order, while it has places; returns them."""
+        admitted = []
+        while self.waiting and len(self.filling) + len(self.running) < self.limits.max_batch:
+            seq = self.waiting.popleft()
+            self.filling.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def plan(self) -> StepPlan | None:
+        """The next step: who leaves, which prompt chunks are fed, every running sequence's next input.
+
+        None when nothing is admitted (``leaving`` may still name sequences to drop).
+        """
+        if not self.filling and not self.running:
+            return None
+        budget = self.limits.prefill_chunk
+        prefill = []
+        for seq in self.filling:
+            if budget <= 0:
+                break
+            take = min(budget, len(seq.prompt) - seq.fed)
+            end = seq.fed + take
+            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], end == len(seq.prompt)))
+            budget -= take
+        decode = [Decode(seq.no, seq.next_token) for seq in self.running]
+        return StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode)
+
+    def joining(self, plan: StepPlan) -> dict[int, SamplingParams]:
+        """The sampling parameters of the sequences ``plan`` starts: rank 0 makes their samplers."""
+        by_no = {seq.no: seq for seq in self.filling}
+        return {chunk.seq: by_no[chunk.seq].params for chunk in plan.prefill if chunk.position == 0}
+
+    def apply(self, plan: StepPlan, sampled: dict[int, Sampled]) -> list[Delivery]:
+        """What ``plan``'s step did, now that every rank ran it: prompts fed, tokens sampled, in plan order.
+
+        A sequence missing from the batch was taken out while the step ran
+        (cancelled, or failed by a shutdown): its token is not delivered.
+        """
+        self.steps += 1
+        self.leaving.clear()
+        by_no = {seq.no: seq for seq in self.batch}
+        out = []
+        for chunk in plan.prefill:
+            if (seq := by_no.get(chunk.seq)) is None:
+                continue
+            seq.fed += len(chunk.tokens)
+            if chunk.last:
+                self.filling.remove(seq)
+                self.running.append(seq)
+                out.append(self._outcome(seq, sampled[chunk.seq], first=True))
+        for row in plan.decode:
+            if (seq := by_no.get(row.seq)) is not None:
+                out.append(self._outcome(seq, sampled[row.seq], first=False))
+        return out
+
+    def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
+        if sampled.token in self.eos_token_ids:
+            return Delivery(seq, sampled, "stop", first)
+        seq.completion_tokens += 1
+        seq.next_token = sampled.token
+        return Delivery(seq, sampled, "length" if seq.completion_tokens >= seq.max_tokens else None, first)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
+        for group in (self.filling, self.running):
+            if seq in group:
+                group.remove(seq)
+                if seq.fed:
+                    self.leaving.append(seq.no)
+
+    def clear(self) -> list[Sequence]:
+        """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished."""
+        unfinished = [seq for seq in (*self.waiting, *self.batch) if not seq.finished]
+        self.waiting.clear()
+        self.filling.clear()
+        self.running.clear()
+        self.leaving.clear()
+        return unfinished

@@ -1,0 +1,69 @@
+"""Text in and out of the engine: the tokenizer and the chat template going in, detokenizing and stop strings
+coming out.
+
+mlx-lm's tokenizer wrapper does the work (its streaming detokenizers release
+text only once a character is complete); this module adds what a server needs
+around it: refusals that name the field, and stop strings never emitted, even
+split across tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer, TokenizerWrapper
+from mlx_lm.utils import load_tokenizer
+
+from neuron.engine.sequence import RequestError, Sequence
+
+
+class Text:
+    def __init__(self, tokenizer: TokenizerWrapper, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    @classmethod
+    def load(cls, model_path: Path) -> Text:
+        # Said out loud: a tokenizer_config.json's auto_map must never import a .py from the model folder.
+        return cls(load_tokenizer(model_path, {"trust_remote_code": False}), model_path.name)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise RequestError(f"{self.model_name} has no chat template; use completions instead", "messages")
+        try:
+            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (TemplateError, ValueError, TypeError, KeyError) as e:
+            raise RequestError(f"the model's chat template rejected the messages: {e}", "messages") from e
+        return list(tokens)
+
+    def start(self, seq: Sequence) -> None:
+        """Give ``seq`` a detokenizer of its own."""
+        detokenizer: StreamingDetokenizer = self.tokenizer.detokenizer
+        if isinstance(detokenizer, BPEStreamingDetokenizer):
+            # mlx-lm drops the first token's leading space; a completion continues its
+            # prompt, so the text must be exactly what the tokens decode to.
+            detokenizer._maybe_trim_space = lambda text: text  # type: ignore[method-assign]
+        seq.detokenizer = detokenizer
+
+    def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
+        """Add a generated token; return the text it releases and whether a stop string was reached."""
+        seq.detokenizer.add_token(token)
+        return seq.stop.push(seq.detokenizer.last_segment)
+
+    def finish(self, seq: Sequence) -> tuple[str, bool]:
+        """Release what was held back (a partial character, a possible stop string's start) at the end."""
+        seq.detokenizer.finalize()
+        tail, stopped = seq.stop.push(seq.detokenizer.last_segment)
+        return (tail, True) if stopped else (tail + seq.stop.flush(), False)

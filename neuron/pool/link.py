@@ -1,0 +1,74 @@
+"""The leader's end of one worker: its process, and the NDJSON requests and replies on its pipes.
+
+A reply must carry the id of the request it answers and be the one reply type
+that request expects (or ``Error``); anything else is a protocol violation,
+never a reply to be guessed at.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from neuron import rpc
+from neuron.rpc import ErrorKind
+
+
+@dataclass(slots=True)
+class Link:
+    rank: int
+    host: str  # where the worker runs, as the operator named it: errors and logs say so
+    process: anyio.abc.Process
+    reader: BufferedByteReceiveStream
+    next_id: int = 1
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank} on {self.host}"
+
+    def take_id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    async def send(self, request: rpc.Request, deadline: float) -> rpc.Request:
+        assert self.process.stdin is not None
+        # A worker that stops reading fills the pipe, and the write would block forever.
+        with anyio.fail_after(deadline):
+            await self.process.stdin.send(rpc.encode(request))
+        return request
+
+    async def receive(self, request: rpc.Request, deadline: float) -> rpc.Reply:
+        """The reply to ``request``; anything else is a protocol violation."""
+        with anyio.fail_after(deadline):
+            line = await self.reader.receive_until(b"\n", rpc.MAX_LINE_BYTES)
+        reply = rpc.decode_reply(line)
+        if reply.id != request.id:
+            raise rpc.ProtocolError(
+                ErrorKind.INVALID_FIELD,
+                f"reply id {reply.id} ({reply.op}) does not answer request id {request.id} ({request.op})",
+            )
+        if not isinstance(reply, (rpc.EXPECTED_REPLY[type(request)], rpc.Error)):
+            raise rpc.ProtocolError(ErrorKind.UNKNOWN_OP, f"{reply.op} does not answer {request.op}")
+        return reply
+
+    async def exit_status(self) -> str:
+        """How the process ended, for an error message; waits briefly for the kernel to report it."""
+        with anyio.move_on_after(2.0):
+            await self.process.wait()
+        return describe_exit(self.process.returncode)
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its stdout but is still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

@@ -1,0 +1,104 @@
+"""Rank 0's thread: the one thread that runs rank 0's MLX work, for the life of the pool.
+
+Why one dedicated thread: MLX streams belong to the thread that created them,
+so rank 0's group, weights, KV caches and samplers must all be made and used
+on one thread. A job handed to that thread is shielded from cancellation: once
+the workers have a step, rank 0 must do its part of the collectives too, or
+the workers wait inside them forever.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+from neuron import cpu
+from neuron.tp.rank import Rank
+from neuron.tp.sampler import Samplers
+
+T = TypeVar("T")
+
+
+class Abandoned(RuntimeError):
+    """The leader stopped waiting for rank 0 because a peer it depends on failed."""
+
+
+class Rank0Thread:
+    """Runs jobs on rank 0's ``Rank`` and ``Samplers``, one at a time, on a thread of its own."""
+
+    def __init__(self, world_size: int, cpus: list[int] | None) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cpus = cpus
+        self._world_size = world_size
+        self.rank: Rank | None = None
+        self.samplers = Samplers()  # touched only by jobs, on this thread
+        # A daemon: if rank 0 is wedged inside a collective (a peer that never
+        # answers), nothing can interrupt it, and it must not keep the process alive.
+        self._thread = threading.Thread(target=self._run, name="neuron-rank0", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._cpus:
+            cpu.pin(self._cpus)
+            cpu.set_blas_threads(len(self._cpus))
+        self.rank = Rank(0, self._world_size)
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: anyio.Event | None = None) -> T:
+        """Run ``fn(rank)`` on the rank-0 thread and return its result.
+
+        Shielded: a cancelled caller still waits for the job, so a step is never
+        torn. The wait ends early only with an error: ``TimeoutError`` after
+        ``deadline`` seconds, or ``Abandoned`` once ``abandon`` is set (a peer
+        died, and rank 0 may wait inside a collective for it forever). Either
+        way the job itself runs on; nothing can interrupt MLX.
+        """
+        done = anyio.Event()
+        outcome: dict[str, Any] = {}
+        token = anyio.lowlevel.current_token()
+
+        def job() -> None:
+            try:
+                assert self.rank is not None
+                outcome["value"] = fn(self.rank)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises
+                outcome["error"] = e
+            try:
+                anyio.from_thread.run_sync(done.set, token=token)
+            except RuntimeError:
+                pass  # the event loop is gone; nobody is waiting
+
+        self._jobs.put(job)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(deadline) as timer:
+            async with anyio.create_task_group() as tg:
+
+                async def on_abandon() -> None:
+                    if abandon is not None:
+                        await abandon.wait()
+                        tg.cancel_scope.cancel()
+
+                tg.start_soon(on_abandon)
+                await done.wait()
+                tg.cancel_scope.cancel()
+        if not done.is_set():
+            if timer.cancelled_caught:
+                raise TimeoutError(f"no result within {deadline:g} s")
+            raise Abandoned("abandoned: a peer failed while rank 0 was inside the step")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    async def close(self, deadline: float) -> None:
+        """Stop the thread and wait for it to end, so it never races the interpreter's exit.
+
+        A thread wedged in a collective never ends; after ``deadline`` it is left
+        behind (it is a daemon).
+        """
+        self._jobs.put(None)
+        await anyio.to_thread.run_sync(self._thread.join, deadline)

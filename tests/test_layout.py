@@ -1,0 +1,114 @@
+"""The layout is the architecture: dependencies point one way, and MLX loads only where a rank's work is done.
+
+server -> engine -> pool -> rpc and tp; launching beside the pool. These tests
+read the import statements themselves, and import the MLX-free modules in a
+fresh interpreter to see that MLX stays out.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PACKAGE = ROOT / "neuron"
+
+# What each room may not import at run time (imports under ``if TYPE_CHECKING:`` only name types).
+FORBIDDEN = {
+    "neuron.rpc": ("neuron.",),  # the protocol stands alone (bar itself)
+    "neuron.tp": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.leader"),
+    "neuron.launch": ("neuron.tp", "neuron.pool", "neuron.engine", "neuron.server"),
+    "neuron.pool": ("neuron.engine", "neuron.server", "neuron.leader"),
+    "neuron.engine": ("neuron.tp", "neuron.server", "neuron.leader", "neuron.launch"),
+    "neuron.server": ("neuron.tp", "neuron.pool", "neuron.engine.engine", "neuron.leader", "neuron.launch"),
+}
+
+# Modules that must import without MLX: what the HTTP layer, the settings and the protocol need.
+MLX_FREE = [
+    "neuron.rpc",
+    "neuron.server.app",
+    "neuron.server.openai",
+    "neuron.server.schema",
+    "neuron.models",
+    "neuron.config",
+    "neuron.cpu",
+    "neuron.sampling_params",
+    "neuron.engine.scheduler",
+    "neuron.engine.sequence",
+    "neuron.launch",
+    "neuron.reexec",
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Every ``neuron...`` module imported by ``path`` outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+    return [name for name in out if name.startswith("neuron")]
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(room: str) -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if name != room and not name.startswith(room + "."):
+            continue
+        for imported in _runtime_imports(path):
+            if imported.startswith(room + ".") or imported == room:
+                continue
+            if any(imported == f or imported.startswith(f) for f in FORBIDDEN[room]):
+                wrong.append(f"{path.relative_to(ROOT)} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_mlx_free_modules_load_no_mlx() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {MLX_FREE!r}: importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm'))\n"
+        "print(loaded); sys.exit(1 if loaded else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, f"MLX was imported: {done.stdout} {done.stderr}"
+
+
+def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
+    """``neuron serve --port 99999``: the settings are checked, and refused, with no MLX in the process."""
+    code = (
+        "import sys\n"
+        "from neuron.cli import main\n"
+        "try:\n"
+        "    main(['serve', '--port', '99999'])\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')]\n"
+        "print('MLX LOADED' if loaded else 'no mlx', file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2
+    assert "--port must lie in [0, 65535], got 99999" in done.stderr
+    assert "no mlx" in done.stderr, done.stderr

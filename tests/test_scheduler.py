@@ -1,0 +1,205 @@
+"""The scheduler's decisions, checked directly: no process, no model, no event loop; milliseconds each.
+
+The end-to-end tests (test_batching, test_server) prove the plans run on real
+ranks; these pin down which plan each situation gets.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.sequence import Overloaded, Sequence, StopText
+from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+
+EOS = 2
+_numbers = itertools.count(1)
+
+
+def request(prompt_tokens: int, max_tokens: int = 100, **params: object) -> Sequence:
+    no = next(_numbers)
+    prompt = [10 + i for i in range(prompt_tokens)]
+    return Sequence(f"r{no}", no, prompt, max_tokens, SamplingParams(**params), StopText(()))  # type: ignore[arg-type]
+
+
+def scheduler(**limits: int) -> Scheduler:
+    return Scheduler(Limits(**limits), {EOS})
+
+
+def admitted(s: Scheduler, *seqs: Sequence) -> None:
+    for seq in seqs:
+        s.add(seq)
+    assert s.admit() == list(seqs)
+
+
+def next_plan(s: Scheduler) -> StepPlan:
+    plan = s.plan()
+    assert plan is not None
+    return plan
+
+
+def run(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) -> StepPlan:
+    """Plan a step and apply it as though every rank ran it: each sequence with logits samples ``default``
+    (or its entry in ``tokens``)."""
+    return run_delivering(s, tokens, default)[0]
+
+
+def run_delivering(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) -> tuple[StepPlan, list]:
+    plan = next_plan(s)
+    having = [c.seq for c in plan.prefill if c.last] + [r.seq for r in plan.decode]
+    return plan, s.apply(plan, {seq: Sampled((tokens or {}).get(seq, default), NOT_ASKED) for seq in having})
+
+
+def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
+    s = scheduler(max_batch=2)
+    a, b, c = request(3), request(3), request(3)
+    for seq in (a, b, c):
+        s.add(seq)
+    assert s.admit() == [a, b]
+    assert list(s.waiting) == [c]
+    assert s.admit() == []  # no place until one leaves
+    s.remove(a)
+    assert s.admit() == [c]
+
+
+def test_a_full_queue_refuses_and_a_cancelled_waiter_frees_its_place() -> None:
+    s = scheduler(max_batch=1, max_waiting=2)
+    first, second = request(3), request(3)
+    s.add(first)
+    s.add(second)
+    with pytest.raises(Overloaded, match="2 requests are already waiting"):
+        s.add(request(3))
+    assert s.cancel(second) is True  # still queued: it leaves at once
+    s.add(request(3))
+
+
+def test_a_long_prompt_is_fed_in_chunks_of_the_step_budget() -> None:
+    s = scheduler(prefill_chunk=4)
+    seq = request(10)
+    admitted(s, seq)
+    chunks = [run(s).prefill for _ in range(3)]
+    assert [(c.position, len(c.tokens), c.last) for (c,) in chunks] == [(0, 4, False), (4, 4, False), (8, 2, True)]
+    assert [t for (c,) in chunks for t in c.tokens] == seq.prompt
+    assert s.running == [seq] and seq.next_token == 7 and seq.completion_tokens == 1
+
+
+def test_the_prefill_budget_is_shared_in_admission_order() -> None:
+    s = scheduler(prefill_chunk=5)
+    a, b = request(3), request(6)
+    admitted(s, a, b)
+    plan = run(s)
+    fed = [(c.seq, c.position, len(c.tokens), c.last) for c in plan.prefill]
+    assert fed == [(a.no, 0, 3, True), (b.no, 0, 2, False)]
+    plan = run(s)
+    assert [(c.seq, c.position, len(c.tokens)) for c in plan.prefill] == [(b.no, 2, 4)]
+    assert plan.decode == [Decode(a.no, 7)]  # a decodes while b's prompt is still fed
+
+
+def test_a_prompt_that_ends_joins_the_batch_after_the_running_rows() -> None:
+    s = scheduler()
+    a = request(2)
+    admitted(s, a)
+    run(s)
+    b = request(2)
+    admitted(s, b)
+    run(s, {a.no: 8})
+    plan = run(s)
+    assert [r.seq for r in plan.decode] == [a.no, b.no]
+    assert plan.decode[0] == Decode(a.no, 8)
+
+
+def test_only_sequences_starting_in_the_plan_hand_their_sampling_to_rank_0() -> None:
+    s = scheduler(prefill_chunk=4)
+    a = request(6, temperature=0.5, seed=3)
+    admitted(s, a)
+    plan = next_plan(s)
+    assert s.joining(plan) == {a.no: a.params}
+    s.apply(plan, {})
+    plan = next_plan(s)
+    assert s.joining(plan) == {}
+
+
+def test_a_finished_sequence_leaves_at_the_next_step_boundary() -> None:
+    s = scheduler()
+    a, b = request(2, max_tokens=2), request(2)
+    for seq in (a, b):
+        admitted(s, seq)
+    run(s)  # both prompts: a's first token
+    _, deliveries = run_delivering(s)
+    assert [(d.seq, d.finish) for d in deliveries] == [(a, "length"), (b, None)]
+    s.remove(a)
+    plan = next_plan(s)
+    assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
+    run(s)
+    assert s.plan().leave == []  # type: ignore[union-attr]  # said once
+
+
+def test_end_of_sequence_finishes_without_counting_a_token() -> None:
+    s = scheduler()
+    a = request(2)
+    admitted(s, a)
+    plan = next_plan(s)
+    (delivery,) = s.apply(plan, {a.no: Sampled(EOS, NOT_ASKED)})
+    assert delivery.finish == "stop" and delivery.first and a.completion_tokens == 0
+
+
+def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks() -> None:
+    s = scheduler(max_batch=2, prefill_chunk=4)
+    a, b = request(4), request(4)
+    admitted(s, a, b)
+    run(s)  # the budget went to a; b was admitted but none of its prompt reached a rank
+    assert b.fed == 0
+    s.cancel(b)
+    assert s.drop_cancelled() == [b]
+    plan = next_plan(s)
+    assert b.no not in plan.leave  # no rank holds it: naming it would be a desync
+
+
+def test_a_cancelled_running_sequence_is_dropped_at_the_boundary_and_named_to_the_ranks() -> None:
+    s = scheduler()
+    a, b = request(2), request(2)
+    admitted(s, a, b)
+    run(s)
+    assert s.cancel(a) is False  # admitted: it waits for the step boundary
+    assert s.drop_cancelled() == [a]
+    plan = next_plan(s)
+    assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
+
+
+def test_a_sequence_taken_out_mid_step_gets_no_token() -> None:
+    s = scheduler()
+    a = request(2)
+    admitted(s, a)
+    plan = next_plan(s)
+    s.clear()  # a shutdown failed everything while the step ran
+    assert s.apply(plan, {a.no: Sampled(5, NOT_ASKED)}) == []
+    assert a.completion_tokens == 0
+
+
+def test_nothing_admitted_means_no_plan_but_the_departures_are_kept() -> None:
+    s = scheduler()
+    assert s.plan() is None
+    a = request(2)
+    admitted(s, a)
+    run(s)
+    s.remove(a)
+    assert s.plan() is None and s.leaving == [a.no]  # the engine clears every rank's cache instead
+
+
+def test_chunk_positions_continue_across_steps_for_every_prompt() -> None:
+    s = scheduler(prefill_chunk=3, max_batch=3)
+    seqs = [request(n) for n in (5, 1, 7)]
+    for seq in seqs:
+        admitted(s, seq)
+    fed: dict[int, list[Prefill]] = {seq.no: [] for seq in seqs}
+    while s.filling:
+        for chunk in run(s).prefill:
+            fed[chunk.seq].append(chunk)
+    for seq in seqs:
+        chunks = fed[seq.no]
+        assert [t for c in chunks for t in c.tokens] == seq.prompt
+        assert [c.position for c in chunks] == list(itertools.accumulate([0] + [len(c.tokens) for c in chunks[:-1]]))
+        assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
