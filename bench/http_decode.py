@@ -53,7 +53,7 @@ def engine_child(model: str, tokens: int) -> None:
     from neuron.sampling_params import SamplingParams
 
     async def serve() -> None:
-        async with Engine.open(Path(model), 1) as engine:
+        async with Engine.open(Path(model)) as engine:
             prompt = engine.text.encode(PROMPT)
             while await anyio.to_thread.run_sync(sys.stdin.readline):
                 stamps = []

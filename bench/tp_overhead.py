@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from generated import ROOT, add_shape_flags, generated_model
+
 PROMPT = list(range(5, 21))
 
 
@@ -167,11 +167,7 @@ def bare_ring(model: Path, tokens: int, scratch: Path, pinned: bool, blas: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--intermediate", type=int, default=5888)
-    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the test tokenizer's 259)")
+    add_shape_flags(parser)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--model", help="an existing model folder instead of a generated one")
     parser.add_argument("--bare", nargs=4, metavar=("MODEL", "TOKENS", "BLAS", "CPU"), help=argparse.SUPPRESS)
@@ -189,21 +185,8 @@ def main() -> None:
         print(json.dumps(anyio.run(pooled, model, int(tp), int(tokens))))
         return
 
-    from conftest import make_tiny_model
-
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            model = Path(args.model)
-        else:
-            model = make_tiny_model(
-                Path(tmp) / "qwen3",
-                "qwen3",
-                hidden=args.hidden,
-                layers=args.layers,
-                heads=args.heads,
-                intermediate=args.intermediate,
-                vocab=args.vocab or None,
-            )
+        model = Path(args.model) if args.model else generated_model(args, Path(tmp) / "qwen3")
         params = sum(
             v.size for v in __import__("mlx.core", fromlist=["load"]).load(str(model / "model.safetensors")).values()
         )

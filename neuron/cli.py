@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from neuron import __version__, config
 
 if TYPE_CHECKING:
+    from neuron.launch.launcher import Launcher
     from neuron.leader import Restart
 
 EXIT_USAGE = 2
@@ -57,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         if args.rank is None or args.world_size is None or not 0 < args.rank < args.world_size:
             parser.error("--worker needs --rank R and --world-size N with 0 < R < N")
+        from neuron import cpu
         from neuron.worker import run_worker
 
+        cpu.reexec_with_openblas()  # on a host of its own a worker picks its BLAS there, as the leader did here
         return run_worker(args.rank, args.world_size)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if problem := outside(args.model, args.model_dirs):
             problems.append(problem)
+    problems += _read_hosts(args)
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
 
@@ -93,6 +97,28 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu.reexec_with_openblas()
     return _run(args)
+
+
+def _read_hosts(args: argparse.Namespace) -> list[str]:
+    """Read ``--hosts`` into ``args.launcher`` and settle ``--tp``; the problems found."""
+    from neuron.launch.hosts import HostsError, check_hosts, local_hosts, read_hostfile
+
+    try:
+        hosts = read_hostfile(args.hosts) if args.hosts else local_hosts(args.tp or 1)
+        if args.hosts and args.tp not in (None, len(hosts)):
+            raise HostsError(f"--tp {args.tp} but the hostfile {args.hosts} names {len(hosts)} ranks; give one")
+        check_hosts(hosts, args.backend)
+    except HostsError as e:
+        return [str(e)]
+    args.tp = len(hosts)
+    args.host_list = hosts
+    return []
+
+
+def _launcher(args: argparse.Namespace) -> Launcher:
+    from neuron.launch.launcher import Launcher
+
+    return Launcher(args.host_list, args.ssh_command)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -119,16 +145,27 @@ def _run(args: argparse.Namespace) -> int:
     run = _serve if args.command == "serve" else _generate
     try:
         restart = anyio.run(run, args)
-    except (ModelError, RequestError, PoolError, RuntimeError, ValueError, OSError) as e:
-        print(f"neuron: error: {e}", file=sys.stderr)
+    except BaseException as e:  # what a person should read is found below; anything else is re-raised
+        expected = _first_leaf(e, (ModelError, RequestError, PoolError, RuntimeError, ValueError, OSError))
+        if isinstance(expected, KeyboardInterrupt):
+            return 130
+        if expected is None:
+            raise
+        print(f"neuron: error: {expected}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
-        return 130
     if restart is not None:
         from neuron.leader import restart_leader
 
         restart_leader(restart)
     return 0
+
+
+def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The failure a person should read: task groups wrap what was raised in exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        found = (_first_leaf(inner, kinds) for inner in error.exceptions)
+        return next((leaf for leaf in found if leaf is not None), None)
+    return error if isinstance(error, (*kinds, KeyboardInterrupt)) else None
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
@@ -140,8 +177,9 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
     return await run_leader(
         ServeOptions(
             model_path=resolve(args.model),
+            model=args.model,
             model_id=model_id(args.model),
-            world_size=args.tp,
+            launcher=_launcher(args),
             backend=args.backend,
             host=args.host,
             port=args.port,
@@ -160,7 +198,8 @@ async def _generate(args: argparse.Namespace) -> None:
     from neuron.pool import Deadlines
 
     path = resolve(args.model)
-    async with Engine.open(path, args.tp, args.backend, Deadlines(step=args.step_timeout)) as engine:
+    deadlines = Deadlines(step=args.step_timeout)
+    async with Engine.open(path, _launcher(args), args.backend, deadlines, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
         else:

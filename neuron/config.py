@@ -99,7 +99,21 @@ SETTINGS = {
     s.name: s
     for s in (
         Setting("model", str, None, "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
-        Setting("tp", int, 1, "tensor-parallel ranks (default 1)", check=_at_least(1)),
+        Setting("tp", int, None, "tensor-parallel ranks (default: one per --hosts entry, else 1)", check=_at_least(1)),
+        Setting(
+            "hosts",
+            str,
+            None,
+            "hostfile (mlx.launch's JSON: one entry per rank, entry 0 this host) to split the model over other "
+            "hosts, started over SSH (unset: every rank on this host)",
+        ),
+        Setting(
+            "ssh_command",
+            str,
+            "ssh",
+            "the ssh command for --hosts, with its options, e.g. 'ssh -F /etc/neuron/ssh_config' (default ssh)",
+            check=_not_blank,
+        ),
         Setting(
             "backend",
             str,
@@ -166,7 +180,7 @@ SETTINGS = {
     )
 }
 
-MODEL_SETTINGS = ("model", "tp", "backend", "step_timeout", "log_level", "log_format")
+MODEL_SETTINGS = ("model", "tp", "hosts", "ssh_command", "backend", "step_timeout", "log_level", "log_format")
 SERVE_SETTINGS = (
     *MODEL_SETTINGS,
     "model_dirs",

@@ -26,7 +26,6 @@ from pathlib import Path
 from neuron.reexec import reexec
 
 PRELOAD_ENV = "LD_PRELOAD"
-CPUS_ENV = "NEURON_CPUS"  # the cores a worker pins itself to, set by the leader
 BLAS_ENV = "NEURON_BLAS"  # "reference" turns the fast path off; a path picks that library
 REEXEC_GUARD = "NEURON_REEXECED"
 
@@ -103,15 +102,12 @@ def blas_in_use() -> str:
     return "reference BLAS bundled with mlx"
 
 
-def plan_cpus(world_size: int) -> list[list[int]] | None:
-    """One contiguous block of this process's cores per rank, or None when there are too few to pin."""
-    if not hasattr(os, "sched_getaffinity"):
+def split_cores(cores: list[int], count: int) -> list[list[int]] | None:
+    """``count`` contiguous blocks of ``cores``, one per rank on a host; None when there are too few to split."""
+    if count < 1 or len(cores) < count:
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < world_size or world_size == 1:
-        return None
-    per = len(cores) // world_size
-    return [cores[r * per : (r + 1) * per] for r in range(world_size)]
+    per = len(cores) // count
+    return [cores[r * per : (r + 1) * per] for r in range(count)]
 
 
 def pin(cpus: list[int]) -> None:

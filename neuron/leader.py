@@ -55,6 +55,8 @@ import uvicorn
 from neuron import metrics, systemd
 from neuron.engine.engine import Engine
 from neuron.engine.scheduler import Limits
+from neuron.launch.checks import Unreachable
+from neuron.launch.launcher import Launcher
 from neuron.pool import Deadlines
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
@@ -68,7 +70,8 @@ STATUS_EVERY_S = 1.0
 class ServeOptions:
     model_path: Path
     model_id: str
-    world_size: int = 1
+    launcher: Launcher = field(default_factory=lambda: Launcher.local(1))
+    model: str | None = None  # what --model said: hosts of their own resolve it there
     backend: str = "ring"
     host: str = "127.0.0.1"
     port: int = 8000
@@ -144,13 +147,42 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _status(options: ServeOptions, state: ServerState, engine: Engine | None) -> str:
+    launcher = options.launcher
+    ranks = f"{options.model_id} on {launcher.world_size} rank(s)"
+    if launcher.remote:
+        ranks += f" ({', '.join(launcher.host(r) for r in range(launcher.world_size))})"
     if engine is None:
-        return f"{state.status}: {options.model_id} on {options.world_size} rank(s)"
+        return f"{state.status}: {ranks}"
     health = "ready" if engine.health.ready else f"not ready ({engine.health.reason})"
-    return (
-        f"{health}: {options.model_id} on {options.world_size} rank(s), "
-        f"{engine.running} running, {engine.waiting} waiting"
-    )
+    return f"{health}: {ranks}, {engine.running} running, {engine.waiting} waiting"
+
+
+# Seconds before the leader tries a host out of reach again: soon at first, then no more than every 15 s.
+RETRY_S = (1, 2, 4, 8, 15)
+
+
+async def _wait_to_retry(
+    error: Unreachable,
+    restarted: Recovery | None,
+    state: ServerState,
+    notifier: systemd.Notifier,
+    stopping: anyio.Event,
+) -> Recovery | None:
+    """A host is out of reach: say which, wait, and hand back the ``Recovery`` for a fresh try (None on a signal).
+
+    The retry is a fresh process, as after a lost group: rank 0 may already have
+    joined a group, and MLX allows one per process.
+    """
+    count = restarted.restarts + 1 if restarted else 1
+    delay = RETRY_S[min(count, len(RETRY_S)) - 1]
+    state.status = f"waiting for {', '.join(error.hosts)} (next try in {delay} s): {error}"
+    log.error("host unreachable; trying again", hosts=error.hosts, error=str(error), retry_s=delay, restarts=count)
+    notifier.send(f"STATUS={state.status}")
+    with anyio.move_on_after(delay):
+        await stopping.wait()
+    if stopping.is_set():
+        return None
+    return Recovery(str(error), restarted.lost_at if restarted else time.time(), count)
 
 
 async def _tell_systemd(notifier: systemd.Notifier, options: ServeOptions, state: ServerState) -> None:
@@ -229,33 +261,44 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             host=host,
             port=port,
             model=options.model_id,
-            tp=options.world_size,
+            tp=options.launcher.world_size,
             socket="inherited" if restarted else "systemd" if activated else "bound",
         )
         restart = None
         try:
             with lifetime:
-                async with Engine.open(
-                    options.model_path, options.world_size, options.backend, options.deadlines, options.limits
-                ) as engine:
-                    state.engine = engine
-                    if activated and not restarted:
-                        tg.start_soon(server.serve, [sock])
-                    notifier.send("READY=1", f"STATUS={_status(options, state, engine)}")
-                    log.info("serving", host=host, port=port, model=options.model_id)
-                    if restarted:
-                        ms = round((time.time() - restarted.lost_at) * 1000)
-                        log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
-                    await _first(stopping, engine.lost)
-                    if stopping.is_set():
-                        await _drain(engine, server, notifier, options.drain_timeout)
-                    else:
-                        cause = str(engine.pool.broken or engine.health.reason)
-                        count = restarted.restarts + 1 if restarted else 1
-                        log.error("group lost; restarting the leader", cause=cause, restarts=count)
-                        notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
-                        # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
-                        restart = Restart(os.dup(sock.fileno()), Recovery(cause, time.time(), count))
+                try:
+                    engine_context = Engine.open(
+                        options.model_path,
+                        options.launcher,
+                        options.backend,
+                        options.deadlines,
+                        options.limits,
+                        options.model,
+                    )
+                    async with engine_context as engine:
+                        state.engine = engine
+                        if activated and not restarted:
+                            tg.start_soon(server.serve, [sock])
+                        notifier.send("READY=1", f"STATUS={_status(options, state, engine)}")
+                        log.info("serving", host=host, port=port, model=options.model_id)
+                        if restarted:
+                            ms = round((time.time() - restarted.lost_at) * 1000)
+                            log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
+                        await _first(stopping, engine.lost)
+                        if stopping.is_set():
+                            await _drain(engine, server, notifier, options.drain_timeout)
+                        else:
+                            cause = str(engine.pool.broken or engine.health.reason)
+                            count = restarted.restarts + 1 if restarted else 1
+                            log.error("group lost; restarting the leader", cause=cause, restarts=count)
+                            notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
+                            # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
+                            restart = Restart(os.dup(sock.fileno()), Recovery(cause, time.time(), count))
+                            _stop_accepting(server)
+                except Unreachable as e:
+                    if (recovery := await _wait_to_retry(e, restarted, state, notifier, stopping)) is not None:
+                        restart = Restart(os.dup(sock.fileno()), recovery)
                         _stop_accepting(server)
         finally:
             state.engine = None

@@ -35,6 +35,12 @@ SYSLOG_IDENTIFIER = "neuron"
 PRIORITIES = {"critical": 2, "error": 3, "exception": 3, "warning": 4, "info": 6, "debug": 7, "trace": 7}
 
 _tracing = False
+_configured = ("warning", "json")
+
+
+def configured() -> tuple[str, str]:
+    """This process's log level and format (``auto`` resolved), as a worker should be told them."""
+    return _configured
 
 
 def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
@@ -44,10 +50,11 @@ def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
     stderr is the journal (``$JOURNAL_STREAM``, as systemd sets it), console on
     a terminal, JSON otherwise. ``trace`` is below ``debug``: one event per step.
     """
-    global _tracing
+    global _tracing, _configured
     if fmt == "auto":
         fmt = "journal" if stderr_is_journal() else "console" if sys.stderr.isatty() else "json"
     _tracing = level == "trace"
+    _configured = (level, fmt)
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,

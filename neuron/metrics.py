@@ -34,7 +34,8 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 )
 STEP_SECONDS = Histogram(
     "neuron_step_seconds",
-    "Step latency by part: total; rank0 (rank 0's forward and sampling); drain (until the last worker replied)",
+    "Step latency by part: total; fanout (writing the plan to every worker); rank0 (rank 0's forward and "
+    "sampling); drain (after rank 0's result, until the last worker replied)",
     ["part"],
     buckets=_FAST,
     registry=REGISTRY,
@@ -45,4 +46,10 @@ READY = Gauge("neuron_ready", "1 when a probe step has passed on every rank sinc
 DESYNCS = Counter("neuron_desyncs", "Steps failed because a rank's state digest differed", registry=REGISTRY)
 WORKER_RESTARTS = Counter(
     "neuron_worker_restarts", "Times the leader restarted with fresh workers after losing a rank", registry=REGISTRY
+)
+RANKS = Gauge(
+    "neuron_rank_info",
+    "1 for each rank of the group, labelled by the host it runs on",
+    ["rank", "host"],
+    registry=REGISTRY,
 )

@@ -123,3 +123,67 @@ def converted(gguf: Path) -> Path:
 
         convert(gguf, out, dtype)
     return out
+
+
+# The files besides the weights that decide what a model computes and how its text is read.
+DECIDING_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+# Bytes of each tensor's data the digest reads: the header alone cannot tell two fine-tunes of one model apart,
+# and reading every byte of a large model on every start would take minutes.
+TENSOR_SAMPLE_BYTES = 4096
+
+
+def fingerprint(model_path: str | Path) -> dict[str, str]:
+    """A digest per file that decides the model's output: the config and tokenizer files whole, and for each
+    safetensors file its size, its header (names, dtypes, shapes, offsets) and the first bytes of every tensor.
+
+    Two hosts holding the same model give the same fingerprint whatever the folder is called; a different
+    revision, a fine-tune, or one changed tensor gives another.
+    """
+    path = Path(model_path)
+    out = {}
+    for name in DECIDING_FILES:
+        if (path / name).is_file():
+            out[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()[:16]
+    for weights in sorted(path.glob("model*.safetensors")):
+        out[weights.name] = _safetensors_digest(weights)
+    return out
+
+
+def _safetensors_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        header_length = int.from_bytes(f.read(8), "little")
+        if not 0 < header_length <= size - 8:
+            raise ModelError(f"{path} is not a safetensors file (its header length is {header_length})")
+        header = f.read(header_length)
+        digest.update(size.to_bytes(8, "little") + header)
+        try:
+            tensors = json.loads(header)
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{path} has a damaged safetensors header: {e}") from None
+        start = 8 + header_length
+        for name in sorted(k for k in tensors if k != "__metadata__"):
+            begin, end = tensors[name]["data_offsets"]
+            f.seek(start + begin)
+            digest.update(f.read(min(TENSOR_SAMPLE_BYTES, end - begin)))
+    return digest.hexdigest()[:16]
+
+
+def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None:
+    """The first file, in name order, whose digest differs or that one side lacks; None when they agree."""
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            return name
+    return None

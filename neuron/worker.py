@@ -13,18 +13,26 @@ any library lands in the logs instead of corrupting the stream.
 from __future__ import annotations
 
 import os
+import select
 import sys
+import tempfile
 import threading
 import time
-from typing import BinaryIO
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
 
-from neuron import cpu, rpc
+from neuron import cpu, models, rpc
 from neuron import log as logging_setup
+from neuron.launch.dataplane import Listeners, probe
+from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
 
-_PARENT_POLL_S = 1.0
+if TYPE_CHECKING:
+    from neuron.tp.rank import Rank
+
+_HANGUP_POLL_MS = 1000
 
 
 def _take_stdout() -> BinaryIO:
@@ -34,21 +42,30 @@ def _take_stdout() -> BinaryIO:
     return protocol_out
 
 
-def _exit_with_parent() -> None:
-    """Exit if the leader dies while this rank is stuck where stdin EOF cannot reach it.
+def _exit_when_leader_gone(stdin_fd: int, busy: threading.Event) -> None:
+    """Exit if the leader goes away while this rank is stuck where stdin EOF cannot reach it.
 
-    A worker waiting on stdin sees EOF the moment the leader dies. One blocked
-    inside a collective does not (jaccl never reports a lost peer), so a
-    daemon thread watches for re-parenting instead.
+    A worker waiting on stdin reads EOF the moment the leader (or its SSH
+    session) is gone. One blocked inside a collective does not (jaccl never
+    reports a lost peer), and over SSH it is not even re-parented when the
+    session dies. What does change is its stdin: a pipe whose writer closed
+    reports a hang-up, without a byte being read. So a daemon thread polls for
+    that, and exits while the main thread is busy (when idle, the main thread
+    reads the EOF and leaves cleanly itself).
     """
-    parent = os.getppid()
+    poller = select.poll()
+    poller.register(stdin_fd, select.POLLHUP | select.POLLERR)
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os._exit(70)
+        while True:
+            events = poller.poll(_HANGUP_POLL_MS)
+            hung_up = any(flags & (select.POLLHUP | select.POLLERR) for _, flags in events)
+            if hung_up and busy.is_set():
+                os._exit(70)
+            if events:
+                time.sleep(_HANGUP_POLL_MS / 1000)  # a request waiting to be read is not a hang-up: look again later
 
-    threading.Thread(target=watch, name="neuron-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="neuron-hangup-watch", daemon=True).start()
 
 
 def read_line(stream: BinaryIO) -> bytes | None:
@@ -68,84 +85,142 @@ def read_line(stream: BinaryIO) -> bytes | None:
     return line
 
 
-def run_worker(rank: int, world_size: int) -> int:
-    """Serve the leader's requests until it says shutdown or goes away; the exit status."""
-    protocol_out = _take_stdout()
-    _exit_with_parent()
-    cpus = cpu.parse_cpus(os.environ.get(cpu.CPUS_ENV, ""))
-    if cpus:
-        cpu.pin(cpus)  # before MLX starts any thread, so its threads inherit the mask
-    logging_setup.configure(
-        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "auto"), rank=rank
-    )
-    log = structlog.get_logger("neuron.worker")
+class NotReady(RuntimeError):
+    """A request this worker cannot serve yet (it has not joined the group); the group is still in step."""
 
-    from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
 
-    if cpus:
-        cpu.set_blas_threads(len(cpus))
-    log.info("worker started", pid=os.getpid(), world_size=world_size, cpus=cpus, blas=cpu.blas_in_use())
-    state = Rank(rank, world_size)
+class Worker:
+    """One rank above 0 between requests: its data-plane listeners, then its ``Rank`` (MLX loads with it)."""
 
-    def handle(request: rpc.Request) -> rpc.Reply:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.listeners = Listeners()
+        self.state: Rank | None = None
+        self.in_step: tuple[type[Exception], ...] = (NotReady,)  # failures that leave the group in step
+        self.scratch = tempfile.TemporaryDirectory(prefix=f"neuron-rank{rank}-")
+        self.log = structlog.get_logger("neuron.worker")
+
+    def handle(self, request: rpc.Request) -> rpc.Reply:
         match request:
             case rpc.Ping(id=id):
-                return rpc.Pong(id=id, rank=rank, world_size=world_size, protocol=rpc.PROTOCOL_VERSION, pid=os.getpid())
-            case rpc.Init(id=id, backend=backend, env=env):
-                return rpc.InitOk(id=id, all_sum=state.init_group(backend, env))
+                return rpc.Pong(id, self.rank, self.world_size, rpc.PROTOCOL_VERSION, os.getpid(), describe_host())
+            case rpc.Listen(id=id, ips=ips):
+                return rpc.Listening(id=id, addresses=self.listeners.open(ips))
+            case rpc.Probe(id=id, addresses=addresses):
+                return rpc.Probed(id=id, unreachable=probe(addresses))
+            case rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings):
+                return rpc.InitOk(id=id, all_sum=self._init(backend, env, files, settings))
+            case rpc.CheckModel(id=id, model=model):
+                try:
+                    path = models.resolve(model)
+                except models.ModelError as e:
+                    raise models.ModelError(
+                        f"{e} (on this host: copy the model here, or name its path here in the hostfile's 'model')"
+                    ) from e
+                return rpc.ModelChecked(id=id, path=str(path), files=models.fingerprint(path))
             case rpc.LoadShard(id=id, model_path=path):
-                loaded = state.load(path)
-                log.info("shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2))
+                loaded = self._joined().load(path)
+                self.log.info(
+                    "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
+                )
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
             case rpc.GenerateStep(id=id, plan=plan):
+                state = self._joined()
                 state.step(plan)
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id):
-                state.clear_kv_cache()
+                if self.state is not None:
+                    self.state.clear_kv_cache()
                 return rpc.KvCacheCleared(id=id)
             case rpc.Unload(id=id):
-                state.unload()
+                if self.state is not None:
+                    self.state.unload()
                 return rpc.Unloaded(id=id)
             case rpc.Shutdown(id=id):
                 return rpc.Bye(id=id)
         raise AssertionError(f"unhandled request {request!r}")
 
-    def failure_kind(request: rpc.Request, error: Exception) -> ErrorKind:
-        if isinstance(request, rpc.Init):
+    def _init(self, backend: str, env: dict[str, str], files: dict[str, str], settings: rpc.WorkerSettings) -> float:
+        """Take the leader's settings, pin to the planned cores, load MLX, and join the group."""
+        if self.state is not None:
+            raise NotReady(f"rank {self.rank}: already initialized; a new group needs a new process")
+        self.listeners.close()  # MLX binds the same ports next
+        logging_setup.configure(settings.log_level, settings.log_format, rank=self.rank, host=settings.host)
+        self.log = structlog.get_logger("neuron.worker")
+        pinned = settings.cpus if cpu.is_linux_cpu_backend() else []
+        if pinned:
+            cpu.pin(pinned)  # before MLX starts any thread, so its threads inherit the mask
+
+        from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
+
+        if pinned:
+            cpu.set_blas_threads(len(pinned))
+        self.in_step = (NotReady, RankError)
+        self.log.info(
+            "worker started", pid=os.getpid(), world_size=self.world_size, cpus=pinned, blas=cpu.blas_in_use()
+        )
+        for variable, content in files.items():
+            path = Path(self.scratch.name) / variable.lower()
+            path.write_text(content)
+            env = {**env, variable: str(path)}
+        self.state = Rank(self.rank, self.world_size)
+        return self.state.init_group(backend, env)
+
+    def _joined(self) -> Rank:
+        if self.state is None:
+            raise NotReady(f"rank {self.rank}: not in a group yet; send init, then load_shard")
+        return self.state
+
+    def failure_kind(self, request: rpc.Request, error: Exception) -> ErrorKind:
+        if isinstance(request, rpc.Listen | rpc.Probe | rpc.Init):
             return ErrorKind.INIT_FAILED
-        if isinstance(request, rpc.LoadShard):
+        if isinstance(request, rpc.CheckModel | rpc.LoadShard):
             return ErrorKind.LOAD_FAILED
-        if isinstance(error, RankError):
+        if isinstance(error, self.in_step):
             return ErrorKind.BAD_STATE
         if isinstance(request, rpc.GenerateStep):
             return ErrorKind.GROUP_FAILED
         return ErrorKind.INTERNAL
 
+
+def run_worker(rank: int, world_size: int) -> int:
+    """Serve the leader's requests until it says shutdown or goes away; the exit status."""
+    protocol_out = _take_stdout()
     stdin = sys.stdin.buffer
+    busy = threading.Event()  # set while a request is handled
+    _exit_when_leader_gone(stdin.fileno(), busy)
+    # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON.
+    logging_setup.configure(
+        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "auto"), rank=rank
+    )
+    worker = Worker(rank, world_size)
     while True:
         request: rpc.Request | None = None
         try:
             line = read_line(stdin)
             if line is None:
-                log.info("stdin closed; the leader is gone, exiting")
+                worker.log.info("stdin closed; the leader is gone, exiting")
                 return 0
             request = rpc.decode_request(line)
-            reply = handle(request)
+            busy.set()
+            reply = worker.handle(request)
         except rpc.ProtocolError as e:
-            log.warning("bad request", kind=e.kind.value, error=e.message)
+            worker.log.warning("bad request", kind=e.kind.value, error=e.message)
             reply = rpc.Error(id=e.request_id, kind=e.kind, message=f"rank {rank}: {e.message}")
         except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
             assert request is not None
-            kind = failure_kind(request, e)
-            log.error("request failed", op=request.op, kind=kind.value, error=str(e))
+            kind = worker.failure_kind(request, e)
+            worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
             message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
             reply = rpc.Error(id=request.id, kind=kind, message=message)
+        busy.clear()
         try:
             protocol_out.write(rpc.encode(reply))
             protocol_out.flush()
         except BrokenPipeError:
-            log.info("stdout closed; the leader is gone, exiting")
+            worker.log.info("stdout closed; the leader is gone, exiting")
             return 0
         if isinstance(request, rpc.Shutdown):
-            log.info("shutdown requested; bye")
+            worker.log.info("shutdown requested; bye")
             return 0

@@ -9,9 +9,20 @@ import pytest
 from neuron import rpc
 from neuron.rpc import ErrorKind
 
+HOST = rpc.HostInfo("mac2", "0.1.0", "0.32.4", "0.32.2", "3.11.7", "linux-x86_64", 8 << 30, [0, 1])
+
 EVERY_MESSAGE = [
     rpc.Ping(id=1),
-    rpc.Init(id=2, backend="ring", env={"MLX_RANK": "1", "MLX_HOSTFILE": "/tmp/h.json"}),
+    rpc.Listen(id=8, ips=["10.0.0.2"]),
+    rpc.Probe(id=9, addresses=["10.0.0.3:4000"]),
+    rpc.Init(
+        id=2,
+        backend="ring",
+        env={"MLX_RANK": "1"},
+        files={"MLX_HOSTFILE": '[["10.0.0.1:4000"], ["10.0.0.2:4001"]]'},
+        settings=rpc.WorkerSettings(host="mac2", log_level="info", log_format="json", cpus=[2, 3]),
+    ),
+    rpc.CheckModel(id=10, model=None),
     rpc.LoadShard(id=3, model_path="/models/x"),
     rpc.GenerateStep(
         id=4,
@@ -24,7 +35,10 @@ EVERY_MESSAGE = [
     rpc.ClearKvCache(id=5),
     rpc.Unload(id=6),
     rpc.Shutdown(id=7),
-    rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234),
+    rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234, host=HOST),
+    rpc.Listening(id=8, addresses=["10.0.0.2:4001"]),
+    rpc.Probed(id=9, unreachable={"10.0.0.3:4000": "Connection refused"}),
+    rpc.ModelChecked(id=10, path="/models/x", files={"config.json": "ab12"}),
     rpc.InitOk(id=2, all_sum=2.0),
     rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
@@ -70,7 +84,11 @@ MALFORMED = [
     (_step_line(extra=1), ErrorKind.INVALID_FIELD, 4),
     (b'{"op": "ping", "id": 5, "extra": 1}', ErrorKind.INVALID_FIELD, 5),
     (b'{"op": "ping", "id": "5"}', ErrorKind.INVALID_FIELD, None),
-    (b'{"op": "init", "id": 6, "backend": "ring", "env": {"A": 1}}', ErrorKind.INVALID_FIELD, 6),
+    (
+        b'{"op": "init", "id": 6, "backend": "ring", "env": {"A": 1}, "files": {}, "settings": {}}',
+        ErrorKind.INVALID_FIELD,
+        6,
+    ),
     (b"{" + b'"op": "ping", "pad": "' + b"x" * rpc.MAX_LINE_BYTES + b'"}', ErrorKind.LINE_TOO_LONG, None),
 ]
 

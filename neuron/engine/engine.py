@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -41,6 +41,9 @@ from neuron.models import ModelError, read_config, text_config
 from neuron.pool import Deadlines, Pool, PoolError
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from neuron.launch.launcher import Launcher
 
 log = structlog.get_logger("neuron.engine")
 
@@ -82,16 +85,19 @@ class Engine:
     async def open(
         cls,
         model_path: Path,
-        world_size: int = 1,
+        launcher: Launcher | None = None,
         backend: str = "ring",
         deadlines: Deadlines | None = None,
         limits: Limits | None = None,
+        model: str | None = None,
     ) -> AsyncIterator[Engine]:
-        """Spawn the ranks, load the model, probe it, and run the step loop until the block exits."""
+        """Spawn the ranks (every rank on this host without a ``launcher``), load the model, probe it, and run
+        the step loop until the block exits. ``model`` is what ``--model`` said, for hosts that resolve it."""
         config = read_config(model_path)
         text = Text.load(model_path)
-        async with Pool(world_size, model_path, backend, deadlines) as pool:
-            with progress(f"loading {model_path.name} on {world_size} rank(s)", 1) as advance:
+        world_size = launcher.world_size if launcher else 1
+        async with Pool(world_size, model_path, backend, deadlines, launcher, model) as pool:
+            with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
             engine = cls(pool, text, config, limits)

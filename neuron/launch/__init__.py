@@ -1,10 +1,9 @@
-"""How the leader starts each worker rank's process, and where it runs; beside the pool, not inside it.
+"""How the leader starts each worker rank's process, where, and how it checks them; beside the pool, not in it.
 
-The pool asks a launcher for a process per rank above 0 and then speaks the
-protocol over its stdin and stdout, whatever started it. ``local`` runs
-``neuron --worker`` as a subprocess on this host.
+``launcher.py`` is the one interface the pool calls (a process per rank, its
+host's name, its cores and model path); ``local.py`` starts a worker as a
+subprocess, ``ssh.py`` on another host over SSH; ``hosts.py`` reads the
+hostfile and describes a host; ``dataplane.py`` picks and probes the addresses
+the collectives use; ``checks.py`` compares what the ranks report. The modules
+are imported by path: a worker uses ``hosts`` and ``dataplane`` alone.
 """
-
-from neuron.launch.local import Launcher, LocalLauncher
-
-__all__ = ["Launcher", "LocalLauncher"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -38,16 +39,14 @@ class PoolError(RuntimeError):
     ``broken``: the group can no longer be trusted, and only a fresh process can serve again.
     """
 
-    def __init__(self, op: str, failures: dict[int, str], *, broken: bool) -> None:
+    def __init__(self, op: str, failures: dict[int, str], *, broken: bool, hosts: list[str] | None = None) -> None:
         self.op = op
-        self.failures = dict(sorted(failures.items()))
+        # A worker's own messages start with its rank; here every one is named by rank and host instead.
+        self.failures = {r: m.removeprefix(f"rank {r}: ") for r, m in sorted(failures.items())}
         self.broken = broken
-        detail = "; ".join(f"rank {r}: {m}" for r, m in self.failures.items())
-        advice = " The group is out of step: restart neuron." if broken else ""
-        super().__init__(
-            f"{op} failed on rank{'s' if len(failures) > 1 else ''} "
-            f"{', '.join(map(str, self.failures))}: {detail}.{advice}"
-        )
+        where = (lambda r: f"rank {r} on {hosts[r]}") if hosts else (lambda r: f"rank {r}")
+        detail = "; ".join(f"{where(r)}: {m}" for r, m in self.failures.items())
+        super().__init__(f"{op} failed: {detail}" + (" (the group is lost)" if broken else ""))
 
 
 class _RankFailure(Exception):
@@ -58,14 +57,41 @@ class _RankFailure(Exception):
         self.breaks = breaks
 
 
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Seconds the leader waits for a reply before it declares the rank lost.
+
+    Generous by default: they exist to turn a hang into an error, not to judge speed.
+    """
+
+    ping: float = 30.0
+    init: float = 60.0
+    load: float = 900.0
+    step: float = 120.0
+    control: float = 30.0  # clear_kv_cache, unload
+    shutdown: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Where the latest operation's seconds went."""
+
+    fan_out: float  # writing the request to every worker
+    rank0: float  # rank 0's part, from the last write to its result (its share of every collective included)
+    drain: float  # after rank 0's result, until the last worker's reply
+    total: float
+
+
 class FanOut:
     """Runs one operation on every rank at a time; remembers when the group broke."""
 
-    def __init__(self, rank0: Rank0Thread) -> None:
+    def __init__(self, rank0: Rank0Thread, hosts: list[str]) -> None:
         self.rank0 = rank0
+        self.hosts = hosts  # by rank: every error names the host as well as the rank
         self.workers: list[Link] = []
         self.broken: PoolError | None = None
         self.last_reply = 0.0  # when the latest worker reply arrived (for the drain timing)
+        self.timing = Timing(0.0, 0.0, 0.0, 0.0)
         self._lock = anyio.Lock()
         self._lost = anyio.Event()  # set when a worker is lost mid-operation
 
@@ -74,7 +100,7 @@ class FanOut:
         self._lost.set()
 
     def break_group(self, op: str, failures: dict[int, str]) -> PoolError:
-        self.broken = PoolError(op, failures, broken=True)
+        self.broken = PoolError(op, failures, broken=True, hosts=self.hosts)
         log.error("pool broken", op=op, failures=failures)
         return self.broken
 
@@ -90,6 +116,7 @@ class FanOut:
         if self.broken is not None:
             raise self.broken
         async with self._lock:
+            began = time.perf_counter()
             results: dict[int, Any] = {}
             failures: dict[int, _RankFailure] = {}
             sent: list[tuple[Link, rpc.Request]] = []
@@ -98,13 +125,15 @@ class FanOut:
                     sent.append((worker, await worker.send(make(worker.rank, worker.take_id()), deadline)))
                 except Exception as e:  # noqa: BLE001 - recorded per rank
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
-            started = time.perf_counter()
-            log.debug("fan-out", op=op, sent=len(sent), failed=len(failures))
+            started = rank0_done = self.last_reply = time.perf_counter()
+            log.debug("fan-out", op=op, sent=len(sent), failed=len(failures), ms=round((started - began) * 1000, 2))
             lost = self._lost = anyio.Event()
 
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
+                nonlocal rank0_done
                 try:
                     results[0] = await self.rank0.call(fn, deadline, abandon=lost)
+                    rank0_done = time.perf_counter()
                     log.debug("rank 0 forward", op=op, ms=ms_since(started))
                 except Abandoned as e:
                     failures[0] = _RankFailure(str(e), breaks=True)
@@ -124,9 +153,8 @@ class FanOut:
                     return
                 self.last_reply = max(self.last_reply, time.perf_counter())
                 if isinstance(reply, rpc.Error):
-                    failures[worker.rank] = _RankFailure(
-                        f"{reply.kind}: {reply.message}", breaks=reply.kind not in IN_STEP
-                    )
+                    message = reply.message.removeprefix(f"rank {worker.rank}: ")
+                    failures[worker.rank] = _RankFailure(f"{reply.kind}: {message}", breaks=reply.kind not in IN_STEP)
                 else:
                     results[worker.rank] = reply
 
@@ -139,12 +167,15 @@ class FanOut:
                     if on_rank0 is not None and not failures:
                         tg.start_soon(run_rank0, on_rank0)
             log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
+            ended = time.perf_counter()
+            drain = max(0.0, self.last_reply - rank0_done) if sent else 0.0
+            self.timing = Timing(started - began, rank0_done - started, drain, ended - began)
             if failures:
                 messages = {rank: str(f) for rank, f in failures.items()}
                 if any(f.breaks for f in failures.values()):
                     raise self.break_group(op, messages)
                 log.warning("operation failed", op=op, failures=messages)
-                raise PoolError(op, messages, broken=False)
+                raise PoolError(op, messages, broken=False, hosts=self.hosts)
             return results
 
     async def _worker_failure(self, worker: Link, op: str, error: Exception) -> _RankFailure:
@@ -155,5 +186,4 @@ class FanOut:
             )
         if isinstance(error, rpc.ProtocolError):
             return _RankFailure(f"protocol violation during {op}: {error.message}", breaks=True)
-        status = await worker.exit_status()
-        return _RankFailure(f"worker pid {worker.pid} {status} during {op}", breaks=True)
+        return _RankFailure(f"{await worker.exit_status()} during {op}", breaks=True)

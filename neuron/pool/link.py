@@ -8,6 +8,7 @@ never a reply to be guessed at.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -24,6 +25,7 @@ class Link:
     host: str  # where the worker runs, as the operator named it: errors and logs say so
     process: anyio.abc.Process
     reader: BufferedByteReceiveStream
+    last_words: Callable[[], str] = lambda: ""  # what the process (or ssh) said last on stderr, where it is kept
     next_id: int = 1
 
     @property
@@ -63,7 +65,12 @@ class Link:
         """How the process ended, for an error message; waits briefly for the kernel to report it."""
         with anyio.move_on_after(2.0):
             await self.process.wait()
-        return describe_exit(self.process.returncode)
+        return self.describe(describe_exit(self.process.returncode))
+
+    def describe(self, status: str) -> str:
+        """``status`` of this worker's process, with its last words (ssh's own, when ssh could not connect)."""
+        words = self.last_words()
+        return f"worker pid {self.pid} {status}" + (f" ({words})" if words else "")
 
 
 def describe_exit(code: int | None) -> str:

@@ -15,23 +15,23 @@ call then fails at once, naming the cause; recovery is a fresh process.
 
 from __future__ import annotations
 
-import json
-import socket
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import metrics, rpc
-from neuron.launch import Launcher, LocalLauncher
+from neuron import cpu, metrics, rpc
+from neuron.launch.checks import Unreachable, check_handshake, check_models
+from neuron.launch.hosts import describe_host
+from neuron.launch.launcher import Launcher
 from neuron.log import ms_since
-from neuron.models import read_config
-from neuron.pool.fanout import FanOut, PoolError
+from neuron.models import fingerprint, read_config
+from neuron.pool.fanout import Deadlines, FanOut, PoolError
+from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.rpc import StepPlan
@@ -42,34 +42,6 @@ from neuron.tp.shard import check_shardable
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
-
-
-@dataclass(frozen=True, slots=True)
-class Deadlines:
-    """Seconds the leader waits for a reply before it declares the rank lost.
-
-    Generous by default: they exist to turn a hang into an error, not to judge speed.
-    """
-
-    ping: float = 30.0
-    init: float = 60.0
-    load: float = 900.0
-    step: float = 120.0
-    control: float = 30.0  # clear_kv_cache, unload
-    shutdown: float = 10.0
-
-
-def _free_loopback_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class Pool:
@@ -87,6 +59,7 @@ class Pool:
         backend: str = "ring",
         deadlines: Deadlines | None = None,
         launcher: Launcher | None = None,
+        model: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world size must be at least 1, got {world_size}")
@@ -94,12 +67,17 @@ class Pool:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.world_size = world_size
         self.model_path = str(Path(model_path).resolve())
+        self.model = model  # what --model said: a host of its own resolves it there
         self.backend = backend
         self.deadlines = deadlines or Deadlines()
-        self.launcher = launcher or LocalLauncher(world_size)
+        self.launcher = launcher or Launcher.local(world_size)
+        if self.launcher.world_size != world_size:
+            raise ValueError(f"the hosts name {self.launcher.world_size} ranks, the pool was asked for {world_size}")
+        self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
         self.loaded = False
-        self._rank0 = Rank0Thread(world_size, self.launcher.rank0_cpus())
-        self._fan_out = FanOut(self._rank0)
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        self._rank0 = Rank0Thread(world_size, cpus or None)
+        self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
 
@@ -115,11 +93,16 @@ class Pool:
     async def __aenter__(self) -> Pool:
         check_shardable(read_config(self.model_path), self.world_size)
         try:
-            await self.start()
-            await self.init_group()
-        except BaseException:
+            pongs = await self.start()
+            await self.init_group(pongs)
+        except BaseException as e:
             with anyio.CancelScope(shield=True):
                 await self.shutdown()
+            if isinstance(e, PoolError) and self.launcher.remote:
+                # Before the group forms, a remote rank that fails is a host out of reach: the caller retries.
+                failing = [self.hosts[rank] for rank in e.failures if not self.launcher.hosts[rank].local]
+                if failing:
+                    raise Unreachable(f"cannot reach {', '.join(failing)}: {e}", failing) from e
             raise
         return self
 
@@ -129,8 +112,8 @@ class Pool:
 
     # Spawning and the group.
 
-    async def start(self) -> None:
-        """Spawn a worker per rank above 0 and check each answers a ping as the rank it was told."""
+    async def start(self) -> dict[int, rpc.Pong]:
+        """Spawn a worker per rank above 0; each must answer a ping as the rank it was told, with our versions."""
         if self.world_size > 1 and group_joined():
             raise RuntimeError(
                 "this process already hosted rank 0 of an mx.distributed group, and MLX allows one per "
@@ -138,63 +121,46 @@ class Pool:
             )
         started = time.perf_counter()
         for rank in range(1, self.world_size):
-            process = await self.launcher.spawn(rank)
-            assert process.stdout is not None
-            reader = BufferedByteReceiveStream(process.stdout)
-            self.workers.append(Link(rank, self.launcher.host(rank), process, reader))
+            spawned = await self.launcher.spawn(rank)
+            assert spawned.process.stdout is not None
+            reader = BufferedByteReceiveStream(spawned.process.stdout)
+            self.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
         pongs = await self.ping()
-        for worker in self.workers:
-            pong = pongs[worker.rank]
-            if (pong.rank, pong.world_size, pong.protocol) != (worker.rank, self.world_size, rpc.PROTOCOL_VERSION):
-                raise self._fan_out.break_group(
-                    "ping",
-                    {
-                        worker.rank: f"answered as rank {pong.rank} of {pong.world_size}, "
-                        f"protocol {pong.protocol}; expected rank {worker.rank} of "
-                        f"{self.world_size}, protocol {rpc.PROTOCOL_VERSION}"
-                    },
-                )
+        check_handshake(pongs, describe_host(), self.world_size, self.hosts)
+        for rank, host in enumerate(self.hosts):
+            metrics.RANKS.labels(str(rank), host).set(1)
         log.info(
-            "workers started", world_size=self.world_size, pids=[w.pid for w in self.workers], ms=ms_since(started)
+            "workers started",
+            world_size=self.world_size,
+            hosts=self.hosts,
+            pids=[w.pid for w in self.workers],
+            ms=ms_since(started),
         )
+        return pongs
 
-    def _rank_env(self, rank: int, hostfile: Path) -> dict[str, str]:
-        return {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(self.world_size), "MLX_HOSTFILE": str(hostfile)}
-
-    async def init_group(self) -> None:
-        """Bring up the group, rank 0 joining concurrently, then check an all-reduce of ones sums to N."""
-        if self.world_size == 1:
-            return
-        started = time.perf_counter()
-        hostfile = Path(self._scratch.name) / "hostfile.json"
-        # Loopback only: the ring's sockets are reachable from this host alone.
-        ports = _free_loopback_ports(self.world_size)
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
-        replies = await self._fan_out(
-            "init",
-            lambda rank, id: rpc.Init(id=id, backend=self.backend, env=self._rank_env(rank, hostfile)),
-            lambda rank: rank.init_group(self.backend, self._rank_env(0, hostfile)),
-            self.deadlines.init,
-        )
-        sums = {0: replies[0], **{w.rank: replies[w.rank].all_sum for w in self.workers}}
-        wrong = {
-            r: f"sanity all-reduce gave {s:g}, expected {self.world_size}"
-            for r, s in sums.items()
-            if s != self.world_size
-        }
-        if wrong:
-            raise self._fan_out.break_group("init", wrong)
-        log.info("group ready", backend=self.backend, world_size=self.world_size, ms=ms_since(started))
+    async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
+        """Check every data-plane link answers, then bring up the group (``group.py``)."""
+        if self.world_size > 1:
+            await form_group(
+                self._fan_out, self.launcher, self.backend, pongs, self.deadlines, Path(self._scratch.name)
+            )
 
     # Model operations.
 
     async def load(self) -> dict[int, Loaded]:
-        """Load each rank's shard of the model, all ranks at once."""
+        """Check every host holds the same model, then load each rank's shard of it, all ranks at once."""
         self.loaded = False
         started = time.perf_counter()
+        checked = await self._fan_out(
+            "check_model",
+            lambda rank, id: rpc.CheckModel(id=id, model=self.launcher.model(rank, self.model, self.model_path)),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=fingerprint(self.model_path)),
+            self.deadlines.load,
+        )
+        check_models(checked, self.hosts)
         replies = await self._fan_out(
             "load_shard",
-            lambda _, id: rpc.LoadShard(id=id, model_path=self.model_path),
+            lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path),
             lambda rank: rank.load(self.model_path),
             self.deadlines.load,
         )
@@ -224,25 +190,23 @@ class Pool:
             # Refused here, not by the ranks: after a load that failed on some ranks
             # only, the ranks that have a model would wait in a collective for those
             # that refuse.
-            raise PoolError("generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False)
-        rank0_s = 0.0
+            raise PoolError(
+                "generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False, hosts=self.hosts
+            )
         samplers = self._rank0.samplers
 
         def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str]:
-            nonlocal rank0_s
-            started = time.perf_counter()
-            sampled = samplers.step(plan, joining, rank.step(plan) or {})
-            rank0_s = time.perf_counter() - started
-            return sampled, rank.fingerprint()
+            return samplers.step(plan, joining, rank.step(plan) or {}), rank.fingerprint()
 
-        started = time.perf_counter()
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
         )
-        metrics.STEP_SECONDS.labels("total").observe(time.perf_counter() - started)
-        metrics.STEP_SECONDS.labels("rank0").observe(rank0_s)
+        timing = self._fan_out.timing
+        metrics.STEP_SECONDS.labels("total").observe(timing.total)
+        metrics.STEP_SECONDS.labels("rank0").observe(timing.rank0)
         if self.workers:
-            metrics.STEP_SECONDS.labels("drain").observe(self._fan_out.last_reply - started)
+            metrics.STEP_SECONDS.labels("fanout").observe(timing.fan_out)
+            metrics.STEP_SECONDS.labels("drain").observe(timing.drain)
         sampled, expected = replies[0]
         desynced = {
             r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
@@ -252,7 +216,7 @@ class Pool:
         if desynced:
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
-            raise PoolError("generate_step", desynced, broken=False)
+            raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
         return sampled
 
     async def ping(self) -> dict[int, rpc.Pong]:
@@ -290,7 +254,7 @@ class Pool:
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
-            failure = {worker.rank: f"worker pid {worker.pid} {status}"}
+            failure = {worker.rank: worker.describe(status)}
             on_lost(self.broken or self._fan_out.break_group("liveness", failure))
 
         async with anyio.create_task_group() as tg:

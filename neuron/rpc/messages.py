@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -42,24 +42,91 @@ class ErrorKind(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class HostInfo:
+    """What a rank says about its host in its handshake; the leader refuses hosts that would disagree."""
+
+    hostname: str
+    neuron: str
+    mlx: str
+    mlx_lm: str
+    python: str
+    platform: str
+    free_memory: int  # bytes the host could give a model now
+    cpus: list[int]  # the cores this process may run on
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     op: ClassVar[str] = "ping"
     id: int
 
 
 @dataclass(frozen=True, slots=True)
+class Listen:
+    """Open a listener on each of this host's data-plane addresses, on a port free there.
+
+    They stay open, so that the neighbouring rank can ``Probe`` them, until
+    ``Init`` closes them and MLX binds the same ports. Why: the ring's accept
+    has no timeout, and its connect retries for about 30 s, so an address the
+    neighbour cannot reach must be found before any rank joins the group.
+    """
+
+    op: ClassVar[str] = "listen"
+    id: int
+    ips: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Connect to each of the next rank's listeners, as the ring will; report those that cannot be reached."""
+
+    op: ClassVar[str] = "probe"
+    id: int
+    addresses: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What a worker needs to know before it loads MLX; it travels here because sshd drops environment variables.
+
+    ``host`` is how the operator named the host (its hostfile's ``ssh``): logs
+    carry it. ``cpus`` are the cores to pin to (empty: no pinning), with as
+    many BLAS threads.
+    """
+
+    host: str
+    log_level: str
+    log_format: str
+    cpus: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Init:
-    """Join the ``mx.distributed`` group.
+    """Pin to the planned cores, then join the ``mx.distributed`` group.
 
     ``env`` holds the variables MLX reads for this rank and backend (for the
-    ring: ``MLX_RANK`` and ``MLX_HOSTFILE``). The leader computes them, so a
-    worker needs no knowledge of any backend's configuration.
+    ring: ``MLX_RANK``); ``files`` maps a variable to the content of a file the
+    worker writes on its own host and names in that variable (the ring's
+    ``MLX_HOSTFILE``). The leader computes both, so a worker needs no
+    knowledge of any backend's configuration.
     """
 
     op: ClassVar[str] = "init"
     id: int
     backend: str
     env: dict[str, str]
+    files: dict[str, str]
+    settings: WorkerSettings
+
+
+@dataclass(frozen=True, slots=True)
+class CheckModel:
+    """Find the model on this host (``model``: a folder or a .gguf file, null for the embedded default) and
+    digest what decides what it computes, so the leader can check every host holds the same model."""
+
+    op: ClassVar[str] = "check_model"
+    id: int
+    model: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +215,31 @@ class Pong:
     world_size: int
     protocol: int
     pid: int
+    host: HostInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    op: ClassVar[str] = "listening"
+    id: int
+    addresses: list[str]  # "ip:port", one per address asked for
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    op: ClassVar[str] = "probed"
+    id: int
+    unreachable: dict[str, str]  # address -> why it could not be reached
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChecked:
+    """``path``: the model folder on this host; ``files``: each file that decides the model's output -> a digest."""
+
+    op: ClassVar[str] = "model_checked"
+    id: int
+    path: str
+    files: dict[str, str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,16 +296,44 @@ class Error:
     message: str
 
 
-Request = Ping | Init | LoadShard | GenerateStep | ClearKvCache | Unload | Shutdown
-Reply = Pong | InitOk | LoadShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye | Error
+Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Unload | Shutdown
+Reply = (
+    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye
+) | Error
 
-REQUESTS: tuple[type[Request], ...] = (Ping, Init, LoadShard, GenerateStep, ClearKvCache, Unload, Shutdown)
-REPLIES: tuple[type[Reply], ...] = (Pong, InitOk, LoadShardOk, GenerateStepOk, KvCacheCleared, Unloaded, Bye, Error)
+REQUESTS: tuple[type[Request], ...] = (
+    Ping,
+    Listen,
+    Probe,
+    Init,
+    CheckModel,
+    LoadShard,
+    GenerateStep,
+    ClearKvCache,
+    Unload,
+    Shutdown,
+)
+REPLIES: tuple[type[Reply], ...] = (
+    Pong,
+    Listening,
+    Probed,
+    InitOk,
+    ModelChecked,
+    LoadShardOk,
+    GenerateStepOk,
+    KvCacheCleared,
+    Unloaded,
+    Bye,
+    Error,
+)
 
 # The one success reply each request expects; anything else (bar Error) is a protocol violation.
 EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     Ping: Pong,
+    Listen: Listening,
+    Probe: Probed,
     Init: InitOk,
+    CheckModel: ModelChecked,
     LoadShard: LoadShardOk,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
@@ -223,6 +343,14 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
 
 __all__ = [
     "ErrorKind",
+    "HostInfo",
+    "WorkerSettings",
+    "Listen",
+    "Listening",
+    "Probe",
+    "Probed",
+    "CheckModel",
+    "ModelChecked",
     "Prefill",
     "Decode",
     "Ping",

@@ -1,0 +1,85 @@
+"""What the leader checks of its ranks before anything loads, and the two ways a start can fail.
+
+``Refused``: a host that answers but must not serve with the others (another
+version of neuron, MLX or mlx-lm; a different or missing model). Retrying
+changes nothing until an operator acts, so the leader stops and says what to
+change. ``Unreachable``: a host the leader cannot reach now (SSH fails, a
+data-plane address does not answer, a worker dies while the group forms). The
+leader keeps answering, says which host is missing, and tries again.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from neuron import rpc
+from neuron.launch.hosts import SAME_VERSIONS
+from neuron.models import first_difference
+
+log = structlog.get_logger("neuron.launch")
+
+
+class Refused(RuntimeError):
+    """A host that must not serve with the others; the message names the rank, the host and both values."""
+
+
+class Unreachable(RuntimeError):
+    """A host the leader cannot reach now; the message names the rank and the host."""
+
+    def __init__(self, message: str, hosts: list[str]) -> None:
+        super().__init__(message)
+        self.hosts = hosts
+
+
+def check_handshake(pongs: dict[int, rpc.Pong], mine: rpc.HostInfo, world_size: int, hosts: list[str]) -> None:
+    """Every worker is the rank it was told, speaks this protocol, and runs the versions the leader runs."""
+    for rank, pong in sorted(pongs.items()):
+        where = f"rank {rank} on {hosts[rank]}"
+        if (pong.rank, pong.world_size) != (rank, world_size):
+            raise Refused(f"{where} answered as rank {pong.rank} of {pong.world_size}, not {rank} of {world_size}")
+        if pong.protocol != rpc.PROTOCOL_VERSION:
+            raise Refused(
+                f"{where} speaks protocol {pong.protocol}, the leader {rpc.PROTOCOL_VERSION}: "
+                "install the same neuron version on every host"
+            )
+        for name in SAME_VERSIONS:
+            theirs, ours = getattr(pong.host, name), getattr(mine, name)
+            if theirs != ours:
+                raise Refused(
+                    f"{where} ({pong.host.hostname}) runs {name.replace('_', '-')} {theirs}, the leader {ours}: "
+                    "install the same version on every host"
+                )
+        for name in ("python", "platform"):
+            if getattr(pong.host, name) != getattr(mine, name):
+                log.warning(
+                    "hosts differ",
+                    rank=rank,
+                    host=hosts[rank],
+                    field=name,
+                    theirs=getattr(pong.host, name),
+                    ours=getattr(mine, name),
+                )
+
+
+def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
+    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
+    mine = checked[0]
+    for rank, theirs in sorted(checked.items()):
+        if (name := first_difference(mine.files, theirs.files)) is not None:
+            what = "lacks" if name not in theirs.files else "has a different"
+            raise Refused(
+                f"rank {rank} on {hosts[rank]} holds another model than the leader: {theirs.path} {what} {name} "
+                f"(the leader's is {mine.path}); copy the same model folder to every host"
+            )
+
+
+def check_probes(probed: dict[int, dict[str, str]], addresses: list[list[str]], hosts: list[str]) -> None:
+    """Every rank reached the addresses it will connect to when the group forms."""
+    for rank, unreachable in sorted(probed.items()):
+        for address, reason in sorted(unreachable.items()):
+            target = next(r for r, mine in enumerate(addresses) if address in mine)
+            raise Unreachable(
+                f"rank {rank} on {hosts[rank]} cannot reach rank {target} on {hosts[target]} at {address} "
+                f"({reason}); the data plane needs that address and port open between the two hosts",
+                [hosts[target]],
+            )

@@ -1,0 +1,103 @@
+"""The data plane's set-up: which address and port each rank's collectives use, checked before MLX uses them.
+
+MLX's ring backend has rank r accept one connection per address of its own
+hostfile entry (bound to that address, never 0.0.0.0) and connect to rank
+r+1's. Its accept has no timeout and its connect retries for about 30 s, so a
+wrong address or a closed firewall shows up as a hang. So each rank first
+listens on its own addresses, on ports free on its own host (``Listeners``),
+then connects to the next rank's as the ring will (``probe``); only once every
+link answered does any rank close its listeners and join the group. The
+listeners never accept: the kernel completes a probe's handshake from the
+backlog, and closing the listener resets it, leaving no TIME_WAIT on the port
+MLX binds next. No MLX here: rank 0's part runs in the leader.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+from neuron.launch.hosts import Host
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def join_address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+class Listeners:
+    """A listening socket on each of this host's data-plane addresses, each on a port free there."""
+
+    def __init__(self) -> None:
+        self._sockets: list[socket.socket] = []
+
+    def open(self, ips: list[str]) -> list[str]:
+        """Listen on each of ``ips``; returns their ``ip:port`` addresses. Raises ``OSError`` naming an address
+        this host does not have."""
+        self.close()
+        for ip in ips:
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((ip, 0))
+            except OSError as e:
+                sock.close()
+                self.close()
+                raise OSError(e.errno, f"cannot listen on {ip}: {e.strerror} (is it an address of this host?)") from e
+            sock.listen(8)
+            self._sockets.append(sock)
+        return [join_address(ip, s.getsockname()[1]) for ip, s in zip(ips, self._sockets, strict=True)]
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+
+
+def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, str]:
+    """Connect to each address as the ring will; returns the unreachable ones, each with the reason."""
+    unreachable = {}
+    for address in addresses:
+        ip, port = split_address(address)
+        try:
+            with socket.create_connection((ip, port), timeout=timeout):
+                pass
+        except TimeoutError:
+            unreachable[address] = f"no answer within {timeout:g} s (a link down, or a firewall dropping it?)"
+        except OSError as e:
+            unreachable[address] = e.strerror or str(e)
+    return unreachable
+
+
+def ring_files(addresses: list[list[str]]) -> dict[str, str]:
+    """The ring's hostfile, the same for every rank: each rank's ``ip:port`` addresses, in rank order."""
+    return {"MLX_HOSTFILE": json.dumps(addresses)}
+
+
+def probe_targets(backend: str, rank: int, addresses: list[list[str]]) -> list[str]:
+    """Where ``rank`` connects when the group forms: the ring's next rank, or the coordinator on rank 0."""
+    if backend == "ring":
+        return addresses[(rank + 1) % len(addresses)] if len(addresses) > 1 else []
+    return [addresses[0][0]] if rank else []
+
+
+def backend_setup(backend: str, rank: int, addresses: list[list[str]], hosts: list[Host]) -> tuple[dict, dict]:
+    """The variables (and files named by variables) ``mx.distributed.init`` reads on ``rank``, as ``mlx.launch``
+    sets them: the ring's hostfile; jaccl's coordinator (rank 0's first address) and RDMA device matrix;
+    nccl's rendezvous on rank 0 and one GPU per rank of a host."""
+    env = {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(len(hosts))}
+    if backend == "ring":
+        return env, ring_files(addresses)
+    coordinator = addresses[0][0]
+    if backend == "jaccl":
+        return {**env, "MLX_JACCL_COORDINATOR": coordinator}, {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hosts])}
+    ip, port = split_address(coordinator)
+    gpu = sum(h.ssh == hosts[rank].ssh for h in hosts[:rank])
+    return {**env, "NCCL_HOST_IP": ip, "NCCL_PORT": str(port), "CUDA_VISIBLE_DEVICES": str(gpu)}, {}

@@ -1,0 +1,167 @@
+"""The hosts a model is split over: the hostfile an operator writes, and what each host says about itself.
+
+The hostfile is ``mlx.launch``'s: a JSON list with one entry per rank,
+``{"ssh": "user@mac2", "ips": ["10.0.0.2"]}``, or an object whose ``hosts`` is
+that list. Entry 0 is the leader's own host. neuron reads a few more keys of
+an entry, all optional: ``rdma`` (jaccl's device names, as ``mlx.launch``
+reads them), ``neuron`` (the command that starts neuron there; default: the
+leader's own interpreter, ``python -m neuron``), ``model`` (the model's path
+on that host, when it differs from ``--model``), and ``cpus`` (the cores this
+rank is pinned to; by default the ranks of a host split its cores). No MLX here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import platform
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import neuron
+from neuron.rpc import HostInfo
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})
+# A test can pretend a host runs other versions (``mlx=0.0.1,neuron=9``), to see the leader refuse it.
+FAKE_VERSIONS_ENV = "NEURON_TEST_FAKE_VERSIONS"
+
+
+class HostsError(ValueError):
+    """A hostfile neuron cannot use; the message names the entry and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    ssh: str  # how the leader reaches it: an ssh destination, or localhost for this machine
+    ips: tuple[str, ...] = ()  # where the data plane reaches it
+    rdma: tuple[Any, ...] = ()  # jaccl: this rank's row of RDMA device names
+    neuron: str | None = None  # the command that starts neuron there
+    model: str | None = None  # the model's path there, if not --model's
+    cpus: tuple[int, ...] = ()  # the cores this rank is pinned to; empty: its share of its host's
+
+    @property
+    def local(self) -> bool:
+        """Spawned as a subprocess of the leader rather than over SSH."""
+        return self.ssh in LOCAL_NAMES
+
+
+def read_hostfile(path: str | Path) -> list[Host]:
+    """Parse and check a hostfile; every problem is a ``HostsError`` naming the entry."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise HostsError(f"cannot read the hostfile {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise HostsError(f"the hostfile {path} is not valid JSON: {e}") from None
+    if isinstance(raw, dict):
+        raw = raw.get("hosts")
+    if not isinstance(raw, list) or not raw:
+        raise HostsError(f"the hostfile {path} must be a non-empty JSON list of hosts (or an object with one, 'hosts')")
+    return [_host(entry, f"{path}, entry {i}") for i, entry in enumerate(raw)]
+
+
+def _host(entry: Any, where: str) -> Host:
+    if not isinstance(entry, dict):
+        raise HostsError(f'{where} must be an object like {{"ssh": "mac2", "ips": ["10.0.0.2"]}}')
+    if unknown := sorted(set(entry) - KEYS):
+        raise HostsError(f"{where} has unknown keys {unknown}; known: {sorted(KEYS)}")
+    ssh = entry.get("ssh")
+    if not isinstance(ssh, str) or not ssh or ssh.startswith("-") or any(c.isspace() for c in ssh):
+        raise HostsError(f"{where}: 'ssh' must be a host to reach over SSH (user@host), got {ssh!r}")
+    ips = entry.get("ips", [])
+    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
+        raise HostsError(f"{where}: 'ips' must be a list of addresses, got {ips!r}")
+    for ip in ips:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise HostsError(f"{where}: {ip!r} in 'ips' is not an IP address") from None
+    rdma = entry.get("rdma", [])
+    if not isinstance(rdma, list):
+        raise HostsError(f"{where}: 'rdma' must be a list (one cell per rank), got {rdma!r}")
+    cpus = entry.get("cpus", [])
+    if not isinstance(cpus, list) or not all(type(c) is int and c >= 0 for c in cpus):
+        raise HostsError(f"{where}: 'cpus' must be a list of core numbers, got {cpus!r}")
+    for key in ("neuron", "model"):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key].strip()):
+            raise HostsError(f"{where}: {key!r} must be a non-empty string, got {entry[key]!r}")
+    return Host(ssh, tuple(ips), tuple(rdma), entry.get("neuron"), entry.get("model"), tuple(cpus))
+
+
+def check_hosts(hosts: list[Host], backend: str) -> None:
+    """What a backend needs of every host, checked before anything starts."""
+    if not hosts[0].local:
+        raise HostsError(
+            f"entry 0 of the hostfile is the leader's own host (rank 0 runs inside the leader): its 'ssh' must be "
+            f"localhost, got {hosts[0].ssh!r}"
+        )
+    if backend == "ring":
+        for rank, host in enumerate(hosts):
+            if not host.ips and len(hosts) > 1:
+                raise HostsError(f"rank {rank} on {host.ssh} has no 'ips': the ring needs each host's addresses")
+        counts = {len(h.ips) for h in hosts}
+        if len(counts) > 1:
+            raise HostsError("every host needs as many 'ips' as the others: the ring stripes over matching links")
+    if backend == "jaccl":
+        for rank, host in enumerate(hosts):
+            if len(host.rdma) != len(hosts) or host.rdma[rank] is not None:
+                raise HostsError(
+                    f"rank {rank} on {host.ssh}: 'rdma' needs {len(hosts)} cells, null at its own position {rank}"
+                )
+        if not hosts[0].ips:
+            raise HostsError("jaccl's coordinator runs on rank 0: entry 0 needs an address in 'ips'")
+
+
+def local_hosts(world_size: int) -> list[Host]:
+    """Every rank on this machine, its ranks talking over loopback: neuron without a hostfile."""
+    return [Host("localhost", ("127.0.0.1",)) for _ in range(world_size)]
+
+
+# Versions that must be equal on every host, or ranks could disagree: the protocol, the code on each side of
+# it, and the libraries that compute.
+SAME_VERSIONS = ("neuron", "mlx", "mlx_lm")
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def free_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def describe_host() -> HostInfo:
+    """This host and this process, without importing MLX (the versions come from package metadata)."""
+    mlx = _version("mlx")
+    info = HostInfo(
+        hostname=socket.gethostname(),
+        neuron=neuron.__version__,
+        mlx=mlx,
+        mlx_lm=_version("mlx-lm"),
+        python=platform.python_version(),
+        platform=f"{sys.platform}-{platform.machine()}",
+        free_memory=free_memory(),
+        cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+    )
+    if fake := os.environ.get(FAKE_VERSIONS_ENV):
+        fields = {k.replace("-", "_"): v for k, _, v in (part.partition("=") for part in fake.split(","))}
+        info = HostInfo(**{**asdict(info), **fields})
+    return info

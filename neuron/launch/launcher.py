@@ -1,0 +1,83 @@
+"""The one interface the pool calls to start workers: a process per rank where the hostfile puts it, what to
+call that place, and what each rank may use there (its cores, its model path, its log format)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+import anyio.abc
+
+from neuron import cpu
+from neuron.launch.hosts import Host, local_hosts
+from neuron.launch.local import spawn_local
+from neuron.launch.ssh import StderrRelay, spawn_ssh
+
+DEFAULT_SSH = "ssh"
+
+
+@dataclass(slots=True)
+class Spawned:
+    process: anyio.abc.Process
+    relay: StderrRelay | None  # a remote worker's stderr, relayed; None where it shares the leader's
+
+    def last_words(self) -> str:
+        """What the process (or ssh) said last on stderr, for an error message; empty when unknown."""
+        return self.relay.last_words() if self.relay else ""
+
+
+class Launcher:
+    """Starts rank R's process on ``hosts[R]``: a subprocess for this host, ``ssh`` for the others."""
+
+    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH) -> None:
+        self.hosts = hosts
+        self.world_size = len(hosts)
+        self.ssh_command = shlex.split(ssh_command)
+
+    @classmethod
+    def local(cls, world_size: int) -> Launcher:
+        return cls(local_hosts(world_size))
+
+    @property
+    def remote(self) -> bool:
+        return any(not h.local for h in self.hosts)
+
+    def host(self, rank: int) -> str:
+        """The host as the operator named it: logs and errors say so."""
+        return self.hosts[rank].ssh
+
+    async def spawn(self, rank: int) -> Spawned:
+        host = self.hosts[rank]
+        if host.local:
+            return Spawned(await spawn_local(rank, self.world_size), None)
+        return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size))
+
+    def model(self, rank: int, leader_model: str | None, leader_path: str) -> str | None:
+        """What ``rank`` should load: its host's own path when the hostfile names one; on this host, the folder
+        the leader resolved; elsewhere what ``--model`` said (that host resolves and converts it itself)."""
+        host = self.hosts[rank]
+        if host.model:
+            return host.model
+        return leader_path if host.local else leader_model
+
+    def log_format(self, rank: int, leader_format: str) -> str:
+        """JSON lines for a remote worker (the leader relays them); the leader's own format on this host."""
+        return leader_format if self.hosts[rank].local else "json"
+
+    def cpus(self, rank: int, reported: list[int] | None = None) -> list[int]:
+        """The cores ``rank`` pins itself to, with as many BLAS threads; empty: no pinning.
+
+        An entry's own ``cpus`` are its rank's. Otherwise the ranks of one host split its cores (those it
+        reported, else this process's own) in contiguous blocks; a rank alone on its host is not pinned. Why
+        pin at all: the ring's socket threads busy-poll, and two ranks floating over shared cores starve each
+        other.
+        """
+        host = self.hosts[rank]
+        if host.cpus:
+            return list(host.cpus)
+        peers = [r for r, h in enumerate(self.hosts) if h.ssh == host.ssh or (h.local and host.local)]
+        if len(peers) == 1:
+            return []
+        blocks = cpu.split_cores(reported or sorted(os.sched_getaffinity(0)), len(peers))
+        return blocks[peers.index(rank)] if blocks else []

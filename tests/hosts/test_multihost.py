@@ -1,0 +1,341 @@
+"""Ranks on other hosts: namespaces on this machine, each a "host" with its own sshd (tests/testbed.py).
+
+The same leader drives workers over SSH, the ring crosses the namespaces' links,
+and everything the local path promises holds: equal tokens, refusals that name
+the host, faults that end requests cleanly and recover with no operator, and
+nothing left running on any host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server, alive, run_neuron, serving, sse_events, tcp_sockets, wait_until
+from test_logging import Journal
+from test_systemd import FakeSystemd
+from testbed import Namespaces, unavailable
+
+from neuron import log
+
+pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+
+PROMPT = "hello"
+GREEDY = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
+    testbed = Namespaces(3, tmp_path_factory.mktemp("testbed"))
+    try:
+        yield testbed.start()
+    finally:
+        testbed.close()
+
+
+def hosts_args(bed: Namespaces, hostfile: Path) -> tuple[str, ...]:
+    return ("--hosts", str(hostfile), "--ssh-command", bed.ssh_command)
+
+
+def nothing_left(bed: Namespaces, hosts: tuple[int, ...] = (0, 1, 2), timeout: float = 10) -> None:
+    wait_until(lambda: not any(bed.workers(i) for i in hosts), timeout, f"no neuron worker left on hosts {hosts}")
+
+
+def generate(*args: str) -> str:
+    done = run_neuron("generate", "--max-tokens", "24", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_across_two_hosts_equals_tp1(bed: Namespaces, tiny_models: dict[str, Path], arch: str) -> None:
+    model = str(tiny_models[arch])
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], f"tp2-{arch}.json")
+    assert generate("--model", model, *hosts_args(bed, hostfile), PROMPT) == generate("--model", model, PROMPT)
+    nothing_left(bed)
+
+
+def test_a_remote_workers_log_reaches_the_journal_with_its_rank_and_host(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """``journalctl -u neuron HOST=mac2``: the leader relays each remote line as a journal entry of its own."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "journal.json")
+    with Journal(tmp_path / "journal") as journal:
+        done = run_neuron(
+            "generate", "--model", str(tiny_models["qwen3"]), *hosts_args(bed, hostfile), "--log-format", "journal",
+            "--log-level", "info", PROMPT, env={log.JOURNAL_SOCKET_ENV: str(journal.path)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
+    entry = journal.one(EVENT="shard loaded", RANK="1")
+    assert entry["HOST"] == f"root@{bed.ip(0)}" and entry["PRIORITY"] == "6"
+    assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
+
+
+def test_smollm2_tp3_across_three_hosts_equals_tp1(bed: Namespaces, smollm2: Path) -> None:
+    question = ("--chat", "What is the capital of France?")
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "tp3.json")
+    # No --model: each host finds the embedded SmolLM2 and converts it itself.
+    across = generate(*hosts_args(bed, hostfile), *question)
+    assert across == generate(*question) and "Paris" in across
+    nothing_left(bed)
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """A server whose rank 1 is on host 0, with a short step deadline for the link-down fault."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "cluster.json")
+    args = ("--model", str(tiny_models["qwen3"]), "--step-timeout", "3", *hosts_args(bed, hostfile))
+    with serving(tmp_path_factory, *args) as server:
+        yield server
+    nothing_left(bed)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> str:
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"])) as alone:
+        return complete(alone)
+
+
+def complete(server: Server) -> str:
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": "qwen3", **GREEDY}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_the_data_plane_binds_only_the_named_addresses_and_workers_log_their_host(
+    bed: Namespaces, cluster: Server, reference: str
+) -> None:
+    assert complete(cluster) == reference
+    (worker,) = bed.workers(0)
+    allowed = {bed.leader_ip, bed.ip(0), "127.0.0.1"}
+    for pid in (cluster.process.pid, worker):
+        sockets = tcp_sockets(pid)
+        assert sockets and all(address in allowed for address, _, _ in sockets), (pid, sockets)
+    ring = [s for s in tcp_sockets(worker) if s[0] == bed.ip(0)]
+    assert ring, "the remote worker holds no socket on its host's address"
+    host = f"root@{bed.ip(0)}"
+    assert cluster.find_log("shard loaded", rank=1, host=host) is not None  # relayed from host 0's worker
+    metrics = cluster.metrics()
+    assert metrics[("neuron_rank_info", (("host", host), ("rank", "1")))] == 1
+
+
+def _stream_until_cut(server: Server, cut: callable) -> dict:  # type: ignore[valid-type]
+    """Stream a long completion, call ``cut`` after a few chunks, and return how the stream ended."""
+    body = {"model": "qwen3", "prompt": PROMPT, "max_tokens": 1900, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+        for _ in range(3):
+            next(events)
+        cut()
+        cut_at = time.monotonic()
+        last = None
+        for last in events:  # noqa: B007 - the last event is the point
+            pass
+    return {"last": last, "seconds": time.monotonic() - cut_at}
+
+
+def _recovered(server: Server, reference: str, restarts: float) -> None:
+    wait_until(lambda: server.find_log("recovered", restarts=restarts) is not None, 90, f"recovery {restarts}")
+    assert httpx.get(f"{server.url}/ready", timeout=10).status_code == 200
+    assert complete(server) == reference
+
+
+def _children(pid: int, name: str) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                comm = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and comm == name:
+                out.append(int(entry.name))
+    return out
+
+
+def _restarts(server: Server) -> float:
+    return server.metrics().get(("neuron_worker_restarts_total", ()), 0.0)
+
+
+def test_a_cut_ssh_session_ends_the_stream_cleanly_and_the_server_recovers(
+    bed: Namespaces, cluster: Server, reference: str
+) -> None:
+    (ssh,) = _children(cluster.process.pid, "ssh")
+    (old,) = bed.workers(0)
+    before = _restarts(cluster)
+    ended = _stream_until_cut(cluster, lambda: os.kill(ssh, signal.SIGKILL))
+    assert isinstance(ended["last"], dict) and "error" in ended["last"], ended
+    assert "rank 1" in ended["last"]["error"]["message"] and bed.ip(0) in ended["last"]["error"]["message"]
+    _recovered(cluster, reference, before + 1)
+    wait_until(lambda: not alive(old), 15, "the cut session's worker to exit on its host")
+
+
+def test_a_killed_remote_worker_ends_the_stream_cleanly_and_the_server_recovers(
+    bed: Namespaces, cluster: Server, reference: str
+) -> None:
+    (worker,) = bed.workers(0)
+    before = _restarts(cluster)
+    ended = _stream_until_cut(cluster, lambda: os.kill(worker, signal.SIGKILL))
+    assert isinstance(ended["last"], dict) and "error" in ended["last"], ended
+    assert "SIGKILL" in ended["last"]["error"]["message"] or "rank 1" in ended["last"]["error"]["message"]
+    _recovered(cluster, reference, before + 1)
+
+
+def test_a_link_down_mid_step_fires_the_deadline_and_the_server_recovers_once_it_is_back(
+    bed: Namespaces, cluster: Server, reference: str
+) -> None:
+    (old,) = bed.workers(0)
+    before = _restarts(cluster)
+    try:
+        ended = _stream_until_cut(cluster, lambda: bed.link(0, up=False))
+        assert isinstance(ended["last"], dict) and "error" in ended["last"], ended
+        assert ended["seconds"] < 3 + 5  # the 3 s step deadline, not a hang
+        # While the host is out of reach, /ready says which one, and the leader keeps trying.
+        host = f"root@{bed.ip(0)}"
+
+        def waiting() -> bool:
+            try:
+                response = httpx.get(f"{cluster.url}/ready", timeout=5)
+            except httpx.HTTPError:
+                return False  # between a leader and the next
+            return response.status_code == 503 and f"waiting for {host}" in response.text
+
+        wait_until(waiting, 30, f"/ready to name {host}")
+    finally:
+        bed.link(0, up=True)
+    _recovered(cluster, reference, before + 2)  # the lost group, then at least one retry
+    wait_until(lambda: not alive(old), 30, "the stranded worker to exit once its link is back")
+
+
+# Refusals: each answered within 10 s, naming the rank and the host, with nothing left running anywhere.
+# They use hosts 1 and 2: host 0 serves the cluster above until the module ends.
+
+
+def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str) -> str:
+    server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "refused.log")
+    started = time.monotonic()
+    try:
+        assert server.process.wait(timeout=10) == 1, server.stderr()[-3000:]
+    finally:
+        server.stop()
+    assert time.monotonic() - started < 10
+    for words in expected:
+        assert words in server.stderr(), server.stderr()[-3000:]
+    last = server.stderr().strip().splitlines()[-1]
+    assert last.startswith("neuron: error: ") and "Traceback" not in server.stderr(), server.stderr()[-3000:]
+    nothing_left(bed, (1, 2))
+    return server.stderr()
+
+
+def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    liar = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_VERSIONS": "mlx=0.0.1"})}
+    hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
+    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
+
+
+def test_a_host_holding_another_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    original = tiny_models["qwen3"]
+    copy = tmp_path / "qwen3-changed"
+    shutil.copytree(original, copy)
+    # One tensor's values changed in place: same names, shapes, dtypes and offsets, so the same header and size.
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header_length = int.from_bytes(data[:8], "little")
+    tensors = json.loads(data[8 : 8 + header_length])
+    name = sorted(k for k in tensors if k.endswith("mlp.down_proj.weight"))[0]
+    begin = 8 + header_length + tensors[name]["data_offsets"][0]
+    data[begin : begin + 64] = bytes(64)
+    weights.write_bytes(bytes(data))
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model=str(copy))], "other-model.json")
+    _refused(bed, tmp_path, hostfile, original, f"rank 1 on root@{bed.ip(1)}", "has a different model.safetensors")
+
+
+def test_a_host_missing_the_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model="/nowhere/qwen3")], "missing.json")
+    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "/nowhere/qwen3")
+
+
+def _waiting(
+    bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str, env: dict[str, str] | None = None
+) -> Server:
+    """A server that cannot reach a host: within 10 s it says so in its log and on /ready, with no worker left."""
+    server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "waiting.log", env=env)
+    try:
+        entry = server.wait_log("host unreachable; trying again", timeout=10)
+        for words in expected:
+            assert words in entry["error"], entry
+        server.port = server.wait_log("listening")["port"]
+        ready = httpx.get(f"{server.url}/ready", timeout=5)
+        assert ready.status_code == 503 and "waiting for" in ready.text, ready.text
+        nothing_left(bed, (1, 2), 5)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def test_an_unreachable_ring_address_is_named_before_any_rank_joins(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    hidden = f"10.{bed.net}.9.2"  # on host 1, but no route leads there
+    ns = bed.namespaces[1]
+    os.system(f"ip netns exec {ns} ip addr add {hidden}/32 dev lo")
+    try:
+        hostfile = bed.hostfile([bed.entry(-1), {**bed.entry(1), "ips": [hidden]}], "hidden.json")
+        server = _waiting(bed, tmp_path, hostfile, tiny_models["qwen3"], "cannot reach rank 1", hidden)
+        assert server.stop() == 0
+    finally:
+        os.system(f"ip netns exec {ns} ip addr del {hidden}/32 dev lo")
+
+
+def test_a_host_whose_sshd_is_down_is_named_then_served_once_it_is_back(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path, reference: str
+) -> None:
+    host = f"root@{bed.ip(2)}"
+    bed.stop_sshd(2)
+    with FakeSystemd(tmp_path / "notify") as systemd:
+        try:
+            hostfile = bed.hostfile([bed.entry(-1), bed.entry(2)], "sshd-down.json")
+            env = {"NOTIFY_SOCKET": str(systemd.path)}
+            server = _waiting(bed, tmp_path, hostfile, tiny_models["qwen3"], host, "Connection refused", env=env)
+        finally:
+            bed.start_sshd(2)
+        try:
+            wait_until(lambda: server.find_log("recovered") is not None, 60, "serving once sshd is back")
+            assert complete(server) == reference
+            # STATUS= said whom it waited for, then names the hosts it serves from.
+            serving = f"ready: qwen3 on 2 rank(s) (localhost, {host})"
+            wait_until(lambda: any(s.startswith(serving) for s in systemd.statuses()), 5, f"STATUS={serving}")
+            assert any(status.startswith(f"waiting for {host}") for status in systemd.statuses())
+        finally:
+            assert server.stop() == 0
+    nothing_left(bed, (1, 2))
+
+
+def test_the_hostfile_is_checked_before_anything_starts(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    for content, message in (
+        ('[{"ssh": "mac2", "ips": ["10.0.0.2"]}]', "entry 0 of the hostfile is the leader's own host"),
+        ('[{"ssh": "localhost", "ips": ["10.0.0.1"]}, {"ssh": "mac2"}]', "has no 'ips'"),
+        ('[{"ssh": "localhost", "ips": ["not-an-ip"]}]', "is not an IP address"),
+        ('[{"ssh": "localhost", "port": 3}]', "unknown keys ['port']"),
+        ("{", "not valid JSON"),
+    ):
+        bad.write_text(content)
+        done = run_neuron("serve", "--hosts", str(bad), "--port", "0", timeout=30)
+        assert done.returncode == 2 and message in done.stderr, (content, done.stderr)
+    bad.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
+    done = run_neuron("serve", "--hosts", str(bad), "--tp", "3", "--port", "0", timeout=30)
+    assert done.returncode == 2 and "--tp 3 but the hostfile" in done.stderr

@@ -1,0 +1,208 @@
+"""Several hosts on this one machine: network namespaces joined by a bridge, each running its own sshd.
+
+The leader runs in the root namespace, on the bridge's address (entry 0 of a
+hostfile); host i is namespace ``{prefix}n{i}`` at ``10.{net}.{i + 2}``. All
+share this filesystem, so every host runs this venv and sees the same model
+folders. Made as root with ``ip netns`` and Debian's ``openssh-server``; torn
+down on exit, even when a test failed, killing whatever is left in each
+namespace. ``unavailable()`` says why a machine cannot host it, for a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SSHD = "/usr/sbin/sshd"
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=30)
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run the test bed, or None."""
+    if os.geteuid() != 0:
+        return "the multi-host test bed needs root (network namespaces)"
+    if shutil.which("ip") is None:
+        return "the multi-host test bed needs iproute2's `ip` (apt-get install iproute2)"
+    if not Path(SSHD).is_file() or shutil.which("ssh-keygen") is None:
+        return "the multi-host test bed needs an SSH server (apt-get install openssh-server)"
+    probe = f"nrnprobe{os.getpid() % 10000}"
+    made = _run("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"network namespaces are not available here: {made.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def clean_leftovers() -> None:
+    """Namespaces and links an earlier run left behind (a killed test process cannot clean up)."""
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith("nrn"):
+            for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+                _kill(int(pid))
+            _run("ip", "netns", "del", name, check=False)
+    for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith("nrn") and name.endswith("br"):
+            _run("ip", "link", "del", name, check=False)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class Namespaces:
+    def __init__(self, hosts: int, root: Path) -> None:
+        self.root = root
+        self.prefix = f"nrn{os.getpid() % 1000}"
+        self.net = 100 + os.getpid() % 100
+        self.bridge = f"{self.prefix}br"
+        self.leader_ip = self.ip(-1)
+        self.namespaces = [f"{self.prefix}n{i}" for i in range(hosts)]
+        self._sshd: dict[int, subprocess.Popen[bytes]] = {}
+        self.key = root / "id"
+        self.ssh_config = root / "ssh_config"
+
+    def ip(self, host: int) -> str:
+        """Host ``i``'s address; -1 is the leader's, on the bridge."""
+        return f"10.{self.net}.0.{host + 2}"
+
+    def veth(self, host: int) -> str:
+        return f"{self.prefix}h{host}"  # the bridge's end of host i's link
+
+    def start(self) -> Namespaces:
+        clean_leftovers()
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.leader_ip}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.namespaces):
+            inner = f"{self.prefix}n{i}x"
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", self.veth(i), "type", "veth", "peer", "name", inner)
+            _run("ip", "link", "set", inner, "netns", ns)
+            _run("ip", "link", "set", self.veth(i), "master", self.bridge)
+            _run("ip", "link", "set", self.veth(i), "up")
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.ip(i)}/24", "dev", inner)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", inner, "up")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.root / "host_key"))
+        shutil.copy(f"{self.key}.pub", self.root / "authorized_keys")
+        self.ssh_config.write_text(
+            f"Host *\n  IdentityFile {self.key}\n  StrictHostKeyChecking no\n"
+            "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+        )
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+        for i in range(len(self.namespaces)):
+            self.start_sshd(i)
+        return self
+
+    def start_sshd(self, host: int) -> None:
+        config = self.root / f"sshd_{host}"
+        config.write_text(
+            f"ListenAddress {self.ip(host)}\nPort 22\nHostKey {self.root / 'host_key'}\n"
+            f"AuthorizedKeysFile {self.root / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+            f"StrictModes no\nUsePAM no\nPidFile {self.root / f'sshd_{host}.pid'}\n"
+        )
+        log = open(self.root / f"sshd_{host}.log", "ab")
+        self._sshd[host] = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[host], SSHD, "-D", "-e", "-f", str(config)],
+            stdout=log,
+            stderr=log,
+        )
+        deadline = time.monotonic() + 10
+        while b"Server listening" not in (self.root / f"sshd_{host}.log").read_bytes():
+            assert self._sshd[host].poll() is None, (self.root / f"sshd_{host}.log").read_text()
+            assert time.monotonic() < deadline, f"sshd on host {host} did not start"
+            time.sleep(0.02)
+
+    def stop_sshd(self, host: int) -> None:
+        process = self._sshd.pop(host, None)
+        if process is not None:
+            process.terminate()
+            process.wait(10)
+
+    def link(self, host: int, up: bool) -> None:
+        _run("ip", "link", "set", self.veth(host), "up" if up else "down")
+
+    @property
+    def ssh_command(self) -> str:
+        return f"ssh -F {self.ssh_config}"
+
+    def neuron_command(self, env: dict[str, str] | None = None) -> str:
+        """How a host starts neuron: this venv's interpreter (and this checkout, when PYTHONPATH names one)."""
+        env = {**({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}), **(env or {})}
+        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+        return " ".join([*prefix, sys.executable, "-m", "neuron"])
+
+    def entry(self, host: int, **extra: Any) -> dict[str, Any]:
+        """Hostfile entry for host ``i`` (-1: the leader's own)."""
+        if host < 0:
+            return {"ssh": "localhost", "ips": [self.leader_ip], **extra}
+        return {"ssh": f"root@{self.ip(host)}", "ips": [self.ip(host)], "neuron": self.neuron_command(), **extra}
+
+    def hostfile(self, entries: list[dict[str, Any]], name: str = "hosts.json") -> Path:
+        path = self.root / name
+        path.write_text(json.dumps(entries))
+        return path
+
+    def pids(self, host: int) -> list[int]:
+        """Processes in host ``i``'s namespace, its sshd listener left out."""
+        found = _run("ip", "netns", "pids", self.namespaces[host], check=False).stdout.split()
+        listener = self._sshd.get(host)
+        return [int(p) for p in found if listener is None or int(p) not in _children_of(listener.pid)]
+
+    def workers(self, host: int) -> list[int]:
+        """neuron processes in host ``i``'s namespace."""
+        out = []
+        for pid in self.pids(host):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"neuron" in command and b"--worker" in command:
+                out.append(pid)
+        return out
+
+    def close(self) -> None:
+        for host in list(self._sshd):
+            self.stop_sshd(host)
+        for ns in self.namespaces:
+            for pid in _run("ip", "netns", "pids", ns, check=False).stdout.split():
+                _kill(int(pid))
+            _run("ip", "netns", "del", ns, check=False)
+        for i in range(len(self.namespaces)):
+            _run("ip", "link", "del", self.veth(i), check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
+
+def _children_of(pid: int) -> set[int]:
+    """``pid`` and its descendants, from /proc (``ip netns exec`` execs sshd, which is the listener)."""
+    family = {pid}
+    changed = True
+    while changed:
+        changed = False
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) in family:
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[1]) in family and "sshd" in (entry / "comm").read_text():
+                family.add(int(entry.name))
+                changed = True
+    return family
