@@ -47,19 +47,19 @@ def pooled(model: str, hostfile: str, ssh_command: str, tokens: int) -> dict[str
 
     from neuron.launch.hosts import read_hostfile
     from neuron.launch.launcher import Launcher
-    from neuron.pool import Pool
+    from neuron.pool import Layout, Pool
     from neuron.rpc import Decode, Prefill, StepPlan
     from neuron.sampling_params import SamplingParams
 
     async def run() -> dict[str, float]:
         launcher = Launcher(read_hostfile(hostfile), ssh_command)
-        async with Pool(launcher.world_size, model, launcher=launcher, model=model) as pool:
+        async with Pool(model, Layout(launcher), model=model) as pool:
             await pool.load()
             sampled = await pool.step(StepPlan(prefill=[Prefill(1, 0, PROMPT, True)]), {1: SamplingParams()})
             token = sampled[1].token
             parts: dict[str, list[float]] = {"total": [], "fan_out": [], "rank0": [], "drain": []}
             for _ in range(tokens):
-                token = (await pool.step(StepPlan(decode=[Decode(1, token)]), {}))[1].token
+                token = (await pool.step(StepPlan(decode=[Decode(1, token, 0)]), {}))[1].token
                 timing = pool._fan_out.timing
                 for name in parts:
                     parts[name].append(getattr(timing, name))

@@ -1,10 +1,11 @@
-"""Peak RSS per rank, TP=1 against TP=2, on a generated fp32 model.
+"""Peak RSS per rank: TP=1 against TP=2, and pipeline stages PP=2 and PP=3, on a generated fp32 model.
 
-Run: .venv/bin/python bench/rss.py [--hidden 1024 --layers 8]
-Prints a markdown table. Each TP size runs in a fresh leader process (MLX
-allows one group per process); peak RSS is each process's VmHWM after loading
-the model and generating 16 tokens. The floor row is a process that only
-imported MLX and mlx-lm, measured in the same run.
+Run: .venv/bin/python bench/rss.py [--hidden 1024 --layers 12]
+Prints a markdown table. Each run is a fresh leader process (MLX allows one
+group per process); peak RSS is each process's VmHWM after loading the model
+and generating 16 tokens. The floor row is a process that only imported MLX
+and mlx-lm, measured in the same run. A rank that loads only its share reads
+only its share: its peak is the floor plus its parameters.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
     raise RuntimeError(f"no {field}")
 
 
-async def _measure(model: str, world_size: int) -> dict:
+async def _measure(model: str, world_size: int, stages: int) -> dict:
     """In a fresh leader process: load, generate 16 tokens, read every rank's RSS."""
     from leader_scenarios import PROMPT, greedy
 
-    from neuron.pool import Pool
+    from neuron.pool import Layout, Pool
 
-    async with Pool(world_size, model) as pool:
+    async with Pool(model, Layout.local(world_size, stages)) as pool:
         loaded = await pool.load()
         await greedy(pool, PROMPT, 16)
         pids: list[int | str] = ["self", *(w.pid for w in pool.workers)]
@@ -52,19 +53,19 @@ def _child(*args: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def run_leader(model: Path, world_size: int) -> dict:
-    return json.loads(_child("--leader", str(model), str(world_size)))
+def run_leader(model: Path, world_size: int, stages: int = 1) -> dict:
+    return json.loads(_child("--leader", str(model), str(world_size), str(stages)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--leader", nargs=2, metavar=("MODEL", "TP"), help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--leader", nargs=3, metavar=("MODEL", "RANKS", "STAGES"), help=argparse.SUPPRESS)
     parser.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.leader:
-        print(json.dumps(anyio.run(_measure, args.leader[0], int(args.leader[1]))))
+        print(json.dumps(anyio.run(_measure, args.leader[0], int(args.leader[1]), int(args.leader[2]))))
         return
     if args.floor:
         import mlx.core  # noqa: F401
@@ -77,7 +78,13 @@ def main() -> None:
     floor = _child("--floor")
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "m", "qwen3", hidden=args.hidden, layers=args.layers)
-        tp1, tp2 = run_leader(model, 1), run_leader(model, 2)
+        runs = {
+            "TP=1": run_leader(model, 1),
+            "TP=2": run_leader(model, 2),
+            "PP=2": run_leader(model, 2, 2),
+            "PP=3": run_leader(model, 3, 3),
+        }
+    tp1 = runs["TP=1"]
     weights_mb = tp1["params"][0] * 4 / 2**20
     print(
         f"Model: generated qwen3, hidden {args.hidden}, {args.layers} layers, "
@@ -87,7 +94,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     print(f"| floor (import mlx) | - | - | {float(floor):.0f} | - | - |")
     base = tp1["rss"][0]
-    for name, result in (("TP=1", tp1), ("TP=2", tp2)):
+    for name, result in runs.items():
         rows = zip(result["rss"], result["now"], result["params"], strict=True)
         for rank, (rss, now, params) in enumerate(rows):
             print(f"| {name} | {rank} | {params / 1e6:.1f} | {rss:.0f} | {rss / base:.2f}x | {now:.0f} |")

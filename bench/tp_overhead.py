@@ -107,9 +107,9 @@ async def pooled(model: str, world_size: int, tokens: int) -> dict[str, float]:
     """neuron's pool: one ``Pool.step`` per token, and ``Pool.ping`` round trips."""
     from leader_scenarios import greedy_timed
 
-    from neuron.pool import Pool
+    from neuron.pool import Layout, Pool
 
-    async with Pool(world_size, model) as pool:
+    async with Pool(model, Layout.local(world_size)) as pool:
         await pool.load()
         step_s = await greedy_timed(pool, PROMPT, tokens)
         from neuron import rpc

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from neuron import __version__, config
 
 if TYPE_CHECKING:
-    from neuron.launch.launcher import Launcher
     from neuron.leader import Restart
+    from neuron.pool import Layout
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -100,25 +100,43 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _read_hosts(args: argparse.Namespace) -> list[str]:
-    """Read ``--hosts`` into ``args.launcher`` and settle ``--tp``; the problems found."""
+    """Read ``--hosts`` and settle ``--tp`` (ranks = tp x pp); the problems found."""
     from neuron.launch.hosts import HostsError, check_hosts, local_hosts, read_hostfile
+    from neuron.launch.stages import SplitError, parse_split
 
     try:
-        hosts = read_hostfile(args.hosts) if args.hosts else local_hosts(args.tp or 1)
-        if args.hosts and args.tp not in (None, len(hosts)):
-            raise HostsError(f"--tp {args.tp} but the hostfile {args.hosts} names {len(hosts)} ranks; give one")
+        if args.hosts:
+            hosts = read_hostfile(args.hosts)
+            tp = args.tp or len(hosts) // args.pp
+            if tp * args.pp != len(hosts):
+                raise HostsError(
+                    f"the hostfile {args.hosts} names {len(hosts)} ranks, but --tp {tp} x --pp {args.pp} makes "
+                    f"{tp * args.pp}; give one rank per entry"
+                )
+        else:
+            tp = args.tp or 1
+            hosts = local_hosts(tp * args.pp)
+        if tp > 1 and args.pp > 1:
+            raise HostsError(
+                f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which the ring "
+                "backend cannot make and neuron does not combine yet on jaccl or nccl; use --tp or --pp alone"
+            )
         check_hosts(hosts, args.backend)
-    except HostsError as e:
+        args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
+        if args.split and args.pp == 1:
+            raise HostsError("--pp-layers splits pipeline stages: give --pp too")
+    except (HostsError, SplitError) as e:
         return [str(e)]
-    args.tp = len(hosts)
+    args.tp = tp
     args.host_list = hosts
     return []
 
 
-def _launcher(args: argparse.Namespace) -> Launcher:
+def _layout(args: argparse.Namespace) -> Layout:
     from neuron.launch.launcher import Launcher
+    from neuron.pool import Layout
 
-    return Launcher(args.host_list, args.ssh_command)
+    return Layout(Launcher(args.host_list, args.ssh_command), args.backend, args.pp, args.split)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -139,7 +157,7 @@ def _run(args: argparse.Namespace) -> int:
 
     log = structlog.get_logger("neuron.cli")
     blas = cpu.blas_in_use()
-    log.info("starting", blas=blas, tp=args.tp)
+    log.info("starting", blas=blas, tp=args.tp, pp=args.pp)
     if cpu.is_linux_cpu_backend() and "OpenBLAS" not in blas:
         log.warning(cpu.OPENBLAS_HINT)
     run = _serve if args.command == "serve" else _generate
@@ -179,13 +197,18 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
             model_path=resolve(args.model),
             model=args.model,
             model_id=model_id(args.model),
-            launcher=_launcher(args),
-            backend=args.backend,
+            layout=_layout(args),
             host=args.host,
             port=args.port,
             api_key=args.api_key.strip() if args.api_key else None,
             deadlines=Deadlines(step=args.step_timeout),
-            limits=Limits(args.max_batch, args.max_waiting, args.prefill_chunk, args.max_context),
+            limits=Limits(
+                args.max_batch,
+                args.max_waiting,
+                args.prefill_chunk,
+                args.max_context,
+                args.micro_batches,
+            ),
             drain_timeout=args.drain_timeout,
         )
     )
@@ -199,7 +222,7 @@ async def _generate(args: argparse.Namespace) -> None:
 
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
-    async with Engine.open(path, _launcher(args), args.backend, deadlines, model=args.model) as engine:
+    async with Engine.open(path, _layout(args), deadlines, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
         else:

@@ -101,6 +101,28 @@ SETTINGS = {
         Setting("model", str, None, "model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
         Setting("tp", int, None, "tensor-parallel ranks (default: one per --hosts entry, else 1)", check=_at_least(1)),
         Setting(
+            "pp",
+            int,
+            1,
+            "pipeline stages: the model's layers split into this many runs of whole layers, one per rank (default 1)",
+            check=_at_least(1),
+        ),
+        Setting(
+            "pp_layers",
+            str,
+            None,
+            "layers per pipeline stage, e.g. 10,20 (default: in proportion to each host's free memory)",
+            check=_not_blank,
+        ),
+        Setting(
+            "micro_batches",
+            int,
+            1,
+            "decode passes per step, so that pipeline stages work at the same time (default 1: decode reads "
+            "every weight once per pass, and on memory-bound hosts a second pass costs more than the overlap buys)",
+            check=_at_least(1),
+        ),
+        Setting(
             "hosts",
             str,
             None,
@@ -180,7 +202,18 @@ SETTINGS = {
     )
 }
 
-MODEL_SETTINGS = ("model", "tp", "hosts", "ssh_command", "backend", "step_timeout", "log_level", "log_format")
+MODEL_SETTINGS = (
+    "model",
+    "tp",
+    "pp",
+    "pp_layers",
+    "hosts",
+    "ssh_command",
+    "backend",
+    "step_timeout",
+    "log_level",
+    "log_format",
+)
 SERVE_SETTINGS = (
     *MODEL_SETTINGS,
     "model_dirs",
@@ -191,6 +224,7 @@ SERVE_SETTINGS = (
     "max_waiting",
     "prefill_chunk",
     "max_context",
+    "micro_batches",
     "drain_timeout",
 )
 

@@ -56,8 +56,7 @@ from neuron import metrics, systemd
 from neuron.engine.engine import Engine
 from neuron.engine.scheduler import Limits
 from neuron.launch.checks import Unreachable
-from neuron.launch.launcher import Launcher
-from neuron.pool import Deadlines
+from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
 
@@ -70,9 +69,8 @@ STATUS_EVERY_S = 1.0
 class ServeOptions:
     model_path: Path
     model_id: str
-    launcher: Launcher = field(default_factory=lambda: Launcher.local(1))
+    layout: Layout = field(default_factory=lambda: Layout.local(1))
     model: str | None = None  # what --model said: hosts of their own resolve it there
-    backend: str = "ring"
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -147,7 +145,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def _status(options: ServeOptions, state: ServerState, engine: Engine | None) -> str:
-    launcher = options.launcher
+    launcher = options.layout.launcher
     ranks = f"{options.model_id} on {launcher.world_size} rank(s)"
     if launcher.remote:
         ranks += f" ({', '.join(launcher.host(r) for r in range(launcher.world_size))})"
@@ -261,7 +259,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             host=host,
             port=port,
             model=options.model_id,
-            tp=options.launcher.world_size,
+            ranks=options.layout.launcher.world_size,
             socket="inherited" if restarted else "systemd" if activated else "bound",
         )
         restart = None
@@ -269,12 +267,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             with lifetime:
                 try:
                     engine_context = Engine.open(
-                        options.model_path,
-                        options.launcher,
-                        options.backend,
-                        options.deadlines,
-                        options.limits,
-                        options.model,
+                        options.model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine

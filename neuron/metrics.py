@@ -53,3 +53,9 @@ RANKS = Gauge(
     ["rank", "host"],
     registry=REGISTRY,
 )
+STAGE_LAYERS = Gauge(
+    "neuron_stage_layers",
+    "Layers each rank holds as a pipeline stage (--pp), by rank and host",
+    ["rank", "host"],
+    registry=REGISTRY,
+)

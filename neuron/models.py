@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,26 @@ def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None
         if mine.get(name) != theirs.get(name):
             return name
     return None
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
+    """Bytes of each decoder layer's weights, and of everything else (embedding, final norm, head), read from the
+    safetensors headers alone: what a pipeline stage will hold."""
+    per_layer = [0] * layers
+    rest = 0
+    for weights in sorted(Path(model_path).glob("model*.safetensors")):
+        with weights.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, tensor in header.items():
+            if name == "__metadata__":
+                continue
+            size = tensor["data_offsets"][1] - tensor["data_offsets"][0]
+            match = _LAYER.search(name)
+            if match and int(match.group(1)) < layers:
+                per_layer[int(match.group(1))] += size
+            else:
+                rest += size
+    return per_layer, rest

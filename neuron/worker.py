@@ -104,7 +104,9 @@ class Worker:
     def handle(self, request: rpc.Request) -> rpc.Reply:
         match request:
             case rpc.Ping(id=id):
-                return rpc.Pong(id, self.rank, self.world_size, rpc.PROTOCOL_VERSION, os.getpid(), describe_host())
+                return rpc.Pong(
+                    id, self.rank, self.world_size, rpc.PROTOCOL_VERSION, os.getpid(), describe_host(self.rank)
+                )
             case rpc.Listen(id=id, ips=ips):
                 return rpc.Listening(id=id, addresses=self.listeners.open(ips))
             case rpc.Probe(id=id, addresses=addresses):
@@ -119,8 +121,8 @@ class Worker:
                         f"{e} (on this host: copy the model here, or name its path here in the hostfile's 'model')"
                     ) from e
                 return rpc.ModelChecked(id=id, path=str(path), files=models.fingerprint(path))
-            case rpc.LoadShard(id=id, model_path=path):
-                loaded = self._joined().load(path)
+            case rpc.LoadShard(id=id, model_path=path, layers=layers):
+                loaded = self._joined().load(path, layers)
                 self.log.info(
                     "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
                 )

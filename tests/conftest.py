@@ -230,6 +230,7 @@ class Server:
         listen: socket.socket | None = None,
     ):
         self.log_path = log_path
+        self.args = args
         self.api_key = api_key
         self._log = open(log_path, "w")
         extra = ("--api-key", api_key) if api_key else ()

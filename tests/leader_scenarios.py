@@ -19,7 +19,7 @@ import anyio
 
 from neuron import log
 from neuron.models import ModelError
-from neuron.pool import Deadlines, Pool, PoolError
+from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ def start(prompt: list[int]) -> StepPlan:
 
 def follow(token: int) -> StepPlan:
     """Sequence number 1 decodes ``token``."""
-    return StepPlan(decode=[Decode(1, token)])
+    return StepPlan(decode=[Decode(1, token, 0)])
 
 
 async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
@@ -60,7 +60,7 @@ async def greedy_timed(pool: Pool, prompt: list[int], count: int) -> list[float]
 
 async def spawn(model: str, world_size: int) -> dict[str, Any]:
     """Spawn and join, then ask for a step before any load: it is refused, and the pool still answers."""
-    async with Pool(world_size, model) as pool:
+    async with Pool(model, Layout.local(world_size)) as pool:
         pids = [w.pid for w in pool.workers]
         try:
             await pool.step(start([1, 2]), GREEDY)
@@ -71,9 +71,11 @@ async def spawn(model: str, world_size: int) -> dict[str, Any]:
     return {"pids": pids, "step_error": step_error}
 
 
-async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
-    """Generate, then unload, reload and generate again."""
-    async with Pool(world_size, model) as pool:
+async def generate(
+    model: str, world_size: int, count: int, stages: int = 1, split: list[int] | None = None
+) -> dict[str, Any]:
+    """Generate, then unload, reload and generate again; in ``stages`` pipeline stages when more than one."""
+    async with Pool(model, Layout.local(world_size, stages, tuple(split or ()))) as pool:
         loaded = await pool.load()
         tokens = await greedy(pool, PROMPT, count)
         await pool.unload()
@@ -82,12 +84,13 @@ async def generate(model: str, world_size: int, count: int) -> dict[str, Any]:
             "tokens": tokens,
             "after_reload": await greedy(pool, PROMPT, count),
             "parameters": [loaded[r].parameters for r in loaded],
+            "layers": pool.layers,
         }
 
 
 async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
     """Generate with a fault injected (by the environment); then clear and generate again."""
-    async with Pool(2, model) as pool:
+    async with Pool(model, Layout.local(2)) as pool:
         await pool.load()
         try:
             await greedy(pool, PROMPT, count)
@@ -101,10 +104,10 @@ async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
 async def impossible_plan(model: str, count: int) -> dict[str, Any]:
     """A plan no rank can follow (a sequence nobody holds): every rank still runs the step's
     collectives on throwaway caches, so the group stays in step, and says so."""
-    async with Pool(2, model) as pool:
+    async with Pool(model, Layout.local(2)) as pool:
         await pool.load()
         try:
-            await pool.step(StepPlan(decode=[Decode(42, 7), Decode(43, 8)]), {})
+            await pool.step(StepPlan(decode=[Decode(42, 7, 0), Decode(43, 8, 0)]), {})
             failure = {}
         except PoolError as e:
             failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
@@ -115,7 +118,7 @@ async def impossible_plan(model: str, count: int) -> dict[str, Any]:
 async def one_rank_disagrees(model: str, count: int) -> dict[str, Any]:
     """Rank 0 alone forgets a sequence: it must still run the step's collectives (on throwaway caches),
     or rank 1 would wait inside them until the deadline."""
-    async with Pool(2, model, deadlines=Deadlines(step=30)) as pool:
+    async with Pool(model, Layout.local(2), Deadlines(step=30)) as pool:
         await pool.load()
         first = (await pool.step(start(PROMPT), GREEDY))[1]
         await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
@@ -136,7 +139,7 @@ def _cpu_ticks(pid: int) -> int:
 
 
 async def kill_mid_step(model: str) -> dict[str, Any]:
-    async with Pool(2, model) as pool:
+    async with Pool(model, Layout.local(2)) as pool:
         await pool.load()
         victim = pool.workers[0]
         outcome: dict[str, Any] = {}
@@ -170,7 +173,7 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
 
 async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
     """The model is refused before a single worker is spawned."""
-    pool = Pool(world_size, model)
+    pool = Pool(model, Layout.local(world_size))
     started = time.monotonic()
     try:
         async with pool:
@@ -182,7 +185,7 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
 
 async def hold(model: str, world_size: int) -> None:
     """Print the worker pids, then wait on stdin until killed."""
-    async with Pool(world_size, model) as pool:
+    async with Pool(model, Layout.local(world_size)) as pool:
         print(json.dumps({"pids": [w.pid for w in pool.workers]}), flush=True)
         await anyio.to_thread.run_sync(sys.stdin.readline)
 

@@ -31,11 +31,17 @@ def _server(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: obje
     return serving(tmp_path_factory, "--prefill-chunk", "16", *args, **kwargs)
 
 
-@pytest.fixture(scope="module", params=["1", "2"], ids=["tp1", "tp2"])
+@pytest.fixture(
+    scope="module",
+    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
+    ids=["tp1", "tp2", "pp2"],
+)
 def tiny(
     request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", request.param) as server:
+    """The same server split three ways: one rank; every layer sliced over two; two pipeline stages, whose
+    decode runs in two micro-batches."""
+    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), *request.param) as server:
         yield server
 
 
@@ -119,12 +125,13 @@ async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(tin
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("split", [("--tp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["tp2", "pp2"])
 async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_succeed(
-    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, split: tuple[str, str]
 ) -> None:
     # Rank 1 records a wrong token at its 6th step (the probe is its 1st): its digest no longer matches rank 0's.
     env = {"NEURON_TEST_DESYNC_STEP": "1:6"}
-    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), *split, env=env) as server:
         with pytest.raises(openai.InternalServerError) as caught:
             await _complete(server, "qwen3", "hello", 20, temperature=0.0)
         message = str(caught.value)
@@ -203,3 +210,12 @@ async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the
     assert texts == [expected]
     assert count("request cancelled") == cancelled + 1
     assert tiny.find_log("desync") is None
+
+
+def test_a_pipelines_split_is_in_its_metrics(tiny: Server) -> None:
+    metrics = tiny.metrics()
+    stages = {labels: value for (name, labels), value in metrics.items() if name == "neuron_stage_layers"}
+    if "--pp" not in tiny.args:
+        assert not stages
+        return
+    assert stages == {(("host", "localhost"), ("rank", "0")): 2.0, (("host", "localhost"), ("rank", "1")): 2.0}

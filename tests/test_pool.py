@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, alive, make_tiny_model, wait_until
 
-from neuron.pool import Pool
+from neuron.pool import Layout, Pool
 from neuron.tp.hooks import FAULT_ENV
 
 SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
@@ -143,7 +143,7 @@ async def test_a_process_hosts_one_group_only(tiny_models: dict[str, Path]) -> N
     rank._joined_group, was = True, rank._joined_group
     try:
         with pytest.raises(RuntimeError, match="fresh process"):
-            async with Pool(2, tiny_models["llama"]):
+            async with Pool(tiny_models["llama"], Layout.local(2)):
                 pass
     finally:
         rank._joined_group = was

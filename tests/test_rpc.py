@@ -23,13 +23,13 @@ EVERY_MESSAGE = [
         settings=rpc.WorkerSettings(host="mac2", log_level="info", log_format="json", cpus=[2, 3]),
     ),
     rpc.CheckModel(id=10, model=None),
-    rpc.LoadShard(id=3, model_path="/models/x"),
+    rpc.LoadShard(id=3, model_path="/models/x", layers=[0, 15]),
     rpc.GenerateStep(
         id=4,
         plan=rpc.StepPlan(
             leave=[3],
             prefill=[rpc.Prefill(5, 0, [1, 2, 3], True), rpc.Prefill(6, 4, [9], False)],
-            decode=[rpc.Decode(1, 7), rpc.Decode(2, 8)],
+            decode=[rpc.Decode(1, 7, 0), rpc.Decode(2, 8, 1)],
         ),
     ),
     rpc.ClearKvCache(id=5),
@@ -64,7 +64,7 @@ def test_every_op_is_covered() -> None:
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
     chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, **fields}
-    plan = {"leave": [], "prefill": [chunk], "decode": [{"seq": 2, "token": 1}]}
+    plan = {"leave": [], "prefill": [chunk], "decode": [{"seq": 2, "token": 1, "group": 0}]}
     return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 
 
@@ -116,7 +116,7 @@ def test_field_errors_name_every_field() -> None:
 def test_nested_fields_come_back_as_their_types() -> None:
     step = rpc.decode_request(_step_line())
     assert isinstance(step, rpc.GenerateStep)
-    assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1)]
+    assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1, 0)]
 
 
 def test_protocol_module_does_not_import_mlx() -> None:

@@ -95,7 +95,7 @@ def test_the_prefill_budget_is_shared_in_admission_order() -> None:
     assert fed == [(a.no, 0, 3, True), (b.no, 0, 2, False)]
     plan = run(s)
     assert [(c.seq, c.position, len(c.tokens)) for c in plan.prefill] == [(b.no, 2, 4)]
-    assert plan.decode == [Decode(a.no, 7)]  # a decodes while b's prompt is still fed
+    assert plan.decode == [Decode(a.no, 7, 0)]  # a decodes while b's prompt is still fed
 
 
 def test_a_prompt_that_ends_joins_the_batch_after_the_running_rows() -> None:
@@ -108,7 +108,7 @@ def test_a_prompt_that_ends_joins_the_batch_after_the_running_rows() -> None:
     run(s, {a.no: 8})
     plan = run(s)
     assert [r.seq for r in plan.decode] == [a.no, b.no]
-    assert plan.decode[0] == Decode(a.no, 8)
+    assert plan.decode[0] == Decode(a.no, 8, 0)
 
 
 def test_only_sequences_starting_in_the_plan_hand_their_sampling_to_rank_0() -> None:
@@ -203,3 +203,20 @@ def test_chunk_positions_continue_across_steps_for_every_prompt() -> None:
         assert [t for c in chunks for t in c.tokens] == seq.prompt
         assert [c.position for c in chunks] == list(itertools.accumulate([0] + [len(c.tokens) for c in chunks[:-1]]))
         assert [c.last for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_micro_batches_are_filled_evenly_and_a_sequence_keeps_its_own() -> None:
+    s = scheduler(micro_batches=2)
+    seqs = [request(2) for _ in range(5)]
+    admitted(s, *seqs)
+    run(s)  # every prompt ends: each joins the emptier micro-batch, the first of them on a tie
+    assert [seq.group for seq in seqs] == [0, 1, 0, 1, 0]
+    plan = next_plan(s)
+    assert [(row.seq, row.group) for row in plan.decode] == [(seq.no, seq.group) for seq in seqs]
+    s.remove(seqs[0])
+    s.remove(seqs[2])  # micro-batch 0 keeps one, 1 has two
+    late = request(2)
+    admitted(s, late)
+    run(s)
+    run(s)
+    assert late.group == 0 and seqs[1].group == 1  # the newcomer evens them out; nobody moves

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import structlog
@@ -38,12 +38,9 @@ from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
 from neuron.engine.text import Text
 from neuron.log import ms_since, progress, trace
 from neuron.models import ModelError, read_config, text_config
-from neuron.pool import Deadlines, Pool, PoolError
+from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from neuron.launch.launcher import Launcher
 
 log = structlog.get_logger("neuron.engine")
 
@@ -85,18 +82,16 @@ class Engine:
     async def open(
         cls,
         model_path: Path,
-        launcher: Launcher | None = None,
-        backend: str = "ring",
+        layout: Layout | None = None,
         deadlines: Deadlines | None = None,
         limits: Limits | None = None,
         model: str | None = None,
     ) -> AsyncIterator[Engine]:
-        """Spawn the ranks (every rank on this host without a ``launcher``), load the model, probe it, and run
-        the step loop until the block exits. ``model`` is what ``--model`` said, for hosts that resolve it."""
+        """Spawn the ranks (one, on this host, without a ``layout``), load the model, probe it, and run the step
+        loop until the block exits. ``model`` is what ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
-        world_size = launcher.world_size if launcher else 1
-        async with Pool(world_size, model_path, backend, deadlines, launcher, model) as pool:
+        async with Pool(model_path, layout, deadlines, model) as pool:
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()

@@ -28,6 +28,7 @@ class Limits:
     max_waiting: int = 64  # requests queued beyond the batch; more get 429
     prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
     max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
+    micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class Scheduler:
             end = seq.fed + take
             prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], end == len(seq.prompt)))
             budget -= take
-        decode = [Decode(seq.no, seq.next_token) for seq in self.running]
+        decode = [Decode(seq.no, seq.next_token, seq.group) for seq in self.running]
         return StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode)
 
     def joining(self, plan: StepPlan) -> dict[int, SamplingParams]:
@@ -136,12 +137,20 @@ class Scheduler:
             seq.fed += len(chunk.tokens)
             if chunk.last:
                 self.filling.remove(seq)
+                seq.group = self._smallest_group()
                 self.running.append(seq)
                 out.append(self._outcome(seq, sampled[chunk.seq], first=True))
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is not None:
                 out.append(self._outcome(seq, sampled[row.seq], first=False))
         return out
+
+    def _smallest_group(self) -> int:
+        """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
+        sizes = [0] * self.limits.micro_batches
+        for seq in self.running:
+            sizes[seq.group] += 1
+        return sizes.index(min(sizes))
 
     def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
         if sampled.token in self.eos_token_ids:

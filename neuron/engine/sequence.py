@@ -117,6 +117,7 @@ class Sequence:
     stop: StopText
     fed: int = 0  # prompt tokens fed so far
     next_token: int | None = None  # sampled, to be fed in the next step
+    group: int = 0  # the micro-batch it decodes in, from the step its prompt ends
     completion_tokens: int = 0
     detokenizer: Any = None  # mlx-lm's streaming detokenizer (engine.text)
     submitted: float = 0.0  # perf_counter times: queued, admitted to the batch, first token

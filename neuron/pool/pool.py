@@ -18,6 +18,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -28,8 +29,9 @@ from neuron import cpu, metrics, rpc
 from neuron.launch.checks import Unreachable, check_handshake, check_models
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
+from neuron.launch.stages import check_split, choose_split, ranges
 from neuron.log import ms_since
-from neuron.models import fingerprint, read_config
+from neuron.models import fingerprint, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
@@ -37,15 +39,29 @@ from neuron.pool.rank0 import Rank0Thread
 from neuron.rpc import StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.tp.rank import Loaded, Rank, group_joined
-from neuron.tp.shard import check_shardable
+from neuron.tp.shard import check_splittable
 
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where the ranks run, how they talk, and how the model is split over them."""
+
+    launcher: Launcher
+    backend: str = "ring"
+    stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
+    split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
+
+    @classmethod
+    def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
+        return cls(Launcher.local(world_size), "ring", stages, split)
+
+
 class Pool:
-    """``model_path`` over ``world_size`` ranks: rank 0 on a thread here, ranks 1.. as worker processes.
+    """``model_path`` over the ranks of ``layout``: rank 0 on a thread here, ranks 1.. as worker processes.
 
     Use it as an async context manager: entering checks the model can be split
     (before any worker exists), spawns, pings and joins the group; leaving
@@ -54,25 +70,21 @@ class Pool:
 
     def __init__(
         self,
-        world_size: int,
         model_path: str | Path,
-        backend: str = "ring",
+        layout: Layout | None = None,
         deadlines: Deadlines | None = None,
-        launcher: Launcher | None = None,
         model: str | None = None,
     ) -> None:
-        if world_size < 1:
-            raise ValueError(f"world size must be at least 1, got {world_size}")
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        self.world_size = world_size
+        self.layout = layout or Layout.local(1)
+        if self.layout.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.layout.backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.launcher = self.layout.launcher
+        self.world_size = world_size = self.launcher.world_size
+        self.backend = self.layout.backend
         self.model_path = str(Path(model_path).resolve())
         self.model = model  # what --model said: a host of its own resolves it there
-        self.backend = backend
+        self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
         self.deadlines = deadlines or Deadlines()
-        self.launcher = launcher or Launcher.local(world_size)
-        if self.launcher.world_size != world_size:
-            raise ValueError(f"the hosts name {self.launcher.world_size} ranks, the pool was asked for {world_size}")
         self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
         self.loaded = False
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
@@ -80,6 +92,7 @@ class Pool:
         self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
+        self._free_memory: list[int] = []  # each rank's host, as its handshake said
 
     @property
     def workers(self) -> list[Link]:
@@ -91,7 +104,10 @@ class Pool:
         return self._fan_out.broken
 
     async def __aenter__(self) -> Pool:
-        check_shardable(read_config(self.model_path), self.world_size)
+        config = read_config(self.model_path)
+        check_splittable(config, self.world_size, self.layout.stages)
+        if self.layout.split:
+            check_split(list(self.layout.split), int(text_config(config)["num_hidden_layers"]), self.layout.stages)
         try:
             pongs = await self.start()
             await self.init_group(pongs)
@@ -126,7 +142,9 @@ class Pool:
             reader = BufferedByteReceiveStream(spawned.process.stdout)
             self.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
         pongs = await self.ping()
-        check_handshake(pongs, describe_host(), self.world_size, self.hosts)
+        mine = describe_host(0)
+        check_handshake(pongs, mine, self.world_size, self.hosts)
+        self._free_memory = [mine.free_memory, *(pongs[r].host.free_memory for r in range(1, self.world_size))]
         for rank, host in enumerate(self.hosts):
             metrics.RANKS.labels(str(rank), host).set(1)
         log.info(
@@ -158,10 +176,11 @@ class Pool:
             self.deadlines.load,
         )
         check_models(checked, self.hosts)
+        layers = self._stage_layers()
         replies = await self._fan_out(
             "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path),
-            lambda rank: rank.load(self.model_path),
+            lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path, layers=layers[rank]),
+            lambda rank: rank.load(self.model_path, layers[0]),
             self.deadlines.load,
         )
         self.loaded = True
@@ -177,6 +196,18 @@ class Pool:
             ms=ms_since(started),
         )
         return loaded
+
+    def _stage_layers(self) -> list[list[int]]:
+        """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
+        if self.layout.stages == 1:
+            return [[] for _ in range(self.world_size)]
+        total = int(text_config(read_config(self.model_path))["num_hidden_layers"])
+        counts = choose_split(self.model_path, total, self.layout.stages, list(self.layout.split), self._free_memory)
+        self.layers = ranges(counts)
+        log.info("pipeline split", layers=counts, hosts=self.hosts, by="asked" if self.layout.split else "free memory")
+        for rank, count in enumerate(counts):
+            metrics.STAGE_LAYERS.labels(str(rank), self.hosts[rank]).set(count)
+        return [list(r) for r in self.layers]
 
     async def step(self, plan: StepPlan, joining: dict[int, SamplingParams]) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.

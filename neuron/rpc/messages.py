@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -131,9 +131,13 @@ class CheckModel:
 
 @dataclass(frozen=True, slots=True)
 class LoadShard:
+    """Load this rank's share: a slice of every layer (``layers`` empty), or layers ``[first, end)`` whole, a
+    pipeline stage."""
+
     op: ClassVar[str] = "load_shard"
     id: int
     model_path: str
+    layers: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,10 +156,16 @@ class Prefill:
 
 @dataclass(frozen=True, slots=True)
 class Decode:
-    """One row of the batched decode: ``token`` (sampled in the previous step) is fed to ``seq``."""
+    """One row of the batched decode: ``token`` (sampled in the previous step) is fed to ``seq``.
+
+    ``group`` is the micro-batch the row belongs to, fixed when the sequence
+    joins the batch: a pipeline runs each as a pass of its own, so that its
+    stages work at the same time (always 0 without a pipeline).
+    """
 
     seq: int
     token: int
+    group: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,14 +24,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.tp.batch import Batch
 from neuron.tp.hooks import Hooks
-from neuron.tp.shard import VocabShard, backbone, load_shard, parameter_count, shard_head
-
-# One forward pass takes at most this many tokens of a prompt (however many the
-# step feeds): the attention scores of one pass stay small, and every rank cuts
-# a prompt at the same places, so all ranks issue the same collectives in the
-# same order.
-FORWARD_TOKENS = 512
+from neuron.tp.runner import Cache, Sharded, Stage
+from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
 
 
 class RankError(RuntimeError):
@@ -74,11 +70,10 @@ class Rank:
         self.world_size = world_size
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
-        self.head: VocabShard | None = None  # the vocabulary projection split over the ranks, where it can be
+        self.runner: Sharded | Stage | None = None
         self.vocab_size = 0
         self.seqs: dict[int, _Seq] = {}
-        self.batch_ids: list[int] = []  # the batch's rows, in order
-        self.batch: list[BatchKVCache] | None = None  # one per layer
+        self.batch = Batch()
         self._steps = 0
         self._hooks = Hooks.read(rank)
 
@@ -104,24 +99,36 @@ class Rank:
         self.group = group
         return float(total.item())
 
-    def load(self, model_path: str) -> Loaded:
+    def load(self, model_path: str, layers: list[int]) -> Loaded:
+        """This rank's share of the model: a slice of every layer, or (``layers`` = [first, end)) a pipeline
+        stage of whole layers."""
         if self.world_size > 1 and self.group is None:
             raise RankError(f"rank {self.rank}: load_shard before init; send init first")
         start = time.perf_counter()
         self.unload()
-        config = read_config(model_path)  # the leader checked it can be split (tp.shard.check_shardable)
+        config = read_config(model_path)  # the leader checked it can be split (tp.shard.check_splittable)
         self.vocab_size = text_config(config)["vocab_size"]
-        model = load_shard(model_path, self.group)
+        if layers:
+            if self.group is None:
+                raise RankError(f"rank {self.rank}: a pipeline stage needs a group of at least two ranks")
+            model = load_stage(model_path, layers[0], layers[1], self.rank)
+        else:
+            model = load_shard(model_path, self.group)
         if not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise RankError(
                 f"rank {self.rank}: {model_path} uses a KV cache other than mlx-lm's KVCache "
                 "(sliding window or state space); batching supports plain attention models only"
             )
         self.model = model
-        self.head = shard_head(model, config.get("model_type", ""), self.group)
+        parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
+        if layers:
+            assert self.group is not None
+            self.runner = Stage(model, self.rank, self.world_size, self.group)
+        else:
+            self.runner = Sharded(model, shard_head(model, config.get("model_type", ""), self.group), self.rank)
         self._steps = 0
         self._hooks = Hooks.read(self.rank)
-        return Loaded(parameter_count(self.model), time.perf_counter() - start)
+        return Loaded(parameters, time.perf_counter() - start)
 
     # The step.
 
@@ -144,7 +151,7 @@ class Rank:
             self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
-        self._join([row.seq for row in plan.decode if row.seq not in self.batch_ids])
+        self._join([row for row in plan.decode if not self.batch.holds(row.seq)])
         out = self._prefill(plan.prefill)
         if plan.decode:
             out.update(self._decode(plan.decode))
@@ -154,8 +161,9 @@ class Rank:
         return out if self.rank == 0 else None
 
     def fingerprint(self) -> str:
-        """A digest of what this rank holds: the batch rows in order, and every sequence's position and last token."""
-        state = [self.batch_ids, sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items())]
+        """A digest of what this rank holds: each micro-batch's rows in order, and every sequence's position and
+        last token."""
+        state = [self.batch.state(), sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items())]
         return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
     def _disagreement(self, plan: StepPlan) -> str | None:
@@ -171,52 +179,40 @@ class Rank:
             if position > 0 and (known is None or known.prompt_done or known.position != position or seq in left):
                 held = "nothing" if known is None else f"{known.position} tokens, prompt done: {known.prompt_done}"
                 return f"sequence {seq} is fed a prompt chunk at {position} but this rank holds {held}"
-        staying = [s for s in self.batch_ids if s not in left]
-        rows = [row.seq for row in plan.decode]
-        if rows[: len(staying)] != staying:
-            return f"the batch here is {staying}, the plan decodes {rows}"
-        for seq in rows[len(staying) :]:
-            known = self.seqs.get(seq)
-            if known is None or not known.prompt_done or seq in left:
-                return f"sequence {seq} cannot join the batch: its prompt is not done here"
+        for group in sorted({row.group for row in plan.decode} | set(self.batch.groups)):
+            staying = [s for s in self.batch.ids(group) if s not in left]
+            rows = [row.seq for row in plan.decode if row.group == group]
+            if rows[: len(staying)] != staying:
+                return f"micro-batch {group} here is {staying}, the plan decodes {rows} in it"
+            for seq in rows[len(staying) :]:
+                known = self.seqs.get(seq)
+                if known is None or not known.prompt_done or seq in left or self.batch.holds(seq):
+                    return f"sequence {seq} cannot join micro-batch {group}: its prompt is not done here"
         return None
 
     def _shadow_step(self, plan: StepPlan) -> None:
-        assert self.model is not None
+        assert self.model is not None and self.runner is not None
         self._prefill(plan.prefill, shadow=True)
-        if plan.decode:
-            rows = len(plan.decode)
-            self._forward_batch(
-                mx.zeros((rows, 1), dtype=mx.int32), [BatchKVCache([0] * rows) for _ in self.model.layers]
-            )
+        passes = []
+        for group in sorted({row.group for row in plan.decode}):
+            rows = sum(row.group == group for row in plan.decode)
+            cache = [BatchKVCache([0] * rows) for _ in self.model.layers]
+            passes.append((mx.zeros((rows, 1), dtype=mx.int32), cache))
+        self.runner.logits(passes)
 
     def _leave(self, leaving: list[int]) -> None:
         for seq in leaving:
             del self.seqs[seq]
-        if self.batch is None or not any(s in leaving for s in self.batch_ids):
-            return
-        keep = [i for i, s in enumerate(self.batch_ids) if s not in leaving]
-        self.batch_ids = [self.batch_ids[i] for i in keep]
-        if not keep:
-            self.batch = None
-            return
-        for layer in self.batch:
-            layer.filter(keep)
+        self.batch.leave(set(leaving))
 
-    def _join(self, joining: list[int]) -> None:
-        if not joining:
-            return
-        caches = [self.seqs[s].cache for s in joining]
-        assert self.model is not None and all(c is not None for c in caches)
-        merged = [BatchKVCache.merge([c[i] for c in caches]) for i in range(len(self.model.layers))]  # type: ignore[index]
-        if self.batch is None:
-            self.batch = merged
-        else:
-            for layer, new in zip(self.batch, merged, strict=True):
-                layer.extend(new)
-        self.batch_ids += joining
-        for s in joining:
-            self.seqs[s].cache = None
+    def _join(self, joining: list[Decode]) -> None:
+        for group in sorted({row.group for row in joining}):
+            seqs = [row.seq for row in joining if row.group == group]
+            caches = [self.seqs[s].cache for s in seqs]
+            assert all(c is not None for c in caches)
+            self.batch.join(group, seqs, caches)  # type: ignore[arg-type]
+            for s in seqs:
+                self.seqs[s].cache = None
 
     def _prefill(self, chunks: list[Prefill], shadow: bool = False) -> dict[int, mx.array]:
         """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
@@ -273,45 +269,41 @@ class Rank:
         logits = self._forward_batch(mx.array(tokens[-1:])[None], cache)
         return None if logits is None else logits[0]
 
-    def _feed(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> None:
-        """Run the backbone over ``tokens`` (rows of equal length), FORWARD_TOKENS at a time, filling ``cache``."""
-        assert self.model is not None
-        trunk = backbone(self.model)
-        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
-            hidden = trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache)
-            mx.eval(hidden, [(c.keys, c.values) for c in cache])
+    def _feed(self, tokens: mx.array, cache: Cache) -> None:
+        assert self.runner is not None
+        self.runner.feed(tokens, cache)
+
+    def _forward_batch(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+        """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
+        assert self.runner is not None
+        return self.runner.logits([(tokens, cache)])[0]
 
     def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
-        assert self.batch is not None
-        logits = self._forward_batch(mx.array([[row.token] for row in rows]), self.batch)
+        """One token for every row, a pass per micro-batch; rank 0 gets each row's logits."""
+        assert self.runner is not None
+        token = {row.seq: row.token for row in rows}
+        groups = sorted({row.group for row in rows})
+        passes = []
+        for group in groups:
+            batch = self.batch.groups[group]
+            passes.append((mx.array([[token[seq]] for seq in batch.ids]), batch.cache))
+        logits = self.runner.logits(passes)
         for row in rows:
             state = self.seqs[row.seq]
             state.position += 1
             state.last = row.token
-        if logits is None:
-            return {}
-        return {row.seq: logits[i] for i, row in enumerate(rows)}
-
-    def _forward_batch(self, tokens: mx.array, cache: list[KVCache] | list[BatchKVCache]) -> mx.array | None:
-        """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
-        assert self.model is not None
-        if self.head is not None:  # every rank projects onto its rows of the vocabulary
-            logits = self.head(backbone(self.model)(tokens, cache=cache)[:, -1, :])
-        elif self.rank == 0:
-            logits = self.model(tokens, cache=cache)[:, -1, :]
-        else:  # the whole head is rank 0's alone
-            mx.eval(backbone(self.model)(tokens, cache=cache))
-            return None
-        mx.eval(logits)
-        return logits if self.rank == 0 else None
+        out: dict[int, mx.array] = {}
+        for group, group_logits in zip(groups, logits, strict=True):
+            if group_logits is not None:
+                out.update({seq: group_logits[i] for i, seq in enumerate(self.batch.groups[group].ids)})
+        return out
 
     def clear_kv_cache(self) -> None:
         self.seqs.clear()
-        self.batch_ids = []
-        self.batch = None
+        self.batch.clear()
 
     def unload(self) -> None:
         self.clear_kv_cache()
         self.model = None
-        self.head = None
+        self.runner = None
         mx.clear_cache()

@@ -13,18 +13,27 @@ from mlx_lm.utils import _get_classes, load_model
 
 from neuron.models import ModelError, text_config
 
+# Architectures whose inner model embeds, runs its layers with a mask made from the first layer's cache, and
+# applies a final norm, taking ``input_embeddings`` in place of tokens: a pipeline stage is a slice of their
+# layer list, whatever mlx-lm's own ``pipeline()`` covers.
+PIPELINE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-def check_shardable(config: dict, world_size: int) -> None:
-    """Raise ``ModelError`` unless a model of this config can be split over ``world_size`` ranks.
 
-    The leader calls it once, before any rank is spawned: a model whose heads do
-    not divide would otherwise fail on every rank at once, after each had spent
+def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
+    """Raise ``ModelError`` unless a model of this config can be split over ``world_size`` ranks, in ``stages``
+    pipeline stages (tensor parallel over all of them when 1).
+
+    The leader calls it once, before any rank is spawned: a model that cannot
+    be split would otherwise fail on every rank at once, after each had spent
     the time (and memory) to read its weights.
     """
     try:
         model_class, _ = _get_classes(config)
     except ValueError as e:
         raise ModelError(f"mlx-lm does not support this architecture ({e})") from None
+    if stages > 1:
+        _check_stages(config, stages)
+        return
     if world_size == 1:
         return
     arch = config.get("model_type", "?")
@@ -39,6 +48,21 @@ def check_shardable(config: dict, world_size: int) -> None:
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
+
+
+def _check_stages(config: dict, stages: int) -> None:
+    arch = config.get("model_type", "?")
+    text = text_config(config)
+    if arch not in PIPELINE:
+        raise ModelError(
+            f"neuron splits {', '.join(sorted(PIPELINE))} models into pipeline stages, not {arch!r}; "
+            "serve it with --tp instead of --pp"
+        )
+    if text.get("sliding_window") and any(t != "full_attention" for t in text.get("layer_types") or ["sliding"]):
+        raise ModelError(f"{arch!r} with a sliding window cannot be served in pipeline stages; use --tp")
+    layers = int(text["num_hidden_layers"])
+    if layers < stages:
+        raise ModelError(f"the model has {layers} layers, fewer than the {stages} pipeline stages asked for")
 
 
 def backbone(model: nn.Module) -> nn.Module:
@@ -114,6 +138,25 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     model, _ = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
         model.shard(group)
+    for _, parameter in tree_flatten(model.parameters()):
+        mx.eval(parameter)
+    return model
+
+
+def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Module:
+    """Load layers ``[first, end)`` of the model, and on rank 0 the embedding, final norm and head too.
+
+    The model is loaded lazily and the other layers dropped before anything is
+    read, so a rank reads, and holds, only its stage (a tied head is the
+    embedding, and both are rank 0's).
+    """
+    model, _ = load_model(Path(model_path), lazy=True)
+    inner = backbone(model)
+    inner.layers = inner.layers[first:end]
+    if rank != 0:
+        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
+            if name in owner:
+                del owner[name]
     for _, parameter in tree_flatten(model.parameters()):
         mx.eval(parameter)
     return model

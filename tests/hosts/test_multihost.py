@@ -62,6 +62,17 @@ def test_tp2_across_two_hosts_equals_tp1(bed: Namespaces, tiny_models: dict[str,
     nothing_left(bed)
 
 
+def test_pipeline_stages_across_hosts_equal_tp1(bed: Namespaces, tiny_models: dict[str, Path]) -> None:
+    """Each host holds its own run of layers; the hidden states cross the links, the last back to the leader."""
+    model = str(tiny_models["qwen3"])
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "pp3.json")
+    across = generate("--model", model, "--pp", "3", *hosts_args(bed, hostfile), PROMPT)
+    assert across == generate("--model", model, PROMPT)
+    two = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
+    assert generate("--model", model, "--pp", "2", *hosts_args(bed, two), PROMPT) == across
+    nothing_left(bed)
+
+
 def test_a_remote_workers_log_reaches_the_journal_with_its_rank_and_host(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -79,12 +90,13 @@ def test_a_remote_workers_log_reaches_the_journal_with_its_rank_and_host(
     assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
 
 
-def test_smollm2_tp3_across_three_hosts_equals_tp1(bed: Namespaces, smollm2: Path) -> None:
+def test_smollm2_tp3_and_pp3_across_three_hosts_equal_tp1(bed: Namespaces, smollm2: Path) -> None:
     question = ("--chat", "What is the capital of France?")
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "tp3.json")
     # No --model: each host finds the embedded SmolLM2 and converts it itself.
     across = generate(*hosts_args(bed, hostfile), *question)
     assert across == generate(*question) and "Paris" in across
+    assert generate(*hosts_args(bed, hostfile), "--pp", "3", *question) == across  # 30 layers in three stages
     nothing_left(bed)
 
 
@@ -240,7 +252,7 @@ def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expe
 
 
 def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    liar = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_VERSIONS": "mlx=0.0.1"})}
+    liar = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_HOST": "mlx=0.0.1"})}
     hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
     _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
 
@@ -338,4 +350,4 @@ def test_the_hostfile_is_checked_before_anything_starts(tmp_path: Path) -> None:
         assert done.returncode == 2 and message in done.stderr, (content, done.stderr)
     bad.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * 2))
     done = run_neuron("serve", "--hosts", str(bad), "--tp", "3", "--port", "0", timeout=30)
-    assert done.returncode == 2 and "--tp 3 but the hostfile" in done.stderr
+    assert done.returncode == 2 and "names 2 ranks, but --tp 3 x --pp 1 makes 3" in done.stderr

@@ -1,0 +1,72 @@
+"""How a model's layers are split into pipeline stages, one per rank: by each host's free memory, or as asked.
+
+Rank 0 holds, besides its layers, the embedding, the final norm and the head
+(it samples), so its room for layers is its free memory less those. Each
+stage gets a share of the layers in proportion to its room, rounded by the
+largest remainder, at least one each. No MLX here: the leader decides, from
+the handshake's free memory and the weights' headers, before any rank loads.
+"""
+
+from __future__ import annotations
+
+
+class SplitError(ValueError):
+    """A split that cannot be used; the message says which."""
+
+
+def parse_split(text: str) -> list[int]:
+    """``--pp-layers 10,20``: layers per stage, in rank order."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise SplitError(f"--pp-layers must be layer counts per stage, like 10,20; got {text!r}") from None
+    if any(c < 1 for c in counts):
+        raise SplitError(f"--pp-layers gives every stage at least one layer; got {text!r}")
+    return counts
+
+
+def check_split(counts: list[int], layers: int, stages: int) -> None:
+    if len(counts) != stages or sum(counts) != layers:
+        raise SplitError(
+            f"--pp-layers {','.join(map(str, counts))} must name {stages} stages whose layers add up to the "
+            f"model's {layers}"
+        )
+
+
+def split_by_memory(per_layer: list[int], rest: int, free: list[int]) -> list[int]:
+    """Layers per stage in proportion to each rank's room (rank 0's free memory less ``rest``), at least one each."""
+    stages, layers = len(free), len(per_layer)
+    room = [max(f - (rest if r == 0 else 0), 0) for r, f in enumerate(free)]
+    total = sum(room)
+    shares = [layers * r / total for r in room] if total else [layers / stages] * stages
+    counts = [max(1, int(s)) for s in shares]
+    # Largest remainder: the stages whose share lost most to rounding get the layers left (or give back extras).
+    order = sorted(range(stages), key=lambda r: shares[r] - int(shares[r]), reverse=True)
+    i = 0
+    while sum(counts) < layers:
+        counts[order[i % stages]] += 1
+        i += 1
+    while sum(counts) > layers:
+        widest = max((r for r in range(stages) if counts[r] > 1), key=lambda r: counts[r] - shares[r])
+        counts[widest] -= 1
+    return counts
+
+
+def ranges(counts: list[int]) -> list[tuple[int, int]]:
+    """Each stage's ``[first, end)``, in rank order."""
+    out, first = [], 0
+    for count in counts:
+        out.append((first, first + count))
+        first += count
+    return out
+
+
+def choose_split(model_path: str, layers: int, stages: int, asked: list[int], free: list[int]) -> list[int]:
+    """Layers per stage: as asked (``--pp-layers``), else by each rank's free memory."""
+    if asked:
+        check_split(asked, layers, stages)
+        return asked
+    from neuron.models import weight_bytes
+
+    per_layer, rest = weight_bytes(model_path, layers)
+    return split_by_memory(per_layer, rest, free)

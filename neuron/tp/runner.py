@@ -1,0 +1,133 @@
+"""How one rank runs a forward pass, and where its hidden states and logits go.
+
+``Sharded`` is tensor parallelism: every rank holds a slice of every layer, and
+the all-reduces ``shard()`` put in each layer join the slices. ``Stage`` is
+pipeline parallelism: every rank holds a run of whole layers, receives the
+hidden states of the rank before it, and sends its own to the next; the last
+stage sends the positions whose logits are wanted back to rank 0, which holds
+the final norm and the projection to the vocabulary, because rank 0 samples.
+Both issue the same collectives on every rank for the same call, whatever a
+rank's own state: the plan alone fixes every shape.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from neuron.tp.shard import VocabShard, backbone
+
+# One forward pass takes at most this many tokens of a prompt (however many the
+# step feeds): the attention scores of one pass stay small, and every rank cuts
+# a prompt at the same places, so all ranks issue the same collectives in the
+# same order.
+FORWARD_TOKENS = 512
+
+Cache = list[KVCache] | list[BatchKVCache]
+Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
+
+
+def _eval_with(cache: Cache, *arrays: mx.array) -> None:
+    mx.eval(*arrays, [(c.keys, c.values) for c in cache])
+
+
+class Sharded:
+    """Tensor parallel: a slice of every layer here; the vocabulary projection split too where that pays."""
+
+    def __init__(self, model: nn.Module, head: VocabShard | None, rank: int) -> None:
+        self.model = model
+        self.head = head
+        self.rank = rank
+
+    def feed(self, tokens: mx.array, cache: Cache) -> None:
+        """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits."""
+        trunk = backbone(self.model)
+        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
+            _eval_with(cache, trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache))
+
+    def logits(self, passes: list[Pass]) -> list[mx.array | None]:
+        """Each pass's last-position logits on rank 0 (None on the other ranks)."""
+        return [self._logits(tokens, cache) for tokens, cache in passes]
+
+    def _logits(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+        if self.head is not None:  # every rank projects onto its rows of the vocabulary
+            logits = self.head(backbone(self.model)(tokens, cache=cache)[:, -1, :])
+        elif self.rank == 0:
+            logits = self.model(tokens, cache=cache)[:, -1, :]
+        else:  # the whole head is rank 0's alone
+            mx.eval(backbone(self.model)(tokens, cache=cache))
+            return None
+        mx.eval(logits)
+        return logits if self.rank == 0 else None
+
+
+class Stage:
+    """Pipeline parallel: layers ``[first, end)`` of the model here, whole; rank 0 also embeds and projects.
+
+    ``model`` was loaded with only this stage's layers (``shard.load_stage``).
+    Its inner model's own call runs them, embedding first on rank 0 and taking
+    the received hidden states elsewhere (mlx-lm's ``input_embeddings``), with
+    its final norm taken out: rank 0 applies it once, after the last stage.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
+        self.inner = backbone(model)
+        self.rank = rank
+        self.stages = stages
+        self.group = group
+        self.dtype = self.inner.layers[0].input_layernorm.weight.dtype
+        self.hidden = self.inner.layers[0].input_layernorm.weight.shape[0]
+        self.norm, self.project = None, None
+        if rank == 0:
+            self.norm = self.inner.norm
+            head = model.get("lm_head")
+            self.project = head if head is not None else self.inner.embed_tokens.as_linear
+        self.inner.norm = nn.Identity()
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.stages - 1
+
+    def _through(self, tokens: mx.array, cache: Cache) -> mx.array:
+        """This stage's layers over ``tokens``: embedded here on rank 0, received from the stage before elsewhere."""
+        if self.rank == 0:
+            return self.inner(tokens, cache=cache)
+        rows, length = tokens.shape
+        received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
+        return self.inner(tokens, cache=cache, input_embeddings=received)
+
+    def feed(self, tokens: mx.array, cache: Cache) -> None:
+        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
+            hidden = self._through(tokens[:, start : start + FORWARD_TOKENS], cache)
+            if not self.last:
+                hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
+            _eval_with(cache, hidden)
+
+    def logits(self, passes: list[Pass]) -> list[mx.array | None]:
+        """Every pass through every stage; rank 0 gets each pass's last-position logits.
+
+        Each stage sends a pass on as soon as it is done with it, and rank 0 reads
+        the results back only after sending every pass: with several passes (the
+        plan's micro-batches), stage 1 works on the first while rank 0 works on
+        the second, instead of each stage waiting for the whole batch.
+        """
+        for tokens, cache in passes:
+            hidden = self._through(tokens, cache)
+            if self.last:
+                sent = mx.distributed.send(hidden[:, -1:, :], 0, group=self.group)
+            else:
+                sent = mx.distributed.send(hidden, self.rank + 1, group=self.group)
+            _eval_with(cache, sent)
+        if self.rank != 0:
+            return [None] * len(passes)
+        assert self.norm is not None and self.project is not None
+        out: list[mx.array | None] = []
+        for tokens, _ in passes:
+            hidden = mx.distributed.recv(
+                (tokens.shape[0], 1, self.hidden), self.dtype, self.stages - 1, group=self.group
+            )
+            logits = self.project(self.norm(hidden))[:, -1, :]
+            mx.eval(logits)
+            out.append(logits)
+        return out

@@ -1,0 +1,102 @@
+"""Pipeline parallelism: the model's layers in runs of whole layers, one run per rank, hidden states passed on.
+
+Each multi-rank case runs in a fresh leader process (tests/leader_scenarios.py),
+as the pool tests do; the serving path is covered by test_batching's ``pp2``
+server, and by tests/hosts across hosts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from conftest import run_neuron
+from test_pool import scenario
+
+from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
+from neuron.models import ModelError, weight_bytes
+from neuron.tp.shard import check_splittable
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: dict[str, Path]) -> dict[str, dict]:
+    """Each tiny model at TP=1: its greedy tokens and its parameter count."""
+    return {arch: scenario("generate", str(path), 1, 24) for arch, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_pipeline_stages_give_tp1s_tokens_each_holding_its_share(
+    tiny_models: dict[str, Path], reference: dict[str, dict], arch: str, stages: int
+) -> None:
+    result = scenario("generate", str(tiny_models[arch]), stages, 24, stages)
+    alone = reference[arch]
+    assert result["tokens"] == alone["tokens"] and result["after_reload"] == alone["tokens"]
+    assert len(set(alone["tokens"])) > 8
+    layers = result["layers"]
+    assert [end - first for first, end in layers] and layers[0][0] == 0 and layers[-1][1] == 4
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(layers))  # contiguous, in rank order
+    # Every parameter is held once: rank 0 the embedding (tied: also the head) and its layers, the rest theirs.
+    assert sum(result["parameters"]) == alone["parameters"][0]
+    assert max(result["parameters"][1:]) < alone["parameters"][0] / 2
+
+
+def test_an_uneven_split_and_one_by_free_memory_give_the_same_tokens(
+    tiny_models: dict[str, Path], reference: dict[str, dict]
+) -> None:
+    model = str(tiny_models["qwen3"])
+    uneven = scenario("generate", model, 2, 24, 2, [1, 3])
+    assert uneven["layers"] == [[0, 1], [1, 4]] and uneven["tokens"] == reference["qwen3"]["tokens"]
+    per_layer, rest = weight_bytes(model, 4)
+    # Rank 1's host has three times rank 0's room for layers (rank 0 also holds the embedding).
+    room = 2 * per_layer[0]
+    fake = f"0:free_memory={room + rest};1:free_memory={3 * room}"
+    weighted = scenario("generate", model, 2, 24, 2, env={"NEURON_TEST_FAKE_HOST": fake})
+    assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == reference["qwen3"]["tokens"]
+
+
+def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(smollm2: Path) -> None:
+    question = ("generate", "--chat", "--max-tokens", "24", "What is the capital of France?")
+    alone = run_neuron(*question)
+    assert alone.returncode == 0 and "Paris" in alone.stdout, alone.stderr[-2000:]
+    for split in (("--pp", "3"), ("--pp", "2", "--pp-layers", "5,25")):
+        staged = run_neuron(*question, *split)
+        assert staged.returncode == 0, staged.stderr[-2000:]
+        assert staged.stdout == alone.stdout, split
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--tp", "2", "--pp", "2"), "needs sub-groups of the ranks"),
+        (("--pp", "2", "--pp-layers", "1,1,2"), "must name 2 stages whose layers add up to the model's 4"),
+        (("--pp", "2", "--pp-layers", "a,b"), "--pp-layers must be layer counts"),
+        (("--pp-layers", "2,2"), "give --pp too"),
+        (("--pp", "5"), "4 layers, fewer than the 5 pipeline stages"),
+    ],
+)
+def test_splits_that_cannot_be_are_refused_before_anything_loads(
+    tiny_models: dict[str, Path], args: tuple[str, ...], message: str
+) -> None:
+    done = run_neuron("generate", "--model", str(tiny_models["llama"]), *args, "hello", timeout=60)
+    assert done.returncode in (1, 2) and message in done.stderr, done.stderr[-2000:]
+
+
+def test_an_architecture_neuron_cannot_stage_is_named() -> None:
+    config = {"model_type": "gemma", "num_hidden_layers": 4, "vocab_size": 10, "hidden_size": 8}
+    with pytest.raises(ModelError, match="not 'gemma'; serve it with --tp instead of --pp"):
+        check_splittable(config, 2, 2)
+
+
+def test_layers_go_where_the_memory_is() -> None:
+    per_layer, rest = [10] * 30, 50
+    assert split_by_memory(per_layer, rest, [350, 300]) == [15, 15]  # rank 0's 50 bytes of head set aside
+    assert split_by_memory(per_layer, rest, [200, 300]) == [10, 20]
+    crowded = split_by_memory(per_layer, rest, [50, 100, 100])
+    assert crowded[0] == 1 and sorted(crowded[1:]) == [14, 15]  # no room left on rank 0: still one layer
+    counts = split_by_memory([10] * 7, 0, [1, 1, 1])
+    assert sorted(counts) == [2, 2, 3] and sum(counts) == 7  # the remainder goes by largest share left over
+    assert parse_split("10,20") == [10, 20]
+    with pytest.raises(SplitError):
+        check_split([10, 20], 31, 2)
