@@ -118,8 +118,8 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
             hosts = local_hosts(tp * args.pp)
         if tp > 1 and args.pp > 1:
             raise HostsError(
-                f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which the ring "
-                "backend cannot make and neuron does not combine yet on jaccl or nccl; use --tp or --pp alone"
+                f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which MLX's "
+                f"{args.backend} backend cannot make (of its backends only MPI can); use --tp or --pp alone"
             )
         check_hosts(hosts, args.backend)
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()

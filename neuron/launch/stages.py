@@ -9,6 +9,13 @@ the handshake's free memory and the weights' headers, before any rank loads.
 
 from __future__ import annotations
 
+import structlog
+
+from neuron import metrics
+from neuron.models import read_config, text_config, weight_bytes
+
+log = structlog.get_logger("neuron.pool")
+
 
 class SplitError(ValueError):
     """A split that cannot be used; the message says which."""
@@ -61,12 +68,15 @@ def ranges(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def choose_split(model_path: str, layers: int, stages: int, asked: list[int], free: list[int]) -> list[int]:
-    """Layers per stage: as asked (``--pp-layers``), else by each rank's free memory."""
-    if asked:
-        check_split(asked, layers, stages)
-        return asked
-    from neuron.models import weight_bytes
-
-    per_layer, rest = weight_bytes(model_path, layers)
-    return split_by_memory(per_layer, rest, free)
+def plan_stages(model_path: str, asked: list[int], free: list[int], hosts: list[str]) -> list[tuple[int, int]]:
+    """Each stage's ``[first, end)``: as asked (``--pp-layers``), else by each rank's free memory; logged and
+    shown in ``/metrics``, so an operator sees where the layers went."""
+    if asked:  # checked against the model before any rank was spawned
+        counts = asked
+    else:
+        per_layer, rest = weight_bytes(model_path, int(text_config(read_config(model_path))["num_hidden_layers"]))
+        counts = split_by_memory(per_layer, rest, free)
+    log.info("pipeline split", layers=counts, hosts=hosts, by="asked" if asked else "free memory")
+    for rank, count in enumerate(counts):
+        metrics.STAGE_LAYERS.labels(str(rank), hosts[rank]).set(count)
+    return ranges(counts)

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.abc
+import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import rpc
 from neuron.rpc import ErrorKind
+
+log = structlog.get_logger("neuron.pool")
 
 
 @dataclass(slots=True)
@@ -60,6 +63,28 @@ class Link:
         if not isinstance(reply, (rpc.EXPECTED_REPLY[type(request)], rpc.Error)):
             raise rpc.ProtocolError(ErrorKind.UNKNOWN_OP, f"{reply.op} does not answer {request.op}")
         return reply
+
+    async def stop(self, deadline: float, broken: bool) -> None:
+        """Ask the worker to leave and reap it; kill it if it has not left by ``deadline``, or at once if the
+        group is ``broken`` (its worker may sit in a collective for a lost peer: asking it only waits)."""
+        try:
+            if broken:
+                if self.process.returncode is None:
+                    self.process.kill()
+                await self.process.wait()
+                return
+            try:
+                request = await self.send(rpc.Shutdown(id=self.take_id()), deadline)
+                await self.receive(request, deadline)
+                with anyio.fail_after(deadline):
+                    await self.process.wait()
+            except Exception as e:  # noqa: BLE001 - any failure here ends in a kill
+                if self.process.returncode is None:
+                    log.warning("worker did not leave cleanly; killing it", rank=self.rank, error=str(e))
+                    self.process.kill()
+                    await self.process.wait()
+        finally:
+            await self.process.aclose()
 
     async def exit_status(self) -> str:
         """How the process ended, for an error message; waits briefly for the kernel to report it."""

@@ -29,7 +29,7 @@ from neuron import cpu, metrics, rpc
 from neuron.launch.checks import Unreachable, check_handshake, check_models
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
-from neuron.launch.stages import check_split, choose_split, ranges
+from neuron.launch.stages import check_split, plan_stages
 from neuron.log import ms_since
 from neuron.models import fingerprint, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
@@ -201,12 +201,7 @@ class Pool:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         if self.layout.stages == 1:
             return [[] for _ in range(self.world_size)]
-        total = int(text_config(read_config(self.model_path))["num_hidden_layers"])
-        counts = choose_split(self.model_path, total, self.layout.stages, list(self.layout.split), self._free_memory)
-        self.layers = ranges(counts)
-        log.info("pipeline split", layers=counts, hosts=self.hosts, by="asked" if self.layout.split else "free memory")
-        for rank, count in enumerate(counts):
-            metrics.STAGE_LAYERS.labels(str(rank), self.hosts[rank]).set(count)
+        self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
         return [list(r) for r in self.layers]
 
     async def step(self, plan: StepPlan, joining: dict[int, SamplingParams]) -> dict[int, Sampled]:
@@ -298,30 +293,9 @@ class Pool:
         self._closing = True
         workers, self._fan_out.workers = self.workers, []
 
-        async def stop(worker: Link) -> None:
-            if self.broken is not None:
-                # A broken group's workers may sit in a collective for a lost peer: asking them to leave only waits.
-                if worker.process.returncode is None:
-                    worker.process.kill()
-                await worker.process.wait()
-                await worker.process.aclose()
-                return
-            try:
-                request = await worker.send(rpc.Shutdown(id=worker.take_id()), self.deadlines.shutdown)
-                await worker.receive(request, self.deadlines.shutdown)
-                with anyio.fail_after(self.deadlines.shutdown):
-                    await worker.process.wait()
-            except Exception as e:  # noqa: BLE001 - any failure here ends in a kill
-                if worker.process.returncode is None:
-                    log.warning("worker did not leave cleanly; killing it", rank=worker.rank, error=str(e))
-                    worker.process.kill()
-                    await worker.process.wait()
-            finally:
-                await worker.process.aclose()
-
         async with anyio.create_task_group() as tg:
             for worker in workers:
-                tg.start_soon(stop, worker)
+                tg.start_soon(worker.stop, self.deadlines.shutdown, self.broken is not None)
         # A broken group may hold rank 0 inside a collective forever: do not wait long for it.
         await self._rank0.close(1.0 if self.broken else self.deadlines.shutdown)
         self._scratch.cleanup()
