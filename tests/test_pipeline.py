@@ -66,6 +66,18 @@ def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(smollm2:
         assert staged.stdout == alone.stdout, split
 
 
+def test_seeded_sampling_in_stages_equals_one_rank(tiny_models: dict[str, Path]) -> None:
+    """A stage runs whole layers in the same order as one rank does, so the logits, and what a seed draws from
+    them, are the same."""
+    sample = ("generate", "--model", str(tiny_models["qwen3"]), "--max-tokens", "24", "--temperature", "1.0")
+    alone = run_neuron(*sample, "--seed", "7", "hello")
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert run_neuron(*sample, "--seed", "8", "hello").stdout != alone.stdout  # the seed decides: it is sampling
+    for stages in ("2", "3"):
+        staged = run_neuron(*sample, "--seed", "7", "--pp", stages, "hello")
+        assert staged.returncode == 0 and staged.stdout == alone.stdout, (stages, staged.stderr[-2000:])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
