@@ -125,6 +125,8 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
         if args.split and args.pp == 1:
             raise HostsError("--pp-layers splits pipeline stages: give --pp too")
+        if getattr(args, "micro_batches", 1) > 1 and args.pp == 1:
+            raise HostsError("--micro-batches overlaps pipeline stages: give --pp too, or leave it at 1")
     except (HostsError, SplitError) as e:
         return [str(e)]
     args.tp = tp

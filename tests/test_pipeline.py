@@ -104,6 +104,11 @@ def test_splits_that_cannot_be_are_refused_before_anything_loads(
     assert done.returncode in (1, 2) and message in done.stderr, done.stderr[-2000:]
 
 
+def test_micro_batches_without_stages_are_refused(tiny_models: dict[str, Path]) -> None:
+    done = run_neuron("serve", "--model", str(tiny_models["llama"]), "--micro-batches", "2", "--port", "0", timeout=60)
+    assert done.returncode == 2 and "--micro-batches overlaps pipeline stages: give --pp too" in done.stderr
+
+
 def test_an_architecture_neuron_cannot_stage_is_named() -> None:
     config = {"model_type": "gemma", "num_hidden_layers": 4, "vocab_size": 10, "hidden_size": 8}
     with pytest.raises(ModelError, match="not 'gemma'; serve it with --tp instead of --pp"):
