@@ -9,8 +9,6 @@ greedy streams of which some disconnect at random. What must hold:
   anything else (a stale reply would surface as a wrong text, a protocol error or
   an unexplained desync);
 - the group is never lost, and after the soak every prompt still answers as before.
-
-The long run (500 requests) is ``bench/soak.py``; it calls ``soak`` below.
 """
 
 from __future__ import annotations
