@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from neuron.rpc import StepPlan
@@ -63,11 +64,12 @@ class Sampler:
         )
         return mx.random.key(self._seed)
 
-    def __call__(self, logits: mx.array) -> Sampled:
+    def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
+        """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
         if self._key is None:
             self._key = self._start()
         p = self.params
-        adjusted = logits[None]
+        adjusted = logits[None] if allowed is None else mx.where(allowed, logits, -mx.inf)[None]
         if self._processors:
             recent = mx.array(self._recent)
             for process in self._processors:
@@ -130,13 +132,37 @@ class Samplers:
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
     """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation."""
-    plain = [no for no in logits if samplers[no].plain]
-    out: dict[int, Sampled] = {}
+    allowed, out = _masks(samplers, logits)
+    plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
-        tokens = mx.argmax(mx.stack([logits[no] for no in plain]), axis=-1).tolist()
+        rows = [logits[no] if no not in allowed else mx.where(allowed[no], logits[no], -mx.inf) for no in plain]
+        tokens = mx.argmax(mx.stack(rows), axis=-1).tolist()
         for no, token in zip(plain, tokens, strict=True):
             out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
     for no, row in logits.items():
         if no not in out:
-            out[no] = samplers[no](row)
+            out[no] = samplers[no](row, allowed.get(no))
+    for no in allowed:
+        constraint = samplers[no].params.constraint
+        assert constraint is not None
+        if (error := constraint.advance(out[no].token)) is not None:
+            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
     return out
+
+
+def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[dict[int, mx.array], dict[int, Sampled]]:
+    """Each constrained row's allowed tokens, and the rows whose constraint allows none (they end in error)."""
+    rows = [(no, c) for no in logits if (c := samplers[no].params.constraint) is not None]
+    if not rows:
+        return {}, {}
+    width = next(iter(logits.values())).shape[-1]
+    bits = np.zeros((len(rows), max(c.words for _, c in rows)), dtype=np.int32)
+    failed = {}
+    for i, (no, constraint) in enumerate(rows):
+        if (error := constraint.fill(bits[i, : constraint.words])) is not None:
+            failed[no] = Sampled(0, NOT_ASKED, error=error)
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width]
+    if unpacked.shape[1] < width:  # ids past the grammar's vocabulary are never allowed
+        unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))
+    masks = mx.array(unpacked.astype(np.bool_))
+    return {no: masks[i] for i, (no, _) in enumerate(rows) if no not in failed}, failed
