@@ -122,4 +122,9 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        return Constraint(matcher, self.vocab_size)
+        constraint = Constraint(matcher, self.vocab_size)
+        # The first mask, here rather than in a step: a schema that admits no first token (``$ref`` loops with
+        # nothing under them) is a 400, not a failed request. Computing a mask does not move the matcher.
+        if (error := constraint.fill(np.zeros(constraint.words, dtype=np.int32))) is not None:
+            raise GrammarError(f"no JSON value can begin to match it (a `$ref` loop with nothing under it?): {error}")
+        return constraint

@@ -229,6 +229,7 @@ async def openapi(request: Request) -> Response:
             vocab_size=engine.vocab_size if engine else None,
             context=engine.context_length if engine else None,
             keyed=state.api_key is not None,
+            auto_tools=engine.text.renders_tools and engine.text.tool_markup is not None if engine else True,
         )
     )
 

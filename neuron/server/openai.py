@@ -312,8 +312,8 @@ def _message_calls(value: Any, where: str) -> list[dict[str, Any]]:
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` must be {{id, type: function, function: {{name, arguments}}}}")
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError as e:
-            raise bad(f"{where}[{i}].function.arguments", f"`{where}[{i}].function.arguments` is not JSON: {e}") from e
+        except json.JSONDecodeError:
+            parsed = arguments  # the template gets it as it came
         out.append({**call, "function": {"name": function["name"], "arguments": parsed or {}}})
     return out
 

@@ -72,8 +72,6 @@ def parse(body: dict[str, Any]) -> Tools | None:
         name = function.get("name")
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad(f"{where}.function.name", f"`{where}.function.name` must match {NAME.pattern}, got {name!r}")
-        if name in parameters:
-            raise bad(f"{where}.function.name", f"`{where}.function.name`: {name!r} is defined twice")
         schema = function.get("parameters")
         if schema is not None and not isinstance(schema, dict):
             raise bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema object")
@@ -84,7 +82,8 @@ def parse(body: dict[str, Any]) -> Tools | None:
     elif isinstance(choice, dict):
         function = choice.get("function")
         if choice.get("type") != "function" or not isinstance(function, dict) or function.get("name") not in parameters:
-            raise bad("tool_choice", f"`tool_choice` must name one of the tools given: {', '.join(parameters)}")
+            names = ", ".join(parameters) or "none given"
+            raise bad("tool_choice", f"`tool_choice` must name one of the tools given: {names}", "tool_not_found")
         choice = function["name"]
     elif choice not in ("none", "auto", "required"):
         expected = '"none", "auto", "required" or {type: function, function: {name}}'
@@ -204,3 +203,98 @@ class ToolStream:
                 calls.append(_call(call.get("name"), call.get("arguments", {}), self.tools.parameters))
             content.append(after)
         return "".join(content).strip(), calls
+
+
+# The OpenAPI pieces of this route family, beside the checks they describe.
+
+CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}},
+        },
+    },
+}
+
+
+def request_properties(auto: bool) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; ``auto`` only where the model can take it."""
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "description": {"type": "string"},
+            "parameters": {"type": "object", "description": "a JSON schema; enforced for required and named calls"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+    }
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        },
+        "description": "one of `tools` by name (a name not among them is a 400, code tool_not_found)",
+    }
+    choices = ["none", "auto", "required"] if auto else ["none", "required"]
+    return {
+        "tools": {
+            "anyOf": [
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "function"],
+                        "properties": {"type": {"const": "function"}, "function": function},
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": choices}, named, {"type": "null"}],
+            "description": "default: auto with tools, none without"
+            + ("" if auto else "; this model's template cannot take auto"),
+        },
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+    }
+
+
+def request_rules(auto: bool) -> list[dict[str, Any]]:
+    """What ties the tool fields together: a forced call needs tools; without auto, tools need a choice."""
+    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+    rules: list[dict[str, Any]] = [
+        {
+            "if": {"properties": {"tool_choice": forced}, "required": ["tool_choice"]},
+            "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+        },
+        {
+            # Both would shape the output: one constraint per request.
+            "not": {
+                "required": ["response_format", "tool_choice"],
+                "properties": {
+                    "response_format": {
+                        "type": "object",
+                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                        "required": ["type"],
+                    },
+                    "tool_choice": forced,
+                },
+            }
+        },
+    ]
+    if not auto:
+        rules.append(
+            {
+                "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+                "then": {"properties": {"tool_choice": {"not": {"type": "null"}}}, "required": ["tool_choice"]},
+            }
+        )
+    return rules
