@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from neuron.server import tools
-from neuron.server.openai import ApiError
+from neuron.server.openai import ApiError, parse
 
 WEATHER = {
     "type": "function",
@@ -19,6 +19,7 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+WEATHER_CALL = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 HERMES = (json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
 MISTRAL = (mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call)
@@ -151,9 +152,19 @@ def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(tmp_path: P
     assert text.renders_tools and text.tool_markup is not None and text.tool_markup[0] == "<tool_call>"
     asked = _auto()
     tools.check_model(asked, text.renders_tools, text.tool_markup)
-    messages = [{"role": "user", "content": "hi"}]
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": WEATHER_CALL}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    }
+    messages = parse(body, chat=True, served_model="m").messages  # the arguments string back to an object
     prompt = text.tokenizer.decode(text.encode_chat(tools.template_messages(messages, asked, True), asked.specs))
-    assert '"name": "get_weather"' in prompt
+    assert '<tools>{"type": "function", "function": {"name": "get_weather"' in prompt
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    assert "<|im_start|>tool\nsunny" in prompt
     with pytest.raises(ApiError) as e:
         tools.check_model(asked, renders_tools=False, markup=None)
     assert e.value.param == "tool_choice" and "required" in e.value.message

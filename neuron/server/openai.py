@@ -36,6 +36,13 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "best_of": ("best_of is not supported; send 1", (1,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
 }
+# Tools are the chat route's; the completions route takes only their neutral values, as it always did.
+COMPLETION_UNSUPPORTED = {
+    **UNSUPPORTED,
+    "tools": ("tools need /v1/chat/completions", ([],)),
+    "tool_choice": ("tools need /v1/chat/completions", ("none",)),
+    "parallel_tool_calls": ("tools need /v1/chat/completions", (True, False)),
+}
 INT64 = (-(2**63), 2**63 - 1)  # what JSON parsers on both ends agree an integer can be
 TOKEN_ID = re.compile(r"[0-9]+")
 SAMPLING_FIELDS = frozenset(
@@ -164,9 +171,10 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unsupported = UNSUPPORTED if chat else COMPLETION_UNSUPPORTED
     for name, value in body.items():
-        if name in UNSUPPORTED:
-            reason, neutral = UNSUPPORTED[name]
+        if name in unsupported:
+            reason, neutral = unsupported[name]
             if value is not None and not any(_same(value, n) for n in neutral):
                 raise bad(name, f"`{name}`: {reason} by neuron", "unsupported_parameter")
         elif name not in allowed and name not in IGNORED:

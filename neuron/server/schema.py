@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
 from neuron.server import tools
-from neuron.server.openai import IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
+from neuron.server.openai import COMPLETION_UNSUPPORTED, IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
 
 Schema = dict[str, Any]
 REF = "#/components/schemas/"
@@ -90,10 +90,10 @@ def _sampling_properties(vocab_size: int | None) -> Schema:
     }
 
 
-def _passthrough() -> Schema:
+def _passthrough(chat: bool) -> Schema:
     unsupported = {
         name: {"enum": [None, *neutral], "description": f"{reason}; only null or a neutral value is accepted"}
-        for name, (reason, neutral) in UNSUPPORTED.items()
+        for name, (reason, neutral) in (UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items()
     }
     ignored = {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
     return {**unsupported, **ignored}
@@ -219,7 +219,7 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
     return {
         "type": "object",
         "required": required,
-        "properties": properties | _passthrough(),
+        "properties": properties | _passthrough(chat),
         "additionalProperties": False,
         "allOf": rules,
     }
