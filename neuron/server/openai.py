@@ -251,8 +251,10 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "`response_format.json_schema.schema` must be an object")
-    if spec.get("strict") is not None and type(spec["strict"]) is not bool:
-        raise bad("response_format.json_schema.strict", "`response_format.json_schema.strict` must be a boolean")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and type(spec[key]) is not kind:
+            where = f"response_format.json_schema.{key}"
+            raise bad(where, f"`{where}` must be a {kind.__name__}")
     return schema or {}
 
 
@@ -300,10 +302,14 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in ROLES:
             raise bad(f"{where}.role", f"`{where}.role` must be one of {', '.join(ROLES)}, got {role!r}")
         entry: dict[str, Any] = {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
-        if role == "assistant" and message.get("tool_calls"):
-            entry["tool_calls"] = _message_calls(message["tool_calls"], f"{where}.tool_calls")
-        if role == "tool" and isinstance(message.get("tool_call_id"), str):
-            entry["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls") is not None:
+            calls = _message_calls(message["tool_calls"], f"{where}.tool_calls")
+            if role == "assistant" and calls:
+                entry["tool_calls"] = calls
+        if (call_id := message.get("tool_call_id")) is not None:
+            if not isinstance(call_id, str):
+                raise bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
+            entry["tool_call_id"] = call_id
         out.append(entry)
     return out
 
@@ -318,8 +324,10 @@ def _message_calls(value: Any, where: str) -> list[dict[str, Any]]:
         arguments = function.get("arguments") if isinstance(function, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` must be {{id, type: function, function: {{name, arguments}}}}")
+        if arguments is not None and not isinstance(arguments, str):
+            raise bad(f"{where}[{i}].function.arguments", f"`{where}[{i}].function.arguments` must be a JSON string")
         try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            parsed = json.loads(arguments) if arguments else {}
         except json.JSONDecodeError:
             parsed = arguments  # the template gets it as it came
         out.append({**call, "function": {"name": function["name"], "arguments": parsed or {}}})

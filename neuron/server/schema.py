@@ -107,6 +107,7 @@ def _requires(field: str, kind: str, needs: str) -> Schema:
     }
 
 
+JSON_STRING = _or_null({"type": "string", "description": "JSON"})
 RESPONSE_FORMAT = _or_null(
     {
         "anyOf": [
@@ -121,7 +122,7 @@ RESPONSE_FORMAT = _or_null(
                         "required": ["name"],
                         "properties": {
                             "name": {"type": "string", "minLength": 1},
-                            "description": {"type": "string"},
+                            "description": _or_null({"type": "string"}),
                             "schema": _or_null({"type": "object"}),
                             "strict": _or_null({"type": "boolean"}),
                         },
@@ -169,13 +170,13 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
                                 "function": {
                                     "type": "object",
                                     "required": ["name"],
-                                    "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+                                    "properties": {"name": {"type": "string"}, "arguments": JSON_STRING},
                                 }
                             },
                         },
                     }
                 ),
-                "tool_call_id": {"type": "string"},
+                "tool_call_id": _or_null({"type": "string"}),
             },
         }
         properties |= {

@@ -75,16 +75,20 @@ def parse(body: dict[str, Any]) -> Tools | None:
         schema = function.get("parameters")
         if schema is not None and not isinstance(schema, dict):
             raise bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema object")
+        for key, kind in (("description", str), ("strict", bool)):
+            if function.get(key) is not None and type(function[key]) is not kind:
+                raise bad(f"{where}.function.{key}", f"`{where}.function.{key}` must be a {kind.__name__}")
         parameters[name] = schema or NO_PARAMETERS
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if specs else "none"
     elif isinstance(choice, dict):
         function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or function.get("name") not in parameters:
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or name not in parameters:
             names = ", ".join(parameters) or "none given"
             raise bad("tool_choice", f"`tool_choice` must name one of the tools given: {names}", "tool_not_found")
-        choice = function["name"]
+        choice = name
     elif choice not in ("none", "auto", "required"):
         expected = '"none", "auto", "required" or {type: function, function: {name}}'
         raise bad("tool_choice", f"`tool_choice` must be {expected}")
@@ -229,8 +233,8 @@ def request_properties(auto: bool) -> dict[str, Any]:
         "required": ["name"],
         "properties": {
             "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
-            "description": {"type": "string"},
-            "parameters": {"type": "object", "description": "a JSON schema; enforced for required and named calls"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
             "strict": {"type": ["boolean", "null"]},
         },
     }

@@ -69,11 +69,13 @@ class Sampler:
         if self._key is None:
             self._key = self._start()
         p = self.params
-        adjusted = logits[None] if allowed is None else mx.where(allowed, logits, -mx.inf)[None]
+        adjusted = logits[None]
         if self._processors:
             recent = mx.array(self._recent)
             for process in self._processors:
                 adjusted = process(recent, adjusted)
+        if allowed is not None:
+            adjusted = _mask(adjusted, allowed)
         if p.temperature == 0.0:
             token = mx.argmax(adjusted[0])
         else:
@@ -135,7 +137,7 @@ def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dic
     allowed, out = _masks(samplers, logits)
     plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
-        rows = [logits[no] if no not in allowed else mx.where(allowed[no], logits[no], -mx.inf) for no in plain]
+        rows = [logits[no] if no not in allowed else _mask(logits[no], allowed[no]) for no in plain]
         tokens = mx.argmax(mx.stack(rows), axis=-1).tolist()
         for no, token in zip(plain, tokens, strict=True):
             out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
@@ -148,6 +150,13 @@ def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dic
         if (error := constraint.advance(out[no].token)) is not None:
             out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
     return out
+
+
+def _mask(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Only the allowed tokens keep a logit, and every one of them a finite one: the penalties can turn logits
+    into NaN or -inf (a repetition penalty that rounds to 0 in float32), and no such value may let a refused
+    token win, or leave nothing to draw."""
+    return mx.where(allowed, mx.nan_to_num(logits), -mx.inf)
 
 
 def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[dict[int, mx.array], dict[int, Sampled]]:
