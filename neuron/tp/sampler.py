@@ -133,17 +133,22 @@ class Samplers:
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
-    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation."""
+    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation,
+    and their masks one ``where`` (per row, it would cost more than the grammar's own work)."""
     allowed, out = _masks(samplers, logits)
     plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
-        rows = [logits[no] if no not in allowed else _mask(logits[no], allowed[no]) for no in plain]
-        tokens = mx.argmax(mx.stack(rows), axis=-1).tolist()
+        stacked = mx.stack([logits[no] for no in plain])
+        if any(no in allowed for no in plain):
+            everything = np.ones(stacked.shape[-1], dtype=np.bool_)
+            keep = np.stack([allowed.get(no, everything) for no in plain])
+            stacked = mx.where(mx.array(keep), stacked, -mx.inf)
+        tokens = mx.argmax(stacked, axis=-1).tolist()
         for no, token in zip(plain, tokens, strict=True):
             out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
     for no, row in logits.items():
         if no not in out:
-            out[no] = samplers[no](row, allowed.get(no))
+            out[no] = samplers[no](row, mx.array(allowed[no]) if no in allowed else None)
     for no in allowed:
         constraint = samplers[no].params.constraint
         assert constraint is not None
@@ -159,7 +164,10 @@ def _mask(logits: mx.array, allowed: mx.array) -> mx.array:
     return mx.where(allowed, mx.nan_to_num(logits), -mx.inf)
 
 
-def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[dict[int, mx.array], dict[int, Sampled]]:
+Masks = dict[int, np.ndarray]  # sequence -> which tokens it may sample next
+
+
+def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Sampled]]:
     """Each constrained row's allowed tokens, and the rows whose constraint allows none (they end in error)."""
     rows = [(no, c) for no in logits if (c := samplers[no].params.constraint) is not None]
     if not rows:
@@ -170,8 +178,7 @@ def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[d
     for i, (no, constraint) in enumerate(rows):
         if (error := constraint.fill(bits[i, : constraint.words])) is not None:
             failed[no] = Sampled(0, NOT_ASKED, error=error)
-    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width]
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(np.bool_)
     if unpacked.shape[1] < width:  # ids past the grammar's vocabulary are never allowed
         unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))
-    masks = mx.array(unpacked.astype(np.bool_))
-    return {no: masks[i] for i, (no, _) in enumerate(rows) if no not in failed}, failed
+    return {no: unpacked[i] for i, (no, _) in enumerate(rows) if no not in failed}, failed
