@@ -4,9 +4,10 @@ and 8 (and 8 with half constrained), plus rank 0's sampling alone, on the same m
 Run: .venv/bin/python bench/grammar.py [--model FOLDER] [--tokens 32] [--rounds 3]
 
 The engine runs in a child process of this script (neuron's engine at TP=1, what ``neuron generate`` runs,
-with OpenBLAS preloaded when present). Each round runs every case once, alternating, so that the machine's
-noise hits them alike; a case's figure is the median over rounds of the mean time per decode step (first
-to last token of each sequence, prefill excluded). The constrained rows follow a schema that cannot close
+with OpenBLAS preloaded when present). Each round runs every case once, in reverse order every other round,
+so that the machine's noise hits them alike; a case's figure is the median over rounds of the mean time per
+decode step (first to last token of each sequence, prefill excluded). A case's sequences are compiled first
+and submitted together, so they join in one step. The constrained rows follow a schema that cannot close
 before ``--tokens`` (an array of at least 200 digits), so every row decodes the same number of steps.
 "Sampling only" times ``sample_all`` on random logits of the model's vocabulary, without the model.
 Prints a markdown table; trust the ratios, not the absolute times.
@@ -34,35 +35,40 @@ def child(model: str, tokens: int, rounds: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     from neuron.engine.engine import Engine
-    from neuron.engine.sequence import Chunk
+    from neuron.engine.sequence import Chunk, Sequence
     from neuron.models import resolve
     from neuron.sampling_params import SamplingParams
 
-    async def one(engine: Engine, prompt: list[int], constrained: bool) -> float:
-        constraint = engine.grammars.compile(SCHEMA) if constrained else None
-        seq = engine.submit(prompt, SamplingParams(max_tokens=tokens, constraint=constraint))
+    async def steps(seq: Sequence) -> float:
         stamps = [time.perf_counter() async for event in seq.events if isinstance(event, Chunk)]
         assert len(stamps) == tokens, len(stamps)
         return (stamps[-1] - stamps[0]) / (tokens - 1)
 
     async def case(engine: Engine, prompt: list[int], batch: int, constrained: int) -> float:
-        steps: list[float] = []
+        # Compiled first, then all submitted at once: the batch joins in one step, as in the free case.
+        params = [
+            SamplingParams(max_tokens=tokens, constraint=engine.grammars.compile(SCHEMA) if i < constrained else None)
+            for i in range(batch)
+        ]
+        seqs = [engine.submit(prompt, p) for p in params]
+        times: list[float] = []
 
-        async def run(i: int) -> None:
-            steps.append(await one(engine, prompt, i < constrained))
+        async def run(seq: Sequence) -> None:
+            times.append(await steps(seq))
 
         async with anyio.create_task_group() as tg:
-            for i in range(batch):
-                tg.start_soon(run, i)
-        return statistics.mean(steps)
+            for seq in seqs:
+                tg.start_soon(run, seq)
+        return statistics.mean(times)
 
     async def main() -> None:
         async with Engine.open(resolve(model)) as engine:
             prompt = engine.text.encode_chat([{"role": "user", "content": PROMPT}])
             await case(engine, prompt, 1, 1)  # warm up
             times: dict[int, list[float]] = {i: [] for i in range(len(CASES))}
-            for _ in range(rounds):
-                for i, (_, batch, constrained) in enumerate(CASES):
+            for r in range(rounds):
+                order = list(enumerate(CASES))
+                for i, (_, batch, constrained) in order if r % 2 == 0 else order[::-1]:
                     times[i].append(await case(engine, prompt, batch, constrained))
             sampling = sampling_only(engine, rounds)
         print(json.dumps({"steps": [statistics.median(t) for t in times.values()], "sampling": sampling}))
