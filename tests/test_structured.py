@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import Server, serving
+from conftest import TOOLS_TEMPLATE, Server, serving, with_template
 
 SMOL = "SmolLM2-135M-Instruct"
 S = {"type": "string", "maxLength": 12}  # bounded, so that even a random model finishes
@@ -145,7 +145,9 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16") as server:
+    # Its template renders tools, so auto is open to it (SmolLM2's does not).
+    model = with_template(tiny_models["qwen3"], tmp_path_factory.mktemp("tools") / "qwen3", TOOLS_TEMPLATE)
+    with serving(tmp_path_factory, "--model", str(model), "--prefill-chunk", "16") as server:
         yield server
 
 
@@ -268,6 +270,20 @@ def test_auto_on_a_template_without_tools_is_refused_saying_what_works(smol: Ser
         client.chat.completions.create(model=SMOL, messages=ASK, tools=[WEATHER], max_tokens=4)
     error = e.value.body
     assert isinstance(error, dict) and error["param"] == "tool_choice" and "required" in error["message"]
+
+
+def test_auto_shows_the_model_its_tools_and_passes_plain_text_through(tiny: Server) -> None:
+    """A random model writes no call: its text arrives whole, streamed or not, and the template saw the tools."""
+    client = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="none", max_retries=0)
+    common: dict[str, Any] = {"model": "qwen3", "messages": ASK, "temperature": 0.0, "max_tokens": 24}
+    plain = client.chat.completions.create(**common)
+    whole = client.chat.completions.create(**common, tools=[WEATHER])
+    assert whole.usage and plain.usage
+    assert whole.usage.prompt_tokens > plain.usage.prompt_tokens + len(json.dumps(WEATHER))  # one token a byte
+    chunks = list(client.chat.completions.create(**common, tools=[WEATHER], tool_choice="auto", stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert not whole.choices[0].message.tool_calls and whole.choices[0].finish_reason in ("stop", "length")
 
 
 def test_unsupported_and_hostile_schemas_get_a_400_quickly(tiny: Server) -> None:

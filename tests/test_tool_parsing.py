@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TOOLS_TEMPLATE
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from neuron.server import tools
@@ -130,25 +131,14 @@ def test_earlier_calls_reach_a_template_without_tools_as_text() -> None:
     assert tools.template_messages(messages, _auto(), renders_tools=True) is messages
 
 
-QWEN_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
-    'For each call return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
-    "{% set tool_call = c.function %}{{ tool_call.name }}{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(tmp_path: Path) -> None:
-    from conftest import make_tiny_model
+def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from conftest import with_template
 
     from neuron.engine.text import Text
 
-    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", layers=1)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_TEMPLATE}))
-    text = Text.load(folder)
+    text = Text.load(with_template(tiny_models["qwen3"], tmp_path / "qwen3", TOOLS_TEMPLATE))
     assert text.renders_tools and text.tool_markup is not None and text.tool_markup[0] == "<tool_call>"
     asked = _auto()
     tools.check_model(asked, text.renders_tools, text.tool_markup)
