@@ -151,6 +151,13 @@ def tiny(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
         yield server
 
 
+@pytest.fixture(scope="module")
+def tiny_tp2(tiny: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same model split over two ranks: only rank 0 samples, so only it ever sees a constraint."""
+    with serving(tmp_path_factory, *tiny.args, "--tp", "2") as server:
+        yield server
+
+
 def _model(server: Server) -> str:
     return "qwen3" if "qwen3" in " ".join(server.args) else SMOL
 
@@ -346,23 +353,26 @@ async def _chat(server: Server, max_tokens: int, schema: dict[str, Any] | None, 
         return reply.choices[0].message.content or ""
 
 
-def test_eight_at_once_half_constrained_equal_each_alone(tiny: Server) -> None:
+def test_eight_at_once_half_constrained_equal_each_alone(tiny: Server, tiny_tp2: Server) -> None:
+    """Alone on one rank, then eight at once on one rank and on two: every text the same."""
     jobs = [(12 + 3 * i, SCHEMAS[i] if i % 2 else None, f"prompt number {i} " * (i + 1)) for i in range(8)]
 
-    async def run() -> tuple[list[str], list[str]]:
-        alone = [await _chat(tiny, *job) for job in jobs]
-        together: list[str] = [""] * len(jobs)
+    async def together(server: Server) -> list[str]:
+        out: list[str] = [""] * len(jobs)
 
         async def one(i: int) -> None:
-            together[i] = await _chat(tiny, *jobs[i])
+            out[i] = await _chat(server, *jobs[i])
 
         async with anyio.create_task_group() as tg:
             for i in range(len(jobs)):
                 tg.start_soon(one, i)
-        return alone, together
+        return out
 
-    alone, together = anyio.run(run)
-    assert together == alone
+    async def run() -> tuple[list[str], list[str], list[str]]:
+        return [await _chat(tiny, *job) for job in jobs], await together(tiny), await together(tiny_tp2)
+
+    alone, batched, split = anyio.run(run)
+    assert batched == alone and split == alone
     assert all(text.startswith(("{", "[", '"')) for text, job in zip(alone, jobs, strict=True) if job[1])
     assert len(set(alone)) == len(alone)
 
