@@ -9,6 +9,10 @@ each step with a ``Sampled`` per sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuron.grammar import Constraint
 
 # The window of recent tokens the penalties look at, as in mlx-lm's logits processors.
 PENALTY_WINDOW = 20
@@ -33,6 +37,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # None: no logprobs. n >= 0: the chosen token's logprob and the n most likely alternatives.
     logprobs: int | None = None
+    # What the output must match (response_format, forced tool calls), compiled by the engine; rank 0 masks with it.
+    constraint: Constraint | None = None
 
     def problems(self, vocab_size: int | None = None) -> list[str]:
         """What is wrong with these parameters, as messages naming each field."""
@@ -65,6 +71,7 @@ class Sampled:
     # temperature); NOT_ASKED unless the request asked for logprobs.
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
+    error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
 
 
 @dataclass(frozen=True, slots=True)

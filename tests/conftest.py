@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,6 +28,24 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+# A Qwen-style template that renders tools and earlier calls: mlx-lm reads its calls with its json_tools parser.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    'For each call return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{% set tool_call = c.function %}<tool_call>"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}'
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_template(model: Path, folder: Path, template: str) -> Path:
+    """A copy of ``model`` whose tokenizer has another chat template."""
+    shutil.copytree(model, folder)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
 
 
 def _tokenizer_files(folder: Path) -> int:

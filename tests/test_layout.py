@@ -33,6 +33,8 @@ MLX_FREE = [
     "neuron.server.app",
     "neuron.server.openai",
     "neuron.server.schema",
+    "neuron.server.tools",
+    "neuron.grammar",
     "neuron.models",
     "neuron.config",
     "neuron.cpu",

@@ -36,6 +36,7 @@ from neuron.engine.output import Output
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
 from neuron.engine.text import Text
+from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
 from neuron.models import ModelError, read_config, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError
@@ -62,6 +63,8 @@ class Engine:
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])
+        # Compiles requests' output constraints (on a caller's thread); rank 0's sampler applies them.
+        self.grammars = Grammars(text.tokenizer._tokenizer, self.vocab_size, sorted(text.eos_token_ids))
         self.health = Health(False, "not probed yet")
         # Set once the group is lost for good (a rank died or hung): only a fresh leader process can serve again.
         self.lost = anyio.Event()

@@ -39,6 +39,10 @@ class Output:
         seq, sampled = delivery.seq, delivery.sampled
         if delivery.first:
             log.info("prefill done", request_id=seq.id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
+        if sampled.error is not None:
+            log.warning("constraint failed", request_id=seq.id, error=sampled.error)
+            self.failed(seq, "constraint", sampled.error)
+            return True
         if delivery.finish == "stop":  # the end-of-sequence token: not part of the text
             self.finish(seq, "stop")
             return True

@@ -37,7 +37,8 @@ class Delivery:
 
     ``finish`` is ``"stop"`` for an end-of-sequence token (which is not part of
     the text), ``"length"`` for the last token ``max_tokens`` allows, else None.
-    ``first`` marks the token sampled from the end of the prompt.
+    ``first`` marks the token sampled from the end of the prompt. ``"error"``: the
+    sequence's output constraint failed (``sampled.error``); it ends with that error.
     """
 
     seq: Sequence
@@ -153,6 +154,8 @@ class Scheduler:
         return sizes.index(min(sizes))
 
     def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
+        if sampled.error is not None:
+            return Delivery(seq, sampled, "error", first)
         if sampled.token in self.eos_token_ids:
             return Delivery(seq, sampled, "stop", first)
         seq.completion_tokens += 1

@@ -40,7 +40,9 @@ class Finish:
 class Failure:
     """The request could not be finished; ``message`` names the rank and the cause."""
 
-    kind: str  # "unavailable" (not ready, shutting down: retry elsewhere or later) or "step_failed"
+    # "unavailable" (not ready, shutting down: retry elsewhere or later), "step_failed", or "constraint" (this
+    # request's output constraint reached a dead end; the batch goes on)
+    kind: str
     message: str
     prompt_tokens: int
     completion_tokens: int

@@ -9,6 +9,7 @@ split across tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,26 @@ class Text:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer.encode(prompt))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model a request's tools (it reads the ``tools`` variable)."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
+
+    @property
+    def tool_markup(self) -> tuple[str, str, Callable[[str, Any], Any]] | None:
+        """How this model family writes a tool call (start marker, end marker, mlx-lm's parser), if mlx-lm knows."""
+        t = self.tokenizer
+        if not t.has_tool_calling:
+            return None
+        return t.tool_call_start, t.tool_call_end or "", t.tool_parser
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not self.tokenizer.chat_template:
             raise RequestError(f"{self.model_name} has no chat template; use completions instead", "messages")
+        extra = {"tools": tools} if tools else {}
         try:
-            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise RequestError(f"the model's chat template rejected the messages: {e}", "messages") from e
         return list(tokens)

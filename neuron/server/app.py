@@ -11,6 +11,7 @@ A client that goes away never tears a step: the handler only tells the engine
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 import uuid
@@ -31,8 +32,11 @@ from starlette.types import Receive, Scope, Send
 
 from neuron import metrics
 from neuron.engine.sequence import Chunk, Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
-from neuron.server import openai, schema
+from neuron.grammar import GrammarError
+from neuron.sampling_params import SamplingParams
+from neuron.server import openai, schema, tools
 from neuron.server.openai import ApiError, Generation, Replies
+from neuron.server.tools import ToolStream
 
 if TYPE_CHECKING:
     from neuron.engine.engine import Engine
@@ -181,6 +185,9 @@ def _failure_error(failure: Failure) -> ApiError:
     if failure.kind == "unavailable":
         # A lost group (the leader restarts) or a failed probe (the next comes in 5 s): seconds either way.
         return not_ready(failure.message, retry_after=5)
+    if failure.kind == "constraint":
+        # This request's grammar alone failed; the rest of the batch went on.
+        return ApiError(500, failure.message, type="server_error", code="constraint_failed")
     return ApiError(500, failure.message, type="server_error", code="step_failed")
 
 
@@ -222,6 +229,7 @@ async def openapi(request: Request) -> Response:
             vocab_size=engine.vocab_size if engine else None,
             context=engine.context_length if engine else None,
             keyed=state.api_key is not None,
+            auto_tools=engine.text.renders_tools and engine.text.tool_markup is not None if engine else True,
         )
     )
 
@@ -253,15 +261,22 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     _authorize(request, state)
     body = await _read_json(request)
     gen = openai.parse(body, chat=chat, served_model=state.model_id)
+    gen.tools = tools.parse(body) if chat else None
+    if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
+        raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
     engine = _engine(state)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    text = engine.text
     try:
         if chat:
-            prompt = engine.text.encode_chat(gen.messages)
+            if gen.tools is not None:
+                tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
+            messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
+            prompt = text.encode_chat(messages, gen.tools.specs if gen.tools and text.renders_tools else None)
         else:
-            prompt = gen.prompt if isinstance(gen.prompt, list) else engine.text.encode(gen.prompt)
-        seq = engine.submit(prompt, gen.params, request_id)
+            prompt = gen.prompt if isinstance(gen.prompt, list) else text.encode(gen.prompt)
+        seq = engine.submit(prompt, await _constrained(engine, gen), request_id)
     except RequestError as e:
         param = "messages" if chat and e.param == "prompt" else e.param
         raise ApiError(400, str(e), param=param, code=e.code) from e
@@ -269,11 +284,12 @@ async def _generate(request: Request, *, chat: bool) -> Response:
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
         raise not_ready(str(e), retry_after=e.retry_after) from e
-    replies = Replies(gen, request_id, engine.text.token_text)
+    replies = Replies(gen, request_id, text.token_text)
+    reader = ToolStream(gen.tools, text.tool_markup) if gen.tools is not None else None
     if gen.stream:
-        return EventStream(_stream(seq, gen, replies), on_close=lambda: engine.cancel(seq))
+        return EventStream(_stream(seq, gen, replies, reader), on_close=lambda: engine.cancel(seq))
     try:
-        reply = await _unless_disconnected(request.receive, lambda: _collect(seq, replies))
+        reply = await _unless_disconnected(request.receive, lambda: _collect(seq, replies, reader))
     finally:
         engine.cancel(seq)
     if reply is None:
@@ -281,32 +297,63 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     return OrjsonResponse(reply)
 
 
-async def _collect(seq: Sequence, replies: Replies) -> dict[str, Any]:
+async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
+    """The request's sampling parameters with its output constraint compiled in, if it has one."""
+    schema, param = gen.schema, "response_format"
+    if schema is None and gen.tools is not None:
+        schema, param = gen.tools.schema(), "tools"
+    if schema is None:
+        return gen.params
+    try:
+        # On a thread: a large schema takes up to a few hundred ms to compile (bounded by grammar.LIMITS).
+        constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema)
+    except GrammarError as e:
+        message = f"`{param}`: the schema cannot be enforced: {e}; remove or rewrite that part of the schema"
+        raise ApiError(400, message, param=param, code="unsupported_schema") from e
+    return dataclasses.replace(gen.params, constraint=constraint)
+
+
+def _end(reader: ToolStream | None, text: str, reason: str) -> tuple[str, list[dict[str, Any]] | None, str]:
+    """The last text, the tool calls and the finish reason, once the model is done."""
+    if reader is None:
+        return text, None, reason
+    released = reader.push(text)
+    tail, calls, reason = reader.finish(reason)
+    if reader.error:
+        log.warning("tool calls did not parse; answering with the text", error=reader.error)
+    return released + tail, calls or None, reason
+
+
+async def _collect(seq: Sequence, replies: Replies, reader: ToolStream | None) -> dict[str, Any]:
     chunks: list[Chunk] = []
     async for event in seq.events:
         if isinstance(event, Chunk):
             chunks.append(event)
         elif isinstance(event, Finish):
-            text = "".join(c.text for c in chunks) + event.text
+            text, calls, reason = _end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
             usage = openai.usage(event.prompt_tokens, event.completion_tokens)
-            return replies.whole(text, event.reason, replies.logprobs(chunks), usage)
+            return replies.whole(text, reason, replies.logprobs(chunks), usage, calls)
         else:
             raise _failure_error(event)
     raise ApiError(500, "the engine ended the request without an answer", type="server_error")
 
 
-async def _stream(seq: Sequence, gen: Generation, replies: Replies) -> AsyncIterator[bytes]:
+async def _stream(seq: Sequence, gen: Generation, replies: Replies, reader: ToolStream | None) -> AsyncIterator[bytes]:
     if first := replies.first_chunk():
         yield _sse(first)
     async for event in seq.events:
         if isinstance(event, Chunk):
-            if event.text or gen.logprobs:
-                choice = replies.choice(event.text, None, replies.logprobs([event]), delta=True)
+            text = reader.push(event.text) if reader else event.text
+            if text or gen.logprobs:
+                choice = replies.choice(text, None, replies.logprobs([event]), delta=True)
                 yield _sse(replies.chunk([choice]))
         elif isinstance(event, Finish):
-            if event.text:
-                yield _sse(replies.chunk([replies.choice(event.text, None, None, delta=True)]))
-            yield _sse(replies.chunk([replies.choice("", event.reason, None, delta=True)]))
+            text, calls, reason = _end(reader, event.text, event.reason)
+            if text:
+                yield _sse(replies.chunk([replies.choice(text, None, None, delta=True)]))
+            if calls:
+                yield _sse(replies.chunk([replies.choice("", None, None, delta=True, tool_calls=calls)]))
+            yield _sse(replies.chunk([replies.choice("", reason, None, delta=True)]))
             if gen.include_usage:
                 yield _sse(replies.chunk([], openai.usage(event.prompt_tokens, event.completion_tokens)))
             yield b"data: [DONE]\n\n"

@@ -7,6 +7,7 @@ works unchanged.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -24,20 +25,23 @@ IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identi
 # Refused unless they hold a value that asks for nothing (null, or a neutral value
 # below): silently ignoring them would change what the client gets.
 UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
-    "functions": ("function calling is not supported", ([],)),
-    "function_call": ("function calling is not supported", ("none",)),
-    "parallel_tool_calls": ("tool calling is not supported", (True, False)),
+    "functions": ("the legacy `functions` is not supported; send `tools`", ([],)),
+    "function_call": ("the legacy `function_call` is not supported; send `tool_choice`", ("none",)),
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
     "prediction": ("predicted outputs are not supported", ()),
     "web_search_options": ("web search is not supported", ()),
     "reasoning_effort": ("reasoning controls are not supported", ()),
     "verbosity": ("verbosity controls are not supported", ()),
-    "response_format": ("only plain text responses are supported", ({"type": "text"},)),
     "best_of": ("best_of is not supported; send 1", (1,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
+}
+# Tools are the chat route's; the completions route takes only their neutral values, as it always did.
+COMPLETION_UNSUPPORTED = {
+    **UNSUPPORTED,
+    "tools": ("tools need /v1/chat/completions", ([],)),
+    "tool_choice": ("tools need /v1/chat/completions", ("none",)),
+    "parallel_tool_calls": ("tools need /v1/chat/completions", (True, False)),
 }
 INT64 = (-(2**63), 2**63 - 1)  # what JSON parsers on both ends agree an integer can be
 TOKEN_ID = re.compile(r"[0-9]+")
@@ -59,8 +63,19 @@ SAMPLING_FIELDS = frozenset(
         "model",
     }
 )
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo"}
+CHAT_FIELDS = SAMPLING_FIELDS | {
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",  # read by server/tools.py
+    "tool_choice",
+    "parallel_tool_calls",
+}
+COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "response_format"}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -99,12 +114,14 @@ class Generation:
 
     chat: bool
     model: str
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     prompt: str | list[int] = ""  # completions: text or token ids
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    schema: dict[str, Any] | None = None  # what the output must match (response_format)
+    tools: Any = None  # server/tools.py's Tools, for a chat that may call them
 
 
 # Typed reads of one field. JSON has one number type; Python's bool is an int, so it is refused explicitly.
@@ -154,9 +171,10 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unsupported = UNSUPPORTED if chat else COMPLETION_UNSUPPORTED
     for name, value in body.items():
-        if name in UNSUPPORTED:
-            reason, neutral = UNSUPPORTED[name]
+        if name in unsupported:
+            reason, neutral = unsupported[name]
             if value is not None and not any(_same(value, n) for n in neutral):
                 raise bad(name, f"`{name}`: {reason} by neuron", "unsupported_parameter")
         elif name not in allowed and name not in IGNORED:
@@ -209,7 +227,35 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
             raise bad("stream_options", "`stream_options` is only allowed with `stream` set to true")
         gen.include_usage = _bool(options, "include_usage")
     gen.params = _sampling(body, top_n, max_tokens)
+    gen.schema = _response_format(body.get("response_format"))
     return gen
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` asks the output to match; None for plain text."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise bad("response_format", f"`response_format.type` must be one of {', '.join(RESPONSE_FORMATS)}")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "text":
+        return None
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad(
+            "response_format.json_schema",
+            "`response_format.json_schema` must be an object with a `name` and a `schema` (a JSON schema)",
+        )
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "`response_format.json_schema.schema` must be an object")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and type(spec[key]) is not kind:
+            where = f"response_format.json_schema.{key}"
+            raise bad(where, f"`{where}` must be a {kind.__name__}")
+    return schema or {}
 
 
 def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
@@ -240,7 +286,7 @@ def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | 
     return params
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise bad(
             "messages", f"`messages` must be an array of messages, got {_kind(value)}", "missing_required_parameter"
@@ -255,7 +301,36 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad(f"{where}.role", f"`{where}.role` must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")})
+        entry: dict[str, Any] = {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+        if message.get("tool_calls") is not None:
+            calls = _message_calls(message["tool_calls"], f"{where}.tool_calls")
+            if role == "assistant" and calls:
+                entry["tool_calls"] = calls
+        if (call_id := message.get("tool_call_id")) is not None:
+            if not isinstance(call_id, str):
+                raise bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
+            entry["tool_call_id"] = call_id
+        out.append(entry)
+    return out
+
+
+def _message_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls``, checked; arguments parsed back to objects for templates."""
+    if not isinstance(value, list):
+        raise bad(where, f"`{where}` must be an array of tool calls")
+    out = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where}[{i}]", f"`{where}[{i}]` must be {{id, type: function, function: {{name, arguments}}}}")
+        if arguments is not None and not isinstance(arguments, str):
+            raise bad(f"{where}[{i}].function.arguments", f"`{where}[{i}].function.arguments` must be a JSON string")
+        try:
+            parsed = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError:
+            parsed = arguments  # the template gets it as it came
+        out.append({**call, "function": {"name": function["name"], "arguments": parsed or {}}})
     return out
 
 
@@ -349,14 +424,27 @@ class Replies:
 
         return {**entry(chunk.token, chunk.logprob), "top_logprobs": [entry(t, lp) for t, lp in chunk.top]}
 
-    def choice(self, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None, *, delta: bool) -> dict:
+    def choice(
+        self,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        *,
+        delta: bool,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict:
         out: dict[str, Any] = {"index": 0}
         if not self.gen.chat:
             out["text"] = text
         elif delta:
-            out["delta"] = {"content": text} if text or finish_reason is None else {}
+            out["delta"] = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
+            if tool_calls:
+                # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
+                out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         else:
-            out["message"] = {"role": "assistant", "content": text, "refusal": None}
+            out["message"] = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
+            if tool_calls:
+                out["message"]["tool_calls"] = tool_calls
         out["logprobs"] = logprobs
         out["finish_reason"] = finish_reason
         return out
@@ -375,9 +463,16 @@ class Replies:
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
-    def whole(self, text: str, finish_reason: str, logprobs: dict | None, usage_: dict[str, int]) -> dict[str, Any]:
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        logprobs: dict | None,
+        usage_: dict[str, int],
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         return {
             **self._envelope(chunk=False),
-            "choices": [self.choice(text, finish_reason, logprobs, delta=False)],
+            "choices": [self.choice(text, finish_reason, logprobs, delta=False, tool_calls=tool_calls)],
             "usage": usage_,
         }

@@ -15,7 +15,8 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
-from neuron.server.openai import IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
+from neuron.server import tools
+from neuron.server.openai import COMPLETION_UNSUPPORTED, IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
 
 Schema = dict[str, Any]
 REF = "#/components/schemas/"
@@ -89,10 +90,10 @@ def _sampling_properties(vocab_size: int | None) -> Schema:
     }
 
 
-def _passthrough() -> Schema:
+def _passthrough(chat: bool) -> Schema:
     unsupported = {
         name: {"enum": [None, *neutral], "description": f"{reason}; only null or a neutral value is accepted"}
-        for name, (reason, neutral) in UNSUPPORTED.items()
+        for name, (reason, neutral) in (UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items()
     }
     ignored = {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
     return {**unsupported, **ignored}
@@ -106,7 +107,36 @@ def _requires(field: str, kind: str, needs: str) -> Schema:
     }
 
 
-def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat: bool) -> Schema:
+JSON_STRING = _or_null({"type": "string", "description": "JSON"})
+RESPONSE_FORMAT = _or_null(
+    {
+        "anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {
+                "type": "object",
+                "required": ["type", "json_schema"],
+                "properties": {
+                    "type": {"const": "json_schema"},
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "description": _or_null({"type": "string"}),
+                            "schema": _or_null({"type": "object"}),
+                            "strict": _or_null({"type": "boolean"}),
+                        },
+                    },
+                },
+            },
+        ],
+        "description": "json_object or json_schema: enforced while decoding; a schema the grammar engine cannot "
+        "enforce is a 400 naming the keyword (code unsupported_schema)",
+    }
+)
+
+
+def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat: bool, auto_tools: bool) -> Schema:
     max_tokens = _or_null(
         {
             **_integer(int(RANGES["max_tokens"].low)),
@@ -130,6 +160,23 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             "properties": {
                 "role": {"enum": list(ROLES)},
                 "content": _or_null({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
+                "tool_calls": _or_null(
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["function"],
+                            "properties": {
+                                "function": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                    "properties": {"name": {"type": "string"}, "arguments": JSON_STRING},
+                                }
+                            },
+                        },
+                    }
+                ),
+                "tool_call_id": _or_null({"type": "string"}),
             },
         }
         properties |= {
@@ -143,9 +190,15 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             "max_completion_tokens": max_tokens,
             "logprobs": _or_null({"type": "boolean"}),
             "top_logprobs": _ranged("logprobs", "integer"),
+            "response_format": RESPONSE_FORMAT,
+            **tools.request_properties(auto_tools),
         }
         required = ["model", "messages"]
-        rules = [_requires("stream_options", "object", "stream"), _requires("top_logprobs", "integer", "logprobs")]
+        rules = [
+            _requires("stream_options", "object", "stream"),
+            _requires("top_logprobs", "integer", "logprobs"),
+            *tools.request_rules(auto_tools),
+        ]
     else:
         text = {"type": "string", "minLength": 1}
         properties |= {
@@ -160,13 +213,14 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             "max_tokens": {**max_tokens, "default": 16},
             "logprobs": _or_null(_integer(0, MAX_COMPLETION_LOGPROBS)),
             "echo": {"enum": [False, None], "description": "echo is not supported"},
+            "response_format": RESPONSE_FORMAT,
         }
         required = ["model", "prompt"]
         rules = [_requires("stream_options", "object", "stream")]
     return {
         "type": "object",
         "required": required,
-        "properties": properties | _passthrough(),
+        "properties": properties | _passthrough(chat),
         "additionalProperties": False,
         "allOf": rules,
     }
@@ -312,13 +366,15 @@ def _components(model_id: str) -> Schema:
                 "required": ["index", "message", "logprobs", "finish_reason"],
                 "properties": {
                     **choice_base,
+                    "finish_reason": {"enum": ["stop", "length", "tool_calls"]},
                     "message": {
                         "type": "object",
                         "required": ["role", "content"],
                         "properties": {
                             "role": {"const": "assistant"},
-                            "content": {"type": "string"},
+                            "content": {"type": ["string", "null"], "description": "null when tool_calls"},
                             "refusal": {"type": "null"},
+                            "tool_calls": {"type": "array", "minItems": 1, "items": tools.CALL},
                         },
                     },
                     "logprobs": chat_logprobs,
@@ -336,8 +392,11 @@ def _components(model_id: str) -> Schema:
     }
 
 
-def document(model_id: str, *, vocab_size: int | None, context: int | None, keyed: bool) -> Schema:
-    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded."""
+def document(
+    model_id: str, *, vocab_size: int | None, context: int | None, keyed: bool, auto_tools: bool = True
+) -> Schema:
+    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
+    ``auto_tools``: whether the model's template shows it tools and mlx-lm can read its calls."""
     secured = {"security": [{"bearer": []}]} if keyed else {}
     probe = {"security": []}
 
@@ -345,7 +404,7 @@ def document(model_id: str, *, vocab_size: int | None, context: int | None, keye
         return {"get": {"summary": summary, "responses": responses, **extra}}
 
     def generate(summary: str, chat: bool) -> Schema:
-        body = _request(model_id, vocab_size, context, chat=chat)
+        body = _request(model_id, vocab_size, context, chat=chat, auto_tools=auto_tools)
         return {
             "post": {
                 "summary": summary,

@@ -19,6 +19,7 @@ import secrets
 from collections.abc import Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from neuron.rpc import StepPlan
@@ -63,7 +64,8 @@ class Sampler:
         )
         return mx.random.key(self._seed)
 
-    def __call__(self, logits: mx.array) -> Sampled:
+    def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
+        """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
         if self._key is None:
             self._key = self._start()
         p = self.params
@@ -72,6 +74,8 @@ class Sampler:
             recent = mx.array(self._recent)
             for process in self._processors:
                 adjusted = process(recent, adjusted)
+        if allowed is not None:
+            adjusted = _mask(adjusted, allowed)
         if p.temperature == 0.0:
             token = mx.argmax(adjusted[0])
         else:
@@ -129,14 +133,52 @@ class Samplers:
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
-    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation."""
-    plain = [no for no in logits if samplers[no].plain]
-    out: dict[int, Sampled] = {}
+    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation,
+    and their masks one ``where`` (per row, it would cost more than the grammar's own work)."""
+    allowed, out = _masks(samplers, logits)
+    plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
-        tokens = mx.argmax(mx.stack([logits[no] for no in plain]), axis=-1).tolist()
+        stacked = mx.stack([logits[no] for no in plain])
+        if any(no in allowed for no in plain):
+            everything = np.ones(stacked.shape[-1], dtype=np.bool_)
+            keep = np.stack([allowed.get(no, everything) for no in plain])
+            stacked = mx.where(mx.array(keep), stacked, -mx.inf)
+        tokens = mx.argmax(stacked, axis=-1).tolist()
         for no, token in zip(plain, tokens, strict=True):
             out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
     for no, row in logits.items():
         if no not in out:
-            out[no] = samplers[no](row)
+            out[no] = samplers[no](row, mx.array(allowed[no]) if no in allowed else None)
+    for no in allowed:
+        constraint = samplers[no].params.constraint
+        assert constraint is not None
+        if (error := constraint.advance(out[no].token)) is not None:
+            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
     return out
+
+
+def _mask(logits: mx.array, allowed: mx.array) -> mx.array:
+    """Only the allowed tokens keep a logit, and every one of them a finite one: the penalties can turn logits
+    into NaN or -inf (a repetition penalty that rounds to 0 in float32), and no such value may let a refused
+    token win, or leave nothing to draw."""
+    return mx.where(allowed, mx.nan_to_num(logits), -mx.inf)
+
+
+Masks = dict[int, np.ndarray]  # sequence -> which tokens it may sample next
+
+
+def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Sampled]]:
+    """Each constrained row's allowed tokens, and the rows whose constraint allows none (they end in error)."""
+    rows = [(no, c) for no in logits if (c := samplers[no].params.constraint) is not None]
+    if not rows:
+        return {}, {}
+    width = next(iter(logits.values())).shape[-1]
+    bits = np.zeros((len(rows), max(c.words for _, c in rows)), dtype=np.int32)
+    failed = {}
+    for i, (no, constraint) in enumerate(rows):
+        if (error := constraint.fill(bits[i, : constraint.words])) is not None:
+            failed[no] = Sampled(0, NOT_ASKED, error=error)
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(np.bool_)
+    if unpacked.shape[1] < width:  # ids past the grammar's vocabulary are never allowed
+        unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))
+    return {no: unpacked[i] for i, (no, _) in enumerate(rows) if no not in failed}, failed

@@ -1,8 +1,11 @@
 """A check for schemathesis, loaded by name through ``SCHEMATHESIS_HOOKS``.
 
 It stands in for schemathesis's own ``positive_data_acceptance``, less the one
-limit no JSON schema can state: how many tokens a prompt becomes. A schema-valid
-body may answer 400 only with OpenAI's ``context_length_exceeded``.
+limits no JSON schema can state: how many tokens a prompt becomes (OpenAI's
+``context_length_exceeded``), whether the grammar engine can enforce a JSON
+schema sent in ``response_format`` or a tool's parameters (``unsupported_schema``),
+and whether ``tool_choice`` names one of the ``tools`` (``tool_not_found``). A
+schema-valid body may answer 400 only with one of those codes.
 """
 
 from __future__ import annotations
@@ -17,5 +20,5 @@ def valid_requests_are_served(
     if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 400:
         return
     error = response.json().get("error", {})
-    if error.get("code") != "context_length_exceeded":
+    if error.get("code") not in ("context_length_exceeded", "unsupported_schema", "tool_not_found"):
         raise AssertionError(f"a schema-valid request was refused: {error.get('message')}")

@@ -1,0 +1,304 @@
+"""Tool calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked, the tools shown to the model, and
+its calls read back out of its text into OpenAI's ``tool_calls``, whole or streamed. No MLX.
+
+A call comes out of the model one of two ways:
+
+- ``auto``: the model writes calls in its family's markup (``<tool_call>{...}</tool_call>`` for Hermes and
+  Qwen, ``[TOOL_CALLS]`` for Mistral, ...). mlx-lm knows each family's markers and parser; the engine hands
+  them over (``Text.tool_markup``). The text outside the markup is the content; markup never reaches it. A
+  call that does not parse leaves the whole text as a plain-text answer.
+- ``required`` or a named function: the output is constrained to the JSON of the call, as vLLM does it, with
+  a schema built here from the tools' parameters (``Tools.schema``): ``[{"name", "parameters"}, ...]``, or the
+  named function's arguments alone. So even a model that never learnt tools returns a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from neuron.server.openai import ApiError, bad
+
+ToolMarkup = tuple[str, str, Callable[[str, Any], Any]]  # start marker, end marker ("" for none), parser
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    specs: list[dict[str, Any]]  # as the client sent them: what the chat template reads
+    parameters: dict[str, dict[str, Any]]  # function name -> its parameters' JSON schema
+    choice: str  # "auto", "required", or the name of the function to call
+    parallel: bool
+
+    @property
+    def auto(self) -> bool:
+        return self.choice == "auto"
+
+    def schema(self) -> dict[str, Any] | None:
+        """What a forced call's output must match; None for ``auto``, where the model chooses."""
+        if self.auto:
+            return None
+        if self.choice != "required":
+            return self.parameters[self.choice]
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, parameters in self.parameters.items()
+        ]
+        return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+
+
+def parse(body: dict[str, Any]) -> Tools | None:
+    """The request's tools, or None when it asks for no tool call (none given, or ``tool_choice`` "none")."""
+    specs = body.get("tools")
+    if specs is not None and not isinstance(specs, list):
+        raise bad("tools", "`tools` must be an array of {type: function, function: {name, parameters}}")
+    specs = specs or []
+    parameters: dict[str, dict[str, Any]] = {}
+    for i, spec in enumerate(specs):
+        where = f"tools[{i}]"
+        function = spec.get("function") if isinstance(spec, dict) else None
+        if not isinstance(spec, dict) or spec.get("type") != "function" or not isinstance(function, dict):
+            raise bad(where, f"`{where}` must be {{type: function, function: {{name, parameters}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise bad(f"{where}.function.name", f"`{where}.function.name` must match {NAME.pattern}, got {name!r}")
+        schema = function.get("parameters")
+        if schema is not None and not isinstance(schema, dict):
+            raise bad(f"{where}.function.parameters", f"`{where}.function.parameters` must be a JSON schema object")
+        for key, kind in (("description", str), ("strict", bool)):
+            if function.get(key) is not None and type(function[key]) is not kind:
+                raise bad(f"{where}.function.{key}", f"`{where}.function.{key}` must be a {kind.__name__}")
+        parameters[name] = schema or NO_PARAMETERS
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if specs else "none"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or name not in parameters:
+            names = ", ".join(parameters) or "none given"
+            raise bad("tool_choice", f"`tool_choice` must name one of the tools given: {names}", "tool_not_found")
+        choice = name
+    elif choice not in ("none", "auto", "required"):
+        expected = '"none", "auto", "required" or {type: function, function: {name}}'
+        raise bad("tool_choice", f"`tool_choice` must be {expected}")
+    elif choice != "none" and not specs:
+        raise bad("tool_choice", f"`tool_choice` {choice!r} needs `tools`: send the functions the model may call")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and type(parallel) is not bool:
+        raise bad("parallel_tool_calls", "`parallel_tool_calls` must be a boolean")
+    if choice == "none":
+        return None
+    return Tools(specs, parameters, choice, parallel is not False)
+
+
+def check_model(tools: Tools, renders_tools: bool, markup: ToolMarkup | None) -> None:
+    """``auto`` needs a model that sees the tools and a known way to read its calls; the forced kinds do not."""
+    if tools.auto and not (renders_tools and markup):
+        missing = "does not render `tools`" if not renders_tools else "has a tool-call format mlx-lm does not know"
+        raise ApiError(
+            400,
+            f'this model\'s chat template {missing}, so `tool_choice` "auto" could not find its calls; send '
+            '`tool_choice` "required" or a named function, which neuron enforces on any model',
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+
+
+def template_messages(messages: list[dict[str, Any]], tools: Tools | None, renders_tools: bool) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them. A template that knows no tools reads them as text: the
+    functions in a system message, earlier calls as the JSON a forced call writes."""
+    if renders_tools:
+        return messages
+    out = []
+    for message in messages:
+        if calls := message.get("tool_calls"):
+            written = json.dumps([{"name": f["name"], "parameters": f["arguments"]} for f in _functions(calls)])
+            message = {"role": message["role"], "content": (message["content"] + "\n" + written).lstrip()}
+        out.append({k: v for k, v in message.items() if k in ("role", "content")})
+    if tools is not None:
+        listing = "You can call these functions; answer with a call as JSON.\n" + json.dumps(tools.specs)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out
+
+
+def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [call["function"] for call in calls]
+
+
+def _call(name: Any, arguments: Any, known: dict[str, Any]) -> dict[str, Any]:
+    if name not in known:
+        raise ValueError(f"a call to {name!r}, which is not among the tools")
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments)
+    if not isinstance(arguments, dict):
+        raise ValueError("tool-call arguments must be a JSON object")
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
+
+
+class ToolStream:
+    """Reads a reply's text as it comes: releases the content at once, holds what may be a tool call to the end."""
+
+    def __init__(self, tools: Tools, markup: ToolMarkup | None) -> None:
+        self.tools = tools
+        self.markup = markup
+        self._pending = ""  # the end of the text, which may be the start of a marker
+        self._held: str | None = None  # from the first marker on (all of it for a forced call); None before
+        self.error: str | None = None  # why the calls did not parse, when they did not
+
+    def push(self, text: str) -> str:
+        """Add text; return the content that may be released now."""
+        if not self.tools.auto or self._held is not None:
+            self._held = (self._held or "") + text
+            return ""
+        start = self.markup[0] if self.markup else ""
+        pending = self._pending + text
+        if start and (at := pending.find(start)) >= 0:
+            self._pending, self._held = "", pending[at:]
+            return pending[:at]
+        keep = next((k for k in range(min(len(start) - 1, len(pending)), 0, -1) if pending.endswith(start[:k])), 0)
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep]
+
+    def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
+        """The content still to release, the tool calls, and the finish reason (``tool_calls`` when there are)."""
+        held, self._held = self._held or "", None
+        if not held or reason != "stop":
+            # Cut short by max_tokens (or none): no call to parse; the text is the answer.
+            return self._pending + held, [], reason
+        try:
+            content, calls = self._forced(held) if not self.tools.auto else self._marked(held)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            self.error = str(e)
+            return self._pending + held, [], reason
+        return content, calls, "tool_calls" if calls else reason
+
+    def _forced(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        value = json.loads(text)
+        if self.tools.choice != "required":
+            return "", [_call(self.tools.choice, value, self.tools.parameters)]
+        return "", [_call(c["name"], c["parameters"], self.tools.parameters) for c in value]
+
+    def _marked(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        assert self.markup is not None
+        start, end, parser = self.markup
+        content, calls = [], []
+        for block in text.split(start)[1:]:
+            body, _, after = block.partition(end) if end else (block, "", "")
+            parsed = parser(body, self.tools.specs)
+            for call in parsed if isinstance(parsed, list) else [parsed]:
+                calls.append(_call(call.get("name"), call.get("arguments", {}), self.tools.parameters))
+            content.append(after)
+        return "".join(content).strip(), calls
+
+
+# The OpenAPI pieces of this route family, beside the checks they describe.
+
+CALL = {
+    "type": "object",
+    "required": ["id", "type", "function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON"}},
+        },
+    },
+}
+
+
+def request_properties(auto: bool) -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; ``auto`` only where the model can take it."""
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+    }
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        },
+        "description": "one of `tools` by name (a name not among them is a 400, code tool_not_found)",
+    }
+    choices = ["none", "auto", "required"] if auto else ["none", "required"]
+    return {
+        "tools": {
+            "anyOf": [
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "function"],
+                        "properties": {"type": {"const": "function"}, "function": function},
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
+        "tool_choice": {
+            "anyOf": [{"enum": choices}, named, {"type": "null"}],
+            "description": "default: auto with tools, none without"
+            + ("" if auto else "; this model's template cannot take auto"),
+        },
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
+    }
+
+
+def request_rules(auto: bool) -> list[dict[str, Any]]:
+    """What ties the tool fields together: a forced call needs tools; without auto, tools need a choice."""
+    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+    rules: list[dict[str, Any]] = [
+        {
+            "if": {"properties": {"tool_choice": forced}, "required": ["tool_choice"]},
+            "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+        },
+        {
+            # Both would shape the output: one constraint per request.
+            "not": {
+                "required": ["response_format", "tool_choice"],
+                "properties": {
+                    "response_format": {
+                        "type": "object",
+                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                        "required": ["type"],
+                    },
+                    "tool_choice": forced,
+                },
+            }
+        },
+    ]
+    if not auto:
+        rules.append(
+            {
+                "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+                "then": {"properties": {"tool_choice": {"not": {"type": "null"}}}, "required": ["tool_choice"]},
+            }
+        )
+    return rules
