@@ -255,11 +255,14 @@ def test_required_and_named_calls_and_a_round_trip_on_smollm2(smol: Server) -> N
 
     named = {"type": "function", "function": {"name": "get_weather"}}
     stream = client.chat.completions.create(messages=ASK, tool_choice=named, stream=True, **common)
-    deltas = [c.choices[0].delta for c in stream if c.choices]
+    chunks = [c.choices[0] for c in stream if c.choices]
+    deltas = [c.delta for c in chunks]
     streamed = [call for d in deltas for call in d.tool_calls or []]
     assert [c.index for c in streamed] == [0] and not "".join(d.content or "" for d in deltas)
     whole = client.chat.completions.create(messages=ASK, tool_choice=named, **common).choices[0]
     assert whole.message.tool_calls and _arguments(streamed[0]) == _arguments(whole.message.tool_calls[0])
+    # OpenAI ends a call the request named with "stop", one the model chose with "tool_calls".
+    assert whole.finish_reason == "stop" and chunks[-1].finish_reason == "stop"
 
     call = whole.message.tool_calls[0]
     turn = [

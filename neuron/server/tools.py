@@ -178,7 +178,7 @@ class ToolStream:
         return pending[: len(pending) - keep]
 
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
-        """The content still to release, the tool calls, and the finish reason (``tool_calls`` when there are)."""
+        """The content still to release, the tool calls, and the finish reason."""
         held, self._held = self._held or "", None
         if not held or reason != "stop":
             # Cut short by max_tokens (or none): no call to parse; the text is the answer.
@@ -188,7 +188,9 @@ class ToolStream:
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             self.error = str(e)
             return self._pending + held, [], reason
-        return content, calls, "tool_calls" if calls else reason
+        # OpenAI's own reasons: a call the model chose (auto, required) ends with "tool_calls", a function the
+        # request named ends with "stop", streamed or not (vLLM matches it; clients check it).
+        return content, calls, "tool_calls" if calls and self.tools.choice in ("auto", "required") else reason
 
     def _forced(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         value = json.loads(text)
