@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 PENALTY_WINDOW = 20
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 4
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,14 @@ class SamplingParams:
     logprobs: int | None = None
     # What the output must match (response_format, forced tool calls), compiled by the engine; rank 0 masks with it.
     constraint: Constraint | None = None
+    # vLLM's extensions, as vLLM defines them. The engine adds the model's end-of-sequence tokens to
+    # ``stop_token_ids`` unless ``ignore_eos``: from then on they are the tokens that end the sequence, and
+    # the ones rank 0's sampler holds back until ``min_tokens`` tokens are out.
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def problems(self, vocab_size: int | None = None) -> list[str]:
         """What is wrong with these parameters, as messages naming each field."""
@@ -56,6 +65,14 @@ class SamplingParams:
                 break
         if len(self.stop) > MAX_STOPS:
             out.append(f"stop holds at most {MAX_STOPS} strings, got {len(self.stop)}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            out.append(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            out.append(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for token in self.stop_token_ids:
+            if not 0 <= token < (vocab_size or 2**63):
+                out.append(f"stop_token_ids names token {token}, outside the vocabulary [0, {vocab_size})")
+                break
         return out
 
 
@@ -122,5 +139,6 @@ RANGES = {
     "frequency_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.0, 10.0, open_low=True),
     "logprobs": Range(0, MAX_TOP_LOGPROBS),
+    "min_tokens": Range(0),
 }
 LOGIT_BIAS = Range(-100.0, 100.0)

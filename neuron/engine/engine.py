@@ -18,6 +18,7 @@ and probes again at once, then every few seconds until a probe passes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -163,11 +164,13 @@ class Engine:
         params = params or SamplingParams()
         if problems := params.problems(self.vocab_size):
             raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
+        if not params.ignore_eos:
+            ends = (*params.stop_token_ids, *sorted(self.text.eos_token_ids))
+            params = dataclasses.replace(params, stop_token_ids=ends)
         budget = self.context_length - len(prompt)
         max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        seq = Sequence(
-            request_id or uuid.uuid4().hex, next(self._numbers), list(prompt), max_tokens, params, StopText(params.stop)
-        )
+        stop = StopText(params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request_id or uuid.uuid4().hex, next(self._numbers), list(prompt), max_tokens, params, stop)
         seq.submitted = time.perf_counter()
         self.scheduler.add(seq)
         self._idle = anyio.Event()

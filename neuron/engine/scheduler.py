@@ -156,7 +156,8 @@ class Scheduler:
     def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
         if sampled.error is not None:
             return Delivery(seq, sampled, "error", first)
-        if sampled.token in self.eos_token_ids:
+        params = seq.params
+        if sampled.token in params.stop_token_ids or (sampled.token in self.eos_token_ids and not params.ignore_eos):
             return Delivery(seq, sampled, "stop", first)
         seq.completion_tokens += 1
         seq.next_token = sampled.token

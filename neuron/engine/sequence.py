@@ -82,17 +82,18 @@ class StopText:
     its beginning is never released until it can no longer be one.
     """
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return what may be released now and whether a stop string was reached."""
         pending = self._pending + text
-        hits = [i for stop in self.stops if (i := pending.find(stop)) >= 0]
+        hits = [(i, i + len(stop) if self.include else i) for stop in self.stops if (i := pending.find(stop)) >= 0]
         if hits:
             self._pending = ""
-            return pending[: min(hits)], True
+            return pending[: min(hits)[1]], True
         held = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(pending)), held, -1):

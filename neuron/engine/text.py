@@ -24,6 +24,8 @@ class Text:
     def __init__(self, tokenizer: TokenizerWrapper, model_name: str) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        # What skip_special_tokens leaves out of the text, as vLLM's detokenizer does.
+        self.special_ids = frozenset(tokenizer._tokenizer.all_special_ids)
 
     @classmethod
     def load(cls, model_path: Path) -> Text:
@@ -75,6 +77,8 @@ class Text:
 
     def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
         """Add a generated token; return the text it releases and whether a stop string was reached."""
+        if seq.params.skip_special_tokens and token in self.special_ids:
+            return seq.stop.push("")
         seq.detokenizer.add_token(token)
         return seq.stop.push(seq.detokenizer.last_segment)
 

@@ -43,6 +43,8 @@ COMPLETION_UNSUPPORTED = {
     "tool_choice": ("tools need /v1/chat/completions", ("none",)),
     "parallel_tool_calls": ("tools need /v1/chat/completions", (True, False)),
 }
+# vLLM's sampling extensions, which benchmark tools send (vLLM's `bench serve`, genai-perf); vLLM's names and meanings.
+EXTENSIONS = ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
 INT64 = (-(2**63), 2**63 - 1)  # what JSON parsers on both ends agree an integer can be
 TOKEN_ID = re.compile(r"[0-9]+")
 SAMPLING_FIELDS = frozenset(
@@ -61,6 +63,7 @@ SAMPLING_FIELDS = frozenset(
         "stream",
         "stream_options",
         "model",
+        *EXTENSIONS,
     }
 )
 CHAT_FIELDS = SAMPLING_FIELDS | {
@@ -279,11 +282,24 @@ def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | 
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=logit_bias,
         logprobs=top_logprobs,
+        ignore_eos=_bool(body, "ignore_eos"),
+        min_tokens=_int(body, "min_tokens", 0),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
     )
     if problems := params.problems():
         param = problems[0].split(" ", 1)[0]
-        raise bad(param, "; ".join(problems))
+        # Of two fields together, which no JSON schema states: schemathesis's hook lets this code through.
+        above = problems[0].startswith("min_tokens must be at most")
+        code = "min_tokens_above_max_tokens" if above else "invalid_value"
+        raise bad(param, "; ".join(problems), code)
     return params
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    ids = _get(body, name, "an array of token ids", lambda v: isinstance(v, list) and all(map(_is_int64, v)), [])
+    return tuple(int(t) for t in ids)
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
+from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
 from neuron.server import tools
 from neuron.server.openai import COMPLETION_UNSUPPORTED, IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
 
@@ -85,6 +85,25 @@ def _sampling_properties(vocab_size: int | None) -> Schema:
             }
         ),
         "n": {"enum": [1, None], "description": "one choice per request"},
+        # vLLM's extensions (openai.EXTENSIONS), as vLLM defines them.
+        "ignore_eos": _or_null({"type": "boolean", "description": "extension: generate past end-of-sequence"}),
+        "min_tokens": {
+            **_ranged("min_tokens", "integer"),
+            "description": "extension: end-of-sequence and stop_token_ids are held back until this many tokens; "
+            "at most max_tokens (code min_tokens_above_max_tokens)",
+        },
+        "stop_token_ids": _or_null(
+            {
+                "type": "array",
+                "items": _integer(0, (vocab_size or 2**63) - 1),
+                "maxItems": MAX_STOP_TOKEN_IDS,
+                "description": "extension: tokens that end the text (finish_reason stop), never part of it",
+            }
+        ),
+        "include_stop_str_in_output": _or_null({"type": "boolean", "description": "extension: keep the stop string"}),
+        "skip_special_tokens": _or_null(
+            {"type": "boolean", "description": "extension: leave special tokens out of the text (default true)"}
+        ),
         "stream": _or_null({"type": "boolean"}),
         "stream_options": _or_null({"type": "object", "properties": {"include_usage": _or_null({"type": "boolean"})}}),
     }

@@ -33,6 +33,7 @@ class Sampler:
         self.params = params
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._recent: list[int] = []
+        self._generated = 0  # tokens sampled so far: min_tokens holds the stop tokens back until enough are
         self._key: mx.array | None = None  # made on first use
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
 
@@ -41,7 +42,12 @@ class Sampler:
         """Greedy with nothing else to compute: such rows can be sampled together (``sample_all``)."""
         p = self.params
         no_processing = not p.logit_bias and p.presence_penalty == p.frequency_penalty == 0.0
-        return p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
+        plain = p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
+        return plain and not self._holding
+
+    @property
+    def _holding(self) -> bool:
+        return self._generated < self.params.min_tokens and bool(self.params.stop_token_ids)
 
     def feed(self, tokens: list[int]) -> None:
         """Tokens fed to the sequence (its prompt): the penalties see the last PENALTY_WINDOW of them."""
@@ -49,6 +55,7 @@ class Sampler:
 
     def record(self, sampled: Sampled) -> Sampled:
         self.feed([sampled.token])
+        self._generated += 1
         return sampled
 
     def _start(self) -> mx.array:
@@ -74,6 +81,10 @@ class Sampler:
             recent = mx.array(self._recent)
             for process in self._processors:
                 adjusted = process(recent, adjusted)
+        if self._holding:
+            held = np.ones(adjusted.shape[-1], dtype=np.bool_)
+            held[list(p.stop_token_ids)] = False
+            allowed = mx.array(held) if allowed is None else allowed & mx.array(held)
         if allowed is not None:
             adjusted = _mask(adjusted, allowed)
         if p.temperature == 0.0:

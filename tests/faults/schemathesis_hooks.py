@@ -4,13 +4,16 @@ It stands in for schemathesis's own ``positive_data_acceptance``, less the one
 limits no JSON schema can state: how many tokens a prompt becomes (OpenAI's
 ``context_length_exceeded``), whether the grammar engine can enforce a JSON
 schema sent in ``response_format`` or a tool's parameters (``unsupported_schema``),
-and whether ``tool_choice`` names one of the ``tools`` (``tool_not_found``). A
+whether ``tool_choice`` names one of the ``tools`` (``tool_not_found``), and whether ``min_tokens`` is
+at most ``max_tokens`` (``min_tokens_above_max_tokens``). A
 schema-valid body may answer 400 only with one of those codes.
 """
 
 from __future__ import annotations
 
 import schemathesis
+
+CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min_tokens_above_max_tokens")
 
 
 @schemathesis.check
@@ -20,5 +23,5 @@ def valid_requests_are_served(
     if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 400:
         return
     error = response.json().get("error", {})
-    if error.get("code") not in ("context_length_exceeded", "unsupported_schema", "tool_not_found"):
+    if error.get("code") not in CODES:
         raise AssertionError(f"a schema-valid request was refused: {error.get('message')}")
