@@ -1,21 +1,27 @@
-"""What else OpenAI clients and benchmark tools send: vLLM's sampling extensions, through the official client."""
+"""What else OpenAI clients and benchmark tools send, through the official client: the Responses API and vLLM's
+sampling extensions."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
-from conftest import Server, serving
+from conftest import TOOLS_TEMPLATE, Server, serving, with_template
 
 EOS = 2  # "<|im_end|>" in the tiny models' tokenizer
 IM_START = 1  # "<|im_start|>": special, not an end
+MODEL = "qwen3"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"])) as server:
+    # A template that shows tools, so that Responses' function tools can be asked for too.
+    model = with_template(tiny_models["qwen3"], tmp_path_factory.mktemp("tools") / "qwen3", TOOLS_TEMPLATE)
+    with serving(tmp_path_factory, "--model", str(model)) as server:
         yield server
 
 
@@ -24,7 +30,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def complete(server: Server, **kwargs: object) -> openai.types.Completion:
-    args = {"model": "qwen3", "prompt": "hello", "max_tokens": 12, "temperature": 0.0, **kwargs}
+    args = {"model": MODEL, "prompt": "hello", "max_tokens": 12, "temperature": 0.0, **kwargs}
     return client(server).completions.create(**args)  # type: ignore[call-overload]
 
 
@@ -72,3 +78,103 @@ def test_unknown_fields_stay_refused(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         complete(server, extra_body={"stop_token_ids": [10**6]})
     assert refused.value.body["param"] == "stop_token_ids"  # type: ignore[index]
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]},
+}
+
+
+def test_responses_whole_and_streamed_agree_with_chat(server: Server) -> None:
+    args = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 10, "temperature": 0.0}
+    chat = client(server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}],
+        max_tokens=10,
+        temperature=0.0,
+    )
+    whole = client(server).responses.create(input="hello there", **args)  # type: ignore[arg-type]
+    assert whole.object == "response" and whole.id.startswith("resp_")
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens == 10
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    # A message list says the same as the text.
+    listed = [{"role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]
+    assert client(server).responses.create(input=listed, **args).output_text == whole.output_text  # type: ignore[arg-type]
+
+    events = list(client(server).responses.create(input="hello there", stream=True, **args))  # type: ignore[arg-type]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.usage == whole.usage
+
+
+def test_responses_function_tools(server: Server) -> None:
+    args = {
+        "model": MODEL,
+        "input": "weather in Paris?",
+        "tools": [WEATHER],
+        "max_output_tokens": 40,
+        "temperature": 0.0,
+    }
+    forced = {"type": "function", "name": "get_weather"}
+    whole = client(server).responses.create(**args, tool_choice=forced)  # type: ignore[arg-type]
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+
+    events = list(client(server).responses.create(**args, tool_choice=forced, stream=True))  # type: ignore[arg-type]
+    assert [e.type for e in events][2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert events[-1].response.output[0].arguments == call.arguments
+
+    # The call and its output go back as items: the next turn reads them through the template.
+    follow = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    after = client(server).responses.create(model=MODEL, input=follow, max_output_tokens=1)  # type: ignore[arg-type]
+    calls = [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]
+    messages = [
+        follow[0],
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    chat = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert after.usage.input_tokens == chat.usage.prompt_tokens > 20
+
+
+def test_responses_refusals_name_the_field(server: Server) -> None:
+    def refused(**body: object) -> dict:
+        response = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, "input": "hi", **body})
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    assert refused(previous_response_id="resp_1")["param"] == "previous_response_id"
+    assert refused(max_output_tokens=0)["param"] == "max_output_tokens"
+    assert refused(input=[{"role": "robot", "content": "x"}])["param"] == "input[0].role"
+    assert refused(tools=[{"type": "web_search"}])["param"] == "tools[0]"
+    assert refused(frobnicate=1)["param"] == "frobnicate"

@@ -31,11 +31,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from neuron import metrics
-from neuron.engine.sequence import Chunk, Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
+from neuron.engine.sequence import Chunk, Finish, Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import openai, schema, tools
+from neuron.server import openai, responses, schema, tools
 from neuron.server.openai import ApiError, Generation, Replies
+from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 T = TypeVar("T")
 
 
@@ -64,11 +65,6 @@ class OrjsonResponse(JSONResponse):
 
 def error_response(error: ApiError) -> Response:
     return OrjsonResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-def not_ready(message: str, retry_after: int = 1) -> ApiError:
-    """503 with Retry-After, so that clients (the OpenAI SDKs among them) come back rather than give up."""
-    return ApiError(503, message, type="server_error", code="not_ready", headers={"retry-after": str(retry_after)})
 
 
 # Plumbing shared by the routes.
@@ -97,7 +93,7 @@ def _authorize(request: Request, state: ServerState) -> None:
 
 def _engine(state: ServerState) -> Engine:
     if state.engine is None:
-        raise not_ready(f"not ready: {state.status}")
+        raise openai.not_ready(f"not ready: {state.status}")
     return state.engine
 
 
@@ -181,16 +177,6 @@ class EventStream(Response):
                 await self.events.aclose()
 
 
-def _failure_error(failure: Failure) -> ApiError:
-    if failure.kind == "unavailable":
-        # A lost group (the leader restarts) or a failed probe (the next comes in 5 s): seconds either way.
-        return not_ready(failure.message, retry_after=5)
-    if failure.kind == "constraint":
-        # This request's grammar alone failed; the rest of the batch went on.
-        return ApiError(500, failure.message, type="server_error", code="constraint_failed")
-    return ApiError(500, failure.message, type="server_error", code="step_failed")
-
-
 # Routes.
 
 
@@ -208,7 +194,7 @@ async def ready(request: Request) -> Response:
         return OrjsonResponse({"status": "ready", "model": state.model_id})
     else:
         reason = state.engine.health.reason
-    return error_response(not_ready(f"not ready: {reason}"))
+    return error_response(openai.not_ready(f"not ready: {reason}"))
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -259,13 +245,39 @@ async def completions(request: Request) -> Response:
 async def _generate(request: Request, *, chat: bool) -> Response:
     state = _state(request)
     _authorize(request, state)
-    body = await _read_json(request)
+    gen = _parse(await _read_json(request), state, chat=chat)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    engine, seq = await _submit(state, gen, request_id)
+    replies = Replies(gen, request_id, engine.text.token_text)
+    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    if gen.stream:
+        return EventStream(_stream(seq, gen, replies, reader), on_close=lambda: engine.cancel(seq))
+    reply = await _answer(request, engine, seq, lambda: _collect(seq, replies, reader))
+    return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
+
+
+def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
     gen = openai.parse(body, chat=chat, served_model=state.model_id)
     gen.tools = tools.parse(body) if chat else None
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
         raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
+    return gen
+
+
+async def _answer(
+    request: Request, engine: Engine, seq: Sequence, collect: Callable[[], Awaitable[dict[str, Any]]]
+) -> dict[str, Any] | None:
+    """A whole reply, or None (HTTP 499: nobody will read it) when the client left first."""
+    try:
+        return await _unless_disconnected(request.receive, collect)
+    finally:
+        engine.cancel(seq)
+
+
+async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple[Engine, Sequence]:
+    """Queue a checked request in the engine; refusals as OpenAI's errors."""
+    chat = gen.chat
     engine = _engine(state)
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     structlog.contextvars.bind_contextvars(request_id=request_id)
     text = engine.text
     try:
@@ -283,18 +295,8 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     except Overloaded as e:
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
-        raise not_ready(str(e), retry_after=e.retry_after) from e
-    replies = Replies(gen, request_id, text.token_text)
-    reader = ToolStream(gen.tools, text.tool_markup) if gen.tools is not None else None
-    if gen.stream:
-        return EventStream(_stream(seq, gen, replies, reader), on_close=lambda: engine.cancel(seq))
-    try:
-        reply = await _unless_disconnected(request.receive, lambda: _collect(seq, replies, reader))
-    finally:
-        engine.cancel(seq)
-    if reply is None:
-        return Response(status_code=499)  # nginx's "client closed request": nobody will read it
-    return OrjsonResponse(reply)
+        raise openai.not_ready(str(e), retry_after=e.retry_after) from e
+    return engine, seq
 
 
 async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
@@ -313,28 +315,17 @@ async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
     return dataclasses.replace(gen.params, constraint=constraint)
 
 
-def _end(reader: ToolStream | None, text: str, reason: str) -> tuple[str, list[dict[str, Any]] | None, str]:
-    """The last text, the tool calls and the finish reason, once the model is done."""
-    if reader is None:
-        return text, None, reason
-    released = reader.push(text)
-    tail, calls, reason = reader.finish(reason)
-    if reader.error:
-        log.warning("tool calls did not parse; answering with the text", error=reader.error)
-    return released + tail, calls or None, reason
-
-
 async def _collect(seq: Sequence, replies: Replies, reader: ToolStream | None) -> dict[str, Any]:
     chunks: list[Chunk] = []
     async for event in seq.events:
         if isinstance(event, Chunk):
             chunks.append(event)
         elif isinstance(event, Finish):
-            text, calls, reason = _end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
+            text, calls, reason = tools.end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
             usage = openai.usage(event.prompt_tokens, event.completion_tokens)
             return replies.whole(text, reason, replies.logprobs(chunks), usage, calls)
         else:
-            raise _failure_error(event)
+            raise openai.failure_error(event)
     raise ApiError(500, "the engine ended the request without an answer", type="server_error")
 
 
@@ -348,7 +339,7 @@ async def _stream(seq: Sequence, gen: Generation, replies: Replies, reader: Tool
                 choice = replies.choice(text, None, replies.logprobs([event]), delta=True)
                 yield _sse(replies.chunk([choice]))
         elif isinstance(event, Finish):
-            text, calls, reason = _end(reader, event.text, event.reason)
+            text, calls, reason = tools.end(reader, event.text, event.reason)
             if text:
                 yield _sse(replies.chunk([replies.choice(text, None, None, delta=True)]))
             if calls:
@@ -360,8 +351,26 @@ async def _stream(seq: Sequence, gen: Generation, replies: Replies, reader: Tool
             return
         else:
             # Headers are long sent: the error travels as the stream's last event.
-            yield _sse(_failure_error(event).body())
+            yield _sse(openai.failure_error(event).body())
             return
+
+
+async def create_response(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    try:
+        gen = _parse(responses.to_chat(body), state, chat=True)
+    except ApiError as e:
+        raise responses.renamed(e) from None
+    request_id = f"resp_{uuid.uuid4().hex}"
+    engine, seq = await _submit(state, gen, request_id)
+    replies = ResponseReplies(gen, body, request_id)
+    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    if gen.stream:
+        return EventStream(responses.events(seq, replies, reader), on_close=lambda: engine.cancel(seq))
+    reply = await _answer(request, engine, seq, lambda: responses.collect(seq, replies, reader))
+    return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
 # The application.
@@ -378,7 +387,8 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see /v1/models, /v1/chat/completions, /v1/completions"
+        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses"
+        message = f"no route {request.method} {request.url.path}; see {routes}"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"
     code = "not_found" if exc.status_code == 404 else None
@@ -405,6 +415,7 @@ def build_app(state: ServerState) -> Starlette:
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.sequence import Chunk
+from neuron.engine.sequence import Chunk, Failure
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -105,6 +105,21 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def not_ready(message: str, retry_after: int = 1) -> ApiError:
+    """503 with Retry-After, so that clients (the OpenAI SDKs among them) come back rather than give up."""
+    return ApiError(503, message, type="server_error", code="not_ready", headers={"retry-after": str(retry_after)})
+
+
+def failure_error(failure: Failure) -> ApiError:
+    if failure.kind == "unavailable":
+        # A lost group (the leader restarts) or a failed probe (the next comes in 5 s): seconds either way.
+        return not_ready(failure.message, retry_after=5)
+    if failure.kind == "constraint":
+        # This request's grammar alone failed; the rest of the batch went on.
+        return ApiError(500, failure.message, type="server_error", code="constraint_failed")
+    return ApiError(500, failure.message, type="server_error", code="step_failed")
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
-from neuron.server import tools
+from neuron.server import responses, tools
 from neuron.server.openai import COMPLETION_UNSUPPORTED, IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
 
 Schema = dict[str, Any]
@@ -461,6 +461,19 @@ def document(
             ),
             "/v1/chat/completions": generate("a chat completion, whole or streamed", chat=True),
             "/v1/completions": generate("a text completion, whole or streamed", chat=False),
+            "/v1/responses": {
+                "post": {
+                    "summary": "a response (OpenAI's Responses API), whole or streamed; stateless",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": responses.request_schema(model_id, auto_tools)}},
+                    },
+                    "responses": _responses(
+                        400, 401, 404, 413, 429, 500, 503, ok=responses.response_schema(model_id), stream=True
+                    ),
+                    **secured,
+                }
+            },
         },
         "components": {
             "schemas": _components(model_id),

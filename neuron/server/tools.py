@@ -21,7 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from neuron.server.openai import ApiError, bad
+
+log = structlog.get_logger("neuron.server")
 
 ToolMarkup = tuple[str, str, Callable[[str, Any], Any]]  # start marker, end marker ("" for none), parser
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
@@ -209,6 +213,17 @@ class ToolStream:
                 calls.append(_call(call.get("name"), call.get("arguments", {}), self.tools.parameters))
             content.append(after)
         return "".join(content).strip(), calls
+
+
+def end(reader: ToolStream | None, text: str, reason: str) -> tuple[str, list[dict[str, Any]] | None, str]:
+    """The last text, the tool calls and the finish reason, once the model is done."""
+    if reader is None:
+        return text, None, reason
+    released = reader.push(text)
+    tail, calls, reason = reader.finish(reason)
+    if reader.error:
+        log.warning("tool calls did not parse; answering with the text", error=reader.error)
+    return released + tail, calls or None, reason
 
 
 # The OpenAPI pieces of this route family, beside the checks they describe.
