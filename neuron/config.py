@@ -176,6 +176,13 @@ SETTINGS = {
         ),
         Setting("max_batch", int, 8, "sequences decoding together (default 8)", check=_at_least(1)),
         Setting(
+            "max_n",
+            int,
+            8,
+            "choices per request (n), at most --max-batch; more get 400 (default 8)",
+            check=_at_least(1),
+        ),
+        Setting(
             "max_waiting", int, 64, "requests queued beyond the batch; more get 429 (default 64)", check=_at_least(0)
         ),
         Setting(
@@ -221,6 +228,7 @@ SERVE_SETTINGS = (
     "port",
     "api_key",
     "max_batch",
+    "max_n",
     "max_waiting",
     "prefill_chunk",
     "max_context",

@@ -22,6 +22,9 @@ REQUESTS = Counter(
     registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter("neuron_prompt_tokens", "Prompt tokens of admitted requests", registry=REGISTRY)
+PREFILL_TOKENS = Counter(
+    "neuron_prefill_tokens", "Prompt tokens computed by the model (n > 1 computes a prompt once)", registry=REGISTRY
+)
 COMPLETION_TOKENS = Counter("neuron_completion_tokens", "Tokens generated", registry=REGISTRY)
 TIME_TO_FIRST_TOKEN = Histogram(
     "neuron_time_to_first_token_seconds", "From admission to the first token", buckets=_SLOW, registry=REGISTRY

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import TOOLS_TEMPLATE, Server, serving, with_template
+from transformers import AutoTokenizer
 
 EOS = 2  # "<|im_end|>" in the tiny models' tokenizer
 IM_START = 1  # "<|im_start|>": special, not an end
@@ -178,3 +179,45 @@ def test_responses_refusals_name_the_field(server: Server) -> None:
     assert refused(input=[{"role": "robot", "content": "x"}])["param"] == "input[0].role"
     assert refused(tools=[{"type": "web_search"}])["param"] == "tools[0]"
     assert refused(frobnicate=1)["param"] == "frobnicate"
+
+
+def _prefilled(server: Server) -> float:
+    return server.metrics()[("neuron_prefill_tokens_total", ())]
+
+
+def test_n_computes_the_prompt_once_and_each_choice_is_its_derived_seed(server: Server) -> None:
+    args = {"prompt": "hello there", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+    before = _prefilled(server)
+    four = complete(server, n=4, **args)
+    assert _prefilled(server) - before == four.usage.prompt_tokens == 11  # one prompt of 11 byte tokens, once
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in four.choices]
+    assert len(set(texts)) > 1  # sampled independently
+    assert four.usage.completion_tokens == 4 * 12
+    assert [c.text for c in complete(server, n=4, **args).choices] == texts  # reproducible
+    # Choice i is what a request alone with seed 7 + i gets.
+    assert [complete(server, **{**args, "seed": 7 + i}).choices[0].text for i in range(4)] == texts
+
+    streamed: dict[int, str] = {}
+    for chunk in client(server).completions.create(model=MODEL, n=4, stream=True, **args):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(4)] == texts
+
+    chat = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=6, seed=3
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content is not None for c in chat.choices)
+
+
+def test_prompt_lists_give_a_choice_per_prompt_times_n(server: Server, tiny_models: dict[str, Path]) -> None:
+    prompts = ["One", "Two", "Three"]
+    alone = [complete(server, prompt=p).choices[0].text for p in prompts]
+    listed = complete(server, prompt=prompts)
+    assert [c.index for c in listed.choices] == [0, 1, 2]
+    assert [c.text for c in listed.choices] == alone
+    assert listed.usage.prompt_tokens == sum(map(len, prompts))
+    one = AutoTokenizer.from_pretrained(tiny_models["qwen3"]).encode("One")
+    doubled = complete(server, prompt=[one, "Two"], n=2)
+    assert [c.index for c in doubled.choices] == [0, 1, 2, 3]
+    assert [c.text for c in doubled.choices] == [alone[0], alone[0], alone[1], alone[1]]  # greedy: copies agree

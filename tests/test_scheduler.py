@@ -220,3 +220,32 @@ def test_micro_batches_are_filled_evenly_and_a_sequence_keeps_its_own() -> None:
     run(s)
     run(s)
     assert late.group == 0 and seqs[1].group == 1  # the newcomer evens them out; nobody moves
+
+
+def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() -> None:
+    s = scheduler(max_batch=4, prefill_chunk=3)
+    original, copy = request(5), request(5)
+    original.copies, copy.copy_of = [copy], original
+    other = request(2)
+    for seq in (original, other):
+        s.add(seq)
+    # Two places for the request with n = 2, one for the next: all three fit.
+    assert s.admit() == [original, copy, other]
+    first = run(s)
+    assert first.prefill == [Prefill(original.no, 0, original.prompt[:3], False)]
+    second = next_plan(s)
+    # Only the original's prompt is computed; its last chunk names the copy, which gets logits of its own.
+    assert second.prefill[0] == Prefill(original.no, 3, original.prompt[3:], True, [copy.no])
+    assert s.joining(second)[copy.no] is copy.params
+    delivered = s.apply(second, {original.no: Sampled(7, NOT_ASKED), copy.no: Sampled(8, NOT_ASKED)})
+    assert [(d.seq, d.sampled.token, d.first) for d in delivered] == [(original, 7, True), (copy, 8, True)]
+    assert s.running == [original, copy] and copy.fed == 5
+    assert [r.seq for r in run(s).decode] == [original.no, copy.no]
+
+
+def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
+    s = scheduler(max_batch=2)
+    original, copies = request(2), [request(2), request(2)]
+    original.copies = copies
+    s.add(original)
+    assert s.admit() == []

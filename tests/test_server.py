@@ -239,7 +239,7 @@ BAD_REQUESTS = [
     ("unknown model", CHAT, {**GOOD_CHAT, "model": "gpt-9"}, "secret", 404, "model", "gpt-9"),
     ("temperature out of range", CHAT, {**GOOD_CHAT, "temperature": 5}, "secret", 400, "temperature", "[0, 2]"),
     ("top_logprobs alone", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, "secret", 400, "top_logprobs", "logprobs"),
-    ("n > 1", CHAT, {**GOOD_CHAT, "n": 2}, "secret", 400, "n", "must be 1"),
+    ("n above --max-n", CHAT, {**GOOD_CHAT, "n": 9}, "secret", 400, "n", "--max-n"),
     ("tool without function", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, "secret", 400, "tools[0]", "must"),
     (
         "tools on completions",

@@ -135,12 +135,16 @@ class Engine:
         return 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
 
     def submit(
-        self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None, n: int = 1
     ) -> Sequence:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
-        The caller must ``cancel(seq)`` when it stops reading (a ``finally``): a
-        finished sequence ignores it, a queued one leaves the queue at once, and a
+        With ``n`` > 1, ``seq.copies`` are the other n - 1 choices: the prompt is computed once, and they start
+        from a copy of its cache, each sampled on its own; with a seed, choice i draws with seed + i, so it is
+        the choice a request with that seed alone gets.
+
+        The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
+        a finished sequence ignores it, a queued one leaves the queue at once, and a
         running one is dropped at the next step boundary.
         """
         if not self._accepting:
@@ -164,18 +168,29 @@ class Engine:
         params = params or SamplingParams()
         if problems := params.problems(self.vocab_size):
             raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
+        most = min(self.limits.max_n, self.limits.max_batch)
+        if not 1 <= n <= most:
+            raise RequestError(f"n must lie in [1, {most}] on this server (--max-n), got {n}", "n")
         if not params.ignore_eos:
             ends = (*params.stop_token_ids, *sorted(self.text.eos_token_ids))
             params = dataclasses.replace(params, stop_token_ids=ends)
         budget = self.context_length - len(prompt)
         max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        stop = StopText(params.stop, params.include_stop_str_in_output)
-        seq = Sequence(request_id or uuid.uuid4().hex, next(self._numbers), list(prompt), max_tokens, params, stop)
-        seq.submitted = time.perf_counter()
-        self.scheduler.add(seq)
+        request_id = request_id or uuid.uuid4().hex
+        seqs = []
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            own = dataclasses.replace(params, seed=seed) if i else params
+            stop = StopText(params.stop, params.include_stop_str_in_output)
+            seqs.append(Sequence(request_id, next(self._numbers), list(prompt), max_tokens, own, stop))
+            seqs[-1].submitted = time.perf_counter()
+        seqs[0].copies = seqs[1:]
+        for copy in seqs[1:]:
+            copy.copy_of = seqs[0]
+        self.scheduler.add(seqs[0])
         self._idle = anyio.Event()
         self._wakeup.set()
-        return seq
+        return seqs[0]
 
     def cancel(self, seq: Sequence) -> None:
         if self.scheduler.cancel(seq):
@@ -231,6 +246,7 @@ class Engine:
         started = time.perf_counter()
         try:
             sampled = await self.pool.step(plan, self.scheduler.joining(plan))
+            metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
             self._unready(e)
             # A lost group is a server that is about to restart (503, retry), not a failed request (500).

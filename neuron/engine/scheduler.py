@@ -29,6 +29,7 @@ class Limits:
     prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
     max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
     micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
+    max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +93,10 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the batch, in arrival order, while it has places; returns them."""
         admitted = []
-        while self.waiting and len(self.filling) + len(self.running) < self.limits.max_batch:
+        while self.waiting and len(self.filling) + len(self.running) + self.waiting[0].n <= self.limits.max_batch:
             seq = self.waiting.popleft()
-            self.filling.append(seq)
-            admitted.append(seq)
+            self.filling += [seq, *seq.copies]
+            admitted += [seq, *seq.copies]
         return admitted
 
     def plan(self) -> StepPlan | None:
@@ -110,9 +111,13 @@ class Scheduler:
         for seq in self.filling:
             if budget <= 0:
                 break
+            if seq.copy_of is not None:
+                continue  # fed when its original's prompt ends
             take = min(budget, len(seq.prompt) - seq.fed)
             end = seq.fed + take
-            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], end == len(seq.prompt)))
+            last = end == len(seq.prompt)
+            copies = [c.no for c in seq.copies if c in self.filling] if last else []
+            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], last, copies))
             budget -= take
         decode = [Decode(seq.no, seq.next_token, seq.group) for seq in self.running]
         return StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode)
@@ -120,7 +125,8 @@ class Scheduler:
     def joining(self, plan: StepPlan) -> dict[int, SamplingParams]:
         """The sampling parameters of the sequences ``plan`` starts: rank 0 makes their samplers."""
         by_no = {seq.no: seq for seq in self.filling}
-        return {chunk.seq: by_no[chunk.seq].params for chunk in plan.prefill if chunk.position == 0}
+        starting = [no for chunk in plan.prefill for no in ([chunk.seq] if chunk.position == 0 else []) + chunk.copies]
+        return {no: by_no[no].params for no in starting}
 
     def apply(self, plan: StepPlan, sampled: dict[int, Sampled]) -> list[Delivery]:
         """What ``plan``'s step did, now that every rank ran it: prompts fed, tokens sampled, in plan order.
@@ -137,10 +143,12 @@ class Scheduler:
                 continue
             seq.fed += len(chunk.tokens)
             if chunk.last:
-                self.filling.remove(seq)
-                seq.group = self._smallest_group()
-                self.running.append(seq)
-                out.append(self._outcome(seq, sampled[chunk.seq], first=True))
+                for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
+                    copy.fed = len(copy.prompt)
+                    self.filling.remove(copy)
+                    copy.group = self._smallest_group()
+                    self.running.append(copy)
+                    out.append(self._outcome(copy, sampled[copy.no], first=True))
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is not None:
                 out.append(self._outcome(seq, sampled[row.seq], first=False))

@@ -129,6 +129,10 @@ class Sequence:
     # The engine's step count when the caller stopped listening; None while it listens.
     cancelled_at: int | None = None
     finished: bool = False
+    # n > 1: the sequences whose prompt is this one's, copied on every rank when it ends rather than computed
+    # again; they wait in the batch, unfed, until then.
+    copies: list[Sequence] = field(default_factory=list)
+    copy_of: Sequence | None = None
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
 
@@ -136,6 +140,11 @@ class Sequence:
         # Unbounded: the step loop must never wait on a slow reader. A request's
         # backlog is at most one small event per token it was allowed.
         self._send, self.events = anyio.create_memory_object_stream[Event](float("inf"))
+
+    @property
+    def n(self) -> int:
+        """Places it takes in the batch: itself and its copies."""
+        return 1 + len(self.copies)
 
     def emit(self, event: Event) -> None:
         """Hand an event to the reader; a reader that has gone away counts as a cancellation."""

@@ -152,6 +152,9 @@ class Prefill:
     position: int
     tokens: list[int]
     last: bool
+    # Sequences that start as copies of this one when its prompt ends (a request's n > 1): each gets a copy of
+    # its KV cache and the same next-token logits, so the prompt is computed once for all n.
+    copies: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import dataclasses
 import hmac
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,11 +31,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from neuron import metrics
-from neuron.engine.sequence import Chunk, Finish, Overloaded, RequestError, Sequence, Unavailable
+from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import openai, responses, schema, tools
-from neuron.server.openai import ApiError, Generation, Replies
+from neuron.server import completions, openai, responses, schema, tools
+from neuron.server.completions import Replies
+from neuron.server.openai import ApiError, Generation
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
 
@@ -138,10 +139,6 @@ async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]
     return result[0] if result else None
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
 class EventStream(Response):
     """Server-sent events that stop when the client disconnects, and always run ``on_close``.
 
@@ -216,6 +213,7 @@ async def openapi(request: Request) -> Response:
             context=engine.context_length if engine else None,
             keyed=state.api_key is not None,
             auto_tools=engine.text.renders_tools and engine.text.tool_markup is not None if engine else True,
+            max_n=min(engine.limits.max_n, engine.limits.max_batch) if engine else None,
         )
     )
 
@@ -238,7 +236,7 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, chat=True)
 
 
-async def completions(request: Request) -> Response:
+async def text_completions(request: Request) -> Response:
     return await _generate(request, chat=False)
 
 
@@ -247,12 +245,12 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     _authorize(request, state)
     gen = _parse(await _read_json(request), state, chat=chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    engine, seq = await _submit(state, gen, request_id)
+    engine, seqs = await _submit(state, gen, request_id)
     replies = Replies(gen, request_id, engine.text.token_text)
-    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    readers = [ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None for _ in seqs]
     if gen.stream:
-        return EventStream(_stream(seq, gen, replies, reader), on_close=lambda: engine.cancel(seq))
-    reply = await _answer(request, engine, seq, lambda: _collect(seq, replies, reader))
+        return EventStream(completions.stream(seqs, gen, replies, readers), on_close=lambda: _cancel(engine, seqs))
+    reply = await _answer(request, engine, seqs, lambda: completions.collect(seqs, replies, readers))
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
@@ -261,42 +259,61 @@ def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
     gen.tools = tools.parse(body) if chat else None
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
         raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
+    if gen.n > 1 and (gen.schema is not None or (gen.tools is not None and not gen.tools.auto)):
+        # A constraint follows one sequence's tokens; n copies would need n compiled grammars.
+        raise openai.bad("n", "`n` above 1 cannot be combined with `response_format` or a forced `tool_choice`")
     return gen
 
 
+def _cancel(engine: Engine, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        engine.cancel(seq)
+
+
 async def _answer(
-    request: Request, engine: Engine, seq: Sequence, collect: Callable[[], Awaitable[dict[str, Any]]]
+    request: Request, engine: Engine, seqs: list[Sequence], collect: Callable[[], Awaitable[dict[str, Any]]]
 ) -> dict[str, Any] | None:
     """A whole reply, or None (HTTP 499: nobody will read it) when the client left first."""
     try:
         return await _unless_disconnected(request.receive, collect)
     finally:
-        engine.cancel(seq)
+        _cancel(engine, seqs)
 
 
-async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple[Engine, Sequence]:
-    """Queue a checked request in the engine; refusals as OpenAI's errors."""
+async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple[Engine, list[Sequence]]:
+    """Queue a checked request in the engine, a sequence per choice; refusals as OpenAI's errors."""
     chat = gen.chat
     engine = _engine(state)
     structlog.contextvars.bind_contextvars(request_id=request_id)
     text = engine.text
+    seqs: list[Sequence] = []
     try:
         if chat:
             if gen.tools is not None:
                 tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
             messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
-            prompt = text.encode_chat(messages, gen.tools.specs if gen.tools and text.renders_tools else None)
+            prompts = [text.encode_chat(messages, gen.tools.specs if gen.tools and text.renders_tools else None)]
         else:
-            prompt = gen.prompt if isinstance(gen.prompt, list) else text.encode(gen.prompt)
-        seq = engine.submit(prompt, await _constrained(engine, gen), request_id)
+            prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
+        for i, prompt in enumerate(prompts):
+            try:
+                seq = engine.submit(prompt, await _constrained(engine, gen), request_id, gen.n)
+            except RequestError as e:
+                if e.param == "prompt" and len(prompts) > 1:
+                    e.param = f"prompt[{i}]"
+                raise
+            seqs += [seq, *seq.copies]
     except RequestError as e:
+        _cancel(engine, seqs)
         param = "messages" if chat and e.param == "prompt" else e.param
         raise ApiError(400, str(e), param=param, code=e.code) from e
     except Overloaded as e:
+        _cancel(engine, seqs)
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
+        _cancel(engine, seqs)
         raise openai.not_ready(str(e), retry_after=e.retry_after) from e
-    return engine, seq
+    return engine, seqs
 
 
 async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
@@ -315,46 +332,6 @@ async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
     return dataclasses.replace(gen.params, constraint=constraint)
 
 
-async def _collect(seq: Sequence, replies: Replies, reader: ToolStream | None) -> dict[str, Any]:
-    chunks: list[Chunk] = []
-    async for event in seq.events:
-        if isinstance(event, Chunk):
-            chunks.append(event)
-        elif isinstance(event, Finish):
-            text, calls, reason = tools.end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
-            usage = openai.usage(event.prompt_tokens, event.completion_tokens)
-            return replies.whole(text, reason, replies.logprobs(chunks), usage, calls)
-        else:
-            raise openai.failure_error(event)
-    raise ApiError(500, "the engine ended the request without an answer", type="server_error")
-
-
-async def _stream(seq: Sequence, gen: Generation, replies: Replies, reader: ToolStream | None) -> AsyncIterator[bytes]:
-    if first := replies.first_chunk():
-        yield _sse(first)
-    async for event in seq.events:
-        if isinstance(event, Chunk):
-            text = reader.push(event.text) if reader else event.text
-            if text or gen.logprobs:
-                choice = replies.choice(text, None, replies.logprobs([event]), delta=True)
-                yield _sse(replies.chunk([choice]))
-        elif isinstance(event, Finish):
-            text, calls, reason = tools.end(reader, event.text, event.reason)
-            if text:
-                yield _sse(replies.chunk([replies.choice(text, None, None, delta=True)]))
-            if calls:
-                yield _sse(replies.chunk([replies.choice("", None, None, delta=True, tool_calls=calls)]))
-            yield _sse(replies.chunk([replies.choice("", reason, None, delta=True)]))
-            if gen.include_usage:
-                yield _sse(replies.chunk([], openai.usage(event.prompt_tokens, event.completion_tokens)))
-            yield b"data: [DONE]\n\n"
-            return
-        else:
-            # Headers are long sent: the error travels as the stream's last event.
-            yield _sse(openai.failure_error(event).body())
-            return
-
-
 async def create_response(request: Request) -> Response:
     state = _state(request)
     _authorize(request, state)
@@ -364,12 +341,12 @@ async def create_response(request: Request) -> Response:
     except ApiError as e:
         raise responses.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"
-    engine, seq = await _submit(state, gen, request_id)
+    engine, (seq,) = await _submit(state, gen, request_id)
     replies = ResponseReplies(gen, body, request_id)
     reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
     if gen.stream:
         return EventStream(responses.events(seq, replies, reader), on_close=lambda: engine.cancel(seq))
-    reply = await _answer(request, engine, seq, lambda: responses.collect(seq, replies, reader))
+    reply = await _answer(request, engine, [seq], lambda: responses.collect(seq, replies, reader))
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
@@ -414,7 +391,7 @@ def build_app(state: ServerState) -> Starlette:
             Route("/v1/models", list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", get_model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/completions", text_completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.sequence import Chunk, Failure
+from neuron.engine.sequence import Failure
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -133,7 +132,8 @@ class Generation:
     chat: bool
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
-    prompt: str | list[int] = ""  # completions: text or token ids
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: each text or token ids
+    n: int = 1  # choices per prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
     include_usage: bool = False
@@ -208,10 +208,9 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
             param="model",
             code="model_not_found",
         )
-    if _int(body, "n", 1) != 1:
-        raise bad("n", "`n` must be 1: neuron returns one choice per request")
-
-    gen = Generation(chat=chat, model=model)
+    gen = Generation(chat=chat, model=model, n=_int(body, "n", 1))
+    if gen.n < 1:
+        raise bad("n", f"`n` must be at least 1, got {gen.n}")
     if chat:
         gen.messages = _messages(body.get("messages"))
         # Both are checked; the newer name wins.
@@ -225,7 +224,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
             raise bad("top_logprobs", f"`top_logprobs` must lie in [0, {MAX_TOP_LOGPROBS}], got {top}")
         top_n = (top or 0) if gen.logprobs else None
     else:
-        gen.prompt = _prompt(body.get("prompt"))
+        gen.prompts = _prompts(body.get("prompt"))
         max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         if _bool(body, "echo"):
             raise bad("echo", "`echo` is not supported by neuron", "unsupported_parameter")
@@ -381,18 +380,21 @@ def _content(value: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _prompt(value: Any) -> str | list[int]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]  # a batch of one
+def _prompts(value: Any) -> list[str | list[int]]:
+    """One prompt (text or token ids) or a list of them; OpenAI's four shapes."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+    return [_prompt(value, "prompt")]
+
+
+def _prompt(value: Any, where: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise bad("prompt", "`prompt` is empty")
+            raise bad(where, f"`{where}` is empty")
         return value
     if isinstance(value, list) and value and all(_is_int64(t) for t in value):
         return [int(t) for t in value]
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
-        raise bad("prompt", "`prompt` holds several prompts; send one per request")
-    raise bad("prompt", f"`prompt` must be a string or an array of token ids, got {_kind(value)}")
+    raise bad(where, f"`{where}` must be a string or an array of token ids, got {_kind(value)}")
 
 
 def _stops(value: Any) -> tuple[str, ...]:
@@ -404,106 +406,3 @@ def _stops(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOPS:
         raise bad("stop", f"`stop` holds at most {MAX_STOPS} strings, got {len(stops)}")
     return tuple(s for s in stops if s)
-
-
-# Replies.
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-class Replies:
-    """Builds one request's reply objects, in the chat or the completions shape."""
-
-    def __init__(self, gen: Generation, request_id: str, token_text: Callable[[int], str]) -> None:
-        self.gen = gen
-        self.id = request_id
-        self.created = int(time.time())
-        self.token_text = token_text
-        self._offset = 0  # completions' text_offset
-
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.gen.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.gen.model}
-
-    def logprobs(self, chunks: list[Chunk], text: str = "") -> dict[str, Any] | None:
-        if not self.gen.logprobs:
-            return None
-        if self.gen.chat:
-            return {"content": [self._chat_logprob(c) for c in chunks], "refusal": None}
-        tokens = [self.token_text(c.token) for c in chunks]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._offset)
-            self._offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [c.logprob for c in chunks],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in c.top} for c in chunks],
-            "text_offset": offsets,
-        }
-
-    def _chat_logprob(self, chunk: Chunk) -> dict[str, Any]:
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {**entry(chunk.token, chunk.logprob), "top_logprobs": [entry(t, lp) for t, lp in chunk.top]}
-
-    def choice(
-        self,
-        text: str,
-        finish_reason: str | None,
-        logprobs: dict[str, Any] | None,
-        *,
-        delta: bool,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict:
-        out: dict[str, Any] = {"index": 0}
-        if not self.gen.chat:
-            out["text"] = text
-        elif delta:
-            out["delta"] = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
-            if tool_calls:
-                # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
-                out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-        else:
-            out["message"] = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
-            if tool_calls:
-                out["message"]["tool_calls"] = tool_calls
-        out["logprobs"] = logprobs
-        out["finish_reason"] = finish_reason
-        return out
-
-    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
-        out = {**self._envelope(chunk=True), "choices": choices}
-        if self.gen.include_usage:
-            out["usage"] = usage_
-        return out
-
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant's role and no text."""
-        if not self.gen.chat:
-            return None
-        return self.chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
-
-    def whole(
-        self,
-        text: str,
-        finish_reason: str,
-        logprobs: dict | None,
-        usage_: dict[str, int],
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        return {
-            **self._envelope(chunk=False),
-            "choices": [self.choice(text, finish_reason, logprobs, delta=False, tool_calls=tool_calls)],
-            "usage": usage_,
-        }

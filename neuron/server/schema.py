@@ -57,7 +57,7 @@ def _ranged(name: str, kind: str) -> Schema:
     return _or_null(schema)
 
 
-def _sampling_properties(vocab_size: int | None) -> Schema:
+def _sampling_properties(vocab_size: int | None, max_n: int | None) -> Schema:
     bias_keys: Schema = {"pattern": below(vocab_size)} if vocab_size else {"pattern": "^[0-9]+$"}
     return {
         "temperature": _ranged("temperature", "number"),
@@ -84,7 +84,13 @@ def _sampling_properties(vocab_size: int | None) -> Schema:
                 ]
             }
         ),
-        "n": {"enum": [1, None], "description": "one choice per request"},
+        "n": _or_null(
+            {
+                **_integer(1, max_n or INT64[1]),
+                "description": "choices per prompt, sampled independently from one computation of the prompt; "
+                "with a seed, choice i draws with seed + i",
+            }
+        ),
         # vLLM's extensions (openai.EXTENSIONS), as vLLM defines them.
         "ignore_eos": _or_null({"type": "boolean", "description": "extension: generate past end-of-sequence"}),
         "min_tokens": {
@@ -155,14 +161,42 @@ RESPONSE_FORMAT = _or_null(
 )
 
 
-def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat: bool, auto_tools: bool) -> Schema:
+FORCED: Schema = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+# n > 1 copies one sequence's state, and a constraint follows one sequence's tokens: not both.
+ONE_CONSTRAINED: Schema = {
+    "not": {
+        "required": ["n"],
+        "properties": {"n": {"type": "integer", "minimum": 2}},
+        "anyOf": [
+            {
+                "required": ["response_format"],
+                "properties": {
+                    "response_format": {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+                    }
+                },
+            },
+            {
+                "required": ["tool_choice"],
+                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+            },
+        ],
+    }
+}
+
+
+def _request(
+    model_id: str, vocab_size: int | None, context: int | None, max_n: int | None, *, chat: bool, auto_tools: bool
+) -> Schema:
     max_tokens = _or_null(
         {
             **_integer(int(RANGES["max_tokens"].low)),
             "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
         }
     )
-    properties: Schema = {"model": {"type": "string", "enum": [model_id]}, **_sampling_properties(vocab_size)}
+    properties: Schema = {"model": {"type": "string", "enum": [model_id]}, **_sampling_properties(vocab_size, max_n)}
     tokens: Schema = {"type": "array", "minItems": 1, "items": _integer(0, (vocab_size or 2**63) - 1)}
     if context:
         tokens["maxItems"] = context - 1
@@ -217,6 +251,7 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             _requires("stream_options", "object", "stream"),
             _requires("top_logprobs", "integer", "logprobs"),
             *tools.request_rules(auto_tools),
+            ONE_CONSTRAINED,
         ]
     else:
         text = {"type": "string", "minLength": 1}
@@ -225,9 +260,9 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
                 "anyOf": [
                     text,
                     tokens,
-                    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, tokens]}},
+                    {"type": "array", "minItems": 1, "items": {"anyOf": [text, tokens]}},
                 ],
-                "description": f"text or token ids ({prompt_note}); a batch of one is unwrapped",
+                "description": f"text or token ids ({prompt_note}), or a list of them: a choice per prompt",
             },
             "max_tokens": {**max_tokens, "default": 16},
             "logprobs": _or_null(_integer(0, MAX_COMPLETION_LOGPROBS)),
@@ -235,7 +270,7 @@ def _request(model_id: str, vocab_size: int | None, context: int | None, *, chat
             "response_format": RESPONSE_FORMAT,
         }
         required = ["model", "prompt"]
-        rules = [_requires("stream_options", "object", "stream")]
+        rules = [_requires("stream_options", "object", "stream"), ONE_CONSTRAINED]
     return {
         "type": "object",
         "required": required,
@@ -339,12 +374,12 @@ def _components(model_id: str) -> Schema:
                 "object": {"const": kind},
                 "created": {"type": "integer"},
                 "model": {"const": model_id},
-                "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": choice},
+                "choices": {"type": "array", "minItems": 1, "items": choice},
                 "usage": _ref("Usage"),
             },
         }
 
-    choice_base = {"index": {"const": 0}, "finish_reason": finish}
+    choice_base = {"index": {"type": "integer", "minimum": 0}, "finish_reason": finish}
     return {
         "Error": {
             "type": "object",
@@ -412,7 +447,13 @@ def _components(model_id: str) -> Schema:
 
 
 def document(
-    model_id: str, *, vocab_size: int | None, context: int | None, keyed: bool, auto_tools: bool = True
+    model_id: str,
+    *,
+    vocab_size: int | None,
+    context: int | None,
+    keyed: bool,
+    auto_tools: bool = True,
+    max_n: int | None = None,
 ) -> Schema:
     """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
     ``auto_tools``: whether the model's template shows it tools and mlx-lm can read its calls."""
@@ -423,7 +464,7 @@ def document(
         return {"get": {"summary": summary, "responses": responses, **extra}}
 
     def generate(summary: str, chat: bool) -> Schema:
-        body = _request(model_id, vocab_size, context, chat=chat, auto_tools=auto_tools)
+        body = _request(model_id, vocab_size, context, max_n, chat=chat, auto_tools=auto_tools)
         return {
             "post": {
                 "summary": summary,

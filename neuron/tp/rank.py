@@ -179,6 +179,8 @@ class Rank:
             if position > 0 and (known is None or known.prompt_done or known.position != position or seq in left):
                 held = "nothing" if known is None else f"{known.position} tokens, prompt done: {known.prompt_done}"
                 return f"sequence {seq} is fed a prompt chunk at {position} but this rank holds {held}"
+            if chunk.copies and (not chunk.last or any(c in self.seqs or c == seq for c in chunk.copies)):
+                return f"sequence {seq} cannot be copied to {chunk.copies}: not its last chunk, or a copy exists"
         for group in sorted({row.group for row in plan.decode} | set(self.batch.groups)):
             staying = [s for s in self.batch.ids(group) if s not in left]
             rows = [row.seq for row in plan.decode if row.group == group]
@@ -245,7 +247,26 @@ class Rank:
             state.prompt_done = chunk.last
             if logits is not None:
                 out[chunk.seq] = logits
+        for chunk in chunks:
+            if chunk.copies and not shadow:
+                self._copy(chunk.seq, chunk.copies)
+                if chunk.seq in out:
+                    out.update(dict.fromkeys(chunk.copies, out[chunk.seq]))
         return out
+
+    def _copy(self, seq: int, copies: list[int]) -> None:
+        """Each copy starts with ``seq``'s cache, its own arrays: a copy's writes must not reach the others."""
+        state = self.seqs[seq]
+        assert state.cache is not None
+        for no in copies:
+            cache = []
+            for layer in state.cache:
+                twin = KVCache()
+                if layer.keys is not None:
+                    twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
+                twin.offset = layer.offset
+                cache.append(twin)
+            self.seqs[no] = _Seq(state.position, state.last, cache, True)
 
     def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
         """All but each prompt's last token, left-padded into one batch; then the last tokens together."""

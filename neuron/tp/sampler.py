@@ -137,6 +137,9 @@ class Samplers:
                 self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))
             if (sampler := self._by_seq.get(chunk.seq)) is not None:
                 sampler.feed(chunk.tokens)
+                for no in chunk.copies:
+                    self._by_seq[no] = Sampler(joining.get(no, SamplingParams()))
+                    self._by_seq[no].feed(sampler._recent)
         return sample_all(self._by_seq, logits)
 
     def clear(self) -> None:

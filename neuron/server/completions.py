@@ -1,0 +1,190 @@
+"""Replies of the chat and completions routes, one choice per sequence: whole, or streamed as chunks that carry
+each choice's ``index``. No MLX, no HTTP.
+
+A request's choices are its prompts times ``n``, indexed as OpenAI does (prompt i's choice j is i * n + j);
+they decode together in the batch, so their events interleave step by step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import orjson
+
+from neuron.engine.sequence import Chunk, Event, Failure, Finish, Sequence
+from neuron.server import tools
+from neuron.server.openai import ApiError, Generation, failure_error
+from neuron.server.tools import ToolStream
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class Replies:
+    """Builds one request's reply objects, in the chat or the completions shape."""
+
+    def __init__(self, gen: Generation, request_id: str, token_text: Callable[[int], str]) -> None:
+        self.gen = gen
+        self.id = request_id
+        self.created = int(time.time())
+        self.token_text = token_text
+        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.gen.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.gen.model}
+
+    def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict[str, Any] | None:
+        if not self.gen.logprobs:
+            return None
+        if self.gen.chat:
+            return {"content": [self._chat_logprob(c) for c in chunks], "refusal": None}
+        tokens = [self.token_text(c.token) for c in chunks]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [c.logprob for c in chunks],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in c.top} for c in chunks],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprob(self, chunk: Chunk) -> dict[str, Any]:
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {**entry(chunk.token, chunk.logprob), "top_logprobs": [entry(t, lp) for t, lp in chunk.top]}
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None,
+        *,
+        delta: bool,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict:
+        out: dict[str, Any] = {"index": index}
+        if not self.gen.chat:
+            out["text"] = text
+        elif delta:
+            out["delta"] = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
+            if tool_calls:
+                # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
+                out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
+        else:
+            out["message"] = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
+            if tool_calls:
+                out["message"]["tool_calls"] = tool_calls
+        out["logprobs"] = logprobs
+        out["finish_reason"] = finish_reason
+        return out
+
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+        out = {**self._envelope(chunk=True), "choices": choices}
+        if self.gen.include_usage:
+            out["usage"] = usage_
+        return out
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """Chat streams open each choice with the assistant's role and no text."""
+        if not self.gen.chat:
+            return None
+        delta = {"role": "assistant", "content": ""}
+        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def whole(self, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(chunk=False), "choices": choices, "usage": usage_}
+
+
+def _usage(seqs: list[Sequence]) -> dict[str, int]:
+    """Each prompt counted once, however many choices share it, as OpenAI counts them."""
+    prompts = sum(len(seq.prompt) for seq in seqs if seq.copy_of is None)
+    return usage(prompts, sum(seq.completion_tokens for seq in seqs))
+
+
+async def collect(seqs: list[Sequence], replies: Replies, readers: list[ToolStream | None]) -> dict[str, Any]:
+    choices = []
+    for index, (seq, reader) in enumerate(zip(seqs, readers, strict=True)):
+        chunks: list[Chunk] = []
+        async for event in seq.events:
+            if isinstance(event, Chunk):
+                chunks.append(event)
+            elif isinstance(event, Finish):
+                text, calls, reason = tools.end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
+                choices.append(
+                    replies.choice(index, text, reason, replies.logprobs(chunks, index), delta=False, tool_calls=calls)
+                )
+                break
+            else:
+                raise failure_error(event)
+        else:
+            raise ApiError(500, "the engine ended the request without an answer", type="server_error")
+    return replies.whole(choices, _usage(seqs))
+
+
+async def merged(seqs: list[Sequence]) -> AsyncIterator[tuple[int, Event]]:
+    """Every choice's events as they come, each with its index, until each has finished. It waits on the lowest
+    unfinished choice and takes whatever the others have ready meanwhile: the batch steps them all together."""
+    active = dict(enumerate(seqs))
+    while active:
+        first = next(iter(active))
+        ready = [(first, await active[first].events.receive())]
+        for index, seq in active.items():
+            while index != first:
+                try:
+                    ready.append((index, seq.events.receive_nowait()))
+                except anyio.WouldBlock:
+                    break
+                if not isinstance(ready[-1][1], Chunk):
+                    break
+        for index, event in ready:
+            if not isinstance(event, Chunk):
+                del active[index]
+            yield index, event
+
+
+async def stream(
+    seqs: list[Sequence], gen: Generation, replies: Replies, readers: list[ToolStream | None]
+) -> AsyncIterator[bytes]:
+    for index in range(len(seqs)):
+        if opening := replies.opening(index):
+            yield sse(opening)
+    async for index, event in merged(seqs):
+        reader = readers[index]
+        if isinstance(event, Chunk):
+            text = reader.push(event.text) if reader else event.text
+            if text or gen.logprobs:
+                choice = replies.choice(index, text, None, replies.logprobs([event], index), delta=True)
+                yield sse(replies.chunk([choice]))
+        elif isinstance(event, Finish):
+            text, calls, reason = tools.end(reader, event.text, event.reason)
+            if text:
+                yield sse(replies.chunk([replies.choice(index, text, None, None, delta=True)]))
+            if calls:
+                yield sse(replies.chunk([replies.choice(index, "", None, None, delta=True, tool_calls=calls)]))
+            yield sse(replies.chunk([replies.choice(index, "", reason, None, delta=True)]))
+        else:
+            assert isinstance(event, Failure)
+            # Headers are long sent: the error travels as the stream's last event.
+            yield sse(failure_error(event).body())
+            return
+    if gen.include_usage:
+        yield sse(replies.chunk([], _usage(seqs)))
+    yield b"data: [DONE]\n\n"
