@@ -38,6 +38,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # None: no logprobs. n >= 0: the chosen token's logprob and the n most likely alternatives.
     logprobs: int | None = None
+    # None: no prompt scores. n >= 0: each prompt token's logprob and the n most likely alternatives at its
+    # position (vLLM's prompt_logprobs; ``echo`` with ``logprobs`` on /v1/completions), computed in the prefill.
+    prompt_logprobs: int | None = None
     # What the output must match (response_format, forced tool calls), compiled by the engine; rank 0 masks with it.
     constraint: Constraint | None = None
     # vLLM's extensions, as vLLM defines them. The engine adds the model's end-of-sequence tokens to
@@ -88,6 +91,9 @@ class Sampled:
     # temperature); NOT_ASKED unless the request asked for logprobs.
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
+    # With the first token of a request that asked for prompt_logprobs: each prompt token's (logprob, top) but
+    # the first's, which nothing predicts.
+    prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
     error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
 
 
@@ -129,7 +135,7 @@ def _number(x: float) -> str:
 
 
 RANGES = {
-    "max_tokens": Range(1),
+    "max_tokens": Range(0),  # 0: the prompt alone, scored (echo)
     "temperature": Range(0.0, 2.0),
     "top_p": Range(0.0, 1.0, open_low=True),
     "top_k": Range(0),  # 0 means no limit
@@ -139,6 +145,7 @@ RANGES = {
     "frequency_penalty": Range(-2.0, 2.0),
     "repetition_penalty": Range(0.0, 10.0, open_low=True),
     "logprobs": Range(0, MAX_TOP_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS),
     "min_tokens": Range(0),
 }
 LOGIT_BIAS = Range(-100.0, 100.0)

@@ -4,6 +4,7 @@ sampling extensions."""
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,3 +222,63 @@ def test_prompt_lists_give_a_choice_per_prompt_times_n(server: Server, tiny_mode
     doubled = complete(server, prompt=[one, "Two"], n=2)
     assert [c.index for c in doubled.choices] == [0, 1, 2, 3]
     assert [c.text for c in doubled.choices] == [alone[0], alone[0], alone[1], alone[1]]  # greedy: copies agree
+
+
+def _ascii(tokenizer: AutoTokenizer) -> list[int]:
+    return [tokenizer.encode(c)[0] for c in string.ascii_letters + " "]
+
+
+def _mlx_lm_logprobs(model_path: Path, ids: list[int]) -> list[float]:
+    """What mlx-lm itself says each token's log-probability is, given the ones before it."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(model_path))
+    logits = model(mx.array([ids]))[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two ranks, prompts fed 5 tokens a step: scoring crosses chunks and ranks."""
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefill-chunk", "5")
+    with serving(tmp_path_factory, *args) as server:
+        yield server
+
+
+@pytest.mark.parametrize("where", ["server", "chunked"])
+def test_echo_scores_the_prompt_as_generation_and_mlx_lm_do(
+    where: str, request: pytest.FixtureRequest, tiny_models: dict[str, Path]
+) -> None:
+    served: Server = request.getfixturevalue(where)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    prompt = tokenizer.encode("hello there")
+    # Only letters may be chosen (each one token), so the text maps back to its tokens; logprobs are the model's own.
+    letters = {str(t): 100 for t in _ascii(tokenizer)}
+    made = complete(served, prompt=prompt, max_tokens=8, logprobs=0, logit_bias=letters).choices[0]
+    generated = tokenizer.encode(made.text)
+    assert len(generated) == 8
+
+    scored = complete(served, prompt=prompt + generated, max_tokens=0, echo=True, logprobs=2)
+    (choice,) = scored.choices
+    assert choice.text == "hello there" + made.text and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt + generated]
+    assert logprobs.text_offset == list(range(len(prompt) + 8))
+    assert sum(logprobs.token_logprobs[-8:]) == pytest.approx(sum(made.logprobs.token_logprobs), abs=1e-3)
+    assert logprobs.token_logprobs[-8:] == pytest.approx(made.logprobs.token_logprobs, abs=1e-3)
+    assert logprobs.token_logprobs[1:] == pytest.approx(
+        _mlx_lm_logprobs(tiny_models["qwen3"], prompt + generated), abs=1e-3
+    )
+    for chosen, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True):
+        # Two alternatives, keyed by text: two byte tokens that decode alike ("\ufffd") share a key.
+        assert 1 <= len(top) <= 2 and max(top.values()) >= chosen - 1e-5
+
+    # Echoed with a completion after it, streamed too: the prompt comes first, then what is generated.
+    echoed = complete(served, prompt=prompt, max_tokens=8, echo=True, logit_bias=letters).choices[0]
+    assert echoed.text == "hello there" + made.text
+    pieces = complete(served, prompt=prompt, max_tokens=8, echo=True, logit_bias=letters, stream=True)
+    assert "".join(c.choices[0].text for c in pieces) == echoed.text

@@ -63,7 +63,7 @@ def test_every_op_is_covered() -> None:
 
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
-    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], **fields}
+    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], "scores": False, **fields}
     plan = {"leave": [], "prefill": [chunk], "decode": [{"seq": 2, "token": 1, "group": 0}]}
     return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 

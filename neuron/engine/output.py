@@ -43,6 +43,11 @@ class Output:
             log.warning("constraint failed", request_id=seq.id, error=sampled.error)
             self.failed(seq, "constraint", sampled.error)
             return True
+        if delivery.first:
+            seq.prompt_logprobs = sampled.prompt
+        if seq.max_tokens == 0:
+            self.finish(seq, "length")
+            return True
         if delivery.finish == "stop":  # the end-of-sequence token: not part of the text
             self.finish(seq, "stop")
             return True

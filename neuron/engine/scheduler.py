@@ -117,7 +117,8 @@ class Scheduler:
             end = seq.fed + take
             last = end == len(seq.prompt)
             copies = [c.no for c in seq.copies if c in self.filling] if last else []
-            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], last, copies))
+            scores = seq.params.prompt_logprobs is not None
+            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], last, copies, scores))
             budget -= take
         decode = [Decode(seq.no, seq.next_token, seq.group) for seq in self.running]
         return StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode)
@@ -164,6 +165,8 @@ class Scheduler:
     def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
         if sampled.error is not None:
             return Delivery(seq, sampled, "error", first)
+        if seq.max_tokens == 0:  # the prompt, scored, was all it asked for: the token is not used
+            return Delivery(seq, sampled, "length", first)
         params = seq.params
         if sampled.token in params.stop_token_ids or (sampled.token in self.eos_token_ids and not params.ignore_eos):
             return Delivery(seq, sampled, "stop", first)

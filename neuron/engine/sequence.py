@@ -122,6 +122,8 @@ class Sequence:
     next_token: int | None = None  # sampled, to be fed in the next step
     group: int = 0  # the micro-batch it decodes in, from the step its prompt ends
     completion_tokens: int = 0
+    # Each prompt token's (logprob, top) but the first's, once the prompt is done, when prompt_logprobs asked.
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
     detokenizer: Any = None  # mlx-lm's streaming detokenizer (engine.text)
     submitted: float = 0.0  # perf_counter times: queued, admitted to the batch, first token
     started: float = 0.0

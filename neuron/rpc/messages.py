@@ -155,6 +155,9 @@ class Prefill:
     # Sequences that start as copies of this one when its prompt ends (a request's n > 1): each gets a copy of
     # its KV cache and the same next-token logits, so the prompt is computed once for all n.
     copies: list[int] = field(default_factory=list)
+    # Rank 0 wants the logits of every position of this chunk (prompt scoring, ``echo`` with ``logprobs``); every
+    # rank feeds it on its own, apart from the batch of new prompts, so all issue the same collectives.
+    scores: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,7 +246,7 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     gen = _parse(await _read_json(request), state, chat=chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     engine, seqs = await _submit(state, gen, request_id)
-    replies = Replies(gen, request_id, engine.text.token_text)
+    replies = Replies(gen, request_id, engine.text.token_text, engine.text.tokenizer.decode)
     readers = [ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None for _ in seqs]
     if gen.stream:
         return EventStream(completions.stream(seqs, gen, replies, readers), on_close=lambda: _cancel(engine, seqs))

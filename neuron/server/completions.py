@@ -35,11 +35,18 @@ def sse(obj: dict[str, Any]) -> bytes:
 class Replies:
     """Builds one request's reply objects, in the chat or the completions shape."""
 
-    def __init__(self, gen: Generation, request_id: str, token_text: Callable[[int], str]) -> None:
+    def __init__(
+        self,
+        gen: Generation,
+        request_id: str,
+        token_text: Callable[[int], str],
+        decode: Callable[[list[int]], str] = lambda tokens: "",
+    ) -> None:
         self.gen = gen
         self.id = request_id
         self.created = int(time.time())
         self.token_text = token_text
+        self.decode = decode
         self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
@@ -51,17 +58,33 @@ class Replies:
             return None
         if self.gen.chat:
             return {"content": [self._chat_logprob(c) for c in chunks], "refusal": None}
-        tokens = [self.token_text(c.token) for c in chunks]
+        return self._completion_logprobs(
+            index, [c.token for c in chunks], [c.logprob for c in chunks], [self._top(c.top) for c in chunks]
+        )
+
+    def _top(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        return {self.token_text(t): lp for t, lp in top}
+
+    def _completion_logprobs(
+        self, index: int, ids: list[int], logprobs: list[float | None], tops: list[dict[str, float] | None]
+    ) -> dict[str, Any]:
+        tokens = [self.token_text(t) for t in ids]
         offsets = []
         for token in tokens:
             offsets.append(self._offsets.get(index, 0))
             self._offsets[index] = offsets[-1] + len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [c.logprob for c in chunks],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in c.top} for c in chunks],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and, with logprobs, its scores: the first token's null, as nothing predicts it."""
+        if not self.gen.echo:
+            return "", None
+        if not self.gen.logprobs:
+            return self.decode(seq.prompt), None
+        scores = (seq.copy_of or seq).prompt_logprobs  # the copies' prompt is their original's
+        logprobs = [None, *(lp for lp, _ in scores)]
+        tops = [None, *(self._top(top) for _, top in scores)]
+        return self.decode(seq.prompt), self._completion_logprobs(index, seq.prompt, logprobs, tops)
 
     def _chat_logprob(self, chunk: Chunk) -> dict[str, Any]:
         def entry(token: int, logprob: float) -> dict[str, Any]:
@@ -119,6 +142,13 @@ def _usage(seqs: list[Sequence]) -> dict[str, int]:
     return usage(prompts, sum(seq.completion_tokens for seq in seqs))
 
 
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects, one after the other."""
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
+
+
 async def collect(seqs: list[Sequence], replies: Replies, readers: list[ToolStream | None]) -> dict[str, Any]:
     choices = []
     for index, (seq, reader) in enumerate(zip(seqs, readers, strict=True)):
@@ -128,9 +158,9 @@ async def collect(seqs: list[Sequence], replies: Replies, readers: list[ToolStre
                 chunks.append(event)
             elif isinstance(event, Finish):
                 text, calls, reason = tools.end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
-                choices.append(
-                    replies.choice(index, text, reason, replies.logprobs(chunks, index), delta=False, tool_calls=calls)
-                )
+                prompt, scores = replies.echo(seq, index)
+                logprobs = _joined(scores, replies.logprobs(chunks, index))
+                choices.append(replies.choice(index, prompt + text, reason, logprobs, delta=False, tool_calls=calls))
                 break
             else:
                 raise failure_error(event)
@@ -166,8 +196,13 @@ async def stream(
     for index in range(len(seqs)):
         if opening := replies.opening(index):
             yield sse(opening)
+    echoed: set[int] = set()
     async for index, event in merged(seqs):
         reader = readers[index]
+        if gen.echo and index not in echoed:
+            echoed.add(index)
+            prompt, scores = replies.echo(seqs[index], index)
+            yield sse(replies.chunk([replies.choice(index, prompt, None, scores, delta=True)]))
         if isinstance(event, Chunk):
             text = reader.push(event.text) if reader else event.text
             if text or gen.logprobs:

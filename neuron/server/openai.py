@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron.engine.sequence import Failure
-from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
+from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, Range, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
+CHAT_MAX_TOKENS = Range(1)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 
 # Accepted and ignored: they change nothing about what a single server generates.
@@ -134,6 +135,7 @@ class Generation:
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: each text or token ids
     n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt comes back before the completion (scored, with logprobs)
     params: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = False
     include_usage: bool = False
@@ -226,16 +228,17 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
     else:
         gen.prompts = _prompts(body.get("prompt"))
         max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        if _bool(body, "echo"):
-            raise bad("echo", "`echo` is not supported by neuron", "unsupported_parameter")
+        gen.echo = _bool(body, "echo")
         top_n = _int(body, "logprobs", None)
         if top_n is not None and not 0 <= top_n <= MAX_COMPLETION_LOGPROBS:
             raise bad("logprobs", f"`logprobs` must lie in [0, {MAX_COMPLETION_LOGPROBS}], got {top_n}")
         gen.logprobs = top_n is not None
+    # Only completions can ask for no tokens: the prompt, scored (echo).
+    limit = CHAT_MAX_TOKENS if chat else RANGES["max_tokens"]
     for name in ("max_tokens", "max_completion_tokens"):
-        # Each field given is checked, the one overridden too; the limit itself is SamplingParams'.
-        if (value := body.get(name)) is not None and not RANGES["max_tokens"].holds(value):
-            raise bad(name, f"`{name}` {RANGES['max_tokens'].requirement}, got {value}")
+        # Each field given is checked, the one overridden too.
+        if (value := body.get(name)) is not None and not limit.holds(value):
+            raise bad(name, f"`{name}` {limit.requirement}, got {value}")
 
     gen.stream = _bool(body, "stream")
     options = _get(body, "stream_options", "an object", lambda v: isinstance(v, dict), None)
@@ -243,7 +246,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         if not gen.stream:
             raise bad("stream_options", "`stream_options` is only allowed with `stream` set to true")
         gen.include_usage = _bool(options, "include_usage")
-    gen.params = _sampling(body, top_n, max_tokens)
+    gen.params = _sampling(body, top_n, max_tokens, top_n if gen.echo else None)
     gen.schema = _response_format(body.get("response_format"))
     return gen
 
@@ -275,7 +278,9 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     return schema or {}
 
 
-def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any], top_logprobs: int | None, max_tokens: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
     bias = _get(body, "logit_bias", "an object", lambda v: isinstance(v, dict), {})
     logit_bias: dict[int, float] = {}
     for key, value in bias.items():
@@ -296,6 +301,7 @@ def _sampling(body: dict[str, Any], top_logprobs: int | None, max_tokens: int | 
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         logit_bias=logit_bias,
         logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
         ignore_eos=_bool(body, "ignore_eos"),
         min_tokens=_int(body, "min_tokens", 0),
         stop_token_ids=_token_ids(body, "stop_token_ids"),

@@ -19,7 +19,7 @@ from typing import Any
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
-from neuron.server.openai import IGNORED, INT64, ApiError, Generation, _kind, bad, failure_error
+from neuron.server.openai import CHAT_MAX_TOKENS, IGNORED, INT64, ApiError, Generation, _kind, bad, failure_error
 from neuron.server.tools import NAME, ToolStream, end
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -416,7 +416,7 @@ def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
             "description": "the conversation: text, or messages with earlier function calls and their outputs",
         },
         "instructions": optional({"type": "string"}),
-        "max_output_tokens": optional({"type": "integer", "minimum": int(RANGES["max_tokens"].low), "maximum": TOP}),
+        "max_output_tokens": optional({"type": "integer", "minimum": int(CHAT_MAX_TOKENS.low), "maximum": TOP}),
         "temperature": ranged("temperature"),
         "top_p": ranged("top_p"),
         "stream": optional({"type": "boolean"}),

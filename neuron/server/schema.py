@@ -16,7 +16,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
 from neuron.server import responses, tools
-from neuron.server.openai import COMPLETION_UNSUPPORTED, IGNORED, INT64, MAX_COMPLETION_LOGPROBS, ROLES, UNSUPPORTED
+from neuron.server.openai import (
+    CHAT_MAX_TOKENS,
+    COMPLETION_UNSUPPORTED,
+    IGNORED,
+    INT64,
+    MAX_COMPLETION_LOGPROBS,
+    ROLES,
+    UNSUPPORTED,
+)
 
 Schema = dict[str, Any]
 REF = "#/components/schemas/"
@@ -192,7 +200,7 @@ def _request(
 ) -> Schema:
     max_tokens = _or_null(
         {
-            **_integer(int(RANGES["max_tokens"].low)),
+            **_integer(int((CHAT_MAX_TOKENS if chat else RANGES["max_tokens"]).low)),
             "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
         }
     )
@@ -266,7 +274,9 @@ def _request(
             },
             "max_tokens": {**max_tokens, "default": 16},
             "logprobs": _or_null(_integer(0, MAX_COMPLETION_LOGPROBS)),
-            "echo": {"enum": [False, None], "description": "echo is not supported"},
+            "echo": _or_null(
+                {"type": "boolean", "description": "the prompt before the completion; with logprobs, scored"}
+            ),
             "response_format": RESPONSE_FORMAT,
         }
         required = ["model", "prompt"]
@@ -347,10 +357,14 @@ def _components(model_id: str) -> Schema:
             "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
             "properties": {
                 "tokens": {"type": "array", "items": {"type": "string"}},
-                "token_logprobs": {"type": "array", "items": {"type": "number"}},
+                "token_logprobs": {
+                    "type": "array",
+                    "items": {"type": ["number", "null"]},
+                    "description": "null for an echoed prompt's first token",
+                },
                 "top_logprobs": {
                     "type": "array",
-                    "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                    "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
                 },
                 "text_offset": {"type": "array", "items": {"type": "integer"}},
             },

@@ -227,7 +227,7 @@ class Rank:
         """
         assert self.model is not None
         out: dict[int, mx.array] = {}
-        fresh = [chunk for chunk in chunks if chunk.position == 0]
+        fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores]
         if fresh:
             logits, caches = self._forward_new_prompts([chunk.tokens for chunk in fresh])
             for i, chunk in enumerate(fresh):
@@ -237,11 +237,19 @@ class Rank:
                 if chunk.last and logits is not None:
                     out[chunk.seq] = logits[i]
         for chunk in chunks:
-            if chunk.position == 0:
+            if chunk.position == 0 and not chunk.scores:
                 continue
-            state = _Seq(cache=make_prompt_cache(self.model)) if shadow else self.seqs[chunk.seq]
-            assert state.cache is not None
-            logits = self._forward_prompt(chunk.tokens, chunk.last, state.cache)
+            if shadow or chunk.position == 0:
+                state = _Seq(cache=make_prompt_cache(self.model))
+                if not shadow:
+                    self.seqs[chunk.seq] = state
+            else:
+                state = self.seqs[chunk.seq]
+            assert state.cache is not None and self.runner is not None
+            if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
+                logits = self.runner.scores(mx.array(chunk.tokens)[None], state.cache)
+            else:
+                logits = self._forward_prompt(chunk.tokens, chunk.last, state.cache)
             state.position += len(chunk.tokens)
             state.last = chunk.tokens[-1]
             state.prompt_done = chunk.last

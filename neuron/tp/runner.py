@@ -46,6 +46,22 @@ class Sharded:
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             _eval_with(cache, trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache))
 
+    def scores(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+        """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
+        trunk, out = backbone(self.model), []
+        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
+            piece = tokens[:, start : start + FORWARD_TOKENS]
+            if self.head is not None:  # every rank projects onto its rows of the vocabulary
+                logits = self.head(trunk(piece, cache=cache)[0])
+            elif self.rank == 0:
+                logits = self.model(piece, cache=cache)[0]
+            else:
+                _eval_with(cache, trunk(piece, cache=cache))
+                continue
+            _eval_with(cache, logits)
+            out.append(logits)
+        return mx.concatenate(out) if self.rank == 0 else None
+
     def logits(self, passes: list[Pass]) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks)."""
         return [self._logits(tokens, cache) for tokens, cache in passes]
@@ -103,6 +119,21 @@ class Stage:
             if not self.last:
                 hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
             _eval_with(cache, hidden)
+
+    def scores(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+        """Like ``feed`` (one row), and the last stage sends every position back: rank 0 gets their logits."""
+        out = []
+        for start in range(0, tokens.shape[1], FORWARD_TOKENS):
+            piece = tokens[:, start : start + FORWARD_TOKENS]
+            hidden = self._through(piece, cache)
+            _eval_with(cache, mx.distributed.send(hidden, (self.rank + 1) % self.stages, group=self.group))
+            if self.rank == 0:
+                assert self.norm is not None and self.project is not None
+                shape = (1, piece.shape[1], self.hidden)
+                hidden = mx.distributed.recv(shape, self.dtype, self.stages - 1, group=self.group)
+                out.append(self.project(self.norm(hidden))[0])
+                mx.eval(out[-1])
+        return mx.concatenate(out) if self.rank == 0 else None
 
     def logits(self, passes: list[Pass]) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits.

@@ -15,6 +15,7 @@ drop its KV cache. The leader only hands over each new sequence's parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable
 
@@ -34,6 +35,8 @@ class Sampler:
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._recent: list[int] = []
         self._generated = 0  # tokens sampled so far: min_tokens holds the stop tokens back until enough are
+        self._prompt: list[tuple[float, tuple[tuple[int, float], ...]]] = []  # prompt scores not yet handed on
+        self._tail: mx.array | None = None  # the last scored position's logprobs: they predict the next chunk
         self._key: mx.array | None = None  # made on first use
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
 
@@ -53,9 +56,35 @@ class Sampler:
         """Tokens fed to the sequence (its prompt): the penalties see the last PENALTY_WINDOW of them."""
         self._recent = [*self._recent, *tokens][-PENALTY_WINDOW:]
 
+    def score(self, rows: mx.array, tokens: list[int]) -> None:
+        """Score a prompt chunk: ``rows`` are its positions' logits; each predicts the token after it."""
+        logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+        if self._tail is None:  # the first chunk: nothing predicts the prompt's first token
+            predicting, targets = logprobs[:-1], tokens[1:]
+        else:
+            predicting, targets = mx.concatenate([self._tail[None], logprobs[:-1]]), tokens
+        self._tail = logprobs[-1]
+        if not targets:
+            return
+        chosen = mx.take_along_axis(predicting, mx.array(targets)[:, None], axis=-1)[:, 0]
+        k = self.params.prompt_logprobs or 0
+        tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+        if k:
+            ids = mx.argpartition(-predicting, k - 1, axis=-1)[:, :k]
+            values = mx.take_along_axis(predicting, ids, axis=-1)
+            mx.eval(chosen, ids, values)
+            tops = [
+                tuple(sorted(zip(row_ids, row_values, strict=True), key=lambda x: -x[1]))
+                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        self._prompt += list(zip(chosen.tolist(), tops, strict=True))
+
     def record(self, sampled: Sampled) -> Sampled:
         self.feed([sampled.token])
         self._generated += 1
+        if self._prompt:
+            sampled = dataclasses.replace(sampled, prompt=tuple(self._prompt))
+            self._prompt = []
         return sampled
 
     def _start(self) -> mx.array:
@@ -137,6 +166,11 @@ class Samplers:
                 self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))
             if (sampler := self._by_seq.get(chunk.seq)) is not None:
                 sampler.feed(chunk.tokens)
+                if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
+                    sampler.score(rows, chunk.tokens)
+                    if chunk.last:
+                        logits[chunk.seq] = rows[-1]
+                        logits.update(dict.fromkeys(chunk.copies, rows[-1]))
                 for no in chunk.copies:
                     self._by_seq[no] = Sampler(joining.get(no, SamplingParams()))
                     self._by_seq[no].feed(sampler._recent)
