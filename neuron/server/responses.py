@@ -20,7 +20,7 @@ from typing import Any
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
 from neuron.server.openai import CHAT_MAX_TOKENS, IGNORED, INT64, ApiError, Generation, _kind, bad, failure_error
-from neuron.server.tools import NAME, ToolStream, end
+from neuron.server.tools import NAME, ToolStream, end, request_rules
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -371,30 +371,8 @@ def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
         },
     }
     plain = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}}
-    forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
     structured = {"properties": {"format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
-    rules: list[dict[str, Any]] = [
-        {
-            "if": {"properties": {"tool_choice": forced}, "required": ["tool_choice"]},
-            "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
-        },
-        {
-            "not": {
-                "required": ["text", "tool_choice"],
-                "properties": {
-                    "text": {"type": "object", "required": ["format"], **structured},
-                    "tool_choice": forced,
-                },
-            }
-        },
-    ]
-    if not auto_tools:
-        rules.append(
-            {
-                "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
-                "then": {"properties": {"tool_choice": {"not": {"type": "null"}}}, "required": ["tool_choice"]},
-            }
-        )
+    rules = request_rules(auto_tools, "text", {"type": "object", "required": ["format"], **structured})
     choices = ["none", "auto", "required"] if auto_tools else ["none", "required"]
     properties = {
         "model": {"type": "string", "enum": [model_id]},

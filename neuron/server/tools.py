@@ -288,9 +288,17 @@ def request_properties(auto: bool) -> dict[str, Any]:
     }
 
 
-def request_rules(auto: bool) -> list[dict[str, Any]]:
-    """What ties the tool fields together: a forced call needs tools; without auto, tools need a choice."""
+def request_rules(
+    auto: bool, shaping: str = "response_format", shaped: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """What ties the tool fields together: a forced call needs tools; without auto, tools need a choice; a
+    forced call and a structured output (``shaping`` when it matches ``shaped``) do not go together."""
     forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+    structured = {
+        "type": "object",
+        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
+        "required": ["type"],
+    }
     rules: list[dict[str, Any]] = [
         {
             "if": {"properties": {"tool_choice": forced}, "required": ["tool_choice"]},
@@ -299,15 +307,8 @@ def request_rules(auto: bool) -> list[dict[str, Any]]:
         {
             # Both would shape the output: one constraint per request.
             "not": {
-                "required": ["response_format", "tool_choice"],
-                "properties": {
-                    "response_format": {
-                        "type": "object",
-                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                        "required": ["type"],
-                    },
-                    "tool_choice": forced,
-                },
+                "required": [shaping, "tool_choice"],
+                "properties": {shaping: shaped or structured, "tool_choice": forced},
             }
         },
     ]
