@@ -247,7 +247,15 @@ def chunked(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         yield server
 
 
-@pytest.mark.parametrize("where", ["server", "chunked"])
+@pytest.fixture(scope="module")
+def pipelined(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two pipeline stages: the last sends every scored position back to rank 0."""
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefill-chunk", "5")
+    with serving(tmp_path_factory, *args) as server:
+        yield server
+
+
+@pytest.mark.parametrize("where", ["server", "chunked", "pipelined"])
 def test_echo_scores_the_prompt_as_generation_and_mlx_lm_do(
     where: str, request: pytest.FixtureRequest, tiny_models: dict[str, Path]
 ) -> None:
@@ -282,3 +290,13 @@ def test_echo_scores_the_prompt_as_generation_and_mlx_lm_do(
     assert echoed.text == "hello there" + made.text
     pieces = complete(served, prompt=prompt, max_tokens=8, echo=True, logit_bias=letters, stream=True)
     assert "".join(c.choices[0].text for c in pieces) == echoed.text
+
+
+def test_n_over_two_ranks_with_a_chunked_prompt(chunked: Server) -> None:
+    args = {"prompt": "a prompt fed in chunks", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    before = _prefilled(chunked)
+    three = complete(chunked, n=3, **args)
+    assert _prefilled(chunked) - before == three.usage.prompt_tokens
+    assert [c.text for c in three.choices] == [
+        complete(chunked, **{**args, "seed": 11 + i}).choices[0].text for i in range(3)
+    ]
