@@ -300,3 +300,38 @@ def test_n_over_two_ranks_with_a_chunked_prompt(chunked: Server) -> None:
     assert [c.text for c in three.choices] == [
         complete(chunked, **{**args, "seed": 11 + i}).choices[0].text for i in range(3)
     ]
+
+
+ITEMS = [  # (question, choices): multiple-choice items, scored as lm-evaluation-harness scores them
+    ("The sky is", [" blue", " green", " loud"]),
+    ("Two and two make", [" four", " five"]),
+    ("Paris is in", [" France", " Spain", " Peru", " Mars"]),
+]
+
+
+def test_lm_evaluation_harness_scores_as_mlx_lm_does(server: Server, tiny_models: dict[str, Path]) -> None:
+    """lm-evaluation-harness's own `local-completions` model (echo, logprobs, a list of token prompts) against
+    the server, and the same log-likelihoods from mlx-lm directly."""
+    pytest.importorskip("lm_eval", reason="pip install lm-eval==0.4.13 (the eval extra)")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    lm = get_model("local-completions")(
+        base_url=f"{server.url}/v1/completions",
+        model=MODEL,
+        tokenizer=str(tiny_models["qwen3"]),
+        tokenizer_backend="huggingface",
+        batch_size=4,
+        max_retries=1,
+    )
+    pairs = [(question, choice) for question, choices in ITEMS for choice in choices]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    scores = [ll for ll, _ in lm.loglikelihood(requests)]
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen3"])
+    expected = []
+    for question, choice in pairs:
+        context, continuation = tokenizer.encode(question), tokenizer.encode(choice)
+        per_token = _mlx_lm_logprobs(tiny_models["qwen3"], context + continuation)
+        expected.append(sum(per_token[len(context) - 1 :]))
+    assert scores == pytest.approx(expected, abs=1e-3)
