@@ -14,8 +14,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
-from neuron.server import responses, tools
+from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
+from neuron.server import completions, responses, tools
 from neuron.server.openai import (
     CHAT_MAX_TOKENS,
     COMPLETION_UNSUPPORTED,
@@ -99,25 +99,7 @@ def _sampling_properties(vocab_size: int | None, max_n: int | None) -> Schema:
                 "with a seed, choice i draws with seed + i",
             }
         ),
-        # vLLM's extensions (openai.EXTENSIONS), as vLLM defines them.
-        "ignore_eos": _or_null({"type": "boolean", "description": "extension: generate past end-of-sequence"}),
-        "min_tokens": {
-            **_ranged("min_tokens", "integer"),
-            "description": "extension: end-of-sequence and stop_token_ids are held back until this many tokens; "
-            "at most max_tokens (code min_tokens_above_max_tokens)",
-        },
-        "stop_token_ids": _or_null(
-            {
-                "type": "array",
-                "items": _integer(0, (vocab_size or 2**63) - 1),
-                "maxItems": MAX_STOP_TOKEN_IDS,
-                "description": "extension: tokens that end the text (finish_reason stop), never part of it",
-            }
-        ),
-        "include_stop_str_in_output": _or_null({"type": "boolean", "description": "extension: keep the stop string"}),
-        "skip_special_tokens": _or_null(
-            {"type": "boolean", "description": "extension: leave special tokens out of the text (default true)"}
-        ),
+        **completions.extension_properties(vocab_size),
         "stream": _or_null({"type": "boolean"}),
         "stream_options": _or_null({"type": "object", "properties": {"include_usage": _or_null({"type": "boolean"})}}),
     }
@@ -167,32 +149,6 @@ RESPONSE_FORMAT = _or_null(
         "enforce is a 400 naming the keyword (code unsupported_schema)",
     }
 )
-
-
-FORCED: Schema = {"anyOf": [{"const": "required"}, {"type": "object"}]}
-# n > 1 copies one sequence's state, and a constraint follows one sequence's tokens: not both.
-ONE_CONSTRAINED: Schema = {
-    "not": {
-        "required": ["n"],
-        "properties": {"n": {"type": "integer", "minimum": 2}},
-        "anyOf": [
-            {
-                "required": ["response_format"],
-                "properties": {
-                    "response_format": {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                    }
-                },
-            },
-            {
-                "required": ["tool_choice"],
-                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
-            },
-        ],
-    }
-}
 
 
 def _request(
@@ -259,7 +215,7 @@ def _request(
             _requires("stream_options", "object", "stream"),
             _requires("top_logprobs", "integer", "logprobs"),
             *tools.request_rules(auto_tools),
-            ONE_CONSTRAINED,
+            completions.ONE_CONSTRAINED,
         ]
     else:
         text = {"type": "string", "minLength": 1}
@@ -280,7 +236,7 @@ def _request(
             "response_format": RESPONSE_FORMAT,
         }
         required = ["model", "prompt"]
-        rules = [_requires("stream_options", "object", "stream"), ONE_CONSTRAINED]
+        rules = [_requires("stream_options", "object", "stream"), completions.ONE_CONSTRAINED]
     return {
         "type": "object",
         "required": required,
