@@ -288,7 +288,7 @@ async def _collect(seq: Sequence, replies: Replies) -> dict[str, Any]:
             chunks.append(event)
         elif isinstance(event, Finish):
             text = "".join(c.text for c in chunks) + event.text
-            usage = openai.usage(event.prompt_tokens, event.completion_tokens)
+            usage = openai.usage(event)
             return replies.whole(text, event.reason, replies.logprobs(chunks), usage)
         else:
             raise _failure_error(event)
@@ -308,7 +308,7 @@ async def _stream(seq: Sequence, gen: Generation, replies: Replies) -> AsyncIter
                 yield _sse(replies.chunk([replies.choice(event.text, None, None, delta=True)]))
             yield _sse(replies.chunk([replies.choice("", event.reason, None, delta=True)]))
             if gen.include_usage:
-                yield _sse(replies.chunk([], openai.usage(event.prompt_tokens, event.completion_tokens)))
+                yield _sse(replies.chunk([], openai.usage(event)))
             yield b"data: [DONE]\n\n"
             return
         else:

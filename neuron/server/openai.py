@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.sequence import Chunk
+from neuron.engine.sequence import Chunk, Finish
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -303,11 +303,13 @@ def _stops(value: Any) -> tuple[str, ...]:
 # Replies.
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(finish: Finish) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": finish.prompt_tokens,
+        "completion_tokens": finish.completion_tokens,
+        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
     }
 
 
@@ -361,7 +363,7 @@ class Replies:
         out["finish_reason"] = finish_reason
         return out
 
-    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {**self._envelope(chunk=True), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = usage_
@@ -375,7 +377,7 @@ class Replies:
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
-    def whole(self, text: str, finish_reason: str, logprobs: dict | None, usage_: dict[str, int]) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, logprobs: dict | None, usage_: dict[str, Any]) -> dict[str, Any]:
         return {
             **self._envelope(chunk=False),
             "choices": [self.choice(text, finish_reason, logprobs, delta=False)],

@@ -1,0 +1,59 @@
+"""A rank's prefix-cache entries: its own shard of each saved prompt's KV cache, by the leader's entry id.
+
+The rank decides nothing here: the plan names every entry to save, restore or
+evict, and the leader sized them all. A rank holds only its layers' share (its
+slice of the key/value heads, or its pipeline stage's layers), and handles it
+the same way either way. ``state`` goes into the rank's fingerprint, so a rank
+whose entries differ from rank 0's is a desync on that very step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+Layer = tuple[mx.array, mx.array]  # keys and values, [1, kv heads here, tokens, head dim]
+
+
+class Entries:
+    def __init__(self) -> None:
+        self._held: dict[int, list[Layer]] = {}
+
+    def __contains__(self, entry: int) -> bool:
+        return entry in self._held
+
+    def length(self, entry: int) -> int:
+        return self._held[entry][0][0].shape[2]
+
+    def state(self) -> list[tuple[int, int]]:
+        """Each entry's id and length, for the fingerprint."""
+        return sorted((entry, self.length(entry)) for entry in self._held)
+
+    def save(self, entry: int, cache: list[KVCache]) -> None:
+        """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""
+        layers = [
+            (mx.contiguous(c.keys[..., : c.offset, :]), mx.contiguous(c.values[..., : c.offset, :])) for c in cache
+        ]
+        mx.eval(layers)
+        self._held[entry] = layers
+
+    def restore(self, entry: int, tokens: int) -> list[KVCache]:
+        """A fresh cache per layer holding the entry's first ``tokens``; the entry itself is left as it was."""
+        caches = []
+        for keys, values in self._held[entry]:
+            cache = KVCache()
+            # The cache's next update sees a full buffer and concatenates into a new one, never writing here.
+            cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
+            caches.append(cache)
+        return caches
+
+    def evict(self, entry: int) -> None:
+        del self._held[entry]
+
+    def drop_one(self) -> None:
+        """Test hook: lose the oldest entry, as a rank that went its own way would."""
+        if self._held:
+            del self._held[min(self._held)]
+
+    def clear(self) -> None:
+        self._held.clear()
