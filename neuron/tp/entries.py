@@ -12,6 +12,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from neuron.rpc import StepPlan
+
 Layer = tuple[mx.array, mx.array]  # keys and values, [1, kv heads here, tokens, head dim]
 
 
@@ -28,6 +30,20 @@ class Entries:
     def state(self) -> list[tuple[int, int]]:
         """Each entry's id and length, for the fingerprint."""
         return sorted((entry, self.length(entry)) for entry in self._held)
+
+    def disagreement(self, plan: StepPlan) -> str | None:
+        """Why this rank's entries cannot follow ``plan``, or None."""
+        for restore in plan.restore:
+            if restore.entry not in self._held or self.length(restore.entry) < restore.tokens:
+                return f"prefix entry {restore.entry} cannot give {restore.tokens} tokens: this rank lacks them"
+        for evict in plan.evict:
+            if evict.entry not in self._held:
+                return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
+        ending = {chunk.seq for chunk in plan.prefill if chunk.last}
+        for save in plan.save:
+            if save.entry in self._held or save.seq not in ending:
+                return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
+        return None
 
     def save(self, entry: int, cache: list[KVCache]) -> None:
         """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""

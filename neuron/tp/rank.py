@@ -186,7 +186,7 @@ class Rank:
             if seq not in self.seqs:
                 return f"sequence {seq} cannot leave: this rank does not hold it"
         left = set(plan.leave)
-        if problem := self._entry_disagreement(plan):
+        if problem := self.entries.disagreement(plan):
             return problem
         restored = {r.seq: r.tokens for r in plan.restore}
         for chunk in plan.prefill:
@@ -210,19 +210,6 @@ class Rank:
                 known = self.seqs.get(seq)
                 if known is None or not known.prompt_done or seq in left or self.batch.holds(seq):
                     return f"sequence {seq} cannot join micro-batch {group}: its prompt is not done here"
-        return None
-
-    def _entry_disagreement(self, plan: StepPlan) -> str | None:
-        for restore in plan.restore:
-            if restore.entry not in self.entries or self.entries.length(restore.entry) < restore.tokens:
-                return f"prefix entry {restore.entry} cannot give {restore.tokens} tokens: this rank lacks them"
-        for evict in plan.evict:
-            if evict.entry not in self.entries:
-                return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
-        ending = {chunk.seq for chunk in plan.prefill if chunk.last}
-        for save in plan.save:
-            if save.entry in self.entries or save.seq not in ending:
-                return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
         return None
 
     def _shadow_step(self, plan: StepPlan) -> None:
