@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-SHARED = " ".join(f"Policy {i}: keep answers short, cite the rule you follow, and stay polite." for i in range(100))
+SHARED = " ".join(f"Policy {i}: keep answers short, cite the rule you follow, and stay polite." for i in range(80))
 SYSTEM = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(100))
 TURNS = ["Hello there.", "Tell me more about rule 3.", "And rule 7?", "Thanks, that is all."]
 

@@ -163,10 +163,10 @@ def test_a_rank_that_loses_an_entry_is_a_desync_naming_it_and_the_next_request_s
 @pytest.mark.anyio
 async def test_a_second_request_sharing_1500_tokens_reports_them_cached(pair: tuple[str, Server, Server]) -> None:
     model, _, on = pair
-    prefix = (SYSTEM * 2)[:1500]
+    prefix = "".join(f"Entry {i} of the keeper's log: the lamp is lit and the sea is calm. " for i in range(30))[:1500]
     first = await _chat(on, model, [{"role": "user", "content": prefix + " First question?"}], 2)
     second = await _chat(on, model, [{"role": "user", "content": prefix + " Second one?"}], 2)
-    assert first[2] == 0 and second[2] >= 1400, (first, second)
+    assert first[2] < 20 and second[2] >= 1400, (first, second)  # the first shares only the template's opening
 
 
 def test_smollm2_over_three_ranks_is_unchanged_by_the_cache(
