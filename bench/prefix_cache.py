@@ -20,14 +20,13 @@ the servers agree). TTFT is from sending the request to the first text event.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import httpx
 from concurrency import start_mlx_lm_server
+from streaming import events
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -40,27 +39,13 @@ TURNS = ["Hello there.", "Tell me more about rule 3.", "And rule 7?", "Thanks, t
 
 def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, str, dict]:
     """TTFT in seconds, the reply's text, and its usage."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     started, first, text, usage = time.perf_counter(), None, "", {}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=900) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{url} answered {response.status_code}: {response.read().decode()}")
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            usage = event.get("usage") or usage
-            piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
-            if piece:
-                first = first or time.perf_counter()
-                text += piece
+    for event in events(url, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": max_tokens}):
+        usage = event.get("usage") or usage
+        piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+        if piece:
+            first = first or time.perf_counter()
+            text += piece
     return (first or time.perf_counter()) - started, text, usage
 
 
