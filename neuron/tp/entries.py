@@ -45,7 +45,17 @@ class Entries:
                 return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
         return None
 
-    def save(self, entry: int, cache: list[KVCache]) -> None:
+    def evict_and_save(self, plan: StepPlan, caches: dict[int, list[KVCache] | None]) -> None:
+        """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (``caches``: the
+        saved sequences' own caches)."""
+        for evict in plan.evict:
+            del self._held[evict.entry]
+        for save in plan.save:
+            cache = caches[save.seq]
+            assert cache is not None
+            self._save(save.entry, cache)
+
+    def _save(self, entry: int, cache: list[KVCache]) -> None:
         """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""
         layers = [
             (mx.contiguous(c.keys[..., : c.offset, :]), mx.contiguous(c.values[..., : c.offset, :])) for c in cache
@@ -62,9 +72,6 @@ class Entries:
             cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
             caches.append(cache)
         return caches
-
-    def evict(self, entry: int) -> None:
-        del self._held[entry]
 
     def drop_one(self) -> None:
         """Test hook: lose the oldest entry, as a rank that went its own way would."""

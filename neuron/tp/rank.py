@@ -158,12 +158,7 @@ class Rank:
             self.seqs[restore.seq] = _Seq(restore.tokens, -1, cache)
         self._join([row for row in plan.decode if not self.batch.holds(row.seq)])
         out = self._prefill(plan.prefill)
-        for evict in plan.evict:
-            self.entries.evict(evict.entry)
-        for save in plan.save:
-            cache = self.seqs[save.seq].cache
-            assert cache is not None
-            self.entries.save(save.entry, cache)
+        self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
             out.update(self._decode(plan.decode))
         self._steps += 1
