@@ -331,7 +331,7 @@ async def _collect(seq: Sequence, replies: Replies, reader: ToolStream | None) -
             chunks.append(event)
         elif isinstance(event, Finish):
             text, calls, reason = _end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
-            usage = openai.usage(event.prompt_tokens, event.completion_tokens)
+            usage = openai.usage(event)
             return replies.whole(text, reason, replies.logprobs(chunks), usage, calls)
         else:
             raise _failure_error(event)
@@ -355,7 +355,7 @@ async def _stream(seq: Sequence, gen: Generation, replies: Replies, reader: Tool
                 yield _sse(replies.chunk([replies.choice("", None, None, delta=True, tool_calls=calls)]))
             yield _sse(replies.chunk([replies.choice("", reason, None, delta=True)]))
             if gen.include_usage:
-                yield _sse(replies.chunk([], openai.usage(event.prompt_tokens, event.completion_tokens)))
+                yield _sse(replies.chunk([], openai.usage(event)))
             yield b"data: [DONE]\n\n"
             return
         else:

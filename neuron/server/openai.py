@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.sequence import Chunk
+from neuron.engine.sequence import Chunk, Finish
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, SamplingParams
 
 MAX_COMPLETION_LOGPROBS = 5
@@ -378,11 +378,13 @@ def _stops(value: Any) -> tuple[str, ...]:
 # Replies.
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(finish: Finish) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": finish.prompt_tokens,
+        "completion_tokens": finish.completion_tokens,
+        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": finish.cached_tokens},
     }
 
 
@@ -449,7 +451,7 @@ class Replies:
         out["finish_reason"] = finish_reason
         return out
 
-    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {**self._envelope(chunk=True), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = usage_
@@ -468,7 +470,7 @@ class Replies:
         text: str,
         finish_reason: str,
         logprobs: dict | None,
-        usage_: dict[str, int],
+        usage_: dict[str, Any],
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         return {
