@@ -87,6 +87,30 @@ def _wait_http(url: str, alive: Callable[[], bool], timeout: float = 300) -> Non
     raise RuntimeError(f"{url} did not come up within {timeout} s")
 
 
+def start_mlx_lm_server(path: Path) -> tuple[subprocess.Popen, str]:
+    """``mlx_lm.server`` on the model folder ``path``, with the BLAS neuron uses, on a free port; returns the
+    process and its URL once it answers."""
+    from neuron import cpu
+
+    env = dict(os.environ)
+    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
+        env["LD_PRELOAD"] = str(lib)
+    port = _free_port()
+    mlx = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--port", str(port), "--log-level", "WARNING"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url, lambda: mlx.poll() is None)
+    except BaseException:
+        mlx.terminate()
+        raise
+    return mlx, url
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2, converted to fp32)")
@@ -97,27 +121,15 @@ def main() -> None:
 
     from conftest import Server
 
-    from neuron import cpu
     from neuron.models import model_id, resolve
 
     path = resolve(args.model)
     neuron_id = model_id(args.model)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
     neuron = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=log)
-    env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
-        env["LD_PRELOAD"] = str(lib)  # the same BLAS neuron uses
-    port = _free_port()
-    mlx_url = f"http://127.0.0.1:{port}"
-    mlx = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--port", str(port), "--log-level", "WARNING"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    mlx, mlx_url = start_mlx_lm_server(path)
     try:
         neuron.start()
-        _wait_http(mlx_url, lambda: mlx.poll() is None)
         servers = {"mlx_lm.server": (mlx_url, str(path)), "neuron serve": (neuron.url, neuron_id)}
         for url, model in servers.values():
             level(url, model, 2, 8)  # warm up

@@ -210,6 +210,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 args.prefill_chunk,
                 args.max_context,
                 args.micro_batches,
+                args.prefix_cache_bytes,
                 args.max_n,
             ),
             drain_timeout=args.drain_timeout,

@@ -200,6 +200,14 @@ SETTINGS = {
             check=_at_least(1),
         ),
         Setting(
+            "prefix_cache_bytes",
+            int,
+            1 << 30,
+            "bytes of KV cache per rank kept for prompts' shared beginnings, reused by later prompts that start "
+            "the same way (default 1 GiB; 0 turns the prefix cache off)",
+            check=_at_least(0),
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -233,6 +241,7 @@ SERVE_SETTINGS = (
     "prefill_chunk",
     "max_context",
     "micro_batches",
+    "prefix_cache_bytes",
     "drain_timeout",
 )
 

@@ -62,3 +62,20 @@ STAGE_LAYERS = Gauge(
     ["rank", "host"],
     registry=REGISTRY,
 )
+PREFIX_HITS = Counter(
+    "neuron_prefix_cache_hits", "Prompts that began with a cached prefix (--prefix-cache-bytes)", registry=REGISTRY
+)
+PREFIX_MISSES = Counter("neuron_prefix_cache_misses", "Prompts with no cached prefix", registry=REGISTRY)
+PREFIX_CACHED_TOKENS = Counter(
+    "neuron_prefix_cache_cached_tokens", "Prompt tokens restored from the prefix cache, not computed", registry=REGISTRY
+)
+PREFIX_EVICTIONS = Counter(
+    "neuron_prefix_cache_evictions",
+    "Prefix-cache entries dropped to stay within the budget, or covered by a longer one",
+    registry=REGISTRY,
+)
+PREFIX_BYTES = Gauge(
+    "neuron_prefix_cache_bytes",
+    "Bytes of prefix-cache entries on the rank holding the largest share",
+    registry=REGISTRY,
+)

@@ -211,3 +211,25 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
             else:
                 rest += size
     return per_layer, rest
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def kv_bytes_per_token(model_path: str | Path, layers_per_rank: list[int], kv_heads_share: int) -> int:
+    """Bytes one token adds to the KV cache of the rank holding the largest share, from the config and the
+    safetensors headers alone: keys and values, for each of ``layers_per_rank``'s layers, over 1 /
+    ``kv_heads_share`` of the key/value heads (tensor parallelism splits the heads evenly)."""
+    model = text_config(read_config(model_path))
+    kv_heads = int(model.get("num_key_value_heads") or model["num_attention_heads"])
+    head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
+    dtype = 4
+    for weights in sorted(Path(model_path).glob("model*.safetensors")):
+        with weights.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        # Activations, and so the cache, take the norms' dtype: norms are never quantized.
+        norms = [t["dtype"] for name, t in header.items() if name.endswith("input_layernorm.weight")]
+        if norms:
+            dtype = _DTYPE_BYTES.get(norms[0], 4)
+            break
+    return 2 * max(layers_per_rank) * kv_heads // kv_heads_share * head_dim * dtype

@@ -131,9 +131,9 @@ class Worker:
                 state = self._joined()
                 state.step(plan)
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
-            case rpc.ClearKvCache(id=id):
+            case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
-                    self.state.clear_kv_cache()
+                    self.state.clear_kv_cache(prefixes)
                 return rpc.KvCacheCleared(id=id)
             case rpc.Unload(id=id):
                 if self.state is not None:

@@ -30,9 +30,12 @@ EVERY_MESSAGE = [
             leave=[3],
             prefill=[rpc.Prefill(5, 0, [1, 2, 3], True), rpc.Prefill(6, 4, [9], False)],
             decode=[rpc.Decode(1, 7, 0), rpc.Decode(2, 8, 1)],
+            restore=[rpc.Restore(6, 2, 4)],
+            save=[rpc.Save(5, 3)],
+            evict=[rpc.Evict(1)],
         ),
     ),
-    rpc.ClearKvCache(id=5),
+    rpc.ClearKvCache(id=5, prefixes=True),
     rpc.Unload(id=6),
     rpc.Shutdown(id=7),
     rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234, host=HOST),
@@ -64,7 +67,14 @@ def test_every_op_is_covered() -> None:
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
     chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], "scores": False, **fields}
-    plan = {"leave": [], "prefill": [chunk], "decode": [{"seq": 2, "token": 1, "group": 0}]}
+    plan = {
+        "leave": [],
+        "prefill": [chunk],
+        "decode": [{"seq": 2, "token": 1, "group": 0}],
+        "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
+        "save": [{"seq": 1, "entry": 4}],
+        "evict": [{"entry": 3}],
+    }
     return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 
 
@@ -117,6 +127,8 @@ def test_nested_fields_come_back_as_their_types() -> None:
     step = rpc.decode_request(_step_line())
     assert isinstance(step, rpc.GenerateStep)
     assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1, 0)]
+    assert step.plan.restore == [rpc.Restore(1, 3, 2)] and step.plan.save == [rpc.Save(1, 4)]
+    assert step.plan.evict == [rpc.Evict(3)]
 
 
 def test_protocol_module_does_not_import_mlx() -> None:

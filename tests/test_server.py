@@ -76,7 +76,15 @@ def test_chat_whole_and_streamed_agree_with_usage_and_logprobs(server: Server, t
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    streamed = chunks[-1].usage
+    assert chunks[-1].choices == [] and streamed is not None
+    assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+        whole.usage.total_tokens,
+    )
+    # The same prompt again: all of it but the last token comes from the prefix cache the first request filled.
+    assert streamed.prompt_tokens_details.cached_tokens == prompt_tokens - 1
 
 
 @pytest.mark.anyio

@@ -34,6 +34,7 @@ import structlog
 
 from neuron import metrics
 from neuron.engine.output import Output
+from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
 from neuron.engine.text import Text
@@ -69,8 +70,10 @@ class Engine:
         self.health = Health(False, "not probed yet")
         # Set once the group is lost for good (a rank died or hung): only a fresh leader process can serve again.
         self.lost = anyio.Event()
-        self.scheduler = Scheduler(self.limits, text.eos_token_ids)
-        self.output = Output(text)
+        budget = self.limits.prefix_cache_bytes
+        self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
+        self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
+        self.output = Output(text, self.prefix is not None)
         self._numbers = itertools.count(1)
         self._accepting = True
         self._wakeup = anyio.Event()
@@ -80,6 +83,7 @@ class Engine:
         metrics.WAITING.set_function(lambda: self.waiting)
         metrics.RUNNING.set_function(lambda: self.running)
         metrics.READY.set_function(lambda: float(self.health.ready))
+        metrics.PREFIX_BYTES.set_function(lambda: self.prefix.bytes if self.prefix else 0)
 
     @classmethod
     @asynccontextmanager
@@ -233,9 +237,9 @@ class Engine:
                 await self._step(plan)
                 continue
             if scheduler.leaving:
-                # Nothing left to run: one clear frees every rank's caches at once.
+                # Nothing left to run: one clear frees every rank's caches at once (the prefix cache stays).
                 scheduler.leaving.clear()
-                await self._clear_cache()
+                await self._clear_cache(prefixes=False)
             if not scheduler.waiting:
                 self._idle.set()
                 self._wakeup = anyio.Event()
@@ -245,15 +249,16 @@ class Engine:
     async def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
         try:
-            sampled = await self.pool.step(plan, self.scheduler.joining(plan))
+            sampled = await self.pool.step(plan, self.scheduler.joining(plan), self.scheduler.restored(plan))
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
             self._unready(e)
             # A lost group is a server that is about to restart (503, retry), not a failed request (500).
             self._fail_all("unavailable" if e.broken else "step_failed", str(e))
             with anyio.CancelScope(shield=True):
-                await self._clear_cache()
+                await self._clear_cache(prefixes=True)
             return
+        metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         trace(log, "step", decode_rows=len(plan.decode), prefill_tokens=plan.prefill_tokens, ms=ms_since(started))
         for delivery in self.scheduler.apply(plan, sampled):
             if self.output.deliver(delivery):
@@ -266,16 +271,22 @@ class Engine:
 
     # Health.
 
-    async def _clear_cache(self) -> None:
+    async def _clear_cache(self, prefixes: bool) -> None:
+        """Free every rank's sequences; with ``prefixes`` (after a failure) the prefix cache too, on the leader
+        as on every rank, so that both sides agree on it again."""
         if self.pool.broken is not None:
             return
+        if prefixes and self.prefix is not None:
+            self.prefix.clear()
         try:
-            await self.pool.clear_kv_cache()
+            await self.pool.clear_kv_cache(prefixes)
         except PoolError as e:
             self._unready(e)
 
     async def _probe(self) -> bool:
-        """One token through every rank, from an empty cache and back to one."""
+        """One token through every rank, from an empty cache (prefix cache included) and back to one."""
+        if self.prefix is not None:
+            self.prefix.clear()
         try:
             await self.pool.clear_kv_cache()
             await self.pool.step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {})

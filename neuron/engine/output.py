@@ -17,8 +17,9 @@ log = structlog.get_logger("neuron.engine")
 
 
 class Output:
-    def __init__(self, text: Text) -> None:
+    def __init__(self, text: Text, prefix_cache: bool = False) -> None:
         self.text = text
+        self.prefix_cache = prefix_cache  # whether hits and misses are counted
 
     def started(self, seq: Sequence) -> None:
         """``seq`` was admitted to the batch."""
@@ -38,7 +39,16 @@ class Output:
         """Emit one sampled token's text, or the sequence's finish; True when the sequence has finished."""
         seq, sampled = delivery.seq, delivery.sampled
         if delivery.first:
-            log.info("prefill done", request_id=seq.id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
+            log.info(
+                "prefill done",
+                request_id=seq.id,
+                prompt_tokens=len(seq.prompt),
+                cached_tokens=seq.cached,
+                ms=ms_since(seq.started),
+            )
+            if self.prefix_cache:
+                (metrics.PREFIX_HITS if seq.cached else metrics.PREFIX_MISSES).inc()
+                metrics.PREFIX_CACHED_TOKENS.inc(seq.cached)
         if sampled.error is not None:
             log.warning("constraint failed", request_id=seq.id, error=sampled.error)
             self.failed(seq, "constraint", sampled.error)
@@ -82,7 +92,7 @@ class Output:
         if seq.completion_tokens > 1:
             decoding = time.perf_counter() - seq.first_token_at
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
-        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail))
+        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail, seq.cached))
 
     def cancelled(self, seq: Sequence, steps_after_cancel: int) -> None:
         """The caller stopped listening: the sequence has left the batch (or never entered it)."""
@@ -97,7 +107,7 @@ class Output:
                 ms=ms_since(seq.started),
             )
         metrics.REQUESTS.labels("cancelled").inc()
-        seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, ""))
+        seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached))
 
     def failed(self, seq: Sequence, kind: str, message: str) -> None:
         metrics.REQUESTS.labels("failed").inc()

@@ -10,6 +10,12 @@ request is admitted when a place frees; its prompt is fed in chunks, at most
 prompt never stalls the running sequences for long; once fed, it decodes one
 token per step with the others. A sequence that ends or is cancelled leaves
 at the next step boundary: the next plan tells every rank to drop it.
+
+Prefix cache: when a prompt is first fed, the scheduler asks the prefix index
+for its longest cached beginning, and the plan restores it instead of feeding
+it; when a prompt's last chunk is fed, the plan saves the whole prompt as an
+entry (evicting others to stay within budget), so the next request that starts
+the same way, a chat's next turn among them, skips that part.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Overloaded, Sequence
-from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import Sampled, SamplingParams
+from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
+from neuron.sampling_params import PENALTY_WINDOW, Sampled, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +36,7 @@ class Limits:
     prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
     max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
     micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
+    prefix_cache_bytes: int = 0  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
 
 
@@ -49,8 +57,11 @@ class Delivery:
 
 
 class Scheduler:
-    def __init__(self, limits: Limits, eos_token_ids: set[int] | frozenset[int]) -> None:
+    def __init__(
+        self, limits: Limits, eos_token_ids: set[int] | frozenset[int], prefix: PrefixIndex | None = None
+    ) -> None:
         self.limits = limits
+        self.prefix = prefix  # None: no prefix cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.steps = 0  # steps applied; cancellations are measured against it
         self.waiting: deque[Sequence] = deque()
@@ -107,27 +118,47 @@ class Scheduler:
         if not self.filling and not self.running:
             return None
         budget = self.limits.prefill_chunk
-        prefill = []
+        prefill, restore = [], []
         for seq in self.filling:
             if budget <= 0:
                 break
             if seq.copy_of is not None:
                 continue  # fed when its original's prompt ends
-            take = min(budget, len(seq.prompt) - seq.fed)
-            end = seq.fed + take
+            start = seq.fed
+            scores = seq.params.prompt_logprobs is not None  # a restored prefix would leave its tokens unscored
+            prefix = self.prefix if not scores else None
+            if start == 0 and prefix is not None and (hit := prefix.lookup(seq.prompt)) is not None:
+                restore.append(Restore(seq.no, hit.entry, hit.tokens))
+                start = hit.tokens  # restored, not computed: outside the budget
+            take = min(budget, len(seq.prompt) - start)
+            end = start + take
             last = end == len(seq.prompt)
             copies = [c.no for c in seq.copies if c in self.filling] if last else []
-            scores = seq.params.prompt_logprobs is not None
-            prefill.append(Prefill(seq.no, seq.fed, seq.prompt[seq.fed : end], last, copies, scores))
+            prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, copies, scores))
             budget -= take
         decode = [Decode(seq.no, seq.next_token, seq.group) for seq in self.running]
-        return StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode)
+        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore)
+        # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
+        by_no = {seq.no: seq for seq in self.filling}
+        for chunk in prefill:
+            if chunk.last and self.prefix is not None and (stored := self.prefix.store(by_no[chunk.seq].prompt)):
+                plan.save.append(Save(chunk.seq, stored.entry))
+                plan.evict.extend(Evict(entry) for entry in stored.evicted)
+        return plan
 
     def joining(self, plan: StepPlan) -> dict[int, SamplingParams]:
         """The sampling parameters of the sequences ``plan`` starts: rank 0 makes their samplers."""
         by_no = {seq.no: seq for seq in self.filling}
-        starting = [no for chunk in plan.prefill for no in ([chunk.seq] if chunk.position == 0 else []) + chunk.copies]
+        restored = {r.seq for r in plan.restore}
+        starting = [
+            no for c in plan.prefill for no in ([c.seq] if c.position == 0 or c.seq in restored else []) + c.copies
+        ]
         return {no: by_no[no].params for no in starting}
+
+    def restored(self, plan: StepPlan) -> dict[int, list[int]]:
+        """The last prompt tokens each prefix restored by ``plan`` covers: the penalties look at them."""
+        by_no = {seq.no: seq for seq in self.filling}
+        return {r.seq: by_no[r.seq].prompt[max(0, r.tokens - PENALTY_WINDOW) : r.tokens] for r in plan.restore}
 
     def apply(self, plan: StepPlan, sampled: dict[int, Sampled]) -> list[Delivery]:
         """What ``plan``'s step did, now that every rank ran it: prompts fed, tokens sampled, in plan order.
@@ -137,7 +168,12 @@ class Scheduler:
         """
         self.steps += 1
         self.leaving.clear()
+        if self.prefix is not None:
+            self.prefix.unpin()
         by_no = {seq.no: seq for seq in self.batch}
+        for restore in plan.restore:
+            if (seq := by_no.get(restore.seq)) is not None:
+                seq.fed = seq.cached = restore.tokens
         out = []
         for chunk in plan.prefill:
             if (seq := by_no.get(chunk.seq)) is None:
@@ -189,4 +225,6 @@ class Scheduler:
         self.filling.clear()
         self.running.clear()
         self.leaving.clear()
+        if self.prefix is not None:
+            self.prefix.unpin()
         return unfinished

@@ -34,6 +34,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     text: str  # the last text released (held back until the end)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,8 @@ class Sequence:
     max_tokens: int  # what the request asked for, capped by what the context leaves
     params: SamplingParams
     stop: StopText
-    fed: int = 0  # prompt tokens fed so far
+    fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
+    cached: int = 0  # prompt tokens restored from the prefix cache
     next_token: int | None = None  # sampled, to be fed in the next step
     group: int = 0  # the micro-batch it decodes in, from the step its prompt ends
     completion_tokens: int = 0

@@ -31,7 +31,7 @@ from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.stages import check_split, plan_stages
 from neuron.log import ms_since
-from neuron.models import fingerprint, read_config, text_config
+from neuron.models import fingerprint, kv_bytes_per_token, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
@@ -197,6 +197,15 @@ class Pool:
         )
         return loaded
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token of KV cache costs the rank holding the largest share, computed here so that no rank
+        measures anything (the prefix cache's budget must hold on all of them alike)."""
+        if self.layers:
+            return kv_bytes_per_token(self.model_path, [end - first for first, end in self.layers], 1)
+        layers = int(text_config(read_config(self.model_path))["num_hidden_layers"])
+        return kv_bytes_per_token(self.model_path, [layers], self.world_size)
+
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         if self.layout.stages == 1:
@@ -204,12 +213,15 @@ class Pool:
         self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
         return [list(r) for r in self.layers]
 
-    async def step(self, plan: StepPlan, joining: dict[int, SamplingParams]) -> dict[int, Sampled]:
+    async def step(
+        self, plan: StepPlan, joining: dict[int, SamplingParams], restored: dict[int, list[int]] | None = None
+    ) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
 
         ``joining`` holds the sampling parameters of the sequences this plan
         starts: rank 0 makes a sampler for each, which lives until the sequence
-        leaves. Every worker's fingerprint of its state must equal rank 0's, or
+        leaves. ``restored`` holds the last prompt tokens a restored prefix
+        covers, which its penalties must still see. Every worker's fingerprint of its state must equal rank 0's, or
         the step fails as a desync naming the rank (the group stays usable once cleared).
         """
         if not self.loaded:
@@ -222,7 +234,7 @@ class Pool:
         samplers = self._rank0.samplers
 
         def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str]:
-            return samplers.step(plan, joining, rank.step(plan) or {}), rank.fingerprint()
+            return samplers.step(plan, joining, rank.step(plan) or {}, restored or {}), rank.fingerprint()
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
@@ -249,15 +261,18 @@ class Pool:
         """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
         return await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
 
-    async def clear_kv_cache(self) -> None:
+    async def clear_kv_cache(self, prefixes: bool = True) -> None:
+        """Drop every sequence on every rank; with ``prefixes``, every prefix-cache entry too."""
         samplers = self._rank0.samplers
 
         def clear(rank: Rank) -> None:
-            rank.clear_kv_cache()
+            rank.clear_kv_cache(prefixes)
             samplers.clear()
 
-        await self._fan_out("clear_kv_cache", lambda _, id: rpc.ClearKvCache(id=id), clear, self.deadlines.control)
-        log.debug("kv cache cleared", ranks=self.world_size)
+        await self._fan_out(
+            "clear_kv_cache", lambda _, id: rpc.ClearKvCache(id=id, prefixes=prefixes), clear, self.deadlines.control
+        )
+        log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
     async def unload(self) -> None:
         self.loaded = False

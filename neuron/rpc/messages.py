@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -175,20 +175,49 @@ class Decode:
 
 
 @dataclass(frozen=True, slots=True)
+class Restore:
+    """Start ``seq`` from the first ``tokens`` of prefix-cache entry ``entry``; its prompt goes on from there."""
+
+    seq: int
+    entry: int
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """Keep ``seq``'s KV cache, its whole prompt (fed by this step), as prefix-cache entry ``entry``."""
+
+    seq: int
+    entry: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Drop prefix-cache entry ``entry``."""
+
+    entry: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """Everything one batched step changes, the same for every rank.
 
-    In this order: the sequences in ``leave`` are dropped; sequences listed in
-    ``decode`` whose prompt ended in an earlier step join the batch, after those
-    already in it; each ``prefill`` chunk is fed; then the batch decodes one
-    token per sequence, in ``decode`` order. The plan alone fixes every tensor
-    shape, so every rank issues the same collectives even when its own state
-    disagrees.
+    In this order: the sequences in ``leave`` are dropped; each ``restore``
+    starts a sequence from a prefix-cache entry; sequences listed in ``decode``
+    whose prompt ended in an earlier step join the batch, after those already
+    in it; each ``prefill`` chunk is fed; the entries in ``evict`` are dropped
+    and each ``save`` keeps a prompt just fed as a new entry; then the batch
+    decodes one token per sequence, in ``decode`` order. The plan alone fixes
+    every tensor shape, so every rank issues the same collectives even when its
+    own state disagrees.
     """
 
     leave: list[int] = field(default_factory=list)
     prefill: list[Prefill] = field(default_factory=list)
     decode: list[Decode] = field(default_factory=list)
+    restore: list[Restore] = field(default_factory=list)
+    save: list[Save] = field(default_factory=list)
+    evict: list[Evict] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:
@@ -204,8 +233,11 @@ class GenerateStep:
 
 @dataclass(frozen=True, slots=True)
 class ClearKvCache:
+    """Drop every sequence's KV cache; with ``prefixes``, the prefix-cache entries too (after a failure)."""
+
     op: ClassVar[str] = "clear_kv_cache"
     id: int
+    prefixes: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +401,9 @@ __all__ = [
     "ModelChecked",
     "Prefill",
     "Decode",
+    "Restore",
+    "Save",
+    "Evict",
     "Ping",
     "Init",
     "LoadShard",

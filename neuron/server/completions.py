@@ -21,11 +21,13 @@ from neuron.server.openai import INT64, ApiError, Generation, failure_error
 from neuron.server.tools import ToolStream
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -120,7 +122,7 @@ class Replies:
         out["finish_reason"] = finish_reason
         return out
 
-    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {**self._envelope(chunk=True), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = usage_
@@ -133,14 +135,15 @@ class Replies:
         delta = {"role": "assistant", "content": ""}
         return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
-    def whole(self, choices: list[dict[str, Any]], usage_: dict[str, int]) -> dict[str, Any]:
+    def whole(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(chunk=False), "choices": choices, "usage": usage_}
 
 
 def _usage(seqs: list[Sequence]) -> dict[str, int]:
     """Each prompt counted once, however many choices share it, as OpenAI counts them."""
-    prompts = sum(len(seq.prompt) for seq in seqs if seq.copy_of is None)
-    return usage(prompts, sum(seq.completion_tokens for seq in seqs))
+    originals = [seq for seq in seqs if seq.copy_of is None]
+    prompts, cached = sum(len(seq.prompt) for seq in originals), sum(seq.cached for seq in originals)
+    return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached)
 
 
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -227,10 +227,11 @@ class ResponseReplies:
         return self.event(kind, item_id=self.message_id, output_index=0, content_index=0, **fields)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(finish: Finish) -> dict[str, Any]:
+    prompt_tokens, completion_tokens = finish.prompt_tokens, finish.completion_tokens
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": finish.cached_tokens},
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + completion_tokens,
@@ -249,7 +250,7 @@ async def collect(seq: Sequence, replies: ResponseReplies, reader: ToolStream | 
             texts.append(event.text)
         elif isinstance(event, Finish):
             text, calls, reason = end(reader, "".join(texts) + event.text, event.reason)
-            counts = usage(event.prompt_tokens, event.completion_tokens)
+            counts = usage(event)
             return replies.response("completed", replies.output(text, calls), counts, reason)
         else:
             raise failure_error(event)
@@ -313,7 +314,7 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
         yield sse(replies.event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
         yield sse(replies.event("response.function_call_arguments.done", **where, arguments=item["arguments"]))
         yield sse(replies.event("response.output_item.done", output_index=index, item=item))
-    final = replies.response("completed", output, usage(event.prompt_tokens, event.completion_tokens), reason)
+    final = replies.response("completed", output, usage(event), reason)
     yield sse(replies.event(f"response.{final['status']}", response=final))
 
 

@@ -331,7 +331,12 @@ def _components(model_id: str) -> Schema:
         "type": "object",
         "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
         "properties": {
-            k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+            **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+            "prompt_tokens_details": {
+                "type": "object",
+                "required": ["cached_tokens"],
+                "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+            },
         },
     }
 

@@ -4,7 +4,9 @@
 collective of the step done, as a bug in post-processing would.
 ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a
 sequence after given steps, so that its state digest differs from its peers'.
-Both read ``RANK:STEP[,STEP...]``, several ranks joined by ``;``
+``NEURON_TEST_DROP_ENTRY`` makes a rank lose a prefix-cache entry after
+given steps, as a rank whose cache went its own way would.
+All read ``RANK:STEP[,STEP...]``, several ranks joined by ``;``
 (``0:50;1:20,80``). The soak and desync tests rest on them.
 """
 
@@ -16,10 +18,15 @@ from typing import Protocol
 
 FAULT_ENV = "NEURON_TEST_FAIL_STEP"
 DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
+DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 
 
 class _Position(Protocol):
     last: int
+
+
+class _Entries(Protocol):
+    def drop_one(self) -> None: ...
 
 
 def _steps(env: str, rank: int) -> frozenset[int]:
@@ -36,15 +43,18 @@ class Hooks:
     rank: int
     fail_at: frozenset[int] = frozenset()
     desync_at: frozenset[int] = frozenset()
+    drop_entry_at: frozenset[int] = frozenset()
 
     @classmethod
     def read(cls, rank: int) -> Hooks:
-        return cls(rank, _steps(FAULT_ENV, rank), _steps(DESYNC_ENV, rank))
+        return cls(rank, _steps(FAULT_ENV, rank), _steps(DESYNC_ENV, rank), _steps(DROP_ENTRY_ENV, rank))
 
-    def after_step(self, step: int, seqs: dict[int, _Position]) -> str | None:
+    def after_step(self, step: int, seqs: dict[int, _Position], entries: _Entries) -> str | None:
         """Called once a step's collectives are all done: corrupt its state, or return a failure to raise."""
         if step in self.desync_at and seqs:
             seqs[min(seqs)].last += 1
+        if step in self.drop_entry_at:
+            entries.drop_one()
         if step in self.fail_at:
             return f"rank {self.rank}: injected failure after step {step} ({FAULT_ENV})"
         return None

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.tp.batch import Batch
+from neuron.tp.entries import Entries
 from neuron.tp.hooks import Hooks
 from neuron.tp.runner import Cache, Sharded, Stage
 from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
@@ -74,6 +75,7 @@ class Rank:
         self.vocab_size = 0
         self.seqs: dict[int, _Seq] = {}
         self.batch = Batch()
+        self.entries = Entries()
         self._steps = 0
         self._hooks = Hooks.read(rank)
 
@@ -151,19 +153,27 @@ class Rank:
             self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
+        for restore in plan.restore:
+            cache = self.entries.restore(restore.entry, restore.tokens)
+            self.seqs[restore.seq] = _Seq(restore.tokens, -1, cache)
         self._join([row for row in plan.decode if not self.batch.holds(row.seq)])
         out = self._prefill(plan.prefill)
+        self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
             out.update(self._decode(plan.decode))
         self._steps += 1
-        if failure := self._hooks.after_step(self._steps, self.seqs):
+        if failure := self._hooks.after_step(self._steps, self.seqs, self.entries):
             raise RankError(failure)
         return out if self.rank == 0 else None
 
     def fingerprint(self) -> str:
-        """A digest of what this rank holds: each micro-batch's rows in order, and every sequence's position and
-        last token."""
-        state = [self.batch.state(), sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items())]
+        """A digest of what this rank holds: each micro-batch's rows in order, every sequence's position and
+        last token, and its prefix-cache entries' ids and lengths."""
+        state = [
+            self.batch.state(),
+            sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items()),
+            self.entries.state(),
+        ]
         return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
     def _disagreement(self, plan: StepPlan) -> str | None:
@@ -171,9 +181,16 @@ class Rank:
             if seq not in self.seqs:
                 return f"sequence {seq} cannot leave: this rank does not hold it"
         left = set(plan.leave)
+        if problem := self.entries.disagreement(plan):
+            return problem
+        restored = {r.seq: r.tokens for r in plan.restore}
         for chunk in plan.prefill:
             seq, position = chunk.seq, chunk.position
             known = self.seqs.get(seq)
+            if seq in restored:
+                if known is not None or position != restored[seq]:
+                    return f"sequence {seq} is restored to {restored[seq]} tokens but fed at {position} here"
+                continue
             if position == 0 and known is not None:
                 return f"sequence {seq} is started again but this rank already holds it"
             if position > 0 and (known is None or known.prompt_done or known.position != position or seq in left):
@@ -327,9 +344,11 @@ class Rank:
                 out.update({seq: group_logits[i] for i, seq in enumerate(self.batch.groups[group].ids)})
         return out
 
-    def clear_kv_cache(self) -> None:
+    def clear_kv_cache(self, prefixes: bool = True) -> None:
         self.seqs.clear()
         self.batch.clear()
+        if prefixes:
+            self.entries.clear()
 
     def unload(self) -> None:
         self.clear_kv_cache()

@@ -155,12 +155,19 @@ class Samplers:
         return len(self._by_seq)
 
     def step(
-        self, plan: StepPlan, joining: dict[int, SamplingParams], logits: dict[int, mx.array]
+        self,
+        plan: StepPlan,
+        joining: dict[int, SamplingParams],
+        logits: dict[int, mx.array],
+        restored: dict[int, list[int]],
     ) -> dict[int, Sampled]:
-        """Follow ``plan`` (who leaves, who starts with which parameters, what each prompt was fed), then sample
-        the logits of every sequence that has some."""
+        """Follow ``plan`` (who leaves, who starts with which parameters, what each prompt was fed, the tail of
+        each prefix restored), then sample the logits of every sequence that has some."""
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
+        for restore in plan.restore:
+            self._by_seq[restore.seq] = Sampler(joining.get(restore.seq, SamplingParams()))
+            self._by_seq[restore.seq].feed(restored.get(restore.seq, []))
         for chunk in plan.prefill:
             if chunk.position == 0:
                 self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))

@@ -1,0 +1,144 @@
+"""The prefix index: which prompt beginnings every rank holds computed, as numbered entries; the leader's alone.
+
+Why the leader owns it: each rank keeps its own shard of an entry's KV cache,
+and ranks that chose for themselves what to keep or drop would drift apart.
+So only this index decides; the step plan tells every rank to restore, save or
+evict an entry, and each rank's fingerprint lists the entries it holds, so a
+rank that disagrees is caught on that step.
+
+A trie over token ids: a lookup walks the prompt down it, and the deepest node
+reached is the longest cached prefix, exact token for token. An entry is one
+saved prompt; a lookup may restore only the first n tokens of one. Sizes come
+from ``bytes_per_token`` (the leader computes it from the model's shape and
+each rank's share), so the budget holds on every rank without any measuring.
+
+Pure Python, no MLX: the scheduler consults it, and it is tested directly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    through: set[int] = field(default_factory=set)  # entries whose tokens pass through (or end at) this node
+    ends: int | None = None  # the entry whose tokens end exactly here
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: int
+    tokens: int  # the first ``tokens`` of the entry are the prompt's
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    entry: int  # the new entry's id
+    evicted: list[int]  # entries dropped to make room for it, or covered by it
+
+
+class PrefixIndex:
+    def __init__(self, budget: int, bytes_per_token: int) -> None:
+        self.budget = budget  # bytes on the rank holding the largest share
+        self.bytes_per_token = bytes_per_token
+        self.bytes = 0
+        self.evictions = 0
+        self._root = _Node()
+        self._entries: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, least recently used first
+        self._pinned: set[int] = set()  # restored in the plan being run: never evicted under it
+        self._next = 1
+
+    @property
+    def entries(self) -> dict[int, int]:
+        """Each entry's id and length, as every rank must hold them."""
+        return {entry: len(tokens) for entry, tokens in self._entries.items()}
+
+    def lookup(self, prompt: list[int]) -> Hit | None:
+        """The longest cached prefix of ``prompt`` that leaves at least one token to feed; pinned until
+        ``unpin``, and made most recently used."""
+        node, depth, entry = self._root, 0, None
+        for token in prompt[:-1]:  # the last token is always fed: its logits are the first sample
+            child = node.children.get(token)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+            entry = next(iter(node.through))
+        if entry is None:
+            return None
+        self._entries.move_to_end(entry)
+        self._pinned.add(entry)
+        return Hit(entry, depth)
+
+    def unpin(self) -> None:
+        """The plan that restored the pinned entries has run."""
+        self._pinned.clear()
+
+    def store(self, prompt: list[int]) -> Stored | None:
+        """Make ``prompt`` an entry, evicting the least recently used to stay within the budget; None when it
+        is cached already, or cannot fit even alone (an entry over the budget must not flush everything)."""
+        size = len(prompt) * self.bytes_per_token
+        if size > self.budget:
+            return None
+        node, covered = self._root, []
+        for token in prompt:
+            node = node.children.get(token)  # type: ignore[assignment]
+            if node is None:
+                break
+            if node.ends is not None:
+                # A shorter entry this one contains can never be the better hit. It goes even when this plan
+                # restores from it: every rank restores before it evicts, and the new entry holds the same tokens.
+                covered.append(node.ends)
+        else:
+            if node.through:  # the whole prompt lies on an entry's path
+                self._entries.move_to_end(next(iter(node.through)))
+                return None
+        # Chosen before anything is dropped: when pinned entries leave too little room, nothing is.
+        evicted, freed = list(covered), sum(len(self._entries[e]) for e in covered) * self.bytes_per_token
+        for entry, tokens in self._entries.items():
+            if self.bytes - freed + size <= self.budget:
+                break
+            if entry not in self._pinned and entry not in covered:
+                evicted.append(entry)
+                freed += len(tokens) * self.bytes_per_token
+        if self.bytes - freed + size > self.budget:
+            return None
+        for entry in evicted:
+            self._remove(entry)
+        entry = self._next
+        self._next += 1
+        self._insert(entry, prompt)
+        return Stored(entry, evicted)
+
+    def clear(self) -> None:
+        """Every rank's entries were cleared (a failed step, a desync, a probe)."""
+        self._root = _Node()
+        self._entries.clear()
+        self._pinned.clear()
+        self.bytes = 0
+
+    def _insert(self, entry: int, prompt: list[int]) -> None:
+        node = self._root
+        for token in prompt:
+            node = node.children.setdefault(token, _Node())
+            node.through.add(entry)
+        node.ends = entry
+        self._entries[entry] = list(prompt)
+        self.bytes += len(prompt) * self.bytes_per_token
+
+    def _remove(self, entry: int) -> None:
+        tokens = self._entries.pop(entry)
+        self.bytes -= len(tokens) * self.bytes_per_token
+        self.evictions += 1
+        node = self._root
+        for token in tokens:
+            child = node.children[token]
+            child.through.discard(entry)
+            if not child.through:
+                del node.children[token]  # nothing else passes below here
+                return
+            node = child
+        if node.ends == entry:
+            node.ends = None

@@ -1,0 +1,82 @@
+"""A rank's prefix-cache entries: its own shard of each saved prompt's KV cache, by the leader's entry id.
+
+The rank decides nothing here: the plan names every entry to save, restore or
+evict, and the leader sized them all. A rank holds only its layers' share (its
+slice of the key/value heads, or its pipeline stage's layers), and handles it
+the same way either way. ``state`` goes into the rank's fingerprint, so a rank
+whose entries differ from rank 0's is a desync on that very step.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from neuron.rpc import StepPlan
+
+Layer = tuple[mx.array, mx.array]  # keys and values, [1, kv heads here, tokens, head dim]
+
+
+class Entries:
+    def __init__(self) -> None:
+        self._held: dict[int, list[Layer]] = {}
+
+    def __contains__(self, entry: int) -> bool:
+        return entry in self._held
+
+    def length(self, entry: int) -> int:
+        return self._held[entry][0][0].shape[2]
+
+    def state(self) -> list[tuple[int, int]]:
+        """Each entry's id and length, for the fingerprint."""
+        return sorted((entry, self.length(entry)) for entry in self._held)
+
+    def disagreement(self, plan: StepPlan) -> str | None:
+        """Why this rank's entries cannot follow ``plan``, or None."""
+        for restore in plan.restore:
+            if restore.entry not in self._held or self.length(restore.entry) < restore.tokens:
+                return f"prefix entry {restore.entry} cannot give {restore.tokens} tokens: this rank lacks them"
+        for evict in plan.evict:
+            if evict.entry not in self._held:
+                return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
+        ending = {chunk.seq for chunk in plan.prefill if chunk.last}
+        for save in plan.save:
+            if save.entry in self._held or save.seq not in ending:
+                return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
+        return None
+
+    def evict_and_save(self, plan: StepPlan, caches: dict[int, list[KVCache] | None]) -> None:
+        """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (``caches``: the
+        saved sequences' own caches)."""
+        for evict in plan.evict:
+            del self._held[evict.entry]
+        for save in plan.save:
+            cache = caches[save.seq]
+            assert cache is not None
+            self._save(save.entry, cache)
+
+    def _save(self, entry: int, cache: list[KVCache]) -> None:
+        """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""
+        layers = [
+            (mx.contiguous(c.keys[..., : c.offset, :]), mx.contiguous(c.values[..., : c.offset, :])) for c in cache
+        ]
+        mx.eval(layers)
+        self._held[entry] = layers
+
+    def restore(self, entry: int, tokens: int) -> list[KVCache]:
+        """A fresh cache per layer holding the entry's first ``tokens``; the entry itself is left as it was."""
+        caches = []
+        for keys, values in self._held[entry]:
+            cache = KVCache()
+            # The cache's next update sees a full buffer and concatenates into a new one, never writing here.
+            cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
+            caches.append(cache)
+        return caches
+
+    def drop_one(self) -> None:
+        """Test hook: lose the oldest entry, as a rank that went its own way would."""
+        if self._held:
+            del self._held[min(self._held)]
+
+    def clear(self) -> None:
+        self._held.clear()

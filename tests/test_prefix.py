@@ -1,0 +1,113 @@
+"""The prefix index and the plans it leads to, checked directly: no process, no model; milliseconds each.
+
+test_prefix_cache.py shows the plans run on real ranks and change no output.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from neuron.engine.prefix import Hit, PrefixIndex
+from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.sequence import Sequence, StopText
+from neuron.rpc import Evict, Prefill, Restore, Save
+from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+
+_numbers = itertools.count(1)
+
+
+def request(prompt: list[int], **params: object) -> Sequence:
+    no = next(_numbers)
+    return Sequence(f"r{no}", no, prompt, 50, SamplingParams(**params), StopText(()))  # type: ignore[arg-type]
+
+
+def test_the_longest_exact_prefix_is_found_and_the_last_token_is_always_fed() -> None:
+    index = PrefixIndex(budget=10_000, bytes_per_token=10)
+    first = index.store([1, 2, 3, 4, 5])
+    assert first is not None and first.evicted == []
+    assert index.lookup([1, 2, 3, 9]) == Hit(first.entry, 3)
+    assert index.lookup([1, 2, 3, 4, 5, 6]) == Hit(first.entry, 5)
+    assert index.lookup([1, 2, 3, 4, 5]) == Hit(first.entry, 4)  # never the whole prompt: its logits are needed
+    assert index.lookup([2, 1]) is None
+    assert index.lookup([1]) is None
+    assert index.bytes == 50 and index.entries == {first.entry: 5}
+
+
+def test_a_prompt_already_covered_is_not_stored_again_and_a_longer_one_replaces_the_shorter() -> None:
+    index = PrefixIndex(budget=10_000, bytes_per_token=1)
+    turn1 = index.store([1, 2, 3])
+    assert turn1 is not None
+    assert index.store([1, 2, 3]) is None and index.store([1, 2]) is None
+    turn2 = index.store([1, 2, 3, 4, 5])  # the next turn of the same chat
+    assert turn2 is not None and turn2.evicted == [turn1.entry]
+    assert index.entries == {turn2.entry: 5} and index.evictions == 1
+    other = index.store([1, 2, 7])  # branches off: both stay
+    assert other is not None and other.evicted == []
+    assert index.lookup([1, 2, 7, 8]) == Hit(other.entry, 3)
+    assert index.lookup([1, 2, 3, 4, 9]) == Hit(turn2.entry, 4)
+
+
+def test_the_least_recently_used_goes_first_and_an_entry_over_budget_flushes_nothing() -> None:
+    index = PrefixIndex(budget=10, bytes_per_token=1)
+    a, b = index.store([1] * 4), index.store([2] * 4)
+    assert a is not None and b is not None
+    assert index.lookup([1, 1, 1, 1, 9]) == Hit(a.entry, 4)  # a is now the most recently used
+    index.unpin()
+    c = index.store([3] * 4)
+    assert c is not None and c.evicted == [b.entry]
+    assert set(index.entries) == {a.entry, c.entry} and index.bytes == 8
+    assert index.store([4] * 11) is None  # larger than the whole budget
+    assert set(index.entries) == {a.entry, c.entry} and index.evictions == 1
+
+
+def test_an_entry_being_restored_is_never_evicted() -> None:
+    index = PrefixIndex(budget=8, bytes_per_token=1)
+    a = index.store([1] * 4)
+    assert a is not None and index.lookup([1, 1, 1, 1, 5]) == Hit(a.entry, 4)
+    b = index.store([2] * 4)
+    assert b is not None and b.evicted == []
+    assert index.store([3] * 5) is None  # only the pinned a could make room: nothing is evicted
+    assert set(index.entries) == {a.entry, b.entry}
+    index.unpin()
+    c = index.store([3] * 5)
+    assert c is not None and c.evicted == [a.entry, b.entry]
+
+
+def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() -> None:
+    s = Scheduler(Limits(prefill_chunk=4), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    first = request([10, 11, 12, 13, 14, 15])
+    s.add(first)
+    s.admit()
+    plan = s.plan()
+    assert plan is not None and plan.restore == [] and plan.save == []  # the prompt does not end in this step
+    s.apply(plan, {})
+    plan = s.plan()
+    assert plan is not None and plan.save == [Save(first.no, 1)] and plan.prefill[0].last
+    s.apply(plan, {first.no: Sampled(7, NOT_ASKED)})
+
+    # The next turn: the whole first prompt is restored, and only what follows it counts against the chunk budget.
+    second = request([10, 11, 12, 13, 14, 15, 7, 16, 17], repetition_penalty=1.2)
+    s.add(second)
+    s.admit()
+    plan = s.plan()
+    assert plan is not None
+    assert plan.restore == [Restore(second.no, 1, 6)]
+    assert plan.prefill[0] == Prefill(second.no, 6, [7, 16, 17], True)
+    assert plan.save == [Save(second.no, 2)] and plan.evict == [Evict(1)]  # the longer prompt covers the first
+    assert s.joining(plan)[second.no].repetition_penalty == 1.2
+    assert s.restored(plan) == {second.no: [10, 11, 12, 13, 14, 15]}  # the penalties still see them
+    s.apply(plan, {first.no: Sampled(8, NOT_ASKED), second.no: Sampled(9, NOT_ASKED)})
+    assert second.cached == 6 and second.fed == 9
+
+
+def test_no_plan_restores_an_entry_it_saves() -> None:
+    """Two prompts that start alike, admitted together: the second cannot use the first's entry in the same step
+    (every rank restores before it saves), only in a later one."""
+    s = Scheduler(Limits(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    a, b = request([5, 6, 7]), request([5, 6, 7, 8])
+    for seq in (a, b):
+        s.add(seq)
+    s.admit()
+    plan = s.plan()
+    assert plan is not None and plan.restore == []
+    assert [save.seq for save in plan.save] == [a.no, b.no] and plan.evict == [Evict(1)]

@@ -1,0 +1,194 @@
+"""The prefix cache end to end: the same greedy tokens with it on and off, what it reports, its budget, and a
+rank whose cache went its own way caught as a desync.
+
+Each configuration runs two real servers side by side, one with the cache off (the reference) and one with it
+on; test_prefix.py checks the index's decisions directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+from conftest import Server, serving
+
+# About 1,000 tokens for the tiny models' byte-level tokenizer (one token a byte).
+SYSTEM = "".join(f"Rule {i}: answer in the voice of a lighthouse keeper. " for i in range(20))[:1000]
+QUESTIONS = ["hi", "What is rope?", "Count to ten.", "Why is the sea salty?", "zz", "Tell a joke.", "Sum 2+2", "Bye"]
+TURNS = ["Hello there.", "Tell me more.", "And then?", "Thanks, that is all."]
+
+
+def _client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+async def _chat(server: Server, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, int, int]:
+    """The reply's text, its prompt tokens and its cached tokens."""
+    async with _client(server) as client:
+        reply = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=max_tokens,
+            temperature=0.0,  # type: ignore[arg-type]
+        )
+    usage = reply.usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    return reply.choices[0].message.content or "", usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+
+
+async def conversation(server: Server, model: str, system: str, max_tokens: int = 12) -> list[tuple[str, int, int]]:
+    """Four turns of one chat, each resending the whole conversation."""
+    messages = [{"role": "system", "content": system}]
+    turns = []
+    for text in TURNS:
+        messages.append({"role": "user", "content": text})
+        turns.append(await _chat(server, model, messages, max_tokens))
+        messages.append({"role": "assistant", "content": turns[-1][0]})
+    return turns
+
+
+async def concurrent(server: Server, model: str, system: str, max_tokens: int = 10) -> list[tuple[str, int, int]]:
+    """Eight requests at once, sharing one long system prompt."""
+    out: list[tuple[str, int, int]] = [("", 0, 0)] * len(QUESTIONS)
+
+    async def one(i: int) -> None:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i]}]
+        out[i] = await _chat(server, model, messages, max_tokens)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(QUESTIONS)):
+            tg.start_soon(one, i)
+    return out
+
+
+def check_conversation(off: list[tuple[str, int, int]], on: list[tuple[str, int, int]]) -> None:
+    assert [t[0] for t in on] == [t[0] for t in off]  # token for token, as the text shows
+    assert [t[2] for t in off] == [0, 0, 0, 0]
+    # Every turn after the first restores the whole previous prompt: it is a prefix of this one.
+    assert on[0][2] == 0 and [t[2] for t in on[1:]] == [t[1] for t in on[:-1]]
+
+
+def check_concurrent(off: list[tuple[str, int, int]], on: list[tuple[str, int, int]], shared: int) -> None:
+    assert [t[0] for t in on] == [t[0] for t in off]
+    assert all(t[2] == 0 for t in off)
+    # The first two start before any prompt is saved; the others find the system prompt cached.
+    assert sum(t[2] >= shared for t in on) >= 6, on
+
+
+@pytest.fixture(scope="module", params=[("llama", "1"), ("qwen3", "2")], ids=["tp1", "tp2"])
+def pair(
+    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Server, Server]]:
+    model, tp = request.param
+    args = ("--model", str(tiny_models[model]), "--tp", tp)
+    with serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0") as off, serving(tmp_path_factory, *args) as on:
+        yield model, off, on
+
+
+@pytest.mark.anyio
+async def test_a_four_turn_chat_is_unchanged_and_each_turn_reuses_the_last(pair: tuple[str, Server, Server]) -> None:
+    model, off, on = pair
+    turns = await conversation(on, model, "Be brief.")
+    check_conversation(await conversation(off, model, "Be brief."), turns)
+    assert on.find_log("prefill done", prompt_tokens=turns[3][1], cached_tokens=turns[3][2]) is not None
+
+
+@pytest.mark.anyio
+async def test_eight_concurrent_requests_sharing_a_system_prompt_are_unchanged(
+    pair: tuple[str, Server, Server],
+) -> None:
+    model, off, on = pair
+    check_concurrent(await concurrent(off, model, SYSTEM), await concurrent(on, model, SYSTEM), len(SYSTEM))
+    metrics = on.metrics()
+    assert metrics[("neuron_prefix_cache_hits_total", ())] >= 6
+    assert metrics[("neuron_prefix_cache_cached_tokens_total", ())] >= 6 * len(SYSTEM)
+    assert metrics[("neuron_prefix_cache_bytes", ())] > 0
+    assert off.metrics()[("neuron_prefix_cache_hits_total", ())] == 0
+
+
+def _complete(server: Server, prompt: str) -> dict:
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_tiny_budget_evicts_the_oldest_entry_and_changes_no_output(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # The tiny llama's KV cache costs 4,096 bytes a token: room for one 300-byte prompt, not two.
+    budget = str(400 * 4096)
+    a, b = "A" * 299 + "a", "B" * 299 + "b"
+    with serving(tmp_path_factory, "--model", str(tiny_models["llama"]), "--prefix-cache-bytes", budget) as server:
+        first_a = _complete(server, a)
+        assert server.metrics()[("neuron_prefix_cache_bytes", ())] == 300 * 4096
+        assert _complete(server, a + "!")["usage"]["prompt_tokens_details"]["cached_tokens"] == 300
+        first_b = _complete(server, b)  # needs the room a's prompts hold: they go, the oldest first
+        metrics = server.metrics()
+        assert metrics[("neuron_prefix_cache_evictions_total", ())] == 2  # a, then a + "!" (covering a)
+        assert metrics[("neuron_prefix_cache_bytes", ())] == 300 * 4096
+        again_a = _complete(server, a)
+        assert again_a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # gone: computed afresh
+        assert again_a["choices"][0]["text"] == first_a["choices"][0]["text"]
+        assert _complete(server, "C" * 2000)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert server.metrics()[("neuron_prefix_cache_bytes", ())] == 300 * 4096  # too large to keep: nothing flushed
+        assert _complete(server, b)["choices"][0]["text"] == first_b["choices"][0]["text"]
+
+
+def test_a_rank_that_loses_an_entry_is_a_desync_naming_it_and_the_next_request_succeeds(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    prompt = "The keeper climbs the stairs at dusk."
+    # Step 1 is the probe; step 2 feeds the first request's prompt and saves it, then rank 1 drops the entry.
+    env = {"NEURON_TEST_DROP_ENTRY": "1:2"}
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+        body = {"model": "qwen3", "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
+        failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert failed.status_code == 500
+        assert "rank 1" in failed.json()["error"]["message"] and "desync" in failed.json()["error"]["message"]
+        assert server.metrics()[("neuron_desyncs_total", ())] == 1
+        # Every rank's entries and the leader's index were cleared together: a miss, then a hit, both served.
+        retried = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        hit = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+        assert hit["choices"][0]["text"] == retried.json()["choices"][0]["text"]
+
+
+@pytest.mark.anyio
+async def test_a_second_request_sharing_1500_tokens_reports_them_cached(pair: tuple[str, Server, Server]) -> None:
+    model, _, on = pair
+    prefix = "".join(f"Entry {i} of the keeper's log: the lamp is lit and the sea is calm. " for i in range(30))[:1500]
+    first = await _chat(on, model, [{"role": "user", "content": prefix + " First question?"}], 2)
+    second = await _chat(on, model, [{"role": "user", "content": prefix + " Second one?"}], 2)
+    assert first[2] < 20 and second[2] >= 1400, (first, second)  # the first shares only the template's opening
+
+
+def test_smollm2_over_three_ranks_is_unchanged_by_the_cache(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The real model, whose norms and weights catch a wrong position or a stale row that random tiny models can
+    hide: a four-turn chat and eight concurrent requests sharing a system prompt, the same token for token with
+    the cache on and off, over three ranks. The system prompt is about 300 tokens, not the tiny models' 1,000:
+    three ranks on two cores compute about 60 prompt tokens a second, and the reference server computes all
+    eight prompts whole."""
+    model, args = smollm2.name, ("--model", str(smollm2), "--tp", "3")
+    system = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(30))
+    with serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0") as off, serving(tmp_path_factory, *args) as on:
+
+        async def both() -> None:
+            on_turns, off_turns = (
+                await conversation(on, model, "Be brief.", 3),
+                await conversation(off, model, "Be brief.", 3),
+            )
+            check_conversation(off_turns, on_turns)
+            on_many, off_many = await concurrent(on, model, system, 2), await concurrent(off, model, system, 2)
+            assert on_many[0][1] >= 300
+            check_concurrent(off_many, on_many, on_many[0][1] - 20)
+
+        anyio.run(both)
