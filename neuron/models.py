@@ -216,10 +216,11 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
-def kv_bytes_per_token(model_path: str | Path, layers_per_rank: list[int], kv_heads_share: int) -> int:
+def kv_bytes_per_token(model_path: str | Path, stages: list[tuple[int, int]], world_size: int) -> int:
     """Bytes one token adds to the KV cache of the rank holding the largest share, from the config and the
-    safetensors headers alone: keys and values, for each of ``layers_per_rank``'s layers, over 1 /
-    ``kv_heads_share`` of the key/value heads (tensor parallelism splits the heads evenly)."""
+    safetensors headers alone: keys and values of the largest pipeline stage's layers (``stages``, each rank's
+    ``[first, end)``), or, without stages, of every layer over 1 / ``world_size`` of the key/value heads (tensor
+    parallelism splits the heads evenly)."""
     model = text_config(read_config(model_path))
     kv_heads = int(model.get("num_key_value_heads") or model["num_attention_heads"])
     head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
@@ -232,4 +233,5 @@ def kv_bytes_per_token(model_path: str | Path, layers_per_rank: list[int], kv_he
         if norms:
             dtype = _DTYPE_BYTES.get(norms[0], 4)
             break
-    return 2 * max(layers_per_rank) * kv_heads // kv_heads_share * head_dim * dtype
+    layers = max(end - first for first, end in stages) if stages else int(model["num_hidden_layers"])
+    return 2 * layers * kv_heads // (1 if stages else world_size) * head_dim * dtype

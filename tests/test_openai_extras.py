@@ -314,7 +314,6 @@ ITEMS = [  # (question, choices): multiple-choice items, scored as lm-evaluation
 def test_lm_evaluation_harness_scores_as_mlx_lm_does(server: Server, tiny_models: dict[str, Path]) -> None:
     """lm-evaluation-harness's own `local-completions` model (echo, logprobs, a list of token prompts) against
     the server, and the same log-likelihoods from mlx-lm directly."""
-    pytest.importorskip("lm_eval", reason="pip install lm-eval==0.4.13 (the eval extra)")
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 

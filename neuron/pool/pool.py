@@ -201,10 +201,7 @@ class Pool:
     def kv_bytes_per_token(self) -> int:
         """What one token of KV cache costs the rank holding the largest share, computed here so that no rank
         measures anything (the prefix cache's budget must hold on all of them alike)."""
-        if self.layers:
-            return kv_bytes_per_token(self.model_path, [end - first for first, end in self.layers], 1)
-        layers = int(text_config(read_config(self.model_path))["num_hidden_layers"])
-        return kv_bytes_per_token(self.model_path, [layers], self.world_size)
+        return kv_bytes_per_token(self.model_path, self.layers, self.world_size)
 
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""

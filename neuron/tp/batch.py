@@ -10,8 +10,14 @@ one too, runs passes of the same shapes. Tensor parallelism uses one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from neuron.rpc import Decode
+
+if TYPE_CHECKING:
+    from neuron.tp.rank import SeqState
 
 
 @dataclass(slots=True)
@@ -56,6 +62,16 @@ class Batch:
         for layer, new in zip(existing.cache, merged, strict=True):
             layer.extend(new)
         existing.ids += seqs
+
+    def join_rows(self, rows: list[Decode], seqs: dict[int, SeqState]) -> None:
+        """Move the sequences of ``rows`` (their prompts done) into their micro-batches, taking over their caches."""
+        for group in sorted({row.group for row in rows}):
+            joining = [row.seq for row in rows if row.group == group]
+            caches = [seqs[s].cache for s in joining]
+            assert all(c is not None for c in caches)
+            self.join(group, joining, caches)  # type: ignore[arg-type]
+            for s in joining:
+                seqs[s].cache = None
 
     def clear(self) -> None:
         self.groups.clear()

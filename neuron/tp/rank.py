@@ -24,6 +24,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch
 from neuron.tp.entries import Entries
 from neuron.tp.hooks import Hooks
@@ -58,7 +59,7 @@ class Loaded:
 
 
 @dataclass(slots=True)
-class _Seq:
+class SeqState:
     position: int = 0  # tokens in its cache
     last: int = -1  # the last token it was fed
     cache: list[KVCache] | None = None  # its own, while the prompt is fed; None once in the batch
@@ -73,7 +74,7 @@ class Rank:
         self.model: nn.Module | None = None
         self.runner: Sharded | Stage | None = None
         self.vocab_size = 0
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, SeqState] = {}
         self.batch = Batch()
         self.entries = Entries()
         self._steps = 0
@@ -148,15 +149,15 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= row.token < self.vocab_size for row in plan.decode):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
-        if problem := self._disagreement(plan):
+        if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
             self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
         for restore in plan.restore:
             cache = self.entries.restore(restore.entry, restore.tokens)
-            self.seqs[restore.seq] = _Seq(restore.tokens, -1, cache)
-        self._join([row for row in plan.decode if not self.batch.holds(row.seq)])
+            self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
+        self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         out = self._prefill(plan.prefill)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
@@ -176,39 +177,6 @@ class Rank:
         ]
         return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 
-    def _disagreement(self, plan: StepPlan) -> str | None:
-        for seq in plan.leave:
-            if seq not in self.seqs:
-                return f"sequence {seq} cannot leave: this rank does not hold it"
-        left = set(plan.leave)
-        if problem := self.entries.disagreement(plan):
-            return problem
-        restored = {r.seq: r.tokens for r in plan.restore}
-        for chunk in plan.prefill:
-            seq, position = chunk.seq, chunk.position
-            known = self.seqs.get(seq)
-            if seq in restored:
-                if known is not None or position != restored[seq]:
-                    return f"sequence {seq} is restored to {restored[seq]} tokens but fed at {position} here"
-                continue
-            if position == 0 and known is not None:
-                return f"sequence {seq} is started again but this rank already holds it"
-            if position > 0 and (known is None or known.prompt_done or known.position != position or seq in left):
-                held = "nothing" if known is None else f"{known.position} tokens, prompt done: {known.prompt_done}"
-                return f"sequence {seq} is fed a prompt chunk at {position} but this rank holds {held}"
-            if chunk.copies and (not chunk.last or any(c in self.seqs or c == seq for c in chunk.copies)):
-                return f"sequence {seq} cannot be copied to {chunk.copies}: not its last chunk, or a copy exists"
-        for group in sorted({row.group for row in plan.decode} | set(self.batch.groups)):
-            staying = [s for s in self.batch.ids(group) if s not in left]
-            rows = [row.seq for row in plan.decode if row.group == group]
-            if rows[: len(staying)] != staying:
-                return f"micro-batch {group} here is {staying}, the plan decodes {rows} in it"
-            for seq in rows[len(staying) :]:
-                known = self.seqs.get(seq)
-                if known is None or not known.prompt_done or seq in left or self.batch.holds(seq):
-                    return f"sequence {seq} cannot join micro-batch {group}: its prompt is not done here"
-        return None
-
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
         self._prefill(plan.prefill, shadow=True)
@@ -223,15 +191,6 @@ class Rank:
         for seq in leaving:
             del self.seqs[seq]
         self.batch.leave(set(leaving))
-
-    def _join(self, joining: list[Decode]) -> None:
-        for group in sorted({row.group for row in joining}):
-            seqs = [row.seq for row in joining if row.group == group]
-            caches = [self.seqs[s].cache for s in seqs]
-            assert all(c is not None for c in caches)
-            self.batch.join(group, seqs, caches)  # type: ignore[arg-type]
-            for s in seqs:
-                self.seqs[s].cache = None
 
     def _prefill(self, chunks: list[Prefill], shadow: bool = False) -> dict[int, mx.array]:
         """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
@@ -250,14 +209,14 @@ class Rank:
             for i, chunk in enumerate(fresh):
                 if not shadow:
                     own = [layer.extract(i) for layer in caches]
-                    self.seqs[chunk.seq] = _Seq(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
+                    self.seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
                 if chunk.last and logits is not None:
                     out[chunk.seq] = logits[i]
         for chunk in chunks:
             if chunk.position == 0 and not chunk.scores:
                 continue
             if shadow or chunk.position == 0:
-                state = _Seq(cache=make_prompt_cache(self.model))
+                state = SeqState(cache=make_prompt_cache(self.model))
                 if not shadow:
                     self.seqs[chunk.seq] = state
             else:
@@ -291,7 +250,7 @@ class Rank:
                     twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
                 twin.offset = layer.offset
                 cache.append(twin)
-            self.seqs[no] = _Seq(state.position, state.last, cache, True)
+            self.seqs[no] = SeqState(state.position, state.last, cache, True)
 
     def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
         """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
