@@ -45,7 +45,7 @@ class SamplingParams:
     constraint: Constraint | None = None
     # vLLM's extensions, as vLLM defines them. The engine adds the model's end-of-sequence tokens to
     # ``stop_token_ids`` unless ``ignore_eos``: from then on they are the tokens that end the sequence, and
-    # the ones rank 0's sampler holds back until ``min_tokens`` tokens are out.
+    # the ones rank 0's sampler holds back until ``min_tokens`` tokens are out (stop strings wait for it too).
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()

@@ -71,6 +71,9 @@ def test_include_stop_str_in_output(server: Server) -> None:
     assert complete(server, max_tokens=16, stop=[stop]).choices[0].text == cut
     kept = complete(server, max_tokens=16, stop=[stop], extra_body={"include_stop_str_in_output": True})
     assert (kept.choices[0].text, kept.choices[0].finish_reason) == (cut + stop, "stop")
+    # min_tokens holds stop strings back too, as vLLM's does: the whole 16 tokens come out.
+    late = complete(server, max_tokens=16, stop=[stop], extra_body={"min_tokens": 16})
+    assert (late.choices[0].text, late.choices[0].finish_reason) == (text, "length")
 
 
 def test_unknown_fields_stay_refused(server: Server) -> None:

@@ -43,3 +43,11 @@ def test_held_text_is_released_once_it_cannot_start_a_stop() -> None:
 def test_no_stops_releases_everything_at_once() -> None:
     text = StopText(("",))
     assert text.push("abc") == ("abc", False)
+
+
+def test_no_stop_string_counts_before_it_is_armed() -> None:
+    """vLLM's min_tokens: a stop string before the minimum is plain text, and nothing is held back for it."""
+    text = StopText(("ab",))
+    assert text.push("xab", armed=False) == ("xab", False)
+    assert text.push("a", armed=False) == ("a", False)
+    assert text.push("ab") == ("", True)

@@ -88,9 +88,13 @@ class StopText:
         self.include = include  # vLLM's include_stop_str_in_output: the stop string ends the text
         self._pending = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return what may be released now and whether a stop string was reached."""
+    def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """Add text; return what may be released now and whether a stop string was reached. Until ``armed``
+        (vLLM's ``min_tokens`` not yet reached) no stop string counts, and nothing is held back."""
         pending = self._pending + text
+        if not armed:
+            self._pending = ""
+            return pending, False
         hits = [(i, i + len(stop) if self.include else i) for stop in self.stops if (i := pending.find(stop)) >= 0]
         if hits:
             self._pending = ""

@@ -77,10 +77,11 @@ class Text:
 
     def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
         """Add a generated token; return the text it releases and whether a stop string was reached."""
+        armed = seq.completion_tokens >= seq.params.min_tokens  # vLLM: no stop string ends it before min_tokens
         if seq.params.skip_special_tokens and token in self.special_ids:
-            return seq.stop.push("")
+            return seq.stop.push("", armed)
         seq.detokenizer.add_token(token)
-        return seq.stop.push(seq.detokenizer.last_segment)
+        return seq.stop.push(seq.detokenizer.last_segment, armed)
 
     def finish(self, seq: Sequence) -> tuple[str, bool]:
         """Release what was held back (a partial character, a possible stop string's start) at the end."""
