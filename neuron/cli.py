@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         # Each problem starts with the field's name: say it as the flag the user typed.
         problems += ["--" + problem.replace("_", "-", problem.index(" ")) for problem in args.sampling.problems()]
+        if args.max_tokens == 0:  # the API's 0 scores a prompt (echo); generate has nothing to show for it
+            problems.append("--max-tokens must be at least 1")
     if problems:
         parser.error("; ".join(problems))
 
