@@ -117,6 +117,9 @@ class Output:
                 steps_after_cancel=steps_after_cancel,
                 ms=ms_since(seq.started),
             )
+        if seq.proposer is not None:
+            metrics.SPECULATIVE_PROPOSED.inc(seq.proposer.proposed)
+            metrics.SPECULATIVE_ACCEPTED.inc(seq.proposer.accepted)
         metrics.REQUESTS.labels("cancelled").inc()
         seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached))
 
