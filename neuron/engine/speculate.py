@@ -11,9 +11,10 @@ prediction, the prompt or the output itself (prompt lookup). Code edits,
 quoting and extraction repeat their input, and there most drafts are kept.
 
 Adaptive k: a draft costs forward work whether kept or not. Each sequence's
-k grows while whole drafts are kept and halves when none is; after
-``MISSES`` drafts in a row of which nothing was kept, the sequence stops
-proposing for ``REST`` steps, so free chat runs as it would without speculation.
+k grows while whole drafts are kept and halves when under half of it is; after
+``MISSES`` such drafts in a row the sequence stops proposing for ``REST``
+steps, twice as long each time in a row (until a whole draft is kept again),
+so free chat runs as it would without speculation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ MAX_K = 8  # draft tokens per step at most
 START_K = 4
 NGRAM = (3, 2)  # n-gram lengths looked up, longest first
 MISSES = 3
-REST = 16
+REST = 16  # steps without proposing after MISSES misses; doubled each time in a row, up to MAX_REST
+MAX_REST = 128
 WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on long contexts
 
 
@@ -35,6 +37,7 @@ class Proposer:
     k: int = START_K
     misses: int = 0
     resting: int = 0  # steps left without proposing
+    rest: int = REST  # the next rest's length
     proposed: int = 0  # totals, for usage and metrics
     accepted: int = 0
 
@@ -59,13 +62,14 @@ class Proposer:
         self.proposed += proposed
         self.accepted += accepted
         if accepted == proposed:
-            self.k, self.misses = min(MAX_K, self.k * 2), 0
-        elif accepted == 0:
-            self.k, self.misses = max(1, self.k // 2), self.misses + 1
-            if self.misses >= MISSES:
-                self.resting, self.misses, self.k = REST, 0, START_K
-        else:
+            self.k, self.misses, self.rest = min(MAX_K, self.k * 2), 0, REST
+        elif 2 * accepted >= proposed:
             self.k, self.misses = max(1, accepted + 1), 0
+        else:  # a miss: under half kept, the rest of the draft was forward work for nothing
+            self.k, self.misses = max(1, self.k // 2), self.misses + 1
+            if self.misses >= MISSES:  # rest, longer each time in a row, so free chat pays next to nothing
+                self.resting, self.misses, self.k = self.rest, 0, START_K
+                self.rest = min(MAX_REST, self.rest * 2)
 
 
 def lookup(source: list[int], k: int, context: list[int]) -> list[int]:
