@@ -1,6 +1,8 @@
 """Speculative decoding (prompt lookup, ``prediction``) on and off: decode speed and acceptance, in one run.
 
-Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 2] [--max-tokens 128]
+Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 3] [--max-tokens 128] [--sizes 1 8] [--tasks ...]
+
+(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it.)
 
 One ``neuron serve`` per TP size (speculation on, the default); every request
 is sent twice, with ``num_draft_tokens: 0`` (no drafts) and without, so both
@@ -100,8 +102,10 @@ def batch(url: str, model: str, task: str, drafts: bool, size: int, max_tokens: 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     args = parser.parse_args()
 
     from conftest import Server
@@ -117,8 +121,8 @@ def main() -> None:
         try:
             server.start()
             one(server.url, model, "chat", True, 4)  # warm up
-            for size in (1, 8):
-                for task in TASKS:
+            for size in args.sizes:
+                for task in args.tasks:
                     off, _, text_off = batch(server.url, model, task, False, size, args.max_tokens)
                     on, acceptance, text_on = batch(server.url, model, task, True, size, args.max_tokens)
                     same = "yes" if text_on == text_off else "NO"
