@@ -151,7 +151,7 @@ def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_afte
     proposer = Proposer(prediction=[5, 6, 7, 8, 9, 10], limit=8)
     assert proposer.propose([1, 5], [5], room=10) == [6, 7, 8, 9]  # the prediction after the output so far
     assert proposer.propose([1, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9], room=1) == [10]  # max_tokens leaves room for 1
-    assert lookup([1, 2, 3, 4, 1, 2], 3, [9, 1, 2]) == [3, 4, 1]  # the n-gram's last earlier occurrence
+    assert lookup([1, 2, 3, 4, 1, 2, 3], 3, [9, 1, 2, 3]) == [4, 1, 2]  # the 3-gram's last earlier occurrence
     assert lookup([1, 2, 3], 3, [7, 8]) == []
     chat = Proposer()
     chat.update(4, 4)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 MAX_K = 8  # draft tokens per step at most
 START_K = 4
-NGRAM = (3, 2)  # n-gram lengths looked up, longest first
+NGRAM = (3,)  # n-gram lengths looked up, longest first: 2-grams ("of the") mislead in free text
 MISSES = 3
 REST = 16  # steps without proposing after MISSES misses; doubled each time in a row, up to MAX_REST
 MAX_REST = 128
