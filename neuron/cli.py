@@ -214,6 +214,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 args.micro_batches,
                 args.prefix_cache_bytes,
                 args.max_n,
+                args.speculate,
             ),
             drain_timeout=args.drain_timeout,
         )

@@ -208,6 +208,14 @@ SETTINGS = {
             check=_at_least(0),
         ),
         Setting(
+            "speculate",
+            str,
+            "ngram",
+            "speculative decoding without a draft model: draft tokens from prompt lookup and requests' "
+            "`prediction`, verified in the batched step (default ngram; off: none)",
+            choices=("ngram", "off"),
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -242,6 +250,7 @@ SERVE_SETTINGS = (
     "max_context",
     "micro_batches",
     "prefix_cache_bytes",
+    "speculate",
     "drain_timeout",
 )
 

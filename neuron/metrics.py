@@ -66,6 +66,14 @@ PREFIX_HITS = Counter(
     "neuron_prefix_cache_hits", "Prompts that began with a cached prefix (--prefix-cache-bytes)", registry=REGISTRY
 )
 PREFIX_MISSES = Counter("neuron_prefix_cache_misses", "Prompts with no cached prefix", registry=REGISTRY)
+SPECULATIVE_PROPOSED = Counter(
+    "neuron_speculative_proposed_tokens",
+    "Draft tokens proposed (prompt lookup, prediction) and verified",
+    registry=REGISTRY,
+)
+SPECULATIVE_ACCEPTED = Counter(
+    "neuron_speculative_accepted_tokens", "Draft tokens verified and kept", registry=REGISTRY
+)
 PREFIX_CACHED_TOKENS = Counter(
     "neuron_prefix_cache_cached_tokens", "Prompt tokens restored from the prefix cache, not computed", registry=REGISTRY
 )

@@ -51,6 +51,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Speculation (engine.speculate). ``num_draft_tokens`` is mlx-lm's per-request name: at most this many draft
+    # tokens per step, 0 for none; None: the server's setting. ``prediction``: OpenAI's predicted output text.
+    num_draft_tokens: int | None = None
+    prediction: str = ""
 
     def problems(self, vocab_size: int | None = None) -> list[str]:
         """What is wrong with these parameters, as messages naming each field."""
@@ -95,6 +99,8 @@ class Sampled:
     # the first's, which nothing predicts.
     prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
     error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
+    # Speculation: the tokens kept after this one in the same step, in order (a verified draft, then the bonus).
+    more: tuple[Sampled, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,7 @@ RANGES = {
     "repetition_penalty": Range(0.0, 10.0, open_low=True),
     "logprobs": Range(0, MAX_TOP_LOGPROBS),
     "prompt_logprobs": Range(0, MAX_TOP_LOGPROBS),
+    "num_draft_tokens": Range(0, 64),
     "min_tokens": Range(0),
 }
 LOGIT_BIAS = Range(-100.0, 100.0)

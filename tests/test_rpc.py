@@ -29,7 +29,7 @@ EVERY_MESSAGE = [
         plan=rpc.StepPlan(
             leave=[3],
             prefill=[rpc.Prefill(5, 0, [1, 2, 3], True), rpc.Prefill(6, 4, [9], False)],
-            decode=[rpc.Decode(1, 7, 0), rpc.Decode(2, 8, 1)],
+            decode=[rpc.Decode(1, 7, 0), rpc.Decode(2, 8, 1, draft=[3, 4], drop=2)],
             restore=[rpc.Restore(6, 2, 4)],
             save=[rpc.Save(5, 3)],
             evict=[rpc.Evict(1)],
@@ -70,7 +70,7 @@ def _step_line(**fields: object) -> bytes:
     plan = {
         "leave": [],
         "prefill": [chunk],
-        "decode": [{"seq": 2, "token": 1, "group": 0}],
+        "decode": [{"seq": 2, "token": 1, "group": 0, "draft": [4, 5], "drop": 1}],
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
         "save": [{"seq": 1, "entry": 4}],
         "evict": [{"entry": 3}],
@@ -126,7 +126,7 @@ def test_field_errors_name_every_field() -> None:
 def test_nested_fields_come_back_as_their_types() -> None:
     step = rpc.decode_request(_step_line())
     assert isinstance(step, rpc.GenerateStep)
-    assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1, 0)]
+    assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1, 0, [4, 5], 1)]
     assert step.plan.restore == [rpc.Restore(1, 3, 2)] and step.plan.save == [rpc.Save(1, 4)]
     assert step.plan.evict == [rpc.Evict(3)]
 

@@ -37,6 +37,7 @@ from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
+from neuron.engine.speculate import MAX_K, Proposer
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
@@ -187,6 +188,7 @@ class Engine:
             own = dataclasses.replace(params, seed=seed) if i else params
             stop = StopText(params.stop, params.include_stop_str_in_output)
             seqs.append(Sequence(request_id, next(self._numbers), list(prompt), max_tokens, own, stop))
+            seqs[-1].proposer = self._proposer(params)
             seqs[-1].submitted = time.perf_counter()
         seqs[0].copies = seqs[1:]
         for copy in seqs[1:]:
@@ -195,6 +197,15 @@ class Engine:
         self._idle = anyio.Event()
         self._wakeup.set()
         return seqs[0]
+
+    def _proposer(self, params: SamplingParams) -> Proposer | None:
+        """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
+        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""
+        if self.limits.speculate == "off" or params.num_draft_tokens == 0 or params.constraint is not None:
+            return None
+        text = params.prediction
+        prediction = list(self.text.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return Proposer(prediction, params.num_draft_tokens or MAX_K)
 
     def cancel(self, seq: Sequence) -> None:
         if self.scheduler.cancel(seq):
@@ -261,6 +272,8 @@ class Engine:
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         trace(log, "step", decode_rows=len(plan.decode), prefill_tokens=plan.prefill_tokens, ms=ms_since(started))
         for delivery in self.scheduler.apply(plan, sampled):
+            if delivery.seq.finished:  # a stop string ended it earlier in the same step's kept draft
+                continue
             if self.output.deliver(delivery):
                 self.scheduler.remove(delivery.seq)
 

@@ -78,8 +78,18 @@ class Output:
         if tail is None:
             tail, stopped = self.text.finish(seq)
             reason = "stop" if stopped else reason
+        proposed, accepted = (seq.proposer.proposed, seq.proposer.accepted) if seq.proposer else (0, 0)
         if seq.first_token_at:
-            log.info("decode done", request_id=seq.id, tokens=seq.completion_tokens, ms=ms_since(seq.first_token_at))
+            log.info(
+                "decode done",
+                request_id=seq.id,
+                tokens=seq.completion_tokens,
+                ms=ms_since(seq.first_token_at),
+                proposed_tokens=proposed,
+                accepted_tokens=accepted,
+            )
+        metrics.SPECULATIVE_PROPOSED.inc(proposed)
+        metrics.SPECULATIVE_ACCEPTED.inc(accepted)
         log.info(
             "request done",
             request_id=seq.id,
@@ -92,7 +102,8 @@ class Output:
         if seq.completion_tokens > 1:
             decoding = time.perf_counter() - seq.first_token_at
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
-        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail, seq.cached))
+        rejected = proposed - accepted
+        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail, seq.cached, accepted, rejected))
 
     def cancelled(self, seq: Sequence, steps_after_cancel: int) -> None:
         """The caller stopped listening: the sequence has left the batch (or never entered it)."""
@@ -106,6 +117,9 @@ class Output:
                 steps_after_cancel=steps_after_cancel,
                 ms=ms_since(seq.started),
             )
+        if seq.proposer is not None:
+            metrics.SPECULATIVE_PROPOSED.inc(seq.proposer.proposed)
+            metrics.SPECULATIVE_ACCEPTED.inc(seq.proposer.accepted)
         metrics.REQUESTS.labels("cancelled").inc()
         seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached))
 

@@ -38,6 +38,7 @@ class Limits:
     micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
     prefix_cache_bytes: int = 0  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
+    speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.speculate); "off": none
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class Scheduler:
             copies = [c.no for c in seq.copies if c in self.filling] if last else []
             prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, copies, scores))
             budget -= take
-        decode = [Decode(seq.no, seq.next_token, seq.group) for seq in self.running]
+        decode = [Decode(seq.no, seq.next_token, seq.group, self._draft(seq), seq.drop) for seq in self.running]
         plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore)
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
@@ -186,10 +187,28 @@ class Scheduler:
                     copy.group = self._smallest_group()
                     self.running.append(copy)
                     out.append(self._outcome(copy, sampled[copy.no], first=True))
+        width = {row.group: 0 for row in plan.decode}  # each micro-batch's rows were fed this many tokens
         for row in plan.decode:
-            if (seq := by_no.get(row.seq)) is not None:
-                out.append(self._outcome(seq, sampled[row.seq], first=False))
+            width[row.group] = max(width[row.group], 1 + len(row.draft))
+        for row in plan.decode:
+            if (seq := by_no.get(row.seq)) is None:
+                continue
+            run = [sampled[row.seq], *sampled[row.seq].more]  # the token, then those a kept draft adds
+            for one in run:
+                out.append(self._outcome(seq, one, first=False))
+                if out[-1].finish is not None:
+                    break
+            seq.drop = width[row.group] - len(run)  # fed but not kept: the draft's rejected tail, the padding
+            if seq.proposer is not None:
+                seq.proposer.update(len(row.draft), len(run) - 1)
         return out
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""
+        if seq.proposer is None or seq.next_token is None:
+            return []
+        room = seq.max_tokens - seq.completion_tokens - 1
+        return seq.proposer.propose(seq.prompt + seq.output, seq.output, room)
 
     def _smallest_group(self) -> int:
         """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
@@ -208,6 +227,8 @@ class Scheduler:
             return Delivery(seq, sampled, "stop", first)
         seq.completion_tokens += 1
         seq.next_token = sampled.token
+        if seq.proposer is not None:
+            seq.output.append(sampled.token)
         return Delivery(seq, sampled, "length" if seq.completion_tokens >= seq.max_tokens else None, first)
 
     def remove(self, seq: Sequence) -> None:

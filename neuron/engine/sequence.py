@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from neuron.engine.speculate import Proposer
 from neuron.sampling_params import SamplingParams
 
 
@@ -35,6 +36,9 @@ class Finish:
     completion_tokens: int
     text: str  # the last text released (held back until the end)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    # Speculation's draft tokens kept and rejected (OpenAI's accepted/rejected_prediction_tokens).
+    accepted_tokens: int = 0
+    rejected_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +145,11 @@ class Sequence:
     # again; they wait in the batch, unfed, until then.
     copies: list[Sequence] = field(default_factory=list)
     copy_of: Sequence | None = None
+    # Speculation (engine.speculate): None when this sequence does not speculate. ``output`` is the completion
+    # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
+    proposer: Proposer | None = None
+    output: list[int] = field(default_factory=list)
+    drop: int = 0
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -172,6 +172,12 @@ class Decode:
     seq: int
     token: int
     group: int
+    # Speculation: tokens rank 0 proposes after ``token``, fed with it in the same forward; rank 0 keeps the
+    # longest run its sampler agrees with. Rows of a micro-batch are padded to its longest ``[token] + draft``.
+    draft: list[int] = field(default_factory=list)
+    # Tokens this row was fed in the previous step that were not accepted (a rejected draft, the padding):
+    # every rank drops them from the end of the row's KV cache before this step's forward.
+    drop: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,13 +21,17 @@ from neuron.server.openai import INT64, ApiError, Generation, failure_error
 from neuron.server.tools import ToolStream
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted: int = 0, rejected: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored, ``accepted``
+    and ``rejected`` the draft tokens speculation kept and threw away (from ``prediction`` or prompt lookup)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected},
     }
 
 
@@ -139,11 +143,13 @@ class Replies:
         return {**self._envelope(chunk=False), "choices": choices, "usage": usage_}
 
 
-def _usage(seqs: list[Sequence]) -> dict[str, int]:
+def _usage(seqs: list[Sequence]) -> dict[str, Any]:
     """Each prompt counted once, however many choices share it, as OpenAI counts them."""
     originals = [seq for seq in seqs if seq.copy_of is None]
     prompts, cached = sum(len(seq.prompt) for seq in originals), sum(seq.cached for seq in originals)
-    return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached)
+    proposed = sum(seq.proposer.proposed for seq in seqs if seq.proposer)
+    accepted = sum(seq.proposer.accepted for seq in seqs if seq.proposer)
+    return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached, accepted, proposed - accepted)
 
 
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -256,6 +262,33 @@ def extension_properties(vocab_size: int | None) -> dict[str, Any]:
         "include_stop_str_in_output": _or_null({"type": "boolean", "description": "extension: keep the stop string"}),
         "skip_special_tokens": _or_null(
             {"type": "boolean", "description": "extension: leave special tokens out of the text (default true)"}
+        ),
+        "num_draft_tokens": {
+            **_or_null({"type": "integer", **RANGES["num_draft_tokens"].json_schema()}),
+            "description": "extension (mlx-lm's name): at most this many speculative draft tokens per step; 0: none",
+        },
+        "prediction": _or_null(
+            {
+                "type": "object",
+                "required": ["type", "content"],
+                "properties": {
+                    "type": {"enum": ["content"]},
+                    "content": {
+                        "anyOf": [
+                            {"type": "string"},
+                            {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["type", "text"],
+                                    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+                                },
+                            },
+                        ]
+                    },
+                },
+                "description": "OpenAI's predicted output: its tokens are speculation's drafts; the text is unchanged",
+            }
         ),
     }
 

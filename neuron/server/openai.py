@@ -29,7 +29,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "function_call": ("the legacy `function_call` is not supported; send `tool_choice`", ("none",)),
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
-    "prediction": ("predicted outputs are not supported", ()),
     "web_search_options": ("web search is not supported", ()),
     "reasoning_effort": ("reasoning controls are not supported", ()),
     "verbosity": ("verbosity controls are not supported", ()),
@@ -45,6 +44,8 @@ COMPLETION_UNSUPPORTED = {
 }
 # vLLM's sampling extensions, which benchmark tools send (vLLM's `bench serve`, genai-perf); vLLM's names and meanings.
 EXTENSIONS = ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
+# OpenAI's predicted outputs (draft tokens for speculation), and mlx-lm's per-request cap on draft tokens.
+SPECULATION = ("prediction", "num_draft_tokens")
 INT64 = (-(2**63), 2**63 - 1)  # what JSON parsers on both ends agree an integer can be
 TOKEN_ID = re.compile(r"[0-9]+")
 SAMPLING_FIELDS = frozenset(
@@ -64,6 +65,7 @@ SAMPLING_FIELDS = frozenset(
         "stream_options",
         "model",
         *EXTENSIONS,
+        *SPECULATION,
     }
 )
 CHAT_FIELDS = SAMPLING_FIELDS | {
@@ -278,6 +280,20 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     return schema or {}
 
 
+def _prediction(value: Any) -> str:
+    """OpenAI's ``{"type": "content", "content": text or [{"type": "text", "text": ...}]}``; its text."""
+    if value is None:
+        return ""
+    content = value.get("content") if isinstance(value, dict) and value.get("type") == "content" else None
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad("prediction", '`prediction` is {"type": "content", "content": text or text parts}')
+    return content
+
+
 def _sampling(
     body: dict[str, Any], top_logprobs: int | None, max_tokens: int | None, prompt_logprobs: int | None
 ) -> SamplingParams:
@@ -307,6 +323,8 @@ def _sampling(
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        num_draft_tokens=_int(body, "num_draft_tokens", None),
+        prediction=_prediction(body.get("prediction")),
     )
     if problems := params.problems():
         param = problems[0].split(" ", 1)[0]

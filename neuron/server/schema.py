@@ -337,6 +337,13 @@ def _components(model_id: str) -> Schema:
                 "required": ["cached_tokens"],
                 "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
             },
+            "completion_tokens_details": {
+                "type": "object",
+                "properties": {
+                    k: {"type": "integer", "minimum": 0}
+                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+                },
+            },
         },
     }
 

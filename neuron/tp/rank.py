@@ -24,6 +24,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.tp import speculate
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch
 from neuron.tp.entries import Entries
@@ -147,7 +148,7 @@ class Rank:
         for chunk in plan.prefill:
             if not chunk.tokens or not all(0 <= t < self.vocab_size for t in chunk.tokens):
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
-        if not all(0 <= row.token < self.vocab_size for row in plan.decode):
+        if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
@@ -182,10 +183,10 @@ class Rank:
         self._prefill(plan.prefill, shadow=True)
         passes = []
         for group in sorted({row.group for row in plan.decode}):
-            rows = sum(row.group == group for row in plan.decode)
-            cache = [BatchKVCache([0] * rows) for _ in self.model.layers]
-            passes.append((mx.zeros((rows, 1), dtype=mx.int32), cache))
-        self.runner.logits(passes)
+            fed = speculate.fed([row for row in plan.decode if row.group == group])
+            cache = [BatchKVCache([0] * len(fed)) for _ in self.model.layers]
+            passes.append((mx.zeros((len(fed), len(fed[0])), dtype=mx.int32), cache))
+        self.runner.logits(passes, any(row.draft for row in plan.decode))
 
     def _leave(self, leaving: list[int]) -> None:
         for seq in leaving:
@@ -284,23 +285,32 @@ class Rank:
         return self.runner.logits([(tokens, cache)])[0]
 
     def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
-        """One token for every row, a pass per micro-batch; rank 0 gets each row's logits."""
+        """Every row's token (and draft), a pass per micro-batch; rank 0 gets each row's logits, one row of them
+        per position fed where the row has a draft."""
         assert self.runner is not None
-        token = {row.seq: row.token for row in rows}
+        by_seq = {row.seq: row for row in rows}
         groups = sorted({row.group for row in rows})
         passes = []
         for group in groups:
             batch = self.batch.groups[group]
-            passes.append((mx.array([[token[seq]] for seq in batch.ids]), batch.cache))
-        logits = self.runner.logits(passes)
-        for row in rows:
-            state = self.seqs[row.seq]
-            state.position += 1
-            state.last = row.token
+            speculate.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
+            passes.append((mx.array(speculate.fed([by_seq[seq] for seq in batch.ids])), batch.cache))
+        every = any(row.draft for row in rows)
+        logits = self.runner.logits(passes, every)
+        for (tokens, _), group in zip(passes, groups, strict=True):
+            for seq, fed in zip(self.batch.groups[group].ids, tokens.tolist(), strict=True):
+                state = self.seqs[seq]
+                state.position += len(fed) - by_seq[seq].drop
+                state.last = fed[-1]
         out: dict[int, mx.array] = {}
         for group, group_logits in zip(groups, logits, strict=True):
             if group_logits is not None:
-                out.update({seq: group_logits[i] for i, seq in enumerate(self.batch.groups[group].ids)})
+                for i, seq in enumerate(self.batch.groups[group].ids):
+                    row = by_seq[seq]
+                    if every:
+                        out[seq] = group_logits[i, : len(row.draft) + 1] if row.draft else group_logits[i, 0]
+                    else:
+                        out[seq] = group_logits[i]
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:

@@ -62,15 +62,22 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass]) -> list[mx.array | None]:
-        """Each pass's last-position logits on rank 0 (None on the other ranks)."""
-        return [self._logits(tokens, cache) for tokens, cache in passes]
+    def logits(self, passes: list[Pass], every: bool = False) -> list[mx.array | None]:
+        """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
+        position, (rows, positions, vocab): speculation verifies a whole draft at once."""
+        return [self._logits(tokens, cache, every) for tokens, cache in passes]
 
-    def _logits(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+    def _logits(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+        wanted = slice(None) if every else -1
         if self.head is not None:  # every rank projects onto its rows of the vocabulary
-            logits = self.head(backbone(self.model)(tokens, cache=cache)[:, -1, :])
+            hidden = backbone(self.model)(tokens, cache=cache)[:, wanted, :]
+            if every:  # the head takes (rows, hidden): one row per position
+                rows, width, _ = hidden.shape
+                logits = self.head(hidden.reshape(rows * width, -1)).reshape(rows, width, -1)
+            else:
+                logits = self.head(hidden)
         elif self.rank == 0:
-            logits = self.model(tokens, cache=cache)[:, -1, :]
+            logits = self.model(tokens, cache=cache)[:, wanted, :]
         else:  # the whole head is rank 0's alone
             mx.eval(backbone(self.model)(tokens, cache=cache))
             return None
@@ -135,8 +142,8 @@ class Stage:
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass]) -> list[mx.array | None]:
-        """Every pass through every stage; rank 0 gets each pass's last-position logits.
+    def logits(self, passes: list[Pass], every: bool = False) -> list[mx.array | None]:
+        """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
 
         Each stage sends a pass on as soon as it is done with it, and rank 0 reads
         the results back only after sending every pass: with several passes (the
@@ -146,7 +153,7 @@ class Stage:
         for tokens, cache in passes:
             hidden = self._through(tokens, cache)
             if self.last:
-                sent = mx.distributed.send(hidden[:, -1:, :], 0, group=self.group)
+                sent = mx.distributed.send(hidden if every else hidden[:, -1:, :], 0, group=self.group)
             else:
                 sent = mx.distributed.send(hidden, self.rank + 1, group=self.group)
             _eval_with(cache, sent)
@@ -155,10 +162,12 @@ class Stage:
         assert self.norm is not None and self.project is not None
         out: list[mx.array | None] = []
         for tokens, _ in passes:
+            width = tokens.shape[1] if every else 1
             hidden = mx.distributed.recv(
-                (tokens.shape[0], 1, self.hidden), self.dtype, self.stages - 1, group=self.group
+                (tokens.shape[0], width, self.hidden), self.dtype, self.stages - 1, group=self.group
             )
-            logits = self.project(self.norm(hidden))[:, -1, :]
+            logits = self.project(self.norm(hidden))
+            logits = logits if every else logits[:, -1, :]
             mx.eval(logits)
             out.append(logits)
         return out

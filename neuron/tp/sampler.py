@@ -25,6 +25,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from neuron.rpc import StepPlan
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
+from neuron.tp import speculate
 
 
 class Sampler:
@@ -181,7 +182,12 @@ class Samplers:
                 for no in chunk.copies:
                     self._by_seq[no] = Sampler(joining.get(no, SamplingParams()))
                     self._by_seq[no].feed(sampler._recent)
-        return sample_all(self._by_seq, logits)
+        verified = {}
+        for row in plan.decode:  # rows with a draft have one row of logits per position fed
+            if row.draft and (rows := logits.pop(row.seq, None)) is not None:
+                run = speculate.verify(self._by_seq[row.seq], rows, row.draft)
+                verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
+        return sample_all(self._by_seq, logits) | verified
 
     def clear(self) -> None:
         self._by_seq.clear()

@@ -1,0 +1,138 @@
+"""Speculative decoding (prompt lookup, ``prediction``) on and off: decode speed and acceptance, in one run.
+
+Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 3] [--max-tokens 128] [--sizes 1 8] [--tasks ...]
+
+(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it.)
+
+One ``neuron serve`` per TP size (speculation on, the default); every request
+is sent twice, with ``num_draft_tokens: 0`` (no drafts) and without, so both
+run on the same server. Tasks, greedy chat:
+
+- edit: rewrite a given code snippet with one name changed (prompt lookup finds the snippet);
+- edit + prediction: the same, the original snippet sent as OpenAI's ``prediction``;
+- quote: summarise a passage quoting its sentences (prompt lookup);
+- chat: free chat, nothing to look up (adaptive k must keep it from slowing down).
+
+Batch 1: one request at a time; batch 8: eight at once. Tokens per second are
+completion tokens over the wall time of the batch (prefill included, the same
+on and off); acceptance is accepted / proposed draft tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+SNIPPET = """def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item.quantity <= 0:
+            continue
+        total += item.price * item.quantity
+    total = total * (1 + tax_rate)
+    return round(total, 2)
+
+
+def average_price(items):
+    if not items:
+        return 0
+    total = 0
+    for item in items:
+        total += item.price
+    return total / len(items)
+"""
+PASSAGE = (
+    "The committee met on Tuesday. It approved the new budget for the library. It asked the city to repair "
+    "the roof before winter. It thanked the volunteers who ran the book fair. It will meet again in March."
+)
+TASKS = {
+    "edit": (
+        "Rewrite this code, renaming the variable `total` to `acc`. Reply with the code only.\n\n" + SNIPPET,
+        None,
+    ),
+    "edit + prediction": (
+        "Rewrite this code, renaming the variable `total` to `acc`. Reply with the code only.\n\n" + SNIPPET,
+        SNIPPET,
+    ),
+    "quote": ("Summarise this passage, quoting each sentence exactly:\n\n" + PASSAGE, None),
+    "chat": ("Tell me a short story about a lighthouse keeper and a storm.", None),
+}
+
+
+def one(url: str, model: str, task: str, drafts: bool, max_tokens: int) -> dict:
+    prompt, prediction = TASKS[task]
+    body: dict = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    if not drafts:
+        body["num_draft_tokens"] = 0
+    if prediction and drafts:
+        body["prediction"] = {"type": "content", "content": prediction}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    response.raise_for_status()
+    return response.json()
+
+
+def batch(url: str, model: str, task: str, drafts: bool, size: int, max_tokens: int) -> tuple[float, float, str]:
+    """Tokens per second, acceptance, and the first reply's text."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(size) as pool:
+        replies = list(pool.map(lambda _: one(url, model, task, drafts, max_tokens), range(size)))
+    seconds = time.perf_counter() - started
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    details = [r["usage"].get("completion_tokens_details") or {} for r in replies]
+    kept = sum(d.get("accepted_prediction_tokens", 0) for d in details)
+    proposed = kept + sum(d.get("rejected_prediction_tokens", 0) for d in details)
+    return tokens / seconds, kept / proposed if proposed else 0.0, replies[0]["choices"][0]["message"]["content"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    args = parser.parse_args()
+
+    from conftest import Server
+
+    from neuron.models import model_id
+
+    model = model_id(args.model)
+    print("| TP | batch | task | tok/s off | tok/s on | speedup | acceptance | same text |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tp in args.tp:
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-speculate-{os.getpid()}.log"
+        server = Server(*(["--model", args.model] if args.model else []), "--tp", str(tp), log_path=log)
+        try:
+            server.start()
+            one(server.url, model, "chat", True, 4)  # warm up
+            for size in args.sizes:
+                for task in args.tasks:
+                    off, _, text_off = batch(server.url, model, task, False, size, args.max_tokens)
+                    on, acceptance, text_on = batch(server.url, model, task, True, size, args.max_tokens)
+                    same = "yes" if text_on == text_off else "NO"
+                    row = f"{off:.1f} | {on:.1f} | {on / off:.2f}x | {acceptance:.0%} | {same}"
+                    print(f"| {tp} | {size} | {task} | {row} |")
+                    sys.stdout.flush()
+        finally:
+            server.stop()
+            log.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

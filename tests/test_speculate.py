@@ -1,0 +1,161 @@
+"""Speculative decoding without a draft model: prompt lookup and ``prediction`` drafts, verified in the batch.
+
+Speculation must be lossless: every test compares a request with drafts against the same request with
+``num_draft_tokens: 0`` on the same server (no drafts), alone and concurrent, at TP=1, TP=2 and in a pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from conftest import Server, serving
+
+from neuron.engine.speculate import Proposer, lookup
+
+# Repetitive prompts: prompt lookup finds drafts in them, and the tiny models repeat themselves too.
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    "one two three four one two three four one two three four one two",
+    "hello",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+]
+MAX_TOKENS = [40, 33, 25, 47]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
+    ids=["tp1", "tp2", "pp2"],
+)
+def tiny(
+    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", *request.param)
+    with serving(tmp_path_factory, *args) as server:
+        yield server
+
+
+def _complete(server: Server, prompt: str, max_tokens: int, **extra: object) -> dict:
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def _together(server: Server, **extra: object) -> list[dict]:
+    out: list[dict] = [{}] * len(PROMPTS)
+
+    async def one(i: int) -> None:
+        out[i] = await anyio.to_thread.run_sync(lambda: _complete(server, PROMPTS[i], MAX_TOKENS[i], **extra))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(one, i)
+    return out
+
+
+def _texts(replies: list[dict]) -> list[str]:
+    return [r["choices"][0]["text"] for r in replies]
+
+
+@pytest.mark.anyio
+async def test_greedy_is_identical_with_and_without_drafts_alone_and_concurrent(tiny: Server) -> None:
+    plain = [_complete(tiny, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    alone = [_complete(tiny, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    together = await _together(tiny)
+    assert _texts(alone) == _texts(plain)
+    assert _texts(together) == _texts(plain)
+    assert [r["usage"]["completion_tokens"] for r in alone] == [r["usage"]["completion_tokens"] for r in plain]
+    accepted = sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in alone)
+    assert accepted > 0  # drafts were really verified and kept
+    assert all(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0 for r in plain)
+
+
+@pytest.mark.anyio
+async def test_stop_strings_and_max_tokens_landing_inside_kept_drafts(tiny: Server) -> None:
+    prompt = PROMPTS[1]
+    whole = _complete(tiny, prompt, 40, num_draft_tokens=0)["choices"][0]["text"]
+    for max_tokens in (1, 2, 5, 9, 14):
+        plain = _complete(tiny, prompt, max_tokens, num_draft_tokens=0)
+        drafted = _complete(tiny, prompt, max_tokens, logprobs=2)
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+        assert drafted["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] <= max_tokens
+    for start in (3, 8, 15, 22):
+        stop = whole[start : start + 3]
+        plain = _complete(tiny, prompt, 40, num_draft_tokens=0, stop=[stop])["choices"][0]
+        drafted = _complete(tiny, prompt, 40, stop=[stop])["choices"][0]
+        assert (drafted["text"], drafted["finish_reason"]) == (plain["text"], plain["finish_reason"])
+        assert drafted["finish_reason"] == "stop" and stop not in drafted["text"]
+
+
+@pytest.mark.anyio
+async def test_logprobs_of_kept_tokens_equal_plain_decoding(tiny: Server) -> None:
+    plain = _complete(tiny, PROMPTS[0], 30, num_draft_tokens=0, logprobs=3)
+    drafted = _complete(tiny, PROMPTS[0], 30, logprobs=3)
+    assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    a, b = plain["choices"][0]["logprobs"], drafted["choices"][0]["logprobs"]
+    assert a["tokens"] == b["tokens"]
+    assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-4)
+
+
+@pytest.mark.anyio
+async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tiny: Server) -> None:
+    # The verifier samples every position with the request's own key, split once per kept token: the draws
+    # are those of plain decoding, so the target distribution holds exactly (and seeded output is unchanged).
+    for seed in (1, 2, 3):
+        extra = {"temperature": 0.8, "seed": seed, "top_p": 0.95}
+        plain = _complete(tiny, PROMPTS[1], 40, num_draft_tokens=0, **extra)
+        drafted = _complete(tiny, PROMPTS[1], 40, **extra)
+        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+@pytest.fixture(scope="module")
+def small(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real model: the tiny ones' random text does not survive detokenizing and tokenizing again."""
+    with serving(tmp_path_factory, "--model", str(smollm2)) as server:
+        yield server
+
+
+def test_a_right_prediction_is_mostly_kept_and_a_wrong_one_changes_nothing(small: Server, smollm2: Path) -> None:
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    body = {"model": smollm2.name, "messages": messages, "max_tokens": 64, "temperature": 0.0}
+
+    def chat(**extra: object) -> dict:
+        response = httpx.post(f"{small.url}/v1/chat/completions", json={**body, **extra}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    before = small.metrics()
+    text = chat(num_draft_tokens=0)["choices"][0]["message"]["content"]
+    predicted = chat(prediction={"type": "content", "content": text})
+    assert predicted["choices"][0]["message"]["content"] == text
+    details, completion = predicted["usage"]["completion_tokens_details"], predicted["usage"]["completion_tokens"]
+    accepted = details["accepted_prediction_tokens"]
+    verify_steps = completion - 1 - accepted  # the first token comes from the prompt; each step keeps its run + 1
+    assert accepted / verify_steps >= 3, (details, completion)
+    wrong = chat(prediction={"type": "content", "content": "Lorem ipsum dolor sit amet, " * 8})
+    assert wrong["choices"][0]["message"]["content"] == text
+    after = small.metrics()
+    kept = ("neuron_speculative_accepted_tokens_total", ())
+    assert after[kept] - before.get(kept, 0) >= accepted
+    assert after[("neuron_speculative_proposed_tokens_total", ())] > after[kept]
+    done = [e for e in small.logs() if e.get("event") == "decode done"]
+    assert done[-2]["accepted_tokens"] == accepted and done[-2]["proposed_tokens"] >= accepted
+
+
+def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_after_misses() -> None:
+    proposer = Proposer(prediction=[5, 6, 7, 8, 9, 10], limit=8)
+    assert proposer.propose([1, 5], [5], room=10) == [6, 7, 8, 9]  # the prediction after the output so far
+    assert proposer.propose([1, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9], room=1) == [10]  # max_tokens leaves room for 1
+    assert lookup([1, 2, 3, 4, 1, 2, 3], 3, [9, 1, 2, 3]) == [4, 1, 2]  # the 3-gram's last earlier occurrence
+    assert lookup([1, 2, 3], 3, [7, 8]) == []
+    chat = Proposer()
+    chat.update(4, 4)
+    assert chat.k == 8  # a whole draft kept: k grows
+    for _ in range(3):
+        chat.update(chat.k, 0)
+    assert chat.resting > 0 and chat.propose([1, 2, 1, 2, 1], [1], room=9) == []  # resting: no draft, no cost
