@@ -174,12 +174,14 @@ def test_smollm2_over_three_ranks_is_unchanged_by_the_cache(
 ) -> None:
     """The real model, whose norms and weights catch a wrong position or a stale row that random tiny models can
     hide: a four-turn chat and eight concurrent requests sharing a system prompt, the same token for token with
-    the cache on and off, over three ranks. The system prompt is about 300 tokens, not the tiny models' 1,000:
-    three ranks on two cores compute about 60 prompt tokens a second, and the reference server computes all
-    eight prompts whole."""
-    model, args = smollm2.name, ("--model", str(smollm2), "--tp", "3")
+    the cache on (over three ranks) and off. The system prompt is about 300 tokens, not the tiny models' 1,000:
+    three ranks on two cores compute about 60 prompt tokens a second."""
+    model, args = smollm2.name, ("--model", str(smollm2))
     system = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(30))
-    with serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0") as off, serving(tmp_path_factory, *args) as on:
+    # The reference without the cache runs on one rank: SmolLM2 at TP=3 gives TP=1's tokens (test_cli,
+    # tests/hosts), and a second three-rank server on two cores would double this test's minutes.
+    off_server = serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0")
+    with off_server as off, serving(tmp_path_factory, *args, "--tp", "3") as on:
 
         async def both() -> None:
             on_turns, off_turns = (
