@@ -345,3 +345,18 @@ def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: obje
     finally:
         rc = server.stop()
     assert rc == 0, server.stderr()
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
+    ids=["tp1", "tp2", "pp2"],
+)
+def split_qwen3(
+    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """The tiny qwen3 served three ways, one server per module: one rank; every layer sliced over two; two
+    pipeline stages, whose decode runs in two micro-batches. Prompts are fed 16 tokens a step, so that long ones
+    take several steps."""
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", *request.param) as s:
+        yield s

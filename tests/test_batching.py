@@ -31,20 +31,6 @@ def _server(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: obje
     return serving(tmp_path_factory, "--prefill-chunk", "16", *args, **kwargs)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
-    ids=["tp1", "tp2", "pp2"],
-)
-def tiny(
-    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """The same server split three ways: one rank; every layer sliced over two; two pipeline stages, whose
-    decode runs in two micro-batches."""
-    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), *request.param) as server:
-        yield server
-
-
 async def _complete(server: Server, model: str, prompt: str, max_tokens: int, **kwargs: object) -> str:
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
         reply = await client.completions.create(
@@ -82,16 +68,16 @@ def _most_running(server: Server) -> int:
 
 
 @pytest.mark.anyio
-async def test_eight_concurrent_greedy_requests_equal_each_alone(tiny: Server) -> None:
-    alone, together = await _alone_then_together(tiny, "qwen3", temperature=0.0)
+async def test_eight_concurrent_greedy_requests_equal_each_alone(split_qwen3: Server) -> None:
+    alone, together = await _alone_then_together(split_qwen3, "qwen3", temperature=0.0)
     assert together == alone
     assert all(alone) and len(set(alone)) == len(alone)
-    assert _most_running(tiny) >= 6  # they really shared steps
+    assert _most_running(split_qwen3) >= 6  # they really shared steps
 
 
 @pytest.mark.anyio
-async def test_seeded_sampling_concurrent_equals_alone(tiny: Server) -> None:
-    alone, together = await _alone_then_together(tiny, "qwen3", temperature=0.9, seed=1234, top_p=0.95)
+async def test_seeded_sampling_concurrent_equals_alone(split_qwen3: Server) -> None:
+    alone, together = await _alone_then_together(split_qwen3, "qwen3", temperature=0.9, seed=1234, top_p=0.95)
     assert together == alone
 
 
@@ -104,13 +90,15 @@ def _stream_texts(server: Server, prompt: str, max_tokens: int) -> Iterator[str]
 
 
 @pytest.mark.anyio
-async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(tiny: Server) -> None:
+async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(split_qwen3: Server) -> None:
     prompts, lengths = PROMPTS[:4], [60, 60, 60, 60]
-    alone = [await _complete(tiny, "qwen3", p, n, temperature=0.0) for p, n in zip(prompts, lengths, strict=True)]
+    alone = [
+        await _complete(split_qwen3, "qwen3", p, n, temperature=0.0) for p, n in zip(prompts, lengths, strict=True)
+    ]
     texts = [""] * 4
 
     def read(i: int) -> None:
-        for count, piece in enumerate(_stream_texts(tiny, prompts[i], lengths[i])):
+        for count, piece in enumerate(_stream_texts(split_qwen3, prompts[i], lengths[i])):
             texts[i] += piece
             if i == 0 and count == 5:
                 return  # leaves mid-stream: the connection closes
@@ -120,7 +108,7 @@ async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(tin
             tg.start_soon(anyio.to_thread.run_sync, read, i)
     assert texts[1:] == alone[1:]
     assert alone[0].startswith(texts[0]) and len(texts[0]) < len(alone[0])
-    cancelled = tiny.wait_log("request cancelled", timeout=30)
+    cancelled = split_qwen3.wait_log("request cancelled", timeout=30)
     assert cancelled["steps_after_cancel"] <= 1
 
 
@@ -181,41 +169,41 @@ async def test_smollm2_eight_concurrent_chats_equal_each_alone(
 
 
 @pytest.mark.anyio
-async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the_batch(tiny: Server) -> None:
+async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the_batch(split_qwen3: Server) -> None:
     # A 200-token prompt takes 13 steps at 16 tokens per step; a request admitted meanwhile waits for its first
     # chunk. If its client leaves then, no rank ever held it: it must simply vanish. The prompt is new to the
     # server (a cached one would be restored in one step); what it gives alone is asked after.
     long_prompt = "the " * 50
 
     def count(event: str) -> int:
-        return sum(e.get("event") == event for e in tiny.logs())
+        return sum(e.get("event") == event for e in split_qwen3.logs())
 
     started, cancelled = count("request started"), count("request cancelled")
 
     def leave_once_admitted() -> None:
         wait_until(lambda: count("request started") == started + 1, 30, "the long request's admission")
         body = {"model": "qwen3", "prompt": "hello", "max_tokens": 8, "stream": True}
-        with httpx.stream("POST", f"{tiny.url}/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", f"{split_qwen3.url}/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             wait_until(lambda: count("request started") == started + 2, 30, "the short request's admission")
 
     texts: list[str] = []
 
     async def long_one() -> None:
-        texts.append(await _complete(tiny, "qwen3", long_prompt, 8, temperature=0.0))
+        texts.append(await _complete(split_qwen3, "qwen3", long_prompt, 8, temperature=0.0))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(long_one)
         await anyio.to_thread.run_sync(leave_once_admitted)
     assert count("request cancelled") == cancelled + 1
-    assert texts == [await _complete(tiny, "qwen3", long_prompt, 8, temperature=0.0)]
-    assert tiny.find_log("desync") is None
+    assert texts == [await _complete(split_qwen3, "qwen3", long_prompt, 8, temperature=0.0)]
+    assert split_qwen3.find_log("desync") is None
 
 
-def test_a_pipelines_split_is_in_its_metrics(tiny: Server) -> None:
-    metrics = tiny.metrics()
+def test_a_pipelines_split_is_in_its_metrics(split_qwen3: Server) -> None:
+    metrics = split_qwen3.metrics()
     stages = {labels: value for (name, labels), value in metrics.items() if name == "neuron_stage_layers"}
-    if "--pp" not in tiny.args:
+    if "--pp" not in split_qwen3.args:
         assert not stages
         return
     assert stages == {(("host", "localhost"), ("rank", "0")): 2.0, (("host", "localhost"), ("rank", "1")): 2.0}

@@ -26,19 +26,6 @@ PROMPTS = [
 MAX_TOKENS = [40, 33, 25, 47]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
-    ids=["tp1", "tp2", "pp2"],
-)
-def tiny(
-    request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", *request.param)
-    with serving(tmp_path_factory, *args) as server:
-        yield server
-
-
 def _complete(server: Server, prompt: str, max_tokens: int, **extra: object) -> dict:
     body = {"model": "qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
@@ -63,10 +50,10 @@ def _texts(replies: list[dict]) -> list[str]:
 
 
 @pytest.mark.anyio
-async def test_greedy_is_identical_with_and_without_drafts_alone_and_concurrent(tiny: Server) -> None:
-    plain = [_complete(tiny, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    alone = [_complete(tiny, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    together = await _together(tiny)
+async def test_greedy_is_identical_with_and_without_drafts_alone_and_concurrent(split_qwen3: Server) -> None:
+    plain = [_complete(split_qwen3, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    alone = [_complete(split_qwen3, p, n) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    together = await _together(split_qwen3)
     assert _texts(alone) == _texts(plain)
     assert _texts(together) == _texts(plain)
     assert [r["usage"]["completion_tokens"] for r in alone] == [r["usage"]["completion_tokens"] for r in plain]
@@ -76,26 +63,26 @@ async def test_greedy_is_identical_with_and_without_drafts_alone_and_concurrent(
 
 
 @pytest.mark.anyio
-async def test_stop_strings_and_max_tokens_landing_inside_kept_drafts(tiny: Server) -> None:
+async def test_stop_strings_and_max_tokens_landing_inside_kept_drafts(split_qwen3: Server) -> None:
     prompt = PROMPTS[1]
-    whole = _complete(tiny, prompt, 40, num_draft_tokens=0)["choices"][0]["text"]
+    whole = _complete(split_qwen3, prompt, 40, num_draft_tokens=0)["choices"][0]["text"]
     for max_tokens in (1, 2, 5, 9, 14):
-        plain = _complete(tiny, prompt, max_tokens, num_draft_tokens=0)
-        drafted = _complete(tiny, prompt, max_tokens, logprobs=2)
+        plain = _complete(split_qwen3, prompt, max_tokens, num_draft_tokens=0)
+        drafted = _complete(split_qwen3, prompt, max_tokens, logprobs=2)
         assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
         assert drafted["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] <= max_tokens
     for start in (3, 8, 15, 22):
         stop = whole[start : start + 3]
-        plain = _complete(tiny, prompt, 40, num_draft_tokens=0, stop=[stop])["choices"][0]
-        drafted = _complete(tiny, prompt, 40, stop=[stop])["choices"][0]
+        plain = _complete(split_qwen3, prompt, 40, num_draft_tokens=0, stop=[stop])["choices"][0]
+        drafted = _complete(split_qwen3, prompt, 40, stop=[stop])["choices"][0]
         assert (drafted["text"], drafted["finish_reason"]) == (plain["text"], plain["finish_reason"])
         assert drafted["finish_reason"] == "stop" and stop not in drafted["text"]
 
 
 @pytest.mark.anyio
-async def test_logprobs_of_kept_tokens_equal_plain_decoding(tiny: Server) -> None:
-    plain = _complete(tiny, PROMPTS[0], 30, num_draft_tokens=0, logprobs=3)
-    drafted = _complete(tiny, PROMPTS[0], 30, logprobs=3)
+async def test_logprobs_of_kept_tokens_equal_plain_decoding(split_qwen3: Server) -> None:
+    plain = _complete(split_qwen3, PROMPTS[0], 30, num_draft_tokens=0, logprobs=3)
+    drafted = _complete(split_qwen3, PROMPTS[0], 30, logprobs=3)
     assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
     a, b = plain["choices"][0]["logprobs"], drafted["choices"][0]["logprobs"]
     assert a["tokens"] == b["tokens"]
@@ -103,13 +90,13 @@ async def test_logprobs_of_kept_tokens_equal_plain_decoding(tiny: Server) -> Non
 
 
 @pytest.mark.anyio
-async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(tiny: Server) -> None:
+async def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(split_qwen3: Server) -> None:
     # The verifier samples every position with the request's own key, split once per kept token: the draws
     # are those of plain decoding, so the target distribution holds exactly (and seeded output is unchanged).
     for seed in (1, 2, 3):
         extra = {"temperature": 0.8, "seed": seed, "top_p": 0.95}
-        plain = _complete(tiny, PROMPTS[1], 40, num_draft_tokens=0, **extra)
-        drafted = _complete(tiny, PROMPTS[1], 40, **extra)
+        plain = _complete(split_qwen3, PROMPTS[1], 40, num_draft_tokens=0, **extra)
+        drafted = _complete(split_qwen3, PROMPTS[1], 40, **extra)
         assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
