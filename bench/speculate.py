@@ -1,8 +1,11 @@
 """Speculative decoding (prompt lookup, ``prediction``) on and off: decode speed and acceptance, in one run.
 
 Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 3] [--max-tokens 128] [--sizes 1 8] [--tasks ...]
+     .venv/bin/python bench/speculate.py --generated [--hidden 2048 --layers 8 --heads 32 ...] [--tp 1 2]
 
-(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it.)
+(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it. ``--generated`` serves a random-weight qwen3 of the
+given shape instead (bench/generated.py), whose heads split over 2: its text is noise, so its acceptance only says
+how often it repeats itself, but its step times are a larger model's, where the batch's cost rule matters most.)
 
 One ``neuron serve`` per TP size (speculation on, the default); every request
 is sent twice, with ``num_draft_tokens: 0`` (no drafts) and without, so both
@@ -15,23 +18,29 @@ run on the same server. Tasks, greedy chat:
 
 Batch 1: one request at a time; batch 8: eight at once. Tokens per second are
 completion tokens over the wall time of the batch (prefill included, the same
-on and off); acceptance is accepted / proposed draft tokens.
+on and off); acceptance is accepted / proposed draft tokens. After each TP size, the step-time model the
+server fitted (``fixed_ms + row_ms x rows``, the batch's cost rule weighs drafts with it) from its step log.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+
+if TYPE_CHECKING:
+    from conftest import Server
 
 SNIPPET = """def total_price(items, tax_rate):
     total = 0
@@ -99,25 +108,43 @@ def batch(url: str, model: str, task: str, drafts: bool, size: int, max_tokens: 
     return tokens / seconds, kept / proposed if proposed else 0.0, replies[0]["choices"][0]["message"]["content"]
 
 
+def fitted_cost(server: Server) -> str:
+    """The last step-time model the server logged (its ``step`` trace), or why there is none."""
+    steps = [e for e in server.logs() if e.get("event") == "step" and "row_ms" in e]
+    if not steps:
+        return "no step trace in the log (run with --log-level trace)"
+    return f"{steps[-1]['fixed_ms']:.1f} ms + {steps[-1]['row_ms']:.2f} ms x rows"
+
+
 def main() -> None:
+    from conftest import Server
+    from generated import add_shape_flags, generated_model
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--generated", action="store_true", help="a generated qwen3 of the shape below instead")
+    add_shape_flags(parser)
+    parser.add_argument("--tp", type=int, nargs="+", help="TP sizes (default: 1 3, or 1 2 with --generated)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8], help="batch sizes")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     args = parser.parse_args()
-
-    from conftest import Server
+    scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-speculate-"))
+    if args.generated:
+        args.model = str(generated_model(args, scratch / "qwen3"))
+    tps = args.tp or ([1, 2] if args.generated else [1, 3])
 
     from neuron.models import model_id
 
     model = model_id(args.model)
     print("| TP | batch | task | tok/s off | tok/s on | speedup | acceptance | same text |")
     print("|---|---|---|---|---|---|---|---|")
-    for tp in args.tp:
+    costs = []
+    for tp in tps:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-speculate-{os.getpid()}.log"
-        server = Server(*(["--model", args.model] if args.model else []), "--tp", str(tp), log_path=log)
+        server = Server(
+            *(["--model", args.model] if args.model else []), "--tp", str(tp), "--log-level", "trace", log_path=log
+        )
         try:
             server.start()
             one(server.url, model, "chat", True, 4)  # warm up
@@ -129,9 +156,12 @@ def main() -> None:
                     row = f"{off:.1f} | {on:.1f} | {on / off:.2f}x | {acceptance:.0%} | {same}"
                     print(f"| {tp} | {size} | {task} | {row} |")
                     sys.stdout.flush()
+            costs.append(f"TP={tp}: {fitted_cost(server)}")
         finally:
             server.stop()
             log.unlink(missing_ok=True)
+    print("\nstep-time model fitted:", "; ".join(costs))
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
-from neuron.engine.speculate import MAX_K, Proposer
+from neuron.engine.speculate import MAX_K, Proposer, rows_fed
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
@@ -270,7 +270,19 @@ class Engine:
                 await self._clear_cache(prefixes=True)
             return
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
-        trace(log, "step", decode_rows=len(plan.decode), prefill_tokens=plan.prefill_tokens, ms=ms_since(started))
+        cost, fed = self.scheduler.cost, rows_fed(plan.decode)
+        if fed and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
+            cost.observe(fed, (time.perf_counter() - started) * 1000)
+        trace(
+            log,
+            "step",
+            decode_rows=len(plan.decode),
+            rows_fed=fed,
+            prefill_tokens=plan.prefill_tokens,
+            ms=ms_since(started),
+            fixed_ms=round(cost.fixed_ms, 2),
+            row_ms=round(cost.row_ms, 3),
+        )
         for delivery in self.scheduler.apply(plan, sampled):
             if delivery.seq.finished:  # a stop string ended it earlier in the same step's kept draft
                 continue

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Overloaded, Sequence
+from neuron.engine.speculate import StepCost, width
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import PENALTY_WINDOW, Sampled, SamplingParams
 
@@ -69,6 +70,7 @@ class Scheduler:
         self.filling: list[Sequence] = []  # admitted, prompt being fed
         self.running: list[Sequence] = []  # decoding, in batch order
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
+        self.cost = StepCost()  # what a decode step costs, for the drafts' width; the engine refines it
 
     @property
     def batch(self) -> tuple[Sequence, ...]:
@@ -137,7 +139,7 @@ class Scheduler:
             copies = [c.no for c in seq.copies if c in self.filling] if last else []
             prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, copies, scores))
             budget -= take
-        decode = [Decode(seq.no, seq.next_token, seq.group, self._draft(seq), seq.drop) for seq in self.running]
+        decode = self._decode()
         plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore)
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
@@ -187,9 +189,9 @@ class Scheduler:
                     copy.group = self._smallest_group()
                     self.running.append(copy)
                     out.append(self._outcome(copy, sampled[copy.no], first=True))
-        width = {row.group: 0 for row in plan.decode}  # each micro-batch's rows were fed this many tokens
+        widths = {row.group: 0 for row in plan.decode}  # each micro-batch's rows were fed this many tokens
         for row in plan.decode:
-            width[row.group] = max(width[row.group], 1 + len(row.draft))
+            widths[row.group] = max(widths[row.group], 1 + len(row.draft))
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is None:
                 continue
@@ -198,10 +200,22 @@ class Scheduler:
                 out.append(self._outcome(seq, one, first=False))
                 if out[-1].finish is not None:
                     break
-            seq.drop = width[row.group] - len(run)  # fed but not kept: the draft's rejected tail, the padding
-            if seq.proposer is not None:
+            seq.drop = widths[row.group] - len(run)  # fed but not kept: the draft's rejected tail, the padding
+            if seq.proposer is not None:  # what was verified: a draft the width cut is not a miss
                 seq.proposer.update(len(row.draft), len(run) - 1)
         return out
+
+    def _decode(self) -> list[Decode]:
+        """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""
+        drafts = {seq.no: self._draft(seq) for seq in self.running}
+        share = 1 / self.limits.micro_batches  # each micro-batch's part of the step's fixed time
+        for group in range(self.limits.micro_batches):
+            rows = [seq for seq in self.running if seq.group == group]
+            estimates = [(len(drafts[seq.no]), seq.proposer.acceptance if seq.proposer else 0.0) for seq in rows]
+            cut = width(estimates, self.cost, share) - 1
+            for seq in rows:
+                drafts[seq.no] = drafts[seq.no][:cut]
+        return [Decode(seq.no, seq.next_token, seq.group, drafts[seq.no], seq.drop) for seq in self.running]
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""

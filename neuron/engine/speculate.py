@@ -15,11 +15,22 @@ k grows while whole drafts are kept and halves when under half of it is; after
 ``MISSES`` such drafts in a row the sequence stops proposing for ``REST``
 steps, twice as long each time in a row (until a whole draft is kept again),
 so free chat runs as it would without speculation.
+
+The batch's cost rule (``width``): one row's draft pads its whole micro-batch
+to its width, and where the forward is compute-bound (a CPU at batch 8) every
+extra row of width costs nearly as much as a plain step's row. So each
+micro-batch gets one width W, chosen to maximise expected tokens per unit of
+step time, and every draft is cut to W - 1. ``StepCost`` is the step-time model
+it weighs them with, which the engine refines from the steps it times.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from neuron.rpc import Decode
 
 MAX_K = 8  # draft tokens per step at most
 START_K = 4
@@ -28,6 +39,12 @@ MISSES = 3
 REST = 16  # steps without proposing after MISSES misses; doubled each time in a row, up to MAX_REST
 MAX_REST = 128
 WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on long contexts
+# Per-token acceptance estimates (the chance a draft token is kept given those before it were), before evidence:
+# a coin for prompt lookup; high for a prediction the output has matched so far, since the client says the reply
+# will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
+LOOKUP_PRIOR = 0.5
+PREDICTION_PRIOR = 0.9
+SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
 
 
 @dataclass(slots=True)
@@ -40,10 +57,28 @@ class Proposer:
     rest: int = REST  # the next rest's length
     proposed: int = 0  # totals, for usage and metrics
     accepted: int = 0
+    lookup_rate: float = LOOKUP_PRIOR  # acceptance estimates, one per draft source: they differ a lot
+    prediction_rate: float = PREDICTION_PRIOR
+    following: bool = False  # the last draft came from the prediction, the output matching it so far
+    last: list[int] = field(default_factory=list)  # the last draft proposed, before the batch's rule cut it
+    last_at: int = 0  # the output's length when it was proposed
+    withheld: list[int] = field(default_factory=list)  # a draft the rule cut whole, checked against the output
+    withheld_at: int = 0
+    following_withheld: bool = False  # whether it came from the prediction
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that each token of the last draft is kept, given those before it were."""
+        return self.prediction_rate if self.following else self.lookup_rate
 
     def propose(self, context: list[int], output: list[int], room: int) -> list[int]:
         """Up to k tokens to follow ``context`` (prompt and output, up to the token about to be fed), at most
         ``room``; ``output`` is the completion so far, that token included."""
+        self._check_withheld(output)
+        self.last, self.last_at = self._propose(context, output, room), len(output)
+        return self.last
+
+    def _propose(self, context: list[int], output: list[int], room: int) -> list[int]:
         k = min(self.k, self.limit, room)
         if k <= 0:
             return []
@@ -51,14 +86,41 @@ class Proposer:
             self.resting -= 1
             return []
         done = len(output)
-        if self.prediction and self.prediction[:done] == output and done < len(self.prediction):
+        self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)
+        if self.following:
             return self.prediction[done : done + k]
         return lookup(self.prediction, k, context) or lookup(context[-WINDOW:-1], k, context)
 
+    def _check_withheld(self, output: list[int]) -> None:
+        """Score a draft the batch's rule did not feed against the token the step sampled in its place.
+
+        Without this, a sequence whose drafts are always cut (batch 8 starts at the lookup prior, which does not
+        pay there) would never learn that its drafts are good. Only the first token counts: a step without drafts
+        samples one token, and the geometric model needs nothing more. Greedy, this is the verifier's own verdict;
+        sampled, the token is a draw from the distribution the verifier would have drawn from.
+        """
+        if self.withheld and len(output) > self.withheld_at:
+            self._observe(output[self.withheld_at] == self.withheld[0], self.following_withheld)
+        self.withheld = []
+
+    def _observe(self, kept: bool, following: bool) -> None:
+        if following:
+            self.prediction_rate += SMOOTHING * (kept - self.prediction_rate)
+        else:
+            self.lookup_rate += SMOOTHING * (kept - self.lookup_rate)
+
     def update(self, proposed: int, accepted: int) -> None:
-        """A draft of ``proposed`` tokens was verified and ``accepted`` of them kept."""
+        """A draft of ``proposed`` tokens (the last draft, as the batch's rule cut it) was verified and ``accepted``
+        of them kept."""
         if not proposed:
+            # Cut whole (or none): not a miss, k and the rest stay; the next token sampled tells whether it was right.
+            self.withheld, self.withheld_at, self.following_withheld = self.last, self.last_at, self.following
             return
+        # Geometric: each kept token is a success, the first rejected one a failure, those after it tell nothing.
+        for _ in range(accepted):
+            self._observe(True, self.following)
+        if accepted < proposed:
+            self._observe(False, self.following)
         self.proposed += proposed
         self.accepted += accepted
         if accepted == proposed:
@@ -90,3 +152,91 @@ def lookup(source: list[int], k: int, context: list[int]) -> list[int]:
         if last >= 0:
             return source[last + n : last + n + k]
     return []
+
+
+def expected_kept(drafted: int, acceptance: float) -> float:
+    """Draft tokens expected to be kept of ``drafted``: token i is kept only if all before it were."""
+    return sum(acceptance**i for i in range(1, drafted + 1))
+
+
+# The step-time prior: SmolLM2-135M on the 2-core development CPU, about 50 ms at batch 1 and 95 at batch 8
+# (one token per row). Its ratio is what matters until the engine has timed steps of different widths.
+PRIOR_FIXED_MS = 43.5
+PRIOR_ROW_MS = 6.5
+COST_WINDOW = 64  # decode steps the fit looks back on: recent enough to follow the batch's size
+MIN_SAMPLES = 3  # steps timed at a row count before its median counts
+MIN_SPAN = 4  # rows between the fewest and the most fed before the slope is fitted rather than assumed
+
+
+@dataclass(slots=True)
+class StepCost:
+    """A decode step's time: ``fixed_ms + row_ms * rows``, rows being the tokens fed across the batch (B x W).
+
+    ``fixed_ms`` is what a step costs however narrow (the weights read once, the ranks' collectives and IPC),
+    ``row_ms`` what each token fed adds. The engine times its decode-only steps (``observe``); the model is
+    refitted from them: by least squares over the median time at each row count seen in the last ``COST_WINDOW``
+    steps, medians because a step that waited on another process would skew a mean. Until the row counts seen
+    span ``MIN_SPAN`` rows (a batch that stays the same size, drafts cut to nothing) a slope fitted would be
+    noise, so the prior's ratio row_ms / fixed_ms stays and only the scale follows the times measured.
+    """
+
+    fixed_ms: float = PRIOR_FIXED_MS
+    row_ms: float = PRIOR_ROW_MS
+    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+
+    def ms(self, rows: int) -> float:
+        return self.fixed_ms + self.row_ms * rows
+
+    def observe(self, rows: int, ms: float) -> None:
+        """A decode step fed ``rows`` tokens and took ``ms``."""
+        if rows <= 0 or ms <= 0:
+            return
+        self.steps.append((rows, ms))
+        by_rows: dict[int, list[float]] = {}
+        for r, t in self.steps:
+            by_rows.setdefault(r, []).append(t)
+        points = [(r, sorted(ts)[len(ts) // 2], len(ts)) for r, ts in by_rows.items() if len(ts) >= MIN_SAMPLES]
+        if not points:
+            return
+        n = sum(w for _, _, w in points)
+        mean_r = sum(r * w for r, _, w in points) / n
+        mean_t = sum(t * w for _, t, w in points) / n
+        spread = max(r for r, _, _ in points) - min(r for r, _, _ in points)
+        if spread >= MIN_SPAN:
+            var = sum(w * (r - mean_r) ** 2 for r, _, w in points)
+            slope = sum(w * (r - mean_r) * (t - mean_t) for r, t, w in points) / var
+            fixed = mean_t - slope * mean_r
+            if slope >= 0 and fixed > 0:  # otherwise noise, or a curve a line does not fit here: keep the ratio
+                self.fixed_ms, self.row_ms = fixed, slope
+                return
+        ratio = PRIOR_ROW_MS / PRIOR_FIXED_MS
+        self.fixed_ms = mean_t / (1 + ratio * mean_r)
+        self.row_ms = ratio * self.fixed_ms
+
+
+def rows_fed(decode: list[Decode]) -> int:
+    """Tokens a step's decode rows are fed: each micro-batch's rows padded to its widest."""
+    widths: dict[int, list[int]] = {}
+    for row in decode:
+        widths.setdefault(row.group, []).append(1 + len(row.draft))
+    return sum(len(w) * max(w) for w in widths.values())
+
+
+def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0) -> int:
+    """The micro-batch's width: how many tokens each row is fed (1: no drafts), its drafts to be cut to width - 1.
+
+    ``rows``: each row's draft length and acceptance estimate. A row yields its token and the draft tokens it
+    keeps; the micro-batch costs ``share`` of the step's fixed time (its part of it: 1 / micro-batches) and its
+    B x W rows. The width with the most expected tokens per millisecond wins; the narrower on a tie, so that
+    drafts nobody expects to keep cost nothing.
+    """
+    rows = list(rows)
+    if not rows:
+        return 1
+    best, best_rate = 1, 0.0
+    for w in range(1, 2 + min(MAX_K, max(d for d, _ in rows))):
+        tokens = len(rows) + sum(expected_kept(min(d, w - 1), p) for d, p in rows)
+        rate = tokens / (share * cost.fixed_ms + cost.row_ms * len(rows) * w)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = w, rate
+    return best
