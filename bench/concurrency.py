@@ -93,7 +93,7 @@ def start_mlx_lm_server(path: Path) -> tuple[subprocess.Popen, str]:
     from neuron import cpu
 
     env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
         env["LD_PRELOAD"] = str(lib)
     port = _free_port()
     mlx = subprocess.Popen(

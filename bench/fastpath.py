@@ -112,7 +112,7 @@ def main() -> None:
 
     model = resolve(args.model)
     weight_bytes = sum(f.stat().st_size for f in model.glob("model*.safetensors"))
-    library = cpu.find_openblas()
+    library = cpu.find_blas()
     stock = {k: v for k, v in os.environ.items() if k != cpu.PRELOAD_ENV}
     fast = {**stock, cpu.PRELOAD_ENV: library or "", "OPENBLAS_NUM_THREADS": "2"}
     run = ("--run", str(model), str(args.prompt), str(args.tokens))

@@ -116,7 +116,7 @@ def main() -> None:
     from neuron import cpu
 
     env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
         env["LD_PRELOAD"] = str(lib)
     command = [sys.executable, __file__, "--child", args.model, str(args.tokens), str(args.rounds)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=True)

@@ -88,7 +88,7 @@ def _child(*args: str, namespace: str | None = None, env: dict[str, str] | None 
     from neuron import cpu
 
     full = {**os.environ, **(env or {})}
-    if cpu.is_linux_cpu_backend() and (library := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):
         full[cpu.PRELOAD_ENV] = library
         full[cpu.REEXEC_GUARD] = "1"
     command = [sys.executable, __file__, *args]

@@ -71,7 +71,7 @@ def _blas_env() -> dict[str, str]:
     from neuron import cpu
 
     env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (lib := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
         env["LD_PRELOAD"] = str(lib)
     return env
 

@@ -89,7 +89,7 @@ def main() -> None:
     from neuron import cpu
 
     env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (library := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):
         env[cpu.PRELOAD_ENV], env[cpu.REEXEC_GUARD] = library, "1"
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)

@@ -42,7 +42,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     from neuron import cpu
 
     env = {**os.environ, **(extra or {})}
-    if cpu.is_linux_cpu_backend() and (library := cpu.find_openblas()):
+    if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):
         env[cpu.PRELOAD_ENV] = library
         env[cpu.REEXEC_GUARD] = "1"
     return env

@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         from neuron import cpu
         from neuron.worker import run_worker
 
-        cpu.reexec_with_openblas()  # on a host of its own a worker picks its BLAS there, as the leader did here
+        try:
+            cpu.reexec_with_blas()  # on a host of its own a worker picks its BLAS there, as the leader did here
+        except cpu.BlasError as e:
+            parser.error(f"rank {args.rank}: {e}")
         return run_worker(args.rank, args.world_size)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -97,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from neuron import cpu
 
-    cpu.reexec_with_openblas()
+    try:
+        cpu.reexec_with_blas()
+    except cpu.BlasError as e:
+        parser.error(str(e))
     return _run(args)
 
 
@@ -162,8 +168,10 @@ def _run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("neuron.cli")
     blas = cpu.blas_in_use()
     log.info("starting", blas=blas, tp=args.tp, pp=args.pp)
-    if cpu.is_linux_cpu_backend() and "OpenBLAS" not in blas:
-        log.warning(cpu.OPENBLAS_HINT)
+    if cpu.is_linux_cpu_backend() and blas.startswith("reference"):
+        log.warning(cpu.BLAS_HINT)
+    elif (problem := cpu.gemv_problem()) and not problem.endswith("=off"):
+        log.warning(f"one-row products go through sgemm, so batch-1 decode is about 1.5x slower: {problem}")
     run = _serve if args.command == "serve" else _generate
     try:
         restart = anyio.run(run, args)

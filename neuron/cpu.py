@@ -1,13 +1,19 @@
-"""The Linux CPU fast path: OpenBLAS for every rank, and one block of cores per rank.
+"""The Linux CPU fast path: a fast BLAS for every rank, and one block of cores per rank.
 
 Nothing here imports MLX, on purpose: what BLAS a process uses and where its
 threads may run must be settled before MLX (and the BLAS it links) is loaded.
 
-Why OpenBLAS: the ``mlx[cpu]`` wheel links the reference BLAS, 1.5-2.6 GFLOP/s
-on fp32 matmuls; ``libmlx.so`` imports ``cblas_sgemm`` unversioned, so
-preloading OpenBLAS replaces it (prefill about 28x faster on a tiny model).
+Why a BLAS at all: the ``mlx[cpu]`` wheel links the reference BLAS, 1.5-2.6
+GFLOP/s on fp32 matmuls; ``libmlx.so`` imports ``cblas_sgemm`` unversioned, so
+preloading any library that exports it replaces it (prefill about 25x faster).
 A library can only be preloaded before a process starts, so the leader
 re-executes itself once, and hands the same preload to its workers.
+
+Which one: OpenBLAS first, then BLIS, chosen by ``bench/blas.py`` end to end
+(time to first token, one stream's decode, eight streams together) through
+``neuron serve``; BENCHMARKS.md has the table and the reasons.
+``NEURON_BLAS`` picks another: ``openblas``, ``blis``, ``reference`` (none),
+or the path of any library exporting ``cblas_sgemm``.
 
 Why pinning: the ring backend's socket threads busy-poll while a transfer is
 pending. Two ranks floating over two shared cores starve each other (a small
@@ -21,13 +27,49 @@ import importlib.metadata
 import os
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from neuron.reexec import reexec
 
 PRELOAD_ENV = "LD_PRELOAD"
-BLAS_ENV = "NEURON_BLAS"  # "reference" turns the fast path off; a path picks that library
+BLAS_ENV = "NEURON_BLAS"  # openblas, blis, reference (none), or a library's path
 REEXEC_GUARD = "NEURON_REEXECED"
+GEMV_ENV = "NEURON_GEMV"  # "off": one-row products stay on the BLAS's own sgemm
+GEMV_PROBLEM_ENV = "NEURON_GEMV_PROBLEM"  # why the re-executed process runs without the interposer
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    name: str
+    files: tuple[str, ...]  # where distributions install its threaded build, {arch} for the machine
+    threads_symbol: str  # sets its thread count at run time
+    packages: str  # how to get it
+
+
+LIBRARIES = (  # in order of preference: see the module's docstring
+    Library(
+        "OpenBLAS",
+        (
+            "/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",  # Debian, Ubuntu
+            "/usr/lib64/libopenblasp.so.0",  # Fedora, RHEL: the pthreads build
+            "/usr/lib64/libopenblas.so.0",
+            "/usr/lib/libopenblas.so.0",  # Arch
+        ),
+        "openblas_set_num_threads",
+        "Debian/Ubuntu: apt-get install libopenblas0-pthread; Fedora: dnf install openblas-threads",
+    ),
+    Library(
+        "BLIS",
+        ("/usr/lib/{arch}-linux-gnu/blis-pthread/libblis.so.4", "/usr/lib64/libblis-threads.so.4"),
+        "bli_thread_set_num_threads",
+        "Debian/Ubuntu: apt-get install libblis4-pthread",
+    ),
+)
+
+
+class BlasError(ValueError):
+    """``NEURON_BLAS`` names something that cannot serve MLX's matmuls."""
 
 
 def is_linux_cpu_backend() -> bool:
@@ -41,65 +83,106 @@ def is_linux_cpu_backend() -> bool:
     return False
 
 
-def find_openblas() -> str | None:
-    """A threaded OpenBLAS on this machine, or None."""
+def installed(library: Library) -> str | None:
+    arch = platform.machine()
+    return next((f for f in (f.format(arch=arch) for f in library.files) if Path(f).is_file()), None)
+
+
+def find_blas() -> str | None:
+    """The library to preload: ``NEURON_BLAS``'s choice, else the first of ``LIBRARIES`` installed; None for the
+    reference BLAS. Raises ``BlasError`` when ``NEURON_BLAS`` names one that is missing or is no cblas library."""
     choice = os.environ.get(BLAS_ENV, "")
     if choice == "reference":
         return None
-    if choice:
-        return choice if Path(choice).is_file() else None
-    arch = platform.machine()
-    candidates = [
-        f"/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",  # Debian, Ubuntu
-        "/usr/lib64/libopenblasp.so.0",  # Fedora, RHEL: the pthreads build
-        "/usr/lib64/libopenblas.so.0",
-        "/usr/lib/libopenblas.so.0",  # Arch
-    ]
-    return next((c for c in candidates if Path(c).is_file()), None)
+    if not choice:
+        return next(filter(None, map(installed, LIBRARIES)), None)
+    by_name = {library.name.lower(): library for library in LIBRARIES}
+    if (library := by_name.get(choice.lower())) is not None:
+        if (path := installed(library)) is None:
+            raise BlasError(f"{BLAS_ENV}={choice}: {library.name} is not installed ({library.packages})")
+        return path
+    if not Path(choice).is_file():
+        raise BlasError(
+            f"{BLAS_ENV}={choice}: no such file; give openblas, blis, reference or the path of a cblas library"
+        )
+    try:
+        exports = hasattr(ctypes.CDLL(choice), "cblas_sgemm")
+    except OSError as e:
+        raise BlasError(f"{BLAS_ENV}={choice}: cannot be loaded: {e}") from None
+    if not exports:
+        raise BlasError(f"{BLAS_ENV}={choice}: exports no cblas_sgemm, so MLX would not use it")
+    return choice
 
 
-OPENBLAS_HINT = (
-    "MLX is using its bundled reference BLAS, which is slow on CPU: "
-    "install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread; "
-    "Fedora: dnf install openblas-threads) for about 25x faster prefill"
+BLAS_HINT = (
+    "MLX is using its bundled reference BLAS, which is slow on CPU (prefill about 25x slower): run "
+    "scripts/fast-blas as root, or install OpenBLAS yourself (" + LIBRARIES[0].packages + ")"
 )
 
 
-def preloaded_openblas() -> str | None:
-    return next((p for p in os.environ.get(PRELOAD_ENV, "").split(":") if "openblas" in p), None)
+def preloaded_blas() -> str | None:
+    """The BLAS this process was started with (the first preloaded library that is one)."""
+    for path in filter(None, os.environ.get(PRELOAD_ENV, "").split(":")):
+        if path == os.environ.get(BLAS_ENV) or any(Path(path).name.startswith(_stem(lib)) for lib in LIBRARIES):
+            return path
+    return None
 
 
-def reexec_with_openblas() -> None:
-    """Restart this process with OpenBLAS preloaded, once, if it is present and not yet loaded.
+def _stem(library: Library) -> str:
+    return Path(library.files[0]).name.split(".")[0]
+
+
+def reexec_with_blas() -> None:
+    """Restart this process with the fast BLAS preloaded, once, if there is one and it is not yet loaded; ahead
+    of it, where it exports ``cblas_sgemv``, the interposer that sends one-row products there (``neuron/native``).
 
     Call it before anything heavy is imported: ``execv`` replaces the process.
     """
-    if not is_linux_cpu_backend() or preloaded_openblas() or os.environ.get(REEXEC_GUARD):
+    if not is_linux_cpu_backend() or preloaded_blas() or os.environ.get(REEXEC_GUARD):
         return
-    library = find_openblas()
+    library = find_blas()
     if library is None:
         return
     env = dict(os.environ)
-    env[PRELOAD_ENV] = ":".join(filter(None, [library, env.get(PRELOAD_ENV)]))
+    preload = [library]
+    if os.environ.get(GEMV_ENV) == "off":
+        env[GEMV_PROBLEM_ENV] = f"{GEMV_ENV}=off"
+    elif not hasattr(ctypes.CDLL(library), "cblas_sgemv"):
+        env[GEMV_PROBLEM_ENV] = f"{library} exports no cblas_sgemv"
+    else:
+        from neuron.native import build_gemv
+
+        built = build_gemv()
+        if built.path is None:
+            env[GEMV_PROBLEM_ENV] = built.problem
+        else:
+            preload.insert(0, str(built.path))  # ahead of the BLAS: its sgemm is what the interposer calls on
+    env[PRELOAD_ENV] = ":".join(filter(None, [*preload, env.get(PRELOAD_ENV)]))
     env[REEXEC_GUARD] = "1"
     reexec(env)
 
 
 def blas_in_use() -> str:
-    """Which BLAS this process has loaded, for the startup log; call it after MLX is imported."""
+    """Which BLAS serves MLX in this process, and how one-row products go, for the startup log; call it after
+    MLX is imported."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    library = preloaded_blas()
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown (no /proc)"
-    paths = {line.split()[-1] for line in maps.splitlines() if "blas" in line.lower() and "/" in line}
-    # Only a libopenblas* can serve MLX's unversioned cblas_sgemm: numpy's bundled
-    # libscipy_openblas64_ exports suffixed symbols that MLX never calls.
-    openblas = sorted(p for p in paths if Path(p).name.startswith("libopenblas"))
-    if openblas:
-        return f"OpenBLAS ({openblas[0]})"
-    if sys.platform == "darwin":
-        return "Accelerate"
-    return "reference BLAS bundled with mlx"
+    if library is None or Path(library).resolve().as_posix() not in maps:
+        # numpy's bundled libscipy_openblas64_ may be mapped too: it exports suffixed symbols MLX never calls.
+        return "reference BLAS bundled with mlx"
+    name = next((lib.name for lib in LIBRARIES if Path(library).name.startswith(_stem(lib))), "cblas")
+    rows = "sgemv" if "/native/gemv-" in maps else "sgemm"
+    return f"{name} ({Path(library).resolve()}), one-row products by {rows}"
+
+
+def gemv_problem() -> str | None:
+    """Why one-row products go through sgemm in this process (no compiler, turned off), if they do."""
+    return os.environ.get(GEMV_PROBLEM_ENV)
 
 
 def split_cores(cores: list[int], count: int) -> list[list[int]] | None:
@@ -120,14 +203,17 @@ def pin(cpus: list[int]) -> None:
 
 
 def set_blas_threads(count: int) -> None:
-    """Match OpenBLAS's thread count to this rank's cores (no-op without OpenBLAS)."""
-    library = preloaded_openblas()
+    """Match the preloaded BLAS's thread count to this rank's cores (no-op with the reference BLAS)."""
+    library = preloaded_blas()
     if library is None:
         return
     try:
-        ctypes.CDLL(library).openblas_set_num_threads(count)
-    except (OSError, AttributeError):
-        pass
+        handle = ctypes.CDLL(library)
+    except OSError:
+        return
+    for symbol in (lib.threads_symbol for lib in LIBRARIES):
+        if hasattr(handle, symbol):
+            getattr(handle, symbol)(count)
 
 
 def parse_cpus(text: str) -> list[int]:

@@ -18,8 +18,6 @@ and probes again at once, then every few seconds until a probe passes.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import time
 import uuid
@@ -33,11 +31,12 @@ import anyio
 import structlog
 
 from neuron import metrics
+from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
-from neuron.engine.sequence import RequestError, Sequence, StopText, Unavailable
-from neuron.engine.speculate import MAX_K, Proposer, rows_fed
+from neuron.engine.sequence import Sequence, Unavailable
+from neuron.engine.speculate import rows_fed
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
@@ -75,7 +74,9 @@ class Engine:
         self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         self.output = Output(text, self.prefix is not None)
-        self._numbers = itertools.count(1)
+        self.intake = Intake(
+            self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
+        )
         self._accepting = True
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
@@ -145,8 +146,7 @@ class Engine:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
         With ``n`` > 1, ``seq.copies`` are the other n - 1 choices: the prompt is computed once, and they start
-        from a copy of its cache, each sampled on its own; with a seed, choice i draws with seed + i, so it is
-        the choice a request with that seed alone gets.
+        from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request).
 
         The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
         a finished sequence ignores it, a queued one leaves the queue at once, and a
@@ -160,52 +160,11 @@ class Engine:
             # Otherwise it queues: a failed step is followed at once by a probe, and one
             # step's failure should not turn away whoever arrives in the milliseconds it takes.
             raise Unavailable(f"not ready: {self.health.reason}", retry_after=math.ceil(REPROBE_S))
-        if not prompt:
-            raise RequestError("the prompt is empty: it needs at least one token", "prompt")
-        if not all(0 <= t < self.vocab_size for t in prompt):
-            raise RequestError(f"token ids must lie in [0, {self.vocab_size})", "prompt")
-        if len(prompt) >= self.context_length:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}; shorten the prompt",
-                "prompt",
-                "context_length_exceeded",
-            )
-        params = params or SamplingParams()
-        if problems := params.problems(self.vocab_size):
-            raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
-        most = min(self.limits.max_n, self.limits.max_batch)
-        if not 1 <= n <= most:
-            raise RequestError(f"n must lie in [1, {most}] on this server (--max-n), got {n}", "n")
-        if not params.ignore_eos:
-            ends = (*params.stop_token_ids, *sorted(self.text.eos_token_ids))
-            params = dataclasses.replace(params, stop_token_ids=ends)
-        budget = self.context_length - len(prompt)
-        max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
-        request_id = request_id or uuid.uuid4().hex
-        seqs = []
-        for i in range(n):
-            seed = None if params.seed is None else (params.seed + i) % 2**63
-            own = dataclasses.replace(params, seed=seed) if i else params
-            stop = StopText(params.stop, params.include_stop_str_in_output)
-            seqs.append(Sequence(request_id, next(self._numbers), list(prompt), max_tokens, own, stop))
-            seqs[-1].proposer = self._proposer(params)
-            seqs[-1].submitted = time.perf_counter()
-        seqs[0].copies = seqs[1:]
-        for copy in seqs[1:]:
-            copy.copy_of = seqs[0]
+        seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
         self.scheduler.add(seqs[0])
         self._idle = anyio.Event()
         self._wakeup.set()
         return seqs[0]
-
-    def _proposer(self, params: SamplingParams) -> Proposer | None:
-        """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
-        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""
-        if self.limits.speculate == "off" or params.num_draft_tokens == 0 or params.constraint is not None:
-            return None
-        text = params.prediction
-        prediction = list(self.text.tokenizer.encode(text, add_special_tokens=False)) if text else []
-        return Proposer(prediction, params.num_draft_tokens or MAX_K)
 
     def cancel(self, seq: Sequence) -> None:
         if self.scheduler.cancel(seq):

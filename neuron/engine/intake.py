@@ -1,0 +1,76 @@
+"""A request becomes sequences: every check a request can fail before it queues, and what each choice starts with.
+
+No MLX and no pool here: the engine calls ``sequences`` from ``submit`` and
+queues the first; what it refuses, it refuses before anything runs, naming the
+field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from neuron.engine.scheduler import Limits
+from neuron.engine.sequence import RequestError, Sequence, StopText
+from neuron.engine.speculate import MAX_K, Proposer
+from neuron.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Intake:
+    limits: Limits
+    context_length: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    tokenizer: Any  # the model's tokenizer: encodes a request's ``prediction``
+    numbers: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    def sequences(self, prompt: list[int], params: SamplingParams, request_id: str, n: int) -> list[Sequence]:
+        """The ``n`` choices of one request, the first holding the others as ``copies``; raises ``RequestError``.
+
+        With a seed, choice i draws with seed + i, so it is the choice a request with that seed alone gets.
+        """
+        if not prompt:
+            raise RequestError("the prompt is empty: it needs at least one token", "prompt")
+        if not all(0 <= t < self.vocab_size for t in prompt):
+            raise RequestError(f"token ids must lie in [0, {self.vocab_size})", "prompt")
+        if len(prompt) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}; shorten the prompt",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if problems := params.problems(self.vocab_size):
+            raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
+        most = min(self.limits.max_n, self.limits.max_batch)
+        if not 1 <= n <= most:
+            raise RequestError(f"n must lie in [1, {most}] on this server (--max-n), got {n}", "n")
+        if not params.ignore_eos:
+            ends = (*params.stop_token_ids, *sorted(self.eos_token_ids))
+            params = dataclasses.replace(params, stop_token_ids=ends)
+        budget = self.context_length - len(prompt)
+        max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        seqs = []
+        for i in range(n):
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            own = dataclasses.replace(params, seed=seed) if i else params
+            stop = StopText(params.stop, params.include_stop_str_in_output)
+            seqs.append(Sequence(request_id, next(self.numbers), list(prompt), max_tokens, own, stop))
+            seqs[-1].proposer = self._proposer(params)
+            seqs[-1].submitted = time.perf_counter()
+        seqs[0].copies = seqs[1:]
+        for copy in seqs[1:]:
+            copy.copy_of = seqs[0]
+        return seqs
+
+    def _proposer(self, params: SamplingParams) -> Proposer | None:
+        """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
+        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""
+        if self.limits.speculate == "off" or params.num_draft_tokens == 0 or params.constraint is not None:
+            return None
+        text = params.prediction
+        prediction = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        return Proposer(prediction, params.num_draft_tokens or MAX_K)
