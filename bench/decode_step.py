@@ -16,8 +16,10 @@ taken under the same noise. Per batch size and variant, medians over the steps:
 - eval: raw minus build, the graph run by MLX;
 - BLAS: the step's matrix products alone, on the model's own weights, at the step's row count, summed;
 - other: eval minus BLAS (MLX's other ops, dispatch, BLAS threads waking);
-- floor: the model's weight bytes over one process's read bandwidth (every weight is read once a step),
-  and the share of that bandwidth the neuron step reaches.
+- floor: the model's weight bytes over the read bandwidth (every weight is read once a step), and the
+  share of it the neuron step reaches. The bandwidth is read with numpy by one process per core at once
+  (``fastpath.py``'s all-core row): two threads of a BLAS read from both cores, and one core alone reads
+  about half of what two do on the 2-core box this was written on.
 
 Variants: ``unfused`` (as loaded, no fusion), ``fused`` (what neuron loads: fuse.GROUPS), ``qkv`` and
 ``gate_up`` (one group alone).
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from neuron.tp.rank import Rank
 
 CHILD = "NEURON_DECODE_STEP_CHILD"
+BANDWIDTH = "NEURON_DECODE_STEP_GB_S"  # "one core,all cores", measured by the parent before MLX loads anywhere
 PROMPT = 32
 
 
@@ -149,8 +152,16 @@ def time_blas(model: nn.Module, batch: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def bandwidth() -> tuple[float, float]:
+    """GB/s read by one process, and by one process per core at once (summed)."""
+    from fastpath import _child, _result, read_bandwidth
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    together = [_child("--bandwidth", env=dict(os.environ)) for _ in range(cores)]
+    return read_bandwidth(), sum(_result(p)["gb_s"] for p in together)
+
+
 def child(args: argparse.Namespace) -> None:
-    from fastpath import read_bandwidth
     from mlx.utils import tree_flatten
 
     from neuron import cpu
@@ -159,10 +170,14 @@ def child(args: argparse.Namespace) -> None:
     first = ranks[args.variants[0]].model
     assert first is not None
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(first.parameters()))
-    gb_s = read_bandwidth()
-    floor = weight_bytes / gb_s / 1e6
+    one, together = (float(v) for v in os.environ[BANDWIDTH].split(","))
+    floor = weight_bytes / together / 1e6
     print(f"model {Path(args.model).name}: {weight_bytes / 1e6:.0f} MB of weights; {cpu.blas_in_use()}, ", end="")
-    print(f"{args.threads} threads; read bandwidth {gb_s:.1f} GB/s, floor {floor:.1f} ms/token")
+    print(f"{args.threads} threads")
+    print(
+        f"read bandwidth: one core {one:.1f} GB/s (floor {weight_bytes / one / 1e6:.1f} ms/step), "
+        f"all cores {together:.1f} GB/s (floor {floor:.1f} ms/step: the % column)"
+    )
     print(f"{args.rounds} alternating rounds of {args.steps} steps; medians of the rounds' medians\n")
     keys = ("neuron", "raw", "build", "blas")
     for batch in args.batch:
@@ -219,7 +234,8 @@ def main() -> None:
     args.model = str(resolve(args.model))
     library = None if args.blas == "reference" else args.blas or cpu.find_openblas()
     env = {k: v for k, v in os.environ.items() if k != cpu.PRELOAD_ENV}
-    env.update({CHILD: "1", cpu.REEXEC_GUARD: "1"})
+    one, together = bandwidth()
+    env.update({CHILD: "1", cpu.REEXEC_GUARD: "1", BANDWIDTH: f"{one},{together}"})
     for threads in ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "OMP_NUM_THREADS"):
         env[threads] = str(args.threads)
     if library:

@@ -2,8 +2,8 @@
 
 Why: a CPU decode step multiplies one row (or a few) by every weight matrix, and
 each product is a BLAS call with its own dispatch, thread wake-up and MLX graph
-node. Three products of 576 columns and two of 192 cost more than one of 960,
-though they read the same bytes. mlx-lm's model code stays as it is: ``q_proj``
+node. Three products (576, 192 and 192 columns for SmolLM2) cost more than one
+of 960, though they read the same bytes. mlx-lm's model code stays as it is: ``q_proj``
 becomes a module that computes the fused product ``x @ W_qkv.T`` and splits it,
 and keeps the k and v parts for that same ``x`` (the same array object), which
 the ``k_proj`` and ``v_proj`` replacements hand back. Called with another input
@@ -16,18 +16,23 @@ of its rows of the fused array, so the parameter tree keeps its names, shapes
 and count, and the fused arrays themselves are kept under ``_``-prefixed names,
 which MLX leaves out of ``parameters()``.
 
-Both groups pay, each on its own (SmolLM2-135M fp32, TP=1, OpenBLAS with 2
-threads on a 2-core box; bench/decode_step.py, 5 rounds alternating in one
-process, rank 0's step with sampling, medians; the box was shared, so about
-+-2 ms of noise):
+Both groups pay, each on its own, and neither lost in any run (SmolLM2-135M
+fp32, TP=1, two BLAS threads on a 2-core box; bench/decode_step.py, rounds
+alternating in one process, rank 0's step with sampling, medians; the box was
+shared, +-2 ms of noise). Debian's OpenBLAS 0.3.21, ms per step:
 
-    ms per step    unfused   q/k/v   gate/up   both
-    batch 1          49.5     46.7     44.5    43.5  (0.88)
-    batch 8          85.7     82.1     80.0    82.0  (0.96)
+    run                      unfused   q/k/v   gate/up   both
+    batch 1, 5 rounds          49.5     46.7     44.5    43.5  (0.88)
+    batch 1, 6 rounds          49.0       -        -     46.5  (0.95)
+    batch 8, 5 rounds          85.7     82.1     80.0    82.0  (0.96)
+    batch 8, 6 rounds          80.5       -        -     79.6  (0.99)
 
-At one row the saving is mostly fewer calls: each OpenBLAS call wakes its
-second thread, and a step made 211 weight products; fused, 121. At eight rows the
-products read the same bytes and the gain is smaller.
+At one row the saving is fewer calls, each with a fixed cost (sgemm's set-up
+and packing, waking the BLAS's second thread): a step made 211 weight products;
+fused, 121. At eight rows the products read the same bytes and the gain is
+smaller. With one-row products sent to sgemv instead (a preloaded shim, 29 ms
+a step), fusing both saves about 2% (28.6 against 29.2 ms; 80.2 against 81.0
+at batch 8).
 
 Results: the fused product's columns are bitwise the separate products' with
 the mlx wheel's reference BLAS, and with OpenBLAS at the few rows of a decode
@@ -45,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear
 
-# (the module holding the projections, the projections in the order the model calls them on one input).
+# Projections mlx-lm's models call in this order on one input; the first computes all of them.
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 GROUPS = (QKV, GATE_UP)
