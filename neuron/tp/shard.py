@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
 from neuron.models import ModelError, text_config
+from neuron.tp.fuse import fuse_projections
 
 # Architectures whose inner model embeds, runs its layers with a mask made from the first layer's cache, and
 # applies a final norm, taking ``input_embeddings`` in place of tokens: a pipeline stage is a slice of their
@@ -140,6 +141,7 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
         model.shard(group)
     for _, parameter in tree_flatten(model.parameters()):
         mx.eval(parameter)
+    fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
     return model
 
 
@@ -159,6 +161,7 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
                 del owner[name]
     for _, parameter in tree_flatten(model.parameters()):
         mx.eval(parameter)
+    fuse_projections(model)
     return model
 
 
