@@ -2,7 +2,9 @@
 
 Run: .venv/bin/python bench/blas.py [--model FOLDER_OR_GGUF] [--tp 1] [--rounds 2] [--libraries reference openblas blis]
 
-For each library (``NEURON_BLAS``), a ``neuron serve`` of its own, with
+For each library (``NEURON_BLAS``), a ``neuron serve`` of its own, as neuron
+runs it (one-row products by ``cblas_sgemv``, through ``neuron/native/gemv.c``)
+and with every product on the library's sgemm (``NEURON_GEMV=off``), with
 speculation off so that decode is plain; the servers take turns, round after
 round, so that the machine's noise hits them alike. Each measures, greedy:
 
@@ -10,8 +12,8 @@ round, so that the machine's noise hits them alike. Each measures, greedy:
 - decode: one streamed request of ``--tokens`` tokens, (tokens - 1) / (first to last token), median;
 - 8 streams: eight such requests at once, completion tokens over the wall time of the batch.
 
-The ratios are against OpenBLAS (the default before this bench), measured in
-the same run. The reference BLAS runs one round only: it takes minutes.
+The ratios are against OpenBLAS with sgemm only (the default before this
+bench), measured in the same run. The reference BLAS runs one round only: it takes minutes.
 """
 
 from __future__ import annotations
@@ -74,16 +76,21 @@ def main() -> None:
     by_name = {library.name.lower(): library for library in cpu.LIBRARIES}
     libraries = [n for n in args.libraries if n == "reference" or cpu.installed(by_name[n]) is not None]
     skipped = sorted(set(args.libraries) - set(libraries))
+    configs = {}  # label -> the server's environment
+    for name in libraries:
+        configs[name] = {cpu.BLAS_ENV: name}
+        if name != "reference":
+            configs[f"{name}, sgemm only"] = {cpu.BLAS_ENV: name, cpu.GEMV_ENV: "off"}
     model = model_id(args.model)
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in libraries}
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     paths: dict[str, str] = {}
     for round_no in range(args.rounds):
-        for name in libraries:
+        for name, env in configs.items():
             if name == "reference" and round_no:
                 continue
-            log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-blas-{os.getpid()}-{name}.log"
+            log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-blas-{os.getpid()}-{len(paths)}.log"
             extra = ["--model", args.model] if args.model else []
-            server = Server(*extra, "--tp", str(args.tp), "--speculate", "off", log_path=log, env={cpu.BLAS_ENV: name})
+            server = Server(*extra, "--tp", str(args.tp), "--speculate", "off", log_path=log, env=env)
             try:
                 server.start()
                 paths[name] = server.find_log("starting")["blas"]
@@ -96,13 +103,13 @@ def main() -> None:
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 
-    base = "openblas" if "openblas" in libraries else libraries[0]
+    base = "openblas, sgemm only" if "openblas" in libraries else next(iter(configs))
     print(f"\nmodel {model}, TP={args.tp}, {args.prompt}-token prompt, {args.tokens} tokens out, {args.rounds} rounds")
     if skipped:
         print(f"not installed, skipped: {', '.join(skipped)}")
     print("\n| BLAS | TTFT s | vs | decode tok/s | vs | 8 streams tok/s | vs | library |")
     print("|---|---|---|---|---|---|---|---|")
-    for name in libraries:
+    for name in configs:
         ttft, decode, eight = (median(name, k) for k in ("ttft", "decode", "eight"))
         print(
             f"| {name} | {ttft:.2f} | {median(base, 'ttft') / ttft:.2f}x | {decode:.1f} | "

@@ -1,11 +1,11 @@
 """Where a TP=1 decode step's time goes, with the fused projections (neuron/tp/fuse.py) and without.
 
 Run: .venv/bin/python bench/decode_step.py [--model FOLDER] [--batch 1 8] [--steps 15] [--rounds 3]
-                                           [--blas PATH] [--threads 2] [--variants unfused fused]
+                                           [--blas NAME] [--gemv on|off] [--threads 2] [--variants unfused fused]
 
-The bench re-runs itself in a child with ``--blas`` preloaded (default: the
-OpenBLAS neuron would pick, ``neuron.cpu.find_openblas``), ``--threads`` BLAS
-threads, as neuron's TP=1 leader runs. In that one process every variant's
+The bench re-runs itself in a child with ``--blas`` preloaded as neuron would
+(``neuron.cpu.preload_for``: with ``--gemv on``, the one-row interposer ahead of
+it), ``--threads`` BLAS threads, as neuron's TP=1 leader runs. In that one process every variant's
 model is loaded side by side and the variants are timed in alternating rounds
 (the order flipped every round), so the ratios against the first variant are
 taken under the same noise. Per batch size and variant, medians over the steps:
@@ -218,7 +218,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--blas", help="BLAS library to preload (default: neuron's OpenBLAS; 'reference': none)")
+    parser.add_argument("--blas", help="as NEURON_BLAS: openblas, blis, reference or a path (default: neuron's pick)")
+    parser.add_argument("--gemv", choices=["on", "off"], default="on", help="one-row products by sgemv (neuron's)")
     parser.add_argument("--threads", type=int, default=2, help="BLAS threads (neuron's TP=1 leader: all cores)")
     parser.add_argument(
         "--variants", nargs="+", default=["unfused", "fused"], choices=["unfused", "fused", "qkv", "gate_up"]
@@ -232,14 +233,16 @@ def main() -> None:
     from neuron.models import resolve
 
     args.model = str(resolve(args.model))
-    library = None if args.blas == "reference" else args.blas or cpu.find_openblas()
     env = {k: v for k, v in os.environ.items() if k != cpu.PRELOAD_ENV}
+    os.environ[cpu.BLAS_ENV] = args.blas or os.environ.get(cpu.BLAS_ENV, "")
+    os.environ[cpu.GEMV_ENV] = args.gemv
+    library = cpu.find_blas()
     one, together = bandwidth()
     env.update({CHILD: "1", cpu.REEXEC_GUARD: "1", BANDWIDTH: f"{one},{together}"})
     for threads in ("OPENBLAS_NUM_THREADS", "BLIS_NUM_THREADS", "OMP_NUM_THREADS"):
         env[threads] = str(args.threads)
     if library:
-        env[cpu.PRELOAD_ENV] = library
+        env[cpu.PRELOAD_ENV] = ":".join(cpu.preload_for(library)[0])
     forwarded = sys.argv[1:]
     if "--model" not in forwarded:
         forwarded += ["--model", args.model]

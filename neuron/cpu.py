@@ -5,7 +5,7 @@ threads may run must be settled before MLX (and the BLAS it links) is loaded.
 
 Why a BLAS at all: the ``mlx[cpu]`` wheel links the reference BLAS, 1.5-2.6
 GFLOP/s on fp32 matmuls; ``libmlx.so`` imports ``cblas_sgemm`` unversioned, so
-preloading any library that exports it replaces it (prefill about 25x faster).
+preloading any library that exports it replaces it (a 512-token prompt about 12x faster).
 A library can only be preloaded before a process starts, so the leader
 re-executes itself once, and hands the same preload to its workers.
 
@@ -14,6 +14,12 @@ Which one: OpenBLAS first, then BLIS, chosen by ``bench/blas.py`` end to end
 ``neuron serve``; BENCHMARKS.md has the table and the reasons.
 ``NEURON_BLAS`` picks another: ``openblas``, ``blis``, ``reference`` (none),
 or the path of any library exporting ``cblas_sgemm``.
+
+Why an interposer ahead of the BLAS: MLX sends every product to ``cblas_sgemm``,
+and at one row (decode at batch 1) sgemm packs the weights before it multiplies,
+reading them at a third of the bandwidth; ``neuron/native/gemv.c``, built here
+once where there is a C compiler, sends those to ``cblas_sgemv`` instead
+(SmolLM2's batch-1 decode step 50 -> 27 ms). ``NEURON_GEMV=off`` turns it off.
 
 Why pinning: the ring backend's socket threads busy-poll while a transfer is
 pending. Two ranks floating over two shared cores starve each other (a small
@@ -115,7 +121,7 @@ def find_blas() -> str | None:
 
 
 BLAS_HINT = (
-    "MLX is using its bundled reference BLAS, which is slow on CPU (prefill about 25x slower): run "
+    "MLX is using its bundled reference BLAS, which is slow on CPU (prefill about 12x slower): run "
     "scripts/fast-blas as root, or install OpenBLAS yourself (" + LIBRARIES[0].packages + ")"
 )
 
@@ -132,9 +138,24 @@ def _stem(library: Library) -> str:
     return Path(library.files[0]).name.split(".")[0]
 
 
+def preload_for(library: str) -> tuple[list[str], str | None]:
+    """What to preload for ``library``: the interposer that sends one-row products to ``cblas_sgemv`` ahead of
+    it (``neuron/native``), where it can be had, then the library; and why not, where it cannot."""
+    if os.environ.get(GEMV_ENV) == "off":
+        return [library], f"{GEMV_ENV}=off"
+    if not hasattr(ctypes.CDLL(library), "cblas_sgemv"):
+        return [library], f"{library} exports no cblas_sgemv"
+    from neuron.native import build_gemv
+
+    built = build_gemv()
+    if built.path is None:
+        return [library], built.problem
+    return [str(built.path), library], None  # the interposer first: it calls on the sgemm found after it
+
+
 def reexec_with_blas() -> None:
-    """Restart this process with the fast BLAS preloaded, once, if there is one and it is not yet loaded; ahead
-    of it, where it exports ``cblas_sgemv``, the interposer that sends one-row products there (``neuron/native``).
+    """Restart this process with the fast BLAS preloaded (``preload_for``), once, if there is one and it is not
+    yet loaded.
 
     Call it before anything heavy is imported: ``execv`` replaces the process.
     """
@@ -144,19 +165,9 @@ def reexec_with_blas() -> None:
     if library is None:
         return
     env = dict(os.environ)
-    preload = [library]
-    if os.environ.get(GEMV_ENV) == "off":
-        env[GEMV_PROBLEM_ENV] = f"{GEMV_ENV}=off"
-    elif not hasattr(ctypes.CDLL(library), "cblas_sgemv"):
-        env[GEMV_PROBLEM_ENV] = f"{library} exports no cblas_sgemv"
-    else:
-        from neuron.native import build_gemv
-
-        built = build_gemv()
-        if built.path is None:
-            env[GEMV_PROBLEM_ENV] = built.problem
-        else:
-            preload.insert(0, str(built.path))  # ahead of the BLAS: its sgemm is what the interposer calls on
+    preload, problem = preload_for(library)
+    if problem:
+        env[GEMV_PROBLEM_ENV] = problem
     env[PRELOAD_ENV] = ":".join(filter(None, [*preload, env.get(PRELOAD_ENV)]))
     env[REEXEC_GUARD] = "1"
     reexec(env)

@@ -65,14 +65,16 @@ def test_without_openblas_a_hint_says_how_to_get_it(smollm2: Path) -> None:
 
 
 def test_startup_log_names_the_blas(smollm2: Path) -> None:
-    """The README's commands start with scripts/fast-blas: where it could install OpenBLAS (root and apt-get, as
-    in CI's clean clone), the server must be on it; elsewhere on the best installed library, or print the hint."""
+    """The README's commands start with scripts/fast-blas: where it could install OpenBLAS and a compiler (root and
+    apt-get, as in CI's clean clone), the server must be on both; elsewhere on the best installed library, or print
+    the hint."""
     done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi")
     assert done.returncode == 0, done.stderr
     if not cpu.is_linux_cpu_backend():
         return
-    if os.geteuid() == 0 and shutil.which("apt-get"):
+    if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/fast-blas installed OpenBLAS and gcc
         assert '"blas": "OpenBLAS' in done.stderr, "run scripts/fast-blas (the README's commands do)"
+        assert "one-row products by sgemv" in done.stderr, done.stderr
     elif cpu.find_blas():
         assert re.search(r'"blas": "(OpenBLAS|BLIS) ', done.stderr), done.stderr
     else:

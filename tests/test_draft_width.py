@@ -93,6 +93,24 @@ def test_the_cost_model_ignores_spikes_and_keeps_the_prior_ratio_without_spread(
     assert cost.ms(8) == pytest.approx(190)
 
 
+def test_a_row_count_timed_enough_is_priced_at_its_own_median_not_the_line() -> None:
+    """One row through sgemv (27 ms), two and more through sgemm (45 ms and up): a draft must pay for that jump."""
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(1, 27.0)
+        cost.observe(5, 50.0)
+    row = [(4, 0.45)]  # a draft of 4, kept at 45% a token: 1.79 tokens expected at width 5
+    assert cost.ms(1) == 27.0 and cost.ms(5) == 50.0
+    assert width(row, cost) == 2  # the line through (1, 27) and (5, 50) prices two rows at 32.75 ms
+    for _ in range(3):  # each width the line favours gets tried, and then priced as timed
+        cost.observe(2, 45.0)
+        cost.observe(3, 47.0)
+        cost.observe(4, 48.5)
+    assert width(row, cost) == 1  # timed, two rows cost 45 ms: 1.45 tokens in 45 ms lose to 1 in 27
+    assert width([(4, 0.9)], cost) == 5  # a draft kept at 90% still pays for the jump
+    assert cost.ms(5, share=0.5) == pytest.approx(0.5 * cost.fixed_ms + 5 * cost.row_ms)  # micro-batches: the line
+
+
 def _sequence(prompt: list[int], max_tokens: int = 100) -> Sequence:
     no = next(_numbers)
     seq = Sequence(f"r{no}", no, prompt, max_tokens, SamplingParams(), StopText(()))

@@ -178,14 +178,23 @@ class StepCost:
     steps, medians because a step that waited on another process would skew a mean. Until the row counts seen
     span ``MIN_SPAN`` rows (a batch that stays the same size, drafts cut to nothing) a slope fitted would be
     noise, so the prior's ratio row_ms / fixed_ms stays and only the scale follows the times measured.
+
+    A row count timed ``MIN_SAMPLES`` times is priced at its own median, not the line's: the cost is no line
+    where one row goes to a cheaper kernel (``neuron/native/gemv.c``: one-row products by sgemv, two rows and
+    more by sgemm; SmolLM2 on 2 cores, 27 ms at one row, about 45 at two), and a draft must pay for that step.
     """
 
     fixed_ms: float = PRIOR_FIXED_MS
     row_ms: float = PRIOR_ROW_MS
     steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    measured: dict[int, float] = field(default_factory=dict)  # row count -> median ms, where timed enough
 
-    def ms(self, rows: int) -> float:
-        return self.fixed_ms + self.row_ms * rows
+    def ms(self, rows: int, share: float = 1.0) -> float:
+        """A step of ``rows`` tokens; with ``share`` < 1, a pipeline micro-batch's part (``share`` of the fixed
+        time: the medians, timed over whole steps, do not apply)."""
+        if share == 1.0 and rows in self.measured:
+            return self.measured[rows]
+        return share * self.fixed_ms + self.row_ms * rows
 
     def observe(self, rows: int, ms: float) -> None:
         """A decode step fed ``rows`` tokens and took ``ms``."""
@@ -196,6 +205,7 @@ class StepCost:
         for r, t in self.steps:
             by_rows.setdefault(r, []).append(t)
         points = [(r, sorted(ts)[len(ts) // 2], len(ts)) for r, ts in by_rows.items() if len(ts) >= MIN_SAMPLES]
+        self.measured = {r: t for r, t, _ in points}
         if not points:
             return
         n = sum(w for _, _, w in points)
@@ -236,7 +246,7 @@ def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0)
     best, best_rate = 1, 0.0
     for w in range(1, 2 + min(MAX_K, max(d for d, _ in rows))):
         tokens = len(rows) + sum(expected_kept(min(d, w - 1), p) for d, p in rows)
-        rate = tokens / (share * cost.fixed_ms + cost.row_ms * len(rows) * w)
+        rate = tokens / cost.ms(len(rows) * w, share)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = w, rate
     return best

@@ -16,7 +16,7 @@ from neuron.rpc import StepPlan
 if TYPE_CHECKING:
     from neuron.tp.batch import Batch
     from neuron.tp.entries import Entries
-    from neuron.tp.rank import SeqState
+    from neuron.tp.prefill import SeqState
 
 
 def disagreement(plan: StepPlan, seqs: dict[int, SeqState], batch: Batch, entries: Entries) -> str | None:

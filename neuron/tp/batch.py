@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from neuron.rpc import Decode
 
 if TYPE_CHECKING:
-    from neuron.tp.rank import SeqState
+    from neuron.tp.prefill import SeqState
 
 
 @dataclass(slots=True)

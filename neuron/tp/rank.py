@@ -23,13 +23,14 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
-from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.rpc import Decode, StepPlan
 from neuron.tp import speculate
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch
 from neuron.tp.entries import Entries
 from neuron.tp.hooks import Hooks
-from neuron.tp.runner import Cache, Sharded, Stage
+from neuron.tp.prefill import SeqState, feed_prompts
+from neuron.tp.runner import Sharded, Stage
 from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
 
 
@@ -57,14 +58,6 @@ def group_joined() -> bool:
 class Loaded:
     parameters: int
     seconds: float
-
-
-@dataclass(slots=True)
-class SeqState:
-    position: int = 0  # tokens in its cache
-    last: int = -1  # the last token it was fed
-    cache: list[KVCache] | None = None  # its own, while the prompt is fed; None once in the batch
-    prompt_done: bool = False
 
 
 class Rank:
@@ -159,7 +152,8 @@ class Rank:
             cache = self.entries.restore(restore.entry, restore.tokens)
             self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
-        out = self._prefill(plan.prefill)
+        assert self.runner is not None
+        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
             out.update(self._decode(plan.decode))
@@ -180,7 +174,7 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
-        self._prefill(plan.prefill, shadow=True)
+        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True)
         passes = []
         for group in sorted({row.group for row in plan.decode}):
             fed = speculate.fed([row for row in plan.decode if row.group == group])
@@ -192,97 +186,6 @@ class Rank:
         for seq in leaving:
             del self.seqs[seq]
         self.batch.leave(set(leaving))
-
-    def _prefill(self, chunks: list[Prefill], shadow: bool = False) -> dict[int, mx.array]:
-        """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
-
-        New prompts (position 0) go through together, left-padded into one batch,
-        then each is extracted into a cache of its own; continuing chunks of long
-        prompts go one by one. The grouping depends on the plan alone, so every
-        rank issues the same collectives. ``shadow`` runs the same shapes on
-        throwaway caches and records nothing.
-        """
-        assert self.model is not None
-        out: dict[int, mx.array] = {}
-        fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores]
-        if fresh:
-            logits, caches = self._forward_new_prompts([chunk.tokens for chunk in fresh])
-            for i, chunk in enumerate(fresh):
-                if not shadow:
-                    own = [layer.extract(i) for layer in caches]
-                    self.seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
-                if chunk.last and logits is not None:
-                    out[chunk.seq] = logits[i]
-        for chunk in chunks:
-            if chunk.position == 0 and not chunk.scores:
-                continue
-            if shadow or chunk.position == 0:
-                state = SeqState(cache=make_prompt_cache(self.model))
-                if not shadow:
-                    self.seqs[chunk.seq] = state
-            else:
-                state = self.seqs[chunk.seq]
-            assert state.cache is not None and self.runner is not None
-            if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
-                logits = self.runner.scores(mx.array(chunk.tokens)[None], state.cache)
-            else:
-                logits = self._forward_prompt(chunk.tokens, chunk.last, state.cache)
-            state.position += len(chunk.tokens)
-            state.last = chunk.tokens[-1]
-            state.prompt_done = chunk.last
-            if logits is not None:
-                out[chunk.seq] = logits
-        for chunk in chunks:
-            if chunk.copies and not shadow:
-                self._copy(chunk.seq, chunk.copies)
-                if chunk.seq in out:
-                    out.update(dict.fromkeys(chunk.copies, out[chunk.seq]))
-        return out
-
-    def _copy(self, seq: int, copies: list[int]) -> None:
-        """Each copy starts with ``seq``'s cache, its own arrays: a copy's writes must not reach the others."""
-        state = self.seqs[seq]
-        assert state.cache is not None
-        for no in copies:
-            cache = []
-            for layer in state.cache:
-                twin = KVCache()
-                if layer.keys is not None:
-                    twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
-                twin.offset = layer.offset
-                cache.append(twin)
-            self.seqs[no] = SeqState(state.position, state.last, cache, True)
-
-    def _forward_new_prompts(self, prompts: list[list[int]]) -> tuple[mx.array | None, list[BatchKVCache]]:
-        """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
-        assert self.model is not None
-        bodies = [tokens[:-1] for tokens in prompts]
-        width = max(len(body) for body in bodies)
-        caches = [BatchKVCache([width - len(body) for body in bodies]) for _ in self.model.layers]
-        if width:
-            self._feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), caches)
-        final = mx.array([tokens[-1:] for tokens in prompts])
-        return self._forward_batch(final, caches), caches
-
-    def _forward_prompt(self, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
-        """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
-        to the vocabulary is computed for one position only."""
-        body = tokens[:-1] if last else tokens
-        if body:
-            self._feed(mx.array(body)[None], cache)
-        if not last:
-            return None
-        logits = self._forward_batch(mx.array(tokens[-1:])[None], cache)
-        return None if logits is None else logits[0]
-
-    def _feed(self, tokens: mx.array, cache: Cache) -> None:
-        assert self.runner is not None
-        self.runner.feed(tokens, cache)
-
-    def _forward_batch(self, tokens: mx.array, cache: Cache) -> mx.array | None:
-        """One forward of ``tokens`` (rows of equal length); rank 0 gets each row's next-token logits, workers None."""
-        assert self.runner is not None
-        return self.runner.logits([(tokens, cache)])[0]
 
     def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
         """Every row's token (and draft), a pass per micro-batch; rank 0 gets each row's logits, one row of them

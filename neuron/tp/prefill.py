@@ -1,0 +1,119 @@
+"""Feeding prompts on one rank: new ones together, long ones chunk by chunk, scored ones with every position's
+logits, and ``n`` choices copied from one prompt's cache.
+
+Every call here issues the same collectives on every rank for the same plan (the
+grouping depends on the plan alone), and rank 0 gets the logits of each prompt
+that ends in this step. Split from ``rank.py``, which owns the state these
+functions fill: ``seqs``, one ``SeqState`` per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from neuron.rpc import Prefill
+from neuron.tp.runner import Sharded, Stage
+
+
+@dataclass(slots=True)
+class SeqState:
+    position: int = 0  # tokens in its cache
+    last: int = -1  # the last token it was fed
+    cache: list[KVCache] | None = None  # its own, while the prompt is fed; None once in the batch
+    prompt_done: bool = False
+
+
+def feed_prompts(
+    runner: Sharded | Stage,
+    model: nn.Module,
+    seqs: dict[int, SeqState],
+    chunks: list[Prefill],
+    shadow: bool = False,
+) -> dict[int, mx.array]:
+    """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
+
+    New prompts (position 0) go through together, left-padded into one batch,
+    then each is extracted into a cache of its own; continuing chunks of long
+    prompts go one by one. The grouping depends on the plan alone, so every
+    rank issues the same collectives. ``shadow`` runs the same shapes on
+    throwaway caches and records nothing.
+    """
+    out: dict[int, mx.array] = {}
+    fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores]
+    if fresh:
+        logits, caches = _forward_new_prompts(runner, len(model.layers), [chunk.tokens for chunk in fresh])
+        for i, chunk in enumerate(fresh):
+            if not shadow:
+                own = [layer.extract(i) for layer in caches]
+                seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
+            if chunk.last and logits is not None:
+                out[chunk.seq] = logits[i]
+    for chunk in chunks:
+        if chunk.position == 0 and not chunk.scores:
+            continue
+        if shadow or chunk.position == 0:
+            state = SeqState(cache=make_prompt_cache(model))
+            if not shadow:
+                seqs[chunk.seq] = state
+        else:
+            state = seqs[chunk.seq]
+        assert state.cache is not None
+        if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
+            logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
+        else:
+            logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache)
+        state.position += len(chunk.tokens)
+        state.last = chunk.tokens[-1]
+        state.prompt_done = chunk.last
+        if logits is not None:
+            out[chunk.seq] = logits
+    for chunk in chunks:
+        if chunk.copies and not shadow:
+            _copy(seqs, chunk.seq, chunk.copies)
+            if chunk.seq in out:
+                out.update(dict.fromkeys(chunk.copies, out[chunk.seq]))
+    return out
+
+
+def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
+    """Each copy starts with ``seq``'s cache, its own arrays: a copy's writes must not reach the others."""
+    state = seqs[seq]
+    assert state.cache is not None
+    for no in copies:
+        cache = []
+        for layer in state.cache:
+            twin = KVCache()
+            if layer.keys is not None:
+                twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
+            twin.offset = layer.offset
+            cache.append(twin)
+        seqs[no] = SeqState(state.position, state.last, cache, True)
+
+
+def _forward_new_prompts(
+    runner: Sharded | Stage, layers: int, prompts: list[list[int]]
+) -> tuple[mx.array | None, list[BatchKVCache]]:
+    """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
+    bodies = [tokens[:-1] for tokens in prompts]
+    width = max(len(body) for body in bodies)
+    caches = [BatchKVCache([width - len(body) for body in bodies]) for _ in range(layers)]
+    if width:
+        runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), caches)
+    final = mx.array([tokens[-1:] for tokens in prompts])
+    return runner.logits([(final, caches)])[0], caches
+
+
+def _forward_prompt(runner: Sharded | Stage, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
+    """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
+    to the vocabulary is computed for one position only."""
+    body = tokens[:-1] if last else tokens
+    if body:
+        runner.feed(mx.array(body)[None], cache)
+    if not last:
+        return None
+    logits = runner.logits([(mx.array(tokens[-1:])[None], cache)])[0]
+    return None if logits is None else logits[0]
