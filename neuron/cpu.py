@@ -11,7 +11,8 @@ re-executes itself once, and hands the same preload to its workers.
 
 Which one: OpenBLAS first, then BLIS, chosen by ``bench/blas.py`` end to end
 (time to first token, one stream's decode, eight streams together) through
-``neuron serve``; BENCHMARKS.md has the table and the reasons.
+``neuron serve``: with one-row products on its sgemv, OpenBLAS won or tied every
+column (BLIS: prefill 2.3x slower, eight streams 1.6x); BENCHMARKS.md, "Which BLAS".
 ``NEURON_BLAS`` picks another: ``openblas``, ``blis``, ``reference`` (none),
 or the path of any library exporting ``cblas_sgemm``.
 
