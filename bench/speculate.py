@@ -1,11 +1,14 @@
 """Speculative decoding (prompt lookup, ``prediction``) on and off: decode speed and acceptance, in one run.
 
 Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 3] [--max-tokens 128] [--sizes 1 8] [--tasks ...]
+     .venv/bin/python bench/speculate.py --widened [--tp 1 2]
      .venv/bin/python bench/speculate.py --generated [--hidden 2048 --layers 8 --heads 32 ...] [--tp 1 2]
 
-(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it. ``--generated`` serves a random-weight qwen3 of the
-given shape instead (bench/generated.py), whose heads split over 2: its text is noise, so its acceptance only says
-how often it repeats itself, but its step times are a larger model's, where the batch's cost rule matters most.)
+(SmolLM2-135M has 9 attention heads: TP=3, not 2, splits it. ``--widened`` serves SmolLM2 widened to 12 and 6 heads,
+the same function (bench/widened.py), which splits over 2: its text and acceptance are SmolLM2's. ``--generated``
+serves a random-weight qwen3 of the given shape instead (bench/generated.py): its text is noise, so its acceptance
+only says how often it repeats itself, but its step times are a larger model's, where the batch's cost rule matters
+most.)
 
 One ``neuron serve`` per TP size (speculation on, the default); every request
 is sent twice, with ``num_draft_tokens: 0`` (no drafts) and without, so both
@@ -17,8 +20,9 @@ run on the same server. Tasks, greedy chat:
 - chat: free chat, nothing to look up (adaptive k must keep it from slowing down).
 
 Batch 1: one request at a time; batch 8: eight at once. Tokens per second are
-completion tokens over the wall time of the batch (prefill included, the same
-on and off); acceptance is accepted / proposed draft tokens. After each TP size, the step-time model the
+completion tokens over the wall time of the batch; each prompt is sent once
+before (one token), so that on and off both find it in the prefix cache and
+the ratio is decode's. Acceptance is accepted / proposed draft tokens. After each TP size, the step-time model the
 server fitted (``fixed_ms + row_ms x rows``, the batch's cost rule weighs drafts with it) from its step log.
 """
 
@@ -122,9 +126,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")
+    parser.add_argument("--widened", action="store_true", help="SmolLM2 widened to split over 2 ranks instead")
     parser.add_argument("--generated", action="store_true", help="a generated qwen3 of the shape below instead")
     add_shape_flags(parser)
-    parser.add_argument("--tp", type=int, nargs="+", help="TP sizes (default: 1 3, or 1 2 with --generated)")
+    parser.add_argument("--tp", type=int, nargs="+", help="TP sizes (default: 1 3; 1 2 with --widened, --generated)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8], help="batch sizes")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -132,7 +137,13 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-speculate-"))
     if args.generated:
         args.model = str(generated_model(args, scratch / "qwen3"))
-    tps = args.tp or ([1, 2] if args.generated else [1, 3])
+    if args.widened:
+        from widened import widened_smollm2
+
+        from neuron.models import resolve
+
+        args.model = str(widened_smollm2(resolve(args.model), scratch / "smollm2-widened"))
+    tps = args.tp or ([1, 2] if args.generated or args.widened else [1, 3])
 
     from neuron.models import model_id
 
@@ -150,6 +161,9 @@ def main() -> None:
             one(server.url, model, "chat", True, 4)  # warm up
             for size in args.sizes:
                 for task in args.tasks:
+                    # The prompt into the prefix cache first: else the first run of each prompt (drafts off) pays
+                    # its prefill and the second does not, and the speedup reads higher than decode's.
+                    one(server.url, model, task, False, 1)
                     off, _, text_off = batch(server.url, model, task, False, size, args.max_tokens)
                     on, acceptance, text_on = batch(server.url, model, task, True, size, args.max_tokens)
                     same = "yes" if text_on == text_off else "NO"

@@ -33,6 +33,7 @@ MLX_FREE = [
     "neuron.server.app",
     "neuron.server.openai",
     "neuron.server.schema",
+    "neuron.server.completions_schema",
     "neuron.server.tools",
     "neuron.grammar",
     "neuron.models",

@@ -140,6 +140,11 @@ def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_afte
     assert proposer.propose([1, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9], room=1) == [10]  # max_tokens leaves room for 1
     assert lookup([1, 2, 3, 4, 1, 2, 3], 3, [9, 1, 2, 3]) == [4, 1, 2]  # the 3-gram's last earlier occurrence
     assert lookup([1, 2, 3], 3, [7, 8]) == []
+    # Off the prediction, the output's own rewrite (1 2 3 -> 5) beats the prediction's original (1 2 3 -> 4).
+    rewriting = Proposer(prediction=[7, 1, 2, 3, 4], limit=8)
+    output = [1, 2, 3, 5, 6, 1, 2, 3]
+    assert rewriting.propose([0, 1, 2, 3, 4, *output], output, room=10) == [5, 6, 1, 2]
+    assert rewriting.propose([0, 1, 2, 3, 4, 8, 1, 2, 3], [8, 1, 2, 3], room=10) == [4]  # only the prediction has it
     chat = Proposer()
     chat.update(4, 4)
     assert chat.k == 8  # a whole draft kept: k grows

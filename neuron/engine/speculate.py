@@ -7,7 +7,7 @@ forward, and rank 0 keeps those its sampler agrees with (``tp.speculate``).
 Where the drafts come from, best first: the tokenized ``prediction`` (OpenAI's
 predicted outputs) while the output so far matches it; otherwise the tokens
 that followed the last occurrence of the output's last n-gram in the
-prediction, the prompt or the output itself (prompt lookup). Code edits,
+output itself, the prediction or the prompt, in that order (prompt lookup). Code edits,
 quoting and extraction repeat their input, and there most drafts are kept.
 
 Adaptive k: a draft costs forward work whether kept or not. Each sequence's
@@ -89,7 +89,13 @@ class Proposer:
         self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)
         if self.following:
             return self.prediction[done : done + k]
-        return lookup(self.prediction, k, context) or lookup(context[-WINDOW:-1], k, context)
+        # The output first: where the model rewrites its input (renames a variable), the output shows the rewrite
+        # and the prediction and the prompt the original. Then the prediction, then the prompt.
+        return (
+            lookup(output[-WINDOW:-1], k, context)
+            or lookup(self.prediction, k, context)
+            or lookup(context[-WINDOW:-1], k, context)
+        )
 
     def _check_withheld(self, output: list[int]) -> None:
         """Score a draft the batch's rule did not feed against the token the step sampled in its place.

@@ -15,9 +15,8 @@ import anyio
 import orjson
 
 from neuron.engine.sequence import Chunk, Event, Failure, Finish, Sequence
-from neuron.sampling_params import MAX_STOP_TOKEN_IDS, RANGES
 from neuron.server import tools
-from neuron.server.openai import INT64, ApiError, Generation, failure_error
+from neuron.server.openai import ApiError, Generation, failure_error
 from neuron.server.tools import ToolStream
 
 
@@ -233,86 +232,3 @@ async def stream(
     if gen.include_usage:
         yield sse(replies.chunk([], _usage(seqs)))
     yield b"data: [DONE]\n\n"
-
-
-# The OpenAPI pieces of this route family, beside the code they describe.
-
-
-def _or_null(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def extension_properties(vocab_size: int | None) -> dict[str, Any]:
-    """vLLM's extensions (openai.EXTENSIONS), as vLLM defines them."""
-    return {
-        "ignore_eos": _or_null({"type": "boolean", "description": "extension: generate past end-of-sequence"}),
-        "min_tokens": {
-            **_or_null({"type": "integer", **RANGES["min_tokens"].json_schema(), "maximum": INT64[1]}),
-            "description": "extension: end-of-sequence and stop_token_ids are held back until this many tokens; "
-            "at most max_tokens (code min_tokens_above_max_tokens)",
-        },
-        "stop_token_ids": _or_null(
-            {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 0, "maximum": (vocab_size or 2**63) - 1},
-                "maxItems": MAX_STOP_TOKEN_IDS,
-                "description": "extension: tokens that end the text (finish_reason stop), never part of it",
-            }
-        ),
-        "include_stop_str_in_output": _or_null({"type": "boolean", "description": "extension: keep the stop string"}),
-        "skip_special_tokens": _or_null(
-            {"type": "boolean", "description": "extension: leave special tokens out of the text (default true)"}
-        ),
-        "num_draft_tokens": {
-            **_or_null({"type": "integer", **RANGES["num_draft_tokens"].json_schema()}),
-            "description": "extension (mlx-lm's name): at most this many speculative draft tokens per step; 0: none",
-        },
-        "prediction": _or_null(
-            {
-                "type": "object",
-                "required": ["type", "content"],
-                "properties": {
-                    "type": {"enum": ["content"]},
-                    "content": {
-                        "anyOf": [
-                            {"type": "string"},
-                            {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "required": ["type", "text"],
-                                    "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
-                                },
-                            },
-                        ]
-                    },
-                },
-                "description": "OpenAI's predicted output: its tokens are speculation's drafts; the text is unchanged",
-            }
-        ),
-    }
-
-
-# n > 1 copies one sequence's state, and a constraint follows one sequence's tokens: not both.
-ONE_CONSTRAINED: dict[str, Any] = {
-    "not": {
-        "required": ["n"],
-        "properties": {"n": {"type": "integer", "minimum": 2}},
-        "anyOf": [
-            {
-                "required": ["response_format"],
-                "properties": {
-                    "response_format": {
-                        "type": "object",
-                        "required": ["type"],
-                        "properties": {"type": {"enum": ["json_object", "json_schema"]}},
-                    }
-                },
-            },
-            {
-                "required": ["tool_choice"],
-                "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
-            },
-        ],
-    }
-}

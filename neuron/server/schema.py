@@ -14,236 +14,14 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.sampling_params import LOGIT_BIAS, MAX_STOPS, RANGES
-from neuron.server import completions, responses, tools
-from neuron.server.openai import (
-    CHAT_MAX_TOKENS,
-    COMPLETION_UNSUPPORTED,
-    IGNORED,
-    INT64,
-    MAX_COMPLETION_LOGPROBS,
-    ROLES,
-    UNSUPPORTED,
-)
+from neuron.server import responses, tools
+from neuron.server.completions_schema import Schema, integer, or_null, request
 
-Schema = dict[str, Any]
 REF = "#/components/schemas/"
 
 
 def _ref(name: str) -> Schema:
     return {"$ref": REF + name}
-
-
-def _or_null(schema: Schema) -> Schema:
-    """Every optional field also takes null, meaning "the default", as OpenAI's do."""
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _integer(low: int = INT64[0], high: int = INT64[1]) -> Schema:
-    return {"type": "integer", "minimum": low, "maximum": high}
-
-
-def below(limit: int) -> str:
-    """A regex for the decimal numbers in [0, limit), leading zeros allowed: logit_bias's keys."""
-    top = str(limit - 1)
-    shorter = f"[0-9]{{1,{len(top) - 1}}}" if len(top) > 1 else None
-    same_length = []
-    for i, digit in enumerate(top):
-        if digit != "0":
-            rest = len(top) - i - 1
-            lower = "0" if digit == "1" else f"[0-{int(digit) - 1}]"
-            same_length.append(top[:i] + lower + (f"[0-9]{{{rest}}}" if rest else ""))
-    same_length.append(top)
-    return "^0*(" + "|".join(filter(None, [shorter, *same_length])) + ")$"
-
-
-def _ranged(name: str, kind: str) -> Schema:
-    """A sampling field of ``kind`` within its ``RANGES`` bounds (integers capped at int64), or null."""
-    schema = {"type": kind, **RANGES[name].json_schema()}
-    if kind == "integer" and "maximum" not in schema and "exclusiveMaximum" not in schema:
-        schema["maximum"] = INT64[1]
-    return _or_null(schema)
-
-
-def _sampling_properties(vocab_size: int | None, max_n: int | None) -> Schema:
-    bias_keys: Schema = {"pattern": below(vocab_size)} if vocab_size else {"pattern": "^[0-9]+$"}
-    return {
-        "temperature": _ranged("temperature", "number"),
-        "top_p": _ranged("top_p", "number"),
-        "top_k": _ranged("top_k", "integer"),
-        "min_p": _ranged("min_p", "number"),
-        "seed": _ranged("seed", "integer"),
-        "presence_penalty": _ranged("presence_penalty", "number"),
-        "frequency_penalty": _ranged("frequency_penalty", "number"),
-        "repetition_penalty": _ranged("repetition_penalty", "number"),
-        "logit_bias": _or_null(
-            {
-                "type": "object",
-                "propertyNames": bias_keys,
-                "additionalProperties": {"type": "number", **LOGIT_BIAS.json_schema()},
-                "description": "token id (a decimal string) -> bias added to its logit",
-            }
-        ),
-        "stop": _or_null(
-            {
-                "anyOf": [
-                    {"type": "string"},
-                    {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS},
-                ]
-            }
-        ),
-        "n": _or_null(
-            {
-                **_integer(1, max_n or INT64[1]),
-                "description": "choices per prompt, sampled independently from one computation of the prompt; "
-                "with a seed, choice i draws with seed + i",
-            }
-        ),
-        **completions.extension_properties(vocab_size),
-        "stream": _or_null({"type": "boolean"}),
-        "stream_options": _or_null({"type": "object", "properties": {"include_usage": _or_null({"type": "boolean"})}}),
-    }
-
-
-def _passthrough(chat: bool) -> Schema:
-    unsupported = {
-        name: {"enum": [None, *neutral], "description": f"{reason}; only null or a neutral value is accepted"}
-        for name, (reason, neutral) in (UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items()
-    }
-    ignored = {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
-    return {**unsupported, **ignored}
-
-
-def _requires(field: str, kind: str, needs: str) -> Schema:
-    """``field``, when given (not null), needs ``needs`` set to true."""
-    return {
-        "if": {"properties": {field: {"type": kind}}, "required": [field]},
-        "then": {"properties": {needs: {"const": True}}, "required": [needs]},
-    }
-
-
-JSON_STRING = _or_null({"type": "string", "description": "JSON"})
-RESPONSE_FORMAT = _or_null(
-    {
-        "anyOf": [
-            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
-            {
-                "type": "object",
-                "required": ["type", "json_schema"],
-                "properties": {
-                    "type": {"const": "json_schema"},
-                    "json_schema": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "description": _or_null({"type": "string"}),
-                            "schema": _or_null({"type": "object"}),
-                            "strict": _or_null({"type": "boolean"}),
-                        },
-                    },
-                },
-            },
-        ],
-        "description": "json_object or json_schema: enforced while decoding; a schema the grammar engine cannot "
-        "enforce is a 400 naming the keyword (code unsupported_schema)",
-    }
-)
-
-
-def _request(
-    model_id: str, vocab_size: int | None, context: int | None, max_n: int | None, *, chat: bool, auto_tools: bool
-) -> Schema:
-    max_tokens = _or_null(
-        {
-            **_integer(int((CHAT_MAX_TOKENS if chat else RANGES["max_tokens"]).low)),
-            "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
-        }
-    )
-    properties: Schema = {"model": {"type": "string", "enum": [model_id]}, **_sampling_properties(vocab_size, max_n)}
-    tokens: Schema = {"type": "array", "minItems": 1, "items": _integer(0, (vocab_size or 2**63) - 1)}
-    if context:
-        tokens["maxItems"] = context - 1
-    prompt_note = f"at most {context - 1} tokens" if context else "shorter than the model's context"
-    if chat:
-        part = {
-            "type": "object",
-            "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-        }
-        message = {
-            "type": "object",
-            "required": ["role"],
-            "properties": {
-                "role": {"enum": list(ROLES)},
-                "content": _or_null({"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}),
-                "tool_calls": _or_null(
-                    {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["function"],
-                            "properties": {
-                                "function": {
-                                    "type": "object",
-                                    "required": ["name"],
-                                    "properties": {"name": {"type": "string"}, "arguments": JSON_STRING},
-                                }
-                            },
-                        },
-                    }
-                ),
-                "tool_call_id": _or_null({"type": "string"}),
-            },
-        }
-        properties |= {
-            "messages": {
-                "type": "array",
-                "minItems": 1,
-                "items": message,
-                "description": f"the chat, through the model's template: {prompt_note}",
-            },
-            "max_tokens": max_tokens,
-            "max_completion_tokens": max_tokens,
-            "logprobs": _or_null({"type": "boolean"}),
-            "top_logprobs": _ranged("logprobs", "integer"),
-            "response_format": RESPONSE_FORMAT,
-            **tools.request_properties(auto_tools),
-        }
-        required = ["model", "messages"]
-        rules = [
-            _requires("stream_options", "object", "stream"),
-            _requires("top_logprobs", "integer", "logprobs"),
-            *tools.request_rules(auto_tools),
-            completions.ONE_CONSTRAINED,
-        ]
-    else:
-        text = {"type": "string", "minLength": 1}
-        properties |= {
-            "prompt": {
-                "anyOf": [
-                    text,
-                    tokens,
-                    {"type": "array", "minItems": 1, "items": {"anyOf": [text, tokens]}},
-                ],
-                "description": f"text or token ids ({prompt_note}), or a list of them: a choice per prompt",
-            },
-            "max_tokens": {**max_tokens, "default": 16},
-            "logprobs": _or_null(_integer(0, MAX_COMPLETION_LOGPROBS)),
-            "echo": _or_null(
-                {"type": "boolean", "description": "the prompt before the completion; with logprobs, scored"}
-            ),
-            "response_format": RESPONSE_FORMAT,
-        }
-        required = ["model", "prompt"]
-        rules = [_requires("stream_options", "object", "stream"), completions.ONE_CONSTRAINED]
-    return {
-        "type": "object",
-        "required": required,
-        "properties": properties | _passthrough(chat),
-        "additionalProperties": False,
-        "allOf": rules,
-    }
 
 
 def _responses(*errors: int, ok: Schema | None = None, stream: bool = False) -> Schema:
@@ -287,10 +65,10 @@ def _components(model_id: str) -> Schema:
         "properties": {
             "token": {"type": "string"},
             "logprob": {"type": "number"},
-            "bytes": {"type": "array", "items": _integer(0, 255)},
+            "bytes": {"type": "array", "items": integer(0, 255)},
         },
     }
-    chat_logprobs = _or_null(
+    chat_logprobs = or_null(
         {
             "type": "object",
             "required": ["content"],
@@ -307,7 +85,7 @@ def _components(model_id: str) -> Schema:
             },
         }
     )
-    completion_logprobs = _or_null(
+    completion_logprobs = or_null(
         {
             "type": "object",
             "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
@@ -446,7 +224,7 @@ def document(
         return {"get": {"summary": summary, "responses": responses, **extra}}
 
     def generate(summary: str, chat: bool) -> Schema:
-        body = _request(model_id, vocab_size, context, max_n, chat=chat, auto_tools=auto_tools)
+        body = request(model_id, vocab_size, context, max_n, chat=chat, auto_tools=auto_tools)
         return {
             "post": {
                 "summary": summary,
