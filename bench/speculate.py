@@ -1,6 +1,7 @@
 """Speculative decoding (prompt lookup, ``prediction``) on and off: decode speed and acceptance, in one run.
 
 Run: .venv/bin/python bench/speculate.py [--model FOLDER] [--tp 1 3] [--max-tokens 128] [--sizes 1 8] [--tasks ...]
+     [--rounds 3]
      .venv/bin/python bench/speculate.py --widened [--tp 1 2]
      .venv/bin/python bench/speculate.py --generated [--hidden 2048 --layers 8 --heads 32 ...] [--tp 1 2]
 
@@ -17,13 +18,17 @@ run on the same server. Tasks, greedy chat:
 - edit: rewrite a given code snippet with one name changed (prompt lookup finds the snippet);
 - edit + prediction: the same, the original snippet sent as OpenAI's ``prediction``;
 - quote: summarise a passage quoting its sentences (prompt lookup);
-- chat: free chat, nothing to look up (adaptive k must keep it from slowing down).
+- chat: free chat, nothing to look up (adaptive k must keep it from slowing down);
+- mixed: the four above side by side (at batch 8, two of each): rows that accept different counts, as a server's
+  batch does (the identical rows of the other tasks accept alike, and rarely pay for realigning their caches).
 
 Batch 1: one request at a time; batch 8: eight at once. Tokens per second are
 completion tokens over the wall time of the batch; each prompt is sent once
 before (one token), so that on and off both find it in the prefix cache and
-the ratio is decode's. Acceptance is accepted / proposed draft tokens. After each TP size, the step-time model the
-server fitted (``fixed_ms + row_ms x rows``, the batch's cost rule weighs drafts with it) from its step log.
+the ratio is decode's. Each row is ``--rounds`` off/on pairs, alternating (runs of one row differ by up to 40% on a
+shared machine): the medians of off, of on and of the pairs' ratios, and the ratios' spread. Acceptance is accepted
+/ proposed draft tokens (the last round's). After each TP size, the step-time model the server fitted
+(``fixed_ms + row_ms x rows``, the batch's cost rule weighs drafts with it) from its step log.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 from typing import TYPE_CHECKING
 
 import httpx
@@ -80,6 +86,7 @@ TASKS = {
     "quote": ("Summarise this passage, quoting each sentence exactly:\n\n" + PASSAGE, None),
     "chat": ("Tell me a short story about a lighthouse keeper and a storm.", None),
 }
+MIXED = "mixed"
 
 
 def one(url: str, model: str, task: str, drafts: bool, max_tokens: int) -> dict:
@@ -99,17 +106,23 @@ def one(url: str, model: str, task: str, drafts: bool, max_tokens: int) -> dict:
     return response.json()
 
 
-def batch(url: str, model: str, task: str, drafts: bool, size: int, max_tokens: int) -> tuple[float, float, str]:
-    """Tokens per second, acceptance, and the first reply's text."""
+def batch(url: str, model: str, task: str, drafts: bool, size: int, max_tokens: int) -> tuple[float, float, list[str]]:
+    """Tokens per second, acceptance, and the replies' texts. ``mixed``: request i runs task i of the others, in
+    turn, so the rows of a batch accept different counts, as a server's do."""
+    tasks = [list(TASKS)[i % len(TASKS)] if task == MIXED else task for i in range(size)]
     started = time.perf_counter()
     with ThreadPoolExecutor(size) as pool:
-        replies = list(pool.map(lambda _: one(url, model, task, drafts, max_tokens), range(size)))
+        replies = list(pool.map(lambda t: one(url, model, t, drafts, max_tokens), tasks))
     seconds = time.perf_counter() - started
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
     details = [r["usage"].get("completion_tokens_details") or {} for r in replies]
     kept = sum(d.get("accepted_prediction_tokens", 0) for d in details)
     proposed = kept + sum(d.get("rejected_prediction_tokens", 0) for d in details)
-    return tokens / seconds, kept / proposed if proposed else 0.0, replies[0]["choices"][0]["message"]["content"]
+    return (
+        tokens / seconds,
+        kept / proposed if proposed else 0.0,
+        [r["choices"][0]["message"]["content"] for r in replies],
+    )
 
 
 def fitted_cost(server: Server) -> str:
@@ -132,7 +145,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", help="TP sizes (default: 1 3; 1 2 with --widened, --generated)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8], help="batch sizes")
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=[*TASKS, MIXED], choices=[*TASKS, MIXED])
+    parser.add_argument("--rounds", type=int, default=3, help="off/on pairs per row (medians reported)")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-speculate-"))
     if args.generated:
@@ -148,8 +162,8 @@ def main() -> None:
     from neuron.models import model_id
 
     model = model_id(args.model)
-    print("| TP | batch | task | tok/s off | tok/s on | speedup | acceptance | same text |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| TP | batch | task | tok/s off | tok/s on | speedup | spread | acceptance | same text |")
+    print("|---|---|---|---|---|---|---|---|---|")
     costs = []
     for tp in tps:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-speculate-{os.getpid()}.log"
@@ -163,12 +177,21 @@ def main() -> None:
                 for task in args.tasks:
                     # The prompt into the prefix cache first: else the first run of each prompt (drafts off) pays
                     # its prefill and the second does not, and the speedup reads higher than decode's.
-                    one(server.url, model, task, False, 1)
-                    off, _, text_off = batch(server.url, model, task, False, size, args.max_tokens)
-                    on, acceptance, text_on = batch(server.url, model, task, True, size, args.max_tokens)
-                    same = "yes" if text_on == text_off else "NO"
-                    row = f"{off:.1f} | {on:.1f} | {on / off:.2f}x | {acceptance:.0%} | {same}"
-                    print(f"| {tp} | {size} | {task} | {row} |")
+                    for name in TASKS if task == MIXED else [task]:
+                        one(server.url, model, name, False, 1)
+                    # Off and on alternate, so that a slow spell of this shared machine lands on both.
+                    offs, ons, ratios, same = [], [], [], True
+                    for _ in range(args.rounds):
+                        off, _, text_off = batch(server.url, model, task, False, size, args.max_tokens)
+                        on, acceptance, text_on = batch(server.url, model, task, True, size, args.max_tokens)
+                        offs.append(off)
+                        ons.append(on)
+                        ratios.append(on / off)
+                        same = same and text_on == text_off
+                    spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if args.rounds > 1 else "-"
+                    speeds = f"{median(offs):.1f} | {median(ons):.1f} | {median(ratios):.2f}x"
+                    row = f"{speeds} | {spread} | {acceptance:.0%}"
+                    print(f"| {tp} | {size} | {task} | {row} | {'yes' if same else 'NO'} |")
                     sys.stdout.flush()
             costs.append(f"TP={tp}: {fitted_cost(server)}")
         finally:

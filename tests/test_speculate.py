@@ -151,3 +151,40 @@ def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_afte
     for _ in range(3):
         chat.update(chat.k, 0)
     assert chat.resting > 0 and chat.propose([1, 2, 1, 2, 1], [1], room=9) == []  # resting: no draft, no cost
+
+
+def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
+    """``drop_tail``'s row gather leaves every row's visible keys, values, offsets and padding as mlx-lm's own
+    ``finalize`` (right padding rolled to the front) does, and the next write lands the same."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from neuron.tp.speculate import drop_tail
+
+    def caches() -> list[BatchKVCache]:
+        mx.random.seed(0)
+        out = []
+        for _ in range(2):  # layers
+            cache = BatchKVCache([2, 0, 1])
+            cache.update_and_fetch(mx.random.normal((3, 2, 300, 8)), mx.random.normal((3, 2, 300, 16)))
+            cache.update_and_fetch(mx.random.normal((3, 2, 5, 8)), mx.random.normal((3, 2, 5, 16)))
+            out.append(cache)
+        return out
+
+    drops = [4, 1, 2]
+    expected, ours = caches(), caches()
+    for cache in expected:
+        cache.trim(min(drops))
+        cache.prepare(right_padding=[d - min(drops) for d in drops])
+        cache.finalize()
+    drop_tail(ours, drops)
+    new = (mx.random.normal((3, 2, 2, 8)), mx.random.normal((3, 2, 2, 16)))
+    for a, b in zip(expected, ours, strict=True):
+        assert a.offset.tolist() == b.offset.tolist() and a.left_padding.tolist() == b.left_padding.tolist()
+        visible = a.left_padding.tolist()
+        for x, y in (
+            *zip(a.keys_and_values(), b.keys_and_values(), strict=True),
+            *zip(a.update_and_fetch(*new), b.update_and_fetch(*new), strict=True),
+        ):
+            for row, start in enumerate(visible):
+                assert mx.array_equal(x[row, :, start:], y[row, :, start:]).item()

@@ -28,17 +28,45 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     """Drop ``drops[i]`` tokens from the end of row i in every layer: the rows drop different amounts.
 
     The amount all rows drop is trimmed; each row's remainder is rolled to the
-    front as left padding (mlx-lm's own right-padding mechanism), where the mask
-    hides it, so every row's tokens end at the same index again.
+    front as left padding, where the mask hides it, so every row's tokens end
+    at the same index again (what mlx-lm's ``finalize`` does with right padding).
+    Rows of a mixed batch accept different counts at nearly every drafting step,
+    so this runs on most of them: one row gather per array (``_rolled``), not
+    mlx-lm's element-wise ``dynamic_roll``, which cost SmolLM2 at batch 8 about
+    100 ms a step on 2 CPU cores (a plain step is 95), against 18.
     """
     common = min(drops)
     rest = [d - common for d in drops]
     for layer in cache:
         if common:
             layer.trim(common)
-        if any(rest):
-            layer._right_padding = mx.array(rest)
-            layer.finalize()
+    if not any(rest) or not cache or cache[0].keys is None:
+        return
+    shift = mx.array(rest)
+    # The live length: where the next token is written (mlx-lm keeps it private; trim moved it).
+    live = cache[0]._idx
+    sources: dict[tuple[int, ...], mx.array] = {}
+    for layer in cache:
+        layer.keys = _rolled(layer.keys, shift, live, sources)
+        layer.values = _rolled(layer.values, shift, live, sources)
+        layer.offset = layer.offset - shift
+        layer.left_padding = layer.left_padding + shift
+
+
+def _rolled(x: mx.array, shift: mx.array, live: int, sources: dict[tuple[int, ...], mx.array]) -> mx.array:
+    """``x`` (batch, heads, capacity, dim) with row b's first ``live`` positions rolled right by ``shift[b]``.
+
+    Each position is a contiguous ``dim`` vector, so this is one gather of whole vectors; the index, shared by
+    every layer of the same shape, maps each destination to its source and leaves the spare capacity in place.
+    """
+    batch, heads, capacity, dim = x.shape
+    key = (batch, heads, capacity)
+    if key not in sources:
+        position = mx.arange(capacity)[None, None, :]
+        source = mx.where(position < live, (position - shift[:, None, None]) % live, position)
+        rows = mx.arange(batch * heads).reshape(batch, heads, 1) * capacity
+        sources[key] = (source + rows).reshape(-1)
+    return mx.take(x.reshape(-1, dim), sources[key], axis=0).reshape(batch, heads, capacity, dim)
 
 
 def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
