@@ -19,8 +19,9 @@ run on the same server. Tasks, greedy chat:
 - edit + prediction: the same, the original snippet sent as OpenAI's ``prediction``;
 - quote: summarise a passage quoting its sentences (prompt lookup);
 - chat: free chat, nothing to look up (adaptive k must keep it from slowing down);
-- mixed: the four above side by side (at batch 8, two of each): rows that accept different counts, as a server's
-  batch does (the identical rows of the other tasks accept alike, and rarely pay for realigning their caches).
+- mixed (batch sizes above 1): the four above side by side (at batch 8, two of each): rows that accept different
+  counts, as a server's batch does (the identical rows of the other tasks accept alike, and rarely pay for
+  realigning their caches).
 
 Batch 1: one request at a time; batch 8: eight at once. Tokens per second are
 completion tokens over the wall time of the batch; each prompt is sent once
@@ -175,6 +176,8 @@ def main() -> None:
             one(server.url, model, "chat", True, 4)  # warm up
             for size in args.sizes:
                 for task in args.tasks:
+                    if task == MIXED and size == 1:  # one request at a time: the tasks' own rows
+                        continue
                     # The prompt into the prefix cache first: else the first run of each prompt (drafts off) pays
                     # its prefill and the second does not, and the speedup reads higher than decode's.
                     for name in TASKS if task == MIXED else [task]:
