@@ -90,12 +90,11 @@ class Proposer:
         if self.following:
             return self.prediction[done : done + k]
         # The output first: where the model rewrites its input (renames a variable), the output shows the rewrite
-        # and the prediction and the prompt the original. Then the prediction, then the prompt.
-        return (
-            lookup(output[-WINDOW:-1], k, context)
-            or lookup(self.prediction, k, context)
-            or lookup(context[-WINDOW:-1], k, context)
-        )
+        # and the prediction and the prompt the original. Then the prediction, then the prompt. Without a
+        # prediction one scan of the context does both: its last occurrence is the output's, where there is one.
+        if self.prediction and (found := lookup(output[-WINDOW:-1], k, context) or lookup(self.prediction, k, context)):
+            return found
+        return lookup(context[-WINDOW:-1], k, context)
 
     def _check_withheld(self, output: list[int]) -> None:
         """Score a draft the batch's rule did not feed against the token the step sampled in its place.
