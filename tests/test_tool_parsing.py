@@ -160,8 +160,10 @@ def test_neurons_form_reads_calls_that_open_the_reply_and_releases_text_at_once(
     assert _neurons([" Sunny", ' [{"name": "get_time"}]']) == (' Sunny [{"name": "get_time"}]', "", [], "stop")
     assert _neurons(["  "]) == ("", "  ", [], "stop")
     # JSON that is not a call to one of the tools is an answer.
-    for answer in ("[1, 2]", '{"city": "Paris"}', '[{"name": "launch_rockets", "parameters": {}}]', "[]", "[1,"):
+    rockets = '[{"name": "launch_rockets", "parameters": {}}]'
+    for answer in ("[1, 2]", '{"city": "Paris"}', rockets, "[]", "[1,"):
         assert _neurons(_split(answer)) == ("", answer, [], "stop")
+    assert _neurons(["[" * 100_000]) == ("", "[" * 100_000, [], "stop")  # deeper than Python's parser goes
 
 
 def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(
@@ -192,7 +194,8 @@ def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(
 
 
 def test_each_tools_defs_resolve_within_it_for_required_and_named(tiny_models: dict[str, Path]) -> None:
-    """Two pydantic tools, each with an ``Address`` of its own in ``$defs``: each call is held to its own."""
+    """Two pydantic tools, each with an ``Address`` of its own in ``$defs``: each call is held to its own. And a
+    ``$ref`` to ``#`` means the tool's own root, not the array of calls around it."""
     from neuron.engine.text import Text
     from neuron.grammar import Grammars
 
@@ -208,8 +211,12 @@ def test_each_tools_defs_resolve_within_it_for_required_and_named(tiny_models: d
     trip = '{"destination": {"city": "Oslo", "country": "NO"}, "stops": [], "nights": 2}'
     parcel = '{"to": {"zip": "75001"}}'
     both = {"tools": [PLAN_TRIP, SHIP_PARCEL]}
-    required = tools.parse({**both, "tool_choice": "required"})
+    next_link = {"anyOf": [{"$ref": "#"}, {"type": "null"}]}
+    chain = {"type": "object", "properties": {"next": next_link}, "required": ["next"]}
+    linked = {"type": "function", "function": {"name": "chain", "parameters": chain}}
+    required = tools.parse({"tools": [PLAN_TRIP, SHIP_PARCEL, linked], "tool_choice": "required"})
     assert required is not None
+    assert fits(required, '[{"name": "chain", "parameters": {"next": {"next": null}}}]')
     assert fits(required, f'[{{"name": "plan_trip", "parameters": {trip}}}]')
     assert fits(required, f'[{{"name": "ship_parcel", "parameters": {parcel}}}]')
     assert not fits(required, '[{"name": "ship_parcel", "parameters": {"to": {"city": "Oslo"}}}]')

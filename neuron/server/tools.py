@@ -71,8 +71,9 @@ class Tools:
 
 def _resource(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters as a schema resource of their own, placed in the wrapper around the tools: their
-    ``$ref``s (``#/$defs/...``, as pydantic writes them) then resolve within them, not against the wrapper."""
-    return parameters if "$id" in parameters else {"$id": f"urn:neuron:tool:{name}", **parameters}
+    ``$ref``s (``#/$defs/...``, as pydantic writes them; ``#`` for their root) then resolve within them, not
+    against the wrapper. The ``$id`` is neuron's even where the tool gave one, which two tools could share."""
+    return {**parameters, "$id": f"urn:neuron:tool:{name}"}
 
 
 def parse(body: dict[str, Any]) -> Tools | None:
@@ -237,7 +238,7 @@ class ToolStream:
                 content, calls = self._forced(held)
             else:
                 content, calls = self._marked(held) if self.markup else self._opening(held)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:  # JSON nested past Python's
             self.error = str(e)
             return self._pending + held, [], reason
         # OpenAI's own reasons: a call the model chose (auto, required) ends with "tool_calls", a function the
