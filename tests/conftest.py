@@ -21,6 +21,7 @@ from typing import Self
 
 import httpx
 import pytest
+from pydantic import BaseModel, Field
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -38,6 +39,33 @@ TOOLS_TEMPLATE = (
     '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}'
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+
+
+class Trip(BaseModel):
+    destination: Address
+    stops: list[Address] = Field(max_length=2)
+    nights: int = Field(ge=1, le=30)
+
+
+class Parcel(BaseModel):
+    class Address(BaseModel):  # a `$defs` name the other tool uses too, for another shape
+        zip: str = Field(pattern="^[0-9]{5}$")
+
+    to: Address
+
+
+def pydantic_tool(name: str, model: type[BaseModel]) -> dict:
+    """A function tool as agent SDKs declare one: parameters from a pydantic model, nested models in `$defs`."""
+    return {"type": "function", "function": {"name": name, "parameters": model.model_json_schema()}}
+
+
+PLAN_TRIP = pydantic_tool("plan_trip", Trip)
+SHIP_PARCEL = pydantic_tool("ship_parcel", Parcel)
 
 
 def with_template(model: Path, folder: Path, template: str) -> Path:

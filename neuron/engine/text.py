@@ -43,16 +43,13 @@ class Text:
         return list(self.tokenizer.encode(prompt))
 
     @property
-    def renders_tools(self) -> bool:
-        """Whether the chat template shows the model a request's tools (it reads the ``tools`` variable)."""
-        template = self.tokenizer.chat_template
-        return isinstance(template, str) and "tools" in template
-
-    @property
     def tool_markup(self) -> tuple[str, str, Callable[[str, Any], Any]] | None:
-        """How this model family writes a tool call (start marker, end marker, mlx-lm's parser), if mlx-lm knows."""
+        """How this model family writes a tool call (start marker, end marker, mlx-lm's parser), where its chat
+        template shows it a request's tools (reads the ``tools`` variable) and mlx-lm knows the family's format;
+        None where neuron shows the model its tools instead."""
         t = self.tokenizer
-        if not t.has_tool_calling:
+        template = t.chat_template
+        if not (isinstance(template, str) and "tools" in template and t.has_tool_calling):
             return None
         return t.tool_call_start, t.tool_call_end or "", t.tool_parser
 

@@ -212,7 +212,6 @@ async def openapi(request: Request) -> Response:
             vocab_size=engine.vocab_size if engine else None,
             context=engine.context_length if engine else None,
             keyed=state.api_key is not None,
-            auto_tools=engine.text.renders_tools and engine.text.tool_markup is not None if engine else True,
             max_n=min(engine.limits.max_n, engine.limits.max_batch) if engine else None,
         )
     )
@@ -289,10 +288,8 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     seqs: list[Sequence] = []
     try:
         if chat:
-            if gen.tools is not None:
-                tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
-            messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
-            prompts = [text.encode_chat(messages, gen.tools.specs if gen.tools and text.renders_tools else None)]
+            messages = tools.template_messages(gen.messages, gen.tools, text.tool_markup)
+            prompts = [text.encode_chat(messages, gen.tools.specs if gen.tools and text.tool_markup else None)]
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):

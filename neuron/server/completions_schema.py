@@ -137,9 +137,7 @@ RESPONSE_FORMAT = or_null(
 )
 
 
-def request(
-    model_id: str, vocab_size: int | None, context: int | None, max_n: int | None, *, chat: bool, auto_tools: bool
-) -> Schema:
+def request(model_id: str, vocab_size: int | None, context: int | None, max_n: int | None, *, chat: bool) -> Schema:
     max_tokens = or_null(
         {
             **integer(int((CHAT_MAX_TOKENS if chat else RANGES["max_tokens"]).low)),
@@ -194,13 +192,13 @@ def request(
             "logprobs": or_null({"type": "boolean"}),
             "top_logprobs": _ranged("logprobs", "integer"),
             "response_format": RESPONSE_FORMAT,
-            **tools.request_properties(auto_tools),
+            **tools.request_properties(),
         }
         required = ["model", "messages"]
         rules = [
             _requires("stream_options", "object", "stream"),
             _requires("top_logprobs", "integer", "logprobs"),
-            *tools.request_rules(auto_tools),
+            *tools.request_rules(),
             ONE_CONSTRAINED,
         ]
     else:

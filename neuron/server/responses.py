@@ -321,7 +321,7 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
 # The OpenAPI pieces of this route, beside the checks they describe.
 
 
-def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
+def request_schema(model_id: str) -> dict[str, Any]:
     def optional(schema: dict[str, Any]) -> dict[str, Any]:
         return {"anyOf": [schema, {"type": "null"}]}
 
@@ -373,8 +373,7 @@ def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
     }
     plain = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}}
     structured = {"properties": {"format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
-    rules = request_rules(auto_tools, "text", {"type": "object", "required": ["format"], **structured})
-    choices = ["none", "auto", "required"] if auto_tools else ["none", "required"]
+    rules = request_rules("text", {"type": "object", "required": ["format"], **structured})
     properties = {
         "model": {"type": "string", "enum": [model_id]},
         "input": {
@@ -400,7 +399,7 @@ def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
         "top_p": ranged("top_p"),
         "stream": optional({"type": "boolean"}),
         "tools": optional({"type": "array", "items": function}),
-        "tool_choice": {"anyOf": [{"enum": choices}, named, {"type": "null"}]},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, named, {"type": "null"}]},
         "parallel_tool_calls": optional({"type": "boolean"}),
         "text": optional({"type": "object", "properties": {"format": optional({"anyOf": [plain, json_schema]})}}),
         "previous_response_id": {"type": "null", "description": "unsupported: neuron stores no responses"},

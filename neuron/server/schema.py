@@ -212,11 +212,9 @@ def document(
     vocab_size: int | None,
     context: int | None,
     keyed: bool,
-    auto_tools: bool = True,
     max_n: int | None = None,
 ) -> Schema:
-    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
-    ``auto_tools``: whether the model's template shows it tools and mlx-lm can read its calls."""
+    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded."""
     secured = {"security": [{"bearer": []}]} if keyed else {}
     probe = {"security": []}
 
@@ -224,7 +222,7 @@ def document(
         return {"get": {"summary": summary, "responses": responses, **extra}}
 
     def generate(summary: str, chat: bool) -> Schema:
-        body = request(model_id, vocab_size, context, max_n, chat=chat, auto_tools=auto_tools)
+        body = request(model_id, vocab_size, context, max_n, chat=chat)
         return {
             "post": {
                 "summary": summary,
@@ -267,7 +265,7 @@ def document(
                     "summary": "a response (OpenAI's Responses API), whole or streamed; stateless",
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": responses.request_schema(model_id, auto_tools)}},
+                        "content": {"application/json": {"schema": responses.request_schema(model_id)}},
                     },
                     "responses": _responses(
                         400, 401, 404, 413, 429, 500, 503, ok=responses.response_schema(model_id), stream=True

@@ -1,15 +1,23 @@
 """Tool calling: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked, the tools shown to the model, and
 its calls read back out of its text into OpenAI's ``tool_calls``, whole or streamed. No MLX.
 
-A call comes out of the model one of two ways:
+The tools reach the model one of two ways. A model whose chat template renders ``tools``, in a call format
+mlx-lm can read (``Text.tool_markup``), gets them, and the history's calls and results, through its template.
+Any other model gets them as text (``template_messages``): the functions in a system message, earlier calls as
+the JSON of a call, results as user messages; so every template renders them, whatever roles it knows.
 
-- ``auto``: the model writes calls in its family's markup (``<tool_call>{...}</tool_call>`` for Hermes and
-  Qwen, ``[TOOL_CALLS]`` for Mistral, ...). mlx-lm knows each family's markers and parser; the engine hands
-  them over (``Text.tool_markup``). The text outside the markup is the content; markup never reaches it. A
-  call that does not parse leaves the whole text as a plain-text answer.
+A call comes out of the model one of three ways:
+
+- ``auto`` on a model whose template shows it the tools: the model writes calls in its family's markup
+  (``<tool_call>{...}</tool_call>`` for Hermes and Qwen, ``[TOOL_CALLS]`` for Mistral, ...), read with
+  mlx-lm's parser for the family. The text outside the markup is the content; markup never reaches it.
+- ``auto`` on any other model: a reply that opens with the JSON of calls (``[{"name", "parameters"}, ...]``,
+  what the system message asks for and the history shows) is read as calls, what follows it as content.
 - ``required`` or a named function: the output is constrained to the JSON of the call, as vLLM does it, with
   a schema built here from the tools' parameters (``Tools.schema``): ``[{"name", "parameters"}, ...]``, or the
   named function's arguments alone. So even a model that never learnt tools returns a valid call.
+
+A call that does not parse leaves the whole text as a plain-text answer.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from neuron.server.openai import ApiError, bad
+from neuron.server.openai import bad
 
 log = structlog.get_logger("neuron.server")
 
@@ -52,13 +60,20 @@ class Tools:
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": parameters},
+                "properties": {"name": {"const": name}, "parameters": _resource(name, parameters)},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
             for name, parameters in self.parameters.items()
         ]
         return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+
+
+def _resource(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters as a schema resource of their own, placed in the wrapper around the tools: their
+    ``$ref``s (``#/$defs/...``, as pydantic writes them; ``#`` for their root) then resolve within them, not
+    against the wrapper. The ``$id`` is neuron's even where the tool gave one, which two tools could share."""
+    return {**parameters, "$id": f"urn:neuron:tool:{name}"}
 
 
 def parse(body: dict[str, Any]) -> Tools | None:
@@ -106,32 +121,35 @@ def parse(body: dict[str, Any]) -> Tools | None:
     return Tools(specs, parameters, choice, parallel is not False)
 
 
-def check_model(tools: Tools, renders_tools: bool, markup: ToolMarkup | None) -> None:
-    """``auto`` needs a model that sees the tools and a known way to read its calls; the forced kinds do not."""
-    if tools.auto and not (renders_tools and markup):
-        missing = "does not render `tools`" if not renders_tools else "has a tool-call format mlx-lm does not know"
-        raise ApiError(
-            400,
-            f'this model\'s chat template {missing}, so `tool_choice` "auto" could not find its calls; send '
-            '`tool_choice` "required" or a named function, which neuron enforces on any model',
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
-
-
-def template_messages(messages: list[dict[str, Any]], tools: Tools | None, renders_tools: bool) -> list[dict[str, Any]]:
-    """The messages as the chat template gets them. A template that knows no tools reads them as text: the
-    functions in a system message, earlier calls as the JSON a forced call writes."""
-    if renders_tools:
+def template_messages(
+    messages: list[dict[str, Any]], tools: Tools | None, markup: ToolMarkup | None
+) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them. With the model's own call ``markup`` (its template renders
+    tools), as they came. Otherwise as text any template renders: the functions and how to call them in a
+    system message, earlier calls as the JSON of a call, and their results as user messages (a template that
+    knows only users and assistants would refuse the role ``tool``, or show it to a model that never saw it)."""
+    if markup is not None:
         return messages
-    out = []
+    names = {call.get("id"): call["function"]["name"] for m in messages for call in m.get("tool_calls") or []}
+    out: list[dict[str, Any]] = []
+    results = False  # whether the last message out holds tool results, which the next one joins
     for message in messages:
+        if message["role"] == "tool":
+            name = names.get(message.get("tool_call_id"))
+            said = f"{name} returned: " if name else "A function returned: "
+            if results:
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + said + message["content"]}
+            else:
+                out.append({"role": "user", "content": said + message["content"]})
+            results = True
+            continue
+        results = False
         if calls := message.get("tool_calls"):
             written = json.dumps([{"name": f["name"], "parameters": f["arguments"]} for f in _functions(calls)])
             message = {"role": message["role"], "content": (message["content"] + "\n" + written).lstrip()}
         out.append({k: v for k, v in message.items() if k in ("role", "content")})
     if tools is not None:
-        listing = "You can call these functions; answer with a call as JSON.\n" + json.dumps(tools.specs)
+        listing = f"You can call these functions. {_how(tools)}\n{json.dumps(tools.specs)}"
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
         else:
@@ -141,6 +159,15 @@ def template_messages(messages: list[dict[str, Any]], tools: Tools | None, rende
 
 def _functions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [call["function"] for call in calls]
+
+
+def _how(tools: Tools) -> str:
+    calls = 'a JSON array of calls, [{"name": ..., "parameters": {...}}]'
+    if tools.auto:
+        return f"To call any, answer with only {calls}; otherwise answer in text."
+    if tools.choice == "required":
+        return f"Answer with {calls}."
+    return f"Call {tools.choice}: answer with its arguments as a JSON object."
 
 
 def _call(name: Any, arguments: Any, known: dict[str, Any]) -> dict[str, Any]:
@@ -158,13 +185,17 @@ def _call(name: Any, arguments: Any, known: dict[str, Any]) -> dict[str, Any]:
 
 
 class ToolStream:
-    """Reads a reply's text as it comes: releases the content at once, holds what may be a tool call to the end."""
+    """Reads a reply's text as it comes: releases the content at once, holds what may be a tool call to the end.
+
+    ``markup``: the model's own call format, where its template shows it the tools; None where neuron shows them.
+    """
 
     def __init__(self, tools: Tools, markup: ToolMarkup | None) -> None:
         self.tools = tools
         self.markup = markup
         self._pending = ""  # the end of the text, which may be the start of a marker
         self._held: str | None = None  # from the first marker on (all of it for a forced call); None before
+        self._plain = False  # neuron's form: the reply opened with text, so it holds no call
         self.error: str | None = None  # why the calls did not parse, when they did not
 
     def push(self, text: str) -> str:
@@ -172,7 +203,9 @@ class ToolStream:
         if not self.tools.auto or self._held is not None:
             self._held = (self._held or "") + text
             return ""
-        start = self.markup[0] if self.markup else ""
+        if self.markup is None:
+            return self._open(text)
+        start = self.markup[0]
         pending = self._pending + text
         if start and (at := pending.find(start)) >= 0:
             self._pending, self._held = "", pending[at:]
@@ -181,6 +214,19 @@ class ToolStream:
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep]
 
+    def _open(self, text: str) -> str:
+        """neuron's form: calls open the reply, so its first visible character tells a call from text."""
+        if self._plain:
+            return text
+        pending = self._pending + text
+        head = pending.lstrip()
+        if head[:1] in ("[", "{"):
+            self._pending, self._held = "", pending
+            return ""
+        self._plain = bool(head)
+        self._pending = "" if head else pending
+        return pending if head else ""
+
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
         """The content still to release, the tool calls, and the finish reason."""
         held, self._held = self._held or "", None
@@ -188,8 +234,11 @@ class ToolStream:
             # Cut short by max_tokens (or none): no call to parse; the text is the answer.
             return self._pending + held, [], reason
         try:
-            content, calls = self._forced(held) if not self.tools.auto else self._marked(held)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            if not self.tools.auto:
+                content, calls = self._forced(held)
+            else:
+                content, calls = self._marked(held) if self.markup else self._opening(held)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:  # JSON nested past Python's
             self.error = str(e)
             return self._pending + held, [], reason
         # OpenAI's own reasons: a call the model chose (auto, required) ends with "tool_calls", a function the
@@ -201,6 +250,17 @@ class ToolStream:
         if self.tools.choice != "required":
             return "", [_call(self.tools.choice, value, self.tools.parameters)]
         return "", [_call(c["name"], c["parameters"], self.tools.parameters) for c in value]
+
+    def _opening(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The calls that open a reply in neuron's form, and the text after them; "arguments", which models
+        trained on Hermes' markup write, is read as well as "parameters"."""
+        text = text.lstrip()
+        value, at = json.JSONDecoder().raw_decode(text)
+        written = value if isinstance(value, list) else [value]
+        if not written:
+            raise ValueError("an empty array of calls")
+        calls = [_call(c["name"], c.get("parameters", c.get("arguments", {})), self.tools.parameters) for c in written]
+        return text[at:].strip(), calls
 
     def _marked(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         assert self.markup is not None
@@ -243,8 +303,8 @@ CALL = {
 }
 
 
-def request_properties(auto: bool) -> dict[str, Any]:
-    """``tools``, ``tool_choice`` and ``parallel_tool_calls``; ``auto`` only where the model can take it."""
+def request_properties() -> dict[str, Any]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
     function = {
         "type": "object",
         "required": ["name"],
@@ -264,7 +324,6 @@ def request_properties(auto: bool) -> dict[str, Any]:
         },
         "description": "one of `tools` by name (a name not among them is a 400, code tool_not_found)",
     }
-    choices = ["none", "auto", "required"] if auto else ["none", "required"]
     return {
         "tools": {
             "anyOf": [
@@ -280,26 +339,23 @@ def request_properties(auto: bool) -> dict[str, Any]:
             ]
         },
         "tool_choice": {
-            "anyOf": [{"enum": choices}, named, {"type": "null"}],
-            "description": "default: auto with tools, none without"
-            + ("" if auto else "; this model's template cannot take auto"),
+            "anyOf": [{"enum": ["none", "auto", "required"]}, named, {"type": "null"}],
+            "description": "default: auto with tools, none without",
         },
         "parallel_tool_calls": {"type": ["boolean", "null"]},
     }
 
 
-def request_rules(
-    auto: bool, shaping: str = "response_format", shaped: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """What ties the tool fields together: a forced call needs tools; without auto, tools need a choice; a
-    forced call and a structured output (``shaping`` when it matches ``shaped``) do not go together."""
+def request_rules(shaping: str = "response_format", shaped: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """What ties the tool fields together: a forced call needs tools, and a forced call and a structured output
+    (``shaping`` when it matches ``shaped``) do not go together."""
     forced = {"anyOf": [{"const": "required"}, {"type": "object"}]}
     structured = {
         "type": "object",
         "properties": {"type": {"enum": ["json_object", "json_schema"]}},
         "required": ["type"],
     }
-    rules: list[dict[str, Any]] = [
+    return [
         {
             "if": {"properties": {"tool_choice": forced}, "required": ["tool_choice"]},
             "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
@@ -312,11 +368,3 @@ def request_rules(
             }
         },
     ]
-    if not auto:
-        rules.append(
-            {
-                "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
-                "then": {"properties": {"tool_choice": {"not": {"type": "null"}}}, "required": ["tool_choice"]},
-            }
-        )
-    return rules
