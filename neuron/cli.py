@@ -174,13 +174,13 @@ def _run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("neuron.cli")
     if cpu.is_linux_cpu_backend():
         blas = cpu.blas_in_use()
-        log.info("starting", device=device.this_device(blas), blas=blas, tp=args.tp, pp=args.pp)
+        log.info("starting", device=device.this_device(), blas=blas, tp=args.tp, pp=args.pp)
         if blas.startswith("reference"):
             log.warning(cpu.BLAS_HINT)
         elif (problem := cpu.gemv_problem()) and not problem.endswith("=off"):
             log.warning(f"one-row products go through sgemm, so batch-1 decode is about 1.5x slower: {problem}")
     else:  # a GPU does its own products: no BLAS, no interposer, no pinning
-        log.info("starting", device=device.this_device(""), tp=args.tp, pp=args.pp)
+        log.info("starting", device=device.this_device(), tp=args.tp, pp=args.pp)
         if problem := device.unusable_gpu():
             log.warning(problem)
     run = _serve if args.command == "serve" else _generate

@@ -132,8 +132,9 @@ def _gib(size: int | str | None) -> str:
     return f"{int(size or 0) / (1 << 30):.1f} GiB"
 
 
-def describe_device(kind: Backend, info: Mapping[str, str | int], blas: str) -> str:
-    """The startup log's name for a rank's device: the GPU's model and memory, Metal's, or the CPU and its BLAS."""
+def describe_device(kind: Backend, info: Mapping[str, str | int]) -> str:
+    """The startup log's name for a rank's device: the GPU's model and memory, Metal's, or the CPU (whose BLAS
+    the log's ``blas`` names beside it)."""
     name = info.get("device_name") or info.get("architecture") or "unknown"
     if kind == "cuda":
         total = info.get("total_memory", info.get("memory_size"))
@@ -141,16 +142,15 @@ def describe_device(kind: Backend, info: Mapping[str, str | int], blas: str) -> 
     if kind == "metal":
         budget = info.get("max_recommended_working_set_size")
         return f"Metal GPU {name} ({_gib(info.get('memory_size'))}, {_gib(budget)} for the GPU)"
-    return f"CPU {name}, BLAS {blas}"
+    return f"CPU {name} ({info.get('architecture', 'unknown')})"
 
 
-def this_device(blas: str) -> str:
+def this_device() -> str:
     """``describe_device`` for this process; call it once MLX is loaded."""
     import mlx.core as mx
 
     kind = backend()
-    info = mx.device_info(mx.cpu if kind == "cpu" else mx.gpu)
-    return describe_device(kind, info, blas)
+    return describe_device(kind, mx.device_info(mx.cpu if kind == "cpu" else mx.gpu))
 
 
 def unusable_gpu() -> str | None:

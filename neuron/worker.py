@@ -167,7 +167,7 @@ class Worker:
             "worker started",
             pid=os.getpid(),
             world_size=self.world_size,
-            device=device.this_device(blas.get("blas", "")),
+            device=device.this_device(),
             cpus=pinned,
             **blas,
         )
