@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from closeness import TOP, Scored, assert_all_same, exact
+from closeness import NEAR_TIE, TOP, Scored, assert_all_same, assert_same, exact
 from conftest import Server, serving
 
 from neuron.engine.speculate import Proposer, lookup
@@ -74,9 +74,9 @@ async def test_stop_strings_and_max_tokens_landing_inside_kept_drafts(split_qwen
     prompt = PROMPTS[1]
     whole = _complete(split_qwen3, prompt, 40, num_draft_tokens=0)["choices"][0]["text"]
     for max_tokens in (1, 2, 5, 9, 14):
-        plain = _complete(split_qwen3, prompt, max_tokens, num_draft_tokens=0)
-        drafted = _complete(split_qwen3, prompt, max_tokens, logprobs=2)
-        assert drafted["choices"][0]["text"] == plain["choices"][0]["text"]
+        plain = _complete(split_qwen3, prompt, max_tokens, num_draft_tokens=0, logprobs=TOP)
+        drafted = _complete(split_qwen3, prompt, max_tokens, logprobs=TOP)
+        assert_same(Scored.of(plain["choices"][0]), Scored.of(drafted["choices"][0]), f"max_tokens {max_tokens}")
         assert drafted["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] <= max_tokens
     for start in (3, 8, 15, 22):
         stop = whole[start : start + 3]
@@ -91,9 +91,13 @@ async def test_logprobs_of_kept_tokens_equal_plain_decoding(split_qwen3: Server)
     plain = _complete(split_qwen3, PROMPTS[0], 30, num_draft_tokens=0, logprobs=3)
     drafted = _complete(split_qwen3, PROMPTS[0], 30, logprobs=3)
     assert drafted["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+    assert_same(Scored.of(plain["choices"][0]), Scored.of(drafted["choices"][0]))
     a, b = plain["choices"][0]["logprobs"], drafted["choices"][0]["logprobs"]
-    assert a["tokens"] == b["tokens"]
-    assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], abs=1e-4)
+    pairs = zip(a["tokens"], b["tokens"], strict=False)
+    flipped = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a["tokens"]), len(b["tokens"])))
+    # Up to where a GPU's near tie flipped (nowhere, on the CPU): a verified token's logprob is plain decoding's.
+    tolerance = 1e-4 if exact() else NEAR_TIE
+    assert a["token_logprobs"][:flipped] == pytest.approx(b["token_logprobs"][:flipped], abs=tolerance)
 
 
 @pytest.mark.anyio
