@@ -125,9 +125,12 @@ def gpu_free_memory() -> int | None:
     where nothing needs to be settled before MLX loads, or once MLX is loaded."""
     if backend() == "cpu":
         return None
-    import mlx.core as mx
+    try:
+        import mlx.core as mx
 
-    return free_memory_of(mx.device_info(mx.gpu))
+        return free_memory_of(mx.device_info(mx.gpu))
+    except Exception:  # noqa: BLE001 - a rank given a GPU its host lacks must still answer the handshake, whose
+        return None  # GPU count then refuses the host in neuron's words
 
 
 def _gib(size: int | str | None) -> str:
@@ -152,7 +155,11 @@ def this_device() -> str:
     import mlx.core as mx
 
     kind = backend()
-    return describe_device(kind, mx.device_info(mx.cpu if kind == "cpu" else mx.gpu))
+    try:
+        info = mx.device_info(mx.cpu if kind == "cpu" else mx.gpu)
+    except Exception as e:  # noqa: BLE001 - the log line must not be what stops the start; unusable_gpu says why
+        return f"{kind}, not described by MLX ({e})"
+    return describe_device(kind, info)
 
 
 def unusable_gpu() -> str | None:
