@@ -118,7 +118,7 @@ class Pool:
                 await self.shutdown()
             if isinstance(e, PoolError) and self.launcher.remote:
                 # Before the group forms, a remote rank that fails is a host out of reach: the caller retries.
-                failing = [self.hosts[rank] for rank in e.failures if not self.launcher.hosts[rank].local]
+                failing = list(dict.fromkeys(self.hosts[r] for r in e.failures if not self.launcher.hosts[r].local))
                 if failing:
                     raise Unreachable(f"cannot reach {', '.join(failing)}: {e}", failing) from e
             raise
