@@ -1,8 +1,9 @@
 """The ``neuron`` command: ``serve`` and ``generate`` (and, hidden, ``--worker`` for the leader's subprocesses).
 
-Imports stay light until the command is known: a worker must pin itself to its
-cores before MLX starts any thread, and the leader may re-execute itself with
-OpenBLAS preloaded, which only works before MLX is loaded.
+Imports stay light until the command is known: on the Linux CPU backend a worker
+must pin itself to its cores before MLX starts any thread, and the leader may
+re-execute itself with OpenBLAS preloaded, which only works before MLX is loaded;
+on a GPU backend (``device.py``) none of that runs.
 """
 
 from __future__ import annotations
@@ -98,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
 
-    from neuron import cpu
+    from neuron import cpu, device
 
     try:
         cpu.reexec_with_blas()
     except cpu.BlasError as e:
         parser.error(str(e))
+    try:
+        import mlx.core  # noqa: F401 - loaded here, after the re-exec, to say what to install when it cannot be
+    except ImportError as e:
+        print(f"neuron: error: {device.cannot_load(e)}", file=sys.stderr)
+        return EXIT_FAILURE
     return _run(args)
 
 
@@ -152,7 +158,7 @@ def _layout(args: argparse.Namespace) -> Layout:
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from neuron import cpu
+    from neuron import cpu, device
     from neuron import log as logging_setup
 
     # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
@@ -166,12 +172,17 @@ def _run(args: argparse.Namespace) -> int:
     from neuron.pool import PoolError
 
     log = structlog.get_logger("neuron.cli")
-    blas = cpu.blas_in_use()
-    log.info("starting", blas=blas, tp=args.tp, pp=args.pp)
-    if cpu.is_linux_cpu_backend() and blas.startswith("reference"):
-        log.warning(cpu.BLAS_HINT)
-    elif (problem := cpu.gemv_problem()) and not problem.endswith("=off"):
-        log.warning(f"one-row products go through sgemm, so batch-1 decode is about 1.5x slower: {problem}")
+    if cpu.is_linux_cpu_backend():
+        blas = cpu.blas_in_use()
+        log.info("starting", device=device.this_device(), blas=blas, tp=args.tp, pp=args.pp)
+        if blas.startswith("reference"):
+            log.warning(cpu.BLAS_HINT)
+        elif (problem := cpu.gemv_problem()) and not problem.endswith("=off"):
+            log.warning(f"one-row products go through sgemm, so batch-1 decode is about 1.5x slower: {problem}")
+    else:  # a GPU does its own products: no BLAS, no interposer, no pinning
+        log.info("starting", device=device.this_device(), tp=args.tp, pp=args.pp)
+        if problem := device.unusable_gpu():
+            log.warning(problem)
     run = _serve if args.command == "serve" else _generate
     try:
         restart = anyio.run(run, args)

@@ -30,13 +30,13 @@ all-reduce took 7-8 ms); pinned, each to its own core, 50-180 us.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import os
 import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuron import device
 from neuron.reexec import reexec
 
 PRELOAD_ENV = "LD_PRELOAD"
@@ -80,14 +80,8 @@ class BlasError(ValueError):
 
 
 def is_linux_cpu_backend() -> bool:
-    """Linux with the CPU build of MLX (a CUDA build does its matmuls on the GPU)."""
-    if sys.platform != "linux":
-        return False
-    try:
-        importlib.metadata.distribution("mlx-cuda")
-    except importlib.metadata.PackageNotFoundError:
-        return True
-    return False
+    """Linux with the CPU build of MLX: the one place this fast path serves (a GPU does its products itself)."""
+    return sys.platform == "linux" and device.backend() == "cpu"
 
 
 def installed(library: Library) -> str | None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
 
-from neuron import cpu, models, rpc
+from neuron import cpu, device, models, rpc
 from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
@@ -144,7 +144,7 @@ class Worker:
         raise AssertionError(f"unhandled request {request!r}")
 
     def _init(self, backend: str, env: dict[str, str], files: dict[str, str], settings: rpc.WorkerSettings) -> float:
-        """Take the leader's settings, pin to the planned cores, load MLX, and join the group."""
+        """Take the leader's settings, pin to the planned cores (Linux CPU only), load MLX, and join the group."""
         if self.state is not None:
             raise NotReady(f"rank {self.rank}: already initialized; a new group needs a new process")
         self.listeners.close()  # MLX binds the same ports next
@@ -154,13 +154,22 @@ class Worker:
         if pinned:
             cpu.pin(pinned)  # before MLX starts any thread, so its threads inherit the mask
 
-        from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
+        try:
+            from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
+        except ImportError as e:
+            raise RuntimeError(device.cannot_load(e)) from e
 
         if pinned:
             cpu.set_blas_threads(len(pinned))
         self.in_step = (NotReady, RankError)
+        blas = {"blas": cpu.blas_in_use()} if cpu.is_linux_cpu_backend() else {}
         self.log.info(
-            "worker started", pid=os.getpid(), world_size=self.world_size, cpus=pinned, blas=cpu.blas_in_use()
+            "worker started",
+            pid=os.getpid(),
+            world_size=self.world_size,
+            device=device.this_device(),
+            cpus=pinned,
+            **blas,
         )
         for variable, content in files.items():
             path = Path(self.scratch.name) / variable.lower()

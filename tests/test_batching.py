@@ -1,15 +1,21 @@
-"""Continuous batching: concurrent requests decode together, and each gets exactly what it would get alone."""
+"""Continuous batching: concurrent requests decode together, and each gets exactly what it would get alone.
+
+Greedy runs are compared by ``closeness.assert_same``: exactly on the CPU; on a GPU a difference only at a near
+tie (batch shapes change the kernels' reduction order). Seeded sampling is compared exactly everywhere.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
 import openai
 import pytest
+from closeness import TOP, Scored, assert_all_same, assert_same
 from conftest import Server, serving, wait_until
 
 # Different lengths, some longer than the prefill chunk the servers here use (16),
@@ -42,12 +48,23 @@ async def _complete(server: Server, model: str, prompt: str, max_tokens: int, **
         return reply.choices[0].text
 
 
-async def _alone_then_together(server: Server, model: str, **kwargs: object) -> tuple[list[str], list[str]]:
-    alone = [await _complete(server, model, p, n, **kwargs) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-    together = [""] * len(PROMPTS)
+async def _scored(server: Server, model: str, prompt: str, max_tokens: int) -> Scored:
+    """A greedy completion with its logprobs, for ``closeness``."""
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+        reply = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, logprobs=TOP
+        )
+        return Scored.of(reply.choices[0].model_dump())
+
+
+async def _alone_then_together(
+    server: Server, model: str, complete: Callable[..., Awaitable[Any]] = _complete, **kwargs: object
+) -> tuple[list[Any], list[Any]]:
+    alone = [await complete(server, model, p, n, **kwargs) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+    together: list[Any] = [None] * len(PROMPTS)
 
     async def one(i: int) -> None:
-        together[i] = await _complete(server, model, PROMPTS[i], MAX_TOKENS[i], **kwargs)
+        together[i] = await complete(server, model, PROMPTS[i], MAX_TOKENS[i], **kwargs)
 
     async with anyio.create_task_group() as tg:
         for i in range(len(PROMPTS)):
@@ -69,9 +86,10 @@ def _most_running(server: Server) -> int:
 
 @pytest.mark.anyio
 async def test_eight_concurrent_greedy_requests_equal_each_alone(split_qwen3: Server) -> None:
-    alone, together = await _alone_then_together(split_qwen3, "qwen3", temperature=0.0)
-    assert together == alone
-    assert all(alone) and len(set(alone)) == len(alone)
+    alone, together = await _alone_then_together(split_qwen3, "qwen3", _scored)
+    assert_all_same(alone, together, "prompt")
+    texts = [run.text for run in alone]
+    assert all(texts) and len(set(texts)) == len(texts)
     assert _most_running(split_qwen3) >= 6  # they really shared steps
 
 
@@ -81,33 +99,34 @@ async def test_seeded_sampling_concurrent_equals_alone(split_qwen3: Server) -> N
     assert together == alone
 
 
-def _stream_texts(server: Server, prompt: str, max_tokens: int) -> Iterator[str]:
+def _stream(server: Server, prompt: str, max_tokens: int) -> Iterator[Scored]:
     body = {"model": "qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "logprobs": TOP}, timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                yield httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+                yield Scored.of(httpx.Response(200, content=line[6:]).json()["choices"][0], streamed=True)
 
 
 @pytest.mark.anyio
 async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(split_qwen3: Server) -> None:
     prompts, lengths = PROMPTS[:4], [60, 60, 60, 60]
-    alone = [
-        await _complete(split_qwen3, "qwen3", p, n, temperature=0.0) for p, n in zip(prompts, lengths, strict=True)
-    ]
-    texts = [""] * 4
+    alone = [await _scored(split_qwen3, "qwen3", p, n) for p, n in zip(prompts, lengths, strict=True)]
+    pieces: list[list[Scored]] = [[], [], [], []]
 
     def read(i: int) -> None:
-        for count, piece in enumerate(_stream_texts(split_qwen3, prompts[i], lengths[i])):
-            texts[i] += piece
+        for count, piece in enumerate(_stream(split_qwen3, prompts[i], lengths[i])):
+            pieces[i].append(piece)
             if i == 0 and count == 5:
                 return  # leaves mid-stream: the connection closes
 
     async with anyio.create_task_group() as tg:
         for i in range(4):
             tg.start_soon(anyio.to_thread.run_sync, read, i)
-    assert texts[1:] == alone[1:]
-    assert alone[0].startswith(texts[0]) and len(texts[0]) < len(alone[0])
+    streams = [Scored.joined(p) for p in pieces]
+    assert_all_same(alone[1:], streams[1:], "stream")  # their neighbour's leaving changed nothing
+    left = len(streams[0].tokens)
+    assert 0 < left < len(alone[0].tokens)
+    assert_same(alone[0].head(left), streams[0].head(left), "the stream that left")
     cancelled = split_qwen3.wait_log("request cancelled", timeout=30)
     assert cancelled["steps_after_cancel"] <= 1
 
@@ -125,8 +144,8 @@ async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_suc
         message = str(caught.value)
         assert "desync" in message and "rank 1" in message, message
         assert server.find_log("desync") is not None
-        alone, together = await _alone_then_together(server, "qwen3", temperature=0.0)
-        assert together == alone
+        alone, together = await _alone_then_together(server, "qwen3", _scored)
+        assert_all_same(alone, together, "prompt")
 
 
 @pytest.mark.anyio
@@ -187,16 +206,17 @@ async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the
             assert response.status_code == 200
             wait_until(lambda: count("request started") == started + 2, 30, "the short request's admission")
 
-    texts: list[str] = []
+    runs: list[Scored] = []
 
     async def long_one() -> None:
-        texts.append(await _complete(split_qwen3, "qwen3", long_prompt, 8, temperature=0.0))
+        runs.append(await _scored(split_qwen3, "qwen3", long_prompt, 8))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(long_one)
         await anyio.to_thread.run_sync(leave_once_admitted)
     assert count("request cancelled") == cancelled + 1
-    assert texts == [await _complete(split_qwen3, "qwen3", long_prompt, 8, temperature=0.0)]
+    assert len(runs) == 1
+    assert_same(await _scored(split_qwen3, "qwen3", long_prompt, 8), runs[0], "beside a cancelled request")
     assert split_qwen3.find_log("desync") is None
 
 

@@ -39,6 +39,7 @@ MLX_FREE = [
     "neuron.models",
     "neuron.config",
     "neuron.cpu",
+    "neuron.device",
     "neuron.sampling_params",
     "neuron.engine.scheduler",
     "neuron.engine.sequence",

@@ -13,7 +13,8 @@ from __future__ import annotations
 import structlog
 
 from neuron import rpc
-from neuron.launch.hosts import SAME_VERSIONS
+from neuron.launch.dataplane import machine_ranks, visible_gpus
+from neuron.launch.hosts import SAME_VERSIONS, Host
 from neuron.models import first_difference
 
 log = structlog.get_logger("neuron.launch")
@@ -59,6 +60,28 @@ def check_handshake(pongs: dict[int, rpc.Pong], mine: rpc.HostInfo, world_size: 
                     theirs=getattr(pong.host, name),
                     ours=getattr(mine, name),
                 )
+
+
+def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leader_visible: str | None) -> None:
+    """With nccl, every machine has a GPU for each rank placed on it (``dataplane.spawn_env`` gives them out):
+    counted from each host's handshake, and on the leader's machine from its ``CUDA_VISIBLE_DEVICES`` where it
+    sets one. Two ranks on one GPU fail inside NCCL with words that do not say so."""
+    if backend != "nccl" or len(hosts) < 2:
+        return
+    for first in sorted({machine_ranks(hosts, rank)[0] for rank in range(len(hosts))}):
+        host, ranks = hosts[first], machine_ranks(hosts, first)
+        allowed = visible_gpus(leader_visible) if host.local else None
+        if allowed is None:
+            count, source = infos[first].gpus, "as its driver lists them"
+        else:
+            count, source = len(allowed), f"CUDA_VISIBLE_DEVICES={leader_visible}"
+        if count < len(ranks):
+            names = ", ".join(map(str, ranks))
+            raise Refused(
+                f"{host.ssh} ({infos[first].hostname}) has {count} GPU{'' if count == 1 else 's'} ({source}), but "
+                f"ranks {names} are placed on it: nccl needs a GPU of its own for each rank; place at most {count} "
+                "there (a smaller --tp or --pp, or fewer hostfile entries naming it), or use --backend ring"
+            )
 
 
 def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:

@@ -91,7 +91,7 @@ def probe_targets(backend: str, rank: int, addresses: list[list[str]]) -> list[s
 def backend_setup(backend: str, rank: int, addresses: list[list[str]], hosts: list[Host]) -> tuple[dict, dict]:
     """The variables (and files named by variables) ``mx.distributed.init`` reads on ``rank``, as ``mlx.launch``
     sets them: the ring's hostfile; jaccl's coordinator (rank 0's first address) and RDMA device matrix;
-    nccl's rendezvous on rank 0 and one GPU per rank of a host."""
+    nccl's rendezvous on rank 0 (each rank's GPU is chosen earlier, when it is spawned: ``spawn_env``)."""
     env = {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(len(hosts))}
     if backend == "ring":
         return env, ring_files(addresses)
@@ -99,5 +99,31 @@ def backend_setup(backend: str, rank: int, addresses: list[list[str]], hosts: li
     if backend == "jaccl":
         return {**env, "MLX_JACCL_COORDINATOR": coordinator}, {"MLX_IBV_DEVICES": json.dumps([h.rdma for h in hosts])}
     ip, port = split_address(coordinator)
-    gpu = sum(h.ssh == hosts[rank].ssh for h in hosts[:rank])
-    return {**env, "NCCL_HOST_IP": ip, "NCCL_PORT": str(port), "CUDA_VISIBLE_DEVICES": str(gpu)}, {}
+    return {**env, "NCCL_HOST_IP": ip, "NCCL_PORT": str(port)}, {}
+
+
+def machine_ranks(hosts: list[Host], rank: int) -> list[int]:
+    """The ranks placed on the machine ``rank`` runs on, in rank order (every local name is this machine)."""
+    host = hosts[rank]
+    return [r for r, h in enumerate(hosts) if h.ssh == host.ssh or (h.local and host.local)]
+
+
+def visible_gpus(value: str | None) -> list[str] | None:
+    """The GPUs a ``CUDA_VISIBLE_DEVICES`` value lets a process use, in order; None when it is unset."""
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def spawn_env(backend: str, rank: int, hosts: list[Host], leader_visible: str | None) -> dict[str, str]:
+    """What ``rank``'s process must find in its environment when it starts, before anything in it initialises
+    CUDA (later is too late: CUDA reads ``CUDA_VISIBLE_DEVICES`` once): with nccl, the one GPU it may use, the
+    i-th of its machine for its machine's i-th rank. On the leader's machine the i-th is counted among those the
+    leader's own ``CUDA_VISIBLE_DEVICES`` allows, where it sets one (rank 0, in the leader, uses the first);
+    MLX's nccl then takes the one device the rank sees. Whether the machine has that many GPUs is checked from
+    the handshake (``checks.check_gpus``) before anything loads."""
+    if backend != "nccl":
+        return {}
+    index = machine_ranks(hosts, rank).index(rank)
+    allowed = visible_gpus(leader_visible) if hosts[rank].local else None
+    return {"CUDA_VISIBLE_DEVICES": allowed[index] if allowed and index < len(allowed) else str(index)}

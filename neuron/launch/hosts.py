@@ -7,7 +7,8 @@ an entry, all optional: ``rdma`` (jaccl's device names, as ``mlx.launch``
 reads them), ``neuron`` (the command that starts neuron there; default: the
 leader's own interpreter, ``python -m neuron``), ``model`` (the model's path
 on that host, when it differs from ``--model``), and ``cpus`` (the cores this
-rank is pinned to; by default the ranks of a host split its cores). No MLX here.
+rank is pinned to; by default the ranks of a host split its cores). MLX is imported only to ask a GPU's
+free memory, on a GPU backend.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import neuron
+from neuron import device
 from neuron.rpc import HostInfo
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})
 # A test can make a host say other things of itself: ``mlx=0.0.1`` on every rank, or per rank,
-# ``1:free_memory=2000000000;2:free_memory=1000000000``, to see the leader refuse it or split by it.
+# ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to see the leader refuse it or split by it.
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
 
 
@@ -137,6 +139,10 @@ def _version(package: str) -> str:
 
 
 def free_memory() -> int:
+    """Bytes this rank could give a model now: its GPU's room on a GPU backend (MLX says, so it loads there,
+    where nothing must be settled before it), else the host's available memory."""
+    if (on_gpu := device.gpu_free_memory()) is not None:
+        return on_gpu
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -150,8 +156,8 @@ def free_memory() -> int:
 
 
 def describe_host(rank: int) -> HostInfo:
-    """This host and this process, as ``rank`` reports them, without importing MLX (the versions come from
-    package metadata)."""
+    """This host and this process, as ``rank`` reports them: the versions from package metadata, and without
+    importing MLX on the CPU backend (a worker pins itself to its cores before MLX starts a thread)."""
     mlx = _version("mlx")
     info = HostInfo(
         hostname=socket.gethostname(),
@@ -162,13 +168,15 @@ def describe_host(rank: int) -> HostInfo:
         platform=f"{sys.platform}-{platform.machine()}",
         free_memory=free_memory(),
         cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+        gpus=device.gpu_count(),
     )
     for spec in filter(None, os.environ.get(FAKE_HOST_ENV, "").split(";")):
         target, _, assignments = spec.rpartition(":")
         if target and int(target) != rank:
             continue
         fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
-        if "free_memory" in fields:
-            fields["free_memory"] = int(fields["free_memory"])
+        for number in ("free_memory", "gpus"):
+            if number in fields:
+                fields[number] = int(fields[number])
         info = HostInfo(**{**asdict(info), **fields})
     return info

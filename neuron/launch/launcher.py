@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import anyio.abc
 
 from neuron import cpu
+from neuron.launch.dataplane import machine_ranks
 from neuron.launch.hosts import Host, local_hosts
 from neuron.launch.local import spawn_local
 from neuron.launch.ssh import StderrRelay, spawn_ssh
@@ -47,11 +48,13 @@ class Launcher:
         """The host as the operator named it: logs and errors say so."""
         return self.hosts[rank].ssh
 
-    async def spawn(self, rank: int) -> Spawned:
+    async def spawn(self, rank: int, env: dict[str, str] | None = None) -> Spawned:
+        """Start ``rank``'s worker with ``env`` added to its environment (on another host too: sshd passes no
+        variables on, so they go on its command line)."""
         host = self.hosts[rank]
         if host.local:
-            return Spawned(await spawn_local(rank, self.world_size), None)
-        return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size))
+            return Spawned(await spawn_local(rank, self.world_size, env or {}), None)
+        return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {}))
 
     def model(self, rank: int, leader_model: str | None, leader_path: str) -> str | None:
         """What ``rank`` should load: its host's own path when the hostfile names one; on this host, the folder
@@ -76,7 +79,7 @@ class Launcher:
         host = self.hosts[rank]
         if host.cpus:
             return list(host.cpus)
-        peers = [r for r, h in enumerate(self.hosts) if h.ssh == host.ssh or (h.local and host.local)]
+        peers = machine_ranks(self.hosts, rank)
         if len(peers) == 1:
             return []
         blocks = cpu.split_cores(reported or sorted(os.sched_getaffinity(0)), len(peers))

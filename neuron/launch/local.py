@@ -13,8 +13,8 @@ def worker_command(rank: int, world_size: int) -> list[str]:
     return ["--worker", "--rank", str(rank), "--world-size", str(world_size)]
 
 
-async def spawn_local(rank: int, world_size: int) -> anyio.abc.Process:
-    env = dict(os.environ)
+async def spawn_local(rank: int, world_size: int, extra: dict[str, str]) -> anyio.abc.Process:
+    env = {**os.environ, **extra}
     # The workers speak to the leader, not to systemd: only the leader may notify.
     env.pop("NOTIFY_SOCKET", None)
     env["PYTHONUNBUFFERED"] = "1"

@@ -36,14 +36,17 @@ SSH_OPTIONS = ("-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "Ser
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def remote_command(host: Host, rank: int, world_size: int) -> str:
-    """What the remote shell runs: neuron's worker, replacing the shell."""
+def remote_command(host: Host, rank: int, world_size: int, env: dict[str, str] | None = None) -> str:
+    """What the remote shell runs: neuron's worker, replacing the shell, with ``env`` set through ``env(1)``."""
     neuron = shlex.split(host.neuron) if host.neuron else [sys.executable, "-m", "neuron"]
-    return "exec " + shlex.join([*neuron, *worker_command(rank, world_size)])
+    setting = ["env", *(f"{name}={value}" for name, value in sorted((env or {}).items()))] if env else []
+    return "exec " + shlex.join([*setting, *neuron, *worker_command(rank, world_size)])
 
 
-def ssh_argv(ssh_command: list[str], host: Host, rank: int, world_size: int) -> list[str]:
-    return [*ssh_command, *SSH_OPTIONS, "--", host.ssh, remote_command(host, rank, world_size)]
+def ssh_argv(
+    ssh_command: list[str], host: Host, rank: int, world_size: int, env: dict[str, str] | None = None
+) -> list[str]:
+    return [*ssh_command, *SSH_OPTIONS, "--", host.ssh, remote_command(host, rank, world_size, env)]
 
 
 class StderrRelay:
@@ -90,13 +93,13 @@ class StderrRelay:
 
 
 async def spawn_ssh(
-    ssh_command: list[str], host: Host, rank: int, world_size: int
+    ssh_command: list[str], host: Host, rank: int, world_size: int, extra: dict[str, str]
 ) -> tuple[anyio.abc.Process, StderrRelay]:
     read_end, write_end = os.pipe()
     try:
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         process = await anyio.open_process(
-            ssh_argv(ssh_command, host, rank, world_size), stdin=-1, stdout=-1, stderr=write_end, env=env
+            ssh_argv(ssh_command, host, rank, world_size, extra), stdin=-1, stdout=-1, stderr=write_end, env=env
         )
     except BaseException:
         os.close(read_end)

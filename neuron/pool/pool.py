@@ -15,6 +15,7 @@ call then fails at once, naming the cause; recovery is a fresh process.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,7 +27,8 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, check_handshake, check_models
+from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models
+from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.stages import check_split, plan_stages
@@ -116,7 +118,7 @@ class Pool:
                 await self.shutdown()
             if isinstance(e, PoolError) and self.launcher.remote:
                 # Before the group forms, a remote rank that fails is a host out of reach: the caller retries.
-                failing = [self.hosts[rank] for rank in e.failures if not self.launcher.hosts[rank].local]
+                failing = list(dict.fromkeys(self.hosts[r] for r in e.failures if not self.launcher.hosts[r].local))
                 if failing:
                     raise Unreachable(f"cannot reach {', '.join(failing)}: {e}", failing) from e
             raise
@@ -129,22 +131,27 @@ class Pool:
     # Spawning and the group.
 
     async def start(self) -> dict[int, rpc.Pong]:
-        """Spawn a worker per rank above 0; each must answer a ping as the rank it was told, with our versions."""
+        """Spawn a worker per rank above 0 (with nccl, each given its GPU as it starts); each must answer a ping as
+        the rank it was told, with our versions, and its host must have a GPU per rank placed there."""
         if self.world_size > 1 and group_joined():
             raise RuntimeError(
                 "this process already hosted rank 0 of an mx.distributed group, and MLX allows one per "
                 "process: run each multi-rank pool in a fresh process"
             )
         started = time.perf_counter()
+        leader_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in range(1, self.world_size):
-            spawned = await self.launcher.spawn(rank)
+            env = spawn_env(self.backend, rank, self.launcher.hosts, leader_visible)
+            spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
             self.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
-        self._free_memory = [mine.free_memory, *(pongs[r].host.free_memory for r in range(1, self.world_size))]
+        infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
+        check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
+        self._free_memory = [info.free_memory for info in infos]
         for rank, host in enumerate(self.hosts):
             metrics.RANKS.labels(str(rank), host).set(1)
         log.info(

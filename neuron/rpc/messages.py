@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -51,8 +51,9 @@ class HostInfo:
     mlx_lm: str
     python: str
     platform: str
-    free_memory: int  # bytes the host could give a model now
+    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's
     cpus: list[int]  # the cores this process may run on
+    gpus: int  # the NVIDIA GPUs the host's driver lists (nccl places one rank on each)
 
 
 @dataclass(frozen=True, slots=True)

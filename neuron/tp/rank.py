@@ -43,6 +43,27 @@ class RankError(RuntimeError):
     """
 
 
+class GroupError(RuntimeError):
+    """Joining the group failed inside MLX; the message says what to check, the library's words included."""
+
+
+def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
+    """neuron's account of a failed join on this rank: the library's message alone (NCCL's ``invalid usage``)
+    does not say that two ranks share a GPU, or which address every rank must reach."""
+    said = f"{type(error).__name__}: {error}"
+    if backend != "nccl":
+        return f"could not join the {backend} group ({said}); check that every host reaches the others' addresses"
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpu = f"CUDA_VISIBLE_DEVICES={visible}" if visible else "no CUDA_VISIBLE_DEVICES: the first GPU CUDA lists"
+    rendezvous = f"{env.get('NCCL_HOST_IP', '?')}:{env.get('NCCL_PORT', '?')}"
+    return (
+        f"could not join the nccl group ({said}); check that this rank has a GPU of its own (it was given "
+        f"{gpu}; nvidia-smi lists the host's GPUs, and no two ranks may share one), that "
+        f"every host reaches rank 0's rendezvous at {rendezvous}, and that MLX for CUDA matches the driver "
+        "(run with NCCL_DEBUG=INFO for NCCL's own account)"
+    )
+
+
 # MLX keeps one distributed group per process: a second init returns the first
 # group (or a dead one after a failure). A process joins at most once, and a
 # new group means a new process.
@@ -86,15 +107,21 @@ class Rank:
             )
         os.environ.update(env)
         _joined_group = True
-        group = mx.distributed.init(strict=True, backend=backend)
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+        except Exception as e:  # the library's own words alone: say what to check
+            raise GroupError(join_failure(backend, dict(os.environ), e)) from e
         if group.rank() != self.rank or group.size() != self.world_size:
             raise RankError(
                 f"joined the {backend} group as rank {group.rank()} of {group.size()}, "
                 f"expected rank {self.rank} of {self.world_size}: check MLX_RANK and the hostfile"
             )
-        total = mx.distributed.all_sum(mx.array(1.0), group=group)
+        try:
+            total = float(mx.distributed.all_sum(mx.array(1.0), group=group).item())
+        except Exception as e:  # NCCL can fail at its first collective too
+            raise GroupError(join_failure(backend, dict(os.environ), e)) from e
         self.group = group
-        return float(total.item())
+        return total
 
     def load(self, model_path: str, layers: list[int]) -> Loaded:
         """This rank's share of the model: a slice of every layer, or (``layers`` = [first, end)) a pipeline

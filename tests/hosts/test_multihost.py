@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -23,7 +24,7 @@ from test_logging import Journal
 from test_systemd import FakeSystemd
 from testbed import Namespaces, unavailable
 
-from neuron import log
+from neuron import device, log
 
 pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
 
@@ -296,6 +297,36 @@ def _waiting(
         server.stop()
         raise
     return server
+
+
+def test_nccl_gives_each_rank_a_gpu_of_its_host_and_refuses_a_host_short_of_them(
+    bed: Namespaces, tiny_models: dict[str, Path]
+) -> None:
+    """Two pipeline stages on one remote host, its GPU count faked in its handshake. One GPU: refused before
+    anything loads, naming the host, its count and the ranks. Two: each rank starts with its own GPU, set on the
+    SSH command line, and this CPU build of MLX (no nccl) fails the join on every rank in neuron's words, which
+    name the GPU each was given."""
+    host = f"root@{bed.ip(1)}"
+
+    def run(gpus: int) -> str:
+        remote = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_HOST": f"gpus={gpus}"})}
+        hostfile = bed.hostfile([bed.entry(-1), remote, remote], f"nccl-{gpus}.json")
+        model = ("--model", str(tiny_models["qwen3"]), "--pp", "3", "--backend", "nccl", "--max-tokens", "2")
+        done = run_neuron(
+            "generate", *model, *hosts_args(bed, hostfile), PROMPT, env={"NEURON_TEST_FAKE_HOST": "gpus=1"}
+        )
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        nothing_left(bed, (1, 2))
+        return done.stderr.strip().splitlines()[-1]
+
+    short = run(1)
+    assert f"{host} (" in short and "has 1 GPU (as its driver lists them), but ranks 1, 2 are placed on it" in short
+    if device.backend() == "cuda":
+        return  # nccl would start here: the join's failure is for a build without it
+    failed = run(2)
+    for rank, gpu in ((1, 0), (2, 1)):
+        assert re.search(rf"rank {rank} on {host}: [\w: ]*could not join the nccl group", failed), failed
+        assert f"it was given CUDA_VISIBLE_DEVICES={gpu};" in failed.split(f"rank {rank} on {host}")[1], failed
 
 
 def test_an_unreachable_ring_address_is_named_before_any_rank_joins(

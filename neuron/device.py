@@ -1,0 +1,176 @@
+"""What MLX computes on here: the CPU, an NVIDIA GPU through CUDA, or Metal; settled before MLX loads.
+
+The answer picks the machinery. The Linux CPU fast path (``cpu.py``: a BLAS
+preloaded by re-executing, the sgemv interposer, ranks pinned to cores) serves
+the CPU build alone: a GPU does its products itself, and what a rank can give a
+model is its GPU's memory, not the host's.
+
+Why from the installed distributions rather than from MLX: the fast path must be
+settled before MLX, and the library it links, is loaded. On Linux, MLX's builds
+are distributions of their own beside ``mlx`` (``pip install "mlx[cpu]"``,
+``"mlx[cuda12]"``, ``"mlx[cuda13]"``): ``mlx-cpu``, ``mlx-cuda-12``,
+``mlx-cuda-13`` (``mlx-cuda`` is an old release's name). Each ships
+``mlx/lib/libmlx.so``, so where two are installed, the one installed last has
+replaced the other's library; its size, against each distribution's record,
+says which one MLX will load. On macOS MLX computes on Metal.
+
+No MLX is imported here at module level; the functions that need it say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import re
+import sys
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Literal
+
+Backend = Literal["cpu", "cuda", "metal"]
+
+LIBRARY = "mlx/lib/libmlx.so"
+INSTALL_HINT = (
+    "install one MLX build with neuron: pip install 'neuron[cpu]' on a CPU, 'neuron[cuda13]' or 'neuron[cuda12]' "
+    "on an NVIDIA GPU (by the CUDA version its driver supports, as nvidia-smi shows)"
+)
+
+
+def backend_for(platform: str, builds: Collection[str]) -> Backend:
+    """The device MLX computes on, from ``sys.platform`` and the MLX builds whose library is installed
+    (``mlx-cpu``, ``mlx-cuda-12``, ...; ``library_owners`` settles which where several are)."""
+    if platform == "darwin":
+        return "metal"
+    if any(build.startswith("mlx-cuda") for build in builds):
+        return "cuda"
+    return "cpu"
+
+
+def is_build(name: str) -> bool:
+    """A distribution that ships MLX's library for one device (not ``mlx`` itself, nor ``mlx-lm``)."""
+    return name in ("mlx-cpu", "mlx-metal") or name.startswith("mlx-cuda")
+
+
+def library_owners(recorded: Mapping[str, int | None], on_disk: int | None) -> list[str]:
+    """Of the builds installed (each with the size its record gives ``libmlx.so``, None where it records none),
+    those whose library is the one on disk; all of them where that cannot be told."""
+    if len(recorded) < 2 or on_disk is None:
+        return sorted(recorded)
+    owners = [name for name, size in recorded.items() if size == on_disk]
+    return sorted(owners or recorded)
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_builds() -> list[str]:
+    """The MLX builds installed for this interpreter whose library MLX will load (package metadata only)."""
+    recorded: dict[str, int | None] = {}
+    on_disk: int | None = None
+    for dist in importlib.metadata.distributions():
+        # The name from the folder's (no METADATA parsed: reading every distribution's would take a third of a
+        # second at every start), else from METADATA.
+        name = _canonical(getattr(dist, "_normalized_name", None) or dist.metadata["Name"] or "")
+        if not is_build(name) or name in recorded:
+            continue  # the same distribution seen again further down sys.path is shadowed by the first
+        entry = next((f for f in dist.files or () if f.as_posix() == LIBRARY), None)
+        recorded[name] = entry.size if entry is not None else None
+        if entry is not None and on_disk is None:
+            try:
+                on_disk = Path(str(dist.locate_file(entry))).stat().st_size
+            except OSError:
+                pass
+    return library_owners(recorded, on_disk)
+
+
+@functools.cache
+def backend() -> Backend:
+    """This process's device (cached: the installed builds do not change under a running process)."""
+    return backend_for(sys.platform, installed_builds())
+
+
+def cannot_load(error: ImportError) -> str:
+    """What to do when MLX fails to import: most often, on Linux, ``mlx`` installed without a build."""
+    if sys.platform == "linux" and not installed_builds():
+        return f"MLX has no build installed for this machine (mlx-cpu, mlx-cuda-12 or mlx-cuda-13): {INSTALL_HINT}"
+    return f"MLX cannot be loaded ({error}); {INSTALL_HINT}"
+
+
+def gpu_count() -> int:
+    """The NVIDIA GPUs this host's driver lists (0 without one), whatever ``CUDA_VISIBLE_DEVICES`` says: a
+    worker's own variable names the one GPU it was given, and the leader needs the host's count."""
+    listed = Path("/proc/driver/nvidia/gpus")
+    try:
+        return sum(1 for _ in listed.iterdir())
+    except OSError:
+        pass
+    try:
+        return sum(1 for node in Path("/dev").iterdir() if re.fullmatch(r"nvidia\d+", node.name))
+    except OSError:
+        return 0
+
+
+def free_memory_of(info: Mapping[str, str | int]) -> int | None:
+    """What a model may still take on the GPU ``mx.device_info`` describes: CUDA's free memory (NVML's, all
+    processes counted); Metal's recommended working set (what its allocator keeps to); None if it says neither."""
+    for key in ("free_memory", "max_recommended_working_set_size"):
+        if key in info:
+            return int(info[key])
+    return None
+
+
+def gpu_free_memory() -> int | None:
+    """This rank's GPU's room for a model, or None on the CPU backend. Imports MLX: call it only on a GPU backend,
+    where nothing needs to be settled before MLX loads, or once MLX is loaded."""
+    if backend() == "cpu":
+        return None
+    try:
+        import mlx.core as mx
+
+        return free_memory_of(mx.device_info(mx.gpu))
+    except Exception:  # noqa: BLE001 - a rank given a GPU its host lacks must still answer the handshake, whose
+        return None  # GPU count then refuses the host in neuron's words
+
+
+def _gib(size: int | str | None) -> str:
+    return f"{int(size or 0) / (1 << 30):.1f} GiB"
+
+
+def describe_device(kind: Backend, info: Mapping[str, str | int]) -> str:
+    """The startup log's name for a rank's device: the GPU's model and memory, Metal's, or the CPU (whose BLAS
+    the log's ``blas`` names beside it)."""
+    name = info.get("device_name") or info.get("architecture") or "unknown"
+    if kind == "cuda":
+        total = info.get("total_memory", info.get("memory_size"))
+        return f"CUDA GPU {name} ({_gib(total)}, {_gib(info.get('free_memory'))} free)"
+    if kind == "metal":
+        budget = info.get("max_recommended_working_set_size")
+        return f"Metal GPU {name} ({_gib(info.get('memory_size'))}, {_gib(budget)} for the GPU)"
+    return f"CPU {name} ({info.get('architecture', 'unknown')})"
+
+
+def this_device() -> str:
+    """``describe_device`` for this process; call it once MLX is loaded."""
+    import mlx.core as mx
+
+    kind = backend()
+    try:
+        info = mx.device_info(mx.cpu if kind == "cpu" else mx.gpu)
+    except Exception as e:  # noqa: BLE001 - the log line must not be what stops the start; unusable_gpu says why
+        return f"{kind}, not described by MLX ({e})"
+    return describe_device(kind, info)
+
+
+def unusable_gpu() -> str | None:
+    """Why MLX for CUDA cannot compute here (it sees no GPU), if so; call it once MLX is loaded."""
+    if backend() != "cuda":
+        return None
+    import mlx.core as mx
+
+    if mx.device_count(mx.gpu) > 0:
+        return None
+    return (
+        "MLX for CUDA sees no GPU: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that the build matches "
+        f"the driver's CUDA version; or {INSTALL_HINT}"
+    )
