@@ -70,7 +70,7 @@ def _step_line(**fields: object) -> bytes:
     plan = {
         "leave": [],
         "prefill": [chunk],
-        "decode": [{"seq": 2, "token": 1, "group": 0, "draft": [4, 5], "drop": 1}],
+        "decode": [{"seq": 2, "token": 1, "micro_batch": 0, "draft": [4, 5], "drop": 1}],
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
         "save": [{"seq": 1, "entry": 4}],
         "evict": [{"entry": 3}],

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -164,14 +164,14 @@ class Prefill:
 class Decode:
     """One row of the batched decode: ``token`` (sampled in the previous step) is fed to ``seq``.
 
-    ``group`` is the micro-batch the row belongs to, fixed when the sequence
-    joins the batch: a pipeline runs each as a pass of its own, so that its
-    stages work at the same time (always 0 without a pipeline).
+    ``micro_batch`` is the micro-batch the row belongs to, fixed when the
+    sequence joins the batch: a pipeline runs each as a pass of its own, so
+    that its stages work at the same time (always 0 without a pipeline).
     """
 
     seq: int
     token: int
-    group: int
+    micro_batch: int
     # Speculation: tokens rank 0 proposes after ``token``, fed with it in the same forward; rank 0 keeps the
     # longest run its sampler agrees with. Rows of a micro-batch are padded to its longest ``[token] + draft``.
     draft: list[int] = field(default_factory=list)
@@ -228,6 +228,21 @@ class StepPlan:
     @property
     def prefill_tokens(self) -> int:
         return sum(len(chunk.tokens) for chunk in self.prefill)
+
+    def widths(self) -> dict[int, int]:
+        """Each micro-batch's width: the tokens each of its rows is fed this step, ``[token] + draft`` padded to
+        the longest. The one rule for it: the ranks pad to it, the scheduler drops what was not kept, the cost
+        model counts it."""
+        out: dict[int, int] = {}
+        for row in self.decode:
+            out[row.micro_batch] = max(out.get(row.micro_batch, 0), 1 + len(row.draft))
+        return out
+
+    @property
+    def rows_fed(self) -> int:
+        """Tokens the decode rows are fed across the batch: each micro-batch's rows times its width."""
+        widths = self.widths()
+        return sum(widths[row.micro_batch] for row in self.decode)
 
 
 @dataclass(frozen=True, slots=True)

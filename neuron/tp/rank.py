@@ -24,9 +24,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, StepPlan
-from neuron.tp import speculate
+from neuron.tp import rollback
 from neuron.tp.agreement import disagreement
-from neuron.tp.batch import Batch
+from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
 from neuron.tp.hooks import Hooks
 from neuron.tp.prefill import SeqState, feed_prompts
@@ -156,7 +156,7 @@ class Rank:
         out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
-            out.update(self._decode(plan.decode))
+            out.update(self._decode(plan.decode, plan.widths()))
         self._steps += 1
         if failure := self._hooks.after_step(self._steps, self.seqs, self.entries):
             raise RankError(failure)
@@ -176,10 +176,10 @@ class Rank:
         assert self.model is not None and self.runner is not None
         feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True)
         passes = []
-        for group in sorted({row.group for row in plan.decode}):
-            fed = speculate.fed([row for row in plan.decode if row.group == group])
-            cache = [BatchKVCache([0] * len(fed)) for _ in self.model.layers]
-            passes.append((mx.zeros((len(fed), len(fed[0])), dtype=mx.int32), cache))
+        for micro_batch, width in sorted(plan.widths().items()):
+            rows = sum(row.micro_batch == micro_batch for row in plan.decode)
+            cache = [BatchKVCache([0] * rows) for _ in self.model.layers]
+            passes.append((mx.zeros((rows, width), dtype=mx.int32), cache))
         self.runner.logits(passes, any(row.draft for row in plan.decode))
 
     def _leave(self, leaving: list[int]) -> None:
@@ -187,33 +187,33 @@ class Rank:
             del self.seqs[seq]
         self.batch.leave(set(leaving))
 
-    def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
+    def _decode(self, rows: list[Decode], widths: dict[int, int]) -> dict[int, mx.array]:
         """Every row's token (and draft), a pass per micro-batch; rank 0 gets each row's logits, one row of them
         per position fed where the row has a draft."""
         assert self.runner is not None
         by_seq = {row.seq: row for row in rows}
-        groups = sorted({row.group for row in rows})
+        micro_batches = sorted(widths)
         passes = []
-        for group in groups:
-            batch = self.batch.groups[group]
-            speculate.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
-            passes.append((mx.array(speculate.fed([by_seq[seq] for seq in batch.ids])), batch.cache))
+        for micro_batch in micro_batches:
+            batch = self.batch.micro_batches[micro_batch]
+            rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
+            passes.append((mx.array(fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])), batch.cache))
         every = any(row.draft for row in rows)
         logits = self.runner.logits(passes, every)
-        for (tokens, _), group in zip(passes, groups, strict=True):
-            for seq, fed in zip(self.batch.groups[group].ids, tokens.tolist(), strict=True):
+        for (tokens, _), micro_batch in zip(passes, micro_batches, strict=True):
+            for seq, fed_row in zip(self.batch.micro_batches[micro_batch].ids, tokens.tolist(), strict=True):
                 state = self.seqs[seq]
-                state.position += len(fed) - by_seq[seq].drop
-                state.last = fed[-1]
+                state.position += len(fed_row) - by_seq[seq].drop
+                state.last = fed_row[-1]
         out: dict[int, mx.array] = {}
-        for group, group_logits in zip(groups, logits, strict=True):
-            if group_logits is not None:
-                for i, seq in enumerate(self.batch.groups[group].ids):
+        for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
+            if batch_logits is not None:
+                for i, seq in enumerate(self.batch.micro_batches[micro_batch].ids):
                     row = by_seq[seq]
                     if every:
-                        out[seq] = group_logits[i, : len(row.draft) + 1] if row.draft else group_logits[i, 0]
+                        out[seq] = batch_logits[i, : len(row.draft) + 1] if row.draft else batch_logits[i, 0]
                     else:
-                        out[seq] = group_logits[i]
+                        out[seq] = batch_logits[i]
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:

@@ -7,10 +7,10 @@ token id travels, inside the next step's request.
 Each request gets its own random key, split once per token, so a seeded
 request draws the same tokens whatever else the server is doing.
 
-``Samplers`` is rank 0's registry: a sampler is made when its sequence's first
-prompt chunk is in a step's plan, sees every token fed to it (the penalties look
-at them), and is dropped when the plan says the sequence leaves, as the ranks
-drop its KV cache. The leader only hands over each new sequence's parameters.
+``Samplers`` is rank 0's registry: a sampler is made when a step starts its
+sequence (``Step.starts``), sees every token fed to it (the penalties look at
+them), and is dropped when the plan says the sequence leaves, as the ranks
+drop its KV cache.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from neuron.rpc import StepPlan
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
-from neuron.tp import speculate
+from neuron.step import Step
 
 
 class Sampler:
@@ -147,7 +146,7 @@ class Sampler:
 
 
 class Samplers:
-    """Rank 0's samplers, one per sequence, from its first prompt chunk until it leaves."""
+    """Rank 0's samplers, one per sequence, from the step that starts it until it leaves."""
 
     def __init__(self) -> None:
         self._by_seq: dict[int, Sampler] = {}
@@ -155,42 +154,62 @@ class Samplers:
     def __len__(self) -> int:
         return len(self._by_seq)
 
-    def step(
-        self,
-        plan: StepPlan,
-        joining: dict[int, SamplingParams],
-        logits: dict[int, mx.array],
-        restored: dict[int, list[int]],
-    ) -> dict[int, Sampled]:
-        """Follow ``plan`` (who leaves, who starts with which parameters, what each prompt was fed, the tail of
-        each prefix restored), then sample the logits of every sequence that has some."""
+    def step(self, step: Step, logits: dict[int, mx.array]) -> dict[int, Sampled]:
+        """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then sample the logits of
+        every sequence that has some. A sequence the step neither starts nor has started before is a bug upstream:
+        it raises rather than sample with parameters nobody asked for."""
+        plan = step.plan
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
-        for restore in plan.restore:
-            self._by_seq[restore.seq] = Sampler(joining.get(restore.seq, SamplingParams()))
-            self._by_seq[restore.seq].feed(restored.get(restore.seq, []))
+        for seq, start in step.starts.items():
+            self._by_seq[seq] = Sampler(start.params)
+            self._by_seq[seq].feed(list(start.recent))
+        if unknown := sorted(({c.seq for c in plan.prefill} | {r.seq for r in plan.decode}) - self._by_seq.keys()):
+            raise KeyError(f"rank 0 has no sampler for sequences {unknown}: the step neither starts nor continues them")
         for chunk in plan.prefill:
-            if chunk.position == 0:
-                self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))
-            if (sampler := self._by_seq.get(chunk.seq)) is not None:
-                sampler.feed(chunk.tokens)
-                if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
-                    sampler.score(rows, chunk.tokens)
-                    if chunk.last:
-                        logits[chunk.seq] = rows[-1]
-                        logits.update(dict.fromkeys(chunk.copies, rows[-1]))
-                for no in chunk.copies:
-                    self._by_seq[no] = Sampler(joining.get(no, SamplingParams()))
-                    self._by_seq[no].feed(sampler._recent)
+            sampler = self._by_seq[chunk.seq]
+            sampler.feed(chunk.tokens)
+            if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
+                sampler.score(rows, chunk.tokens)
+                if chunk.last:
+                    logits[chunk.seq] = rows[-1]
+                    logits.update(dict.fromkeys(chunk.copies, rows[-1]))
         verified = {}
         for row in plan.decode:  # rows with a draft have one row of logits per position fed
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
-                run = speculate.verify(self._by_seq[row.seq], rows, row.draft)
+                run = verify(self._by_seq[row.seq], rows, row.draft)
                 verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
         return sample_all(self._by_seq, logits) | verified
 
     def clear(self) -> None:
         self._by_seq.clear()
+
+
+def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
+    """The tokens kept from a row fed ``[token] + draft``: ``logits`` holds its ``len(draft) + 1`` positions.
+
+    Speculation's rule: keep the draft's tokens while each sampled token equals the draft's. A point-mass
+    proposal, so this is exact rejection sampling (the token kept at each position is a draw from the target
+    distribution given the tokens kept before it), and the key is split once per kept token, so a seeded request
+    draws the same tokens with speculation on or off.
+
+    Each position is sampled as plain decoding would sample it; the run stops at
+    the first token that differs from the draft (that token is kept: it is the
+    sample at that position), or after the bonus token past a fully kept draft.
+    """
+    out = []
+    if sampler.plain:  # greedy and nothing else: one argmax for every position
+        tokens = mx.argmax(logits, axis=-1).tolist()
+        for i, token in enumerate(tokens):
+            out.append(sampler.record(Sampled(int(token), NOT_ASKED)))
+            if i == len(draft) or token != draft[i]:
+                break
+        return out
+    for i in range(len(draft) + 1):
+        out.append(sampler(logits[i]))
+        if i == len(draft) or out[-1].token != draft[i]:
+            break
+    return out
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
