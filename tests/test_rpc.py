@@ -74,6 +74,7 @@ def _step_line(**fields: object) -> bytes:
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
         "save": [{"seq": 1, "entry": 4}],
         "evict": [{"entry": 3}],
+        "ahead": False,
     }
     return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 

@@ -309,3 +309,24 @@ def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
     original.copies = copies
     s.add(original)
     assert s.admit() == []
+
+
+def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> None:
+    s = scheduler(max_batch=2)
+    a = request(2)
+    admitted(s, a)
+    assert not next_plan(s).ahead  # a prompt is fed
+    run(s)
+    assert next_plan(s).ahead  # a decodes alone, nobody waits
+    s.add(request(2))
+    assert not next_plan(s).ahead  # the newcomer joins next step
+    s.admit()
+    run(s)
+    run(s)
+    last = request(2, max_tokens=1)
+    s.add(last)  # waits: no place
+    assert next_plan(s).ahead
+    short = scheduler()
+    admitted(short, request(2, max_tokens=2))
+    run(short)
+    assert not next_plan(short).ahead  # its last token comes with this step

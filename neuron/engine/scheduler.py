@@ -171,7 +171,8 @@ class Scheduler:
             prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, [c.no for c in copies], scores))
             budget -= take
         decode = self._decode()
-        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore)
+        ahead = self._steady(prefill, decode)
+        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
         for chunk in prefill:
@@ -227,6 +228,18 @@ class Scheduler:
             if delivery.finish is not None:
                 self._remove(delivery.seq)
         return out
+
+    def _steady(self, prefill: list[Prefill], decode: list[Decode]) -> bool:
+        """Whether the next step will most likely decode the same rows, one token each (the ranks may run it
+        ahead): no prompt fed now or soon, no draft now (a row that drafts now drafts next too, most likely), one
+        micro-batch. A sequence that ends meanwhile just leaves."""
+        if prefill or self.filling or not decode or self.limits.micro_batches != 1:
+            return False
+        if self.waiting and len(self.running) + self.waiting[0].n <= self.limits.max_batch:
+            return False
+        if all(seq.completion_tokens + 1 >= seq.max_tokens for seq in self.running):
+            return False  # every row ends with this step's token: a step ahead would be thrown away
+        return not any(row.draft for row in decode)
 
     def _decode(self) -> list[Decode]:
         """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""

@@ -38,7 +38,7 @@ from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.sampling_params import Sampled
 from neuron.step import Step
-from neuron.tp.rank import Loaded, Rank, group_joined
+from neuron.tp.rank import Loaded, Rank, group_joined, lead
 from neuron.tp.shard import check_splittable
 
 log = structlog.get_logger("neuron.pool")
@@ -228,7 +228,7 @@ class Pool:
         plan = step.plan
 
         def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str]:
-            return samplers.step(step, rank.step(plan) or {}), rank.fingerprint()
+            return lead(rank, samplers, step)
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step

@@ -224,6 +224,9 @@ class StepPlan:
     restore: list[Restore] = field(default_factory=list)
     save: list[Save] = field(default_factory=list)
     evict: list[Evict] = field(default_factory=list)
+    # The scheduler expects the next step to decode the same rows one token each: a rank that holds the whole
+    # step runs that one ahead, on the tokens it draws, before it reads them (``tp.ahead``).
+    ahead: bool = False
 
     @property
     def prefill_tokens(self) -> int:

@@ -42,7 +42,7 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """Greedy with nothing else to compute: such rows can be sampled together (``sample_all``)."""
+        """Greedy with nothing else to compute: such rows are drawn together (``draw_all``)."""
         p = self.params
         no_processing = not p.logit_bias and p.presence_penalty == p.frequency_penalty == 0.0
         plain = p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
@@ -102,6 +102,10 @@ class Sampler:
 
     def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
         """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
+        return read({0: self.draw(logits, allowed)})[0]
+
+    def draw(self, logits: mx.array, allowed: mx.array | None = None) -> Draw:
+        """The token drawn from ``logits`` (one row), lazily: nothing is computed until ``read``."""
         if self._key is None:
             self._key = self._start()
         p = self.params
@@ -126,23 +130,55 @@ class Sampler:
                 filtered = apply_min_p(filtered, p.min_p)
             if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token
                 filtered = apply_top_k(filtered, p.top_k)
-            self._key, draw = mx.random.split(self._key)
-            token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=draw)
+            self._key, key = mx.random.split(self._key)
+            token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=key)
         if p.logprobs is None:
             # No logprob asked for, none computed: a log-sum-exp over the vocabulary costs
             # about 1 ms per row on the CPU backend.
-            return self.record(Sampled(int(token.item()), NOT_ASKED))
+            return Draw(self, token)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        chosen = logprobs[token]
+        top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else None
+        return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
+
+
+@dataclasses.dataclass(slots=True)
+class Draw:
+    """A token drawn but not yet read: MLX arrays the device may still be computing. ``read`` brings a step's
+    draws to the host at once, and records each token with its sampler."""
+
+    sampler: Sampler
+    token: mx.array
+    chosen: mx.array | None = None  # its logprob, when asked for
+    top: mx.array | None = None  # the most likely ids and their logprobs, when asked for
+    top_logprobs: mx.array | None = None
+    error: str | None = None  # the output constraint allowed no token: nothing was drawn
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.token, self.chosen, self.top, self.top_logprobs) if a is not None]
+
+
+def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
+    """Each draw's token (and logprobs) on the host: the one place a step waits for the device."""
+    mx.eval([d.arrays() for d in draws.values()])
+    out = {}
+    for no, d in draws.items():
+        if d.error is not None:
+            out[no] = Sampled(0, NOT_ASKED, error=d.error)
+            continue
+        token = int(d.token.item())
+        if d.chosen is None:
+            out[no] = d.sampler.record(Sampled(token, NOT_ASKED))
+            continue
         top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs:
-            ids = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs]
-            mx.eval(token, chosen, ids, logprobs)
-            ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda x: -x[1])
+        if d.top is not None and d.top_logprobs is not None:
+            ranked = sorted(zip(d.top.tolist(), d.top_logprobs.tolist(), strict=True), key=lambda x: -x[1])
             top = tuple((int(i), float(lp)) for i, lp in ranked)
-        else:
-            mx.eval(token, chosen)
-        return self.record(Sampled(int(token.item()), float(chosen.item()), top))
+        out[no] = d.sampler.record(Sampled(token, float(d.chosen.item()), top))
+    for no, d in draws.items():
+        constraint = d.sampler.params.constraint
+        if d.error is None and constraint is not None and (error := constraint.advance(out[no].token)) is not None:
+            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
+    return out
 
 
 class Samplers:
@@ -155,9 +191,16 @@ class Samplers:
         return len(self._by_seq)
 
     def step(self, step: Step, logits: dict[int, mx.array]) -> dict[int, Sampled]:
-        """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then sample the logits of
-        every sequence that has some. A sequence the step neither starts nor has started before is a bug upstream:
-        it raises rather than sample with parameters nobody asked for."""
+        """``draw`` then ``read``: the step's tokens on the host."""
+        draws, verified = self.draw(step, logits)
+        return read(draws) | verified
+
+    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Sampled]]:
+        """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then draw a token from the
+        logits of every sequence that has some, lazily; rows with a draft are verified at once (on the host).
+
+        A sequence the step neither starts nor has started before is a bug upstream: it raises rather than sample
+        with parameters nobody asked for."""
         plan = step.plan
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
@@ -179,7 +222,7 @@ class Samplers:
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
                 run = verify(self._by_seq[row.seq], rows, row.draft)
                 verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
-        return sample_all(self._by_seq, logits) | verified
+        return draw_all(self._by_seq, logits), verified
 
     def clear(self) -> None:
         self._by_seq.clear()
@@ -213,8 +256,13 @@ def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
-    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation,
-    and their masks one ``where`` (per row, it would cost more than the grammar's own work)."""
+    """Each sequence's token from its logits, on the host."""
+    return read(draw_all(samplers, logits))
+
+
+def draw_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Draw]:
+    """Draw each sequence's token with its own sampler, lazily; plain greedy rows share one argmax, and their masks
+    one ``where`` (per row, it would cost more than the grammar's own work)."""
     allowed, out = _masks(samplers, logits)
     plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
@@ -223,17 +271,12 @@ def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dic
             everything = np.ones(stacked.shape[-1], dtype=np.bool_)
             keep = np.stack([allowed.get(no, everything) for no in plain])
             stacked = mx.where(mx.array(keep), stacked, -mx.inf)
-        tokens = mx.argmax(stacked, axis=-1).tolist()
-        for no, token in zip(plain, tokens, strict=True):
-            out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
+        tokens = mx.argmax(stacked, axis=-1)
+        for i, no in enumerate(plain):
+            out[no] = Draw(samplers[no], tokens[i])
     for no, row in logits.items():
         if no not in out:
-            out[no] = samplers[no](row, mx.array(allowed[no]) if no in allowed else None)
-    for no in allowed:
-        constraint = samplers[no].params.constraint
-        assert constraint is not None
-        if (error := constraint.advance(out[no].token)) is not None:
-            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
+            out[no] = samplers[no].draw(row, mx.array(allowed[no]) if no in allowed else None)
     return out
 
 
@@ -247,7 +290,7 @@ def _mask(logits: mx.array, allowed: mx.array) -> mx.array:
 Masks = dict[int, np.ndarray]  # sequence -> which tokens it may sample next
 
 
-def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Sampled]]:
+def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Draw]]:
     """Each constrained row's allowed tokens, and the rows whose constraint allows none (they end in error)."""
     rows = [(no, c) for no in logits if (c := samplers[no].params.constraint) is not None]
     if not rows:
@@ -257,7 +300,7 @@ def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[M
     failed = {}
     for i, (no, constraint) in enumerate(rows):
         if (error := constraint.fill(bits[i, : constraint.words])) is not None:
-            failed[no] = Sampled(0, NOT_ASKED, error=error)
+            failed[no] = Draw(samplers[no], mx.array(0), error=error)
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(np.bool_)
     if unpacked.shape[1] < width:  # ids past the grammar's vocabulary are never allowed
         unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))
