@@ -80,19 +80,20 @@ def time_neuron(rank: Rank, batch: int, steps: int) -> float:
     """Median ms of rank 0's step plus greedy sampling, ``batch`` sequences decoding together."""
     from neuron.rpc import Decode, Prefill, StepPlan
     from neuron.sampling_params import SamplingParams
+    from neuron.step import Start, Step
     from neuron.tp.sampler import Samplers
 
     rank.clear_kv_cache()
     samplers = Samplers()
     plan = StepPlan(prefill=[Prefill(s, 0, prompt(), True, [], False) for s in range(batch)])
-    greedy = {s: SamplingParams(temperature=0.0) for s in range(batch)}
-    out = samplers.step(plan, greedy, rank.step(plan) or {}, {})
+    greedy = {s: Start(SamplingParams(temperature=0.0)) for s in range(batch)}
+    out = samplers.step(Step(plan, greedy), rank.step(plan) or {})
     tokens = {s: out[s].token for s in range(batch)}
     times = []
     for _ in range(steps):
         plan = StepPlan(decode=[Decode(s, tokens[s], 0, [], 0) for s in range(batch)])
         started = time.perf_counter()
-        out = samplers.step(plan, {}, rank.step(plan) or {}, {})
+        out = samplers.step(Step(plan), rank.step(plan) or {})
         times.append(time.perf_counter() - started)
         tokens = {s: out[s].token for s in range(batch)}
     return statistics.median(times) * 1e3

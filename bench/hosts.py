@@ -50,16 +50,18 @@ def pooled(model: str, hostfile: str, ssh_command: str, tokens: int) -> dict[str
     from neuron.pool import Layout, Pool
     from neuron.rpc import Decode, Prefill, StepPlan
     from neuron.sampling_params import SamplingParams
+    from neuron.step import Start, Step
 
     async def run() -> dict[str, float]:
         launcher = Launcher(read_hostfile(hostfile), ssh_command)
         async with Pool(model, Layout(launcher), model=model) as pool:
             await pool.load()
-            sampled = await pool.step(StepPlan(prefill=[Prefill(1, 0, PROMPT, True)]), {1: SamplingParams()})
+            first = Step(StepPlan(prefill=[Prefill(1, 0, PROMPT, True)]), {1: Start(SamplingParams())})
+            sampled = await pool.step(first)
             token = sampled[1].token
             parts: dict[str, list[float]] = {"total": [], "fan_out": [], "rank0": [], "drain": []}
             for _ in range(tokens):
-                token = (await pool.step(StepPlan(decode=[Decode(1, token, 0)]), {}))[1].token
+                token = (await pool.step(Step(StepPlan(decode=[Decode(1, token, 0)]))))[1].token
                 timing = pool._fan_out.timing
                 for name in parts:
                     parts[name].append(getattr(timing, name))

@@ -51,7 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Speculation (engine.speculate). ``num_draft_tokens`` is mlx-lm's per-request name: at most this many draft
+    # Speculation (engine.drafts). ``num_draft_tokens`` is mlx-lm's per-request name: at most this many draft
     # tokens per step, 0 for none; None: the server's setting. ``prediction``: OpenAI's predicted output text.
     num_draft_tokens: int | None = None
     prediction: str = ""

@@ -130,6 +130,7 @@ class Worker:
             case rpc.GenerateStep(id=id, plan=plan):
                 state = self._joined()
                 state.step(plan)
+                state.run_ahead(plan)  # queued, not waited for: the reply goes at once
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:

@@ -22,38 +22,38 @@ from neuron.models import ModelError
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
+from neuron.step import Start, Step
 
 PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
-GREEDY = {1: SamplingParams()}
 
 
-def start(prompt: list[int]) -> StepPlan:
-    """Sequence number 1's whole prompt in one step."""
-    return StepPlan(prefill=[Prefill(1, 0, prompt, True)])
+def start(prompt: list[int]) -> Step:
+    """Sequence number 1's whole prompt in one step, sampled greedily."""
+    return Step(StepPlan(prefill=[Prefill(1, 0, prompt, True)]), {1: Start(SamplingParams())})
 
 
-def follow(token: int) -> StepPlan:
+def follow(token: int) -> Step:
     """Sequence number 1 decodes ``token``."""
-    return StepPlan(decode=[Decode(1, token, 0)])
+    return Step(StepPlan(decode=[Decode(1, token, 0)]))
 
 
 async def greedy(pool: Pool, prompt: list[int], count: int) -> list[int]:
     """One sequence (number 1): its prompt, then one token per step."""
     await pool.clear_kv_cache()
-    tokens = [(await pool.step(start(prompt), GREEDY))[1].token]
+    tokens = [(await pool.step(start(prompt)))[1].token]
     while len(tokens) < count:
-        tokens.append((await pool.step(follow(tokens[-1]), {}))[1].token)
+        tokens.append((await pool.step(follow(tokens[-1])))[1].token)
     return tokens
 
 
 async def greedy_timed(pool: Pool, prompt: list[int], count: int) -> list[float]:
     """Like ``greedy``; returns each decode step's seconds."""
     await pool.clear_kv_cache()
-    token = (await pool.step(start(prompt), GREEDY))[1].token
+    token = (await pool.step(start(prompt)))[1].token
     seconds = []
     for _ in range(count):
         started = time.perf_counter()
-        token = (await pool.step(follow(token), {}))[1].token
+        token = (await pool.step(follow(token)))[1].token
         seconds.append(time.perf_counter() - started)
     return seconds
 
@@ -63,7 +63,7 @@ async def spawn(model: str, world_size: int) -> dict[str, Any]:
     async with Pool(model, Layout.local(world_size)) as pool:
         pids = [w.pid for w in pool.workers]
         try:
-            await pool.step(start([1, 2]), GREEDY)
+            await pool.step(start([1, 2]))
             step_error = ""
         except PoolError as e:
             step_error = f"broken={e.broken}: {e}"
@@ -107,7 +107,7 @@ async def impossible_plan(model: str, count: int) -> dict[str, Any]:
     async with Pool(model, Layout.local(2)) as pool:
         await pool.load()
         try:
-            await pool.step(StepPlan(decode=[Decode(42, 7, 0), Decode(43, 8, 0)]), {})
+            await pool.step(Step(StepPlan(decode=[Decode(42, 7, 0), Decode(43, 8, 0)])))
             failure = {}
         except PoolError as e:
             failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
@@ -120,11 +120,11 @@ async def one_rank_disagrees(model: str, count: int) -> dict[str, Any]:
     or rank 1 would wait inside them until the deadline."""
     async with Pool(model, Layout.local(2), Deadlines(step=30)) as pool:
         await pool.load()
-        first = (await pool.step(start(PROMPT), GREEDY))[1]
+        first = (await pool.step(start(PROMPT)))[1]
         await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
         started = time.monotonic()
         try:
-            await pool.step(follow(first.token), {})
+            await pool.step(follow(first.token))
             failure = {}
         except PoolError as e:
             failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
@@ -146,7 +146,7 @@ async def kill_mid_step(model: str) -> dict[str, Any]:
 
         async def long_step() -> None:
             try:
-                await pool.step(start(list(range(3, 200)) * 10), GREEDY)
+                await pool.step(start(list(range(3, 200)) * 10))
             except PoolError as e:
                 outcome["failures"] = {str(r): m for r, m in e.failures.items()}
                 outcome["broken"] = e.broken

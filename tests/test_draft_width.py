@@ -1,6 +1,6 @@
 """The batch's cost rule for drafts: which width a micro-batch is fed, and the step-time model it weighs.
 
-No process, no model: the rule (``engine.speculate.width``), the cost model the engine fits (``StepCost``), each
+No process, no model: the rule (``engine.drafts.width``), the cost model the engine fits (``StepCost``), each
 sequence's acceptance estimate, and the scheduler's plans that apply them. Milliseconds each.
 """
 
@@ -9,10 +9,9 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from test_scheduler import LETTERS
 
-from neuron.engine.scheduler import Limits, Scheduler
-from neuron.engine.sequence import Sequence, StopText
-from neuron.engine.speculate import (
+from neuron.engine.drafts import (
     LOOKUP_PRIOR,
     MAX_K,
     PREDICTION_PRIOR,
@@ -23,6 +22,8 @@ from neuron.engine.speculate import (
     expected_kept,
     width,
 )
+from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.sequence import Sequence, StopText
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 
 CPU = StepCost()  # the prior: compute-bound, about 50 ms at batch 1 and 95 at batch 8
@@ -119,10 +120,11 @@ def _sequence(prompt: list[int], max_tokens: int = 100) -> Sequence:
 
 
 def _step(s: Scheduler, token: int) -> list:
-    plan = s.plan()
-    assert plan is not None
+    step = s.plan()
+    assert step is not None
+    plan = step.plan
     having = [c.seq for c in plan.prefill if c.last] + [r.seq for r in plan.decode]
-    s.apply(plan, {seq: Sampled(token, NOT_ASKED) for seq in having})
+    s.apply(step, {seq: Sampled(token, NOT_ASKED) for seq in having}, LETTERS, 1.0)
     return plan.decode
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 
+from test_scheduler import LETTERS
+
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import Sequence, StopText
@@ -78,25 +80,26 @@ def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() ->
     first = request([10, 11, 12, 13, 14, 15])
     s.add(first)
     s.admit()
-    plan = s.plan()
-    assert plan is not None and plan.restore == [] and plan.save == []  # the prompt does not end in this step
-    s.apply(plan, {})
-    plan = s.plan()
-    assert plan is not None and plan.save == [Save(first.no, 1)] and plan.prefill[0].last
-    s.apply(plan, {first.no: Sampled(7, NOT_ASKED)})
+    step = s.plan()
+    assert step is not None and step.plan.restore == [] and step.plan.save == []  # the prompt does not end yet
+    s.apply(step, {}, LETTERS, 1.0)
+    step = s.plan()
+    assert step is not None and step.plan.save == [Save(first.no, 1)] and step.plan.prefill[0].last
+    s.apply(step, {first.no: Sampled(7, NOT_ASKED)}, LETTERS, 1.0)
 
     # The next turn: the whole first prompt is restored, and only what follows it counts against the chunk budget.
     second = request([10, 11, 12, 13, 14, 15, 7, 16, 17], repetition_penalty=1.2)
     s.add(second)
     s.admit()
-    plan = s.plan()
-    assert plan is not None
+    step = s.plan()
+    assert step is not None
+    plan = step.plan
     assert plan.restore == [Restore(second.no, 1, 6)]
     assert plan.prefill[0] == Prefill(second.no, 6, [7, 16, 17], True)
     assert plan.save == [Save(second.no, 2)] and plan.evict == [Evict(1)]  # the longer prompt covers the first
-    assert s.joining(plan)[second.no].repetition_penalty == 1.2
-    assert s.restored(plan) == {second.no: [10, 11, 12, 13, 14, 15]}  # the penalties still see them
-    s.apply(plan, {first.no: Sampled(8, NOT_ASKED), second.no: Sampled(9, NOT_ASKED)})
+    assert step.starts[second.no].params.repetition_penalty == 1.2
+    assert step.starts[second.no].recent == (10, 11, 12, 13, 14, 15)  # the penalties still see them
+    s.apply(step, {first.no: Sampled(8, NOT_ASKED), second.no: Sampled(9, NOT_ASKED)}, LETTERS, 1.0)
     assert second.cached == 6 and second.fed == 9
 
 
@@ -108,6 +111,7 @@ def test_no_plan_restores_an_entry_it_saves() -> None:
     for seq in (a, b):
         s.add(seq)
     s.admit()
-    plan = s.plan()
-    assert plan is not None and plan.restore == []
+    step = s.plan()
+    assert step is not None and step.plan.restore == []
+    plan = step.plan
     assert [save.seq for save in plan.save] == [a.no, b.no] and plan.evict == [Evict(1)]

@@ -70,10 +70,11 @@ def _step_line(**fields: object) -> bytes:
     plan = {
         "leave": [],
         "prefill": [chunk],
-        "decode": [{"seq": 2, "token": 1, "group": 0, "draft": [4, 5], "drop": 1}],
+        "decode": [{"seq": 2, "token": 1, "micro_batch": 0, "draft": [4, 5], "drop": 1}],
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
         "save": [{"seq": 1, "entry": 4}],
         "evict": [{"entry": 3}],
+        "ahead": False,
     }
     return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
 

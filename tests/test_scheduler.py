@@ -10,10 +10,11 @@ import itertools
 
 import pytest
 
-from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.scheduler import Delivery, Limits, Scheduler
 from neuron.engine.sequence import Overloaded, Sequence, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+from neuron.step import Start, Step
 
 EOS = 2
 _numbers = itertools.count(1)
@@ -35,10 +36,32 @@ def admitted(s: Scheduler, *seqs: Sequence) -> None:
     assert s.admit() == list(seqs)
 
 
+class Letters:
+    """The scheduler's detokenizer, with token t as the letter chr(t) (``engine.text.Text`` does this with a real
+    tokenizer): stop strings are found by the sequence's own ``StopText``, as in the engine."""
+
+    def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
+        return seq.stop.push(chr(token))
+
+    def finish(self, seq: Sequence) -> tuple[str, bool]:
+        return seq.stop.flush(), False
+
+
+LETTERS = Letters()
+
+
+def next_step(s: Scheduler) -> Step:
+    step = s.plan()
+    assert step is not None
+    return step
+
+
 def next_plan(s: Scheduler) -> StepPlan:
-    plan = s.plan()
-    assert plan is not None
-    return plan
+    return next_step(s).plan
+
+
+def apply(s: Scheduler, step: Step, sampled: dict[int, Sampled]) -> list[Delivery]:
+    return s.apply(step, sampled, LETTERS, 1.0)
 
 
 def run(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) -> StepPlan:
@@ -47,10 +70,13 @@ def run(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) ->
     return run_delivering(s, tokens, default)[0]
 
 
-def run_delivering(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) -> tuple[StepPlan, list]:
-    plan = next_plan(s)
+def run_delivering(
+    s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7
+) -> tuple[StepPlan, list[Delivery]]:
+    step = next_step(s)
+    plan = step.plan
     having = [c.seq for c in plan.prefill if c.last] + [r.seq for r in plan.decode]
-    return plan, s.apply(plan, {seq: Sampled((tokens or {}).get(seq, default), NOT_ASKED) for seq in having})
+    return plan, apply(s, step, {seq: Sampled((tokens or {}).get(seq, default), NOT_ASKED) for seq in having})
 
 
 def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
@@ -61,7 +87,8 @@ def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
     assert s.admit() == [a, b]
     assert list(s.waiting) == [c]
     assert s.admit() == []  # no place until one leaves
-    s.remove(a)
+    s.cancel(a)
+    s.drop_cancelled()
     assert s.admit() == [c]
 
 
@@ -115,11 +142,10 @@ def test_only_sequences_starting_in_the_plan_hand_their_sampling_to_rank_0() -> 
     s = scheduler(prefill_chunk=4)
     a = request(6, temperature=0.5, seed=3)
     admitted(s, a)
-    plan = next_plan(s)
-    assert s.joining(plan) == {a.no: a.params}
-    s.apply(plan, {})
-    plan = next_plan(s)
-    assert s.joining(plan) == {}
+    step = next_step(s)
+    assert step.starts == {a.no: Start(a.params)}
+    apply(s, step, {})
+    assert next_step(s).starts == {}
 
 
 def test_a_finished_sequence_leaves_at_the_next_step_boundary() -> None:
@@ -130,20 +156,53 @@ def test_a_finished_sequence_leaves_at_the_next_step_boundary() -> None:
     run(s)  # both prompts: a's first token
     _, deliveries = run_delivering(s)
     assert [(d.seq, d.finish) for d in deliveries] == [(a, "length"), (b, None)]
-    s.remove(a)
+    assert s.running == [b]  # the scheduler took it out: nobody else decides an ending
     plan = next_plan(s)
     assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
     run(s)
-    assert s.plan().leave == []  # type: ignore[union-attr]  # said once
+    assert next_plan(s).leave == []  # said once
 
 
 def test_end_of_sequence_finishes_without_counting_a_token() -> None:
     s = scheduler()
     a = request(2)
     admitted(s, a)
-    plan = next_plan(s)
-    (delivery,) = s.apply(plan, {a.no: Sampled(EOS, NOT_ASKED)})
+    (delivery,) = apply(s, next_step(s), {a.no: Sampled(EOS, NOT_ASKED)})
     assert delivery.finish == "stop" and delivery.first and a.completion_tokens == 0
+    assert delivery.text is None  # not part of the text
+
+
+def test_a_stop_string_ends_the_sequence_inside_a_kept_draft_and_the_rest_is_not_delivered() -> None:
+    s = scheduler()
+    a = Sequence("r", next(_numbers), [10, 11], 100, SamplingParams(), StopText(("cd",)))
+    admitted(s, a)
+    run(s, default=ord("a"))
+    step = next_step(s)
+    run_of = Sampled(
+        ord("b"),
+        NOT_ASKED,
+        more=(Sampled(ord("c"), NOT_ASKED), Sampled(ord("d"), NOT_ASKED), Sampled(ord("e"), NOT_ASKED)),
+    )
+    deliveries = apply(s, step, {a.no: run_of})
+    assert [(d.text, d.finish) for d in deliveries] == [("b", None), ("", None), ("", "stop")]
+    assert s.running == [] and s.leaving == [a.no]
+
+
+def test_the_last_token_max_tokens_allows_ends_with_length_and_releases_what_was_held() -> None:
+    s = scheduler()
+    a = Sequence("r", next(_numbers), [10], 2, SamplingParams(), StopText(("xy",)))
+    admitted(s, a)
+    run(s, default=ord("a"))
+    (delivery,) = run_delivering(s, default=ord("x"))[1]
+    assert (delivery.text, delivery.finish, delivery.tail) == ("", "length", "x")
+
+
+def test_a_constraint_error_ends_the_sequence_with_an_error() -> None:
+    s = scheduler()
+    a = request(2)
+    admitted(s, a)
+    (delivery,) = apply(s, next_step(s), {a.no: Sampled(0, NOT_ASKED, error="dead end")})
+    assert delivery.finish == "error" and delivery.text is None and s.running == []
 
 
 def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks() -> None:
@@ -153,7 +212,7 @@ def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks(
     run(s)  # the budget went to a; b was admitted but none of its prompt reached a rank
     assert b.fed == 0
     s.cancel(b)
-    assert s.drop_cancelled() == [b]
+    assert s.drop_cancelled() == [(b, 0)]
     plan = next_plan(s)
     assert b.no not in plan.leave  # no rank holds it: naming it would be a desync
 
@@ -164,7 +223,8 @@ def test_a_cancelled_running_sequence_is_dropped_at_the_boundary_and_named_to_th
     admitted(s, a, b)
     run(s)
     assert s.cancel(a) is False  # admitted: it waits for the step boundary
-    assert s.drop_cancelled() == [a]
+    run(s)
+    assert s.drop_cancelled() == [(a, 1)]  # one step ran after its caller left
     plan = next_plan(s)
     assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
 
@@ -173,20 +233,21 @@ def test_a_sequence_taken_out_mid_step_gets_no_token() -> None:
     s = scheduler()
     a = request(2)
     admitted(s, a)
-    plan = next_plan(s)
+    step = next_step(s)
     s.clear()  # a shutdown failed everything while the step ran
-    assert s.apply(plan, {a.no: Sampled(5, NOT_ASKED)}) == []
+    assert apply(s, step, {a.no: Sampled(5, NOT_ASKED)}) == []
     assert a.completion_tokens == 0
 
 
 def test_nothing_admitted_means_no_plan_but_the_departures_are_kept() -> None:
     s = scheduler()
     assert s.plan() is None
-    a = request(2)
+    a = request(2, max_tokens=1)
     admitted(s, a)
     run(s)
-    s.remove(a)
-    assert s.plan() is None and s.leaving == [a.no]  # the engine clears every rank's cache instead
+    assert s.plan() is None and s.leaving == [a.no]
+    assert s.release_leaving() and s.leaving == []  # the engine clears every rank's cache instead
+    assert not s.release_leaving()
 
 
 def test_chunk_positions_continue_across_steps_for_every_prompt() -> None:
@@ -210,16 +271,15 @@ def test_micro_batches_are_filled_evenly_and_a_sequence_keeps_its_own() -> None:
     seqs = [request(2) for _ in range(5)]
     admitted(s, *seqs)
     run(s)  # every prompt ends: each joins the emptier micro-batch, the first of them on a tie
-    assert [seq.group for seq in seqs] == [0, 1, 0, 1, 0]
+    assert [seq.micro_batch for seq in seqs] == [0, 1, 0, 1, 0]
     plan = next_plan(s)
-    assert [(row.seq, row.group) for row in plan.decode] == [(seq.no, seq.group) for seq in seqs]
-    s.remove(seqs[0])
-    s.remove(seqs[2])  # micro-batch 0 keeps one, 1 has two
+    assert [(row.seq, row.micro_batch) for row in plan.decode] == [(seq.no, seq.micro_batch) for seq in seqs]
+    run(s, {seqs[0].no: EOS, seqs[2].no: EOS})  # micro-batch 0 keeps one, 1 has two
     late = request(2)
     admitted(s, late)
     run(s)
     run(s)
-    assert late.group == 0 and seqs[1].group == 1  # the newcomer evens them out; nobody moves
+    assert late.micro_batch == 0 and seqs[1].micro_batch == 1  # the newcomer evens them out; nobody moves
 
 
 def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() -> None:
@@ -233,11 +293,11 @@ def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() ->
     assert s.admit() == [original, copy, other]
     first = run(s)
     assert first.prefill == [Prefill(original.no, 0, original.prompt[:3], False)]
-    second = next_plan(s)
+    second = next_step(s)
     # Only the original's prompt is computed; its last chunk names the copy, which gets logits of its own.
-    assert second.prefill[0] == Prefill(original.no, 3, original.prompt[3:], True, [copy.no])
-    assert s.joining(second)[copy.no] is copy.params
-    delivered = s.apply(second, {original.no: Sampled(7, NOT_ASKED), copy.no: Sampled(8, NOT_ASKED)})
+    assert second.plan.prefill[0] == Prefill(original.no, 3, original.prompt[3:], True, [copy.no])
+    assert second.starts[copy.no] == Start(copy.params, tuple(copy.prompt))  # its penalties see the shared prompt
+    delivered = apply(s, second, {original.no: Sampled(7, NOT_ASKED), copy.no: Sampled(8, NOT_ASKED)})
     assert [(d.seq, d.sampled.token, d.first) for d in delivered] == [(original, 7, True), (copy, 8, True)]
     assert s.running == [original, copy] and copy.fed == 5
     assert [r.seq for r in run(s).decode] == [original.no, copy.no]
@@ -249,3 +309,24 @@ def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
     original.copies = copies
     s.add(original)
     assert s.admit() == []
+
+
+def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> None:
+    s = scheduler(max_batch=2)
+    a = request(2)
+    admitted(s, a)
+    assert not next_plan(s).ahead  # a prompt is fed
+    run(s)
+    assert next_plan(s).ahead  # a decodes alone, nobody waits
+    s.add(request(2))
+    assert not next_plan(s).ahead  # the newcomer joins next step
+    s.admit()
+    run(s)
+    run(s)
+    last = request(2, max_tokens=1)
+    s.add(last)  # waits: no place
+    assert next_plan(s).ahead
+    short = scheduler()
+    admitted(short, request(2, max_tokens=2))
+    run(short)
+    assert not next_plan(short).ahead  # its last token comes with this step

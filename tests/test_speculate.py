@@ -17,7 +17,7 @@ import pytest
 from closeness import NEAR_TIE, TOP, Scored, assert_all_same, assert_same, exact
 from conftest import Server, serving
 
-from neuron.engine.speculate import Proposer, lookup
+from neuron.engine.drafts import Proposer, lookup
 
 # Repetitive prompts: prompt lookup finds drafts in them, and the tiny models repeat themselves too.
 PROMPTS = [
@@ -170,7 +170,7 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from neuron.tp.speculate import drop_tail
+    from neuron.tp.rollback import drop_tail
 
     def caches() -> list[BatchKVCache]:
         mx.random.seed(0)

@@ -36,14 +36,14 @@ from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import Sequence, Unavailable
-from neuron.engine.speculate import rows_fed
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
-from neuron.log import ms_since, progress, trace
+from neuron.log import progress, trace
 from neuron.models import ModelError, read_config, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
+from neuron.step import Start, Step
 
 log = structlog.get_logger("neuron.engine")
 
@@ -198,17 +198,16 @@ class Engine:
                 await anyio.sleep(REPROBE_S)
                 self._probe_failed = False
                 continue
-            for seq in scheduler.drop_cancelled():
-                self.output.cancelled(seq, scheduler.steps - (seq.cancelled_at or 0))
+            for seq, steps_after in scheduler.drop_cancelled():
+                self.output.cancelled(seq, steps_after)
             for seq in scheduler.admit():
                 self.output.started(seq)
-            plan = scheduler.plan()
-            if plan is not None:
-                await self._step(plan)
+            step = scheduler.plan()
+            if step is not None:
+                await self._step(step)
                 continue
-            if scheduler.leaving:
+            if scheduler.release_leaving():
                 # Nothing left to run: one clear frees every rank's caches at once (the prefix cache stays).
-                scheduler.leaving.clear()
                 await self._clear_cache(prefixes=False)
             if not scheduler.waiting:
                 self._idle.set()
@@ -216,10 +215,11 @@ class Engine:
                 self._busy_since = None
                 await self._wakeup.wait()
 
-    async def _step(self, plan: StepPlan) -> None:
+    async def _step(self, step: Step) -> None:
         started = time.perf_counter()
+        plan = step.plan
         try:
-            sampled = await self.pool.step(plan, self.scheduler.joining(plan), self.scheduler.restored(plan))
+            sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
             self._unready(e)
@@ -228,29 +228,25 @@ class Engine:
             with anyio.CancelScope(shield=True):
                 await self._clear_cache(prefixes=True)
             return
+        ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
-        cost, fed = self.scheduler.cost, rows_fed(plan.decode)
-        if fed and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
-            cost.observe(fed, (time.perf_counter() - started) * 1000)
+        deliveries = self.scheduler.apply(step, sampled, self.text, ms)
+        cost = self.scheduler.cost
         trace(
             log,
             "step",
             decode_rows=len(plan.decode),
-            rows_fed=fed,
+            rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
-            ms=ms_since(started),
+            ms=round(ms, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
         )
-        for delivery in self.scheduler.apply(plan, sampled):
-            if delivery.seq.finished:  # a stop string ended it earlier in the same step's kept draft
-                continue
-            if self.output.deliver(delivery):
-                self.scheduler.remove(delivery.seq)
+        for delivery in deliveries:
+            self.output.deliver(delivery)
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
-            seq.cancelled_at = self.scheduler.steps
             self.output.failed(seq, kind, message)
 
     # Health.
@@ -273,7 +269,7 @@ class Engine:
             self.prefix.clear()
         try:
             await self.pool.clear_kv_cache()
-            await self.pool.step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {})
+            await self.pool.step(Step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {0: Start(SamplingParams())}))
             await self.pool.clear_kv_cache()
         except PoolError as e:
             self._unready(e)

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from neuron.engine.drafts import MAX_K, Proposer
 from neuron.engine.scheduler import Limits
 from neuron.engine.sequence import RequestError, Sequence, StopText
-from neuron.engine.speculate import MAX_K, Proposer
 from neuron.sampling_params import SamplingParams
 
 

@@ -1,5 +1,8 @@
-"""From what a step sampled to what each request's reader gets: text chunks, a finish, and the request's logs
-and metrics along the way (started, prefill done, decode done, request done or cancelled)."""
+"""What each request's reader gets: text chunks and a finish, rendered from the scheduler's deliveries, and the
+request's logs and metrics along the way (started, prefill done, decode done, request done or cancelled).
+
+It decides nothing: whether a token is text and whether it ends its sequence is the scheduler's call
+(``Scheduler.apply``)."""
 
 from __future__ import annotations
 
@@ -28,20 +31,20 @@ class Output:
         metrics.PROMPT_TOKENS.inc(len(seq.prompt))
         log.info(
             "request started",
-            request_id=seq.id,
+            request_id=seq.request_id,
             prompt_tokens=len(seq.prompt),
             max_tokens=seq.max_tokens,
             temperature=seq.params.temperature,
             top_p=seq.params.top_p,
         )
 
-    def deliver(self, delivery: Delivery) -> bool:
-        """Emit one sampled token's text, or the sequence's finish; True when the sequence has finished."""
+    def deliver(self, delivery: Delivery) -> None:
+        """Render what the scheduler decided for one token: its text, and the sequence's finish if it ended."""
         seq, sampled = delivery.seq, delivery.sampled
         if delivery.first:
             log.info(
                 "prefill done",
-                request_id=seq.id,
+                request_id=seq.request_id,
                 prompt_tokens=len(seq.prompt),
                 cached_tokens=seq.cached,
                 ms=ms_since(seq.started),
@@ -49,40 +52,26 @@ class Output:
             if self.prefix_cache:
                 (metrics.PREFIX_HITS if seq.cached else metrics.PREFIX_MISSES).inc()
                 metrics.PREFIX_CACHED_TOKENS.inc(seq.cached)
-        if sampled.error is not None:
-            log.warning("constraint failed", request_id=seq.id, error=sampled.error)
-            self.failed(seq, "constraint", sampled.error)
-            return True
-        if delivery.first:
-            seq.prompt_logprobs = sampled.prompt
-        if seq.max_tokens == 0:
-            self.finish(seq, "length")
-            return True
-        if delivery.finish == "stop":  # the end-of-sequence token: not part of the text
-            self.finish(seq, "stop")
-            return True
-        metrics.COMPLETION_TOKENS.inc()
-        if seq.completion_tokens == 1:
-            seq.first_token_at = time.perf_counter()
-            metrics.TIME_TO_FIRST_TOKEN.observe(seq.first_token_at - seq.submitted)
-        text, stopped = self.text.push(seq, sampled.token)
-        seq.emit(Chunk(sampled.token, text, sampled.logprob, sampled.top))
-        if stopped:
-            self.finish(seq, "stop", tail="")
-        elif delivery.finish is not None:
-            self.finish(seq, delivery.finish)
-        return stopped or delivery.finish is not None
+        if delivery.finish == "error":
+            log.warning("constraint failed", request_id=seq.request_id, error=sampled.error)
+            self.failed(seq, "constraint", sampled.error or "the output constraint failed")
+            return
+        if delivery.text is not None:
+            metrics.COMPLETION_TOKENS.inc()
+            if not seq.first_token_at:
+                seq.first_token_at = time.perf_counter()
+                metrics.TIME_TO_FIRST_TOKEN.observe(seq.first_token_at - seq.submitted)
+            seq.emit(Chunk(sampled.token, delivery.text, sampled.logprob, sampled.top))
+        if delivery.finish is not None:
+            self.finish(seq, delivery.finish, delivery.tail)
 
-    def finish(self, seq: Sequence, reason: str, tail: str | None = None) -> None:
-        """End ``seq``: release the text held back (unless a stop string already ended it), and say why."""
-        if tail is None:
-            tail, stopped = self.text.finish(seq)
-            reason = "stop" if stopped else reason
+    def finish(self, seq: Sequence, reason: str, tail: str) -> None:
+        """End ``seq`` with the text held back until now, and say why."""
         proposed, accepted = (seq.proposer.proposed, seq.proposer.accepted) if seq.proposer else (0, 0)
         if seq.first_token_at:
             log.info(
                 "decode done",
-                request_id=seq.id,
+                request_id=seq.request_id,
                 tokens=seq.completion_tokens,
                 ms=ms_since(seq.first_token_at),
                 proposed_tokens=proposed,
@@ -92,7 +81,7 @@ class Output:
         metrics.SPECULATIVE_ACCEPTED.inc(accepted)
         log.info(
             "request done",
-            request_id=seq.id,
+            request_id=seq.request_id,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.completion_tokens,
             finish_reason=reason,
@@ -112,7 +101,7 @@ class Output:
         if seq.started:
             log.info(
                 "request cancelled",
-                request_id=seq.id,
+                request_id=seq.request_id,
                 completion_tokens=seq.completion_tokens,
                 steps_after_cancel=steps_after_cancel,
                 ms=ms_since(seq.started),

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
+from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Overloaded, Sequence
-from neuron.engine.speculate import StepCost, width
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
-from neuron.sampling_params import PENALTY_WINDOW, Sampled, SamplingParams
+from neuron.sampling_params import PENALTY_WINDOW, Sampled
+from neuron.step import Start, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,23 +41,38 @@ class Limits:
     micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
     prefix_cache_bytes: int = 0  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
-    speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.speculate); "off": none
+    speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
+
+
+class Detokenizer(Protocol):
+    """Turns a sequence's tokens into text (``engine.text.Text``): what each releases, and whether a stop string
+    ended it. The scheduler asks it, token by token, because whether a token ends the sequence decides whether the
+    next one is text at all."""
+
+    def push(self, seq: Sequence, token: int) -> tuple[str, bool]: ...
+
+    def finish(self, seq: Sequence) -> tuple[str, bool]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """A token sampled for ``seq`` in a step, and whether it ends the sequence.
+    """What one step gave ``seq``: a token and the text it released, and how the sequence ends, if it does.
 
-    ``finish`` is ``"stop"`` for an end-of-sequence token (which is not part of
-    the text), ``"length"`` for the last token ``max_tokens`` allows, else None.
-    ``first`` marks the token sampled from the end of the prompt. ``"error"``: the
-    sequence's output constraint failed (``sampled.error``); it ends with that error.
+    ``text`` is None when the token is not part of the output: an end-of-sequence
+    token, a constraint's dead end, a prompt scored with ``max_tokens`` 0.
+    ``finish`` is ``"stop"`` (an end-of-sequence token or a stop string),
+    ``"length"``, or ``"error"`` (``sampled.error``: the output constraint
+    failed); None while it goes on. ``tail`` is the text held back until the
+    end (a partial character, a stop string's possible start), released with
+    the finish. ``first`` marks the token sampled from the end of the prompt.
     """
 
     seq: Sequence
     sampled: Sampled
+    text: str | None
     finish: str | None
     first: bool
+    tail: str = ""
 
 
 class Scheduler:
@@ -70,7 +87,7 @@ class Scheduler:
         self.filling: list[Sequence] = []  # admitted, prompt being fed
         self.running: list[Sequence] = []  # decoding, in batch order
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
-        self.cost = StepCost()  # what a decode step costs, for the drafts' width; the engine refines it
+        self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
 
     @property
     def batch(self) -> tuple[Sequence, ...]:
@@ -97,12 +114,13 @@ class Scheduler:
             return True
         return False
 
-    def drop_cancelled(self) -> list[Sequence]:
-        """Take the cancelled sequences out of the batch (they leave in the next plan); returns them."""
+    def drop_cancelled(self) -> list[tuple[Sequence, int]]:
+        """Take the cancelled sequences out of the batch (they leave in the next plan); returns each with the steps
+        it ran after its caller went away."""
         dropped = [seq for seq in self.batch if seq.cancelled_at is not None]
         for seq in dropped:
-            self.remove(seq)
-        return dropped
+            self._remove(seq)
+        return [(seq, self.steps - (seq.cancelled_at or 0)) for seq in dropped]
 
     def admit(self) -> list[Sequence]:
         """Move waiting requests into the batch, in arrival order, while it has places; returns them."""
@@ -113,15 +131,23 @@ class Scheduler:
             admitted += [seq, *seq.copies]
         return admitted
 
-    def plan(self) -> StepPlan | None:
-        """The next step: who leaves, which prompt chunks are fed, every running sequence's next input.
+    def release_leaving(self) -> bool:
+        """With nothing to run: forget who leaves, since clearing every rank's sequences at once drops them all;
+        True when there was someone, and so a clear is owed."""
+        owed = bool(self.leaving)
+        self.leaving.clear()
+        return owed
+
+    def plan(self) -> Step | None:
+        """The next step: who leaves, which prompt chunks are fed, every running sequence's next input, and how
+        each sequence it starts is sampled.
 
         None when nothing is admitted (``leaving`` may still name sequences to drop).
         """
         if not self.filling and not self.running:
             return None
         budget = self.limits.prefill_chunk
-        prefill, restore = [], []
+        prefill, restore, starts = [], [], {}
         for seq in self.filling:
             if budget <= 0:
                 break
@@ -133,46 +159,42 @@ class Scheduler:
             if start == 0 and prefix is not None and (hit := prefix.lookup(seq.prompt)) is not None:
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
                 start = hit.tokens  # restored, not computed: outside the budget
+                starts[seq.no] = Start(seq.params, tuple(seq.prompt[max(0, start - PENALTY_WINDOW) : start]))
+            elif start == 0:
+                starts[seq.no] = Start(seq.params)
             take = min(budget, len(seq.prompt) - start)
             end = start + take
             last = end == len(seq.prompt)
-            copies = [c.no for c in seq.copies if c in self.filling] if last else []
-            prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, copies, scores))
+            copies = [c for c in seq.copies if c in self.filling] if last else []
+            for copy in copies:
+                starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
+            prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, [c.no for c in copies], scores))
             budget -= take
         decode = self._decode()
-        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore)
+        ahead = self._steady(prefill, decode)
+        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
         for chunk in prefill:
             if chunk.last and self.prefix is not None and (stored := self.prefix.store(by_no[chunk.seq].prompt)):
                 plan.save.append(Save(chunk.seq, stored.entry))
                 plan.evict.extend(Evict(entry) for entry in stored.evicted)
-        return plan
+        return Step(plan, starts)
 
-    def joining(self, plan: StepPlan) -> dict[int, SamplingParams]:
-        """The sampling parameters of the sequences ``plan`` starts: rank 0 makes their samplers."""
-        by_no = {seq.no: seq for seq in self.filling}
-        restored = {r.seq for r in plan.restore}
-        starting = [
-            no for c in plan.prefill for no in ([c.seq] if c.position == 0 or c.seq in restored else []) + c.copies
-        ]
-        return {no: by_no[no].params for no in starting}
-
-    def restored(self, plan: StepPlan) -> dict[int, list[int]]:
-        """The last prompt tokens each prefix restored by ``plan`` covers: the penalties look at them."""
-        by_no = {seq.no: seq for seq in self.filling}
-        return {r.seq: by_no[r.seq].prompt[max(0, r.tokens - PENALTY_WINDOW) : r.tokens] for r in plan.restore}
-
-    def apply(self, plan: StepPlan, sampled: dict[int, Sampled]) -> list[Delivery]:
-        """What ``plan``'s step did, now that every rank ran it: prompts fed, tokens sampled, in plan order.
+    def apply(self, step: Step, sampled: dict[int, Sampled], text: Detokenizer, ms: float) -> list[Delivery]:
+        """What ``step`` did, now that every rank ran it in ``ms``: prompts fed, tokens sampled, in plan order, and
+        every sequence that ended (it has left the batch: the next plan drops it on every rank).
 
         A sequence missing from the batch was taken out while the step ran
         (cancelled, or failed by a shutdown): its token is not delivered.
         """
+        plan = step.plan
         self.steps += 1
         self.leaving.clear()
         if self.prefix is not None:
             self.prefix.unpin()
+        if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
+            self.cost.observe(plan.rows_fed, ms)
         by_no = {seq.no: seq for seq in self.batch}
         for restore in plan.restore:
             if (seq := by_no.get(restore.seq)) is not None:
@@ -186,36 +208,53 @@ class Scheduler:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
                     copy.fed = len(copy.prompt)
                     self.filling.remove(copy)
-                    copy.group = self._smallest_group()
+                    copy.micro_batch = self._emptiest_micro_batch()
                     self.running.append(copy)
-                    out.append(self._outcome(copy, sampled[copy.no], first=True))
-        widths = {row.group: 0 for row in plan.decode}  # each micro-batch's rows were fed this many tokens
-        for row in plan.decode:
-            widths[row.group] = max(widths[row.group], 1 + len(row.draft))
+                    copy.prompt_logprobs = sampled[copy.no].prompt
+                    out.append(self._outcome(copy, sampled[copy.no], text, first=True))
+        widths = plan.widths()
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is None:
                 continue
             run = [sampled[row.seq], *sampled[row.seq].more]  # the token, then those a kept draft adds
             for one in run:
-                out.append(self._outcome(seq, one, first=False))
+                out.append(self._outcome(seq, one, text, first=False))
                 if out[-1].finish is not None:
                     break
-            seq.drop = widths[row.group] - len(run)  # fed but not kept: the draft's rejected tail, the padding
+            seq.drop = widths[row.micro_batch] - len(run)  # fed but not kept: the draft's rejected tail, the padding
             if seq.proposer is not None:  # what was verified: a draft the width cut is not a miss
                 seq.proposer.update(len(row.draft), len(run) - 1)
+        for delivery in out:
+            if delivery.finish is not None:
+                self._remove(delivery.seq)
         return out
+
+    def _steady(self, prefill: list[Prefill], decode: list[Decode]) -> bool:
+        """Whether the next step will most likely decode the same rows, one token each (the ranks may run it
+        ahead): no prompt fed now or soon, no draft now (a row that drafts now drafts next too, most likely), one
+        micro-batch. A sequence that ends meanwhile just leaves."""
+        if prefill or self.filling or not decode or self.limits.micro_batches != 1:
+            return False
+        if self.waiting and len(self.running) + self.waiting[0].n <= self.limits.max_batch:
+            return False
+        if all(seq.completion_tokens + 1 >= seq.max_tokens for seq in self.running):
+            return False  # every row ends with this step's token: a step ahead would be thrown away
+        return not any(row.draft for row in decode)
 
     def _decode(self) -> list[Decode]:
         """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""
         drafts = {seq.no: self._draft(seq) for seq in self.running}
         share = 1 / self.limits.micro_batches  # each micro-batch's part of the step's fixed time
-        for group in range(self.limits.micro_batches):
-            rows = [seq for seq in self.running if seq.group == group]
+        for micro_batch in range(self.limits.micro_batches):
+            rows = [seq for seq in self.running if seq.micro_batch == micro_batch]
             estimates = [(len(drafts[seq.no]), seq.proposer.acceptance if seq.proposer else 0.0) for seq in rows]
             cut = width(estimates, self.cost, share) - 1
             for seq in rows:
                 drafts[seq.no] = drafts[seq.no][:cut]
-        return [Decode(seq.no, seq.next_token, seq.group, drafts[seq.no], seq.drop) for seq in self.running]
+        return [
+            Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop)  # type: ignore[arg-type]
+            for seq in self.running
+        ]
 
     def _draft(self, seq: Sequence) -> list[int]:
         """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""
@@ -224,38 +263,49 @@ class Scheduler:
         room = seq.max_tokens - seq.completion_tokens - 1
         return seq.proposer.propose(seq.prompt + seq.output, seq.output, room)
 
-    def _smallest_group(self) -> int:
+    def _emptiest_micro_batch(self) -> int:
         """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
         sizes = [0] * self.limits.micro_batches
         for seq in self.running:
-            sizes[seq.group] += 1
+            sizes[seq.micro_batch] += 1
         return sizes.index(min(sizes))
 
-    def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
+    def _outcome(self, seq: Sequence, sampled: Sampled, text: Detokenizer, *, first: bool) -> Delivery:
+        """Every way a sampled token can end its sequence, decided here and nowhere else."""
         if sampled.error is not None:
-            return Delivery(seq, sampled, "error", first)
+            return Delivery(seq, sampled, None, "error", first)
         if seq.max_tokens == 0:  # the prompt, scored, was all it asked for: the token is not used
-            return Delivery(seq, sampled, "length", first)
+            return Delivery(seq, sampled, None, "length", first)
         params = seq.params
         if sampled.token in params.stop_token_ids or (sampled.token in self.eos_token_ids and not params.ignore_eos):
-            return Delivery(seq, sampled, "stop", first)
+            tail, _ = text.finish(seq)  # the end-of-sequence token is not part of the text
+            return Delivery(seq, sampled, None, "stop", first, tail)
         seq.completion_tokens += 1
         seq.next_token = sampled.token
         if seq.proposer is not None:
             seq.output.append(sampled.token)
-        return Delivery(seq, sampled, "length" if seq.completion_tokens >= seq.max_tokens else None, first)
+        released, stopped = text.push(seq, sampled.token)
+        if stopped:
+            return Delivery(seq, sampled, released, "stop", first)
+        if seq.completion_tokens >= seq.max_tokens:
+            tail, stopped = text.finish(seq)  # a stop string may still close in the text held back
+            return Delivery(seq, sampled, released, "stop" if stopped else "length", first, tail)
+        return Delivery(seq, sampled, released, None, first)
 
-    def remove(self, seq: Sequence) -> None:
+    def _remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
-        for group in (self.filling, self.running):
-            if seq in group:
-                group.remove(seq)
+        for place in (self.filling, self.running):
+            if seq in place:
+                place.remove(seq)
                 if seq.fed:
                     self.leaving.append(seq.no)
 
     def clear(self) -> list[Sequence]:
-        """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished."""
+        """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
+        each marked as cancelled now."""
         unfinished = [seq for seq in (*self.waiting, *self.batch) if not seq.finished]
+        for seq in unfinished:
+            seq.cancelled_at = self.steps
         self.waiting.clear()
         self.filling.clear()
         self.running.clear()

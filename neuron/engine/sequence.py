@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from neuron.engine.speculate import Proposer
+from neuron.engine.drafts import Proposer
 from neuron.sampling_params import SamplingParams
 
 
@@ -121,7 +121,7 @@ class StopText:
 class Sequence:
     """A request's state in the engine. The engine writes its events; the caller reads them."""
 
-    id: str  # the client's request id
+    request_id: str  # the client's request id, shared by its n choices
     no: int  # the sequence's number in step plans
     prompt: list[int]
     max_tokens: int  # what the request asked for, capped by what the context leaves
@@ -130,7 +130,7 @@ class Sequence:
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
     next_token: int | None = None  # sampled, to be fed in the next step
-    group: int = 0  # the micro-batch it decodes in, from the step its prompt ends
+    micro_batch: int = 0  # the micro-batch it decodes in, from the step its prompt ends
     completion_tokens: int = 0
     # Each prompt token's (logprob, top) but the first's, once the prompt is done, when prompt_logprobs asked.
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
@@ -145,7 +145,7 @@ class Sequence:
     # again; they wait in the batch, unfed, until then.
     copies: list[Sequence] = field(default_factory=list)
     copy_of: Sequence | None = None
-    # Speculation (engine.speculate): None when this sequence does not speculate. ``output`` is the completion
+    # Speculation (engine.drafts): None when this sequence does not speculate. ``output`` is the completion
     # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)

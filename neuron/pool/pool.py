@@ -38,9 +38,9 @@ from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
-from neuron.rpc import StepPlan
-from neuron.sampling_params import Sampled, SamplingParams
-from neuron.tp.rank import Loaded, Rank, group_joined
+from neuron.sampling_params import Sampled
+from neuron.step import Step
+from neuron.tp.rank import Loaded, Rank, group_joined, lead
 from neuron.tp.shard import check_splittable
 
 log = structlog.get_logger("neuron.pool")
@@ -217,16 +217,12 @@ class Pool:
         self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
         return [list(r) for r in self.layers]
 
-    async def step(
-        self, plan: StepPlan, joining: dict[int, SamplingParams], restored: dict[int, list[int]] | None = None
-    ) -> dict[int, Sampled]:
+    async def step(self, step: Step) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
 
-        ``joining`` holds the sampling parameters of the sequences this plan
-        starts: rank 0 makes a sampler for each, which lives until the sequence
-        leaves. ``restored`` holds the last prompt tokens a restored prefix
-        covers, which its penalties must still see. Every worker's fingerprint of its state must equal rank 0's, or
-        the step fails as a desync naming the rank (the group stays usable once cleared).
+        Every rank runs ``step.plan``; rank 0's sampler also reads ``step.starts``.
+        Every worker's fingerprint of its state must equal rank 0's, or the step
+        fails as a desync naming the rank (the group stays usable once cleared).
         """
         if not self.loaded:
             # Refused here, not by the ranks: after a load that failed on some ranks
@@ -236,9 +232,10 @@ class Pool:
                 "generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False, hosts=self.hosts
             )
         samplers = self._rank0.samplers
+        plan = step.plan
 
         def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str]:
-            return samplers.step(plan, joining, rank.step(plan) or {}, restored or {}), rank.fingerprint()
+            return lead(rank, samplers, step)
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step

@@ -165,14 +165,14 @@ class Prefill:
 class Decode:
     """One row of the batched decode: ``token`` (sampled in the previous step) is fed to ``seq``.
 
-    ``group`` is the micro-batch the row belongs to, fixed when the sequence
-    joins the batch: a pipeline runs each as a pass of its own, so that its
-    stages work at the same time (always 0 without a pipeline).
+    ``micro_batch`` is the micro-batch the row belongs to, fixed when the
+    sequence joins the batch: a pipeline runs each as a pass of its own, so
+    that its stages work at the same time (always 0 without a pipeline).
     """
 
     seq: int
     token: int
-    group: int
+    micro_batch: int
     # Speculation: tokens rank 0 proposes after ``token``, fed with it in the same forward; rank 0 keeps the
     # longest run its sampler agrees with. Rows of a micro-batch are padded to its longest ``[token] + draft``.
     draft: list[int] = field(default_factory=list)
@@ -225,10 +225,28 @@ class StepPlan:
     restore: list[Restore] = field(default_factory=list)
     save: list[Save] = field(default_factory=list)
     evict: list[Evict] = field(default_factory=list)
+    # The scheduler expects the next step to decode the same rows one token each: a rank that holds the whole
+    # step runs that one ahead, on the tokens it draws, before it reads them (``tp.ahead``).
+    ahead: bool = False
 
     @property
     def prefill_tokens(self) -> int:
         return sum(len(chunk.tokens) for chunk in self.prefill)
+
+    def widths(self) -> dict[int, int]:
+        """Each micro-batch's width: the tokens each of its rows is fed this step, ``[token] + draft`` padded to
+        the longest. The one rule for it: the ranks pad to it, the scheduler drops what was not kept, the cost
+        model counts it."""
+        out: dict[int, int] = {}
+        for row in self.decode:
+            out[row.micro_batch] = max(out.get(row.micro_batch, 0), 1 + len(row.draft))
+        return out
+
+    @property
+    def rows_fed(self) -> int:
+        """Tokens the decode rows are fed across the batch: each micro-batch's rows times its width."""
+        widths = self.widths()
+        return sum(widths[row.micro_batch] for row in self.decode)
 
 
 @dataclass(frozen=True, slots=True)

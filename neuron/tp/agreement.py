@@ -50,13 +50,13 @@ def _prompts(plan: StepPlan, seqs: dict[int, SeqState]) -> str | None:
 def _rows(plan: StepPlan, seqs: dict[int, SeqState], batch: Batch) -> str | None:
     """Each micro-batch keeps its rows in order, and only sequences whose prompt is done here join one."""
     left = set(plan.leave)
-    for group in sorted({row.group for row in plan.decode} | set(batch.groups)):
-        staying = [s for s in batch.ids(group) if s not in left]
-        rows = [row.seq for row in plan.decode if row.group == group]
+    for micro_batch in sorted({row.micro_batch for row in plan.decode} | set(batch.micro_batches)):
+        staying = [s for s in batch.ids(micro_batch) if s not in left]
+        rows = [row.seq for row in plan.decode if row.micro_batch == micro_batch]
         if rows[: len(staying)] != staying:
-            return f"micro-batch {group} here is {staying}, the plan decodes {rows} in it"
+            return f"micro-batch {micro_batch} here is {staying}, the plan decodes {rows} in it"
         for seq in rows[len(staying) :]:
             known = seqs.get(seq)
             if known is None or not known.prompt_done or seq in left or batch.holds(seq):
-                return f"sequence {seq} cannot join micro-batch {group}: its prompt is not done here"
+                return f"sequence {seq} cannot join micro-batch {micro_batch}: its prompt is not done here"
     return None

@@ -28,50 +28,56 @@ class MicroBatch:
 
 class Batch:
     def __init__(self) -> None:
-        self.groups: dict[int, MicroBatch] = {}
+        self.micro_batches: dict[int, MicroBatch] = {}
 
-    def ids(self, group: int) -> list[int]:
-        return self.groups[group].ids if group in self.groups else []
+    def ids(self, micro_batch: int) -> list[int]:
+        return self.micro_batches[micro_batch].ids if micro_batch in self.micro_batches else []
 
     def holds(self, seq: int) -> bool:
-        return any(seq in g.ids for g in self.groups.values())
+        return any(seq in g.ids for g in self.micro_batches.values())
 
     def state(self) -> list[tuple[int, list[int]]]:
         """Each micro-batch's rows, for the rank's fingerprint."""
-        return [(g, self.groups[g].ids) for g in sorted(self.groups)]
+        return [(g, self.micro_batches[g].ids) for g in sorted(self.micro_batches)]
 
     def leave(self, leaving: set[int]) -> None:
-        for number, group in list(self.groups.items()):
-            keep = [i for i, s in enumerate(group.ids) if s not in leaving]
-            if len(keep) == len(group.ids):
+        for number, micro_batch in list(self.micro_batches.items()):
+            keep = [i for i, s in enumerate(micro_batch.ids) if s not in leaving]
+            if len(keep) == len(micro_batch.ids):
                 continue
             if not keep:
-                del self.groups[number]
+                del self.micro_batches[number]
                 continue
-            group.ids = [group.ids[i] for i in keep]
-            for layer in group.cache:
+            micro_batch.ids = [micro_batch.ids[i] for i in keep]
+            for layer in micro_batch.cache:
                 layer.filter(keep)
 
-    def join(self, group: int, seqs: list[int], caches: list[list[KVCache]]) -> None:
-        """Append ``seqs`` (with their own caches, one per layer) to micro-batch ``group``, after its rows."""
+    def join(self, micro_batch: int, seqs: list[int], caches: list[list[KVCache]]) -> None:
+        """Append ``seqs`` (with their own caches, one per layer) to ``micro_batch``, after its rows."""
         merged = [BatchKVCache.merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
-        if group not in self.groups:
-            self.groups[group] = MicroBatch(list(seqs), merged)
+        if micro_batch not in self.micro_batches:
+            self.micro_batches[micro_batch] = MicroBatch(list(seqs), merged)
             return
-        existing = self.groups[group]
+        existing = self.micro_batches[micro_batch]
         for layer, new in zip(existing.cache, merged, strict=True):
             layer.extend(new)
         existing.ids += seqs
 
     def join_rows(self, rows: list[Decode], seqs: dict[int, SeqState]) -> None:
         """Move the sequences of ``rows`` (their prompts done) into their micro-batches, taking over their caches."""
-        for group in sorted({row.group for row in rows}):
-            joining = [row.seq for row in rows if row.group == group]
+        for micro_batch in sorted({row.micro_batch for row in rows}):
+            joining = [row.seq for row in rows if row.micro_batch == micro_batch]
             caches = [seqs[s].cache for s in joining]
             assert all(c is not None for c in caches)
-            self.join(group, joining, caches)  # type: ignore[arg-type]
+            self.join(micro_batch, joining, caches)  # type: ignore[arg-type]
             for s in joining:
                 seqs[s].cache = None
 
     def clear(self) -> None:
-        self.groups.clear()
+        self.micro_batches.clear()
+
+
+def fed(rows: list[Decode], width: int) -> list[list[int]]:
+    """What each row of a micro-batch of ``width`` (``StepPlan.widths``) is fed: its token and draft, padded with
+    its last token (rank 0 ignores the padding's logits; the next plan drops it)."""
+    return [[row.token, *row.draft] + [(row.draft or [row.token])[-1]] * (width - 1 - len(row.draft)) for row in rows]

@@ -24,13 +24,16 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, StepPlan
-from neuron.tp import speculate
+from neuron.sampling_params import Sampled
+from neuron.step import Step
+from neuron.tp import ahead, rollback
 from neuron.tp.agreement import disagreement
-from neuron.tp.batch import Batch
+from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
 from neuron.tp.hooks import Hooks
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
+from neuron.tp.sampler import Samplers, read
 from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
 
 
@@ -94,6 +97,7 @@ class Rank:
         self.entries = Entries()
         self._steps = 0
         self._hooks = Hooks.read(rank)
+        self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -170,6 +174,10 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
+        queued, self._ahead = self._ahead, None
+        if queued is not None and not queued.follows(plan):
+            ahead.undo(self.batch.micro_batches[0].cache)
+            queued = None
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
             self._steps += 1
@@ -182,12 +190,52 @@ class Rank:
         assert self.runner is not None
         out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
-        if plan.decode:
-            out.update(self._decode(plan.decode))
+        if plan.decode and queued is not None:
+            out.update(self._take_ahead(queued, plan))
+        elif plan.decode:
+            out.update(self._decode(plan.decode, plan.widths()))
         self._steps += 1
         if failure := self._hooks.after_step(self._steps, self.seqs, self.entries):
             raise RankError(failure)
         return out if self.rank == 0 else None
+
+    def run_ahead(self, plan: StepPlan, drawn: dict[int, mx.array] | None = None) -> bool:
+        """Queue the step after ``plan`` on the device: every row of the batch fed the token rank 0 has just drawn
+        for it (``drawn``, lazy; None on the other ranks, which receive them through an all-reduce in the same
+        graph). Only when the plan asks for it and the ranks split every layer; True if queued. Every rank decides
+        alike from the plan and the batch it shares, so the collectives match."""
+        if not plan.ahead or not isinstance(self.runner, Sharded) or set(self.batch.micro_batches) != {0}:
+            return False
+        rows = self.batch.micro_batches[0]
+        if self.rank == 0:
+            assert drawn is not None
+            # A row drawn nothing (its constraint failed) ends now: any token will do for the step it leaves.
+            tokens = mx.stack([drawn.get(seq, mx.array(0)) for seq in rows.ids]).astype(mx.int32)
+        else:
+            tokens = mx.zeros((len(rows.ids),), dtype=mx.int32)
+        if self.group is not None:  # rank 0's tokens on every rank's device, never through the host
+            tokens = mx.distributed.all_sum(tokens, group=self.group)
+        (logits,) = self.runner.logits([(tokens.reshape(-1, 1), rows.cache)], lazy=True)
+        queued = tokens if logits is None else logits
+        mx.async_eval(queued)
+        self._ahead = ahead.Ahead(list(rows.ids), tokens, queued if logits is not None else None)
+        return True
+
+    def ran_ahead_with(self, tokens: dict[int, int]) -> None:
+        """The tokens the step run ahead was fed, now that the host has read them: its plan must name the same."""
+        if self._ahead is not None:
+            self._ahead.fed = [tokens[seq] for seq in self._ahead.ids]
+
+    def _take_ahead(self, queued: ahead.Ahead, plan: StepPlan) -> dict[int, mx.array]:
+        """The step run ahead is this plan's decode: its logits are computed or on their way."""
+        for row in plan.decode:
+            state = self.seqs[row.seq]
+            state.position += 1
+            state.last = row.token
+        if queued.logits is None:  # not rank 0: its share of the forward is queued already
+            return {}
+        logits = queued.staying(plan.leave)
+        return {row.seq: logits[i] for i, row in enumerate(plan.decode)}
 
     def fingerprint(self) -> str:
         """A digest of what this rank holds: each micro-batch's rows in order, every sequence's position and
@@ -203,10 +251,10 @@ class Rank:
         assert self.model is not None and self.runner is not None
         feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True)
         passes = []
-        for group in sorted({row.group for row in plan.decode}):
-            fed = speculate.fed([row for row in plan.decode if row.group == group])
-            cache = [BatchKVCache([0] * len(fed)) for _ in self.model.layers]
-            passes.append((mx.zeros((len(fed), len(fed[0])), dtype=mx.int32), cache))
+        for micro_batch, width in sorted(plan.widths().items()):
+            rows = sum(row.micro_batch == micro_batch for row in plan.decode)
+            cache = [BatchKVCache([0] * rows) for _ in self.model.layers]
+            passes.append((mx.zeros((rows, width), dtype=mx.int32), cache))
         self.runner.logits(passes, any(row.draft for row in plan.decode))
 
     def _leave(self, leaving: list[int]) -> None:
@@ -214,36 +262,40 @@ class Rank:
             del self.seqs[seq]
         self.batch.leave(set(leaving))
 
-    def _decode(self, rows: list[Decode]) -> dict[int, mx.array]:
+    def _decode(self, rows: list[Decode], widths: dict[int, int]) -> dict[int, mx.array]:
         """Every row's token (and draft), a pass per micro-batch; rank 0 gets each row's logits, one row of them
         per position fed where the row has a draft."""
         assert self.runner is not None
         by_seq = {row.seq: row for row in rows}
-        groups = sorted({row.group for row in rows})
+        micro_batches = sorted(widths)
         passes = []
-        for group in groups:
-            batch = self.batch.groups[group]
-            speculate.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
-            passes.append((mx.array(speculate.fed([by_seq[seq] for seq in batch.ids])), batch.cache))
+        for micro_batch in micro_batches:
+            batch = self.batch.micro_batches[micro_batch]
+            rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
+            passes.append((mx.array(fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])), batch.cache))
         every = any(row.draft for row in rows)
-        logits = self.runner.logits(passes, every)
-        for (tokens, _), group in zip(passes, groups, strict=True):
-            for seq, fed in zip(self.batch.groups[group].ids, tokens.tolist(), strict=True):
+        # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
+        logits = self.runner.logits(passes, every, lazy=self.world_size == 1)
+        for micro_batch in micro_batches:
+            width = widths[micro_batch]
+            for seq in self.batch.micro_batches[micro_batch].ids:
+                row = by_seq[seq]
                 state = self.seqs[seq]
-                state.position += len(fed) - by_seq[seq].drop
-                state.last = fed[-1]
+                state.position += width - row.drop
+                state.last = fed([row], width)[0][-1]
         out: dict[int, mx.array] = {}
-        for group, group_logits in zip(groups, logits, strict=True):
-            if group_logits is not None:
-                for i, seq in enumerate(self.batch.groups[group].ids):
+        for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
+            if batch_logits is not None:
+                for i, seq in enumerate(self.batch.micro_batches[micro_batch].ids):
                     row = by_seq[seq]
                     if every:
-                        out[seq] = group_logits[i, : len(row.draft) + 1] if row.draft else group_logits[i, 0]
+                        out[seq] = batch_logits[i, : len(row.draft) + 1] if row.draft else batch_logits[i, 0]
                     else:
-                        out[seq] = group_logits[i]
+                        out[seq] = batch_logits[i]
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:
+        self._ahead = None
         self.seqs.clear()
         self.batch.clear()
         if prefixes:
@@ -254,3 +306,13 @@ class Rank:
         self.model = None
         self.runner = None
         mx.clear_cache()
+
+
+def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str]:
+    """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
+    (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint."""
+    draws, verified = samplers.draw(step, rank.step(step.plan) or {})
+    rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
+    sampled = read(draws) | verified
+    rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
+    return sampled, rank.fingerprint()

@@ -62,12 +62,14 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
-        position, (rows, positions, vocab): speculation verifies a whole draft at once."""
-        return [self._logits(tokens, cache, every) for tokens, cache in passes]
+        position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
+        for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
+        is queued (``mx.async_eval``), so that its collectives run as soon as rank 0's do."""
+        return [self._logits(tokens, cache, every, lazy) for tokens, cache in passes]
 
-    def _logits(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+    def _logits(self, tokens: mx.array, cache: Cache, every: bool, lazy: bool) -> mx.array | None:
         wanted = slice(None) if every else -1
         if self.head is not None:  # every rank projects onto its rows of the vocabulary
             hidden = backbone(self.model)(tokens, cache=cache)[:, wanted, :]
@@ -79,10 +81,13 @@ class Sharded:
         elif self.rank == 0:
             logits = self.model(tokens, cache=cache)[:, wanted, :]
         else:  # the whole head is rank 0's alone
-            mx.eval(backbone(self.model)(tokens, cache=cache))
-            return None
-        mx.eval(logits)
-        return logits if self.rank == 0 else None
+            logits = backbone(self.model)(tokens, cache=cache)
+        if self.rank == 0:
+            if not lazy:
+                mx.eval(logits)
+            return logits
+        (mx.async_eval if lazy else mx.eval)(logits)
+        return None
 
 
 class Stage:
@@ -142,8 +147,9 @@ class Stage:
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
+        Always evaluated (``lazy`` is for one rank alone): the passes cross ranks.
 
         Each stage sends a pass on as soon as it is done with it, and rank 0 reads
         the results back only after sending every pass: with several passes (the

@@ -7,10 +7,10 @@ token id travels, inside the next step's request.
 Each request gets its own random key, split once per token, so a seeded
 request draws the same tokens whatever else the server is doing.
 
-``Samplers`` is rank 0's registry: a sampler is made when its sequence's first
-prompt chunk is in a step's plan, sees every token fed to it (the penalties look
-at them), and is dropped when the plan says the sequence leaves, as the ranks
-drop its KV cache. The leader only hands over each new sequence's parameters.
+``Samplers`` is rank 0's registry: a sampler is made when a step starts its
+sequence (``Step.starts``), sees every token fed to it (the penalties look at
+them), and is dropped when the plan says the sequence leaves, as the ranks
+drop its KV cache.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from neuron.rpc import StepPlan
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
-from neuron.tp import speculate
+from neuron.step import Step
 
 
 class Sampler:
@@ -43,7 +42,7 @@ class Sampler:
 
     @property
     def plain(self) -> bool:
-        """Greedy with nothing else to compute: such rows can be sampled together (``sample_all``)."""
+        """Greedy with nothing else to compute: such rows are drawn together (``draw_all``)."""
         p = self.params
         no_processing = not p.logit_bias and p.presence_penalty == p.frequency_penalty == 0.0
         plain = p.temperature == 0.0 and p.logprobs is None and no_processing and p.repetition_penalty == 1.0
@@ -103,6 +102,10 @@ class Sampler:
 
     def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
         """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
+        return read({0: self.draw(logits, allowed)})[0]
+
+    def draw(self, logits: mx.array, allowed: mx.array | None = None) -> Draw:
+        """The token drawn from ``logits`` (one row), lazily: nothing is computed until ``read``."""
         if self._key is None:
             self._key = self._start()
         p = self.params
@@ -127,27 +130,59 @@ class Sampler:
                 filtered = apply_min_p(filtered, p.min_p)
             if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token
                 filtered = apply_top_k(filtered, p.top_k)
-            self._key, draw = mx.random.split(self._key)
-            token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=draw)
+            self._key, key = mx.random.split(self._key)
+            token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=key)
         if p.logprobs is None:
             # No logprob asked for, none computed: a log-sum-exp over the vocabulary costs
             # about 1 ms per row on the CPU backend.
-            return self.record(Sampled(int(token.item()), NOT_ASKED))
+            return Draw(self, token)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        chosen = logprobs[token]
+        top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else None
+        return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
+
+
+@dataclasses.dataclass(slots=True)
+class Draw:
+    """A token drawn but not yet read: MLX arrays the device may still be computing. ``read`` brings a step's
+    draws to the host at once, and records each token with its sampler."""
+
+    sampler: Sampler
+    token: mx.array
+    chosen: mx.array | None = None  # its logprob, when asked for
+    top: mx.array | None = None  # the most likely ids and their logprobs, when asked for
+    top_logprobs: mx.array | None = None
+    error: str | None = None  # the output constraint allowed no token: nothing was drawn
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.token, self.chosen, self.top, self.top_logprobs) if a is not None]
+
+
+def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
+    """Each draw's token (and logprobs) on the host: the one place a step waits for the device."""
+    mx.eval([d.arrays() for d in draws.values()])
+    out = {}
+    for no, d in draws.items():
+        if d.error is not None:
+            out[no] = Sampled(0, NOT_ASKED, error=d.error)
+            continue
+        token = int(d.token.item())
+        if d.chosen is None:
+            out[no] = d.sampler.record(Sampled(token, NOT_ASKED))
+            continue
         top: tuple[tuple[int, float], ...] = ()
-        if p.logprobs:
-            ids = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs]
-            mx.eval(token, chosen, ids, logprobs)
-            ranked = sorted(zip(ids.tolist(), logprobs[ids].tolist(), strict=True), key=lambda x: -x[1])
+        if d.top is not None and d.top_logprobs is not None:
+            ranked = sorted(zip(d.top.tolist(), d.top_logprobs.tolist(), strict=True), key=lambda x: -x[1])
             top = tuple((int(i), float(lp)) for i, lp in ranked)
-        else:
-            mx.eval(token, chosen)
-        return self.record(Sampled(int(token.item()), float(chosen.item()), top))
+        out[no] = d.sampler.record(Sampled(token, float(d.chosen.item()), top))
+    for no, d in draws.items():
+        constraint = d.sampler.params.constraint
+        if d.error is None and constraint is not None and (error := constraint.advance(out[no].token)) is not None:
+            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
+    return out
 
 
 class Samplers:
-    """Rank 0's samplers, one per sequence, from its first prompt chunk until it leaves."""
+    """Rank 0's samplers, one per sequence, from the step that starts it until it leaves."""
 
     def __init__(self) -> None:
         self._by_seq: dict[int, Sampler] = {}
@@ -155,47 +190,79 @@ class Samplers:
     def __len__(self) -> int:
         return len(self._by_seq)
 
-    def step(
-        self,
-        plan: StepPlan,
-        joining: dict[int, SamplingParams],
-        logits: dict[int, mx.array],
-        restored: dict[int, list[int]],
-    ) -> dict[int, Sampled]:
-        """Follow ``plan`` (who leaves, who starts with which parameters, what each prompt was fed, the tail of
-        each prefix restored), then sample the logits of every sequence that has some."""
+    def step(self, step: Step, logits: dict[int, mx.array]) -> dict[int, Sampled]:
+        """``draw`` then ``read``: the step's tokens on the host."""
+        draws, verified = self.draw(step, logits)
+        return read(draws) | verified
+
+    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Sampled]]:
+        """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then draw a token from the
+        logits of every sequence that has some, lazily; rows with a draft are verified at once (on the host).
+
+        A sequence the step neither starts nor has started before is a bug upstream: it raises rather than sample
+        with parameters nobody asked for."""
+        plan = step.plan
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
-        for restore in plan.restore:
-            self._by_seq[restore.seq] = Sampler(joining.get(restore.seq, SamplingParams()))
-            self._by_seq[restore.seq].feed(restored.get(restore.seq, []))
+        for seq, start in step.starts.items():
+            self._by_seq[seq] = Sampler(start.params)
+            self._by_seq[seq].feed(list(start.recent))
+        if unknown := sorted(({c.seq for c in plan.prefill} | {r.seq for r in plan.decode}) - self._by_seq.keys()):
+            raise KeyError(f"rank 0 has no sampler for sequences {unknown}: the step neither starts nor continues them")
         for chunk in plan.prefill:
-            if chunk.position == 0:
-                self._by_seq[chunk.seq] = Sampler(joining.get(chunk.seq, SamplingParams()))
-            if (sampler := self._by_seq.get(chunk.seq)) is not None:
-                sampler.feed(chunk.tokens)
-                if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
-                    sampler.score(rows, chunk.tokens)
-                    if chunk.last:
-                        logits[chunk.seq] = rows[-1]
-                        logits.update(dict.fromkeys(chunk.copies, rows[-1]))
-                for no in chunk.copies:
-                    self._by_seq[no] = Sampler(joining.get(no, SamplingParams()))
-                    self._by_seq[no].feed(sampler._recent)
+            sampler = self._by_seq[chunk.seq]
+            sampler.feed(chunk.tokens)
+            if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
+                sampler.score(rows, chunk.tokens)
+                if chunk.last:
+                    logits[chunk.seq] = rows[-1]
+                    logits.update(dict.fromkeys(chunk.copies, rows[-1]))
         verified = {}
         for row in plan.decode:  # rows with a draft have one row of logits per position fed
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
-                run = speculate.verify(self._by_seq[row.seq], rows, row.draft)
+                run = verify(self._by_seq[row.seq], rows, row.draft)
                 verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
-        return sample_all(self._by_seq, logits) | verified
+        return draw_all(self._by_seq, logits), verified
 
     def clear(self) -> None:
         self._by_seq.clear()
 
 
+def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
+    """The tokens kept from a row fed ``[token] + draft``: ``logits`` holds its ``len(draft) + 1`` positions.
+
+    Speculation's rule: keep the draft's tokens while each sampled token equals the draft's. A point-mass
+    proposal, so this is exact rejection sampling (the token kept at each position is a draw from the target
+    distribution given the tokens kept before it), and the key is split once per kept token, so a seeded request
+    draws the same tokens with speculation on or off.
+
+    Each position is sampled as plain decoding would sample it; the run stops at
+    the first token that differs from the draft (that token is kept: it is the
+    sample at that position), or after the bonus token past a fully kept draft.
+    """
+    out = []
+    if sampler.plain:  # greedy and nothing else: one argmax for every position
+        tokens = mx.argmax(logits, axis=-1).tolist()
+        for i, token in enumerate(tokens):
+            out.append(sampler.record(Sampled(int(token), NOT_ASKED)))
+            if i == len(draft) or token != draft[i]:
+                break
+        return out
+    for i in range(len(draft) + 1):
+        out.append(sampler(logits[i]))
+        if i == len(draft) or out[-1].token != draft[i]:
+            break
+    return out
+
+
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
-    """Sample each sequence's logits with its own sampler; plain greedy rows share one argmax and one evaluation,
-    and their masks one ``where`` (per row, it would cost more than the grammar's own work)."""
+    """Each sequence's token from its logits, on the host."""
+    return read(draw_all(samplers, logits))
+
+
+def draw_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Draw]:
+    """Draw each sequence's token with its own sampler, lazily; plain greedy rows share one argmax, and their masks
+    one ``where`` (per row, it would cost more than the grammar's own work)."""
     allowed, out = _masks(samplers, logits)
     plain = [no for no in logits if samplers[no].plain and no not in out]
     if plain:
@@ -204,17 +271,12 @@ def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dic
             everything = np.ones(stacked.shape[-1], dtype=np.bool_)
             keep = np.stack([allowed.get(no, everything) for no in plain])
             stacked = mx.where(mx.array(keep), stacked, -mx.inf)
-        tokens = mx.argmax(stacked, axis=-1).tolist()
-        for no, token in zip(plain, tokens, strict=True):
-            out[no] = samplers[no].record(Sampled(int(token), NOT_ASKED))
+        tokens = mx.argmax(stacked, axis=-1)
+        for i, no in enumerate(plain):
+            out[no] = Draw(samplers[no], tokens[i])
     for no, row in logits.items():
         if no not in out:
-            out[no] = samplers[no](row, mx.array(allowed[no]) if no in allowed else None)
-    for no in allowed:
-        constraint = samplers[no].params.constraint
-        assert constraint is not None
-        if (error := constraint.advance(out[no].token)) is not None:
-            out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
+            out[no] = samplers[no].draw(row, mx.array(allowed[no]) if no in allowed else None)
     return out
 
 
@@ -228,7 +290,7 @@ def _mask(logits: mx.array, allowed: mx.array) -> mx.array:
 Masks = dict[int, np.ndarray]  # sequence -> which tokens it may sample next
 
 
-def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Sampled]]:
+def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[Masks, dict[int, Draw]]:
     """Each constrained row's allowed tokens, and the rows whose constraint allows none (they end in error)."""
     rows = [(no, c) for no in logits if (c := samplers[no].params.constraint) is not None]
     if not rows:
@@ -238,7 +300,7 @@ def _masks(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> tuple[M
     failed = {}
     for i, (no, constraint) in enumerate(rows):
         if (error := constraint.fill(bits[i, : constraint.words])) is not None:
-            failed[no] = Sampled(0, NOT_ASKED, error=error)
+            failed[no] = Draw(samplers[no], mx.array(0), error=error)
     unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :width].astype(np.bool_)
     if unpacked.shape[1] < width:  # ids past the grammar's vocabulary are never allowed
         unpacked = np.pad(unpacked, ((0, 0), (0, width - unpacked.shape[1])))

@@ -1,27 +1,15 @@
-"""Speculative decoding on the ranks: dropping what a row did not accept, and rank 0's verification.
+"""Speculative decoding on the ranks: dropping from a row's KV cache what it was fed but did not keep.
 
 Each decode row is fed ``[token] + draft`` (padded to its micro-batch's width)
-in one batched forward. Rank 0 samples every position in order with the row's
-own sampler and keeps the draft tokens while each sampled token equals the
-draft's: a point-mass proposal, so this is exact rejection sampling (the token
-kept at each position is a draw from the target distribution given the tokens
-kept before it), and the random key is split once per kept token, so a seeded
-request draws the same tokens with speculation on or off. The next plan tells
-every rank how many tokens of the row to drop from its cache (``Decode.drop``).
+in one batched forward; rank 0 keeps the run its sampler agrees with
+(``sampler.verify``), and the next plan tells every rank how many tokens of
+the row to drop from its cache (``Decode.drop``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
-
-from neuron.rpc import Decode
-from neuron.sampling_params import NOT_ASKED, Sampled
-
-if TYPE_CHECKING:
-    from neuron.tp.sampler import Sampler
 
 
 def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
@@ -67,32 +55,3 @@ def _rolled(x: mx.array, shift: mx.array, live: int, sources: dict[tuple[int, ..
         rows = mx.arange(batch * heads).reshape(batch, heads, 1) * capacity
         sources[key] = (source + rows).reshape(-1)
     return mx.take(x.reshape(-1, dim), sources[key], axis=0).reshape(batch, heads, capacity, dim)
-
-
-def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
-    """The tokens kept from a row fed ``[token] + draft``: ``logits`` holds its ``len(draft) + 1`` positions.
-
-    Each position is sampled as plain decoding would sample it; the run stops at
-    the first token that differs from the draft (that token is kept: it is the
-    sample at that position), or after the bonus token past a fully kept draft.
-    """
-    out = []
-    if sampler.plain:  # greedy and nothing else: one argmax for every position
-        tokens = mx.argmax(logits, axis=-1).tolist()
-        for i, token in enumerate(tokens):
-            out.append(sampler.record(Sampled(int(token), NOT_ASKED)))
-            if i == len(draft) or token != draft[i]:
-                break
-        return out
-    for i in range(len(draft) + 1):
-        out.append(sampler(logits[i]))
-        if i == len(draft) or out[-1].token != draft[i]:
-            break
-    return out
-
-
-def fed(rows: list[Decode]) -> list[list[int]]:
-    """What each row of a micro-batch is fed: its token and draft, padded to the longest with its last token
-    (rank 0 ignores the padding's logits; the next plan drops it)."""
-    width = max(1 + len(row.draft) for row in rows)
-    return [[row.token, *row.draft] + [(row.draft or [row.token])[-1]] * (width - 1 - len(row.draft)) for row in rows]

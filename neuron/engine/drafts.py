@@ -2,7 +2,8 @@
 
 No MLX here: the scheduler asks each running sequence's ``Proposer`` for the
 tokens likely to follow, every rank verifies them in the step's one batched
-forward, and rank 0 keeps those its sampler agrees with (``tp.speculate``).
+forward, and rank 0 keeps those its sampler agrees with (``tp.sampler.verify``; ``tp.rollback`` drops the
+rest from the caches).
 
 Where the drafts come from, best first: the tokenized ``prediction`` (OpenAI's
 predicted outputs) while the output so far matches it; otherwise the tokens
@@ -29,8 +30,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-from neuron.rpc import Decode
 
 MAX_K = 8  # draft tokens per step at most
 START_K = 4
@@ -227,14 +226,6 @@ class StepCost:
         ratio = PRIOR_ROW_MS / PRIOR_FIXED_MS
         self.fixed_ms = mean_t / (1 + ratio * mean_r)
         self.row_ms = ratio * self.fixed_ms
-
-
-def rows_fed(decode: list[Decode]) -> int:
-    """Tokens a step's decode rows are fed: each micro-batch's rows padded to its widest."""
-    widths: dict[int, list[int]] = {}
-    for row in decode:
-        widths.setdefault(row.group, []).append(1 + len(row.draft))
-    return sum(len(w) * max(w) for w in widths.values())
 
 
 def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0) -> int:

@@ -1,0 +1,35 @@
+"""A step: everything the scheduler decided for one batched step, the one contract the pool and every rank read.
+
+``Step.plan`` is what every rank runs (it travels to the workers as
+``rpc.GenerateStep``); ``Step.starts`` is what only rank 0's sampler reads:
+the sampling parameters of each sequence the step starts, and the tokens its
+penalties must see that the step does not feed (a restored prefix's tail).
+Grammars live in those parameters, which is why they never cross a pipe.
+
+Nothing reaches a rank from beside the step: the engine passes the ``Step``
+whole, rank 0's ``Samplers`` follows it and refuses a sequence it does not
+know, and no rank works anything out again from the scheduler's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from neuron.rpc import StepPlan
+from neuron.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A sequence this step starts, as rank 0's sampler needs it."""
+
+    params: SamplingParams
+    # Tokens already in its cache that no chunk of this step feeds (the tail of a restored prefix, or the prompt a
+    # copy shares with its original): the penalties look at them.
+    recent: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    plan: StepPlan  # the same for every rank: it fixes every tensor shape and collective
+    starts: dict[int, Start] = field(default_factory=dict)  # rank 0 only: sequence number -> how it is sampled

@@ -1,0 +1,66 @@
+"""A decode step run ahead of its plan, so that the device never waits for the host in steady decode.
+
+Why: on an accelerator a decode step takes a few milliseconds, and the host's
+work between two steps (reading the tokens, delivering text, planning the next
+step, the HTTP streams) would leave the device idle for most of them. So, as
+mlx-lm's ``generate_step`` does, rank 0 builds the next step's forward on the
+tokens it has just drawn, still lazy, and queues it (``mx.async_eval``) before
+it reads them: the device computes step n+1 while the host handles step n.
+
+The plan decides: the scheduler marks a step ``ahead`` when the next one will
+most likely decode the same rows, one token each. When that next plan comes,
+the rank checks it is the step it ran ahead (the same rows, less any that
+leave, fed the tokens it drew) and uses the logits already computed; otherwise
+it drops the token it fed from every row's cache and runs the plan as usual,
+having wasted one forward. A row that finishes is fed one token more than it
+needed and leaves with the next plan, as in mlx-lm.
+
+Across ranks (tensor parallel) the workers need the tokens before any host
+has them: rank 0 puts them into an all-reduce every rank issues in the same
+graph, so they reach every device without a round trip through the host, and
+the workers queue the same step. Not in a pipeline: its micro-batches already
+keep the stages busy, and a stage holds no logits to draw from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from neuron.rpc import StepPlan
+
+
+@dataclass(slots=True)
+class Ahead:
+    ids: list[int]  # the rows fed, in batch order
+    tokens: mx.array  # what each was fed, on the device
+    logits: mx.array | None  # (rows, vocab): the next token's logits for each, queued; rank 0 only
+    fed: list[int] | None = None  # the tokens they were fed, once rank 0's host has read them
+
+    def follows(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is the step run ahead: no prompt, the same rows bar those leaving, one token each, the
+        tokens drawn."""
+        if plan.prefill or plan.restore or plan.save or not plan.decode:
+            return False
+        if any(row.draft or row.drop or row.micro_batch for row in plan.decode):
+            return False
+        # Rank 0 read them with the step's tokens; another rank reads them now, long computed.
+        fed = dict(zip(self.ids, self.tokens.tolist() if self.fed is None else self.fed, strict=True))
+        staying = [seq for seq in self.ids if seq not in set(plan.leave)]
+        return [row.seq for row in plan.decode] == staying and all(fed[row.seq] == row.token for row in plan.decode)
+
+    def staying(self, leaving: list[int]) -> mx.array:
+        """The logits of the rows that stay."""
+        assert self.logits is not None
+        if not leaving:
+            return self.logits
+        gone = set(leaving)
+        return self.logits[mx.array([i for i, seq in enumerate(self.ids) if seq not in gone])]
+
+
+def undo(cache: list[BatchKVCache]) -> None:
+    """Drop the token a step run ahead fed every row: its plan never came."""
+    for layer in cache:
+        layer.trim(1)

@@ -1,0 +1,136 @@
+"""Rank 0 runs the next decode step ahead of its plan: the device never waits for the host in steady decode.
+
+A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``tp.rank.lead``,
+the function the pool runs on rank 0's thread. What is checked: a steady decode step reads the device once, in
+``sampler.read``, and nowhere else (a stray ``.item()`` or ``.tolist()`` fails it); the tokens are those of the same
+steps run without running ahead, across a join, a leave and a sequence that finishes; and a plan that differs
+from the step run ahead undoes it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.sampling_params import Sampled, SamplingParams
+from neuron.step import Start, Step
+from neuron.tp.rank import Rank, lead
+from neuron.tp.sampler import Samplers
+
+PROMPTS = {1: [5, 17, 99, 42, 7, 120], 2: [8, 3, 77, 64], 3: [33, 34, 35]}
+
+
+@contextmanager
+def host_reads() -> Iterator[Counter[tuple[str, str]]]:
+    """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function)."""
+    calls: Counter[tuple[str, str]] = Counter()
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[(name, sys._getframe(1).f_code.co_name)] += 1
+            return original(*args, **kwargs)
+
+        patched.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    wrap(mx, "eval")
+    for name in ("item", "tolist", "__array__", "__int__", "__float__", "__bool__", "__index__"):
+        wrap(mx.array, name)
+    try:
+        yield calls
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
+@pytest.fixture(scope="module")
+def rank(tiny_models: dict[str, Path]) -> Rank:
+    rank = Rank(0, 1)
+    rank.load(str(tiny_models["qwen3"]), [])
+    return rank
+
+
+class Driver:
+    """Runs steps as the engine would, deciding ``ahead`` as the scheduler does for a steady batch."""
+
+    def __init__(self, rank: Rank, ahead: bool) -> None:
+        rank.clear_kv_cache()
+        self.rank, self.samplers, self.ahead = rank, Samplers(), ahead
+        self.next: dict[int, int] = {}  # each decoding sequence's next token
+
+    def step(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
+        sampled, _ = lead(self.rank, self.samplers, Step(plan, starts or {}))
+        for seq in plan.leave:
+            self.next.pop(seq, None)
+        self.next.update({seq: one.token for seq, one in sampled.items()})
+        return sampled
+
+    def start(
+        self, *seqs: int, params: Callable[[int], SamplingParams] = lambda _: SamplingParams()
+    ) -> dict[int, Sampled]:
+        chunks = [Prefill(seq, 0, PROMPTS[seq], True) for seq in seqs]
+        rows = [Decode(seq, token, 0) for seq, token in self.next.items()]  # the batch decodes meanwhile
+        return self.step(StepPlan(prefill=chunks, decode=rows), {seq: Start(params(seq)) for seq in seqs})
+
+    def decode(self, leave: tuple[int, ...] = (), steady: bool = True) -> dict[int, Sampled]:
+        for seq in leave:
+            self.next.pop(seq)
+        rows = [Decode(seq, token, 0) for seq, token in self.next.items()]
+        return self.step(StepPlan(leave=list(leave), decode=rows, ahead=self.ahead and steady))
+
+
+def scenario(rank: Rank, ahead: bool) -> list[dict[int, int]]:
+    """Two sequences, a third joining, one leaving, one sampled with a seed and penalties."""
+    seeded = {2: SamplingParams(temperature=0.8, seed=7, repetition_penalty=1.3, logprobs=2)}
+    driver = Driver(rank, ahead)
+    driver.start(1, 2, params=lambda seq: seeded.get(seq, SamplingParams()))
+    out = [{s: one.token for s, one in driver.decode().items()} for _ in range(4)]
+    out.append({s: one.token for s, one in driver.decode(steady=False).items()})  # a join comes next
+    out.append({s: one.token for s, one in driver.start(3).items()})
+    out += [{s: one.token for s, one in driver.decode().items()} for _ in range(3)]
+    out.append({s: one.token for s, one in driver.decode(leave=(1,)).items()})  # 1 leaves the step run ahead
+    out += [{s: one.token for s, one in driver.decode().items()} for _ in range(3)]
+    return out
+
+
+def test_running_ahead_gives_the_tokens_of_running_in_step(rank: Rank) -> None:
+    assert scenario(rank, ahead=True) == scenario(rank, ahead=False)
+
+
+def test_a_steady_decode_step_reads_the_device_once(rank: Rank) -> None:
+    driver = Driver(rank, ahead=True)
+    driver.start(1, 2, params=lambda seq: SamplingParams(temperature=0.7, seed=seq))
+    for _ in range(3):
+        driver.decode()
+    with host_reads() as calls:
+        driver.decode()
+    outside = {call: n for call, n in calls.items() if call[1] != "read"}
+    assert outside == {}, f"host reads outside sampler.read in a steady step: {outside}"
+    assert calls[("eval", "read")] == 1
+    assert rank._ahead is not None  # the next step is queued
+
+
+def test_a_plan_that_is_not_the_step_run_ahead_undoes_it(rank: Rank) -> None:
+    def run(ahead: bool) -> tuple[int, list[int]]:
+        driver = Driver(rank, ahead)
+        driver.start(1)
+        driver.decode()  # with ahead, the next step is now queued: its token is in the cache already
+        before = rank.batch.micro_batches[0].cache[0].offset.tolist()
+        # The next plan feeds a token the rank did not draw: the step run ahead must go.
+        token = driver.step(StepPlan(decode=[Decode(1, driver.next[1] + 1, 0)]))[1].token
+        return token, [
+            after - b for after, b in zip(rank.batch.micro_batches[0].cache[0].offset.tolist(), before, strict=True)
+        ]
+
+    assert run(ahead=True) == (run(ahead=False)[0], [0])  # the queued token undone, the plan's fed in its place
