@@ -19,7 +19,18 @@ from typing import Any
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
-from neuron.server.openai import CHAT_MAX_TOKENS, IGNORED, INT64, ApiError, Generation, _kind, bad, failure_error
+from neuron.server import limits
+from neuron.server.openai import (
+    CHAT_MAX_TOKENS,
+    IGNORED,
+    INT64,
+    ApiError,
+    Generation,
+    _kind,
+    bad,
+    failure_error,
+    within_limits,
+)
 from neuron.server.tools import NAME, ToolStream, end, request_rules
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -40,6 +51,7 @@ def to_chat(body: Any) -> dict[str, Any]:
             raise bad(name, message, "unsupported_parameter")
         if name not in FIELDS and name not in IGNORED and name != "previous_response_id":
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
+    within_limits(limits.check_metadata, body.get("metadata"))  # echoed in the reply
     chat = {name: body[name] for name in PASSED if name in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -66,6 +78,10 @@ def renamed(error: ApiError) -> ApiError:
     """An error of the chat route's checks, with this route's field names."""
     if error.param is None:
         return error
+    if error.param.startswith("tools["):  # a chat tool's `function` is this route's tool itself
+        param = error.param.replace(".function.", ".", 1)
+        message = error.message.replace(error.param, param)
+        return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
     head = error.param.split("[", 1)[0].split(".", 1)[0]
     if head not in RENAMED:
         return error
@@ -405,6 +421,7 @@ def request_schema(model_id: str, auto_tools: bool) -> dict[str, Any]:
         "text": optional({"type": "object", "properties": {"format": optional({"anyOf": [plain, json_schema]})}}),
         "previous_response_id": {"type": "null", "description": "unsupported: neuron stores no responses"},
     } | {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
+    properties["metadata"] = limits.METADATA_SCHEMA
     return {
         "type": "object",
         "required": ["model", "input"],
