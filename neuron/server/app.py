@@ -25,6 +25,8 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,6 +38,7 @@ from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
 from neuron.server import completions, limits, openai, responses, schema, tools
 from neuron.server.completions import Replies
+from neuron.server.guard import Allowed, Guard
 from neuron.server.openai import ApiError, Generation, within_limits
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
@@ -411,9 +414,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def build_app(state: ServerState) -> Starlette:
+def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:
+    """The application; ``allowed``: the origins and hosts it answers (default: loopback pages, any IP address)."""
     state.started = state.started or int(time.time())
+    allowed = allowed or Allowed.build()
     app = Starlette(
+        middleware=[
+            Middleware(Guard, allowed=allowed, json_paths=GENERATION_PATHS),
+            # Pages from an allowed origin may read the replies (their JSON POSTs are preflighted).
+            Middleware(
+                CORSMiddleware,
+                allow_origin_regex=allowed.origins.pattern,
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            ),
+        ],
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
