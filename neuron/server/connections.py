@@ -16,7 +16,7 @@ while idle connections keep their places.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 import orjson
@@ -50,15 +50,21 @@ class _Tally:
 
 
 class BoundedH11Protocol(H11Protocol):
-    """Set ``max_connections`` and ``header_timeout`` on a subclass (``bounded``); uvicorn makes one per connection."""
+    """Set ``max_connections`` and ``header_timeout`` on a subclass (``bounded``); uvicorn makes one per connection.
+
+    The class keeps the count of connections not yet closed by us and, oldest first, those waiting for a
+    request, so that a new connection at the limit costs O(1), however many arrive at once.
+    """
 
     max_connections = 1024
     header_timeout = 10.0
     tally = _Tally()
+    open_count = 0
+    waiting: ClassVar[dict[BoundedH11Protocol, None]] = {}  # insertion-ordered, the oldest first; one per subclass
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.opened = time.monotonic()
+        self.counted = False  # in open_count
         self.refused = False
         self.partial = False  # some of a request's head has come
         self._head_timer: Any = None
@@ -69,24 +75,40 @@ class BoundedH11Protocol(H11Protocol):
             return False
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
 
+    def _count(self, counted: bool) -> None:
+        if counted != self.counted:
+            type(self).open_count += 1 if counted else -1
+            self.counted = counted
+
+    def _mark(self) -> None:
+        """Keep this connection's place among the waiting ones current."""
+        if self.waiting_for_request():
+            self.waiting.setdefault(self, None)
+        else:
+            self.waiting.pop(self, None)
+
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.max_connections:
-            live = [c for c in self.connections if c is not self and not c.transport.is_closing()]
-            if len(live) >= self.max_connections:
-                idle = [c for c in live if isinstance(c, BoundedH11Protocol) and c.waiting_for_request()]
-                if idle:
-                    min(idle, key=lambda c: c.opened).transport.close()
-                    self.tally.add("closed_idle", len(live), self.max_connections)
-                else:
-                    self.refused = True
-                    message = f"the server holds its {self.max_connections} connections; try again shortly"
-                    transport.write(
-                        _raw_response("503 Service Unavailable", message, "too_many_connections", b"retry-after: 1\r\n")
-                    )
-                    transport.close()
-                    self.tally.add("refused", len(live), self.max_connections)
-                    return
+        if self.open_count >= self.max_connections:
+            victim = next(iter(self.waiting), None)
+            if victim is not None:
+                del self.waiting[victim]
+                victim._count(False)
+                victim._disarm()
+                victim.transport.close()
+                self.tally.add("closed_idle", self.open_count, self.max_connections)
+            else:
+                self.refused = True
+                message = f"the server holds its {self.max_connections} connections; try again shortly"
+                refusal = _raw_response(
+                    "503 Service Unavailable", message, "too_many_connections", b"retry-after: 1\r\n"
+                )
+                transport.write(refusal)
+                transport.close()
+                self.tally.add("refused", self.open_count, self.max_connections)
+                return
+        self._count(True)
+        self._mark()
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -95,6 +117,7 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         # Still reading a request's head: timed from the connection or the head's first byte. Once it is read,
         # the route's time is its own, and between requests uvicorn's keep-alive timeout holds.
+        self._mark()
         if self.waiting_for_request():
             self.partial = True
             self._arm()
@@ -102,8 +125,14 @@ class BoundedH11Protocol(H11Protocol):
             self.partial = False
             self._disarm()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._mark()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._count(False)
+        self.waiting.pop(self, None)
         super().connection_lost(exc)
 
     def _arm(self) -> None:
@@ -130,5 +159,5 @@ def bounded(max_connections: int, header_timeout: float) -> type[BoundedH11Proto
     return type(
         "BoundedH11Protocol",
         (BoundedH11Protocol,),
-        {"max_connections": max_connections, "header_timeout": header_timeout},
+        {"max_connections": max_connections, "header_timeout": header_timeout, "waiting": {}, "open_count": 0},
     )

@@ -78,15 +78,17 @@ def renamed(error: ApiError) -> ApiError:
     """An error of the chat route's checks, with this route's field names."""
     if error.param is None:
         return error
-    if error.param.startswith("tools["):  # a chat tool's `function` is this route's tool itself
-        param = error.param.replace(".function.", ".", 1)
-        message = error.message.replace(error.param, param)
-        return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
     head = error.param.split("[", 1)[0].split(".", 1)[0]
-    if head not in RENAMED:
+    nested = "response_format.json_schema."
+    if head == "tools":  # a chat tool's `function` is this route's tool itself
+        param = error.param.replace(".function.", ".", 1)
+    elif error.param.startswith(nested):  # this route's format is the json_schema object itself
+        param = "text.format." + error.param.removeprefix(nested)
+    elif head in RENAMED:
+        param = RENAMED[head] if head == "messages" else RENAMED[head] + error.param[len(head) :]
+    else:
         return error
-    param = RENAMED[head] if head == "messages" else RENAMED[head] + error.param[len(head) :]
-    message = error.message.replace(f"`{head}", f"`{RENAMED[head]}")
+    message = error.message.replace(f"`{error.param}`", f"`{param}`").replace(f"`{head}", f"`{RENAMED.get(head, head)}")
     return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
 
 
