@@ -24,7 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import orjson
+import structlog
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = structlog.get_logger("neuron.server")
 
 LOOPBACK_ORIGINS = ("http://localhost", "https://localhost", "http://127.0.0.1", "https://127.0.0.1")
 LOOPBACK_ORIGINS_V6 = ("http://[::1]", "https://[::1]")
@@ -126,6 +129,7 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (problem := self.problem(scope)) is not None:
             status, message, code = problem
+            log.info("request refused", path=scope["path"], status=status, code=code, error=message)
             start, body = _refusal(status, message, code, close=status == 400)
             await send(start)
             await send(body)

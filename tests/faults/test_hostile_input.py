@@ -8,8 +8,11 @@ The bounds themselves are decided in tests/test_limits.py, without a server.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -319,3 +322,26 @@ def test_thousands_of_idle_connections_lock_no_client_out_and_the_log_stays_shor
             s.close()
     assert len(guarded.stderr().splitlines()) < 100, guarded.stderr()[-3000:]
     assert guarded.find_log("connection limit reached")["max_connections"] == 500
+
+
+def test_processes_converting_the_embedded_model_at_once_share_one_folder(tmp_path: Path) -> None:
+    """Hosts sharing a home over NFS, or started from one HOME: the second used to fail on the final rename."""
+    code = (
+        "from neuron import log\n"
+        "log.configure('info', 'json')\n"
+        "from neuron.models import resolve\n"
+        "print(resolve(None))\n"
+    )
+    env = {**os.environ, "NEURON_CACHE_DIR": str(tmp_path)}
+    command = [sys.executable, "-c", code]
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    results = [p.communicate(timeout=300) for p in processes]
+    assert all(p.returncode == 0 for p in processes), [err[-2000:] for _, err in results]
+    folders = {out.strip() for out, _ in results}
+    assert len(folders) == 1 and (Path(folders.pop()) / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [Path(results[0][0].strip()).name]  # no leftovers
+    # They did race: every one converted, and those that finished later used the first one's folder.
+    stderr = "".join(err for _, err in results)
+    assert stderr.count('"gguf converted meanwhile by another process') >= 1, stderr[-3000:]
