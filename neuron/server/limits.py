@@ -32,6 +32,7 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 UNSUPPORTED_SCHEMA = "unsupported_schema"  # a code schemathesis's hook accepts for a schema-valid body
+SCHEMA_FIELDS = frozenset({"response_format", "tools", "text"})  # top-level fields that carry JSON schemas
 
 
 class LimitError(ValueError):
@@ -79,14 +80,15 @@ def check_body(body: Any) -> None:
         return
     if not path or not isinstance(body, dict):
         raise bad(None, f"the request body nests deeper than {MAX_BODY_DEPTH} levels", "too_deep")
-    raise bad(path[0], f"`{path[0]}` nests deeper than {MAX_BODY_DEPTH} levels (at `{_field(path)}`)", "too_deep")
+    code = UNSUPPORTED_SCHEMA if path[0] in SCHEMA_FIELDS else "too_deep"
+    raise bad(path[0], f"`{path[0]}` nests deeper than {MAX_BODY_DEPTH} levels (at `{_field(path)}`)", code)
 
 
-def check_schema(schema: Any, where: str) -> None:
-    """A JSON schema at ``where`` within the bounds above; a 400 (code ``unsupported_schema``) naming the one passed.
-
-    Only the bounds: whether llguidance can enforce what the schema says is the grammar's to tell.
-    """
+def check_schema(schema: Any, where: str, param: str | None = None) -> None:
+    """A JSON schema at ``where`` within the bounds above; a 400 (code ``unsupported_schema``, ``param`` or else
+    ``where``) naming the bound passed. Only the bounds: whether llguidance can enforce the schema is the grammar's
+    to tell."""
+    param = param or where
     refs: set[str] = set()
     nodes = 0
     stack: list[tuple[Any, int]] = [(schema, 1)]
@@ -95,12 +97,12 @@ def check_schema(schema: Any, where: str) -> None:
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
             message = f"`{where}` holds more than {MAX_SCHEMA_NODES} values; send a smaller schema"
-            raise bad(where, message, UNSUPPORTED_SCHEMA)
+            raise bad(param, message, UNSUPPORTED_SCHEMA)
         if not isinstance(node, dict | list):
             continue
         if depth > MAX_SCHEMA_DEPTH:
             raise bad(
-                where, f"`{where}` nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten the schema", UNSUPPORTED_SCHEMA
+                param, f"`{where}` nests deeper than {MAX_SCHEMA_DEPTH} levels; flatten the schema", UNSUPPORTED_SCHEMA
             )
         if isinstance(node, dict) and isinstance(ref := node.get("$ref"), str):
             refs.add(ref)
@@ -109,7 +111,7 @@ def check_schema(schema: Any, where: str) -> None:
                     f"`{where}` refers (`$ref`) to more than {MAX_SCHEMA_REFS} different places; "
                     "inline some of its definitions or send a smaller schema"
                 )
-                raise bad(where, message, UNSUPPORTED_SCHEMA)
+                raise bad(param, message, UNSUPPORTED_SCHEMA)
         stack.extend((child, depth + 1) for child in _children(node))
 
 

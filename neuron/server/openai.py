@@ -284,7 +284,8 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if schema is not None and not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "`response_format.json_schema.schema` must be an object")
     if schema is not None:
-        within_limits(limits.check_schema, schema, "response_format.json_schema.schema")
+        # Named `response_format` as OpenAI names a schema's problems, and as the grammar's refusals are.
+        within_limits(limits.check_schema, schema, "response_format.json_schema.schema", "response_format")
     for key, kind in (("description", str), ("strict", bool)):
         if spec.get(key) is not None and type(spec[key]) is not kind:
             where = f"response_format.json_schema.{key}"

@@ -88,7 +88,8 @@ def renamed(error: ApiError) -> ApiError:
         param = RENAMED[head] if head == "messages" else RENAMED[head] + error.param[len(head) :]
     else:
         return error
-    message = error.message.replace(f"`{error.param}`", f"`{param}`").replace(f"`{head}", f"`{RENAMED.get(head, head)}")
+    message = error.message.replace(f"`{nested}", "`text.format.").replace(f"`{error.param}`", f"`{param}`")
+    message = message.replace(f"`{head}", f"`{RENAMED.get(head, head)}")
     return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
 
 
