@@ -25,7 +25,7 @@ from neuron import grammar
 MAX_BODY_DEPTH = 100  # levels of JSON anywhere in a body: a schema's 64 plus where it sits in the body
 MAX_SCHEMA_DEPTH = grammar.MAX_DEPTH
 MAX_SCHEMA_REFS = grammar.MAX_REFS  # distinct `$ref` values in one schema
-MAX_SCHEMA_NODES = 100_000  # objects, arrays and values in one schema
+MAX_SCHEMA_NODES = 250_000  # objects, arrays and values in one schema; a 4 MiB body holds up to 2 million
 MAX_ARGUMENTS_DEPTH = MAX_SCHEMA_DEPTH  # levels of an earlier tool call's arguments
 # OpenAI's own bounds on `metadata`.
 MAX_METADATA_PAIRS = 16
