@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+OFF_LOOP_BYTES = 64 * 1024
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 T = TypeVar("T")
 
@@ -114,7 +115,10 @@ async def _read_json(request: Request) -> Any:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
-    within_limits(limits.check_body, value)
+    if len(body) > OFF_LOOP_BYTES:  # a few MiB of values take a few hundred ms to walk: not on the event loop
+        await anyio.to_thread.run_sync(within_limits, limits.check_body, value)
+    else:
+        within_limits(limits.check_body, value)
     return value
 
 
