@@ -346,3 +346,21 @@ def test_processes_converting_the_embedded_model_at_once_share_one_folder(tmp_pa
     # They did race: every one converted, and those that finished later used the first one's folder.
     stderr = "".join(err for _, err in results)
     assert stderr.count('"gguf converted meanwhile by another process') >= 1, stderr[-3000:]
+
+
+def test_a_connection_past_the_limit_when_none_is_idle_gets_a_503(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    args = ("--model", str(tiny_models["qwen3"]), "--max-connections", "2")
+    with serving(tmp_path_factory, *args) as tight:
+        body = {"model": "qwen3", "prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as first, httpx.Client(timeout=60) as second:
+            with (
+                first.stream("POST", f"{tight.url}/v1/completions", json=body) as a,
+                second.stream("POST", f"{tight.url}/v1/completions", json=body) as b,
+            ):
+                assert a.status_code == b.status_code == 200
+                refused = httpx.get(f"{tight.url}/v1/models", timeout=10)
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "too_many_connections"
+        wait_until(lambda: httpx.get(f"{tight.url}/health").status_code == 200, 30, "a place free again")
