@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from neuron import descriptors
+
+    descriptors.raise_soft_limit()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.worker:
@@ -66,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu.reexec_with_blas()  # on a host of its own a worker picks its BLAS there, as the leader did here
         except cpu.BlasError as e:
             parser.error(f"rank {args.rank}: {e}")
+        descriptors.import_mlx_lm()
         return run_worker(args.rank, args.world_size)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"neuron: error: {device.cannot_load(e)}", file=sys.stderr)
         return EXIT_FAILURE
+    descriptors.import_mlx_lm()
     return _run(args)
 
 
@@ -211,9 +216,10 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
     from neuron.engine.scheduler import Limits
-    from neuron.leader import ServeOptions, run_leader
+    from neuron.leader import HttpLimits, ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
+    from neuron.server.guard import split_list
 
     return await run_leader(
         ServeOptions(
@@ -224,6 +230,13 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
             host=args.host,
             port=args.port,
             api_key=args.api_key.strip() if args.api_key else None,
+            http=HttpLimits(
+                allowed_origins=split_list(args.allowed_origins),
+                allowed_hosts=split_list(args.allowed_hosts),
+                max_connections=args.max_connections,
+                header_timeout=args.header_timeout,
+                keep_alive_timeout=args.keep_alive_timeout,
+            ),
             deadlines=Deadlines(step=args.step_timeout),
             limits=Limits(
                 args.max_batch,

@@ -174,6 +174,44 @@ SETTINGS = {
             "require `Authorization: Bearer KEY` on /v1 (unset: no key)",
             check=_not_blank,
         ),
+        Setting(
+            "allowed_origins",
+            str,
+            None,
+            "web pages, comma-separated, that browsers may call the API from besides loopback ones, `*` matching "
+            "anything, e.g. https://*.example.com (unset: loopback pages only; `*`: any)",
+            check=_not_blank,
+        ),
+        Setting(
+            "allowed_hosts",
+            str,
+            None,
+            "names, comma-separated, the server answers to in the Host header besides IP addresses, localhost and "
+            "this machine's name, `*` matching anything (unset: those only; `*`: any)",
+            check=_not_blank,
+        ),
+        Setting(
+            "max_connections",
+            int,
+            1024,
+            "open HTTP connections; past it a new one closes the oldest idle one, or gets 503 when none is idle "
+            "(default 1024, and at most the descriptor limit less 128)",
+            check=_at_least(1),
+        ),
+        Setting(
+            "header_timeout",
+            float,
+            10.0,
+            "seconds a connection has to send a request's head, from connecting or from its first byte (default 10)",
+            check=_positive,
+        ),
+        Setting(
+            "keep_alive_timeout",
+            float,
+            5.0,
+            "seconds an idle connection stays open between requests (default 5)",
+            check=_positive,
+        ),
         Setting("max_batch", int, 8, "sequences decoding together (default 8)", check=_at_least(1)),
         Setting(
             "max_n",
@@ -243,6 +281,11 @@ SERVE_SETTINGS = (
     "host",
     "port",
     "api_key",
+    "allowed_origins",
+    "allowed_hosts",
+    "max_connections",
+    "header_timeout",
+    "keep_alive_timeout",
     "max_batch",
     "max_n",
     "max_waiting",

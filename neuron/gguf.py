@@ -114,6 +114,32 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
     return tokenizer.to_str()
 
 
+def _publish(staging: Path, out: Path) -> None:
+    """Move a finished conversion into place; when another process (or host, on a shared cache) got there first
+    with a whole folder, use theirs. A folder whose conversion died half-way is never at ``out``: each process
+    converts into a folder of its own and renames it whole."""
+    try:
+        os.rename(staging, out)
+        return
+    except OSError as e:
+        if not out.is_dir():
+            raise
+        if (out / "config.json").is_file():
+            log.info("gguf converted meanwhile by another process; using its folder", folder=str(out), error=e.strerror)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+    # Not ours and not whole (a converter before atomic renames, or a copy cut short): set it aside, then retry.
+    aside = out.with_name(f".{out.name}.broken.{os.getpid()}")
+    os.rename(out, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def convert(gguf: Path, out: Path, dtype_name: str) -> None:
     """Write an MLX model folder for ``gguf`` at ``out``, weights in ``dtype_name`` (atomically: a crash leaves no
     half folder)."""
@@ -175,7 +201,7 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
         (staging / "tokenizer.json").write_text(_tokenizer_json(meta))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         (staging / "source.json").write_text(json.dumps({"gguf": str(gguf), "converter": CONVERTER_VERSION}))
-        os.replace(staging, out)
+        _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -17,6 +17,7 @@ vocabulary (xgrammar's about 2 µs): both are noise against a 60-90 ms step.
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import llguidance
@@ -41,7 +42,16 @@ JSON_OPTIONS: llguidance.JsonCompileOptions = {
 
 
 MAX_DEPTH = 64  # levels of JSON in a schema; llguidance's own parser stops at 128
+# Distinct `$ref` values in a schema. llguidance compiles a `$ref` target once, recursing on the native stack
+# through each target it has not compiled yet, so it recurses at most about MAX_REFS x MAX_DEPTH levels, and the
+# compile runs on a thread whose stack holds many times that: a chain of a few thousand `$defs` faulted the
+# process on an 8 MiB stack.
+MAX_REFS = 256
+COMPILE_STACK_BYTES = 512 << 20  # address space only: the pages a compile does not touch are never backed
 VALUES = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data, not schemas
+
+
+_STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one compile sets and restores it at a time
 
 
 class GrammarError(ValueError):
@@ -56,10 +66,15 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     and refused past ``MAX_DEPTH``: a 4 MiB body can nest deeper than Python recurses.
     """
     stack: list[tuple[Any, int]] = [(schema, 0)]
+    refs: set[str] = set()
     while stack:
         node, depth = stack.pop()
         if depth > MAX_DEPTH:
             raise GrammarError(f"the schema nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict) and isinstance(ref := node.get("$ref"), str):
+            refs.add(ref)
+            if len(refs) > MAX_REFS:
+                raise GrammarError(f"the schema refers (`$ref`) to more than {MAX_REFS} different places")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((child, depth + 1) for child in children)
     out = json.loads(json.dumps(schema))
@@ -110,7 +125,31 @@ class Grammars:
         self.vocab_size = vocab_size
 
     def compile(self, schema: dict[str, Any]) -> Constraint:
-        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced."""
+        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced.
+
+        On a thread of its own with a large stack (see ``MAX_REFS``); the caller's thread waits for it.
+        """
+        outcome: list[Constraint | Exception] = []
+
+        def run() -> None:
+            try:
+                outcome.append(self._compile(schema))
+            except Exception as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
+                outcome.append(e)
+
+        with _STACK_SIZE:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+        thread.join()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
+
+    def _compile(self, schema: dict[str, Any]) -> Constraint:
         schema = closed(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import time
@@ -59,10 +60,41 @@ from neuron.launch.checks import Unreachable
 from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
+from neuron.server.connections import bounded
+from neuron.server.guard import Allowed
 
 log = structlog.get_logger("neuron.server")
 
 STATUS_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Who may call, and what connections may hold (see neuron.server.guard and neuron.server.connections)."""
+
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)
+    max_connections: int = 1024
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+
+
+# Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
+RESERVED_DESCRIPTORS = 128
+
+
+def connection_limit(wanted: int) -> int:
+    """``wanted``, or fewer when the descriptor limit could not hold that many: accept() must never run out."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = max(1, soft - RESERVED_DESCRIPTORS)
+    if wanted > room:
+        log.warning(
+            "max_connections lowered to fit the descriptor limit; raise LimitNOFILE= (ulimit -n) for more",
+            max_connections=room,
+            asked=wanted,
+            descriptor_limit=soft,
+        )
+    return min(wanted, room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +106,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    http: HttpLimits = field(default_factory=HttpLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
     limits: Limits = field(default_factory=Limits)
     drain_timeout: float = 30.0
@@ -222,13 +255,16 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     host, port = sock.getsockname()[:2]
     notifier = systemd.Notifier()
     state = ServerState(options.model_id, options.api_key)
+    http = options.http
+    allowed = Allowed.build(http.allowed_origins, http.allowed_hosts, listen=options.host)
     config = uvicorn.Config(
-        build_app(state),
-        http="h11",
+        build_app(state, allowed),
+        http=bounded(connection_limit(http.max_connections), http.header_timeout),
         ws="none",
         lifespan="off",
         log_config=None,
         access_log=False,
+        timeout_keep_alive=http.keep_alive_timeout,  # type: ignore[arg-type]  # a float works: it goes to call_later
         timeout_graceful_shutdown=5,
     )
     server = _Server(config)

@@ -82,10 +82,53 @@ def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
         logger_factory=factory,
         cache_logger_on_first_use=False,
     )
+    _bound_library_logs()
     structlog.contextvars.clear_contextvars()
     if bound:
         structlog.contextvars.bind_contextvars(**bound)
     return fmt
+
+
+class RateLimit(logging.Filter):
+    """Lets through at most ``burst`` records a second with the same logger and message; says how many it dropped.
+
+    For what libraries log through ``logging`` (asyncio, uvicorn): a failure that
+    repeats, such as accept() out of descriptors, would otherwise write a
+    traceback per retry.
+    """
+
+    def __init__(self, burst: int = 5, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.clock = clock
+        self.windows: dict[tuple[str, str], tuple[int, int, int]] = {}  # key -> (second, passed, dropped)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, str(record.msg))
+        second = int(self.clock())
+        window, passed, dropped = self.windows.get(key, (second, 0, 0))
+        if window != second:
+            if dropped:
+                record.msg = f"{record.msg} ({dropped} more like this were not logged)"
+            window, passed, dropped = second, 0, 0
+        if passed >= self.burst:
+            self.windows[key] = (window, passed, dropped + 1)
+            return False
+        if len(self.windows) > 1000:  # many different messages: forget the old windows
+            self.windows.clear()
+        self.windows[key] = (window, passed + 1, dropped)
+        return True
+
+
+def _bound_library_logs() -> None:
+    """Library records (``logging``) go to stderr as before, through ``RateLimit``."""
+    root = logging.getLogger()
+    if root.handlers:  # configured already, by an earlier call or by a host program such as pytest
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)  # what logging's last-resort handler wrote
+    handler.addFilter(RateLimit())
+    root.addHandler(handler)
 
 
 def trace(logger: Any, event: str, **fields: object) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -22,6 +23,12 @@ from typing import Self
 import httpx
 import pytest
 from pydantic import BaseModel, Field
+
+from neuron import descriptors
+
+# Test modules import mlx_lm.utils, which would lower this process's hard descriptor limit for good; the
+# idle-connection tests open thousands of sockets, and start servers under limits of their own.
+descriptors.import_mlx_lm()
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -275,6 +282,7 @@ class Server:
         env: dict[str, str] | None = None,
         api_key: str | None = None,
         listen: socket.socket | None = None,
+        nofile: tuple[int, int] | None = None,
     ):
         self.log_path = log_path
         self.args = args
@@ -282,14 +290,17 @@ class Server:
         self._log = open(log_path, "w")
         extra = ("--api-key", api_key) if api_key else ()
         command = neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args)
-        setup = None
+        fd = None
         if listen is not None:
             # LISTEN_PID must be the server's own pid, known only in the child: a shell sets it, then execs.
             command = ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@"', *command]
             fd = listen.fileno()
 
-            def setup() -> None:
+        def setup() -> None:
+            if fd is not None:
                 os.dup2(fd, 3)  # the new descriptor is inheritable
+            if nofile is not None:  # the descriptor limit an operator (systemd's LimitNOFILE=) would give
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
 
         self.process = subprocess.Popen(
             command,
@@ -297,7 +308,7 @@ class Server:
             stderr=self._log,
             cwd=ROOT,
             env={**os.environ, **(env or {})},
-            preexec_fn=setup,
+            preexec_fn=setup if fd is not None or nofile is not None else None,
             close_fds=listen is None,
         )
         self.port = 0

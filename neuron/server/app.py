@@ -25,6 +25,8 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -34,9 +36,10 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import completions, openai, responses, schema, tools
+from neuron.server import completions, limits, openai, responses, schema, tools
 from neuron.server.completions import Replies
-from neuron.server.openai import ApiError, Generation
+from neuron.server.guard import Allowed, Guard
+from neuron.server.openai import ApiError, Generation, within_limits
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
 
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+OFF_LOOP_BYTES = 64 * 1024
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 T = TypeVar("T")
 
@@ -108,9 +112,14 @@ async def _read_json(request: Request) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
     try:
-        return orjson.loads(body)
+        value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+    if len(body) > OFF_LOOP_BYTES:  # a few MiB of values take a few hundred ms to walk: not on the event loop
+        await anyio.to_thread.run_sync(within_limits, limits.check_body, value)
+    else:
+        within_limits(limits.check_body, value)
+    return value
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -146,7 +155,12 @@ class EventStream(Response):
     left early is still cancelled in the engine.
     """
 
-    def __init__(self, events: AsyncGenerator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes],
+        on_close: Callable[[], None],
+        error_event: Callable[[ApiError], bytes] = lambda error: completions.sse(error.body()),
+    ) -> None:
         # No Response.__init__: it would declare a Content-Length for an empty body.
         self.status_code = 200
         self.background = None
@@ -157,13 +171,29 @@ class EventStream(Response):
         ]
         self.events = events
         self.on_close = on_close
+        self.error_event = error_event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
 
             async def stream() -> None:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                async for data in self.events:
+                while True:
+                    try:
+                        data = await anext(self.events)
+                    except StopAsyncIteration:
+                        break
+                    except Exception as e:
+                        # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
+                        log.exception("stream failed", path=scope.get("path"))
+                        error = ApiError(
+                            500,
+                            f"internal error ({type(e).__name__}); the server log has the details",
+                            type="server_error",
+                            code="server_error",
+                        )
+                        await send({"type": "http.response.body", "body": self.error_event(error), "more_body": True})
+                        break
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -256,6 +286,10 @@ async def _generate(request: Request, *, chat: bool) -> Response:
 def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
     gen = openai.parse(body, chat=chat, served_model=state.model_id)
     gen.tools = tools.parse(body) if chat else None
+    for i, spec in enumerate((body.get("tools") or []) if chat else []):
+        # Bounded whatever the choice: auto hands them to the chat template, the forced kinds to the grammar.
+        where = f"tools[{i}].function.parameters"
+        within_limits(limits.check_schema, spec["function"].get("parameters") or {}, where)
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
         raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
     if gen.n > 1 and (gen.schema is not None or (gen.tools is not None and not gen.tools.auto)):
@@ -342,7 +376,11 @@ async def create_response(request: Request) -> Response:
     replies = ResponseReplies(gen, body, request_id)
     reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
     if gen.stream:
-        return EventStream(responses.events(seq, replies, reader), on_close=lambda: engine.cancel(seq))
+        return EventStream(
+            responses.events(seq, replies, reader),
+            on_close=lambda: engine.cancel(seq),
+            error_event=lambda e: responses.sse(replies.event("error", code=e.code, message=e.message, param=None)),
+        )
     reply = await _answer(request, engine, [seq], lambda: responses.collect(seq, replies, reader))
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
@@ -377,9 +415,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     )
 
 
-def build_app(state: ServerState) -> Starlette:
+def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:
+    """The application; ``allowed``: the origins and hosts it answers (default: loopback pages, any IP address)."""
     state.started = state.started or int(time.time())
+    allowed = allowed or Allowed.build()
     app = Starlette(
+        middleware=[
+            Middleware(Guard, allowed=allowed, json_paths=GENERATION_PATHS),
+            # Pages from an allowed origin may read the replies (their JSON POSTs are preflighted).
+            Middleware(
+                CORSMiddleware,
+                allow_origin_regex=allowed.origins.pattern,
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type"],
+            ),
+        ],
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),

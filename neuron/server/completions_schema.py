@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
-from neuron.server import tools
+from neuron.server import limits, tools
 from neuron.server.openai import (
     CHAT_MAX_TOKENS,
     COMPLETION_UNSUPPORTED,
@@ -97,7 +97,7 @@ def _passthrough(chat: bool) -> Schema:
         for name, (reason, neutral) in (UNSUPPORTED if chat else COMPLETION_UNSUPPORTED).items()
     }
     ignored = {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
-    return {**unsupported, **ignored}
+    return {**unsupported, **ignored, "metadata": limits.METADATA_SCHEMA}
 
 
 def _requires(field: str, kind: str, needs: str) -> Schema:

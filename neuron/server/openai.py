@@ -7,14 +7,14 @@ works unchanged.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from neuron.engine.sequence import Failure
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, Range, SamplingParams
+from neuron.server import limits
 
 MAX_COMPLETION_LOGPROBS = 5
 CHAT_MAX_TOKENS = Range(1)
@@ -81,6 +81,7 @@ CHAT_FIELDS = SAMPLING_FIELDS | {
 }
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "response_format"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+T = TypeVar("T")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -126,6 +127,14 @@ def failure_error(failure: Failure) -> ApiError:
 
 def bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def within_limits(check: Callable[..., T], *args: Any) -> T:
+    """``check(*args)``, a bound of ``limits`` passed answered as OpenAI's 400."""
+    try:
+        return check(*args)
+    except limits.LimitError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from None
 
 
 @dataclass(slots=True)
@@ -202,6 +211,7 @@ def parse(body: Any, *, chat: bool, served_model: str) -> Generation:
         elif name not in allowed and name not in IGNORED:
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
 
+    within_limits(limits.check_metadata, body.get("metadata"))
     model = _get(body, "model", "a string", lambda v: isinstance(v, str), None)
     if model is None:
         raise bad("model", "`model` is required; GET /v1/models lists the one served", "missing_required_parameter")
@@ -273,6 +283,9 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise bad("response_format.json_schema.schema", "`response_format.json_schema.schema` must be an object")
+    if schema is not None:
+        # Named `response_format` as OpenAI names a schema's problems, and as the grammar's refusals are.
+        within_limits(limits.check_schema, schema, "response_format.json_schema.schema", "response_format")
     for key, kind in (("description", str), ("strict", bool)):
         if spec.get(key) is not None and type(spec[key]) is not kind:
             where = f"response_format.json_schema.{key}"
@@ -380,10 +393,12 @@ def _message_calls(value: Any, where: str) -> list[dict[str, Any]]:
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` must be {{id, type: function, function: {{name, arguments}}}}")
         if arguments is not None and not isinstance(arguments, str):
             raise bad(f"{where}[{i}].function.arguments", f"`{where}[{i}].function.arguments` must be a JSON string")
-        try:
-            parsed = json.loads(arguments) if arguments else {}
-        except json.JSONDecodeError:
-            parsed = arguments  # the template gets it as it came
+        # Not JSON: the template gets it as it came.
+        parsed = (
+            within_limits(limits.tool_call_arguments, arguments, f"{where}[{i}].function.arguments")
+            if arguments
+            else {}
+        )
         out.append({**call, "function": {"name": function["name"], "arguments": parsed or {}}})
     return out
 

@@ -19,7 +19,18 @@ from typing import Any
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
-from neuron.server.openai import CHAT_MAX_TOKENS, IGNORED, INT64, ApiError, Generation, _kind, bad, failure_error
+from neuron.server import limits
+from neuron.server.openai import (
+    CHAT_MAX_TOKENS,
+    IGNORED,
+    INT64,
+    ApiError,
+    Generation,
+    _kind,
+    bad,
+    failure_error,
+    within_limits,
+)
 from neuron.server.tools import NAME, ToolStream, end, request_rules
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -40,6 +51,7 @@ def to_chat(body: Any) -> dict[str, Any]:
             raise bad(name, message, "unsupported_parameter")
         if name not in FIELDS and name not in IGNORED and name != "previous_response_id":
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
+    within_limits(limits.check_metadata, body.get("metadata"))  # echoed in the reply
     chat = {name: body[name] for name in PASSED if name in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -67,10 +79,17 @@ def renamed(error: ApiError) -> ApiError:
     if error.param is None:
         return error
     head = error.param.split("[", 1)[0].split(".", 1)[0]
-    if head not in RENAMED:
+    nested = "response_format.json_schema."
+    if head == "tools":  # a chat tool's `function` is this route's tool itself
+        param = error.param.replace(".function.", ".", 1)
+    elif error.param.startswith(nested):  # this route's format is the json_schema object itself
+        param = "text.format." + error.param.removeprefix(nested)
+    elif head in RENAMED:
+        param = RENAMED[head] if head == "messages" else RENAMED[head] + error.param[len(head) :]
+    else:
         return error
-    param = RENAMED[head] if head == "messages" else RENAMED[head] + error.param[len(head) :]
-    message = error.message.replace(f"`{head}", f"`{RENAMED[head]}")
+    message = error.message.replace(f"`{nested}", "`text.format.").replace(f"`{error.param}`", f"`{param}`")
+    message = message.replace(f"`{head}", f"`{RENAMED.get(head, head)}")
     return ApiError(error.status, message, type=error.type, param=param, code=error.code, headers=error.headers)
 
 
@@ -404,6 +423,7 @@ def request_schema(model_id: str) -> dict[str, Any]:
         "text": optional({"type": "object", "properties": {"format": optional({"anyOf": [plain, json_schema]})}}),
         "previous_response_id": {"type": "null", "description": "unsupported: neuron stores no responses"},
     } | {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
+    properties["metadata"] = limits.METADATA_SCHEMA
     return {
         "type": "object",
         "required": ["model", "input"],

@@ -50,8 +50,10 @@ def _responses(*errors: int, ok: Schema | None = None, stream: bool = False) -> 
 ERROR_MEANINGS = {
     400: "a field is wrong; `error.param` names it",
     401: "no API key, or the wrong one",
+    403: "a web page's origin, or the Host header, is not allowed (settings allowed_origins, allowed_hosts)",
     404: "no such model",
     413: "the body is too large",
+    415: "the body is not sent as application/json",
     429: "the queue is full; retry after Retry-After seconds",
     500: "a step failed; the server log has the details",
     503: "not ready (loading, recovering or shutting down); retry after Retry-After seconds",
@@ -228,7 +230,17 @@ def document(
                 "summary": summary,
                 "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
                 "responses": _responses(
-                    400, 401, 404, 413, 429, 500, 503, ok=_ref("ChatCompletion" if chat else "Completion"), stream=True
+                    400,
+                    401,
+                    403,
+                    404,
+                    413,
+                    415,
+                    429,
+                    500,
+                    503,
+                    ok=_ref("ChatCompletion" if chat else "Completion"),
+                    stream=True,
                 ),
                 **secured,
             }
@@ -268,7 +280,7 @@ def document(
                         "content": {"application/json": {"schema": responses.request_schema(model_id)}},
                     },
                     "responses": _responses(
-                        400, 401, 404, 413, 429, 500, 503, ok=responses.response_schema(model_id), stream=True
+                        400, 401, 403, 404, 413, 415, 429, 500, 503, ok=responses.response_schema(model_id), stream=True
                     ),
                     **secured,
                 }

@@ -70,7 +70,7 @@ def _raw_post(url: str, body: bytes, length: int) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     s = socket.create_connection((host, int(port)))
     s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Authorization: Bearer {KEY}\r\nContent-Length: {length}\r\n\r\n".encode()
         + body
     )
