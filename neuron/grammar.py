@@ -17,6 +17,7 @@ vocabulary (xgrammar's about 2 µs): both are noise against a 60-90 ms step.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -109,11 +110,17 @@ class Grammars:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size = vocab_size
 
-    def compile(self, schema: dict[str, Any]) -> Constraint:
-        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced."""
+    def compile(
+        self, schema: dict[str, Any], around: Callable[[dict[str, Any], dict[str, Any]], str] | None = None
+    ) -> Constraint:
+        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced. ``around`` builds a
+        lark grammar that holds the schema (given it and the JSON options): a thinking section before it."""
         schema = closed(schema)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+            if around is not None:
+                grammar = llguidance.grammar_from("lark", around(schema, dict(JSON_OPTIONS)))
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(str(e)) from e
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer, limits=LIMITS)

@@ -34,7 +34,7 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import completions, openai, responses, schema, tools
+from neuron.server import completions, openai, reasoning, responses, schema, tools
 from neuron.server.completions import Replies
 from neuron.server.openai import ApiError, Generation
 from neuron.server.responses import ResponseReplies
@@ -248,15 +248,18 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     engine, seqs = await _submit(state, gen, request_id)
     replies = Replies(gen, request_id, engine.text.token_text, engine.text.tokenizer.decode)
     readers = [ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None for _ in seqs]
+    splits = [reasoning.splitter(engine.text.tokenizer, seq.prompt) if chat else None for seq in seqs]
     if gen.stream:
-        return EventStream(completions.stream(seqs, gen, replies, readers), on_close=lambda: _cancel(engine, seqs))
-    reply = await _answer(request, engine, seqs, lambda: completions.collect(seqs, replies, readers))
+        events = completions.stream(seqs, gen, replies, readers, splits)
+        return EventStream(events, on_close=lambda: _cancel(engine, seqs))
+    reply = await _answer(request, engine, seqs, lambda: completions.collect(seqs, replies, readers, splits))
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
 def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
     gen = openai.parse(body, chat=chat, served_model=state.model_id)
     gen.tools = tools.parse(body) if chat else None
+    gen.reasoning = reasoning.parse(body) if chat else None
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
         raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
     if gen.n > 1 and (gen.schema is not None or (gen.tools is not None and not gen.tools.auto)):
@@ -292,12 +295,15 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
             if gen.tools is not None:
                 tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
             messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
-            prompts = [text.encode_chat(messages, gen.tools.specs if gen.tools and text.renders_tools else None)]
+            specs = gen.tools.specs if gen.tools and text.renders_tools else None
+            thinking = reasoning.Thinking.of(text.tokenizer)
+            kwargs = reasoning.template_kwargs(gen.reasoning, text.tokenizer.chat_template, thinking)
+            prompts = [reasoning.encode_chat(text, messages, specs, kwargs)]
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
             try:
-                seq = engine.submit(prompt, await _constrained(engine, gen), request_id, gen.n)
+                seq = engine.submit(prompt, await _constrained(engine, gen, prompt), request_id, gen.n)
             except RequestError as e:
                 if e.param == "prompt" and len(prompts) > 1:
                     e.param = f"prompt[{i}]"
@@ -316,8 +322,9 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     return engine, seqs
 
 
-async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
-    """The request's sampling parameters with its output constraint compiled in, if it has one."""
+async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> SamplingParams:
+    """The request's sampling parameters with its output constraint compiled in, if it has one. A thinking
+    model's chat thinks first, unconstrained, and the constraint holds what follows its thinking section."""
     schema, param = gen.schema, "response_format"
     if schema is None and gen.tools is not None:
         schema, param = gen.tools.schema(), "tools"
@@ -325,7 +332,8 @@ async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
         return gen.params
     try:
         # On a thread: a large schema takes up to a few hundred ms to compile (bounded by grammar.LIMITS).
-        constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema)
+        around = reasoning.grammar(engine.text.tokenizer, prompt) if gen.chat else None
+        constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema, around)
     except GrammarError as e:
         message = f"`{param}`: the schema cannot be enforced: {e}; remove or rewrite that part of the schema"
         raise ApiError(400, message, param=param, code="unsupported_schema") from e
