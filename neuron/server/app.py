@@ -34,7 +34,7 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import completions, openai, reasoning, responses, schema, tools
+from neuron.server import anthropic, completions, openai, reasoning, responses, schema, tokenize, tools
 from neuron.server.completions import Replies
 from neuron.server.openai import ApiError, Generation
 from neuron.server.responses import ResponseReplies
@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 T = TypeVar("T")
 
 
@@ -64,8 +65,9 @@ class OrjsonResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def error_response(error: ApiError) -> Response:
-    return OrjsonResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: ApiError, path: str = "") -> Response:
+    body = anthropic.error_body(error) if path in ANTHROPIC_PATHS else error.body()
+    return OrjsonResponse(body, status_code=error.status, headers=error.headers)
 
 
 # Plumbing shared by the routes.
@@ -78,12 +80,13 @@ def _state(request: Request) -> ServerState:
 def _authorize(request: Request, state: ServerState) -> None:
     if state.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    # Anthropic's clients send the key as `x-api-key`.
+    key = (key if scheme.lower() == "bearer" else "") or request.headers.get("x-api-key", "")
+    if not key.strip():
         raise ApiError(
             401,
-            "no API key given: send the header `Authorization: Bearer KEY`",
+            "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
             code="invalid_api_key",
             headers={"www-authenticate": "Bearer"},
         )
@@ -292,13 +295,7 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     seqs: list[Sequence] = []
     try:
         if chat:
-            if gen.tools is not None:
-                tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
-            messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
-            specs = gen.tools.specs if gen.tools and text.renders_tools else None
-            thinking = reasoning.Thinking.of(text.tokenizer)
-            kwargs = reasoning.template_kwargs(gen.reasoning, text.tokenizer.chat_template, thinking)
-            prompts = [reasoning.encode_chat(text, messages, specs, kwargs)]
+            prompts = [_chat_prompt(engine, gen)]
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
@@ -320,6 +317,19 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
         _cancel(engine, seqs)
         raise openai.not_ready(str(e), retry_after=e.retry_after) from e
     return engine, seqs
+
+
+def _chat_prompt(engine: Engine, gen: Generation) -> list[int]:
+    """A chat's prompt: its tools and template variables through the model's template."""
+    text = engine.text
+    if gen.tools is not None:
+        tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
+    messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
+    specs = gen.tools.specs if gen.tools and text.renders_tools else None
+    kwargs = reasoning.template_kwargs(
+        gen.reasoning, text.tokenizer.chat_template, reasoning.Thinking.of(text.tokenizer)
+    )
+    return reasoning.encode_chat(text, messages, specs, kwargs)
 
 
 async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> SamplingParams:
@@ -358,6 +368,57 @@ async def create_response(request: Request) -> Response:
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
+async def create_message(request: Request) -> Response:
+    """Anthropic's Messages API: the chat it describes, answered as a Message."""
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    try:
+        gen = _parse(anthropic.to_chat(body), state, chat=True)
+    except ApiError as e:
+        raise anthropic.renamed(e) from None
+    request_id = f"msg_{uuid.uuid4().hex}"
+    engine, (seq,) = await _submit(state, gen, request_id)
+    split = reasoning.splitter(engine.text.tokenizer, seq.prompt)
+    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    if gen.stream:
+        events = anthropic.events(seq, gen, request_id, split, reader)
+        return EventStream(events, on_close=lambda: engine.cancel(seq))
+    reply = await _answer(request, engine, [seq], lambda: anthropic.collect(seq, gen, request_id, split, reader))
+    return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    try:
+        gen = _parse(anthropic.to_chat(body, counting=True), state, chat=True)
+    except ApiError as e:
+        raise anthropic.renamed(e) from None
+    try:
+        prompt = _chat_prompt(_engine(state), gen)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="messages" if e.param == "prompt" else e.param, code=e.code) from e
+    return OrjsonResponse({"input_tokens": len(prompt)})
+
+
+async def tokenize_text(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    engine = _engine(state)
+    return OrjsonResponse(tokenize.tokenize(engine.text, body, state.model_id, engine.context_length))
+
+
+async def detokenize_tokens(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    engine = _engine(state)
+    return OrjsonResponse(tokenize.detokenize(engine.text, body, state.model_id, engine.vocab_size))
+
+
 # The application.
 
 
@@ -366,25 +427,27 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     if request.url.path in GENERATION_PATHS:
         metrics.REQUESTS.labels("rejected").inc()
     log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses"
+        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /tokenize"
         message = f"no route {request.method} {request.url.path}; see {routes}"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"
     code = "not_found" if exc.status_code == 404 else None
     # The headers carry what the status promises, such as 405's Allow.
-    return error_response(ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+    error = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    return error_response(error, request.url.path)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("internal error", path=request.url.path)
     return error_response(
-        ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", type="server_error")
+        ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", type="server_error"),
+        request.url.path,
     )
 
 
@@ -401,6 +464,10 @@ def build_app(state: ServerState) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", text_completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/messages", create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+            Route("/tokenize", tokenize_text, methods=["POST"]),
+            Route("/detokenize", detokenize_tokens, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
