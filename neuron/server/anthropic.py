@@ -23,14 +23,14 @@ from typing import Any
 import orjson
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
-from neuron.server.openai import IGNORED, ApiError, Generation, _kind, bad, failure_error
+from neuron.server.openai import ApiError, Generation, _is_int64, _kind, bad, failure_error
 from neuron.server.reasoning import ReasoningSplit
 from neuron.server.tools import ToolStream, end
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
 ACCEPTED = frozenset({*PASSED, "system", "messages", "stop_sequences", "tools", "tool_choice", "thinking"})
 # Accepted and ignored: billing, routing and caching hints that change nothing a single server generates.
-IGNORED_HERE = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed"}) | IGNORED
+IGNORED_HERE = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed"})
 COUNT_FIELDS = frozenset({"model", "system", "messages", "tools", "tool_choice", "thinking", "cache_control"})
 TOOL_IGNORED = frozenset(
     {"cache_control", "defer_loading", "eager_input_streaming", "input_examples", "strict", "allowed_callers"}
@@ -46,6 +46,7 @@ ERROR_TYPES = {
     500: "api_error",
     503: "overloaded_error",
 }
+STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 # Chat names in errors raised by the chat route's checks, as this route calls them.
 RENAMED = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "chat_template_kwargs": "thinking"}
 
@@ -79,7 +80,10 @@ def to_chat(body: Any, *, counting: bool = False) -> dict[str, Any]:
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
     if (choice := body.get("tool_choice")) is not None:
-        chat.update(_tool_choice(choice))
+        choice = _tool_choice(choice)
+        # auto with no tools is a reply without calls, as Anthropic answers it.
+        if choice["tool_choice"] != "auto" or chat.get("tools"):
+            chat.update(choice)
     if (thinking := body.get("thinking")) is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": _thinking(thinking)}
     return chat
@@ -149,7 +153,9 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 output = _text_blocks(output, f"{at}.content")
             elif not isinstance(output, str):
                 raise bad(f"{at}.content", f"`{at}.content` must be a string or an array of text blocks")
-            if block.get("is_error") is True:
+            if block.get("is_error") is not None and type(block["is_error"]) is not bool:
+                raise bad(f"{at}.is_error", f"`{at}.is_error` must be a boolean")
+            if block.get("is_error"):
                 output = f"Error: {output}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
@@ -166,9 +172,9 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         if kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise bad(at, f"`{at}` must be a tool_use block with `id`, `name` and `input`")
-            if not isinstance(block.get("input", {}), dict):
+            if not isinstance(block.get("input"), dict):
                 raise bad(f"{at}.input", f"`{at}.input` must be an object")
-            arguments = json.dumps(block.get("input", {}))
+            arguments = json.dumps(block["input"])
             calls.append(
                 {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )
@@ -229,7 +235,7 @@ def _thinking(value: Any) -> bool:
             '`thinking` must be {"type": "enabled", "budget_tokens"}, {"type": "adaptive"} or {"type": "disabled"}',
         )
     budget = value.get("budget_tokens")
-    if budget is not None and (type(budget) is not int or budget < 1):
+    if budget is not None and not (_is_int64(budget) and budget >= 1):
         raise bad("thinking.budget_tokens", "`thinking.budget_tokens` must be a positive integer")
     return kind != "disabled"
 

@@ -217,6 +217,7 @@ async def openapi(request: Request) -> Response:
             keyed=state.api_key is not None,
             auto_tools=engine.text.renders_tools and engine.text.tool_markup is not None if engine else True,
             max_n=min(engine.limits.max_n, engine.limits.max_batch) if engine else None,
+            reasons=reasoning.reasons(engine.text.tokenizer) if engine else True,
         )
     )
 
@@ -319,10 +320,11 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     return engine, seqs
 
 
-def _chat_prompt(engine: Engine, gen: Generation) -> list[int]:
-    """A chat's prompt: its tools and template variables through the model's template."""
+def _chat_prompt(engine: Engine, gen: Generation, generating: bool = True) -> list[int]:
+    """A chat's prompt: its tools and template variables through the model's template. Not ``generating`` (only
+    counting its tokens), a model that could not read ``auto`` tool calls back still counts them."""
     text = engine.text
-    if gen.tools is not None:
+    if gen.tools is not None and generating:
         tools.check_model(gen.tools, text.renders_tools, text.tool_markup)
     messages = tools.template_messages(gen.messages, gen.tools, text.renders_tools)
     specs = gen.tools.specs if gen.tools and text.renders_tools else None
@@ -397,7 +399,7 @@ async def count_message_tokens(request: Request) -> Response:
     except ApiError as e:
         raise anthropic.renamed(e) from None
     try:
-        prompt = _chat_prompt(_engine(state), gen)
+        prompt = _chat_prompt(_engine(state), gen, generating=False)
     except RequestError as e:
         raise ApiError(400, str(e), param="messages" if e.param == "prompt" else e.param, code=e.code) from e
     return OrjsonResponse({"input_tokens": len(prompt)})

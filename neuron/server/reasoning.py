@@ -22,9 +22,26 @@ from typing import Any
 from neuron.engine.sequence import RequestError
 from neuron.server.openai import bad
 
-# The template variables neuron itself sets: a request may not replace them through ``chat_template_kwargs``.
+# The template variables neuron itself sets, and apply_chat_template's own arguments: a request may not set them
+# through ``chat_template_kwargs``.
 RESERVED = frozenset(
-    {"messages", "tools", "add_generation_prompt", "tokenize", "return_dict", "chat_template", "documents"}
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_TEMPLATE_KWARGS = 32
@@ -201,3 +218,37 @@ def lark(schema: dict[str, Any], options: dict[str, Any], *, thinking: Thinking,
             f"answer: %json {json.dumps(schema)}",
         )
     )
+
+
+# The OpenAPI pieces of the reasoning controls, beside the checks they describe.
+
+TEMPLATE_KWARGS = {
+    "type": "object",
+    "maxProperties": MAX_TEMPLATE_KWARGS,
+    "propertyNames": {"not": {"enum": sorted(RESERVED)}},
+    "description": "extra variables for the chat template (vLLM's), such as enable_thinking",
+}
+
+
+def request_properties(reasons: bool) -> dict[str, Any]:
+    """``chat_template_kwargs``, ``include_reasoning``, and ``reasoning_effort`` where the model ``reasons``
+    (thinks, or its template reads the effort)."""
+    properties: dict[str, Any] = {
+        "chat_template_kwargs": {"anyOf": [TEMPLATE_KWARGS, {"type": "null"}]},
+        "include_reasoning": {
+            "anyOf": [{"type": "boolean"}, {"type": "null"}],
+            "description": "false leaves a thinking model's reasoning_content out (vLLM's)",
+        },
+    }
+    if reasons:
+        properties["reasoning_effort"] = {
+            "enum": [*EFFORTS, None],
+            "description": "to a template that reads it; otherwise none turns thinking off",
+        }
+    return properties
+
+
+def reasons(tokenizer: Any) -> bool:
+    """Whether ``reasoning_effort`` is taken: the model thinks, or its template reads the effort."""
+    template = tokenizer.chat_template
+    return Thinking.of(tokenizer) is not None or (isinstance(template, str) and "reasoning_effort" in template)

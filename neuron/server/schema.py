@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.server import responses, tools
+from neuron.server import anthropic_schema, reasoning, responses, tools
 from neuron.server.completions_schema import Schema, integer, or_null, request
 
 REF = "#/components/schemas/"
@@ -214,9 +214,11 @@ def document(
     keyed: bool,
     auto_tools: bool = True,
     max_n: int | None = None,
+    reasons: bool = True,
 ) -> Schema:
     """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
-    ``auto_tools``: whether the model's template shows it tools and mlx-lm can read its calls."""
+    ``auto_tools``: whether the model's template shows it tools and mlx-lm can read its calls; ``reasons``:
+    whether it takes ``reasoning_effort`` (reasoning.reasons)."""
     secured = {"security": [{"bearer": []}]} if keyed else {}
     probe = {"security": []}
 
@@ -225,6 +227,8 @@ def document(
 
     def generate(summary: str, chat: bool) -> Schema:
         body = request(model_id, vocab_size, context, max_n, chat=chat, auto_tools=auto_tools)
+        if chat:
+            body["properties"] |= reasoning.request_properties(reasons)
         return {
             "post": {
                 "summary": summary,
@@ -236,6 +240,23 @@ def document(
             }
         }
 
+    def post(summary: str, body: Schema, ok: Schema, errors: Schema, stream: bool = False) -> Schema:
+        content = {"application/json": {"schema": ok}}
+        if stream:
+            event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+            content["text/event-stream"] = {"schema": {**event, "description": "one named server-sent event"}}
+        responses_ = {"200": {"description": "OK", "content": content}}
+        for status in (400, 401, 404, 413, 429, 500, 503):
+            responses_[str(status)] = {
+                "description": ERROR_MEANINGS[status],
+                "content": {"application/json": {"schema": errors}},
+            }
+        request_body = {"required": True, "content": {"application/json": {"schema": body}}}
+        return {"post": {"summary": summary, "requestBody": request_body, "responses": responses_, **secured}}
+
+    chat_body = request(model_id, vocab_size, context, max_n, chat=True, auto_tools=True)["properties"]
+    message = anthropic_schema.message_reply(model_id)
+    counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": integer(0)}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     return {
         "openapi": "3.1.0",
@@ -275,6 +296,31 @@ def document(
                     **secured,
                 }
             },
+            "/v1/messages": post(
+                "a message (Anthropic's Messages API), whole or streamed",
+                anthropic_schema.messages_request(model_id, auto_tools),
+                message,
+                anthropic_schema.ERROR,
+                stream=True,
+            ),
+            "/v1/messages/count_tokens": post(
+                "the prompt tokens of a Messages API request",
+                anthropic_schema.messages_request(model_id, auto_tools, counting=True),
+                counted,
+                anthropic_schema.ERROR,
+            ),
+            "/tokenize": post(
+                "a prompt or a chat as the model's tokens (vLLM's)",
+                anthropic_schema.tokenize_request(model_id, vocab_size, chat_body["messages"], chat_body["tools"]),
+                anthropic_schema.tokenize_reply(),
+                _ref("Error"),
+            ),
+            "/detokenize": post(
+                "token ids as text (vLLM's)",
+                anthropic_schema.detokenize_request(model_id, vocab_size),
+                {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                _ref("Error"),
+            ),
         },
         "components": {
             "schemas": _components(model_id),

@@ -20,7 +20,6 @@ CHAT_FIELDS = frozenset(
         "add_special_tokens",
         "return_token_strs",
         "add_generation_prompt",
-        "continue_final_message",
         "tools",
         "chat_template_kwargs",
     }
@@ -74,9 +73,6 @@ def _render(text: Any, body: dict[str, Any]) -> str:
     specs = parsed.specs if parsed and text.renders_tools else None
     kwargs = reasoning.parse(body).template_kwargs
     generation = _flag(body, "add_generation_prompt", True)
-    continuing = _flag(body, "continue_final_message", False)
-    if generation and continuing:
-        raise bad("continue_final_message", "`continue_final_message` needs `add_generation_prompt` set to false")
     if not text.tokenizer.chat_template:
         raise bad("messages", f"{text.model_name} has no chat template; send `prompt` instead")
     try:
@@ -84,7 +80,6 @@ def _render(text: Any, body: dict[str, Any]) -> str:
             messages,
             tokenize=False,
             add_generation_prompt=generation,
-            continue_final_message=continuing,
             **({"tools": specs} if specs else {}),
             **kwargs,
         )
