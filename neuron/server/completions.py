@@ -203,7 +203,7 @@ async def collect(
                 text, calls, reason = tools.end(reader, answer, event.reason)
                 prompt, scores = replies.echo(seq, index)
                 logprobs = _joined(scores, replies.logprobs(chunks, index))
-                shown = thought if replies.shows_reasoning else None
+                shown = (thought or None) if replies.shows_reasoning else None
                 choice = replies.choice(
                     index, prompt + text, reason, logprobs, delta=False, tool_calls=calls, reasoning=shown
                 )
