@@ -162,3 +162,24 @@ def test_a_schema_constrains_only_what_follows_the_thinking(client: OpenAI) -> N
     choice = reply.choices[0]
     assert choice.message.reasoning_content  # free text first: the grammar let it think
     assert choice.finish_reason == "stop" and json.loads(choice.message.content)["prime"] in ("yes", "no")
+
+
+def test_the_responses_api_returns_a_reasoning_item(client: OpenAI) -> None:
+    ask: dict[str, Any] = {"model": "tiny-thinker", "input": "Is 7 prime?", "max_output_tokens": 8, "temperature": 0}
+    reply = client.responses.create(**ask)
+    thinking, message = reply.output
+    assert thinking.type == "reasoning" and thinking.content[0].type == "reasoning_text" and thinking.content[0].text
+    assert message.type == "message" and reply.usage.output_tokens_details.reasoning_tokens == 8
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2].item.type == "reasoning" and kinds[3] == "response.reasoning_text.delta"
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == thinking.content[0].text
+    done = kinds.index("response.reasoning_text.done")
+    assert kinds[done + 1 : done + 3] == ["response.output_item.done", "response.output_item.added"]
+    assert events[done + 2].output_index == 1 and kinds[-1] == "response.incomplete"  # cut by max_output_tokens
+    assert events[-1].response.output[0].content[0].text == thinking.content[0].text
+    # No effort: the template closes the section, and no reasoning item comes back.
+    unthought = client.responses.create(**{**ask, "max_output_tokens": 1}, reasoning={"effort": "none"})
+    assert [item.type for item in unthought.output] == ["message"]

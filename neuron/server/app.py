@@ -362,7 +362,7 @@ async def create_response(request: Request) -> Response:
         raise responses.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"
     engine, (seq,) = await _submit(state, gen, request_id)
-    replies = ResponseReplies(gen, body, request_id)
+    replies = ResponseReplies(gen, body, request_id, reasoning.splitter(engine.text.tokenizer, seq.prompt))
     reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
     if gen.stream:
         return EventStream(responses.events(seq, replies, reader), on_close=lambda: engine.cancel(seq))

@@ -288,7 +288,9 @@ def document(
                     "summary": "a response (OpenAI's Responses API), whole or streamed; stateless",
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": responses.request_schema(model_id, auto_tools)}},
+                        "content": {
+                            "application/json": {"schema": responses.request_schema(model_id, auto_tools, reasons)}
+                        },
                     },
                     "responses": _responses(
                         400, 401, 404, 413, 429, 500, 503, ok=responses.response_schema(model_id), stream=True
