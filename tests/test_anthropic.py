@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
-from conftest import Server
+from conftest import Server, make_thinking_model, serving
 from starlette.testclient import TestClient
 
 from neuron.server.app import ServerState, build_app
@@ -210,3 +211,28 @@ def test_x_api_key_is_a_key_too() -> None:
             assert response.status_code == status and response.json()["error"]["type"] == kind, headers
         chat = {"model": MODEL, "messages": HI}
         assert http.post("/v1/chat/completions", json=chat, headers={"x-api-key": "k"}).status_code == 503
+
+
+@pytest.fixture(scope="module")
+def thinking_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_thinking_model(tmp_path_factory.mktemp("thinking-tp2") / MODEL)
+    with serving(tmp_path_factory, "--model", str(model), "--tp", "2") as server:
+        yield server
+
+
+def test_two_ranks_think_and_call_tools_the_same_way(thinking_tp2: Server) -> None:
+    """Over two ranks the split, the grammar after the thinking and the events are the same code: one pass."""
+    client = anthropic.Anthropic(base_url=thinking_tp2.url, api_key="unused", max_retries=0)
+    events = raw_events(thinking_tp2, {"model": MODEL, "max_tokens": 4, "messages": HI, "temperature": 0})
+    assert [name for name, _ in events][:2] == ["message_start", "content_block_start"]
+    assert events[1][1]["content_block"]["type"] == "thinking" and events[-1][0] == "message_stop"
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=60,
+        messages=HI,
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        thinking=OFF,
+        extra_body=GREEDY,
+    )
+    assert reply.stop_reason == "tool_use" and reply.content[-1].input["city"] in ("Paris", "Rome")

@@ -199,7 +199,7 @@ ERROR = {
 }
 
 
-def tokenize_request(model_id: str, vocab_size: int | None, chat_messages: Schema, tools: Schema) -> Schema:
+def tokenize_request(model_id: str, chat_messages: Schema, tools: Schema) -> Schema:
     common = {
         "model": or_null({"type": "string", "enum": [model_id]}),
         "add_special_tokens": or_null({"type": "boolean"}),

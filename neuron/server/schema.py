@@ -313,7 +313,7 @@ def document(
             ),
             "/tokenize": post(
                 "a prompt or a chat as the model's tokens (vLLM's)",
-                anthropic_schema.tokenize_request(model_id, vocab_size, chat_body["messages"], chat_body["tools"]),
+                anthropic_schema.tokenize_request(model_id, chat_body["messages"], chat_body["tools"]),
                 anthropic_schema.tokenize_reply(),
                 _ref("Error"),
             ),
