@@ -186,11 +186,17 @@ def test_a_claude_code_style_request_is_answered(thinking_server: Server) -> Non
             {"type": "text", "text": "You are Claude Code, an interactive CLI tool."},
             {"type": "text", "text": "Be concise.", "cache_control": {"type": "ephemeral"}},
         ],
-        "messages": [{"role": "user", "content": [{"type": "text", "text": "read README.md", "cache_control": None}]}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "read README.md", "cache_control": None}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading it."}]},
+            {"role": "system", "content": "The user switched to plan mode."},  # newer Claude Code puts these here
+            {"role": "user", "content": "go on"},
+        ],
         "tools": tools,
         "tool_choice": {"type": "auto"},
         "metadata": {"user_id": "user_abc_account_0_session_1"},
         "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
     }
     events = raw_events(thinking_server, body)
     assert events[0][0] == "message_start" and [name for name, _ in events[-2:]] == ["message_delta", "message_stop"]
@@ -236,3 +242,16 @@ def test_two_ranks_think_and_call_tools_the_same_way(thinking_tp2: Server) -> No
         extra_body=GREEDY,
     )
     assert reply.stop_reason == "tool_use" and reply.content[-1].input["city"] in ("Paris", "Rome")
+
+
+def test_output_config_format_holds_the_text_to_a_schema(client: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"prime": {"enum": ["yes", "no"]}}, "required": ["prime"]}
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Is 7 prime?"}],
+        thinking=OFF,
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=GREEDY,
+    )
+    assert reply.stop_reason == "end_turn" and json.loads(reply.content[-1].text)["prime"] in ("yes", "no")

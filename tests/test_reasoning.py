@@ -56,7 +56,12 @@ def test_tokenizers_decide_who_thinks_and_where_the_prompt_ends(tmp_path: Path, 
     chat = [{"role": "user", "content": "hi"}]
     assert reasoning.inside(thinker, thinker.apply_chat_template(chat, add_generation_prompt=True))
     closed = thinker.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=False)
-    assert not reasoning.inside(thinker, closed)
+    assert not reasoning.inside(thinker, closed) and reasoning.closed(thinker, closed)
+    # A section an earlier turn closed is no closing of this one: the grammar still lets the model think.
+    earlier = [*chat, {"role": "assistant", "content": "<think>a</think>b"}, {"role": "user", "content": "and 9?"}]
+    again = thinker.apply_chat_template(earlier, add_generation_prompt=True)
+    assert reasoning.inside(thinker, again) and not reasoning.closed(thinker, again)
+    assert reasoning.grammar(thinker, closed) is None and reasoning.grammar(thinker, again) is not None
 
 
 def test_reasoning_effort_goes_where_the_template_reads_it_and_is_refused_where_nothing_thinks() -> None:

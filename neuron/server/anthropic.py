@@ -28,10 +28,16 @@ from neuron.server.reasoning import ReasoningSplit
 from neuron.server.tools import ToolStream, end
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
-ACCEPTED = frozenset({*PASSED, "system", "messages", "stop_sequences", "tools", "tool_choice", "thinking"})
+ACCEPTED = frozenset(
+    {*PASSED, "system", "messages", "stop_sequences", "tools", "tool_choice", "thinking", "output_config"}
+)
 # Accepted and ignored: billing, routing and caching hints that change nothing a single server generates.
-IGNORED_HERE = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed"})
-COUNT_FIELDS = frozenset({"model", "system", "messages", "tools", "tool_choice", "thinking", "cache_control"})
+# Claude Code sends `context_management` (its edits clear old tool results past a threshold); neuron keeps the
+# conversation as sent, which fits any context the request fits.
+IGNORED_HERE = frozenset({"metadata", "service_tier", "cache_control", "inference_geo", "speed", "context_management"})
+COUNT_FIELDS = frozenset(
+    {"model", "system", "messages", "tools", "tool_choice", "thinking", "cache_control", "output_config"}
+)
 TOOL_IGNORED = frozenset(
     {"cache_control", "defer_loading", "eager_input_streaming", "input_examples", "strict", "allowed_callers"}
 )
@@ -48,7 +54,13 @@ ERROR_TYPES = {
 }
 STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 # Chat names in errors raised by the chat route's checks, as this route calls them.
-RENAMED = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "chat_template_kwargs": "thinking"}
+RENAMED = {
+    "stop": "stop_sequences",
+    "max_completion_tokens": "max_tokens",
+    "chat_template_kwargs": "thinking",
+    "response_format": "output_config.format",
+}
+ROLES = ("user", "assistant", "system")
 
 
 def error_body(error: ApiError) -> dict[str, Any]:
@@ -86,7 +98,25 @@ def to_chat(body: Any, *, counting: bool = False) -> dict[str, Any]:
             chat.update(choice)
     if (thinking := body.get("thinking")) is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": _thinking(thinking)}
+    if (config := body.get("output_config")) is not None:
+        chat.update(_output_config(config))
     return chat
+
+
+def _output_config(value: Any) -> dict[str, Any]:
+    """``format`` (a JSON schema the text must match) as the chat's ``response_format``; ``effort`` is accepted and
+    not applied: Anthropic's levels have no counterpart in a chat template's."""
+    if not isinstance(value, dict) or not set(value) <= {"format", "effort"}:
+        raise bad("output_config", "`output_config` is an object with `format` and `effort`")
+    effort = value.get("effort")
+    if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
+        raise bad("output_config.effort", "`output_config.effort` must be low, medium, high, xhigh or max")
+    spec = value.get("format")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+        raise bad("output_config.format", '`output_config.format` must be {"type": "json_schema", "schema": {...}}')
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}}
 
 
 def renamed(error: ApiError) -> ApiError:
@@ -126,11 +156,14 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise bad(f"{where}.role", f"`{where}` must be an object with `role` user or assistant and `content`")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
+        elif isinstance(content, list) and message["role"] == "system":
+            # Claude Code puts system turns mid-conversation; the template places them.
+            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content")})
         elif isinstance(content, list):
             out += _user(content, where) if message["role"] == "user" else [_assistant(content, where)]
         else:

@@ -67,7 +67,8 @@ def messages_request(model_id: str, auto_tools: bool, counting: bool = False) ->
             "properties": {"role": {"const": role}, "content": content},
         }
 
-    message = {"anyOf": [turn("user", TEXT, TOOL_RESULT), turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK)]}
+    turns = [turn("user", TEXT, TOOL_RESULT), turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK), turn("system", TEXT)]
+    message = {"anyOf": turns}
     tool = {
         "type": "object",
         "required": ["name", "input_schema"],
@@ -113,8 +114,24 @@ def messages_request(model_id: str, auto_tools: bool, counting: bool = False) ->
         "tool_choice": or_null(choice),
         "thinking": or_null(thinking),
         "cache_control": {"description": "accepted and ignored"},
+        "output_config": or_null(OUTPUT_CONFIG),
     }
+    forced = {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}}
     rules: list[Schema] = [
+        {
+            # A schema for the text and a forced call both shape the output: one constraint per request.
+            "not": {
+                "required": ["tool_choice", "output_config"],
+                "properties": {
+                    "tool_choice": forced,
+                    "output_config": {
+                        "type": "object",
+                        "required": ["format"],
+                        "properties": {"format": {"type": "object"}},
+                    },
+                },
+            }
+        },
         {
             # A call the request forces needs tools to call.
             "if": {
@@ -122,7 +139,7 @@ def messages_request(model_id: str, auto_tools: bool, counting: bool = False) ->
                 "properties": {"tool_choice": {"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}}},
             },
             "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
-        }
+        },
     ]
     required = ["model", "messages"]
     if not counting:
@@ -150,6 +167,23 @@ def messages_request(model_id: str, auto_tools: bool, counting: bool = False) ->
         "additionalProperties": False,
         "allOf": rules,
     }
+
+
+OUTPUT_CONFIG = {
+    "type": "object",
+    "properties": {
+        "format": or_null(
+            {
+                "type": "object",
+                "required": ["type", "schema"],
+                "properties": {"type": {"const": "json_schema"}, "schema": {"type": "object"}},
+                "description": "the text is held to this JSON schema while it is generated",
+            }
+        ),
+        "effort": {"enum": ["low", "medium", "high", "xhigh", "max", None], "description": "accepted, not applied"},
+    },
+    "additionalProperties": False,
+}
 
 
 def message_reply(model_id: str) -> Schema:

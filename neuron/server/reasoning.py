@@ -46,6 +46,7 @@ RESERVED = frozenset(
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 MAX_TEMPLATE_KWARGS = 32
 FIELDS = ("chat_template_kwargs", "include_reasoning", "reasoning_effort")
+CLOSING_TAIL = 8  # tokens at the end of a prompt where a template's own closing of the section lies
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +197,18 @@ def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:
 
 def grammar(tokenizer: Any, prompt: list[int]) -> Callable[[dict[str, Any], dict[str, Any]], str] | None:
     """How a constraint's schema goes into a grammar for this prompt (``grammar.Grammars.compile``'s ``around``):
-    after a thinking section, for a model whose markers are single tokens; None to constrain from the start."""
+    after a thinking section, for a model whose markers are single tokens; None to constrain from the start,
+    as for a prompt whose template closed the section for this turn (thinking turned off)."""
     thinking = Thinking.of(tokenizer)
-    if thinking is None or not thinking.single_tokens:
+    if thinking is None or not thinking.single_tokens or closed(tokenizer, prompt):
         return None
     return functools.partial(lark, thinking=thinking, opened=inside(tokenizer, prompt))
+
+
+def closed(tokenizer: Any, prompt: list[int]) -> bool:
+    """Whether the template closed a thinking section at the very end of ``prompt`` (Qwen3's
+    ``<think>\n\n</think>\n\n`` when ``enable_thinking`` is false), rather than in an earlier turn."""
+    return tokenizer.rfind_think_end(prompt, start=len(prompt) - CLOSING_TAIL) > tokenizer.rfind_think_start(prompt)
 
 
 def lark(schema: dict[str, Any], options: dict[str, Any], *, thinking: Thinking, opened: bool) -> str:
