@@ -119,7 +119,7 @@ def _components(model_id: str) -> Schema:
                 "type": "object",
                 "properties": {
                     k: {"type": "integer", "minimum": 0}
-                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens", "reasoning_tokens")
                 },
             },
         },
@@ -188,6 +188,10 @@ def _components(model_id: str) -> Schema:
                             "role": {"const": "assistant"},
                             "content": {"type": ["string", "null"], "description": "null when tool_calls"},
                             "refusal": {"type": "null"},
+                            "reasoning_content": {
+                                "type": ["string", "null"],
+                                "description": "a thinking model's reasoning, apart from content (vLLM's)",
+                            },
                             "tool_calls": {"type": "array", "minItems": 1, "items": tools.CALL},
                         },
                     },
