@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -124,8 +125,11 @@ class Grammars:
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size = vocab_size
 
-    def compile(self, schema: dict[str, Any]) -> Constraint:
-        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced.
+    def compile(
+        self, schema: dict[str, Any], around: Callable[[dict[str, Any], dict[str, Any]], str] | None = None
+    ) -> Constraint:
+        """A fresh constraint for ``schema``; ``GrammarError`` naming what cannot be enforced. ``around`` builds a
+        lark grammar that holds the schema (given it and the JSON options): a thinking section before it.
 
         On a thread of its own with a large stack (see ``MAX_REFS``); the caller's thread waits for it.
         """
@@ -133,7 +137,7 @@ class Grammars:
 
         def run() -> None:
             try:
-                outcome.append(self._compile(schema))
+                outcome.append(self._compile(schema, around))
             except Exception as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
                 outcome.append(e)
 
@@ -149,10 +153,15 @@ class Grammars:
             raise outcome[0]
         return outcome[0]
 
-    def _compile(self, schema: dict[str, Any]) -> Constraint:
+    def _compile(
+        self, schema: dict[str, Any], around: Callable[[dict[str, Any], dict[str, Any]], str] | None
+    ) -> Constraint:
         schema = closed(schema)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+            if around is not None:
+                grammar = llguidance.grammar_from("lark", around(schema, dict(JSON_OPTIONS)))
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(str(e)) from e
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer, limits=LIMITS)

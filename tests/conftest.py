@@ -399,3 +399,33 @@ def split_qwen3(
     take several steps."""
     with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", *request.param) as s:
         yield s
+
+
+# A Qwen3-style thinking model: `<think>` and `</think>` are tokens of its own (added, not special, as Qwen3's), its
+# template renders tools and opens the thinking section for the model unless `enable_thinking` is false.
+THINKING_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}",
+)
+
+
+def make_thinking_model(folder: Path) -> Path:
+    """A tiny qwen3 whose tokenizer has thinking markers and whose template thinks (THINKING_TEMPLATE)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    make_tiny_model(folder, "qwen3", seed=3, vocab=len(SPECIALS) + 256 + 8)  # room for the two markers
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The thinking model served on one rank, for the whole session (reasoning and the Messages API share it)."""
+    model = make_thinking_model(tmp_path_factory.mktemp("thinking") / "tiny-thinker")
+    with serving(tmp_path_factory, "--model", str(model), "--prefill-chunk", "64") as server:
+        yield server

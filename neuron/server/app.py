@@ -36,7 +36,7 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import completions, limits, openai, responses, schema, tools
+from neuron.server import anthropic, completions, limits, openai, reasoning, responses, schema, tokenize, tools
 from neuron.server.completions import Replies
 from neuron.server.guard import Allowed, Guard
 from neuron.server.openai import ApiError, Generation, within_limits
@@ -50,7 +50,8 @@ log = structlog.get_logger("neuron.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 OFF_LOOP_BYTES = 64 * 1024
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 T = TypeVar("T")
 
 
@@ -68,8 +69,9 @@ class OrjsonResponse(JSONResponse):
         return orjson.dumps(content)
 
 
-def error_response(error: ApiError) -> Response:
-    return OrjsonResponse(error.body(), status_code=error.status, headers=error.headers)
+def error_response(error: ApiError, path: str = "") -> Response:
+    body = anthropic.error_body(error) if path in ANTHROPIC_PATHS else error.body()
+    return OrjsonResponse(body, status_code=error.status, headers=error.headers)
 
 
 # Plumbing shared by the routes.
@@ -82,12 +84,13 @@ def _state(request: Request) -> ServerState:
 def _authorize(request: Request, state: ServerState) -> None:
     if state.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key:
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    # Anthropic's clients send the key as `x-api-key`.
+    key = (key if scheme.lower() == "bearer" else "") or request.headers.get("x-api-key", "")
+    if not key.strip():
         raise ApiError(
             401,
-            "no API key given: send the header `Authorization: Bearer KEY`",
+            "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
             code="invalid_api_key",
             headers={"www-authenticate": "Bearer"},
         )
@@ -243,6 +246,7 @@ async def openapi(request: Request) -> Response:
             context=engine.context_length if engine else None,
             keyed=state.api_key is not None,
             max_n=min(engine.limits.max_n, engine.limits.max_batch) if engine else None,
+            reasons=reasoning.reasons(engine.text.tokenizer) if engine else True,
         )
     )
 
@@ -277,9 +281,11 @@ async def _generate(request: Request, *, chat: bool) -> Response:
     engine, seqs = await _submit(state, gen, request_id)
     replies = Replies(gen, request_id, engine.text.token_text, engine.text.tokenizer.decode)
     readers = [ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None for _ in seqs]
+    splits = [reasoning.splitter(engine.text.tokenizer, seq.prompt) if chat else None for seq in seqs]
     if gen.stream:
-        return EventStream(completions.stream(seqs, gen, replies, readers), on_close=lambda: _cancel(engine, seqs))
-    reply = await _answer(request, engine, seqs, lambda: completions.collect(seqs, replies, readers))
+        events = completions.stream(seqs, gen, replies, readers, splits)
+        return EventStream(events, on_close=lambda: _cancel(engine, seqs))
+    reply = await _answer(request, engine, seqs, lambda: completions.collect(seqs, replies, readers, splits))
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
@@ -290,6 +296,7 @@ def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
         # Bounded whatever the choice: auto hands them to the chat template, the forced kinds to the grammar.
         where = f"tools[{i}].function.parameters"
         within_limits(limits.check_schema, spec["function"].get("parameters") or {}, where)
+    gen.reasoning = reasoning.parse(body) if chat else None
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
         raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
     if gen.n > 1 and (gen.schema is not None or (gen.tools is not None and not gen.tools.auto)):
@@ -322,13 +329,12 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     seqs: list[Sequence] = []
     try:
         if chat:
-            messages = tools.template_messages(gen.messages, gen.tools, text.tool_markup)
-            prompts = [text.encode_chat(messages, gen.tools.specs if gen.tools and text.tool_markup else None)]
+            prompts = [_chat_prompt(engine, gen)]
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
             try:
-                seq = engine.submit(prompt, await _constrained(engine, gen), request_id, gen.n)
+                seq = engine.submit(prompt, await _constrained(engine, gen, prompt), request_id, gen.n)
             except RequestError as e:
                 if e.param == "prompt" and len(prompts) > 1:
                     e.param = f"prompt[{i}]"
@@ -347,8 +353,20 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     return engine, seqs
 
 
-async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
-    """The request's sampling parameters with its output constraint compiled in, if it has one."""
+def _chat_prompt(engine: Engine, gen: Generation) -> list[int]:
+    """A chat's prompt: its tools and template variables through the model's template."""
+    text = engine.text
+    messages = tools.template_messages(gen.messages, gen.tools, text.tool_markup)
+    specs = gen.tools.specs if gen.tools and text.tool_markup else None
+    kwargs = reasoning.template_kwargs(
+        gen.reasoning, text.tokenizer.chat_template, reasoning.Thinking.of(text.tokenizer)
+    )
+    return reasoning.encode_chat(text, messages, specs, kwargs)
+
+
+async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> SamplingParams:
+    """The request's sampling parameters with its output constraint compiled in, if it has one. A thinking
+    model's chat thinks first, unconstrained, and the constraint holds what follows its thinking section."""
     schema, param = gen.schema, "response_format"
     if schema is None and gen.tools is not None:
         schema, param = gen.tools.schema(), "tools"
@@ -356,7 +374,8 @@ async def _constrained(engine: Engine, gen: Generation) -> SamplingParams:
         return gen.params
     try:
         # On a thread: a large schema takes up to a few hundred ms to compile (bounded by grammar.LIMITS).
-        constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema)
+        around = reasoning.grammar(engine.text.tokenizer, prompt) if gen.chat else None
+        constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema, around)
     except GrammarError as e:
         message = f"`{param}`: the schema cannot be enforced: {e}; remove or rewrite that part of the schema"
         raise ApiError(400, message, param=param, code="unsupported_schema") from e
@@ -373,7 +392,7 @@ async def create_response(request: Request) -> Response:
         raise responses.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"
     engine, (seq,) = await _submit(state, gen, request_id)
-    replies = ResponseReplies(gen, body, request_id)
+    replies = ResponseReplies(gen, body, request_id, reasoning.splitter(engine.text.tokenizer, seq.prompt))
     reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
     if gen.stream:
         return EventStream(
@@ -385,6 +404,57 @@ async def create_response(request: Request) -> Response:
     return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
 
 
+async def create_message(request: Request) -> Response:
+    """Anthropic's Messages API: the chat it describes, answered as a Message."""
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    try:
+        gen = _parse(anthropic.to_chat(body), state, chat=True)
+    except ApiError as e:
+        raise anthropic.renamed(e) from None
+    request_id = f"msg_{uuid.uuid4().hex}"
+    engine, (seq,) = await _submit(state, gen, request_id)
+    split = reasoning.splitter(engine.text.tokenizer, seq.prompt)
+    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    if gen.stream:
+        events = anthropic.events(seq, gen, request_id, split, reader)
+        return EventStream(events, on_close=lambda: engine.cancel(seq))
+    reply = await _answer(request, engine, [seq], lambda: anthropic.collect(seq, gen, request_id, split, reader))
+    return OrjsonResponse(reply) if reply is not None else Response(status_code=499)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    try:
+        gen = _parse(anthropic.to_chat(body, counting=True), state, chat=True)
+    except ApiError as e:
+        raise anthropic.renamed(e) from None
+    try:
+        prompt = _chat_prompt(_engine(state), gen)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="messages" if e.param == "prompt" else e.param, code=e.code) from e
+    return OrjsonResponse({"input_tokens": len(prompt)})
+
+
+async def tokenize_text(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    engine = _engine(state)
+    return OrjsonResponse(tokenize.tokenize(engine.text, body, state.model_id, engine.context_length))
+
+
+async def detokenize_tokens(request: Request) -> Response:
+    state = _state(request)
+    _authorize(request, state)
+    body = await _read_json(request)
+    engine = _engine(state)
+    return OrjsonResponse(tokenize.detokenize(engine.text, body, state.model_id, engine.vocab_size))
+
+
 # The application.
 
 
@@ -393,25 +463,27 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     if request.url.path in GENERATION_PATHS:
         metrics.REQUESTS.labels("rejected").inc()
     log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses"
+        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /tokenize"
         message = f"no route {request.method} {request.url.path}; see {routes}"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"
     code = "not_found" if exc.status_code == 404 else None
     # The headers carry what the status promises, such as 405's Allow.
-    return error_response(ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+    error = ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
+    return error_response(error, request.url.path)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("internal error", path=request.url.path)
     return error_response(
-        ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", type="server_error")
+        ApiError(500, f"internal error ({type(exc).__name__}); the server log has the details", type="server_error"),
+        request.url.path,
     )
 
 
@@ -440,6 +512,10 @@ def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", text_completions, methods=["POST"]),
             Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/messages", create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+            Route("/tokenize", tokenize_text, methods=["POST"]),
+            Route("/detokenize", detokenize_tokens, methods=["POST"]),
         ],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )

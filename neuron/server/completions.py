@@ -17,20 +17,31 @@ import orjson
 from neuron.engine.sequence import Chunk, Event, Failure, Finish, Sequence
 from neuron.server import tools
 from neuron.server.openai import ApiError, Generation, failure_error
+from neuron.server.reasoning import ReasoningSplit
 from neuron.server.tools import ToolStream
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted: int = 0, rejected: int = 0
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    accepted: int = 0,
+    rejected: int = 0,
+    reasoning: int = 0,
 ) -> dict[str, Any]:
     """OpenAI's usage object; ``cached_tokens`` counts the prompt tokens the prefix cache restored, ``accepted``
-    and ``rejected`` the draft tokens speculation kept and threw away (from ``prediction`` or prompt lookup)."""
+    and ``rejected`` the draft tokens speculation kept and threw away (from ``prediction`` or prompt lookup),
+    ``reasoning`` the completion tokens of a thinking section."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "completion_tokens_details": {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": rejected},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": rejected,
+            "reasoning_tokens": reasoning,
+        },
     }
 
 
@@ -54,6 +65,7 @@ class Replies:
         self.token_text = token_text
         self.decode = decode
         self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
+        self.shows_reasoning = gen.reasoning is None or gen.reasoning.include  # vLLM's include_reasoning
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.gen.chat else "text_completion"
@@ -108,17 +120,25 @@ class Replies:
         *,
         delta: bool,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str | None = None,
     ) -> dict:
+        """One choice; ``reasoning`` (a thinking model's, unless the request left it out) as vLLM's
+        ``reasoning_content``."""
         out: dict[str, Any] = {"index": index}
         if not self.gen.chat:
             out["text"] = text
         elif delta:
-            out["delta"] = {"content": text} if text or (finish_reason is None and not tool_calls) else {}
+            opening = finish_reason is None and not tool_calls and not reasoning
+            out["delta"] = {"content": text} if text or opening else {}
+            if reasoning:
+                out["delta"]["reasoning_content"] = reasoning
             if tool_calls:
                 # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
                 out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         else:
             out["message"] = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
+            if reasoning is not None:
+                out["message"]["reasoning_content"] = reasoning
             if tool_calls:
                 out["message"]["tool_calls"] = tool_calls
         out["logprobs"] = logprobs
@@ -142,13 +162,14 @@ class Replies:
         return {**self._envelope(chunk=False), "choices": choices, "usage": usage_}
 
 
-def _usage(seqs: list[Sequence]) -> dict[str, Any]:
+def _usage(seqs: list[Sequence], splits: list[ReasoningSplit | None] | None = None) -> dict[str, Any]:
     """Each prompt counted once, however many choices share it, as OpenAI counts them."""
     originals = [seq for seq in seqs if seq.copy_of is None]
     prompts, cached = sum(len(seq.prompt) for seq in originals), sum(seq.cached for seq in originals)
     proposed = sum(seq.proposer.proposed for seq in seqs if seq.proposer)
     accepted = sum(seq.proposer.accepted for seq in seqs if seq.proposer)
-    return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached, accepted, proposed - accepted)
+    reasoning = sum(split.tokens for split in splits or () if split)
+    return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached, accepted, proposed - accepted, reasoning)
 
 
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -158,24 +179,41 @@ def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
     return {key: a[key] + b[key] for key in a}
 
 
-async def collect(seqs: list[Sequence], replies: Replies, readers: list[ToolStream | None]) -> dict[str, Any]:
+async def collect(
+    seqs: list[Sequence],
+    replies: Replies,
+    readers: list[ToolStream | None],
+    splits: list[ReasoningSplit | None] | None = None,
+) -> dict[str, Any]:
+    """The whole reply. ``splits``: a thinking model's, one per choice; the reasoning is split off the text
+    before the tool calls are read from what remains."""
+    splits = splits or [None] * len(seqs)
     choices = []
-    for index, (seq, reader) in enumerate(zip(seqs, readers, strict=True)):
+    for index, (seq, reader, split) in enumerate(zip(seqs, readers, splits, strict=True)):
         chunks: list[Chunk] = []
         async for event in seq.events:
             if isinstance(event, Chunk):
                 chunks.append(event)
             elif isinstance(event, Finish):
-                text, calls, reason = tools.end(reader, "".join(c.text for c in chunks) + event.text, event.reason)
+                thought, answer = (
+                    split.whole([c.text for c in chunks], event.text)
+                    if split
+                    else (None, "".join(c.text for c in chunks) + event.text)
+                )
+                text, calls, reason = tools.end(reader, answer, event.reason)
                 prompt, scores = replies.echo(seq, index)
                 logprobs = _joined(scores, replies.logprobs(chunks, index))
-                choices.append(replies.choice(index, prompt + text, reason, logprobs, delta=False, tool_calls=calls))
+                shown = (thought or None) if replies.shows_reasoning else None
+                choice = replies.choice(
+                    index, prompt + text, reason, logprobs, delta=False, tool_calls=calls, reasoning=shown
+                )
+                choices.append(choice)
                 break
             else:
                 raise failure_error(event)
         else:
             raise ApiError(500, "the engine ended the request without an answer", type="server_error")
-    return replies.whole(choices, _usage(seqs))
+    return replies.whole(choices, _usage(seqs, splits))
 
 
 async def merged(seqs: list[Sequence]) -> AsyncIterator[tuple[int, Event]]:
@@ -200,8 +238,13 @@ async def merged(seqs: list[Sequence]) -> AsyncIterator[tuple[int, Event]]:
 
 
 async def stream(
-    seqs: list[Sequence], gen: Generation, replies: Replies, readers: list[ToolStream | None]
+    seqs: list[Sequence],
+    gen: Generation,
+    replies: Replies,
+    readers: list[ToolStream | None],
+    splits: list[ReasoningSplit | None] | None = None,
 ) -> AsyncIterator[bytes]:
+    splits = splits or [None] * len(seqs)
     for index in range(len(seqs)):
         if opening := replies.opening(index):
             yield sse(opening)
@@ -212,13 +255,19 @@ async def stream(
             echoed.add(index)
             prompt, scores = replies.echo(seqs[index], index)
             yield sse(replies.chunk([replies.choice(index, prompt, None, scores, delta=True)]))
+        split = splits[index]
         if isinstance(event, Chunk):
-            text = reader.push(event.text) if reader else event.text
-            if text or gen.logprobs:
-                choice = replies.choice(index, text, None, replies.logprobs([event], index), delta=True)
-                yield sse(replies.chunk([choice]))
+            thought, answer = split.push(event.text) if split else ("", event.text)
+            thought = thought if replies.shows_reasoning else ""
+            text = reader.push(answer) if reader else answer
+            if text or thought or gen.logprobs:
+                logprobs = replies.logprobs([event], index)
+                yield sse(replies.chunk([replies.choice(index, text, None, logprobs, delta=True, reasoning=thought)]))
         elif isinstance(event, Finish):
-            text, calls, reason = tools.end(reader, event.text, event.reason)
+            thought, answer = split.end(event.text) if split else ("", event.text)
+            if thought and replies.shows_reasoning:
+                yield sse(replies.chunk([replies.choice(index, "", None, None, delta=True, reasoning=thought)]))
+            text, calls, reason = tools.end(reader, answer, event.reason)
             if text:
                 yield sse(replies.chunk([replies.choice(index, text, None, None, delta=True)]))
             if calls:
@@ -230,5 +279,5 @@ async def stream(
             yield sse(failure_error(event).body())
             return
     if gen.include_usage:
-        yield sse(replies.chunk([], _usage(seqs)))
+        yield sse(replies.chunk([], _usage(seqs, splits)))
     yield b"data: [DONE]\n\n"

@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
     "web_search_options": ("web search is not supported", ()),
-    "reasoning_effort": ("reasoning controls are not supported", ()),
     "verbosity": ("verbosity controls are not supported", ()),
     "best_of": ("best_of is not supported; send 1", (1,)),
     "suffix": ("suffix (insertion) is not supported", ("",)),
@@ -41,6 +40,7 @@ COMPLETION_UNSUPPORTED = {
     "tools": ("tools need /v1/chat/completions", ([],)),
     "tool_choice": ("tools need /v1/chat/completions", ("none",)),
     "parallel_tool_calls": ("tools need /v1/chat/completions", (True, False)),
+    "reasoning_effort": ("reasoning controls need /v1/chat/completions", ()),
 }
 # vLLM's sampling extensions, which benchmark tools send (vLLM's `bench serve`, genai-perf); vLLM's names and meanings.
 EXTENSIONS = ("ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens")
@@ -78,6 +78,9 @@ CHAT_FIELDS = SAMPLING_FIELDS | {
     "tools",  # read by server/tools.py
     "tool_choice",
     "parallel_tool_calls",
+    "chat_template_kwargs",  # read by server/reasoning.py
+    "include_reasoning",
+    "reasoning_effort",
 }
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "max_tokens", "logprobs", "echo", "response_format"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -153,6 +156,7 @@ class Generation:
     logprobs: bool = False
     schema: dict[str, Any] | None = None  # what the output must match (response_format)
     tools: Any = None  # server/tools.py's Tools, for a chat that may call them
+    reasoning: Any = None  # server/reasoning.py's Options, for a chat
 
 
 # Typed reads of one field. JSON has one number type; Python's bool is an int, so it is refused explicitly.

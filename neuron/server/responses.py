@@ -31,14 +31,20 @@ from neuron.server.openai import (
     failure_error,
     within_limits,
 )
+from neuron.server.reasoning import EFFORTS, ReasoningSplit
 from neuron.server.tools import NAME, ToolStream, end, request_rules
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls")
-FIELDS = frozenset({*PASSED, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text"})
+FIELDS = frozenset({*PASSED, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning"})
 # Chat names in errors raised by the chat route's checks, as this route calls them.
-RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMED = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 def to_chat(body: Any) -> dict[str, Any]:
@@ -71,6 +77,11 @@ def to_chat(body: Any) -> dict[str, Any]:
         chat["tool_choice"] = choice
     if (text := body.get("text")) is not None:
         chat["response_format"] = _format(text)
+    if (reasoning := body.get("reasoning")) is not None:
+        if not isinstance(reasoning, dict):
+            raise bad("reasoning", f"`reasoning` must be an object with an `effort`, got {_kind(reasoning)}")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]  # checked, and named, by the chat route
     return chat
 
 
@@ -175,12 +186,17 @@ def _format(text: Any) -> dict[str, Any] | None:
 class ResponseReplies:
     """One request's Response object and stream events."""
 
-    def __init__(self, gen: Generation, body: dict[str, Any], request_id: str) -> None:
+    def __init__(
+        self, gen: Generation, body: dict[str, Any], request_id: str, split: ReasoningSplit | None = None
+    ) -> None:
         self.gen = gen
         self.body = body
         self.id = request_id
         self.created = int(time.time())
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self.split = split  # a thinking model's: its reasoning becomes a `reasoning` item before the message
+        self.message_index = 0  # the message's place in `output`: 1 after a reasoning item
         self._sequence = 0
 
     def response(
@@ -233,9 +249,20 @@ class ResponseReplies:
             for call in tool_calls or []
         ]
 
-    def output(self, text: str, tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-        """A message with the text (unless only calls came back), then each function call."""
-        return ([self.message(text)] if text or not tool_calls else []) + self.calls(tool_calls)
+    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
+
+    def output(self, text: str, tool_calls: list[dict[str, Any]] | None, thought: str = "") -> list[dict[str, Any]]:
+        """The reasoning (if any), a message with the text (unless only calls came back), then each call."""
+        reasoning = [self.reasoning(thought)] if thought else []
+        return reasoning + ([self.message(text)] if text or not tool_calls else []) + self.calls(tool_calls)
+
+    def split_text(self, text: str, last: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of one token's text, or of the last text."""
+        if self.split is None:
+            return "", text
+        return self.split.end(text) if last else self.split.push(text)
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._sequence += 1
@@ -243,16 +270,20 @@ class ResponseReplies:
 
     def text_item(self, kind: str, **fields: Any) -> dict[str, Any]:
         """An event about the message's one text part."""
-        return self.event(kind, item_id=self.message_id, output_index=0, content_index=0, **fields)
+        return self.event(kind, item_id=self.message_id, output_index=self.message_index, content_index=0, **fields)
+
+    def reasoning_item(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """An event about the reasoning item's one text part."""
+        return self.event(kind, item_id=self.reasoning_id, output_index=0, content_index=0, **fields)
 
 
-def usage(finish: Finish) -> dict[str, Any]:
+def usage(finish: Finish, reasoning_tokens: int = 0) -> dict[str, Any]:
     prompt_tokens, completion_tokens = finish.prompt_tokens, finish.completion_tokens
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": finish.cached_tokens},
         "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,
     }
 
@@ -268,9 +299,11 @@ async def collect(seq: Sequence, replies: ResponseReplies, reader: ToolStream | 
         if isinstance(event, Chunk):
             texts.append(event.text)
         elif isinstance(event, Finish):
-            text, calls, reason = end(reader, "".join(texts) + event.text, event.reason)
-            counts = usage(event)
-            return replies.response("completed", replies.output(text, calls), counts, reason)
+            split = replies.split
+            thought, answer = split.whole(texts, event.text) if split else ("", "".join(texts) + event.text)
+            text, calls, reason = end(reader, answer, event.reason)
+            counts = usage(event, split.tokens if split else 0)
+            return replies.response("completed", replies.output(text, calls, thought), counts, reason)
         else:
             raise failure_error(event)
     raise ApiError(500, "the engine ended the request without an answer", type="server_error")
@@ -284,20 +317,40 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
     yield sse(replies.event("response.in_progress", response=started))
     opened = False
     texts: list[str] = []
+    thoughts: list[str] = []  # the reasoning item's text, while it is open (until the answer begins)
 
     def open_message() -> Iterator[bytes]:
-        yield sse(replies.event("response.output_item.added", output_index=0, item=replies.message("", "in_progress")))
+        item = replies.message("", "in_progress")
+        yield sse(replies.event("response.output_item.added", output_index=replies.message_index, item=item))
         yield sse(replies.text_item("response.content_part.added", part=replies.part("")))
+
+    def close_reasoning() -> Iterator[bytes]:
+        thought = "".join(thoughts)
+        yield sse(replies.reasoning_item("response.reasoning_text.done", text=thought))
+        yield sse(replies.event("response.output_item.done", output_index=0, item=replies.reasoning(thought)))
+        replies.message_index = 1
 
     async for event in seq.events:
         if isinstance(event, Chunk):
-            text = reader.push(event.text) if reader else event.text
+            thought, answer = replies.split_text(event.text)
+            text = reader.push(answer) if reader else answer
         elif isinstance(event, Finish):
-            text, calls, reason = end(reader, event.text, event.reason)
+            thought, answer = replies.split_text(event.text, last=True)
+            text, calls, reason = end(reader, answer, event.reason)
         else:
             error = failure_error(event)
             yield sse(replies.event("error", code=error.code, message=error.message, param=None))
             return
+        if thought and not opened:
+            # Reasoning after the answer began (a model opening a second section) stays out of the stream.
+            if not thoughts:
+                item = replies.reasoning("", "in_progress")
+                yield sse(replies.event("response.output_item.added", output_index=0, item=item))
+            thoughts.append(thought)
+            yield sse(replies.reasoning_item("response.reasoning_text.delta", delta=thought))
+        if (text or isinstance(event, Finish)) and thoughts and replies.message_index == 0:
+            for data in close_reasoning():
+                yield data
         if text:
             if not opened:
                 opened = True
@@ -318,8 +371,10 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
                 yield data
         yield sse(replies.text_item("response.output_text.done", text=whole, logprobs=[]))
         yield sse(replies.text_item("response.content_part.done", part=replies.part(whole)))
-        yield sse(replies.event("response.output_item.done", output_index=0, item=replies.message(whole)))
-    output = replies.output(whole, calls)
+        yield sse(
+            replies.event("response.output_item.done", output_index=replies.message_index, item=replies.message(whole))
+        )
+    output = replies.output(whole, calls, "".join(thoughts))
     first_call = len(output) - len(calls or [])
     for index, item in enumerate(output[first_call:], first_call):
         yield sse(
@@ -333,14 +388,14 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
         yield sse(replies.event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
         yield sse(replies.event("response.function_call_arguments.done", **where, arguments=item["arguments"]))
         yield sse(replies.event("response.output_item.done", output_index=index, item=item))
-    final = replies.response("completed", output, usage(event), reason)
+    final = replies.response("completed", output, usage(event, replies.split.tokens if replies.split else 0), reason)
     yield sse(replies.event(f"response.{final['status']}", response=final))
 
 
 # The OpenAPI pieces of this route, beside the checks they describe.
 
 
-def request_schema(model_id: str) -> dict[str, Any]:
+def request_schema(model_id: str, reasons: bool = True) -> dict[str, Any]:
     def optional(schema: dict[str, Any]) -> dict[str, Any]:
         return {"anyOf": [schema, {"type": "null"}]}
 
@@ -422,6 +477,13 @@ def request_schema(model_id: str) -> dict[str, Any]:
         "parallel_tool_calls": optional({"type": "boolean"}),
         "text": optional({"type": "object", "properties": {"format": optional({"anyOf": [plain, json_schema]})}}),
         "previous_response_id": {"type": "null", "description": "unsupported: neuron stores no responses"},
+        "reasoning": optional(
+            {
+                "type": "object",
+                "properties": {"effort": {"enum": [*EFFORTS, None]} if reasons else {"type": "null"}},
+                "description": "effort: as the chat's reasoning_effort; summary: accepted and ignored",
+            }
+        ),
     } | {name: {"description": "accepted and ignored"} for name in sorted(IGNORED)}
     properties["metadata"] = limits.METADATA_SCHEMA
     return {
@@ -459,4 +521,4 @@ def response_schema(model_id: str) -> dict[str, Any]:
 
 
 TOP = INT64[1]
-OUTPUT_TYPES = ["message", "function_call"]
+OUTPUT_TYPES = ["reasoning", "message", "function_call"]

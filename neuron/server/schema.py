@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.server import responses, tools
+from neuron.server import anthropic_schema, reasoning, responses, tools
 from neuron.server.completions_schema import Schema, integer, or_null, request
 
 REF = "#/components/schemas/"
@@ -121,7 +121,7 @@ def _components(model_id: str) -> Schema:
                 "type": "object",
                 "properties": {
                     k: {"type": "integer", "minimum": 0}
-                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens")
+                    for k in ("accepted_prediction_tokens", "rejected_prediction_tokens", "reasoning_tokens")
                 },
             },
         },
@@ -190,6 +190,10 @@ def _components(model_id: str) -> Schema:
                             "role": {"const": "assistant"},
                             "content": {"type": ["string", "null"], "description": "null when tool_calls"},
                             "refusal": {"type": "null"},
+                            "reasoning_content": {
+                                "type": ["string", "null"],
+                                "description": "a thinking model's reasoning, apart from content (vLLM's)",
+                            },
                             "tool_calls": {"type": "array", "minItems": 1, "items": tools.CALL},
                         },
                     },
@@ -215,8 +219,10 @@ def document(
     context: int | None,
     keyed: bool,
     max_n: int | None = None,
+    reasons: bool = True,
 ) -> Schema:
-    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded."""
+    """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
+    ``reasons``: whether it takes ``reasoning_effort`` (reasoning.reasons)."""
     secured = {"security": [{"bearer": []}]} if keyed else {}
     probe = {"security": []}
 
@@ -225,6 +231,8 @@ def document(
 
     def generate(summary: str, chat: bool) -> Schema:
         body = request(model_id, vocab_size, context, max_n, chat=chat)
+        if chat:
+            body["properties"] |= reasoning.request_properties(reasons)
         return {
             "post": {
                 "summary": summary,
@@ -246,6 +254,23 @@ def document(
             }
         }
 
+    def post(summary: str, body: Schema, ok: Schema, errors: Schema, stream: bool = False) -> Schema:
+        content = {"application/json": {"schema": ok}}
+        if stream:
+            event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+            content["text/event-stream"] = {"schema": {**event, "description": "one named server-sent event"}}
+        responses_ = {"200": {"description": "OK", "content": content}}
+        for status in (400, 401, 404, 413, 429, 500, 503):
+            responses_[str(status)] = {
+                "description": ERROR_MEANINGS[status],
+                "content": {"application/json": {"schema": errors}},
+            }
+        request_body = {"required": True, "content": {"application/json": {"schema": body}}}
+        return {"post": {"summary": summary, "requestBody": request_body, "responses": responses_, **secured}}
+
+    chat_body = request(model_id, vocab_size, context, max_n, chat=True)["properties"]
+    message = anthropic_schema.message_reply(model_id)
+    counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": integer(0)}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     return {
         "openapi": "3.1.0",
@@ -277,7 +302,7 @@ def document(
                     "summary": "a response (OpenAI's Responses API), whole or streamed; stateless",
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": responses.request_schema(model_id)}},
+                        "content": {"application/json": {"schema": responses.request_schema(model_id, reasons)}},
                     },
                     "responses": _responses(
                         400, 401, 403, 404, 413, 415, 429, 500, 503, ok=responses.response_schema(model_id), stream=True
@@ -285,6 +310,31 @@ def document(
                     **secured,
                 }
             },
+            "/v1/messages": post(
+                "a message (Anthropic's Messages API), whole or streamed",
+                anthropic_schema.messages_request(model_id),
+                message,
+                anthropic_schema.ERROR,
+                stream=True,
+            ),
+            "/v1/messages/count_tokens": post(
+                "the prompt tokens of a Messages API request",
+                anthropic_schema.messages_request(model_id, counting=True),
+                counted,
+                anthropic_schema.ERROR,
+            ),
+            "/tokenize": post(
+                "a prompt or a chat as the model's tokens (vLLM's)",
+                anthropic_schema.tokenize_request(model_id, chat_body["messages"], chat_body["tools"]),
+                anthropic_schema.tokenize_reply(),
+                _ref("Error"),
+            ),
+            "/detokenize": post(
+                "token ids as text (vLLM's)",
+                anthropic_schema.detokenize_request(model_id, vocab_size),
+                {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                _ref("Error"),
+            ),
         },
         "components": {
             "schemas": _components(model_id),

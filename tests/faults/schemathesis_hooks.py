@@ -14,6 +14,9 @@ from __future__ import annotations
 import schemathesis
 
 CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min_tokens_above_max_tokens")
+# Anthropic's error body has no code: the same refusals, told by their messages (neuron/engine/intake.py, app.py,
+# tools.py).
+MESSAGES = ("but the context holds", "the schema cannot be enforced", "must name one of the tools given")
 
 
 @schemathesis.check
@@ -22,6 +25,9 @@ def valid_requests_are_served(
 ) -> None:
     if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code != 400:
         return
-    error = response.json().get("error", {})
+    body = response.json()
+    error = body.get("error", {})
+    if body.get("type") == "error" and any(m in error.get("message", "") for m in MESSAGES):
+        return
     if error.get("code") not in CODES:
         raise AssertionError(f"a schema-valid request was refused: {error.get('message')}")
