@@ -72,6 +72,7 @@ def _runtime_imports(path: Path) -> list[str]:
     return [name for name in out if name.startswith("neuron")]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
 def test_dependencies_point_one_way(room: str) -> None:
     wrong = []

@@ -52,6 +52,7 @@ EVERY_MESSAGE = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("message", EVERY_MESSAGE, ids=lambda m: m.op)
 def test_round_trip(message: rpc.Request | rpc.Reply) -> None:
     line = rpc.encode(message)
@@ -60,6 +61,7 @@ def test_round_trip(message: rpc.Request | rpc.Reply) -> None:
     assert decode(line) == message
 
 
+@pytest.mark.unit
 def test_every_op_is_covered() -> None:
     assert {type(m) for m in EVERY_MESSAGE} == set(rpc.REQUESTS) | set(rpc.REPLIES)
 
@@ -103,6 +105,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("line", "kind", "request_id"), MALFORMED)
 def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, request_id: int | None) -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
@@ -111,6 +114,7 @@ def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, reque
     assert caught.value.request_id == request_id
 
 
+@pytest.mark.unit
 def test_field_errors_name_every_field() -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
         rpc.decode_request(b'{"op": "generate_step", "id": 1, "plan": "abc", "bogus": 0}')
@@ -123,6 +127,7 @@ def test_field_errors_name_every_field() -> None:
     assert "'plan.prefill[0].last' must be bool" in message
 
 
+@pytest.mark.unit
 def test_nested_fields_come_back_as_their_types() -> None:
     step = rpc.decode_request(_step_line())
     assert isinstance(step, rpc.GenerateStep)

@@ -15,6 +15,8 @@ from neuron.engine.sequence import Overloaded, Sequence, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 EOS = 2
 _numbers = itertools.count(1)
 

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import Server, sse_events, wait_until
+
+pytestmark = pytest.mark.soak
 
 PROMPTS = ("hello", "the cat sat", "one two three", "good morning", "x y z", "numbers 1 2 3")
 MAX_TOKENS = 12

@@ -25,7 +25,7 @@ from testbed import Namespaces, unavailable
 
 from neuron import log
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
 PROMPT = "hello"
 GREEDY = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.0}
