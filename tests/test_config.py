@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from conftest import Server, run_neuron
 
 from neuron import config
 from neuron.cli import _parser
+from neuron.engine.scheduler import Limits
 
 
 def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -31,6 +33,18 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path, monkeyp
     assert (args.max_batch, args.max_waiting, args.prefill_chunk) == (3, 50, 700)  # file, environment, flag
     assert args.backend == "jaccl" and args.step_timeout == 9.0 and type(args.step_timeout) is float
     assert (args.port, args.host, args.log_level, args.api_key) == (8000, "127.0.0.1", "info", None)  # defaults
+
+
+@pytest.mark.unit
+def test_the_serving_limits_default_to_the_engines_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One place states each default: what ``serve`` resolves with nothing set is ``Limits()``."""
+    empty = tmp_path / "neuron.toml"
+    empty.write_text("")
+    for name in config.SERVE_SETTINGS:
+        monkeypatch.delenv(config.ENV_PREFIX + name.upper(), raising=False)
+    args, problems = _resolve(["--config", str(empty)])
+    assert problems == []
+    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)} == dataclasses.asdict(Limits())
 
 
 @pytest.mark.unit
