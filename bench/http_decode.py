@@ -118,11 +118,9 @@ def main() -> None:
         engine_child(args.engine[0], int(args.engine[1]))
         return
 
-    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    from conftest import Server, make_tiny_model
-
     from neuron.models import model_id, resolve
+    from testkit import Server, make_tiny_model
 
     scratch = Path(tempfile.mkdtemp())
     if args.generate:

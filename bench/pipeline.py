@@ -106,7 +106,7 @@ def main() -> None:
         }
         bed = None
         if args.hosts:
-            from testbed import Namespaces
+            from testkit.testbed import Namespaces
 
             (scratch / "bed").mkdir()
             bed = Namespaces(1, scratch / "bed").start()

@@ -1,4 +1,4 @@
-"""Ranks on other hosts: namespaces on this machine, each a "host" with its own sshd (tests/testbed.py).
+"""Ranks on other hosts: namespaces on this machine, each a "host" with its own sshd (testkit/testbed.py).
 
 The same leader drives workers over SSH, the ring crosses the namespaces' links,
 and everything the local path promises holds: equal tokens, refusals that name
@@ -21,9 +21,9 @@ import pytest
 from conftest import Server, alive, run_neuron, serving, sse_events, tcp_sockets, wait_until
 from test_logging import Journal
 from test_systemd import FakeSystemd
-from testbed import Namespaces, unavailable
 
 from neuron import log
+from testkit.testbed import Namespaces, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
