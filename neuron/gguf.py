@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -144,7 +144,8 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
 
     started = time.perf_counter()
     dtype = getattr(mx, dtype_name)
-    arrays, meta = mx.load(str(gguf), return_metadata=True)
+    # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata.
+    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), return_metadata=True))
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise GGUFError(

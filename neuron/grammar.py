@@ -17,10 +17,13 @@ vocabulary (xgrammar's about 2 µs): both are noise against a 60-90 ms step.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a type of the stubs only
 
 # llguidance's own defaults, said out loud: each bounds the time or memory a hostile schema can cost.
 LIMITS = llguidance.LLParserLimits(
@@ -33,7 +36,7 @@ LIMITS = llguidance.LLParserLimits(
     verbose_errors=False,  # the error goes back to the client: no grammar dump in it
 )
 # No free whitespace: a free-running model otherwise pads JSON with newlines until max_tokens.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

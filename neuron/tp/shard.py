@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +140,7 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     model, _ = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
         model.shard(group)
-    for _, parameter in tree_flatten(model.parameters()):
+    for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
     return model
@@ -159,11 +160,16 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
                 del owner[name]
-    for _, parameter in tree_flatten(model.parameters()):
+    for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)
     return model
 
 
 def parameter_count(model: nn.Module) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    return sum(v.size for v in _arrays(model))
+
+
+def _arrays(model: nn.Module) -> list[mx.array]:
+    """The model's parameters (``tree_flatten`` without a destination gives a list of name and array pairs)."""
+    return [v for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))]
