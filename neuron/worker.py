@@ -135,10 +135,6 @@ class Worker:
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)
                 return rpc.KvCacheCleared(id=id)
-            case rpc.Unload(id=id):
-                if self.state is not None:
-                    self.state.unload()
-                return rpc.Unloaded(id=id)
             case rpc.Shutdown(id=id):
                 return rpc.Bye(id=id)
         raise AssertionError(f"unhandled request {request!r}")

@@ -19,8 +19,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def neuron_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "neuron", *args]
+def neuron_command(*args: str, module: str = "neuron") -> list[str]:
+    """``python -m neuron ARGS``; ``module``: an entry point in front of neuron (``testkit.faults.ENTRY``)."""
+    return [sys.executable, "-m", module, *args]
 
 
 def run_neuron(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -56,6 +57,7 @@ class Server:
 
     With ``listen``, the server is socket-activated as systemd does it: the
     socket becomes its file descriptor 3, with ``LISTEN_PID`` and ``LISTEN_FDS``.
+    With ``module``, it runs that entry point in front of neuron (``testkit.faults.ENTRY`` injects faults).
     """
 
     def __init__(
@@ -65,13 +67,14 @@ class Server:
         env: dict[str, str] | None = None,
         api_key: str | None = None,
         listen: socket.socket | None = None,
+        module: str = "neuron",
     ):
         self.log_path = log_path
         self.args = args
         self.api_key = api_key
         self._log = open(log_path, "w")
         extra = ("--api-key", api_key) if api_key else ()
-        command = neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args)
+        command = neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args, module=module)
         setup = None
         if listen is not None:
             # LISTEN_PID must be the server's own pid, known only in the child: a shell sets it, then execs.

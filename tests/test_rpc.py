@@ -36,7 +36,6 @@ EVERY_MESSAGE = [
         ),
     ),
     rpc.ClearKvCache(id=5, prefixes=True),
-    rpc.Unload(id=6),
     rpc.Shutdown(id=7),
     rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234, host=HOST),
     rpc.Listening(id=8, addresses=["10.0.0.2:4001"]),
@@ -46,7 +45,6 @@ EVERY_MESSAGE = [
     rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
     rpc.KvCacheCleared(id=5),
-    rpc.Unloaded(id=6),
     rpc.Bye(id=7),
     rpc.Error(id=None, kind="invalid_json", message="bad"),
 ]

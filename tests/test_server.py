@@ -15,6 +15,8 @@ from bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
 from conftest import ROOT, Server, run_neuron, serving, sse_events, wait_until
 from transformers import AutoTokenizer
 
+from testkit import faults
+
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
@@ -242,8 +244,10 @@ def test_a_failed_step_ends_the_stream_with_an_error_event_and_ready_recovers(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # Rank 1 fails its third step: the probe is its first, so the first request's second step fails.
-    env = {"NEURON_TEST_FAIL_STEP": "1:3"}
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+    env = {faults.FAIL_ENV: "1:3"}
+    with serving(
+        tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env, module=faults.ENTRY
+    ) as server:
         body = {"model": "qwen3", "prompt": "hello", "max_tokens": 10, "stream": True}
         with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
             events = list(sse_events(response))
@@ -266,7 +270,8 @@ def test_a_model_whose_first_step_fails_never_serves(tiny_models: dict[str, Path
         "--tp",
         "2",
         log_path=tmp_path / "log",
-        env={"NEURON_TEST_FAIL_STEP": "1:1"},
+        env={faults.FAIL_ENV: "1:1"},
+        module=faults.ENTRY,
     )
     rc = server.process.wait(timeout=120)
     server.stop()

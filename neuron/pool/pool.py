@@ -271,12 +271,6 @@ class Pool:
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
-    async def unload(self) -> None:
-        self.loaded = False
-        await self._fan_out(
-            "unload", lambda _, id: rpc.Unload(id=id), lambda rank: rank.unload(), self.deadlines.control
-        )
-
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -247,12 +247,6 @@ class ClearKvCache:
 
 
 @dataclass(frozen=True, slots=True)
-class Unload:
-    op: ClassVar[str] = "unload"
-    id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Shutdown:
     op: ClassVar[str] = "shutdown"
     id: int
@@ -329,12 +323,6 @@ class KvCacheCleared:
 
 
 @dataclass(frozen=True, slots=True)
-class Unloaded:
-    op: ClassVar[str] = "unloaded"
-    id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Bye:
     op: ClassVar[str] = "bye"
     id: int
@@ -350,9 +338,9 @@ class Error:
     message: str
 
 
-Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Unload | Shutdown
+Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Shutdown
 Reply = (
-    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye
+    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Bye
 ) | Error
 
 REQUESTS: tuple[type[Request], ...] = (
@@ -364,7 +352,6 @@ REQUESTS: tuple[type[Request], ...] = (
     LoadShard,
     GenerateStep,
     ClearKvCache,
-    Unload,
     Shutdown,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -376,7 +363,6 @@ REPLIES: tuple[type[Reply], ...] = (
     LoadShardOk,
     GenerateStepOk,
     KvCacheCleared,
-    Unloaded,
     Bye,
     Error,
 )
@@ -391,7 +377,6 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     LoadShard: LoadShardOk,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
-    Unload: Unloaded,
     Shutdown: Bye,
 }
 
@@ -415,14 +400,12 @@ __all__ = [
     "LoadShard",
     "GenerateStep",
     "ClearKvCache",
-    "Unload",
     "Shutdown",
     "Pong",
     "InitOk",
     "LoadShardOk",
     "GenerateStepOk",
     "KvCacheCleared",
-    "Unloaded",
     "Bye",
     "Error",
     "PROTOCOL_VERSION",

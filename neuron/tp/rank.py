@@ -28,7 +28,6 @@ from neuron.tp import speculate
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch
 from neuron.tp.entries import Entries
-from neuron.tp.hooks import Hooks
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
 from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
@@ -71,8 +70,6 @@ class Rank:
         self.seqs: dict[int, SeqState] = {}
         self.batch = Batch()
         self.entries = Entries()
-        self._steps = 0
-        self._hooks = Hooks.read(rank)
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -123,8 +120,6 @@ class Rank:
             self.runner = Stage(model, self.rank, self.world_size, self.group)
         else:
             self.runner = Sharded(model, shard_head(model, config.get("model_type", ""), self.group), self.rank)
-        self._steps = 0
-        self._hooks = Hooks.read(self.rank)
         return Loaded(parameters, time.perf_counter() - start)
 
     # The step.
@@ -145,7 +140,6 @@ class Rank:
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
-            self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
         for restore in plan.restore:
@@ -157,9 +151,6 @@ class Rank:
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
             out.update(self._decode(plan.decode))
-        self._steps += 1
-        if failure := self._hooks.after_step(self._steps, self.seqs, self.entries):
-            raise RankError(failure)
         return out if self.rank == 0 else None
 
     def fingerprint(self) -> str:

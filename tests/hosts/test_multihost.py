@@ -23,6 +23,7 @@ from test_logging import Journal
 from test_systemd import FakeSystemd
 
 from neuron import log
+from testkit import faults
 from testkit.testbed import Namespaces, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -252,7 +253,7 @@ def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expe
 
 
 def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    liar = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_HOST": "mlx=0.0.1"})}
+    liar = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: "mlx=0.0.1"}, faults.ENTRY)}
     hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
     _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
 

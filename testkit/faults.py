@@ -1,0 +1,123 @@
+"""Faults injected into real ranks, for the tests: an entry point in front of ``neuron``, never in production code.
+
+``python -m testkit.faults serve ...`` (or ``--worker ...``) runs neuron with every rank, rank 0 in the leader and
+each worker, a ``FaultyRank``; the processes it starts (workers, a leader re-executing itself) run this entry point
+too (``neuron.reexec.MODULE``). A script that drives a pool itself calls ``install()`` first. The faults are read
+from the environment, which every process of the group inherits:
+
+``NEURON_TEST_FAIL_STEP`` makes a rank fail after given steps, with every collective of the step done, as a bug in
+post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a sequence after
+given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
+prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
+``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
+since its model loaded. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
+``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000``, to see the leader
+refuse it or split by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+FAIL_ENV = "NEURON_TEST_FAIL_STEP"
+DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
+DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
+FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
+ENTRY = "testkit.faults"  # what ``python -m`` runs
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def steps(env: str, rank: int) -> frozenset[int]:
+    """The steps after which ``rank`` is to fail (or desync, or drop an entry), from ``env``."""
+    found: set[int] = set()
+    for spec in filter(None, os.environ.get(env, "").split(";")):
+        listed_rank, _, listed = spec.partition(":")
+        if int(listed_rank) == rank:
+            found.update(int(step) for step in listed.split(","))
+    return frozenset(found)
+
+
+def fake_host(info: Any, rank: int) -> Any:
+    """``info`` (a ``HostInfo``) with what ``NEURON_TEST_FAKE_HOST`` makes ``rank`` say instead."""
+    for spec in filter(None, os.environ.get(FAKE_HOST_ENV, "").split(";")):
+        target, _, assignments = spec.rpartition(":")
+        if target and int(target) != rank:
+            continue
+        fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
+        if "free_memory" in fields:
+            fields["free_memory"] = int(fields["free_memory"])
+        info = dataclasses.replace(info, **fields)
+    return info
+
+
+def install() -> None:
+    """Make this process's ranks ``FaultyRank``s and its hosts say what the environment fakes, and have every
+    process it starts run this entry point."""
+    from neuron import worker
+    from neuron.launch import hosts
+    from neuron.pool import pool, rank0
+    from neuron.rpc import Evict, StepPlan
+    from neuron.tp import rank
+
+    class FaultyRank(rank.Rank):
+        """A rank that, after the steps the environment names, fails, desyncs or loses a prefix-cache entry."""
+
+        def __init__(self, number: int, world_size: int) -> None:
+            super().__init__(number, world_size)
+            self.steps_sent = 0
+
+        def load(self, model_path: str, layers: list[int]) -> Any:
+            self.steps_sent = 0
+            return super().load(model_path, layers)
+
+        def step(self, plan: StepPlan) -> Any:
+            self.steps_sent += 1
+            out = super().step(plan)
+            if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
+                self.seqs[min(self.seqs)].last += 1
+            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := self.entries.state()):
+                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0][0])]), {})
+            if self.steps_sent in steps(FAIL_ENV, self.rank):
+                raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
+            return out
+
+    def describe_host(number: int) -> Any:
+        return fake_host(hosts.describe_host(number), number)
+
+    # Rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker once it joins.
+    rank0.Rank = FaultyRank  # type: ignore[misc]
+    rank.Rank = FaultyRank  # type: ignore[misc]
+    pool.describe_host = describe_host
+    worker.describe_host = describe_host
+    start_here()
+
+
+def start_here() -> None:
+    """Have every process this one starts (a worker, this one re-executed) run this entry point, wherever its
+    working directory."""
+    from neuron import reexec
+
+    reexec.MODULE = ENTRY
+    if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def main() -> int:
+    from neuron import cpu
+    from neuron.cli import main as neuron_main
+
+    start_here()
+    try:
+        cpu.reexec_with_blas()  # as neuron does it, before MLX loads (install loads it)
+    except cpu.BlasError:
+        pass  # neuron's own call says what is wrong
+    install()
+    return neuron_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
