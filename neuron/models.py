@@ -118,11 +118,11 @@ DECIDING_FILES = (
 TENSOR_SAMPLE_BYTES = 4096
 
 
-def fingerprint(model_path: str | Path) -> dict[str, str]:
+def digest_files(model_path: str | Path) -> dict[str, str]:
     """A digest per file that decides the model's output: the config and tokenizer files whole, and for each
     safetensors file its size, its header (names, dtypes, shapes, offsets) and the first bytes of every tensor.
 
-    Two hosts holding the same model give the same fingerprint whatever the folder is called; a different
+    Two hosts holding the same model give the same digests whatever the folder is called; a different
     revision, a fine-tune, or one changed tensor gives another.
     """
     path = Path(model_path)

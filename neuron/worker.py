@@ -120,7 +120,7 @@ class Worker:
                     raise models.ModelError(
                         f"{e} (on this host: copy the model here, or name its path here in the hostfile's 'model')"
                     ) from e
-                return rpc.ModelChecked(id=id, path=str(path), files=models.fingerprint(path))
+                return rpc.ModelChecked(id=id, path=str(path), files=models.digest_files(path))
             case rpc.LoadShard(id=id, model_path=path, layers=layers):
                 loaded = self._joined().load(path, layers)
                 self.log.info(
