@@ -108,7 +108,7 @@ class Grammars:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import llguidance.hf  # imports transformers: only where a tokenizer is at hand
 
-        # About 0.4 s for a 49k vocabulary: done once, when the model loads.
+        # Done once, when the model loads: it reads the whole vocabulary (BENCHMARKS.md, "llguidance's tokenizer").
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size = vocab_size
 

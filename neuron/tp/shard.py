@@ -81,9 +81,9 @@ def backbone(model: nn.Module) -> nn.Module:
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:
 # nothing after it (no soft-capping, no scaling) that a split head would skip.
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# A split head costs one all_gather per step (about 2 ms inside a model on the ring, measured on a 2-core
-# Linux box) and saves reading half the head on rank 0's core (9.5 GB/s): it pays from about 5M fp32
-# parameters; 8M leaves a margin.
+# A split head costs one all_gather per step and saves reading half the head on rank 0's core: on the 2-core
+# development box it pays from about 5M fp32 parameters (BENCHMARKS.md, "When a split LM head pays"); 8M leaves
+# a margin.
 SPLIT_HEAD_MIN_PARAMS = 8_000_000
 
 
