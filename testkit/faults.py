@@ -18,9 +18,14 @@ refuse it or split by it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.abc
+import importlib.util
 import os
 import sys
+from collections.abc import Callable
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 FAIL_ENV = "NEURON_TEST_FAIL_STEP"
@@ -56,19 +61,73 @@ def fake_host(info: Any, rank: int) -> Any:
 
 def install() -> None:
     """Make this process's ranks ``FaultyRank``s and its hosts say what the environment fakes, and have every
-    process it starts run this entry point."""
-    from neuron import worker
+    process it starts run this entry point. Nothing is imported here: a worker loads MLX (with ``neuron.tp.rank``)
+    only once it is pinned to its cores, so each module is patched as it is imported."""
+    start_here()
+    when_imported("neuron.tp.rank", _faulty_ranks)
+    for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
+        when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
+
+
+def start_here() -> None:
+    """Have every process this one starts (a worker, this one re-executed) run this entry point, wherever its
+    working directory."""
+    from neuron import reexec
+
+    reexec.MODULE = ENTRY
+    if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Call ``then(module)`` once module ``name`` is imported, by whoever imports it first (now, if it is)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            assert spec is not None and spec.loader is not None
+            spec.loader = _Then(spec.loader, then)
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+class _Then(importlib.abc.Loader):
+    """A module's own loader, and ``then`` called on the module once it has run."""
+
+    def __init__(self, inner: importlib.abc.Loader, then: Callable[[ModuleType], None]) -> None:
+        self.inner = inner
+        self.then = then
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        self.then(module)
+
+
+def _describe_host(number: int) -> Any:
     from neuron.launch import hosts
-    from neuron.pool import pool, rank0
+
+    return fake_host(hosts.describe_host(number), number)
+
+
+def _faulty_ranks(rank: ModuleType) -> None:
+    """``neuron.tp.rank``'s ``Rank`` replaced by one that fails, desyncs or loses an entry after the steps the
+    environment names (rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker)."""
     from neuron.rpc import Evict, StepPlan
-    from neuron.tp import rank
 
-    class FaultyRank(rank.Rank):
-        """A rank that, after the steps the environment names, fails, desyncs or loses a prefix-cache entry."""
-
+    class FaultyRank(rank.Rank):  # type: ignore[name-defined]
         def __init__(self, number: int, world_size: int) -> None:
             super().__init__(number, world_size)
-            self.steps_sent = 0
+            self.steps_sent = 0  # since the model loaded
 
         def load(self, model_path: str, layers: list[int]) -> Any:
             self.steps_sent = 0
@@ -85,36 +144,14 @@ def install() -> None:
                 raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
             return out
 
-    def describe_host(number: int) -> Any:
-        return fake_host(hosts.describe_host(number), number)
-
-    # Rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker once it joins.
-    rank0.Rank = FaultyRank  # type: ignore[misc]
-    rank.Rank = FaultyRank  # type: ignore[misc]
-    pool.describe_host = describe_host
-    worker.describe_host = describe_host
-    start_here()
-
-
-def start_here() -> None:
-    """Have every process this one starts (a worker, this one re-executed) run this entry point, wherever its
-    working directory."""
-    from neuron import reexec
-
-    reexec.MODULE = ENTRY
-    if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    rank.Rank = FaultyRank  # type: ignore[attr-defined]
+    if (rank0 := sys.modules.get("neuron.pool.rank0")) is not None:  # imported it before this ran
+        rank0.Rank = FaultyRank  # type: ignore[attr-defined]
 
 
 def main() -> int:
-    from neuron import cpu
     from neuron.cli import main as neuron_main
 
-    start_here()
-    try:
-        cpu.reexec_with_blas()  # as neuron does it, before MLX loads (install loads it)
-    except cpu.BlasError:
-        pass  # neuron's own call says what is wrong
     install()
     return neuron_main()
 
