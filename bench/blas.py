@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from streaming import stream_completion  # noqa: E402
@@ -68,10 +67,9 @@ def main() -> None:
     parser.add_argument("--libraries", nargs="+", default=["reference", "openblas", "blis"])
     args = parser.parse_args()
 
-    from conftest import Server
-
     from neuron import cpu
     from neuron.models import model_id
+    from testkit import Server
 
     by_name = {library.name.lower(): library for library in cpu.LIBRARIES}
     libraries = [n for n in args.libraries if n == "reference" or cpu.installed(by_name[n]) is not None]

@@ -29,7 +29,6 @@ import httpx
 from streaming import stream_completion
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 PROMPTS = [
@@ -119,9 +118,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
-    from conftest import Server
-
     from neuron.models import model_id, resolve
+    from testkit import Server
 
     path = resolve(args.model)
     neuron_id = model_id(args.model)

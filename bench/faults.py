@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "faults")]
+sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
-    from conftest import Server, make_tiny_model
-    from test_recovery import COMPLETIONS, GREEDY, kill_trial
+    from testkit import Server, make_tiny_model
+    from testkit.recovery import COMPLETIONS, GREEDY, kill_trial
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "qwen3", "qwen3")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))
 
 
 def add_shape_flags(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_shape_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def generated_model(args: argparse.Namespace, folder: Path) -> Path:
-    from conftest import make_tiny_model
+    from testkit import make_tiny_model
 
     return make_tiny_model(
         folder,

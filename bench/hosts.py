@@ -2,7 +2,7 @@
 
 Run (as root, with openssh-server and iproute2): .venv/bin/python bench/hosts.py [--rounds 3] [--tokens 32]
 
-The hosts are tests/testbed.py's: namespaces on a bridge, each with its own sshd,
+The hosts are testkit/testbed.py's: namespaces on a bridge, each with its own sshd,
 so the worker is started over SSH and the ring crosses a veth link. All of them
 share this machine's cores: rank 0 is pinned to core 0 and rank 1 to core 1 in
 both TP=2 setups (the hostfile's ``cpus``), one BLAS thread each, as neuron pins
@@ -153,7 +153,7 @@ def main() -> None:
         print(json.dumps(bare_all_sum(int(args.all_sum[0]), 500)))
         return
 
-    from testbed import Namespaces, unavailable
+    from testkit.testbed import Namespaces, unavailable
 
     if reason := unavailable():
         sys.exit(f"bench/hosts.py: {reason}")

@@ -49,11 +49,12 @@ def engine_child(model: str, tokens: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     from neuron.engine.engine import Engine
+    from neuron.engine.scheduler import Limits
     from neuron.engine.sequence import Chunk
     from neuron.sampling_params import SamplingParams
 
     async def serve() -> None:
-        async with Engine.open(Path(model)) as engine:
+        async with Engine.open(Path(model), limits=Limits(prefix_cache_bytes=0)) as engine:  # as generate runs it
             prompt = engine.text.encode(PROMPT)
             while await anyio.to_thread.run_sync(sys.stdin.readline):
                 stamps = []
@@ -117,11 +118,9 @@ def main() -> None:
         engine_child(args.engine[0], int(args.engine[1]))
         return
 
-    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    from conftest import Server, make_tiny_model
-
     from neuron.models import model_id, resolve
+    from testkit import Server, make_tiny_model
 
     scratch = Path(tempfile.mkdtemp())
     if args.generate:

@@ -17,7 +17,8 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "faults")]
+# The fuzzing run itself is the hostile-input test's (tests/faults/test_hostile_http.py).
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "faults")]
 
 
 def main() -> None:
@@ -26,8 +27,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
-    from conftest import Server, make_tiny_model
     from test_hostile_http import KEY, run_schemathesis
+
+    from testkit import Server, make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "qwen3", "qwen3")

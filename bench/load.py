@@ -25,7 +25,7 @@ import anyio
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
 WORDS = "the cat sat on a mat while one two three dogs ran far away into good morning light".split()
 
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
-    from conftest import Server, make_tiny_model
+    from testkit import Server, make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "qwen3", "qwen3")

@@ -46,7 +46,8 @@ def engine_run(model: str, hostfile: str, ssh: str, stages: int, micro: int, str
 
     async def run() -> dict:
         layout = Layout(Launcher(read_hostfile(hostfile), ssh), "ring", stages)
-        async with Engine.open(Path(model), layout, limits=Limits(micro_batches=micro), model=model) as engine:
+        limits = Limits(micro_batches=micro, prefix_cache_bytes=0)  # as first measured: every prompt fed whole
+        async with Engine.open(Path(model), layout, limits=limits, model=model) as engine:
             stamps: list[list[float]] = []
 
             async def one(prompt: str) -> None:
@@ -106,7 +107,7 @@ def main() -> None:
         }
         bed = None
         if args.hosts:
-            from testbed import Namespaces
+            from testkit.testbed import Namespaces
 
             (scratch / "bed").mkdir()
             bed = Namespaces(1, scratch / "bed").start()

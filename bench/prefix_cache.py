@@ -29,7 +29,6 @@ from concurrency import start_mlx_lm_server
 from streaming import events
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 SHARED = " ".join(f"Policy {i}: keep answers short, cite the rule you follow, and stay polite." for i in range(80))
@@ -77,9 +76,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
-    from conftest import Server
-
     from neuron.models import model_id, resolve
+    from testkit import Server
 
     path = resolve(args.model)
     neuron_id = model_id(args.model)

@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # testkit, and the leader scenarios the tests run
 
 
 def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
@@ -73,7 +73,7 @@ def main() -> None:
 
         print(peak_rss_mb("self"))
         return
-    from conftest import make_tiny_model
+    from testkit import make_tiny_model
 
     floor = _child("--floor")
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 if TYPE_CHECKING:
-    from conftest import Server
+    from testkit import Server
 
 SNIPPET = """def total_price(items, tax_rate):
     total = 0
@@ -135,8 +135,9 @@ def fitted_cost(server: Server) -> str:
 
 
 def main() -> None:
-    from conftest import Server
     from generated import add_shape_flags, generated_model
+
+    from testkit import Server
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2)")

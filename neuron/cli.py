@@ -239,14 +239,14 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
             ),
             deadlines=Deadlines(step=args.step_timeout),
             limits=Limits(
-                args.max_batch,
-                args.max_waiting,
-                args.prefill_chunk,
-                args.max_context,
-                args.micro_batches,
-                args.prefix_cache_bytes,
-                args.max_n,
-                args.speculate,
+                max_batch=args.max_batch,
+                max_waiting=args.max_waiting,
+                prefill_chunk=args.prefill_chunk,
+                max_context=args.max_context,
+                micro_batches=args.micro_batches,
+                prefix_cache_bytes=args.prefix_cache_bytes,
+                max_n=args.max_n,
+                speculate=args.speculate,
             ),
             drain_timeout=args.drain_timeout,
         )
@@ -255,13 +255,15 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 
 async def _generate(args: argparse.Namespace) -> None:
     from neuron.engine.engine import Engine
+    from neuron.engine.scheduler import Limits
     from neuron.engine.sequence import Chunk, Failure
     from neuron.models import resolve
     from neuron.pool import Deadlines
 
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
-    async with Engine.open(path, _layout(args), deadlines, model=args.model) as engine:
+    limits = Limits(prefix_cache_bytes=0)  # one prompt per process: nothing to share
+    async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
         else:

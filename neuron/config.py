@@ -25,9 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron.engine.scheduler import Limits
+
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
 ENV_PREFIX = "NEURON_"
+LIMITS = Limits()  # the serving limits' defaults are stated once, on ``Limits``
 
 
 def _at_least(low: float) -> Callable[[Any], str | None]:
@@ -117,9 +120,10 @@ SETTINGS = {
         Setting(
             "micro_batches",
             int,
-            1,
-            "decode passes per step, so that pipeline stages work at the same time (default 1: decode reads "
-            "every weight once per pass, and on memory-bound hosts a second pass costs more than the overlap buys)",
+            LIMITS.micro_batches,
+            "decode passes per step, so that pipeline stages work at the same time "
+            f"(default {LIMITS.micro_batches}: decode reads every weight once per pass, and on memory-bound hosts a "
+            "second pass costs more than the overlap buys)",
             check=_at_least(1),
         ),
         Setting(
@@ -212,45 +216,56 @@ SETTINGS = {
             "seconds an idle connection stays open between requests (default 5)",
             check=_positive,
         ),
-        Setting("max_batch", int, 8, "sequences decoding together (default 8)", check=_at_least(1)),
         Setting(
-            "max_n",
+            "max_batch",
             int,
-            8,
-            "choices per request (n), at most --max-batch; more get 400 (default 8)",
+            LIMITS.max_batch,
+            f"sequences decoding together (default {LIMITS.max_batch})",
             check=_at_least(1),
         ),
         Setting(
-            "max_waiting", int, 64, "requests queued beyond the batch; more get 429 (default 64)", check=_at_least(0)
+            "max_n",
+            int,
+            LIMITS.max_n,
+            f"choices per request (n), at most --max-batch; more get 400 (default {LIMITS.max_n})",
+            check=_at_least(1),
+        ),
+        Setting(
+            "max_waiting",
+            int,
+            LIMITS.max_waiting,
+            f"requests queued beyond the batch; more get 429 (default {LIMITS.max_waiting})",
+            check=_at_least(0),
         ),
         Setting(
             "prefill_chunk",
             int,
-            512,
-            "prompt tokens fed per step, so long prompts do not stall running streams (default 512)",
+            LIMITS.prefill_chunk,
+            "prompt tokens fed per step, so long prompts do not stall running streams "
+            f"(default {LIMITS.prefill_chunk})",
             check=_at_least(1),
         ),
         Setting(
             "max_context",
             int,
-            None,
+            LIMITS.max_context,
             "tokens per request, prompt and completion (default: the model's context)",
             check=_at_least(1),
         ),
         Setting(
             "prefix_cache_bytes",
             int,
-            1 << 30,
+            LIMITS.prefix_cache_bytes,
             "bytes of KV cache per rank kept for prompts' shared beginnings, reused by later prompts that start "
-            "the same way (default 1 GiB; 0 turns the prefix cache off)",
+            f"the same way (default {LIMITS.prefix_cache_bytes / (1 << 30):g} GiB; 0 turns the prefix cache off)",
             check=_at_least(0),
         ),
         Setting(
             "speculate",
             str,
-            "ngram",
+            LIMITS.speculate,
             "speculative decoding without a draft model: draft tokens from prompt lookup and requests' "
-            "`prediction`, verified in the batched step (default ngram; off: none)",
+            f"`prediction`, verified in the batched step (default {LIMITS.speculate}; off: none)",
             choices=("ngram", "off"),
         ),
         Setting(

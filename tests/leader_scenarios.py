@@ -23,6 +23,7 @@ from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
+from testkit import faults
 
 PROMPT = [5, 17, 99, 42, 7, 120, 64, 3, 88]
 
@@ -74,11 +75,11 @@ async def spawn(model: str, world_size: int) -> dict[str, Any]:
 async def generate(
     model: str, world_size: int, count: int, stages: int = 1, split: list[int] | None = None
 ) -> dict[str, Any]:
-    """Generate, then unload, reload and generate again; in ``stages`` pipeline stages when more than one."""
+    """Generate, then load again (a rank frees its model first) and generate again; in ``stages`` pipeline stages
+    when more than one."""
     async with Pool(model, Layout.local(world_size, stages, tuple(split or ()))) as pool:
         loaded = await pool.load()
         tokens = await greedy(pool, PROMPT, count)
-        await pool.unload()
         await pool.load()
         return {
             "tokens": tokens,
@@ -89,7 +90,7 @@ async def generate(
 
 
 async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
-    """Generate with a fault injected (by the environment); then clear and generate again."""
+    """Generate with a fault injected (``testkit.faults``, by the environment); then clear and generate again."""
     async with Pool(model, Layout.local(2)) as pool:
         await pool.load()
         try:
@@ -205,6 +206,7 @@ SCENARIOS = {
 }
 
 if __name__ == "__main__":
+    faults.install()  # the faults the test names in the environment, if any, on every rank
     log.configure("info", "json")  # on stderr: stdout carries the result
     name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
     result = anyio.run(SCENARIOS[name], *args)

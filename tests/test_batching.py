@@ -18,6 +18,8 @@ import pytest
 from closeness import TOP, Scored, assert_all_same, assert_same
 from conftest import Server, serving, wait_until
 
+from testkit import faults
+
 # Different lengths, some longer than the prefill chunk the servers here use (16),
 # so prompts are fed over several steps while others decode.
 PROMPTS = [
@@ -137,8 +139,10 @@ async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_suc
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, split: tuple[str, str]
 ) -> None:
     # Rank 1 records a wrong token at its 6th step (the probe is its 1st): its digest no longer matches rank 0's.
-    env = {"NEURON_TEST_DESYNC_STEP": "1:6"}
-    with _server(tmp_path_factory, "--model", str(tiny_models["qwen3"]), *split, env=env) as server:
+    env = {faults.DESYNC_ENV: "1:6"}
+    with _server(
+        tmp_path_factory, "--model", str(tiny_models["qwen3"]), *split, env=env, module=faults.ENTRY
+    ) as server:
         with pytest.raises(openai.InternalServerError) as caught:
             await _complete(server, "qwen3", "hello", 20, temperature=0.0)
         message = str(caught.value)

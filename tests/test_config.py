@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from conftest import Server, run_neuron
 
 from neuron import config
 from neuron.cli import _parser
+from neuron.engine.scheduler import Limits
 
 
 def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -19,6 +21,7 @@ def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, config.resolve(args, config.SERVE_SETTINGS, layered=True)
 
 
+@pytest.mark.unit
 def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = tmp_path / "neuron.toml"
     file.write_text('max_batch = 3\nmax_waiting = 5\nprefill_chunk = 7\nbackend = "jaccl"\nstep_timeout = 9\n')
@@ -32,6 +35,19 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path, monkeyp
     assert (args.port, args.host, args.log_level, args.api_key) == (8000, "127.0.0.1", "info", None)  # defaults
 
 
+@pytest.mark.unit
+def test_the_serving_limits_default_to_the_engines_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One place states each default: what ``serve`` resolves with nothing set is ``Limits()``."""
+    empty = tmp_path / "neuron.toml"
+    empty.write_text("")
+    for name in config.SERVE_SETTINGS:
+        monkeypatch.delenv(config.ENV_PREFIX + name.upper(), raising=False)
+    args, problems = _resolve(["--config", str(empty)])
+    assert problems == []
+    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)} == dataclasses.asdict(Limits())
+
+
+@pytest.mark.unit
 def test_the_config_path_comes_from_the_environment_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = tmp_path / "elsewhere.toml"
     file.write_text("max_batch = 2\n")
@@ -40,6 +56,7 @@ def test_the_config_path_comes_from_the_environment_too(tmp_path: Path, monkeypa
     assert problems == [] and args.max_batch == 2
 
 
+@pytest.mark.unit
 def test_every_problem_is_named_by_where_it_came_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = tmp_path / "neuron.toml"
     file.write_text('max_batch = 0\nport = "8000"\ntp = 2.0\nlog_level = "loud"\nmax_bach = 4\n')
@@ -60,6 +77,7 @@ def test_every_problem_is_named_by_where_it_came_from(tmp_path: Path, monkeypatc
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -18,8 +18,10 @@ from conftest import run_neuron
 from neuron import cpu, device
 from neuron.launch.checks import Refused, check_gpus
 from neuron.launch.dataplane import backend_setup, spawn_env
-from neuron.launch.hosts import FAKE_HOST_ENV, Host, describe_host, local_hosts
+from neuron.launch.hosts import Host, describe_host, local_hosts
 from neuron.launch.ssh import remote_command
+from testkit import faults
+from testkit.faults import FAKE_HOST_ENV
 
 CPU_LIBRARY, CUDA_LIBRARY = 2100, 14600  # bytes of each build's libmlx.so, as small stand-ins
 
@@ -135,7 +137,7 @@ def test_each_nccl_rank_is_given_the_next_gpu_of_its_own_machine_when_spawned() 
 
 def _handshakes(monkeypatch: pytest.MonkeyPatch, fake: str, world_size: int) -> list:
     monkeypatch.setenv(FAKE_HOST_ENV, fake)
-    return [describe_host(rank) for rank in range(world_size)]
+    return [faults.fake_host(describe_host(rank), rank) for rank in range(world_size)]
 
 
 def test_a_machine_with_fewer_gpus_than_its_nccl_ranks_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +163,16 @@ def test_nccl_on_a_host_without_enough_gpus_is_refused_before_anything_loads(tin
     has GPUs), and neuron's refusal before any rank loads the model."""
     fake = {} if device.gpu_count() == 0 else {FAKE_HOST_ENV: "gpus=1"}
     done = run_neuron(
-        "generate", "--model", str(tiny_models["qwen3"]), "--tp", "2", "--backend", "nccl", "hi", env=fake
+        "generate",
+        "--model",
+        str(tiny_models["qwen3"]),
+        "--tp",
+        "2",
+        "--backend",
+        "nccl",
+        "hi",
+        env=fake,
+        module=faults.ENTRY,
     )
     assert done.returncode == 1, done.stderr
     assert "nccl needs a GPU of its own for each rank" in done.stderr and "ranks 0, 1 are placed on it" in done.stderr
@@ -184,6 +195,7 @@ def test_an_nccl_failure_at_init_is_neurons_error_naming_rank_host_and_what_to_c
         "nccl",
         "hi",
         env={FAKE_HOST_ENV: "gpus=2"},
+        module=faults.ENTRY,
     )
     assert done.returncode == 1, done.stderr
     error = next(line for line in done.stderr.splitlines() if line.startswith("neuron: error:"))

@@ -26,6 +26,8 @@ from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import Sequence, StopText
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 CPU = StepCost()  # the prior: compute-bound, about 50 ms at batch 1 and 95 at batch 8
 _numbers = itertools.count(1)
 

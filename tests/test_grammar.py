@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -14,11 +13,16 @@ from neuron.engine.text import Text
 from neuron.grammar import MAX_DEPTH, GrammarError, Grammars
 from neuron.sampling_params import SamplingParams
 from neuron.tp.sampler import Sampler, sample_all
+from testkit import tokenizer_files
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def text(tiny_models: dict[str, Path]) -> Text:
-    return Text.load(tiny_models["qwen3"])
+def text(tmp_path_factory: pytest.TempPathFactory) -> Text:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer_files(folder)  # the tiny models' tokenizer, without a model
+    return Text.load(folder)
 
 
 @pytest.fixture(scope="module")

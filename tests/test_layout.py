@@ -41,6 +41,7 @@ MLX_FREE = [
     "neuron.server.tokenize",
     "neuron.grammar",
     "neuron.models",
+    "neuron.gguf",
     "neuron.config",
     "neuron.cpu",
     "neuron.device",
@@ -57,8 +58,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_imports(path: Path) -> list[str]:
-    """Every ``neuron...`` module imported by ``path`` outside ``if TYPE_CHECKING:`` blocks."""
+def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """``path``'s import statements outside ``if TYPE_CHECKING:`` blocks, at any depth (a function's too)."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(n)
@@ -66,10 +67,13 @@ def _runtime_imports(path: Path) -> list[str]:
         if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
         for n in ast.walk(node)
     }
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """Every ``neuron...`` name imported by ``path`` at run time: each module, and each name taken from one."""
     out = []
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in _import_nodes(path):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
@@ -77,6 +81,57 @@ def _runtime_imports(path: Path) -> list[str]:
     return [name for name in out if name.startswith("neuron")]
 
 
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Which neuron modules each one imports at run time (``from package import module`` names the module)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in _import_nodes(path):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    edges.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = {m for m in edges if m in modules and m != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while (member := stack.pop()) != node:
+                group.append(member)
+            group.append(node)
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("room", sorted(FORBIDDEN))
 def test_dependencies_point_one_way(room: str) -> None:
     wrong = []
@@ -90,6 +145,21 @@ def test_dependencies_point_one_way(room: str) -> None:
             if any(imported == f or imported.startswith(f) for f in FORBIDDEN[room]):
                 wrong.append(f"{path.relative_to(ROOT)} imports {imported}")
     assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.unit
+def test_no_module_imports_itself_round_a_circle() -> None:
+    """A circle means neither module can be read (or loaded) without the other: one of them holds what belongs
+    to a third, or they are one module."""
+    found = circles(import_graph(_modules()))
+    assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+@pytest.mark.unit
+def test_the_circle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_the_mlx_free_modules_load_no_mlx() -> None:

@@ -55,6 +55,7 @@ def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Journal
         yield sink
 
 
+@pytest.mark.unit
 def test_fields_and_priorities_in_process(journal: Journal) -> None:
     try:
         log.configure("trace", "journal", rank=3)
@@ -86,6 +87,7 @@ def test_fields_and_priorities_in_process(journal: Journal) -> None:
     assert "Traceback" in failed["EXCEPTION"] and "boom\nsecond line" in failed["EXCEPTION"]
 
 
+@pytest.mark.unit
 def test_trace_is_off_below_trace_level(journal: Journal) -> None:
     try:
         log.configure("debug", "journal")

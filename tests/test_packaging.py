@@ -26,7 +26,10 @@ TOOLS = {
 }
 
 missing = [package for tool, package in TOOLS.items() if shutil.which(tool) is None]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs the Debian packages: {' '.join(missing)}")
+pytestmark = [
+    pytest.mark.packaging,
+    pytest.mark.skipif(bool(missing), reason=f"needs the Debian packages: {' '.join(missing)}"),
+]
 
 
 def _expected() -> tuple[set[str], set[str]]:

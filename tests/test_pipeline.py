@@ -17,6 +17,7 @@ from test_pool import scenario
 from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
 from neuron.models import ModelError, weight_bytes
 from neuron.tp.shard import check_splittable
+from testkit.faults import FAKE_HOST_ENV
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def test_an_uneven_split_and_one_by_free_memory_give_the_same_tokens(
     # Rank 1's host has three times rank 0's room for layers (rank 0 also holds the embedding).
     room = 2 * per_layer[0]
     fake = f"0:free_memory={room + rest};1:free_memory={3 * room}"
-    weighted = scenario("generate", model, 2, 24, 2, env={"NEURON_TEST_FAKE_HOST": fake})
+    weighted = scenario("generate", model, 2, 24, 2, env={FAKE_HOST_ENV: fake})
     assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == reference["qwen3"]["tokens"]
 
 

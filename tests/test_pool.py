@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, alive, make_tiny_model, wait_until
 
 from neuron.pool import Layout, Pool
-from neuron.tp.hooks import FAULT_ENV
+from testkit.faults import FAIL_ENV
 
 SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
 
@@ -29,7 +29,9 @@ def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: 
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, **(env or {})},
+        # The scenarios import testkit from the repository's root, whatever the interpreter's path.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        | (env or {}),
     )
     assert done.returncode == 0, f"scenario {name} failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -55,7 +57,7 @@ def test_spawn_ping_group_and_shutdown(tiny_models: dict[str, Path], smollm2: Pa
 def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], arch: str) -> None:
     result = scenario("generate", str(tiny_models[arch]), 2, 32)
     assert result["tokens"] == clean_tokens[arch]
-    assert result["after_reload"] == clean_tokens[arch]  # unload, then load again
+    assert result["after_reload"] == clean_tokens[arch]  # loaded again over the first
     assert len(set(clean_tokens[arch])) > 8  # a degenerate model would make the comparison meaningless
     full = scenario("generate", str(tiny_models[arch]), 1, 1)["parameters"][0]
     assert result["parameters"][0] == result["parameters"][1] < full  # each rank holds only its slices
@@ -74,7 +76,7 @@ def test_a_vocabulary_projection_split_over_the_ranks_gives_tp1s_tokens(tmp_path
 def test_injected_step_failure_leaves_the_pipes_in_step(
     tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], failing_rank: int
 ) -> None:
-    result = scenario("fail_then_recover", str(tiny_models["llama"]), 32, env={FAULT_ENV: f"{failing_rank}:4"})
+    result = scenario("fail_then_recover", str(tiny_models["llama"]), 32, env={FAIL_ENV: f"{failing_rank}:4"})
     failure = result["failure"]
     assert failure, "the injected fault did not surface"
     assert list(failure["failures"]) == [str(failing_rank)]

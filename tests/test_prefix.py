@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from test_scheduler import LETTERS
 
 from neuron.engine.prefix import Hit, PrefixIndex
@@ -14,6 +15,8 @@ from neuron.engine.scheduler import Limits, Scheduler
 from neuron.engine.sequence import Sequence, StopText
 from neuron.rpc import Evict, Prefill, Restore, Save
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+
+pytestmark = pytest.mark.unit
 
 _numbers = itertools.count(1)
 

@@ -18,6 +18,8 @@ import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
 
+from testkit import faults
+
 # About 1,000 tokens for the tiny models' byte-level tokenizer (one token a byte).
 SYSTEM = "".join(f"Rule {i}: answer in the voice of a lighthouse keeper. " for i in range(20))[:1000]
 QUESTIONS = ["hi", "What is rope?", "Count to ten.", "Why is the sea salty?", "zz", "Tell a joke.", "Sum 2+2", "Bye"]
@@ -156,8 +158,10 @@ def test_a_rank_that_loses_an_entry_is_a_desync_naming_it_and_the_next_request_s
 ) -> None:
     prompt = "The keeper climbs the stairs at dusk."
     # Step 1 is the probe; step 2 feeds the first request's prompt and saves it, then rank 1 drops the entry.
-    env = {"NEURON_TEST_DROP_ENTRY": "1:2"}
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+    env = {faults.DROP_ENTRY_ENV: "1:2"}
+    with serving(
+        tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env, module=faults.ENTRY
+    ) as server:
         body = {"model": "qwen3", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "logprobs": TOP}
         failed = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert failed.status_code == 500

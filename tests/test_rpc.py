@@ -36,7 +36,6 @@ EVERY_MESSAGE = [
         ),
     ),
     rpc.ClearKvCache(id=5, prefixes=True),
-    rpc.Unload(id=6),
     rpc.Shutdown(id=7),
     rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234, host=HOST),
     rpc.Listening(id=8, addresses=["10.0.0.2:4001"]),
@@ -46,12 +45,12 @@ EVERY_MESSAGE = [
     rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
     rpc.KvCacheCleared(id=5),
-    rpc.Unloaded(id=6),
     rpc.Bye(id=7),
     rpc.Error(id=None, kind="invalid_json", message="bad"),
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("message", EVERY_MESSAGE, ids=lambda m: m.op)
 def test_round_trip(message: rpc.Request | rpc.Reply) -> None:
     line = rpc.encode(message)
@@ -60,6 +59,7 @@ def test_round_trip(message: rpc.Request | rpc.Reply) -> None:
     assert decode(line) == message
 
 
+@pytest.mark.unit
 def test_every_op_is_covered() -> None:
     assert {type(m) for m in EVERY_MESSAGE} == set(rpc.REQUESTS) | set(rpc.REPLIES)
 
@@ -104,6 +104,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("line", "kind", "request_id"), MALFORMED)
 def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, request_id: int | None) -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
@@ -112,6 +113,7 @@ def test_malformed_lines_are_refused_by_kind(line: bytes, kind: ErrorKind, reque
     assert caught.value.request_id == request_id
 
 
+@pytest.mark.unit
 def test_field_errors_name_every_field() -> None:
     with pytest.raises(rpc.ProtocolError) as caught:
         rpc.decode_request(b'{"op": "generate_step", "id": 1, "plan": "abc", "bogus": 0}')
@@ -124,6 +126,7 @@ def test_field_errors_name_every_field() -> None:
     assert "'plan.prefill[0].last' must be bool" in message
 
 
+@pytest.mark.unit
 def test_nested_fields_come_back_as_their_types() -> None:
     step = rpc.decode_request(_step_line())
     assert isinstance(step, rpc.GenerateStep)

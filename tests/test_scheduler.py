@@ -16,6 +16,8 @@ from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.step import Start, Step
 
+pytestmark = pytest.mark.unit
+
 EOS = 2
 _numbers = itertools.count(1)
 

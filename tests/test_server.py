@@ -11,8 +11,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
 from conftest import ROOT, Server, run_neuron, serving, sse_events, wait_until
 from transformers import AutoTokenizer
+
+from testkit import faults
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -204,131 +207,6 @@ def keyed(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         yield server
 
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-GOOD_CHAT = {"model": "qwen3", "messages": MESSAGES, "max_tokens": 4}
-BAD_REQUESTS = [
-    # (what, path, body, key, status, param, words in the message)
-    ("invalid JSON", CHAT, b"{not json", "secret", 400, None, "not valid JSON"),
-    ("not an object", CHAT, [1, 2], "secret", 400, None, "JSON object"),
-    ("wrong type", CHAT, {**GOOD_CHAT, "temperature": "hot"}, "secret", 400, "temperature", "number"),
-    ("bool for int", CHAT, {**GOOD_CHAT, "max_tokens": True}, "secret", 400, "max_tokens", "integer"),
-    ("negative max_tokens", CHAT, {**GOOD_CHAT, "max_tokens": -5}, "secret", 400, "max_tokens", "at least 1"),
-    (
-        "zero max_completion_tokens",
-        CHAT,
-        {**GOOD_CHAT, "max_completion_tokens": 0},
-        "secret",
-        400,
-        "max_completion_tokens",
-        "at least 1",
-    ),
-    ("empty messages", CHAT, {**GOOD_CHAT, "messages": []}, "secret", 400, "messages", "empty"),
-    ("no messages", CHAT, {"model": "qwen3"}, "secret", 400, "messages", "array"),
-    (
-        "bad role",
-        CHAT,
-        {**GOOD_CHAT, "messages": [{"role": "wizard", "content": "x"}]},
-        "secret",
-        400,
-        "messages[0].role",
-        "one of",
-    ),
-    (
-        "image part",
-        CHAT,
-        {**GOOD_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        "secret",
-        400,
-        "messages[0].content[0]",
-        "text parts only",
-    ),
-    ("no model", CHAT, {"messages": MESSAGES}, "secret", 400, "model", "required"),
-    ("unknown model", CHAT, {**GOOD_CHAT, "model": "gpt-9"}, "secret", 404, "model", "gpt-9"),
-    ("temperature out of range", CHAT, {**GOOD_CHAT, "temperature": 5}, "secret", 400, "temperature", "[0, 2]"),
-    ("top_logprobs alone", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, "secret", 400, "top_logprobs", "logprobs"),
-    ("n above --max-n", CHAT, {**GOOD_CHAT, "n": 9}, "secret", 400, "n", "--max-n"),
-    ("tool without function", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, "secret", 400, "tools[0]", "must"),
-    (
-        "tools on completions",
-        COMPLETIONS,
-        {"model": "qwen3", "prompt": "x", "tools": [{}]},
-        "secret",
-        400,
-        "tools",
-        "chat",
-    ),
-    ("unknown field", CHAT, {**GOOD_CHAT, "frobnicate": 1}, "secret", 400, "frobnicate", "unrecognized"),
-    ("five stops", CHAT, {**GOOD_CHAT, "stop": list("abcde")}, "secret", 400, "stop", "at most 4"),
-    (
-        "stream_options without stream",
-        CHAT,
-        {**GOOD_CHAT, "stream_options": {"include_usage": True}},
-        "secret",
-        400,
-        "stream_options",
-        "stream",
-    ),
-    ("bad logit_bias", CHAT, {**GOOD_CHAT, "logit_bias": {"x": 1}}, "secret", 400, "logit_bias", "token ids"),
-    (
-        "token outside vocabulary",
-        COMPLETIONS,
-        {"model": "qwen3", "prompt": [10**6]},
-        "secret",
-        400,
-        "prompt",
-        "token ids",
-    ),
-    ("over-long prompt", COMPLETIONS, {"model": "qwen3", "prompt": [5] * 2100}, "secret", 400, "prompt", "2100 tokens"),
-    (
-        "completions logprobs > 5",
-        COMPLETIONS,
-        {"model": "qwen3", "prompt": "x", "logprobs": 6},
-        "secret",
-        400,
-        "logprobs",
-        "[0, 5]",
-    ),
-    ("role is an object", CHAT, {**GOOD_CHAT, "messages": [{"role": {}}]}, "secret", 400, "messages[0].role", "one of"),
-    (
-        "unicode digit as token id",
-        CHAT,
-        {**GOOD_CHAT, "logit_bias": {"²": 1}},
-        "secret",
-        400,
-        "logit_bias",
-        "token ids",
-    ),
-    ("integer past 64 bits", CHAT, {**GOOD_CHAT, "max_tokens": 2**64}, "secret", 400, "max_tokens", "64-bit"),
-    (
-        "zero max_tokens beside a good max_completion_tokens",
-        CHAT,
-        {**GOOD_CHAT, "max_tokens": 0, "max_completion_tokens": 5},
-        "secret",
-        400,
-        "max_tokens",
-        "at least 1",
-    ),
-    (
-        "unknown response format",
-        CHAT,
-        {**GOOD_CHAT, "response_format": {"type": "xml"}},
-        "secret",
-        400,
-        "response_format",
-        "json_schema",
-    ),
-    ("tools: true", CHAT, {**GOOD_CHAT, "tools": True}, "secret", 400, "tools", "must be an array"),
-    ("nested 2000 deep", CHAT, b"[" * 2000 + b"]" * 2000, "secret", 400, None, "depth"),
-    ("lone surrogate", CHAT, b'{"model": "\\ud800"}', "secret", 400, None, "surrogate"),
-    ("infinite number", CHAT, b'{"model": "qwen3", "temperature": 1e400}', "secret", 400, None, "infinity"),
-    ("empty body", CHAT, b"", "secret", 400, None, "empty"),
-    ("oversized body", CHAT, b'{"x": "' + b"a" * (5 << 20) + b'"}', "secret", 413, None, "bytes"),
-    ("no key", CHAT, GOOD_CHAT, None, 401, None, "Authorization"),
-    ("wrong key", CHAT, GOOD_CHAT, "guess", 401, None, "incorrect"),
-]
-
-
 @pytest.mark.parametrize(
     ("what", "path", "body", "key", "status", "param", "words"), BAD_REQUESTS, ids=[r[0] for r in BAD_REQUESTS]
 )
@@ -366,8 +244,10 @@ def test_a_failed_step_ends_the_stream_with_an_error_event_and_ready_recovers(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     # Rank 1 fails its third step: the probe is its first, so the first request's second step fails.
-    env = {"NEURON_TEST_FAIL_STEP": "1:3"}
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env) as server:
+    env = {faults.FAIL_ENV: "1:3"}
+    with serving(
+        tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", env=env, module=faults.ENTRY
+    ) as server:
         body = {"model": "qwen3", "prompt": "hello", "max_tokens": 10, "stream": True}
         with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
             events = list(sse_events(response))
@@ -390,7 +270,8 @@ def test_a_model_whose_first_step_fails_never_serves(tiny_models: dict[str, Path
         "--tp",
         "2",
         log_path=tmp_path / "log",
-        env={"NEURON_TEST_FAIL_STEP": "1:1"},
+        env={faults.FAIL_ENV: "1:1"},
+        module=faults.ENTRY,
     )
     rc = server.process.wait(timeout=120)
     server.stop()

@@ -145,6 +145,7 @@ def test_a_right_prediction_is_mostly_kept_and_a_wrong_one_changes_nothing(small
     assert done[-2]["accepted_tokens"] == accepted and done[-2]["proposed_tokens"] >= accepted
 
 
+@pytest.mark.unit
 def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_after_misses() -> None:
     proposer = Proposer(prediction=[5, 6, 7, 8, 9, 10], limit=8)
     assert proposer.propose([1, 5], [5], room=10) == [6, 7, 8, 9]  # the prediction after the output so far
@@ -164,6 +165,7 @@ def test_the_proposer_follows_a_matching_prediction_then_looks_up_and_rests_afte
     assert chat.resting > 0 and chat.propose([1, 2, 1, 2, 1], [1], room=9) == []  # resting: no draft, no cost
 
 
+@pytest.mark.unit
 def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
     """``drop_tail``'s row gather leaves every row's visible keys, values, offsets and padding as mlx-lm's own
     ``finalize`` (right padding rolled to the front) does, and the next write lands the same."""

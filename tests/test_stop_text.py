@@ -6,6 +6,8 @@ import pytest
 
 from neuron.engine.sequence import StopText
 
+pytestmark = pytest.mark.unit
+
 
 def feed(stops: tuple[str, ...], pieces: list[str]) -> tuple[str, bool]:
     text = StopText(stops)

@@ -44,6 +44,7 @@ def _split(text: str, size: int = 3) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
+@pytest.mark.unit
 def test_hermes_calls_leave_the_content_and_become_tool_calls() -> None:
     text = (
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -57,6 +58,7 @@ def test_hermes_calls_leave_the_content_and_become_tool_calls() -> None:
     assert "<tool_call>" not in content and "tool_call" not in content
 
 
+@pytest.mark.unit
 def test_mistral_calls_parse_too() -> None:
     content, calls, reason = _read(MISTRAL, _split('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', 4))
     assert (content, reason) == ("", "tool_calls")
@@ -65,6 +67,7 @@ def test_mistral_calls_parse_too() -> None:
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("markup", "text"),
     [
@@ -81,6 +84,7 @@ def test_a_malformed_call_is_a_plain_text_answer(markup: tools.ToolMarkup, text:
     assert reader.error
 
 
+@pytest.mark.unit
 def test_text_that_only_looks_like_a_marker_is_released() -> None:
     assert _read(HERMES, ["a <tool", "_ca", "t> b"]) == ("a <tool_cat> b", [], "stop")
     # Cut by max_tokens inside a call: nothing to parse, the text is what there is.
@@ -88,6 +92,7 @@ def test_text_that_only_looks_like_a_marker_is_released() -> None:
     assert _read(HERMES, _split(text), reason="length") == (text, [], "length")
 
 
+@pytest.mark.unit
 def test_forced_calls_read_the_constrained_json() -> None:
     required = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
     assert required is not None and required.schema()["maxItems"] == 1  # type: ignore[index]
@@ -99,6 +104,7 @@ def test_forced_calls_read_the_constrained_json() -> None:
     assert named is not None and named.schema() == WEATHER["function"]["parameters"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -114,6 +120,7 @@ def test_bad_tool_fields_name_the_field(body: dict, param: str) -> None:
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.unit
 def test_earlier_calls_reach_a_template_without_tools_as_text() -> None:
     messages = [
         {"role": "user", "content": "weather?"},

@@ -163,8 +163,9 @@ def expected_kept(drafted: int, acceptance: float) -> float:
     return sum(acceptance**i for i in range(1, drafted + 1))
 
 
-# The step-time prior: SmolLM2-135M on the 2-core development CPU, about 50 ms at batch 1 and 95 at batch 8
-# (one token per row). Its ratio is what matters until the engine has timed steps of different widths.
+# The step-time prior: SmolLM2-135M on the 2-core development CPU at batch 1 and batch 8, one token per row
+# (BENCHMARKS.md, "Speculative decoding"). Its ratio is what matters until the engine has timed steps of
+# different widths.
 PRIOR_FIXED_MS = 43.5
 PRIOR_ROW_MS = 6.5
 COST_WINDOW = 64  # decode steps the fit looks back on: recent enough to follow the batch's size
@@ -185,7 +186,7 @@ class StepCost:
 
     A row count timed ``MIN_SAMPLES`` times is priced at its own median, not the line's: the cost is no line
     where one row goes to a cheaper kernel (``neuron/native/gemv.c``: one-row products by sgemv, two rows and
-    more by sgemm; SmolLM2 on 2 cores, 27 ms at one row, about 45 at two), and a draft must pay for that step.
+    more by sgemm: BENCHMARKS.md, "Decode toward the bandwidth"), and a draft must pay for that step.
     """
 
     fixed_ms: float = PRIOR_FIXED_MS

@@ -34,12 +34,14 @@ from neuron.step import Start, Step
 
 @dataclass(frozen=True, slots=True)
 class Limits:
+    """The serving limits; these defaults are ``neuron serve``'s (config.py reads them from here)."""
+
     max_batch: int = 8  # sequences decoding together; more wait in the queue
     max_waiting: int = 64  # requests queued beyond the batch; more get 429
     prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
     max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
     micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
-    prefix_cache_bytes: int = 0  # the prefix cache's budget on the rank holding the largest share; 0: off
+    prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
     speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
 

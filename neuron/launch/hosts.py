@@ -19,7 +19,7 @@ import os
 import platform
 import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,6 @@ from neuron.rpc import HostInfo
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})
-# A test can make a host say other things of itself: ``mlx=0.0.1`` on every rank, or per rank,
-# ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to see the leader refuse it or split by it.
-FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
 
 
 class HostsError(ValueError):
@@ -159,7 +156,7 @@ def describe_host(rank: int) -> HostInfo:
     """This host and this process, as ``rank`` reports them: the versions from package metadata, and without
     importing MLX on the CPU backend (a worker pins itself to its cores before MLX starts a thread)."""
     mlx = _version("mlx")
-    info = HostInfo(
+    return HostInfo(
         hostname=socket.gethostname(),
         neuron=neuron.__version__,
         mlx=mlx,
@@ -170,13 +167,3 @@ def describe_host(rank: int) -> HostInfo:
         cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         gpus=device.gpu_count(),
     )
-    for spec in filter(None, os.environ.get(FAKE_HOST_ENV, "").split(";")):
-        target, _, assignments = spec.rpartition(":")
-        if target and int(target) != rank:
-            continue
-        fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
-        for number in ("free_memory", "gpus"):
-            if number in fields:
-                fields[number] = int(fields[number])
-        info = HostInfo(**{**asdict(info), **fields})
-    return info

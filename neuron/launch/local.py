@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import anyio
 import anyio.abc
+
+from neuron import reexec
 
 
 def worker_command(rank: int, world_size: int) -> list[str]:
@@ -19,7 +20,7 @@ async def spawn_local(rank: int, world_size: int, extra: dict[str, str]) -> anyi
     env.pop("NOTIFY_SOCKET", None)
     env["PYTHONUNBUFFERED"] = "1"
     return await anyio.open_process(
-        [sys.executable, "-m", "neuron", *worker_command(rank, world_size)],
+        [*reexec.command(), *worker_command(rank, world_size)],
         stdin=-1,
         stdout=-1,
         stderr=None,  # inherited: an unread stderr pipe would block the worker once full

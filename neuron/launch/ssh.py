@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import os
 import shlex
-import sys
 import threading
 
 import anyio
@@ -26,6 +25,7 @@ import anyio.abc
 import orjson
 import structlog
 
+from neuron import reexec
 from neuron.launch.hosts import Host
 from neuron.launch.local import worker_command
 from neuron.log import trace
@@ -38,7 +38,7 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 
 def remote_command(host: Host, rank: int, world_size: int, env: dict[str, str] | None = None) -> str:
     """What the remote shell runs: neuron's worker, replacing the shell, with ``env`` set through ``env(1)``."""
-    neuron = shlex.split(host.neuron) if host.neuron else [sys.executable, "-m", "neuron"]
+    neuron = shlex.split(host.neuron) if host.neuron else reexec.command()
     setting = ["env", *(f"{name}={value}" for name, value in sorted((env or {}).items()))] if env else []
     return "exec " + shlex.join([*setting, *neuron, *worker_command(rank, world_size)])
 

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuron.paths import cache_dir
+
 GEMV_SOURCE = Path(__file__).with_name("gemv.c")
 COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedora: dnf install gcc)"
 
@@ -30,8 +32,6 @@ class Built:
 
 def build_gemv() -> Built:
     """The one-row interposer as a shared library for this machine, built now unless already cached."""
-    from neuron.models import cache_dir  # at call time: models imports cpu, which imports this
-
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return Built(None, f"no C compiler found: {COMPILER_HINT}")

@@ -68,7 +68,7 @@ class Deadlines:
     init: float = 60.0
     load: float = 900.0
     step: float = 120.0
-    control: float = 30.0  # clear_kv_cache, unload
+    control: float = 30.0  # clear_kv_cache
     shutdown: float = 10.0
 
 
@@ -168,8 +168,8 @@ class FanOut:
                         tg.start_soon(run_rank0, on_rank0)
             log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
             ended = time.perf_counter()
-            drain = max(0.0, self.last_reply - rank0_done) if sent else 0.0
-            self.timing = Timing(started - began, rank0_done - started, drain, ended - began)
+            drained = max(0.0, self.last_reply - rank0_done) if sent else 0.0
+            self.timing = Timing(started - began, rank0_done - started, drained, ended - began)
             if failures:
                 messages = {rank: str(f) for rank, f in failures.items()}
                 if any(f.breaks for f in failures.values()):

@@ -33,7 +33,7 @@ from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.stages import check_split, plan_stages
 from neuron.log import ms_since
-from neuron.models import fingerprint, kv_bytes_per_token, read_config, text_config
+from neuron.models import digest_files, kv_bytes_per_token, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
@@ -97,8 +97,9 @@ class Pool:
         self._free_memory: list[int] = []  # each rank's host, as its handshake said
 
     @property
-    def workers(self) -> list[Link]:
-        return self._fan_out.workers
+    def workers(self) -> tuple[Link, ...]:
+        """The workers' links, by rank; the fan-out owns the list."""
+        return tuple(self._fan_out.workers)
 
     @property
     def broken(self) -> PoolError | None:
@@ -145,7 +146,7 @@ class Pool:
             spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
-            self.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
+            self._fan_out.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
@@ -179,7 +180,7 @@ class Pool:
         checked = await self._fan_out(
             "check_model",
             lambda rank, id: rpc.CheckModel(id=id, model=self.launcher.model(rank, self.model, self.model_path)),
-            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=fingerprint(self.model_path)),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=digest_files(self.model_path)),
             self.deadlines.load,
         )
         check_models(checked, self.hosts)
@@ -275,12 +276,6 @@ class Pool:
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
-    async def unload(self) -> None:
-        self.loaded = False
-        await self._fan_out(
-            "unload", lambda _, id: rpc.Unload(id=id), lambda rank: rank.unload(), self.deadlines.control
-        )
-
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
 
@@ -307,7 +302,7 @@ class Pool:
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""
         self._closing = True
-        workers, self._fan_out.workers = self.workers, []
+        workers, self._fan_out.workers = self._fan_out.workers, []
 
         async with anyio.create_task_group() as tg:
             for worker in workers:

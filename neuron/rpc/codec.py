@@ -35,12 +35,12 @@ class _Schema:
     fields: dict[str, Any]  # name -> resolved type hint
 
 
-def _fields(cls: type) -> dict[str, Any]:
+def _fields(cls: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _schemas(classes: tuple[type, ...]) -> dict[str, _Schema]:
+def _schemas(classes: tuple[type[Any], ...]) -> dict[str, _Schema]:
     return {cls.op: _Schema(cls, _fields(cls)) for cls in classes}
 
 

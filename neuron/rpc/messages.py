@@ -266,12 +266,6 @@ class ClearKvCache:
 
 
 @dataclass(frozen=True, slots=True)
-class Unload:
-    op: ClassVar[str] = "unload"
-    id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Shutdown:
     op: ClassVar[str] = "shutdown"
     id: int
@@ -348,12 +342,6 @@ class KvCacheCleared:
 
 
 @dataclass(frozen=True, slots=True)
-class Unloaded:
-    op: ClassVar[str] = "unloaded"
-    id: int
-
-
-@dataclass(frozen=True, slots=True)
 class Bye:
     op: ClassVar[str] = "bye"
     id: int
@@ -369,9 +357,9 @@ class Error:
     message: str
 
 
-Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Unload | Shutdown
+Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Shutdown
 Reply = (
-    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Unloaded | Bye
+    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Bye
 ) | Error
 
 REQUESTS: tuple[type[Request], ...] = (
@@ -383,7 +371,6 @@ REQUESTS: tuple[type[Request], ...] = (
     LoadShard,
     GenerateStep,
     ClearKvCache,
-    Unload,
     Shutdown,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -395,7 +382,6 @@ REPLIES: tuple[type[Reply], ...] = (
     LoadShardOk,
     GenerateStepOk,
     KvCacheCleared,
-    Unloaded,
     Bye,
     Error,
 )
@@ -410,7 +396,6 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     LoadShard: LoadShardOk,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
-    Unload: Unloaded,
     Shutdown: Bye,
 }
 
@@ -434,14 +419,12 @@ __all__ = [
     "LoadShard",
     "GenerateStep",
     "ClearKvCache",
-    "Unload",
     "Shutdown",
     "Pong",
     "InitOk",
     "LoadShardOk",
     "GenerateStepOk",
     "KvCacheCleared",
-    "Unloaded",
     "Bye",
     "Error",
     "PROTOCOL_VERSION",

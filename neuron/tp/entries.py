@@ -73,10 +73,5 @@ class Entries:
             caches.append(cache)
         return caches
 
-    def drop_one(self) -> None:
-        """Test hook: lose the oldest entry, as a rank that went its own way would."""
-        if self._held:
-            del self._held[min(self._held)]
-
     def clear(self) -> None:
         self._held.clear()

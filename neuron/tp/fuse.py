@@ -16,23 +16,12 @@ of its rows of the fused array, so the parameter tree keeps its names, shapes
 and count, and the fused arrays themselves are kept under ``_``-prefixed names,
 which MLX leaves out of ``parameters()``.
 
-Both groups pay, each on its own, and neither lost in any run (SmolLM2-135M
-fp32, TP=1, two BLAS threads on a 2-core box; bench/decode_step.py, rounds
-alternating in one process, rank 0's step with sampling, medians; the box was
-shared, +-2 ms of noise). Debian's OpenBLAS 0.3.21, ms per step:
-
-    run                      unfused   q/k/v   gate/up   both
-    batch 1, 5 rounds          49.5     46.7     44.5    43.5  (0.88)
-    batch 1, 6 rounds          49.0       -        -     46.5  (0.95)
-    batch 8, 5 rounds          85.7     82.1     80.0    82.0  (0.96)
-    batch 8, 6 rounds          80.5       -        -     79.6  (0.99)
-
-At one row the saving is fewer calls, each with a fixed cost (sgemm's set-up
-and packing, waking the BLAS's second thread): a step made 211 weight products;
-fused, 121. At eight rows the products read the same bytes and the gain is
-smaller. With one-row products sent to sgemv (``neuron/native/gemv.c``, what
-neuron runs where it has a C compiler), fusing both still pays: 28.5 -> 27.3 ms
-at batch 1 (0.96), 83.9 -> 80.0 at batch 8 (0.95), 3 alternating rounds.
+Both groups pay, each on its own, at one row and at eight, with one-row
+products sent to sgemm or to sgemv (BENCHMARKS.md, "Fused projections"). At one
+row the saving is fewer calls, each with a fixed cost (sgemm's set-up and
+packing, waking the BLAS's second thread): a step makes 211 weight products
+unfused, 121 fused. At eight rows the products read the same bytes and the gain
+is smaller.
 
 Results: the fused product's columns are bitwise the separate products' with
 the mlx wheel's reference BLAS, and with OpenBLAS at the few rows of a decode

@@ -30,7 +30,6 @@ from neuron.tp import ahead, rollback
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
-from neuron.tp.hooks import Hooks
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
 from neuron.tp.sampler import Samplers, read
@@ -95,8 +94,6 @@ class Rank:
         self.seqs: dict[int, SeqState] = {}
         self.batch = Batch()
         self.entries = Entries()
-        self._steps = 0
-        self._hooks = Hooks.read(rank)
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
@@ -154,8 +151,6 @@ class Rank:
             self.runner = Stage(model, self.rank, self.world_size, self.group)
         else:
             self.runner = Sharded(model, shard_head(model, config.get("model_type", ""), self.group), self.rank)
-        self._steps = 0
-        self._hooks = Hooks.read(self.rank)
         return Loaded(parameters, time.perf_counter() - start)
 
     # The step.
@@ -180,7 +175,6 @@ class Rank:
             queued = None
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
-            self._steps += 1
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
         self._leave(plan.leave)
         for restore in plan.restore:
@@ -194,9 +188,6 @@ class Rank:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:
             out.update(self._decode(plan.decode, plan.widths()))
-        self._steps += 1
-        if failure := self._hooks.after_step(self._steps, self.seqs, self.entries):
-            raise RankError(failure)
         return out if self.rank == 0 else None
 
     def run_ahead(self, plan: StepPlan, drawn: dict[int, mx.array] | None = None) -> bool:

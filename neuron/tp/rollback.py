@@ -20,8 +20,8 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     at the same index again (what mlx-lm's ``finalize`` does with right padding).
     Rows of a mixed batch accept different counts at nearly every drafting step,
     so this runs on most of them: one row gather per array (``_rolled``), not
-    mlx-lm's element-wise ``dynamic_roll``, which cost SmolLM2 at batch 8 about
-    100 ms a step on 2 CPU cores (a plain step is 95), against 18.
+    mlx-lm's element-wise ``dynamic_roll``, which cost more than a whole plain
+    step (BENCHMARKS.md, "Speculative decoding", the realignment fix).
     """
     common = min(drops)
     rest = [d - common for d in drops]

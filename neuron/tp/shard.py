@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,9 +81,9 @@ def backbone(model: nn.Module) -> nn.Module:
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:
 # nothing after it (no soft-capping, no scaling) that a split head would skip.
 PLAIN_HEAD = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-# A split head costs one all_gather per step (about 2 ms inside a model on the ring, measured on a 2-core
-# Linux box) and saves reading half the head on rank 0's core (9.5 GB/s): it pays from about 5M fp32
-# parameters; 8M leaves a margin.
+# A split head costs one all_gather per step and saves reading half the head on rank 0's core: on the 2-core
+# development box it pays from about 5M fp32 parameters (BENCHMARKS.md, "When a split LM head pays"); 8M leaves
+# a margin.
 SPLIT_HEAD_MIN_PARAMS = 8_000_000
 
 
@@ -139,7 +140,7 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     model, _ = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
         model.shard(group)
-    for _, parameter in tree_flatten(model.parameters()):
+    for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
     return model
@@ -159,11 +160,16 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
                 del owner[name]
-    for _, parameter in tree_flatten(model.parameters()):
+    for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)
     return model
 
 
 def parameter_count(model: nn.Module) -> int:
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
+    return sum(v.size for v in _arrays(model))
+
+
+def _arrays(model: nn.Module) -> list[mx.array]:
+    """The model's parameters (``tree_flatten`` without a destination gives a list of name and array pairs)."""
+    return [v for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))]

@@ -1,6 +1,6 @@
 """Hostile HTTP input: schemathesis against the served schema, and clients that stall or vanish.
 
-The hand-written table of nasty bodies is ``BAD_REQUESTS`` in tests/test_server.py.
+The hand-written table of nasty bodies is ``BAD_REQUESTS`` in tests/bad_requests.py.
 """
 
 from __future__ import annotations

@@ -21,14 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import Server, sse_events, wait_until
+
+from testkit import faults
+
+pytestmark = pytest.mark.soak
 
 PROMPTS = ("hello", "the cat sat", "one two three", "good morning", "x y z", "numbers 1 2 3")
 MAX_TOKENS = 12
 # The references take about 80 steps; the faults start after them and recur every hundred-odd steps.
 FAIL_STEPS = "0:" + ",".join(map(str, range(290, 100_000, 233))) + ";1:" + ",".join(map(str, range(130, 100_000, 151)))
 DESYNC_STEPS = "1:" + ",".join(map(str, range(200, 100_000, 191)))
-FAULT_ENV = {"NEURON_TEST_FAIL_STEP": FAIL_STEPS, "NEURON_TEST_DESYNC_STEP": DESYNC_STEPS}
+FAULT_ENV = {faults.FAIL_ENV: FAIL_STEPS, faults.DESYNC_ENV: DESYNC_STEPS}
 INJECTED = ("injected failure", "desync")
 
 
@@ -123,7 +128,9 @@ def check(server: Server, references: dict[str, str], result: Soak) -> None:
 
 
 def test_requests_through_failed_steps_desyncs_and_disconnects(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    server = Server("--model", str(tiny_models["qwen3"]), "--tp", "2", log_path=tmp_path / "log", env=FAULT_ENV)
+    server = Server(
+        "--model", str(tiny_models["qwen3"]), "--tp", "2", log_path=tmp_path / "log", env=FAULT_ENV, module=faults.ENTRY
+    )
     try:
         server.start()
         references = {p: greedy(server, p) for p in PROMPTS}

@@ -1,4 +1,4 @@
-"""Ranks on other hosts: namespaces on this machine, each a "host" with its own sshd (tests/testbed.py).
+"""Ranks on other hosts: namespaces on this machine, each a "host" with its own sshd (testkit/testbed.py).
 
 The same leader drives workers over SSH, the ring crosses the namespaces' links,
 and everything the local path promises holds: equal tokens, refusals that name
@@ -22,11 +22,12 @@ import pytest
 from conftest import Server, alive, run_neuron, serving, sse_events, tcp_sockets, wait_until
 from test_logging import Journal
 from test_systemd import FakeSystemd
-from testbed import Namespaces, unavailable
 
 from neuron import device, log
+from testkit import faults
+from testkit.testbed import Namespaces, unavailable
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")
+pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
 PROMPT = "hello"
 GREEDY = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.0}
@@ -253,7 +254,7 @@ def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expe
 
 
 def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    liar = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_HOST": "mlx=0.0.1"})}
+    liar = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: "mlx=0.0.1"}, faults.ENTRY)}
     hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
     _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
 
@@ -309,11 +310,16 @@ def test_nccl_gives_each_rank_a_gpu_of_its_host_and_refuses_a_host_short_of_them
     host = f"root@{bed.ip(1)}"
 
     def run(gpus: int) -> str:
-        remote = {**bed.entry(1), "neuron": bed.neuron_command({"NEURON_TEST_FAKE_HOST": f"gpus={gpus}"})}
+        remote = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: f"gpus={gpus}"}, faults.ENTRY)}
         hostfile = bed.hostfile([bed.entry(-1), remote, remote], f"nccl-{gpus}.json")
         model = ("--model", str(tiny_models["qwen3"]), "--pp", "3", "--backend", "nccl", "--max-tokens", "2")
         done = run_neuron(
-            "generate", *model, *hosts_args(bed, hostfile), PROMPT, env={"NEURON_TEST_FAKE_HOST": "gpus=1"}
+            "generate",
+            *model,
+            *hosts_args(bed, hostfile),
+            PROMPT,
+            env={faults.FAKE_HOST_ENV: "gpus=1"},
+            module=faults.ENTRY,
         )
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
         nothing_left(bed, (1, 2))

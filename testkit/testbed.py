@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -142,11 +144,14 @@ class Namespaces:
     def ssh_command(self) -> str:
         return f"ssh -F {self.ssh_config}"
 
-    def neuron_command(self, env: dict[str, str] | None = None) -> str:
-        """How a host starts neuron: this venv's interpreter (and this checkout, when PYTHONPATH names one)."""
-        env = {**({"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}), **(env or {})}
+    def neuron_command(self, env: dict[str, str] | None = None, module: str = "neuron") -> str:
+        """How a host starts neuron: this venv's interpreter (and this checkout, when PYTHONPATH names one);
+        ``module``: an entry point in front of neuron, found in this repository (``testkit.faults.ENTRY``)."""
+        paths = [str(ROOT)] if module != "neuron" else []
+        paths += [os.environ["PYTHONPATH"]] if "PYTHONPATH" in os.environ else []
+        env = {**({"PYTHONPATH": os.pathsep.join(paths)} if paths else {}), **(env or {})}
         prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-        return " ".join([*prefix, sys.executable, "-m", "neuron"])
+        return " ".join([*prefix, sys.executable, "-m", module])
 
     def entry(self, host: int, **extra: Any) -> dict[str, Any]:
         """Hostfile entry for host ``i`` (-1: the leader's own)."""

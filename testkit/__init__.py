@@ -1,0 +1,28 @@
+"""Helpers shared by the tests and the benchmarks: tiny models, a served ``neuron``, what the OS shows of it.
+
+Not part of the installed package (``pyproject.toml`` packages ``neuron*`` only). The tests import it from the
+repository root (pytest's ``pythonpath``); a benchmark puts the root on ``sys.path`` as it does to import ``neuron``.
+"""
+
+from testkit.models import CHAT_TEMPLATE, SPECIALS, TOOLS_TEMPLATE, make_tiny_model, tokenizer_files, with_template
+from testkit.server import ROOT, Server, neuron_command, run_neuron, serving, sse_events, wait_until
+from testkit.system import DatagramSink, alive, tcp_sockets
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "ROOT",
+    "SPECIALS",
+    "TOOLS_TEMPLATE",
+    "DatagramSink",
+    "Server",
+    "alive",
+    "make_tiny_model",
+    "neuron_command",
+    "run_neuron",
+    "serving",
+    "sse_events",
+    "tcp_sockets",
+    "tokenizer_files",
+    "wait_until",
+    "with_template",
+]

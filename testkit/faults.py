@@ -1,0 +1,161 @@
+"""Faults injected into real ranks, for the tests: an entry point in front of ``neuron``, never in production code.
+
+``python -m testkit.faults serve ...`` (or ``--worker ...``) runs neuron with every rank, rank 0 in the leader and
+each worker, a ``FaultyRank``; the processes it starts (workers, a leader re-executing itself) run this entry point
+too (``neuron.reexec.MODULE``). A script that drives a pool itself calls ``install()`` first. The faults are read
+from the environment, which every process of the group inherits:
+
+``NEURON_TEST_FAIL_STEP`` makes a rank fail after given steps, with every collective of the step done, as a bug in
+post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a sequence after
+given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
+prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
+``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
+since its model loaded. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
+``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to
+see the leader refuse it or split by it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+FAIL_ENV = "NEURON_TEST_FAIL_STEP"
+DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
+DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
+FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
+ENTRY = "testkit.faults"  # what ``python -m`` runs
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def steps(env: str, rank: int) -> frozenset[int]:
+    """The steps after which ``rank`` is to fail (or desync, or drop an entry), from ``env``."""
+    found: set[int] = set()
+    for spec in filter(None, os.environ.get(env, "").split(";")):
+        listed_rank, _, listed = spec.partition(":")
+        if int(listed_rank) == rank:
+            found.update(int(step) for step in listed.split(","))
+    return frozenset(found)
+
+
+def fake_host(info: Any, rank: int) -> Any:
+    """``info`` (a ``HostInfo``) with what ``NEURON_TEST_FAKE_HOST`` makes ``rank`` say instead."""
+    for spec in filter(None, os.environ.get(FAKE_HOST_ENV, "").split(";")):
+        target, _, assignments = spec.rpartition(":")
+        if target and int(target) != rank:
+            continue
+        fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
+        for number in ("free_memory", "gpus"):
+            if number in fields:
+                fields[number] = int(fields[number])
+        info = dataclasses.replace(info, **fields)
+    return info
+
+
+def install() -> None:
+    """Make this process's ranks ``FaultyRank``s and its hosts say what the environment fakes, and have every
+    process it starts run this entry point. Nothing is imported here: a worker loads MLX (with ``neuron.tp.rank``)
+    only once it is pinned to its cores, so each module is patched as it is imported."""
+    start_here()
+    when_imported("neuron.tp.rank", _faulty_ranks)
+    for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
+        when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
+
+
+def start_here() -> None:
+    """Have every process this one starts (a worker, this one re-executed) run this entry point, wherever its
+    working directory."""
+    from neuron import reexec
+
+    reexec.MODULE = ENTRY
+    if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Call ``then(module)`` once module ``name`` is imported, by whoever imports it first (now, if it is)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            assert spec is not None and spec.loader is not None
+            spec.loader = _Then(spec.loader, then)
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+class _Then(importlib.abc.Loader):
+    """A module's own loader, and ``then`` called on the module once it has run."""
+
+    def __init__(self, inner: importlib.abc.Loader, then: Callable[[ModuleType], None]) -> None:
+        self.inner = inner
+        self.then = then
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        self.then(module)
+
+
+def _describe_host(number: int) -> Any:
+    from neuron.launch import hosts
+
+    return fake_host(hosts.describe_host(number), number)
+
+
+def _faulty_ranks(rank: ModuleType) -> None:
+    """``neuron.tp.rank``'s ``Rank`` replaced by one that fails, desyncs or loses an entry after the steps the
+    environment names (rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker)."""
+    from neuron.rpc import Evict, StepPlan
+
+    class FaultyRank(rank.Rank):  # type: ignore[name-defined]
+        def __init__(self, number: int, world_size: int) -> None:
+            super().__init__(number, world_size)
+            self.steps_sent = 0  # since the model loaded
+
+        def load(self, model_path: str, layers: list[int]) -> Any:
+            self.steps_sent = 0
+            return super().load(model_path, layers)
+
+        def step(self, plan: StepPlan) -> Any:
+            self.steps_sent += 1
+            out = super().step(plan)
+            if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
+                self.seqs[min(self.seqs)].last += 1
+            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := self.entries.state()):
+                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0][0])]), {})
+            if self.steps_sent in steps(FAIL_ENV, self.rank):
+                raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
+            return out
+
+    rank.Rank = FaultyRank  # type: ignore[attr-defined]
+    if (rank0 := sys.modules.get("neuron.pool.rank0")) is not None:  # imported it before this ran
+        rank0.Rank = FaultyRank  # type: ignore[attr-defined]
+
+
+def main() -> int:
+    from neuron.cli import main as neuron_main
+
+    install()
+    return neuron_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

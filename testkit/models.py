@@ -1,0 +1,101 @@
+"""Tiny random-weight models with a real tokenizer, for the tests and the benchmarks.
+
+Tiny models have 4 attention heads and 2 key/value heads, so they split over 1, 2 or 4 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# A Qwen-style template that renders tools and earlier calls: mlx-lm reads its calls with its json_tools parser.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    'For each call return <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{% set tool_call = c.function %}<tool_call>"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}'
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_template(model: Path, folder: Path, template: str) -> Path:
+    """A copy of ``model`` whose tokenizer has another chat template."""
+    shutil.copytree(model, folder)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def tokenizer_files(folder: Path) -> int:
+    """A byte-level BPE tokenizer with no merges: every byte is a token. Returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return len(vocab)
+
+
+def make_tiny_model(
+    folder: Path,
+    model_type: str,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 4,
+    heads: int = 4,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+) -> Path:
+    """A random-weight model with a real tokenizer; the defaults are the tests' tiny one (the benchmarks grow it)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import _get_classes
+
+    folder.mkdir(parents=True)
+    vocab = max(tokenizer_files(folder), vocab or 0)  # ids past the tokenizer's are never produced, only computed
+    config = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate or hidden * 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": model_type == "qwen3",
+        "eos_token_id": 2,
+    }
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    # At default init, greedy decoding of a random model repeats one token; larger
+    # matrices make it wander, so that a token-by-token comparison means something.
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

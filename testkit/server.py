@@ -1,0 +1,175 @@
+"""A real ``neuron`` as a subprocess: the command line, a served instance on a free port, and its logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def neuron_command(*args: str, module: str = "neuron") -> list[str]:
+    """``python -m neuron ARGS``; ``module``: an entry point in front of neuron (``testkit.faults.ENTRY``)."""
+    return [sys.executable, "-m", module, *args]
+
+
+def run_neuron(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None, module: str = "neuron"
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        neuron_command(*args, module=module),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response) -> Iterator[dict | str]:
+    """A streamed reply's events: each JSON object, and the closing ``[DONE]``."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+class Server:
+    """A real ``neuron serve`` subprocess on a free port; its log (JSON lines) lands in a file.
+
+    With ``listen``, the server is socket-activated as systemd does it: the
+    socket becomes its file descriptor 3, with ``LISTEN_PID`` and ``LISTEN_FDS``.
+    With ``module``, it runs that entry point in front of neuron (``testkit.faults.ENTRY`` injects faults).
+    """
+
+    def __init__(
+        self,
+        *args: str,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        listen: socket.socket | None = None,
+        module: str = "neuron",
+        nofile: tuple[int, int] | None = None,
+    ):
+        self.log_path = log_path
+        self.args = args
+        self.api_key = api_key
+        self._log = open(log_path, "w")
+        extra = ("--api-key", api_key) if api_key else ()
+        command = neuron_command("serve", "--port", "0", "--log-level", "info", *extra, *args, module=module)
+        fd = None
+        if listen is not None:
+            # LISTEN_PID must be the server's own pid, known only in the child: a shell sets it, then execs.
+            command = ["sh", "-c", 'LISTEN_PID=$$ LISTEN_FDS=1 exec "$0" "$@"', *command]
+            fd = listen.fileno()
+
+        def setup() -> None:
+            if fd is not None:
+                os.dup2(fd, 3)  # the new descriptor is inheritable
+            if nofile is not None:  # the descriptor limit an operator (systemd's LimitNOFILE=) would give
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=setup if fd is not None or nofile is not None else None,
+            close_fds=listen is None,
+        )
+        self.port = 0
+
+    def logs(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+    def find_log(self, event: str, **fields: object) -> dict | None:
+        for entry in self.logs():
+            if entry.get("event") == event and all(entry.get(k) == v for k, v in fields.items()):
+                return entry
+        return None
+
+    def wait_log(self, event: str, timeout: float = 120, **fields: object) -> dict:
+        found: list[dict] = []
+
+        def seen() -> bool:
+            if (entry := self.find_log(event, **fields)) is not None:
+                found.append(entry)
+                return True
+            assert self.process.poll() is None, f"neuron serve exited {self.process.returncode}:\n{self.stderr()}"
+            return False
+
+        wait_until(seen, timeout, f"log event {event!r} {fields}")
+        return found[0]
+
+    def start(self) -> Server:
+        self.port = self.wait_log("serving")["port"]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stderr(self) -> str:
+        return self.log_path.read_text()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """/metrics scraped: (name, sorted labels) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        response = httpx.get(f"{self.url}/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(response.text)
+            for sample in family.samples
+        }
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self._log.close()
+
+
+@contextmanager
+def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: object) -> Iterator[Server]:
+    """A started server, stopped on exit; it must exit 0 on SIGTERM."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    server = Server(*args, log_path=log, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield server.start()
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.stderr()
