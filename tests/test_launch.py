@@ -105,7 +105,8 @@ def test_each_backend_gets_what_mx_distributed_init_reads() -> None:
     assert env["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5000"
     assert json.loads(files["MLX_IBV_DEVICES"])[0] == [None, "a", "b"]
     env, files = dataplane.backend_setup("nccl", 2, addresses, hosts)
-    assert (env["NCCL_HOST_IP"], env["NCCL_PORT"], env["CUDA_VISIBLE_DEVICES"], files) == ("10.0.0.1", "5000", "1", {})
+    assert (env["NCCL_HOST_IP"], env["NCCL_PORT"], files) == ("10.0.0.1", "5000", {})
+    assert "CUDA_VISIBLE_DEVICES" not in env  # given at spawn, before the worker's CUDA starts (dataplane.spawn_env)
     # The ring connects to the next rank (the last to rank 0), the others to the coordinator.
     ring = [dataplane.probe_targets("ring", r, addresses) for r in range(3)]
     assert ring == [addresses[1], addresses[2], addresses[0]]

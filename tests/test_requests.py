@@ -78,7 +78,7 @@ def engine(text: Text) -> StandInEngine:
 @pytest.fixture
 def client(engine: StandInEngine) -> Iterator[TestClient]:
     state = ServerState("qwen3", api_key="secret", engine=engine)  # type: ignore[arg-type]
-    with TestClient(build_app(state), raise_server_exceptions=False) as client:
+    with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         yield client
 
 
@@ -178,7 +178,7 @@ def test_ready_follows_the_engine(client: TestClient, engine: StandInEngine) -> 
 
 def test_a_loading_server_answers_503_naming_what_it_waits_for(text: Text) -> None:
     state = ServerState("qwen3", status="loading the model")
-    with TestClient(build_app(state)) as client:
+    with TestClient(build_app(state), base_url="http://127.0.0.1") as client:
         response = client.post(CHAT, json=GOOD_CHAT)
         assert response.status_code == 503 and "loading the model" in response.json()["error"]["message"]
         assert client.get("/ready").status_code == 503
