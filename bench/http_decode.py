@@ -1,6 +1,7 @@
 """Decode speed of one streaming HTTP client against raw mlx-lm, on the same model, in the same run.
 
 Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,32,5888] [--tokens 128] [--rounds 5]
+         [--serve '--run-ahead off' ...]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
 BLAS neuron uses (OpenBLAS preloaded when present). The contenders are neuron's
@@ -110,6 +111,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--serve",
+        action="append",
+        metavar="FLAGS",
+        help="a neuron serve to measure beside the default one, by its extra flags ('--run-ahead off'); repeatable",
+    )
     args = parser.parse_args()
     if args.baseline:
         baseline_child(args.baseline[0], int(args.baseline[1]))
@@ -128,17 +135,23 @@ def main() -> None:
         args.model = str(make_tiny_model(scratch / "qwen3", "qwen3", 0, hidden, layers, heads, intermediate))
     path = resolve(args.model)
     served_id = model_id(args.model)
-    server = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=scratch / "log")
+    common = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp)]
+    variants = {"": [], **{flags: flags.split() for flags in args.serve or []}}
+    servers = {
+        name: Server(*common, *flags, log_path=scratch / f"log{i}") for i, (name, flags) in enumerate(variants.items())
+    }
     children = {
         "mlx_lm": _persistent("--baseline", path, args.tokens),
         "engine": _persistent("--engine", path, args.tokens),
     }
     try:
-        server.start()
-        results: dict[str, list[dict]] = {"mlx_lm": [], "engine": [], "http": []}
+        for server in servers.values():
+            server.start()
+        results: dict[str, list[dict]] = {"mlx_lm": [], "engine": [], **{f"http{name}": [] for name in servers}}
         for warmup in (True,) + (False,) * args.rounds:
             measured = {name: _round(child) for name, child in children.items()}
-            measured["http"] = http_round(server.url, served_id, args.tokens)
+            for name, server in servers.items():
+                measured[f"http{name}"] = http_round(server.url, served_id, args.tokens)
             if not warmup:
                 for name, result in measured.items():
                     results[name].append(result)
@@ -147,7 +160,8 @@ def main() -> None:
             assert child.stdin is not None
             child.stdin.close()
             child.wait(timeout=60)
-        server.stop()
+        for server in servers.values():
+            server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
     def rate(r: dict) -> float:
@@ -161,7 +175,10 @@ def main() -> None:
     names = {
         "mlx_lm": "mlx_lm.stream_generate",
         "engine": "neuron's engine, TP=1 (what `neuron generate` runs)",
-        "http": f"neuron serve TP={args.tp}, one streaming HTTP client",
+        **{
+            f"http{name}": f"neuron serve TP={args.tp} {name}".rstrip() + ", one streaming HTTP client"
+            for name in servers
+        },
     }
     for name, label in names.items():
         print(f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x |")

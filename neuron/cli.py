@@ -247,6 +247,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 prefix_cache_bytes=args.prefix_cache_bytes,
                 max_n=args.max_n,
                 speculate=args.speculate,
+                run_ahead=args.run_ahead,
             ),
             drain_timeout=args.drain_timeout,
         )

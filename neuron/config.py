@@ -269,6 +269,14 @@ SETTINGS = {
             choices=("ngram", "off"),
         ),
         Setting(
+            "run_ahead",
+            str,
+            LIMITS.run_ahead,
+            "in steady decode, queue each step on the device before reading the last one's tokens, so that the "
+            f"device never waits for the host (default {LIMITS.run_ahead}; off: each step waits for the one before)",
+            choices=("on", "off"),
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -309,6 +317,7 @@ SERVE_SETTINGS = (
     "micro_batches",
     "prefix_cache_bytes",
     "speculate",
+    "run_ahead",
     "drain_timeout",
 )
 
