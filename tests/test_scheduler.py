@@ -332,3 +332,10 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
     admitted(short, request(2, max_tokens=2))
     run(short)
     assert not next_plan(short).ahead  # its last token comes with this step
+
+
+def test_with_run_ahead_off_no_step_is_marked_to_run_ahead() -> None:
+    s = Scheduler(Limits(run_ahead="off"), {EOS})
+    admitted(s, request(2))
+    run(s)
+    assert not next_plan(s).ahead
