@@ -92,8 +92,8 @@ class VocabShard:
     """This rank's rows of the projection to the vocabulary; each rank projects onto its rows, then all gather.
 
     Why split what ``shard()`` replicates: on a CPU host the head is read once per
-    token by rank 0 alone, on one core; a 32000 x 2048 fp32 head is 262 MB, about
-    27 ms at one core's bandwidth. Split, each rank reads its half at the same
+    token by rank 0 alone, on one core, and a large vocabulary's head is as big as
+    several layers. Split, each rank reads its half at the same
     time, and one all_gather of B x vocab floats brings the logits together.
     """
 
