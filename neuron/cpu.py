@@ -20,7 +20,7 @@ Why an interposer ahead of the BLAS: MLX sends every product to ``cblas_sgemm``,
 and at one row (decode at batch 1) sgemm packs the weights before it multiplies,
 reading them at a third of the bandwidth; ``neuron/native/gemv.c``, built here
 once where there is a C compiler, sends those to ``cblas_sgemv`` instead
-(BENCHMARKS.md, "Where a decode step goes"). ``NEURON_GEMV=off`` turns it off.
+(BENCHMARKS.md, "Decode toward the bandwidth"). ``NEURON_GEMV=off`` turns it off.
 
 Why pinning: the ring backend's socket threads busy-poll while a transfer is
 pending. Two ranks floating over two shared cores starve each other (a small
