@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from neuron import architectures
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, StepPlan
-from neuron.tp import speculate
+from neuron.tp import caches, speculate
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch
 from neuron.tp.entries import Entries
@@ -111,10 +112,11 @@ class Rank:
             model = load_stage(model_path, layers[0], layers[1], self.rank)
         else:
             model = load_shard(model_path, self.group)
-        if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise RankError(
-                f"rank {self.rank}: {model_path} uses a KV cache other than mlx-lm's KVCache "
-                "(sliding window or state space); batching supports plain attention models only"
+                f"rank {self.rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
+                "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
+                f"serve one of {', '.join(sorted(architectures.TABLE))}"
             )
         self.model = model
         parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
@@ -178,8 +180,7 @@ class Rank:
         passes = []
         for group in sorted({row.group for row in plan.decode}):
             fed = speculate.fed([row for row in plan.decode if row.group == group])
-            cache = [BatchKVCache([0] * len(fed)) for _ in self.model.layers]
-            passes.append((mx.zeros((len(fed), len(fed[0])), dtype=mx.int32), cache))
+            passes.append((mx.zeros((len(fed), len(fed[0])), dtype=mx.int32), caches.empty_batch(self.model, len(fed))))
         self.runner.logits(passes, any(row.draft for row in plan.decode))
 
     def _leave(self, leaving: list[int]) -> None:

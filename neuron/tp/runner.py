@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from neuron.tp import caches
 from neuron.tp.shard import VocabShard, backbone
 
 # One forward pass takes at most this many tokens of a prompt (however many the
@@ -24,12 +24,12 @@ from neuron.tp.shard import VocabShard, backbone
 # same order.
 FORWARD_TOKENS = 512
 
-Cache = list[KVCache] | list[BatchKVCache]
+Cache = list[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
 
 
 def _eval_with(cache: Cache, *arrays: mx.array) -> None:
-    mx.eval(*arrays, [(c.keys, c.values) for c in cache])
+    mx.eval(*arrays, [caches.arrays(c) for c in cache])
 
 
 class Sharded:

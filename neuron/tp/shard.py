@@ -11,18 +11,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
+from neuron import architectures
 from neuron.models import ModelError, text_config
 from neuron.tp.fuse import fuse_projections
-
-# Architectures whose inner model embeds, runs its layers with a mask made from the first layer's cache, and
-# applies a final norm, taking ``input_embeddings`` in place of tokens: a pipeline stage is a slice of their
-# layer list, whatever mlx-lm's own ``pipeline()`` covers.
-PIPELINE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
     """Raise ``ModelError`` unless a model of this config can be split over ``world_size`` ranks, in ``stages``
-    pipeline stages (tensor parallel over all of them when 1).
+    pipeline stages (tensor parallel over all of them when 1): what ``neuron.architectures`` says of it, then
+    the shapes.
 
     The leader calls it once, before any rank is spawned: a model that cannot
     be split would otherwise fail on every rank at once, after each had spent
@@ -32,13 +29,19 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
         model_class, _ = _get_classes(config)
     except ValueError as e:
         raise ModelError(f"mlx-lm does not support this architecture ({e})") from None
+    try:
+        support = architectures.check(config, world_size, stages)
+    except architectures.Unsupported as e:
+        raise ModelError(str(e)) from None
     if stages > 1:
-        _check_stages(config, stages)
+        layers = int(text_config(config)["num_hidden_layers"])
+        if layers < stages:
+            raise ModelError(f"the model has {layers} layers, fewer than the {stages} pipeline stages asked for")
         return
     if world_size == 1:
         return
-    arch = config.get("model_type", "?")
-    if not hasattr(model_class, "shard"):
+    arch = architectures.architecture(config)
+    if support is None and not hasattr(model_class, "shard"):  # outside the table: as mlx-lm splits it
         raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
     text = text_config(config)
     heads = text.get("num_attention_heads")
@@ -49,21 +52,6 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
-
-
-def _check_stages(config: dict, stages: int) -> None:
-    arch = config.get("model_type", "?")
-    text = text_config(config)
-    if arch not in PIPELINE:
-        raise ModelError(
-            f"neuron splits {', '.join(sorted(PIPELINE))} models into pipeline stages, not {arch!r}; "
-            "serve it with --tp instead of --pp"
-        )
-    if text.get("sliding_window") and any(t != "full_attention" for t in text.get("layer_types") or ["sliding"]):
-        raise ModelError(f"{arch!r} with a sliding window cannot be served in pipeline stages; use --tp")
-    layers = int(text["num_hidden_layers"])
-    if layers < stages:
-        raise ModelError(f"the model has {layers} layers, fewer than the {stages} pipeline stages asked for")
 
 
 def backbone(model: nn.Module) -> nn.Module:

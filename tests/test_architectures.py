@@ -1,0 +1,134 @@
+"""The architectures neuron serves: the table every check reads, the README's copy of it, and each architecture's
+tiny model served by the engine, token for token as mlx-lm generates on the same weights.
+
+Every architecture's model is generated once per session (``arch_models``). At one rank the engine runs in this
+process; groups of ranks run in a fresh leader process each (tests/arch_checks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from arch_checks import PROMPTS, reference, serve
+from conftest import ROOT
+from tiny_archs import ARCHS, config, make_arch_model
+
+from neuron import architectures
+from neuron.models import ModelError
+from neuron.tp.shard import check_splittable
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    return {arch: make_arch_model(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def references(arch_models: dict[str, Path]) -> dict[str, dict[str, list]]:
+    return {}  # filled on first use: mlx-lm's tokens cost a model load each
+
+
+def _reference(arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]) -> dict[str, list]:
+    if arch not in references:
+        references[arch] = reference(str(arch_models[arch]))
+        assert len({t for tokens in references[arch]["prompts"] for t in tokens}) > 8  # the tokens say something
+    return references[arch]
+
+
+def _check(result: dict, expected: dict[str, list], arch: str) -> None:
+    assert result["alone"] == expected["prompts"], "alone"
+    assert result["together"] == expected["prompts"], "four concurrent requests"
+    assert result["copies"] == [expected["prompts"][1]] * 2, "n=2 copies"
+    assert result["extended"] == expected["extended"], "a prompt extending a served one"
+    support = architectures.supports(config(arch, 300))
+    assert support is not None
+    if support.cuttable:
+        assert result["cached"] == len(PROMPTS[2]) and not result["notes"]
+    else:  # turned off, and said so
+        assert result["cached"] == 0
+        assert any("speculative decoding off" in note for note in result["notes"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_rank_serves_every_architecture_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    result = anyio.run(serve, str(arch_models[arch]))
+    _check(result, _reference(arch, arch_models, references), arch)
+
+
+def _in_a_group(model: Path, world_size: int, stages: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "arch_checks.py"), str(model), str(world_size), str(stages)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+SPLIT_BY_MLX_LM = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type: ignore[union-attr]
+STAGED = [a for a in ARCHS if architectures.supports(config(a, 300)).pp]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("arch", [a for a in SPLIT_BY_MLX_LM if a not in ("llama", "qwen3")])
+def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    _check(_in_a_group(arch_models[arch], 2, 1), _reference(arch, arch_models, references), arch)
+
+
+@pytest.mark.parametrize("arch", [a for a in STAGED if a not in ("llama", "qwen3")])
+def test_two_pipeline_stages_serve_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    _check(_in_a_group(arch_models[arch], 2, 2), _reference(arch, arch_models, references), arch)
+
+
+def test_the_readme_table_is_the_one_the_checks_read() -> None:
+    readme = (ROOT / "README.md").read_text()
+    between = readme.split("<!-- architectures:begin -->\n")[1].split("\n<!-- architectures:end -->")[0]
+    assert between == architectures.markdown(), "run `python -m neuron.architectures` and paste it into README.md"
+
+
+@pytest.mark.parametrize(
+    ("arch", "world_size", "stages", "message"),
+    [
+        ("gemma3_text", 2, 1, "no tensor-parallel split for 'gemma3_text' (mlx-lm has no shard() for it); serve it "),
+        ("phi3", 2, 1, "serve it with --tp 1"),
+        ("qwen3_5", 2, 2, "neuron does not split 'qwen3_5' into pipeline stages"),
+        ("windowed_mistral", 2, 2, "'mistral' with sliding-window layers into pipeline stages"),
+    ],
+)
+def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
+    arch: str, world_size: int, stages: int, message: str
+) -> None:
+    with pytest.raises(ModelError, match=r"use|serve it") as caught:
+        check_splittable(config(arch, 300), world_size, stages)
+    assert message in str(caught.value)
+
+
+def test_a_sliding_window_is_read_from_layer_types_as_mlx_lm_reads_it() -> None:
+    """Mistral-7B-v0.1 sets ``sliding_window`` without ``layer_types``: mlx-lm attends in full, so TP and PP alike
+    serve it as plain key/value."""
+    v01 = {**config("llama", 300), "model_type": "mistral", "sliding_window": 4096}
+    assert architectures.supports(v01) == architectures.TABLE["mistral"]
+    check_splittable(v01, 2, 2)
+    windowed = config("windowed_mistral", 300)
+    assert architectures.supports(windowed).caches == architectures.WINDOW  # type: ignore[union-attr]
+
+
+def test_an_architecture_outside_the_table_is_served_as_mlx_lm_splits_it() -> None:
+    gemma = {"model_type": "gemma", "num_hidden_layers": 4, "vocab_size": 10, "hidden_size": 8}
+    assert architectures.supports(gemma) is None
+    check_splittable(gemma, 1)
+    with pytest.raises(ModelError, match="not split 'gemma' into pipeline stages"):
+        check_splittable(gemma, 2, 2)
