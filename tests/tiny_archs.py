@@ -128,7 +128,7 @@ def make_arch_model(folder: Path, arch: str, seed: int = 0) -> Path:
     from mlx_lm.utils import _get_classes
 
     folder.mkdir(parents=True)
-    cfg = config(arch, _tokenizer_files(folder))
+    cfg = config(arch, -(-_tokenizer_files(folder) // 4) * 4)  # qwen3_5's shard() splits the vocabulary evenly
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(cfg))

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from neuron.tp import caches
-from neuron.tp.shard import VocabShard, backbone
+from neuron.tp.shard import VocabShard, backbone, head_gathers
 
 # One forward pass takes at most this many tokens of a prompt (however many the
 # step feeds): the attention scores of one pass stay small, and every rank cuts
@@ -39,6 +39,9 @@ class Sharded:
         self.model = model
         self.head = head
         self.rank = rank
+        # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
+        # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
+        self.worker_trunk = model if head_gathers(model) else backbone(model)
 
     def feed(self, tokens: mx.array, cache: Cache) -> None:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits."""
@@ -56,7 +59,7 @@ class Sharded:
             elif self.rank == 0:
                 logits = self.model(piece, cache=cache)[0]
             else:
-                _eval_with(cache, trunk(piece, cache=cache))
+                _eval_with(cache, self.worker_trunk(piece, cache=cache))
                 continue
             _eval_with(cache, logits)
             out.append(logits)
@@ -79,7 +82,7 @@ class Sharded:
         elif self.rank == 0:
             logits = self.model(tokens, cache=cache)[:, wanted, :]
         else:  # the whole head is rank 0's alone
-            mx.eval(backbone(self.model)(tokens, cache=cache))
+            mx.eval(self.worker_trunk(tokens, cache=cache))
             return None
         mx.eval(logits)
         return logits if self.rank == 0 else None

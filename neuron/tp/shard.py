@@ -44,6 +44,13 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
     if support is None and not hasattr(model_class, "shard"):  # outside the table: as mlx-lm splits it
         raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
     text = text_config(config)
+    vocab = text.get("vocab_size")
+    split_head = arch == "qwen3_5" and not text.get("tie_word_embeddings", False)
+    if split_head and isinstance(vocab, int) and vocab % world_size:  # its shard() splits the head by rows
+        raise ModelError(
+            f"{arch!r} splits its vocabulary of {vocab} over the ranks, and {world_size} does not divide it; "
+            "use a --tp that divides it"
+        )
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
     for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -63,6 +70,13 @@ def backbone(model: nn.Module) -> nn.Module:
     """
     inner = getattr(model, "model", None)
     return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
+
+
+def head_gathers(model: nn.Module) -> bool:
+    """Whether mlx-lm's ``shard()`` split the projection to the vocabulary, which then gathers its rows inside the
+    model's own call (qwen3_5's, where the embedding is not tied)."""
+    language = getattr(model, "language_model", model)
+    return getattr(language, "sharding_group", None) is not None
 
 
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:
