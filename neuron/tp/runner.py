@@ -12,6 +12,8 @@ rank's own state: the plan alone fixes every shape.
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -88,6 +90,19 @@ class Sharded:
         return logits if self.rank == 0 else None
 
 
+class _Received(nn.Module):
+    """The embedding of a stage after the first, where the model's own code takes no ``input_embeddings``: it
+    gives the hidden states received from the stage before, whatever the tokens, so the model's call runs its
+    layers (its masks, its layer calls) as it would on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[mx.array] = []
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.received.pop()
+
+
 class Stage:
     """Pipeline parallel: layers ``[first, end)`` of the model here, whole; rank 0 also embeds and projects.
 
@@ -102,14 +117,18 @@ class Stage:
         self.rank = rank
         self.stages = stages
         self.group = group
-        self.dtype = self.inner.layers[0].input_layernorm.weight.dtype
-        self.hidden = self.inner.layers[0].input_layernorm.weight.shape[0]
+        first = self.inner.layers[0]
+        norm = first.input_layernorm if "input_layernorm" in first else first.post_attention_layernorm  # olmo2
+        self.dtype, self.hidden = norm.weight.dtype, norm.weight.shape[0]
         self.norm, self.project = None, None
         if rank == 0:
             self.norm = self.inner.norm
             head = model.get("lm_head")
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
         self.inner.norm = nn.Identity()
+        self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters
+        if rank != 0 and not self.takes_embeddings:
+            self.inner.embed_tokens = _Received()
 
     @property
     def last(self) -> bool:
@@ -121,7 +140,10 @@ class Stage:
             return self.inner(tokens, cache=cache)
         rows, length = tokens.shape
         received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
-        return self.inner(tokens, cache=cache, input_embeddings=received)
+        if self.takes_embeddings:
+            return self.inner(tokens, cache=cache, input_embeddings=received)
+        self.inner.embed_tokens.received.append(received)
+        return self.inner(tokens, cache=cache)
 
     def feed(self, tokens: mx.array, cache: Cache) -> None:
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
