@@ -27,7 +27,8 @@ STATE = "key/value + linear-attention state"
 @dataclass(frozen=True, slots=True)
 class Support:
     caches: str  # KV, WINDOW or STATE
-    tp: str | None  # who splits its layers over tensor-parallel ranks: "mlx-lm" (its ``shard()``), or None
+    tp: str | None  # who splits its layers over tensor-parallel ranks: "mlx-lm" (its ``shard()``), "neuron"
+    # (tp/plans.py), or None: nobody
     pp: bool  # pipeline stages: a stage runs a run of its layers
     batching: bool = True  # continuous batching: joins, leaves, chunked prompts, n > 1 copies
 
@@ -54,9 +55,9 @@ TABLE: dict[str, Support] = {
     "qwen3_moe": Support(KV, "mlx-lm", pp=True),
     "deepseek_v3": Support(KV, "mlx-lm", pp=True),
     "glm4_moe": Support(KV, "mlx-lm", pp=True),
-    "phi3": Support(KV, None, pp=True),
-    "granite": Support(KV, None, pp=False),
-    "olmo2": Support(KV, None, pp=True),
+    "phi3": Support(KV, "neuron", pp=True),
+    "granite": Support(KV, "neuron", pp=False),
+    "olmo2": Support(KV, "neuron", pp=True),
     "qwen3_5": Support(STATE, "mlx-lm", pp=False),
     "qwen3_next": Support(STATE, None, pp=False),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=False),
@@ -151,7 +152,7 @@ def markdown() -> str:
     windowed_mistral = supports({"model_type": "mistral", "layer_types": ["sliding_attention"]})
     assert windowed_mistral is not None
     for arch, s in [*TABLE.items(), ("mistral / llama with sliding `layer_types`", windowed_mistral)]:
-        tp = "mlx-lm's `shard()`" if s.tp == "mlx-lm" else "no"
+        tp = {"mlx-lm": "mlx-lm's `shard()`", "neuron": "neuron's plan"}.get(s.tp or "", "no")
         rows.append(
             f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {mark[s.prefix_cache]} "
             f"| {mark[s.speculation]} |"

@@ -75,11 +75,11 @@ def _in_a_group(model: Path, world_size: int, stages: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-SPLIT_BY_MLX_LM = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type: ignore[union-attr]
+SPLIT = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type: ignore[union-attr]
 STAGED = [a for a in ARCHS if architectures.supports(config(a, 300)).pp]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("arch", [a for a in SPLIT_BY_MLX_LM if a not in ("llama", "qwen3")])
+@pytest.mark.parametrize("arch", [a for a in SPLIT if a not in ("llama", "qwen3")])
 def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
     arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
 ) -> None:
@@ -103,7 +103,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     ("arch", "world_size", "stages", "message"),
     [
         ("gemma3_text", 2, 1, "no tensor-parallel split for 'gemma3_text' (mlx-lm has no shard() for it); serve it "),
-        ("phi3", 2, 1, "serve it with --tp 1"),
+        ("qwen3_next", 2, 1, "serve it with --tp 1"),
         ("qwen3_5", 2, 2, "neuron does not split 'qwen3_5' into pipeline stages"),
         ("windowed_mistral", 2, 2, "'mistral' with sliding-window layers into pipeline stages"),
     ],

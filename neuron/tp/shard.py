@@ -1,5 +1,5 @@
-"""One rank's slice of a model: loaded with mlx-lm, split by its ``shard()``, and the vocabulary projection
-split too where that pays; and the check that a model can be split at all."""
+"""One rank's slice of a model: loaded with mlx-lm, split by its ``shard()`` (or neuron's plan, ``plans``), and
+the vocabulary projection split too where that pays; and the check that a model can be split at all."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 from neuron import architectures
 from neuron.models import ModelError, text_config
+from neuron.tp import plans
 from neuron.tp.fuse import fuse_projections
 
 
@@ -138,9 +139,9 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     and evaluating every slice at once would hold every whole tensor at the
     same moment, a peak as large as the unsplit model on every rank.
     """
-    model, _ = load_model(Path(model_path), lazy=True)
+    model, config = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
-        model.shard(group)
+        plans.split(model, config.get("model_type", ""), group)
     for _, parameter in tree_flatten(model.parameters()):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
