@@ -61,8 +61,8 @@ TABLE: dict[str, Support] = {
     "qwen3_5": Support(STATE, "mlx-lm", pp=False),
     "qwen3_next": Support(STATE, None, pp=False),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=False),
-    "gemma3_text": Support(WINDOW, None, pp=False),
-    "gemma4_text": Support(WINDOW, None, pp=False),
+    "gemma3_text": Support(WINDOW, "neuron", pp=False),
+    "gemma4_text": Support(WINDOW, "neuron", pp=False),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
 _LAYER_TYPED = frozenset({"llama", "mistral"})
@@ -92,6 +92,8 @@ def supports(config: dict[str, Any]) -> Support | None:
     support = TABLE[arch]
     if arch in _LAYER_TYPED and windowed(config):
         return Support(WINDOW, support.tp, pp=False)
+    if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
+        return Support(WINDOW, None, pp=False)  # neuron's plan splits attention and the MLP, not its experts
     return support
 
 
@@ -110,7 +112,8 @@ def check(config: dict[str, Any], world_size: int, stages: int) -> Support | Non
     if support is not None and stages == 1 and world_size > 1 and support.tp is None:
         instead = "--tp 1, or --pp to split its layers over the ranks" if support.pp else "--tp 1"
         raise Unsupported(
-            f"neuron has no tensor-parallel split for {arch!r} (mlx-lm has no shard() for it); serve it with {instead}"
+            f"neither mlx-lm (it has no shard() for {arch!r}) nor neuron (tp/plans.py) splits {arch!r} over "
+            f"tensor-parallel ranks; serve it with {instead}"
         )
     return support
 

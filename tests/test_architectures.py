@@ -79,7 +79,8 @@ SPLIT = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type:
 STAGED = [a for a in ARCHS if architectures.supports(config(a, 300)).pp]  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("arch", [a for a in SPLIT if a not in ("llama", "qwen3")])
+# llama and qwen3 are split in test_pool and test_batching; qwen3_moe and glm4_moe by mlx-lm as they are.
+@pytest.mark.parametrize("arch", [a for a in SPLIT if a not in ("llama", "qwen3", "qwen3_moe", "glm4_moe")])
 def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
     arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
 ) -> None:
@@ -102,8 +103,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
 @pytest.mark.parametrize(
     ("arch", "world_size", "stages", "message"),
     [
-        ("gemma3_text", 2, 1, "no tensor-parallel split for 'gemma3_text' (mlx-lm has no shard() for it); serve it "),
-        ("qwen3_next", 2, 1, "serve it with --tp 1"),
+        ("qwen3_next", 2, 1, "nor neuron (tp/plans.py) splits 'qwen3_next' over tensor-parallel ranks; serve it with"),
         ("qwen3_5", 2, 2, "neuron does not split 'qwen3_5' into pipeline stages"),
         ("windowed_mistral", 2, 2, "'mistral' with sliding-window layers into pipeline stages"),
     ],
@@ -114,6 +114,14 @@ def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
     with pytest.raises(ModelError, match=r"use|serve it") as caught:
         check_splittable(config(arch, 300), world_size, stages)
     assert message in str(caught.value)
+
+
+def test_gemma4s_full_attention_heads_must_divide_too() -> None:
+    one_global = {**config("gemma4_text", 300), "num_global_key_value_heads": 1}
+    with pytest.raises(ModelError, match="1 global key/value heads, which do not divide over 2 ranks"):
+        check_splittable(one_global, 2)
+    with pytest.raises(ModelError, match="nor neuron"):  # its experts are not split
+        check_splittable({**config("gemma4_text", 300), "enable_moe_block": True}, 2)
 
 
 def test_a_sliding_window_is_read_from_layer_types_as_mlx_lm_reads_it() -> None:

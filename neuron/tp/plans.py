@@ -82,8 +82,24 @@ def _olmo2(model: nn.Module, group: mx.distributed.Group) -> None:
         _mlp(layer.mlp, group)
 
 
+def _gemma(model: nn.Module, group: mx.distributed.Group) -> None:
+    """gemma3's and gemma4's layers: per-head norms (nothing to gather); a gemma4 layer that reads another's keys
+    and values has no key or value projection, and one whose keys are its values none for the values."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if name in attn:
+                setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.n_heads //= group.size()
+        attn.n_kv_heads //= group.size()
+        _mlp(layer.mlp, group)
+
+
 PLANS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
     "granite": _granite,
     "phi3": _phi3,
     "olmo2": _olmo2,
+    "gemma3_text": _gemma,
+    "gemma4_text": _gemma,
 }

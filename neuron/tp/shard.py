@@ -54,7 +54,12 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
         )
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
-    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+    global_kv_heads = text.get("num_global_key_value_heads")  # gemma4's full-attention layers
+    for name, count in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("global key/value heads", global_kv_heads),
+    ):
         if isinstance(count, int) and count % world_size:
             fits = [n for n in range(1, count + 1) if count % n == 0 and (kv_heads or count) % n == 0]
             raise ModelError(
