@@ -8,6 +8,7 @@ fresh leader process (MLX joins one group per process), so it also runs as
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,12 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1) -> dict[s
     limits, notes = limits_for(read_config(model_path), asked)
     result: dict[str, Any] = {"notes": notes}
     async with Engine.open(Path(model_path), Layout.local(world_size, stages), limits=limits) as engine:
+        if os.environ.get("NEURON_TEST_DESYNC_STEP"):  # a rank goes its own way during the first request
+            try:
+                await _tokens(engine, PROMPTS[1])
+                result["desync"] = ""
+            except RuntimeError as e:
+                result["desync"] = str(e)
         alone = [await _tokens(engine, p) for p in PROMPTS]
         result["alone"] = [tokens[0] for tokens, _ in alone]
         result["drafted"] = sum(finish["drafted"] for _, finish in alone)

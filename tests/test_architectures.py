@@ -140,3 +140,25 @@ def test_an_architecture_outside_the_table_is_served_as_mlx_lm_splits_it() -> No
     check_splittable(gemma, 1)
     with pytest.raises(ModelError, match="not split 'gemma' into pipeline stages"):
         check_splittable(gemma, 2, 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss", "gemma4_text"])
+def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_kind(
+    arch: str, arch_models: dict[str, Path]
+) -> None:
+    """The desync path: a rank that does not hold what the plan names still runs every pass (so a group's
+    collectives match) on fresh caches of the model's own kinds, records nothing, and says why."""
+    from neuron.rpc import Decode, Prefill, StepPlan
+    from neuron.tp.rank import Rank, RankError
+
+    rank = Rank(0, 1)
+    rank.load(str(arch_models[arch]), [])
+    plan = StepPlan(
+        prefill=[Prefill(1, 0, PROMPTS[2], True), Prefill(2, 5, PROMPTS[0], False)],
+        decode=[Decode(3, 7, 0), Decode(4, 9, 0)],
+    )
+    with pytest.raises(RankError, match="desync: sequence 2 is fed a prompt chunk at 5"):
+        rank.step(plan)
+    assert not rank.seqs and not rank.batch.groups
+    logits = rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)]))  # and it serves on
+    assert logits is not None and logits[1].shape[-1] == 260
