@@ -60,7 +60,7 @@ TABLE: dict[str, Support] = {
     "olmo2": Support(KV, "neuron", pp=True),
     "qwen3_5": Support(STATE, "mlx-lm", pp=False),
     "qwen3_next": Support(STATE, None, pp=False),
-    "gpt_oss": Support(WINDOW, "mlx-lm", pp=False),
+    "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
     "gemma3_text": Support(WINDOW, "neuron", pp=False),
     "gemma4_text": Support(WINDOW, "neuron", pp=False),
 }
@@ -91,7 +91,7 @@ def supports(config: dict[str, Any]) -> Support | None:
         return None
     support = TABLE[arch]
     if arch in _LAYER_TYPED and windowed(config):
-        return Support(WINDOW, support.tp, pp=False)
+        return Support(WINDOW, support.tp, pp=support.pp)
     if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
         return Support(WINDOW, None, pp=False)  # neuron's plan splits attention and the MLP, not its experts
     return support
@@ -104,9 +104,8 @@ def check(config: dict[str, Any], world_size: int, stages: int) -> Support | Non
     arch = architecture(config)
     if stages > 1 and (support is None or not support.pp):
         staged = sorted(a for a, s in TABLE.items() if s.pp)
-        windowed_note = " with sliding-window layers" if arch in _LAYER_TYPED and windowed(config) else ""
         raise Unsupported(
-            f"neuron does not split {arch!r}{windowed_note} into pipeline stages (it stages {', '.join(staged)}); "
+            f"neuron does not split {arch!r} into pipeline stages (it stages {', '.join(staged)}); "
             "serve it with --tp instead of --pp"
         )
     if support is not None and stages == 1 and world_size > 1 and support.tp is None:

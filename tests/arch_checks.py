@@ -2,7 +2,7 @@
 
 At one rank this runs in the test's own process; a group of ranks needs a
 fresh leader process (MLX joins one group per process), so it also runs as
-``python tests/arch_checks.py MODEL WORLD_SIZE STAGES`` and prints one JSON line.
+``python tests/arch_checks.py MODEL WORLD_SIZE STAGES [LAYERS_PER_STAGE]`` and prints one JSON line.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ async def _tokens(engine: Any, prompt: list[int], n: int = 1) -> tuple[list[list
     return out, finish
 
 
-async def serve(model_path: str, world_size: int = 1, stages: int = 1) -> dict[str, Any]:
+async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: str = "") -> dict[str, Any]:
     """Each prompt alone, then all together, then two choices of one, then a prompt extending a served one."""
     from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
@@ -78,7 +78,9 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1) -> dict[s
     asked = Limits(prefill_chunk=PREFILL_CHUNK, prefix_cache_bytes=1 << 24, micro_batches=stages)
     limits, notes = limits_for(read_config(model_path), asked)
     result: dict[str, Any] = {"notes": notes}
-    async with Engine.open(Path(model_path), Layout.local(world_size, stages), limits=limits) as engine:
+    async with Engine.open(
+        Path(model_path), Layout.local(world_size, stages, tuple(int(n) for n in split.split(",") if n)), limits=limits
+    ) as engine:
         if os.environ.get("NEURON_TEST_DESYNC_STEP"):  # a rank goes its own way during the first request
             try:
                 await _tokens(engine, PROMPTS[1])
@@ -105,4 +107,4 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1) -> dict[s
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    print(json.dumps(anyio.run(serve, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(anyio.run(serve, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])))

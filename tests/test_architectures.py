@@ -63,9 +63,9 @@ def test_one_rank_serves_every_architecture_as_mlx_lm_generates(
     _check(result, _reference(arch, arch_models, references), arch)
 
 
-def _in_a_group(model: Path, world_size: int, stages: int) -> dict:
+def _in_a_group(model: Path, world_size: int, stages: int, split: str = "") -> dict:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "arch_checks.py"), str(model), str(world_size), str(stages)],
+        [sys.executable, str(ROOT / "tests" / "arch_checks.py"), str(model), str(world_size), str(stages), split],
         capture_output=True,
         text=True,
         timeout=300,
@@ -87,11 +87,14 @@ def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
     _check(_in_a_group(arch_models[arch], 2, 1), _reference(arch, arch_models, references), arch)
 
 
-@pytest.mark.parametrize("arch", [a for a in STAGED if a not in ("llama", "qwen3")])
+@pytest.mark.parametrize("arch", [a for a in STAGED if a not in ("llama", "qwen3", "glm4_moe")])
 def test_two_pipeline_stages_serve_as_mlx_lm_generates(
     arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
 ) -> None:
-    _check(_in_a_group(arch_models[arch], 2, 2), _reference(arch, arch_models, references), arch)
+    # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
+    # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
+    split = "3,1" if arch == "windowed_mistral" else ""
+    _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
 
 
 def test_the_readme_table_is_the_one_the_checks_read() -> None:
@@ -105,7 +108,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     [
         ("qwen3_next", 2, 1, "nor neuron (tp/plans.py) splits 'qwen3_next' over tensor-parallel ranks; serve it with"),
         ("qwen3_5", 2, 2, "neuron does not split 'qwen3_5' into pipeline stages"),
-        ("windowed_mistral", 2, 2, "'mistral' with sliding-window layers into pipeline stages"),
+        ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
     ],
 )
 def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(

@@ -4,8 +4,9 @@
 mlx-lm gives each kind its batched form and the operations batching needs
 (``merge`` into a batch, ``extend`` it, ``filter`` rows out, ``extract`` one);
 this module only picks them by kind, so the rest of ``tp`` never asks which
-kind a layer holds. What differs, and is decided here, is whether a cache can
-be cut back to an earlier length (``cuttable``): only plain key/value caches can.
+kind a layer holds. What differs is whether a cache can be cut back to an
+earlier length: only plain key/value caches can (``neuron.architectures`` says
+which models have only those).
 """
 
 from __future__ import annotations
@@ -23,12 +24,6 @@ Layer = Any  # one layer's cache: any of mlx-lm's kinds, alone or batched
 def fresh(model: nn.Module) -> list[Layer]:
     """A new sequence's caches, one per layer that keeps one (a model may share a layer's cache with another)."""
     return make_prompt_cache(model)
-
-
-def cuttable(model: nn.Module) -> bool:
-    """Whether every layer's cache is mlx-lm's plain ``KVCache``, which can be cut back to any length: a
-    sliding window has forgotten the tokens it rolled past, and a linear-attention state holds no tokens."""
-    return all(type(layer) is KVCache for layer in fresh(model))
 
 
 def merge(caches: list[list[Layer]]) -> list[Layer]:

@@ -34,18 +34,20 @@ def feed_prompts(
     seqs: dict[int, SeqState],
     chunks: list[Prefill],
     shadow: bool = False,
+    together: bool = True,
 ) -> dict[int, mx.array]:
     """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
 
     New prompts (position 0) go through together, left-padded into one batch,
     then each is extracted into a cache of its own; continuing chunks of long
-    prompts go one by one, and so do new ones where a layer's cache cannot take
-    left padding (a sliding window's or a linear-attention state's).  The grouping depends on the plan alone, so every
-    rank issues the same collectives. ``shadow`` runs the same shapes on
+    prompts go one by one, and so do new ones unless ``together`` (false where
+    the model has caches that cannot take left padding: a sliding window's or a
+    linear-attention state's; decided from the whole model, not this rank's
+    stage, so every rank groups alike). The grouping depends on the plan alone,
+    so every rank issues the same collectives. ``shadow`` runs the same shapes on
     throwaway caches and records nothing.
     """
     out: dict[int, mx.array] = {}
-    together = caches.cuttable(model)
     fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores and together]
     if fresh:
         logits, batched = _forward_new_prompts(runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh])

@@ -72,6 +72,7 @@ class Rank:
         self.seqs: dict[int, SeqState] = {}
         self.batch = Batch()
         self.entries = Entries()
+        self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self._steps = 0
         self._hooks = Hooks.read(rank)
 
@@ -119,6 +120,8 @@ class Rank:
                 f"serve one of {', '.join(sorted(architectures.TABLE))}"
             )
         self.model = model
+        support = architectures.supports(config)
+        self.prompts_together = support is None or support.cuttable  # from the whole model: a stage may hold none
         parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
         if layers:
             assert self.group is not None
@@ -155,7 +158,7 @@ class Rank:
             self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
-        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill)
+        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill, together=self.prompts_together)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode:
             out.update(self._decode(plan.decode))
@@ -176,7 +179,7 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
-        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True)
+        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True, together=self.prompts_together)
         passes = []
         for group in sorted({row.group for row in plan.decode}):
             fed = speculate.fed([row for row in plan.decode if row.group == group])

@@ -163,6 +163,7 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
     model, _ = load_model(Path(model_path), lazy=True)
     inner = backbone(model)
     inner.layers = inner.layers[first:end]
+    _stage_layer_types(inner, first, end)
     if rank != 0:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
@@ -171,6 +172,19 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
         mx.eval(parameter)
     fuse_projections(model)
     return model
+
+
+def _stage_layer_types(inner: nn.Module, first: int, end: int) -> None:
+    """Where the model's code picks each layer's mask by ``layer_types`` (sliding or full attention), and makes
+    each mask from the cache of the first layer of its kind, keep the stage's own part of that list and those
+    positions within the stage (0 where the stage has no layer of the kind: that mask is then never used)."""
+    types = getattr(inner, "layer_types", None)
+    if not isinstance(types, list):
+        return
+    inner.layer_types = types = types[first:end]
+    for name, kind in (("fa_idx", "full_attention"), ("ga_idx", "full_attention"), ("swa_idx", "sliding_attention")):
+        if hasattr(inner, name):
+            setattr(inner, name, types.index(kind) if kind in types else 0)
 
 
 def parameter_count(model: nn.Module) -> int:
