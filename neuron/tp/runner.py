@@ -123,7 +123,7 @@ class Stage:
         self.norm, self.project = None, None
         if rank == 0:
             self.norm = self.inner.norm
-            head = model.get("lm_head")
+            head = model.get("language_model", model).get("lm_head")  # qwen3_5's is its language model's
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
         self.inner.norm = nn.Identity()
         self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters

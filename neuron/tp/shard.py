@@ -175,9 +175,15 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
 
 
 def _stage_layer_types(inner: nn.Module, first: int, end: int) -> None:
-    """Where the model's code picks each layer's mask by ``layer_types`` (sliding or full attention), and makes
-    each mask from the cache of the first layer of its kind, keep the stage's own part of that list and those
-    positions within the stage (0 where the stage has no layer of the kind: that mask is then never used)."""
+    """Where the model's code makes each kind of mask from the cache of the first layer of that kind, point it at
+    the stage's own first layers: by ``is_linear`` for linear attention (as mlx-lm's own ``pipeline()`` does), by
+    ``layer_types`` for sliding windows, keeping the stage's part of that list (0 where the stage has no layer of
+    the kind: that mask is then never used)."""
+    layers = inner.layers
+    if layers and hasattr(layers[0], "is_linear") and hasattr(inner, "ssm_idx"):  # linear attention, as its pipeline()
+        inner.ssm_idx = next((e for e, layer in enumerate(layers) if layer.is_linear), None)
+        inner.fa_idx = next((e for e, layer in enumerate(layers) if not layer.is_linear), None)
+        return
     types = getattr(inner, "layer_types", None)
     if not isinstance(types, list):
         return
