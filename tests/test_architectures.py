@@ -107,7 +107,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     ("arch", "world_size", "stages", "message"),
     [
         ("qwen3_next", 2, 1, "nor neuron (tp/plans.py) splits 'qwen3_next' over tensor-parallel ranks; serve it with"),
-        ("granite", 2, 2, "neuron does not split 'granite' into pipeline stages"),
+        ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
         ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
     ],
 )

@@ -13,6 +13,8 @@ rank's own state: the plan alone fixes every shape.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -90,6 +92,10 @@ class Sharded:
         return logits if self.rank == 0 else None
 
 
+def _scaled(project: Callable[[mx.array], mx.array], scaling: float, hidden: mx.array) -> mx.array:
+    return project(hidden) / scaling
+
+
 class _Received(nn.Module):
     """The embedding of a stage after the first, where the model's own code takes no ``input_embeddings``: it
     gives the hidden states received from the stage before, whatever the tokens, so the model's call runs its
@@ -120,15 +126,20 @@ class Stage:
         first = self.inner.layers[0]
         norm = first.input_layernorm if "input_layernorm" in first else first.post_attention_layernorm  # olmo2
         self.dtype, self.hidden = norm.weight.dtype, norm.weight.shape[0]
-        self.norm, self.project = None, None
+        self.norm: nn.Module | None = None
+        self.project: Callable[[mx.array], mx.array] | None = None
         if rank == 0:
             self.norm = self.inner.norm
             head = model.get("language_model", model).get("lm_head")  # qwen3_5's is its language model's
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
+            if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
+                self.project = partial(_scaled, self.project, scaling)
         self.inner.norm = nn.Identity()
         self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters
         if rank != 0 and not self.takes_embeddings:
             self.inner.embed_tokens = _Received()
+            if hasattr(self.inner, "embedding_multiplier"):  # granite scales its embedding: rank 0 did, once
+                self.inner.embedding_multiplier = 1.0
 
     @property
     def last(self) -> bool:
