@@ -165,3 +165,22 @@ def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_k
     assert not rank.seqs and not rank.batch.groups
     logits = rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)]))  # and it serves on
     assert logits is not None and logits[1].shape[-1] == 260
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if architectures.supports(config(a, 300)).cuttable])  # type: ignore[union-attr]
+def test_the_prefix_caches_bytes_per_token_are_what_mlx_lms_caches_hold(
+    arch: str, arch_models: dict[str, Path]
+) -> None:
+    """The prefix cache's budget is only as good as this figure: deepseek_v3 keeps a latent per token, not keys
+    and values per head."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from neuron.models import kv_bytes_per_token
+
+    model, _ = load_model(arch_models[arch])
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPTS[0]]), cache=cache)
+    held = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
+    assert kv_bytes_per_token(arch_models[arch], [], 1) * len(PROMPTS[0]) == held
