@@ -106,7 +106,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
 @pytest.mark.parametrize(
     ("arch", "world_size", "stages", "message"),
     [
-        ("qwen3_next", 2, 1, "nor neuron (tp/plans.py) splits 'qwen3_next' over tensor-parallel ranks; serve it with"),
+        ("granite", 3, 1, "'granite' has 4 attention heads, which do not divide over 3 ranks; use --tp with one of"),
         ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
         ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
     ],

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import shard_linear
+from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 
 def split(model: nn.Module, model_type: str, group: mx.distributed.Group) -> None:
@@ -96,10 +96,57 @@ def _gemma(model: nn.Module, group: mx.distributed.Group) -> None:
         _mlp(layer.mlp, group)
 
 
+def _qwen3_next(model: nn.Module, group: mx.distributed.Group) -> None:
+    """Each rank keeps its key heads of the linear attention (with the value heads they lead), its heads of the
+    full attention, and its slice of every expert and of the shared expert; the MoE block sums its output over
+    the group itself (mlx-lm's ``sharding_group``), as qwen3_moe's ``shard()`` has it."""
+    size = group.size()
+    for layer in model.model.layers:
+        if layer.is_linear:
+            _linear_attention(layer.linear_attn, group)
+        else:
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):  # q_proj holds each head's queries then its gate: by head
+                setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            attn.num_attention_heads //= size
+            attn.num_key_value_heads //= size
+        mlp = layer.mlp
+        if "switch_mlp" not in mlp:
+            _mlp(mlp, group)
+            continue
+        mlp.sharding_group = group
+        for experts in (mlp.switch_mlp, mlp.shared_expert):
+            shard_inplace(experts.gate_proj, "all-to-sharded", group=group)
+            shard_inplace(experts.up_proj, "all-to-sharded", group=group)
+            shard_inplace(experts.down_proj, "sharded-to-all", group=group)
+
+
+def _linear_attention(net: nn.Module, group: mx.distributed.Group) -> None:
+    """qwen3_next's gated delta net: its fused input projections are laid out key head by key head, so a
+    contiguous slice of rows is a rank's heads; its convolution runs over the queries, keys and values side by
+    side, so each of the three is split in turn."""
+    size, rank = group.size(), group.rank()
+    key_dim = net.key_dim
+    net.in_proj_qkvz = shard_linear(net.in_proj_qkvz, "all-to-sharded", group=group)
+    net.in_proj_ba = shard_linear(net.in_proj_ba, "all-to-sharded", group=group)
+    shard_inplace(net.conv1d, lambda path, weight: (0, [key_dim, 2 * key_dim]), group=group)
+    net.conv1d.groups //= size
+    net.dt_bias = mx.contiguous(mx.split(net.dt_bias, size)[rank])
+    net.A_log = mx.contiguous(mx.split(net.A_log, size)[rank])
+    net.out_proj = shard_linear(net.out_proj, "sharded-to-all", group=group)
+    net.num_k_heads //= size
+    net.num_v_heads //= size
+    net.key_dim //= size
+    net.value_dim //= size
+    net.conv_dim //= size
+
+
 PLANS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
     "granite": _granite,
     "phi3": _phi3,
     "olmo2": _olmo2,
     "gemma3_text": _gemma,
     "gemma4_text": _gemma,
+    "qwen3_next": _qwen3_next,
 }
