@@ -184,3 +184,17 @@ def test_the_prefix_caches_bytes_per_token_are_what_mlx_lms_caches_hold(
     model(mx.array([PROMPTS[0]]), cache=cache)
     held = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
     assert kv_bytes_per_token(arch_models[arch], [], 1) * len(PROMPTS[0]) == held
+
+
+def test_a_window_models_prompt_is_never_saved_as_a_prefix_entry_that_would_be_cut(
+    arch_models: dict[str, Path],
+) -> None:
+    """limits_for keeps the prefix cache off for such a model; a plan that saves anyway fails loudly, never
+    keeps keys a window has already rolled past."""
+    from neuron.rpc import Prefill, Save, StepPlan
+    from neuron.tp.rank import Rank
+
+    rank = Rank(0, 1)
+    rank.load(str(arch_models["gpt_oss"]), [])
+    with pytest.raises(ValueError, match="serve this model with the prefix cache off"):
+        rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)], save=[Save(1, 1)]))
