@@ -198,3 +198,14 @@ def test_a_window_models_prompt_is_never_saved_as_a_prefix_entry_that_would_be_c
     rank.load(str(arch_models["gpt_oss"]), [])
     with pytest.raises(ValueError, match="serve this model with the prefix cache off"):
         rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)], save=[Save(1, 1)]))
+
+
+def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
+    from mlx_lm.utils import _get_classes
+
+    from neuron.tp.plans import PLANS
+
+    for arch, support in architectures.TABLE.items():
+        has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
+        assert (support.tp == "mlx-lm") == has_shard, arch
+        assert (support.tp == "neuron") == (arch in PLANS), arch
