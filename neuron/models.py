@@ -209,4 +209,6 @@ def kv_bytes_per_token(model_path: str | Path, stages: list[tuple[int, int]], wo
             dtype = _DTYPE_BYTES.get(norms[0], 4)
             break
     layers = max(end - first for first, end in stages) if stages else int(model["num_hidden_layers"])
+    if model.get("kv_lora_rank"):  # latent attention (deepseek_v3): a latent and a rotary key, whole on every rank
+        return layers * (int(model["kv_lora_rank"]) + int(model.get("qk_rope_head_dim") or 0)) * dtype
     return 2 * layers * kv_heads // (1 if stages else world_size) * head_dim * dtype

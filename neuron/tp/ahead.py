@@ -15,11 +15,12 @@ it drops the token it fed from every row's cache and runs the plan as usual,
 having wasted one forward. A row that finishes is fed one token more than it
 needed and leaves with the next plan, as in mlx-lm.
 
-Across ranks (tensor parallel) the workers need the tokens before any host
-has them: rank 0 puts them into an all-reduce every rank issues in the same
-graph, so they reach every device without a round trip through the host, and
-the workers queue the same step. Not in a pipeline: its micro-batches already
-keep the stages busy, and a stage holds no logits to draw from.
+Only where every layer's cache can drop a token again (``can_undo``). Across
+ranks (tensor parallel) the workers need the tokens before any host has them:
+rank 0 puts them into an all-reduce every rank issues in the same graph, so
+they reach every device without a round trip through the host, and the
+workers queue the same step. Not in a pipeline: its micro-batches already keep
+the stages busy, and a stage holds no logits to draw from.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class Ahead:
             return self.logits
         gone = set(leaving)
         return self.logits[mx.array([i for i, seq in enumerate(self.ids) if seq not in gone])]
+
+
+def can_undo(cache: list[BatchKVCache]) -> bool:
+    """Whether a step run ahead could be taken back: plain keys and values trim; a sliding window that has
+    wrapped, or a linear-attention state, cannot drop a token (those models do not run ahead)."""
+    return all(type(layer) is BatchKVCache for layer in cache)
 
 
 def undo(cache: list[BatchKVCache]) -> None:

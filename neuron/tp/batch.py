@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlx_lm.models.cache import BatchKVCache, KVCache
-
 from neuron.rpc import Decode
+from neuron.tp import caches
 
 if TYPE_CHECKING:
     from neuron.tp.prefill import SeqState
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class MicroBatch:
     ids: list[int]  # its rows, in order
-    cache: list[BatchKVCache]  # one per layer of this rank
+    cache: list[caches.Layer]  # batched, one per layer of this rank that keeps a cache
 
 
 class Batch:
@@ -52,9 +51,9 @@ class Batch:
             for layer in micro_batch.cache:
                 layer.filter(keep)
 
-    def join(self, micro_batch: int, seqs: list[int], caches: list[list[KVCache]]) -> None:
+    def join(self, micro_batch: int, seqs: list[int], own: list[list[caches.Layer]]) -> None:
         """Append ``seqs`` (with their own caches, one per layer) to ``micro_batch``, after its rows."""
-        merged = [BatchKVCache.merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
+        merged = caches.merge(own)
         if micro_batch not in self.micro_batches:
             self.micro_batches[micro_batch] = MicroBatch(list(seqs), merged)
             return
@@ -67,9 +66,9 @@ class Batch:
         """Move the sequences of ``rows`` (their prompts done) into their micro-batches, taking over their caches."""
         for micro_batch in sorted({row.micro_batch for row in rows}):
             joining = [row.seq for row in rows if row.micro_batch == micro_batch]
-            caches = [seqs[s].cache for s in joining]
-            assert all(c is not None for c in caches)
-            self.join(micro_batch, joining, caches)  # type: ignore[arg-type]
+            own = [seqs[s].cache for s in joining]
+            assert all(c is not None for c in own)
+            self.join(micro_batch, joining, own)  # type: ignore[arg-type]
             for s in joining:
                 seqs[s].cache = None
 

@@ -57,6 +57,12 @@ class Entries:
 
     def _save(self, entry: int, cache: list[KVCache]) -> None:
         """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""
+        if not all(type(c) is KVCache for c in cache):
+            raise ValueError(
+                "a prefix-cache entry is restored cut back to a shared beginning, which a sliding window's or a "
+                "linear-attention state's cache cannot be: serve this model with the prefix cache off "
+                "(neuron.architectures.limits_for turns it off)"
+            )
         layers = [
             (mx.contiguous(c.keys[..., : c.offset, :]), mx.contiguous(c.values[..., : c.offset, :])) for c in cache
         ]

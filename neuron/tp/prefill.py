@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rpc import Prefill
+from neuron.tp import caches
 from neuron.tp.runner import Sharded, Stage
 
 
@@ -23,7 +24,7 @@ from neuron.tp.runner import Sharded, Stage
 class SeqState:
     position: int = 0  # tokens in its cache
     last: int = -1  # the last token it was fed
-    cache: list[KVCache] | None = None  # its own, while the prompt is fed; None once in the batch
+    cache: list[caches.Layer] | None = None  # its own, while the prompt is fed; None once in the batch
     prompt_done: bool = False
 
 
@@ -33,30 +34,34 @@ def feed_prompts(
     seqs: dict[int, SeqState],
     chunks: list[Prefill],
     shadow: bool = False,
+    together: bool = True,
 ) -> dict[int, mx.array]:
     """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
 
     New prompts (position 0) go through together, left-padded into one batch,
     then each is extracted into a cache of its own; continuing chunks of long
-    prompts go one by one. The grouping depends on the plan alone, so every
-    rank issues the same collectives. ``shadow`` runs the same shapes on
+    prompts go one by one, and so do new ones unless ``together`` (false where
+    the model has caches that cannot take left padding: a sliding window's or a
+    linear-attention state's; decided from the whole model, not this rank's
+    stage, so every rank groups alike). The grouping depends on the plan alone,
+    so every rank issues the same collectives. ``shadow`` runs the same shapes on
     throwaway caches and records nothing.
     """
     out: dict[int, mx.array] = {}
-    fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores]
+    fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores and together]
     if fresh:
-        logits, caches = _forward_new_prompts(runner, len(model.layers), [chunk.tokens for chunk in fresh])
+        logits, batched = _forward_new_prompts(runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh])
         for i, chunk in enumerate(fresh):
             if not shadow:
-                own = [layer.extract(i) for layer in caches]
+                own = [layer.extract(i) for layer in batched]
                 seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
             if chunk.last and logits is not None:
                 out[chunk.seq] = logits[i]
     for chunk in chunks:
-        if chunk.position == 0 and not chunk.scores:
+        if chunk.position == 0 and not chunk.scores and together:
             continue
         if shadow or chunk.position == 0:
-            state = SeqState(cache=make_prompt_cache(model))
+            state = SeqState(cache=caches.fresh(model))
             if not shadow:
                 seqs[chunk.seq] = state
         else:
@@ -84,14 +89,7 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
     state = seqs[seq]
     assert state.cache is not None
     for no in copies:
-        cache = []
-        for layer in state.cache:
-            twin = KVCache()
-            if layer.keys is not None:
-                twin.keys, twin.values = mx.array(layer.keys), mx.array(layer.values)
-            twin.offset = layer.offset
-            cache.append(twin)
-        seqs[no] = SeqState(state.position, state.last, cache, True)
+        seqs[no] = SeqState(state.position, state.last, caches.twin(state.cache), True)
 
 
 def _forward_new_prompts(
@@ -100,14 +98,16 @@ def _forward_new_prompts(
     """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
     bodies = [tokens[:-1] for tokens in prompts]
     width = max(len(body) for body in bodies)
-    caches = [BatchKVCache([width - len(body) for body in bodies]) for _ in range(layers)]
+    batched = [BatchKVCache([width - len(body) for body in bodies]) for _ in range(layers)]
     if width:
-        runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), caches)
+        runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), batched)
     final = mx.array([tokens[-1:] for tokens in prompts])
-    return runner.logits([(final, caches)])[0], caches
+    return runner.logits([(final, batched)])[0], batched
 
 
-def _forward_prompt(runner: Sharded | Stage, tokens: list[int], last: bool, cache: list[KVCache]) -> mx.array | None:
+def _forward_prompt(
+    runner: Sharded | Stage, tokens: list[int], last: bool, cache: list[caches.Layer]
+) -> mx.array | None:
     """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
     to the vocabulary is computed for one position only."""
     body = tokens[:-1] if last else tokens

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from neuron import architectures
 from neuron.models import read_config, text_config
 from neuron.rpc import Decode, StepPlan
 from neuron.sampling_params import Sampled
 from neuron.step import Step
-from neuron.tp import ahead, rollback
+from neuron.tp import ahead, caches, rollback
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
@@ -95,6 +96,7 @@ class Rank:
         self.batch = Batch()
         self.entries = Entries()
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
+        self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -139,12 +141,15 @@ class Rank:
             model = load_stage(model_path, layers[0], layers[1], self.rank)
         else:
             model = load_shard(model_path, self.group)
-        if not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise RankError(
-                f"rank {self.rank}: {model_path} uses a KV cache other than mlx-lm's KVCache "
-                "(sliding window or state space); batching supports plain attention models only"
+                f"rank {self.rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
+                "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
+                f"serve one of {', '.join(sorted(architectures.TABLE))}"
             )
         self.model = model
+        support = architectures.supports(config)
+        self.prompts_together = support is None or support.cuttable  # from the whole model: a stage may hold none
         parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
         if layers:
             assert self.group is not None
@@ -182,7 +187,7 @@ class Rank:
             self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
-        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill)
+        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill, together=self.prompts_together)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
@@ -198,6 +203,8 @@ class Rank:
         if not plan.ahead or not isinstance(self.runner, Sharded) or set(self.batch.micro_batches) != {0}:
             return False
         rows = self.batch.micro_batches[0]
+        if not ahead.can_undo(rows.cache):
+            return False
         if self.rank == 0:
             assert drawn is not None
             # A row drawn nothing (its constraint failed) ends now: any token will do for the step it leaves.
@@ -240,12 +247,11 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
-        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True)
+        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True, together=self.prompts_together)
         passes = []
         for micro_batch, width in sorted(plan.widths().items()):
             rows = sum(row.micro_batch == micro_batch for row in plan.decode)
-            cache = [BatchKVCache([0] * rows) for _ in self.model.layers]
-            passes.append((mx.zeros((rows, width), dtype=mx.int32), cache))
+            passes.append((mx.zeros((rows, width), dtype=mx.int32), caches.empty_batch(self.model, rows)))
         self.runner.logits(passes, any(row.draft for row in plan.decode))
 
     def _leave(self, leaving: list[int]) -> None:

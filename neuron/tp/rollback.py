@@ -23,6 +23,11 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     mlx-lm's element-wise ``dynamic_roll``, which cost more than a whole plain
     step (BENCHMARKS.md, "Speculative decoding", the realignment fix).
     """
+    if any(drops) and not all(type(layer) is BatchKVCache for layer in cache):
+        raise ValueError(
+            "rejected draft tokens cannot be dropped from a sliding window's or a linear-attention state's cache; "
+            "serve this model with speculation off (neuron.architectures.limits_for turns it off)"
+        )
     common = min(drops)
     rest = [d - common for d in drops]
     for layer in cache:

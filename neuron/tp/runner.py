@@ -12,11 +12,15 @@ rank's own state: the plan alone fixes every shape.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from neuron.tp.shard import VocabShard, backbone
+from neuron.tp import caches
+from neuron.tp.shard import VocabShard, backbone, head_gathers
 
 # One forward pass takes at most this many tokens of a prompt (however many the
 # step feeds): the attention scores of one pass stay small, and every rank cuts
@@ -24,12 +28,12 @@ from neuron.tp.shard import VocabShard, backbone
 # same order.
 FORWARD_TOKENS = 512
 
-Cache = list[KVCache] | list[BatchKVCache]
+Cache = list[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
 
 
 def _eval_with(cache: Cache, *arrays: mx.array) -> None:
-    mx.eval(*arrays, [(c.keys, c.values) for c in cache])
+    mx.eval(*arrays, [caches.arrays(c) for c in cache])
 
 
 class Sharded:
@@ -39,6 +43,9 @@ class Sharded:
         self.model = model
         self.head = head
         self.rank = rank
+        # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
+        # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
+        self.worker_trunk = model if head_gathers(model) else backbone(model)
 
     def feed(self, tokens: mx.array, cache: Cache) -> None:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits."""
@@ -56,7 +63,7 @@ class Sharded:
             elif self.rank == 0:
                 logits = self.model(piece, cache=cache)[0]
             else:
-                _eval_with(cache, trunk(piece, cache=cache))
+                _eval_with(cache, self.worker_trunk(piece, cache=cache))
                 continue
             _eval_with(cache, logits)
             out.append(logits)
@@ -81,13 +88,30 @@ class Sharded:
         elif self.rank == 0:
             logits = self.model(tokens, cache=cache)[:, wanted, :]
         else:  # the whole head is rank 0's alone
-            logits = backbone(self.model)(tokens, cache=cache)
+            logits = self.worker_trunk(tokens, cache=cache)
         if self.rank == 0:
             if not lazy:
                 mx.eval(logits)
             return logits
         (mx.async_eval if lazy else mx.eval)(logits)
         return None
+
+
+def _scaled(project: Callable[[mx.array], mx.array], scaling: float, hidden: mx.array) -> mx.array:
+    return project(hidden) / scaling
+
+
+class _Received(nn.Module):
+    """The embedding of a stage after the first, where the model's own code takes no ``input_embeddings``: it
+    gives the hidden states received from the stage before, whatever the tokens, so the model's call runs its
+    layers (its masks, its layer calls) as it would on one rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[mx.array] = []
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self.received.pop()
 
 
 class Stage:
@@ -104,14 +128,23 @@ class Stage:
         self.rank = rank
         self.stages = stages
         self.group = group
-        self.dtype = self.inner.layers[0].input_layernorm.weight.dtype
-        self.hidden = self.inner.layers[0].input_layernorm.weight.shape[0]
-        self.norm, self.project = None, None
+        first = self.inner.layers[0]
+        norm = first.input_layernorm if "input_layernorm" in first else first.post_attention_layernorm  # olmo2
+        self.dtype, self.hidden = norm.weight.dtype, norm.weight.shape[0]
+        self.norm: nn.Module | None = None
+        self.project: Callable[[mx.array], mx.array] | None = None
         if rank == 0:
             self.norm = self.inner.norm
-            head = model.get("lm_head")
+            head = model.get("language_model", model).get("lm_head")  # qwen3_5's is its language model's
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
+            if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
+                self.project = partial(_scaled, self.project, scaling)
         self.inner.norm = nn.Identity()
+        self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters
+        if rank != 0 and not self.takes_embeddings:
+            self.inner.embed_tokens = _Received()
+            if hasattr(self.inner, "embedding_multiplier"):  # granite scales its embedding: rank 0 did, once
+                self.inner.embedding_multiplier = 1.0
 
     @property
     def last(self) -> bool:
@@ -123,7 +156,10 @@ class Stage:
             return self.inner(tokens, cache=cache)
         rows, length = tokens.shape
         received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
-        return self.inner(tokens, cache=cache, input_embeddings=received)
+        if self.takes_embeddings:
+            return self.inner(tokens, cache=cache, input_embeddings=received)
+        self.inner.embed_tokens.received.append(received)
+        return self.inner(tokens, cache=cache)
 
     def feed(self, tokens: mx.array, cache: Cache) -> None:
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):

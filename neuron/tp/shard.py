@@ -1,5 +1,5 @@
-"""One rank's slice of a model: loaded with mlx-lm, split by its ``shard()``, and the vocabulary projection
-split too where that pays; and the check that a model can be split at all."""
+"""One rank's slice of a model: loaded with mlx-lm, split by its ``shard()`` (or neuron's plan, ``plans``), and
+the vocabulary projection split too where that pays; and the check that a model can be split at all."""
 
 from __future__ import annotations
 
@@ -12,18 +12,16 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
+from neuron import architectures
 from neuron.models import ModelError, text_config
+from neuron.tp import plans
 from neuron.tp.fuse import fuse_projections
-
-# Architectures whose inner model embeds, runs its layers with a mask made from the first layer's cache, and
-# applies a final norm, taking ``input_embeddings`` in place of tokens: a pipeline stage is a slice of their
-# layer list, whatever mlx-lm's own ``pipeline()`` covers.
-PIPELINE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
     """Raise ``ModelError`` unless a model of this config can be split over ``world_size`` ranks, in ``stages``
-    pipeline stages (tensor parallel over all of them when 1).
+    pipeline stages (tensor parallel over all of them when 1): what ``neuron.architectures`` says of it, then
+    the shapes.
 
     The leader calls it once, before any rank is spawned: a model that cannot
     be split would otherwise fail on every rank at once, after each had spent
@@ -33,38 +31,41 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
         model_class, _ = _get_classes(config)
     except ValueError as e:
         raise ModelError(f"mlx-lm does not support this architecture ({e})") from None
+    try:
+        support = architectures.check(config, world_size, stages)
+    except architectures.Unsupported as e:
+        raise ModelError(str(e)) from None
     if stages > 1:
-        _check_stages(config, stages)
+        layers = int(text_config(config)["num_hidden_layers"])
+        if layers < stages:
+            raise ModelError(f"the model has {layers} layers, fewer than the {stages} pipeline stages asked for")
         return
     if world_size == 1:
         return
-    arch = config.get("model_type", "?")
-    if not hasattr(model_class, "shard"):
+    arch = architectures.architecture(config)
+    if support is None and not hasattr(model_class, "shard"):  # outside the table: as mlx-lm splits it
         raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
     text = text_config(config)
+    vocab = text.get("vocab_size")
+    split_head = arch == "qwen3_5" and not text.get("tie_word_embeddings", False)
+    if split_head and isinstance(vocab, int) and vocab % world_size:  # its shard() splits the head by rows
+        raise ModelError(
+            f"{arch!r} splits its vocabulary of {vocab} over the ranks, and {world_size} does not divide it; "
+            "use a --tp that divides it"
+        )
     heads = text.get("num_attention_heads")
     kv_heads = text.get("num_key_value_heads", heads)
-    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+    global_kv_heads = text.get("num_global_key_value_heads")  # gemma4's full-attention layers
+    for name, count in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("global key/value heads", global_kv_heads),
+    ):
         if isinstance(count, int) and count % world_size:
             fits = [n for n in range(1, count + 1) if count % n == 0 and (kv_heads or count) % n == 0]
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
-
-
-def _check_stages(config: dict, stages: int) -> None:
-    arch = config.get("model_type", "?")
-    text = text_config(config)
-    if arch not in PIPELINE:
-        raise ModelError(
-            f"neuron splits {', '.join(sorted(PIPELINE))} models into pipeline stages, not {arch!r}; "
-            "serve it with --tp instead of --pp"
-        )
-    if text.get("sliding_window") and any(t != "full_attention" for t in text.get("layer_types") or ["sliding"]):
-        raise ModelError(f"{arch!r} with a sliding window cannot be served in pipeline stages; use --tp")
-    layers = int(text["num_hidden_layers"])
-    if layers < stages:
-        raise ModelError(f"the model has {layers} layers, fewer than the {stages} pipeline stages asked for")
 
 
 def backbone(model: nn.Module) -> nn.Module:
@@ -76,6 +77,13 @@ def backbone(model: nn.Module) -> nn.Module:
     """
     inner = getattr(model, "model", None)
     return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
+
+
+def head_gathers(model: nn.Module) -> bool:
+    """Whether mlx-lm's ``shard()`` split the projection to the vocabulary, which then gathers its rows inside the
+    model's own call (qwen3_5's, where the embedding is not tied)."""
+    language = getattr(model, "language_model", model)
+    return getattr(language, "sharding_group", None) is not None
 
 
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:
@@ -137,9 +145,9 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     and evaluating every slice at once would hold every whole tensor at the
     same moment, a peak as large as the unsplit model on every rank.
     """
-    model, _ = load_model(Path(model_path), lazy=True)
+    model, config = load_model(Path(model_path), lazy=True)
     if group is not None and group.size() > 1:
-        model.shard(group)
+        plans.split(model, config.get("model_type", ""), group)
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
@@ -156,6 +164,7 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
     model, _ = load_model(Path(model_path), lazy=True)
     inner = backbone(model)
     inner.layers = inner.layers[first:end]
+    _stage_layer_types(inner, first, end)
     if rank != 0:
         for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
             if name in owner:
@@ -164,6 +173,25 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
         mx.eval(parameter)
     fuse_projections(model)
     return model
+
+
+def _stage_layer_types(inner: nn.Module, first: int, end: int) -> None:
+    """Where the model's code makes each kind of mask from the cache of the first layer of that kind, point it at
+    the stage's own first layers: by ``is_linear`` for linear attention (as mlx-lm's own ``pipeline()`` does), by
+    ``layer_types`` for sliding windows, keeping the stage's part of that list (0 where the stage has no layer of
+    the kind: that mask is then never used)."""
+    layers = inner.layers
+    if layers and hasattr(layers[0], "is_linear") and hasattr(inner, "ssm_idx"):  # linear attention, as its pipeline()
+        inner.ssm_idx = next((e for e, layer in enumerate(layers) if layer.is_linear), None)
+        inner.fa_idx = next((e for e, layer in enumerate(layers) if not layer.is_linear), None)
+        return
+    types = getattr(inner, "layer_types", None)
+    if not isinstance(types, list):
+        return
+    inner.layer_types = types = types[first:end]
+    for name, kind in (("fa_idx", "full_attention"), ("ga_idx", "full_attention"), ("swa_idx", "sliding_attention")):
+        if hasattr(inner, name):
+            setattr(inner, name, types.index(kind) if kind in types else 0)
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -1,0 +1,166 @@
+"""What neuron serves of each model architecture, and how: the one table every check and the README read.
+
+No MLX here: the leader checks a model against this table before it spawns a
+worker or a worker reads a weight (``tp.shard.check_splittable``), and the
+README's table is generated from it (``python -m neuron.architectures``;
+tests/test_architectures.py checks the README holds what it prints).
+
+The caches a model builds decide the rest. Plain key/value caches can be cut
+back to any length, so a prefix-cache entry restores any beginning of a saved
+prompt and a rejected draft is trimmed away. A sliding window's cache has
+forgotten what fell out of the window, and a linear-attention layer keeps one
+state for the whole past: neither can be cut back, so such a model runs
+without drafting and keeps no prefix-cache entries (see ``Support``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
+
+# What each layer's cache is, as mlx-lm builds it (``make_cache``): named for the README and the refusals.
+KV = "key/value"
+WINDOW = "key/value + sliding window"
+STATE = "key/value + linear-attention state"
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    caches: str  # KV, WINDOW or STATE
+    tp: str | None  # who splits its layers over tensor-parallel ranks: "mlx-lm" (its ``shard()``), "neuron"
+    # (tp/plans.py), or None: nobody
+    pp: bool  # pipeline stages: a stage runs a run of its layers
+    batching: bool = True  # continuous batching: joins, leaves, chunked prompts, n > 1 copies
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether every layer's cache can be cut back to an earlier length."""
+        return self.caches == KV
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.cuttable
+
+    @property
+    def speculation(self) -> bool:
+        return self.cuttable
+
+
+# By ``model_type``. mistral is llama's code in mlx-lm; with ``layer_types`` naming sliding layers it is WINDOW.
+TABLE: dict[str, Support] = {
+    "llama": Support(KV, "mlx-lm", pp=True),
+    "mistral": Support(KV, "mlx-lm", pp=True),
+    "qwen2": Support(KV, "mlx-lm", pp=True),
+    "qwen3": Support(KV, "mlx-lm", pp=True),
+    "qwen3_moe": Support(KV, "mlx-lm", pp=True),
+    "deepseek_v3": Support(KV, "mlx-lm", pp=True),
+    "glm4_moe": Support(KV, "mlx-lm", pp=True),
+    "phi3": Support(KV, "neuron", pp=True),
+    "granite": Support(KV, "neuron", pp=True),
+    "olmo2": Support(KV, "neuron", pp=True),
+    "qwen3_5": Support(STATE, "mlx-lm", pp=True),
+    "qwen3_next": Support(STATE, "neuron", pp=True),
+    "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
+    "gemma3_text": Support(WINDOW, "neuron", pp=False),
+    "gemma4_text": Support(WINDOW, "neuron", pp=False),
+}
+# Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
+_LAYER_TYPED = frozenset({"llama", "mistral"})
+
+
+class Unsupported(ValueError):
+    """A model, or a way of serving it, that neuron does not serve; the message says what to use instead."""
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return str(config.get("model_type", "?"))
+
+
+def windowed(config: dict[str, Any]) -> bool:
+    """Whether a llama-shaped model has sliding layers, read as mlx-lm reads it: from ``layer_types`` alone
+    (a Mistral-7B-v0.1 config sets ``sliding_window`` without them, and mlx-lm attends in full on every layer)."""
+    text = config.get("text_config", config)
+    return "sliding_attention" in (text.get("layer_types") or [])
+
+
+def supports(config: dict[str, Any]) -> Support | None:
+    """What neuron serves of a model with this config; None for an architecture outside the table (served as
+    before it: one rank or mlx-lm's ``shard()``, plain key/value caches only, checked when the ranks load it)."""
+    arch = architecture(config)
+    if arch not in TABLE:
+        return None
+    support = TABLE[arch]
+    if arch in _LAYER_TYPED and windowed(config):
+        return Support(WINDOW, support.tp, pp=support.pp)
+    if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
+        return Support(WINDOW, None, pp=False)  # neuron's plan splits attention and the MLP, not its experts
+    return support
+
+
+def check(config: dict[str, Any], world_size: int, stages: int) -> Support | None:
+    """Refuse, before anything loads, a model the table says cannot be served this way; each refusal names the
+    architecture and what to use instead."""
+    support = supports(config)
+    arch = architecture(config)
+    if stages > 1 and (support is None or not support.pp):
+        staged = sorted(a for a, s in TABLE.items() if s.pp)
+        raise Unsupported(
+            f"neuron does not split {arch!r} into pipeline stages (it stages {', '.join(staged)}); "
+            "serve it with --tp instead of --pp"
+        )
+    if support is not None and stages == 1 and world_size > 1 and support.tp is None:
+        instead = "--tp 1, or --pp to split its layers over the ranks" if support.pp else "--tp 1"
+        raise Unsupported(
+            f"neither mlx-lm (it has no shard() for {arch!r}) nor neuron (tp/plans.py) splits {arch!r} over "
+            f"tensor-parallel ranks; serve it with {instead}"
+        )
+    return support
+
+
+class _Limits(Protocol):
+    speculate: str
+    prefix_cache_bytes: int
+
+
+Settings = TypeVar("Settings", bound=_Limits)  # the engine's Limits (a frozen dataclass)
+
+
+def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list[str]]:
+    """``limits`` with what this model cannot do turned off, and a line saying why for each, for the startup log:
+    drafting needs rejected tokens cut from every layer's cache, and a prefix entry is restored cut back to the
+    shared beginning of a prompt (engine/prefix.py does not yet restore only at an entry's end)."""
+    support = supports(config)
+    if support is None or support.cuttable:
+        return limits, []
+    arch, why = architecture(config), f"its caches ({support.caches}) cannot be cut back to an earlier length"
+    changes: dict[str, Any] = {}
+    notes = []
+    if limits.speculate != "off":
+        changes["speculate"] = "off"
+        notes.append(f"speculative decoding off for {arch!r}: {why}, so rejected draft tokens cannot be dropped")
+    if limits.prefix_cache_bytes:
+        changes["prefix_cache_bytes"] = 0
+        notes.append(f"prefix cache off for {arch!r}: {why}")
+    return replace(limits, **changes), notes  # type: ignore[type-var]
+
+
+def markdown() -> str:
+    """The README's table of architectures, one row each."""
+    rows = [
+        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache | speculation |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    mark = {True: "yes", False: "no"}
+    windowed_mistral = supports({"model_type": "mistral", "layer_types": ["sliding_attention"]})
+    assert windowed_mistral is not None
+    for arch, s in [*TABLE.items(), ("mistral / llama with sliding `layer_types`", windowed_mistral)]:
+        tp = {"mlx-lm": "mlx-lm's `shard()`", "neuron": "neuron's plan"}.get(s.tp or "", "no")
+        rows.append(
+            f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {mark[s.prefix_cache]} "
+            f"| {mark[s.speculation]} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown())

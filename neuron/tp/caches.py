@@ -1,0 +1,60 @@
+"""Every kind of cache mlx-lm builds for a model, handled alike: plain key/value caches, sliding windows
+(``RotatingKVCache``), linear-attention state (``ArraysCache``) and lists of them (``CacheList``).
+
+mlx-lm gives each kind its batched form and the operations batching needs
+(``merge`` into a batch, ``extend`` it, ``filter`` rows out, ``extract`` one);
+this module only picks them by kind, so the rest of ``tp`` never asks which
+kind a layer holds. What differs is whether a cache can be cut back to an
+earlier length: only plain key/value caches can (``neuron.architectures`` says
+which models have only those).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
+
+Layer = Any  # one layer's cache: any of mlx-lm's kinds, alone or batched
+
+
+def fresh(model: nn.Module) -> list[Layer]:
+    """A new sequence's caches, one per layer that keeps one (a model may share a layer's cache with another)."""
+    return make_prompt_cache(model)
+
+
+def merge(caches: list[list[Layer]]) -> list[Layer]:
+    """The batched caches of several sequences (each a list of per-layer caches), rows in the given order."""
+    return [caches[0][i].merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
+
+
+def empty_batch(model: nn.Module, rows: int) -> list[Layer]:
+    """Batched caches of ``rows`` sequences that hold nothing yet (a shadow step's throwaway caches)."""
+    return merge([fresh(model) for _ in range(rows)])
+
+
+def twin(cache: list[Layer]) -> list[Layer]:
+    """A copy of one sequence's caches with arrays of its own: the copy's writes must not reach the original."""
+    out = []
+    for layer in cache:
+        if type(layer) is KVCache:
+            copied = KVCache()
+            if layer.keys is not None:
+                copied.keys, copied.values = mx.array(layer.keys), mx.array(layer.values)
+            copied.offset = layer.offset
+            out.append(copied)
+        else:
+            out.append(copy.deepcopy(layer))  # what mlx-lm's BatchGenerator does to split a batch
+    return out
+
+
+def arrays(layer: Layer) -> list[mx.array]:
+    """The arrays a layer's cache holds, for evaluating them with a forward pass."""
+    if isinstance(layer, CacheList):
+        return [a for inner in layer.caches for a in arrays(inner)]
+    if isinstance(layer, ArraysCache):
+        return [a for a in layer.cache if a is not None]
+    return [a for a in (layer.keys, layer.values) if a is not None]

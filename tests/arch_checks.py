@@ -1,0 +1,110 @@
+"""One engine over one tiny model, asked what tests/test_architectures.py compares with mlx-lm.
+
+At one rank this runs in the test's own process; a group of ranks needs a
+fresh leader process (MLX joins one group per process), so it also runs as
+``python tests/arch_checks.py MODEL WORLD_SIZE STAGES [LAYERS_PER_STAGE]`` and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+# Lengths around the prefill chunk (16) and the windows (8); the repeated pattern gives prompt lookup drafts.
+PROMPTS = [
+    [5, 17, 99, 42, 7],
+    [11 + i % 7 for i in range(21)],
+    [40 + (i * 13) % 50 for i in range(37)],
+    [200, 201, 202, 203, 200, 201, 202, 203, 200, 201, 202, 203],
+]
+EXTENDED = PROMPTS[2] + [9, 8, 7, 6, 5]  # shares PROMPTS[2]'s whole prompt: a prefix-cache hit where it is on
+MAX_TOKENS = 12
+PREFILL_CHUNK = 16
+
+
+def reference(model_path: str) -> dict[str, list[list[int]]]:
+    """mlx-lm's own greedy tokens for every prompt, on the same weights."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(model_path))
+
+    def greedy(prompt: list[int]) -> list[int]:
+        steps = generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
+        return [int(token) for token, _ in steps]
+
+    return {"prompts": [greedy(p) for p in PROMPTS], "extended": greedy(EXTENDED)}
+
+
+async def _tokens(engine: Any, prompt: list[int], n: int = 1) -> tuple[list[list[int]], dict[str, int]]:
+    from neuron.engine.sequence import Chunk, Failure, Finish
+    from neuron.sampling_params import SamplingParams
+
+    # The prompt's own text as the predicted output: drafts every step, most of them rejected and dropped.
+    predicted = "".join(engine.text.token_text(t) for t in prompt)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, prediction=predicted)
+    seq = engine.submit(prompt, params, n=n)
+    out, finish = [], {}
+    for one in [seq, *seq.copies]:
+        tokens = []
+        try:
+            async for event in one.events:
+                if isinstance(event, Failure):
+                    raise RuntimeError(event.message)
+                if isinstance(event, Chunk):
+                    tokens.append(event.token)
+                if isinstance(event, Finish):
+                    finish = {"cached": event.cached_tokens, "drafted": event.accepted_tokens + event.rejected_tokens}
+        finally:
+            engine.cancel(one)
+        out.append(tokens)
+    return out, finish
+
+
+async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: str = "") -> dict[str, Any]:
+    """Each prompt alone, then all together, then two choices of one, then a prompt extending a served one."""
+    from neuron.architectures import limits_for
+    from neuron.engine.engine import Engine
+    from neuron.engine.scheduler import Limits
+    from neuron.models import read_config
+    from neuron.pool import Layout
+
+    asked = Limits(prefill_chunk=PREFILL_CHUNK, prefix_cache_bytes=1 << 24, micro_batches=stages)
+    limits, notes = limits_for(read_config(model_path), asked)
+    result: dict[str, Any] = {"notes": notes}
+    async with Engine.open(
+        Path(model_path), Layout.local(world_size, stages, tuple(int(n) for n in split.split(",") if n)), limits=limits
+    ) as engine:
+        if os.environ.get("NEURON_TEST_DESYNC_STEP"):  # a rank goes its own way during the first request
+            try:
+                await _tokens(engine, PROMPTS[1])
+                result["desync"] = ""
+            except RuntimeError as e:
+                result["desync"] = str(e)
+        alone = [await _tokens(engine, p) for p in PROMPTS]
+        result["alone"] = [tokens[0] for tokens, _ in alone]
+        result["drafted"] = sum(finish["drafted"] for _, finish in alone)
+        together: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def one(i: int) -> None:
+            together[i] = (await _tokens(engine, PROMPTS[i]))[0][0]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+        result["together"] = together
+        result["copies"] = (await _tokens(engine, PROMPTS[1], n=2))[0]
+        extended, finish = await _tokens(engine, EXTENDED)
+        result["extended"], result["cached"] = extended[0], finish["cached"]
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    print(json.dumps(anyio.run(serve, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])))

@@ -1,0 +1,211 @@
+"""The architectures neuron serves: the table every check reads, the README's copy of it, and each architecture's
+tiny model served by the engine, token for token as mlx-lm generates on the same weights.
+
+Every architecture's model is generated once per session (``arch_models``). At one rank the engine runs in this
+process; groups of ranks run in a fresh leader process each (tests/arch_checks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from arch_checks import PROMPTS, reference, serve
+from conftest import ROOT
+from tiny_archs import ARCHS, config, make_arch_model
+
+from neuron import architectures
+from neuron.models import ModelError
+from neuron.tp.shard import check_splittable
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    return {arch: make_arch_model(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def references(arch_models: dict[str, Path]) -> dict[str, dict[str, list]]:
+    return {}  # filled on first use: mlx-lm's tokens cost a model load each
+
+
+def _reference(arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]) -> dict[str, list]:
+    if arch not in references:
+        references[arch] = reference(str(arch_models[arch]))
+        assert len({t for tokens in references[arch]["prompts"] for t in tokens}) > 8  # the tokens say something
+    return references[arch]
+
+
+def _check(result: dict, expected: dict[str, list], arch: str) -> None:
+    assert result["alone"] == expected["prompts"], "alone"
+    assert result["together"] == expected["prompts"], "four concurrent requests"
+    assert result["copies"] == [expected["prompts"][1]] * 2, "n=2 copies"
+    assert result["extended"] == expected["extended"], "a prompt extending a served one"
+    support = architectures.supports(config(arch, 300))
+    assert support is not None
+    if support.cuttable:
+        assert result["cached"] == len(PROMPTS[2]) and not result["notes"]
+    else:  # turned off, and said so
+        assert result["cached"] == 0
+        assert any("speculative decoding off" in note for note in result["notes"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_rank_serves_every_architecture_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    result = anyio.run(serve, str(arch_models[arch]))
+    _check(result, _reference(arch, arch_models, references), arch)
+
+
+def _in_a_group(model: Path, world_size: int, stages: int, split: str = "") -> dict:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "arch_checks.py"), str(model), str(world_size), str(stages), split],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+SPLIT = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type: ignore[union-attr]
+STAGED = [a for a in ARCHS if architectures.supports(config(a, 300)).pp]  # type: ignore[union-attr]
+
+
+# llama and qwen3 are split in test_pool and test_batching; qwen3_moe and glm4_moe by mlx-lm as they are.
+@pytest.mark.parametrize("arch", [a for a in SPLIT if a not in ("llama", "qwen3", "qwen3_moe", "glm4_moe")])
+def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    _check(_in_a_group(arch_models[arch], 2, 1), _reference(arch, arch_models, references), arch)
+
+
+@pytest.mark.parametrize("arch", [a for a in STAGED if a not in ("llama", "qwen3", "glm4_moe")])
+def test_two_pipeline_stages_serve_as_mlx_lm_generates(
+    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+) -> None:
+    # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
+    # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
+    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3"}.get(arch, "")
+    _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
+
+
+def test_the_readme_table_is_the_one_the_checks_read() -> None:
+    readme = (ROOT / "README.md").read_text()
+    between = readme.split("<!-- architectures:begin -->\n")[1].split("\n<!-- architectures:end -->")[0]
+    assert between == architectures.markdown(), "run `python -m neuron.architectures` and paste it into README.md"
+
+
+@pytest.mark.parametrize(
+    ("arch", "world_size", "stages", "message"),
+    [
+        ("granite", 3, 1, "'granite' has 4 attention heads, which do not divide over 3 ranks; use --tp with one of"),
+        ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
+        ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
+    ],
+)
+def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
+    arch: str, world_size: int, stages: int, message: str
+) -> None:
+    with pytest.raises(ModelError, match=r"use|serve it") as caught:
+        check_splittable(config(arch, 300), world_size, stages)
+    assert message in str(caught.value)
+
+
+def test_gemma4s_full_attention_heads_must_divide_too() -> None:
+    one_global = {**config("gemma4_text", 300), "num_global_key_value_heads": 1}
+    with pytest.raises(ModelError, match="1 global key/value heads, which do not divide over 2 ranks"):
+        check_splittable(one_global, 2)
+    with pytest.raises(ModelError, match="nor neuron"):  # its experts are not split
+        check_splittable({**config("gemma4_text", 300), "enable_moe_block": True}, 2)
+
+
+def test_a_sliding_window_is_read_from_layer_types_as_mlx_lm_reads_it() -> None:
+    """Mistral-7B-v0.1 sets ``sliding_window`` without ``layer_types``: mlx-lm attends in full, so TP and PP alike
+    serve it as plain key/value."""
+    v01 = {**config("llama", 300), "model_type": "mistral", "sliding_window": 4096}
+    assert architectures.supports(v01) == architectures.TABLE["mistral"]
+    check_splittable(v01, 2, 2)
+    windowed = config("windowed_mistral", 300)
+    assert architectures.supports(windowed).caches == architectures.WINDOW  # type: ignore[union-attr]
+
+
+def test_an_architecture_outside_the_table_is_served_as_mlx_lm_splits_it() -> None:
+    gemma = {"model_type": "gemma", "num_hidden_layers": 4, "vocab_size": 10, "hidden_size": 8}
+    assert architectures.supports(gemma) is None
+    check_splittable(gemma, 1)
+    with pytest.raises(ModelError, match="not split 'gemma' into pipeline stages"):
+        check_splittable(gemma, 2, 2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "gpt_oss", "gemma4_text"])
+def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_kind(
+    arch: str, arch_models: dict[str, Path]
+) -> None:
+    """The desync path: a rank that does not hold what the plan names still runs every pass (so a group's
+    collectives match) on fresh caches of the model's own kinds, records nothing, and says why."""
+    from neuron.rpc import Decode, Prefill, StepPlan
+    from neuron.tp.rank import Rank, RankError
+
+    rank = Rank(0, 1)
+    rank.load(str(arch_models[arch]), [])
+    plan = StepPlan(
+        prefill=[Prefill(1, 0, PROMPTS[2], True), Prefill(2, 5, PROMPTS[0], False)],
+        decode=[Decode(3, 7, 0), Decode(4, 9, 0)],
+    )
+    with pytest.raises(RankError, match="desync: sequence 2 is fed a prompt chunk at 5"):
+        rank.step(plan)
+    assert not rank.seqs and not rank.batch.groups
+    logits = rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)]))  # and it serves on
+    assert logits is not None and logits[1].shape[-1] == 260
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if architectures.supports(config(a, 300)).cuttable])  # type: ignore[union-attr]
+def test_the_prefix_caches_bytes_per_token_are_what_mlx_lms_caches_hold(
+    arch: str, arch_models: dict[str, Path]
+) -> None:
+    """The prefix cache's budget is only as good as this figure: deepseek_v3 keeps a latent per token, not keys
+    and values per head."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from neuron.models import kv_bytes_per_token
+
+    model, _ = load_model(arch_models[arch])
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPTS[0]]), cache=cache)
+    held = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
+    assert kv_bytes_per_token(arch_models[arch], [], 1) * len(PROMPTS[0]) == held
+
+
+def test_a_window_models_prompt_is_never_saved_as_a_prefix_entry_that_would_be_cut(
+    arch_models: dict[str, Path],
+) -> None:
+    """limits_for keeps the prefix cache off for such a model; a plan that saves anyway fails loudly, never
+    keeps keys a window has already rolled past."""
+    from neuron.rpc import Prefill, Save, StepPlan
+    from neuron.tp.rank import Rank
+
+    rank = Rank(0, 1)
+    rank.load(str(arch_models["gpt_oss"]), [])
+    with pytest.raises(ValueError, match="serve this model with the prefix cache off"):
+        rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)], save=[Save(1, 1)]))
+
+
+def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
+    from mlx_lm.utils import _get_classes
+
+    from neuron.tp.plans import PLANS
+
+    for arch, support in architectures.TABLE.items():
+        has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
+        assert (support.tp == "mlx-lm") == has_shard, arch
+        assert (support.tp == "neuron") == (arch in PLANS), arch
