@@ -47,6 +47,11 @@ WAITING = Gauge("neuron_requests_waiting", "Requests queued for a place in the b
 RUNNING = Gauge("neuron_requests_running", "Requests in the batch (prompt being fed, or decoding)", registry=REGISTRY)
 READY = Gauge("neuron_ready", "1 when a probe step has passed on every rank since the last failure", registry=REGISTRY)
 DESYNCS = Counter("neuron_desyncs", "Steps failed because a rank's state digest differed", registry=REGISTRY)
+STEPS_AHEAD = Counter(
+    "neuron_steps_run_ahead",
+    "Decode steps queued on the device before the last one's tokens were read",
+    registry=REGISTRY,
+)
 WORKER_RESTARTS = Counter(
     "neuron_worker_restarts", "Times the leader restarted with fresh workers after losing a rank", registry=REGISTRY
 )

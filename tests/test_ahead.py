@@ -70,7 +70,7 @@ class Driver:
         self.next: dict[int, int] = {}  # each decoding sequence's next token
 
     def step(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
-        sampled, _ = lead(self.rank, self.samplers, Step(plan, starts or {}))
+        sampled, _, _ = lead(self.rank, self.samplers, Step(plan, starts or {}))
         for seq in plan.leave:
             self.next.pop(seq, None)
         self.next.update({seq: one.token for seq, one in sampled.items()})

@@ -235,7 +235,7 @@ class Pool:
         samplers = self._rank0.samplers
         plan = step.plan
 
-        def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str]:
+        def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str, bool]:
             return lead(rank, samplers, step)
 
         replies = await self._fan_out(
@@ -247,7 +247,9 @@ class Pool:
         if self.workers:
             metrics.STEP_SECONDS.labels("fanout").observe(timing.fan_out)
             metrics.STEP_SECONDS.labels("drain").observe(timing.drain)
-        sampled, expected = replies[0]
+        sampled, expected, queued = replies[0]
+        if queued:
+            metrics.STEPS_AHEAD.inc()
         desynced = {
             r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
             for r, reply in replies.items()

@@ -305,11 +305,13 @@ class Rank:
         mx.clear_cache()
 
 
-def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str]:
+def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str, bool]:
     """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
-    (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint."""
+    (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
+    whether the next step was queued."""
     draws, verified = samplers.draw(step, rank.step(step.plan) or {})
-    rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
+    mx.async_eval([draw.arrays() for draw in draws.values()])  # queued before the next step: the read waits on them
+    queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
     sampled = read(draws) | verified
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
-    return sampled, rank.fingerprint()
+    return sampled, rank.fingerprint(), queued
