@@ -123,12 +123,12 @@ def config(arch: str, vocab: int) -> dict[str, Any]:
 def make_arch_model(folder: Path, arch: str, seed: int = 0) -> Path:
     """A random-weight ``arch`` model with the tests' tokenizer in ``folder``."""
     import mlx.core as mx
-    from conftest import _tokenizer_files
+    from testkit.models import tokenizer_files
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
 
     folder.mkdir(parents=True)
-    cfg = config(arch, -(-_tokenizer_files(folder) // 4) * 4)  # qwen3_5's shard() splits the vocabulary evenly
+    cfg = config(arch, -(-tokenizer_files(folder) // 4) * 4)  # qwen3_5's shard() splits the vocabulary evenly
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(cfg))
