@@ -162,7 +162,7 @@ def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_k
     )
     with pytest.raises(RankError, match="desync: sequence 2 is fed a prompt chunk at 5"):
         rank.step(plan)
-    assert not rank.seqs and not rank.batch.groups
+    assert not rank.seqs and not rank.batch.micro_batches
     logits = rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)]))  # and it serves on
     assert logits is not None and logits[1].shape[-1] == 260
 
