@@ -6,8 +6,8 @@ real server.
 from __future__ import annotations
 
 import pytest
-from neuron.engine.drafts import MAX_K
 
+from neuron.engine.drafts import MAX_K
 from neuron.engine.intake import Intake
 from neuron.engine.scheduler import Limits
 from neuron.engine.sequence import RequestError

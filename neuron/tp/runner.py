@@ -12,6 +12,8 @@ rank's own state: the plan alone fixes every shape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -24,7 +26,7 @@ from neuron.tp.shard import VocabShard, backbone
 # same order.
 FORWARD_TOKENS = 512
 
-Cache = list[KVCache] | list[BatchKVCache]
+Cache = Sequence[KVCache] | Sequence[BatchKVCache]
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
 
 
@@ -62,7 +64,7 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
         for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
@@ -147,7 +149,7 @@ class Stage:
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
         Always evaluated (``lazy`` is for one rank alone): the passes cross ranks.
 
