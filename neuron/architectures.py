@@ -118,8 +118,11 @@ def check(config: dict[str, Any], world_size: int, stages: int) -> Support | Non
 
 
 class _Limits(Protocol):
-    speculate: str
-    prefix_cache_bytes: int
+    @property
+    def speculate(self) -> str: ...
+
+    @property
+    def prefix_cache_bytes(self) -> int: ...
 
 
 Settings = TypeVar("Settings", bound=_Limits)  # the engine's Limits (a frozen dataclass)

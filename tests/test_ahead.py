@@ -22,6 +22,7 @@ import pytest
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
+from neuron.tp import sampler
 from neuron.tp.rank import Rank, lead
 from neuron.tp.sampler import Samplers
 
@@ -30,15 +31,20 @@ PROMPTS = {1: [5, 17, 99, 42, 7, 120], 2: [8, 3, 77, 64], 3: [33, 34, 35]}
 
 @contextmanager
 def host_reads() -> Iterator[Counter[tuple[str, str]]]:
-    """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function)."""
+    """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function); the
+    sampler's typed readers are seen through, to the function that called them."""
     calls: Counter[tuple[str, str]] = Counter()
+    readers = {reader.__code__ for reader in (sampler.ints, sampler.floats, sampler.real)}
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str) -> None:
         original = getattr(owner, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            calls[(name, sys._getframe(1).f_code.co_name)] += 1
+            caller = sys._getframe(1)
+            while caller.f_code in readers and caller.f_back is not None:
+                caller = caller.f_back
+            calls[(name, caller.f_code.co_name)] += 1
             return original(*args, **kwargs)
 
         patched.append((owner, name, original))

@@ -123,9 +123,10 @@ def config(arch: str, vocab: int) -> dict[str, Any]:
 def make_arch_model(folder: Path, arch: str, seed: int = 0) -> Path:
     """A random-weight ``arch`` model with the tests' tokenizer in ``folder``."""
     import mlx.core as mx
-    from testkit.models import tokenizer_files
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
+
+    from testkit.models import tokenizer_files
 
     folder.mkdir(parents=True)
     cfg = config(arch, -(-tokenizer_files(folder) // 4) * 4)  # qwen3_5's shard() splits the vocabulary evenly

@@ -16,7 +16,7 @@ back for that.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,7 +363,9 @@ def message(request_id: str, model: str, content: list[dict[str, Any]], outcome:
 async def collect(
     seq: Sequence, gen: Generation, request_id: str, split: ReasoningSplit | None, reader: ToolStream | None
 ) -> dict[str, Any]:
-    thought, text, outcome = [], [], Outcome()
+    thought: list[str] = []
+    text: list[str] = []
+    outcome = Outcome()
     async for piece in pieces(seq, gen, split, reader):
         if isinstance(piece, Outcome):
             outcome = piece
@@ -385,7 +387,7 @@ def sse(event: dict[str, Any]) -> bytes:
 
 async def events(
     seq: Sequence, gen: Generation, request_id: str, split: ReasoningSplit | None, reader: ToolStream | None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     """Anthropic's event order: message_start; per block content_block_start, its deltas, content_block_stop
     (thinking, then text, then each tool_use); message_delta with stop_reason and usage; message_stop."""
     yield sse(
@@ -417,9 +419,11 @@ async def events(
         )
         return [*closing, sse({"type": "content_block_stop", "index": index})]
 
+    outcome = Outcome()
     try:
         async for piece in pieces(seq, gen, split, reader):
             if isinstance(piece, Outcome):
+                outcome = piece
                 break
             kind, text = piece
             if not text:
@@ -440,7 +444,6 @@ async def events(
         # Headers are long sent: the error travels as an `error` event, and the stream ends there.
         yield sse(error_body(error))
         return
-    outcome = piece
     if open_kind is None and not outcome.calls:
         index, open_kind = 0, "text"
         yield start("text")
@@ -454,6 +457,6 @@ async def events(
         delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
         yield sse({"type": "content_block_delta", "index": index, "delta": delta})
         yield sse({"type": "content_block_stop", "index": index})
-    delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
-    yield sse({"type": "message_delta", "delta": delta, "usage": outcome.usage})
+    end_delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
+    yield sse({"type": "message_delta", "delta": end_delta, "usage": outcome.usage})
     yield sse({"type": "message_stop"})

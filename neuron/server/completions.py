@@ -8,7 +8,7 @@ they decode together in the batch, so their events interleave step by step.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -243,7 +243,7 @@ async def stream(
     replies: Replies,
     readers: list[ToolStream | None],
     splits: list[ReasoningSplit | None] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     splits = splits or [None] * len(seqs)
     for index in range(len(seqs)):
         if opening := replies.opening(index):

@@ -87,7 +87,7 @@ class BoundedH11Protocol(H11Protocol):
         else:
             self.waiting.pop(self, None)
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         if self.open_count >= self.max_connections:
             victim = next(iter(self.waiting), None)

@@ -156,7 +156,8 @@ class ReasoningSplit:
         """Add one token's text (or, not ``token``, the text the end released); return the (reasoning, answer)
         text it releases."""
         was_inside = self.inside
-        reasoning, answer = [], []
+        reasoning: list[str] = []
+        answer: list[str] = []
         pending = self._pending + text
         while True:
             marker = self.thinking.end if self.inside else self.thinking.start

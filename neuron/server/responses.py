@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
@@ -116,7 +116,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
         if kind == "message":
             out.append({"role": _role(item, where), "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function"}
+            call: dict[str, Any] = {"id": _string(item, "call_id", where), "type": "function"}
             call["function"] = {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}
             if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
                 out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -309,7 +309,7 @@ async def collect(seq: Sequence, replies: ResponseReplies, reader: ToolStream | 
     raise ApiError(500, "the engine ended the request without an answer", type="server_error")
 
 
-async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | None) -> AsyncIterator[bytes]:
+async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | None) -> AsyncGenerator[bytes]:
     """OpenAI's event order: created, in_progress, the message's item and part opened, text deltas, each closed,
     then any function calls as whole items, then completed (or incomplete) with the whole response."""
     started = replies.response("in_progress", [], None)
@@ -432,8 +432,11 @@ def request_schema(model_id: str, reasons: bool = True) -> dict[str, Any]:
             "strict": {"type": ["boolean", "null"]},
         },
     }
-    named = {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}}}
-    named["properties"]["name"] = {"type": "string"}
+    named = {
+        "type": "object",
+        "required": ["type", "name"],
+        "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
+    }
     json_schema = {
         "type": "object",
         "required": ["type", "name"],

@@ -61,7 +61,7 @@ ERROR_MEANINGS = {
 
 
 def _components(model_id: str) -> Schema:
-    logprob = {
+    logprob: Schema = {
         "type": "object",
         "required": ["token", "logprob", "bytes"],
         "properties": {
@@ -223,8 +223,8 @@ def document(
 ) -> Schema:
     """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
     ``reasons``: whether it takes ``reasoning_effort`` (reasoning.reasons)."""
-    secured = {"security": [{"bearer": []}]} if keyed else {}
-    probe = {"security": []}
+    secured: Schema = {"security": [{"bearer": []}]} if keyed else {}
+    probe: Schema = {"security": []}
 
     def get(summary: str, responses: Schema, **extra: Any) -> Schema:
         return {"get": {"summary": summary, "responses": responses, **extra}}

@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rpc import StepPlan
+from neuron.tp.sampler import ints
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class Ahead:
         if any(row.draft or row.drop or row.micro_batch for row in plan.decode):
             return False
         # Rank 0 read them with the step's tokens; another rank reads them now, long computed.
-        fed = dict(zip(self.ids, self.tokens.tolist() if self.fed is None else self.fed, strict=True))
+        fed = dict(zip(self.ids, ints(self.tokens) if self.fed is None else self.fed, strict=True))
         staying = [seq for seq in self.ids if seq not in set(plan.leave)]
         return [row.seq for row in plan.decode] == staying and all(fed[row.seq] == row.token for row in plan.decode)
 

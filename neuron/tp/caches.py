@@ -56,5 +56,6 @@ def arrays(layer: Layer) -> list[mx.array]:
     if isinstance(layer, CacheList):
         return [a for inner in layer.caches for a in arrays(inner)]
     if isinstance(layer, ArraysCache):
-        return [a for a in layer.cache if a is not None]
+        held: list[mx.array | None] = list(layer.cache)  # mlx-lm types the slots as None until filled
+        return [a for a in held if a is not None]
     return [a for a in (layer.keys, layer.values) if a is not None]

@@ -33,7 +33,7 @@ from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
-from neuron.tp.sampler import Samplers, read
+from neuron.tp.sampler import Samplers, read, real
 from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
 
 
@@ -120,7 +120,7 @@ class Rank:
                 f"expected rank {self.rank} of {self.world_size}: check MLX_RANK and the hostfile"
             )
         try:
-            total = float(mx.distributed.all_sum(mx.array(1.0), group=group).item())
+            total = real(mx.distributed.all_sum(mx.array(1.0), group=group))
         except Exception as e:  # NCCL can fail at its first collective too
             raise GroupError(join_failure(backend, dict(os.environ), e)) from e
         self.group = group

@@ -13,7 +13,7 @@ rank's own state: the plan alone fixes every shape.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
@@ -28,7 +28,7 @@ from neuron.tp.shard import VocabShard, backbone, head_gathers
 # same order.
 FORWARD_TOKENS = 512
 
-Cache = list[caches.Layer]  # one sequence's, or a batch's
+Cache = Sequence[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
 
 
@@ -69,7 +69,7 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
         for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
@@ -183,7 +183,7 @@ class Stage:
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
 
-    def logits(self, passes: list[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
         Always evaluated (``lazy`` is for one rank alone): the passes cross ranks.
 

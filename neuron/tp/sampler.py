@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +26,23 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
 from neuron.step import Step
+
+
+# mlx types ``tolist`` as any scalar at any depth and ``item`` as possibly complex; these say what a real array of a
+# known shape holds, so that reading one on the host is typed once, here.
+def ints(a: mx.array) -> list[int]:
+    """A 1-d integer array's values on the host."""
+    return cast(list[int], a.tolist())
+
+
+def floats(a: mx.array) -> list[float]:
+    """A 1-d real array's values on the host."""
+    return cast(list[float], a.tolist())
+
+
+def real(a: mx.array) -> float:
+    """A real scalar array's value on the host (an ``int`` for an integer array)."""
+    return cast(float, a.item())
 
 
 class Sampler:
@@ -73,11 +91,13 @@ class Sampler:
             ids = mx.argpartition(-predicting, k - 1, axis=-1)[:, :k]
             values = mx.take_along_axis(predicting, ids, axis=-1)
             mx.eval(chosen, ids, values)
+            id_rows = cast(list[list[int]], ids.tolist())
+            value_rows = cast(list[list[float]], values.tolist())
             tops = [
                 tuple(sorted(zip(row_ids, row_values, strict=True), key=lambda x: -x[1]))
-                for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+                for row_ids, row_values in zip(id_rows, value_rows, strict=True)
             ]
-        self._prompt += list(zip(chosen.tolist(), tops, strict=True))
+        self._prompt += list(zip(floats(chosen), tops, strict=True))
 
     def record(self, sampled: Sampled) -> Sampled:
         self.feed([sampled.token])
@@ -164,15 +184,14 @@ def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
         if d.error is not None:
             out[no] = Sampled(0, NOT_ASKED, error=d.error)
             continue
-        token = int(d.token.item())
+        token = int(real(d.token))
         if d.chosen is None:
             out[no] = d.sampler.record(Sampled(token, NOT_ASKED))
             continue
         top: tuple[tuple[int, float], ...] = ()
         if d.top is not None and d.top_logprobs is not None:
-            ranked = sorted(zip(d.top.tolist(), d.top_logprobs.tolist(), strict=True), key=lambda x: -x[1])
-            top = tuple((int(i), float(lp)) for i, lp in ranked)
-        out[no] = d.sampler.record(Sampled(token, float(d.chosen.item()), top))
+            top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
+        out[no] = d.sampler.record(Sampled(token, real(d.chosen), top))
     for no, d in draws.items():
         constraint = d.sampler.params.constraint
         if d.error is None and constraint is not None and (error := constraint.advance(out[no].token)) is not None:
@@ -241,9 +260,8 @@ def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled
     """
     out = []
     if sampler.plain:  # greedy and nothing else: one argmax for every position
-        tokens = mx.argmax(logits, axis=-1).tolist()
-        for i, token in enumerate(tokens):
-            out.append(sampler.record(Sampled(int(token), NOT_ASKED)))
+        for i, token in enumerate(ints(mx.argmax(logits, axis=-1))):
+            out.append(sampler.record(Sampled(token, NOT_ASKED)))
             if i == len(draft) or token != draft[i]:
                 break
         return out
