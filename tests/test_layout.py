@@ -31,7 +31,7 @@ FORBIDDEN = {
 MLX_FREE = [
     "neuron.rpc",
     "neuron.server.app",
-    "neuron.server.openai",
+    "neuron.server.openai_api",
     "neuron.server.schema",
     "neuron.server.completions_schema",
     "neuron.server.tools",

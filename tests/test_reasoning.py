@@ -16,7 +16,7 @@ from conftest import Server, make_thinking_model
 from openai import OpenAI
 
 from neuron.server import reasoning
-from neuron.server.openai import ApiError
+from neuron.server.openai_api import ApiError
 from neuron.server.reasoning import Options, ReasoningSplit, Thinking
 
 THINK = Thinking("<think>", "</think>", (259,), (260,))

@@ -11,7 +11,7 @@ from conftest import PLAN_TRIP, SHIP_PARCEL, TOOLS_TEMPLATE
 from mlx_lm.tool_parsers import json_tools, mistral
 
 from neuron.server import tools
-from neuron.server.openai import ApiError, parse
+from neuron.server.openai_api import ApiError, parse
 
 WEATHER = {
     "type": "function",

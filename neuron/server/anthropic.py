@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from neuron.engine.sequence import Chunk, Finish, Sequence
-from neuron.server.openai import ApiError, Generation, _is_int64, _kind, bad, failure_error
+from neuron.server.openai_api import ApiError, Generation, _is_int64, _kind, bad, failure_error
 from neuron.server.reasoning import ReasoningSplit
 from neuron.server.tools import ToolStream, end
 

@@ -8,7 +8,7 @@ from typing import Any
 from neuron.sampling_params import MAX_STOPS, RANGES
 from neuron.server.anthropic import IGNORED_HERE, STOP_REASONS, TOOL_IGNORED
 from neuron.server.completions_schema import integer, or_null
-from neuron.server.openai import CHAT_MAX_TOKENS, INT64
+from neuron.server.openai_api import CHAT_MAX_TOKENS, INT64
 from neuron.server.reasoning import TEMPLATE_KWARGS
 from neuron.server.tools import NAME
 

@@ -36,10 +36,10 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import anthropic, completions, limits, openai, reasoning, responses, schema, tokenize, tools
+from neuron.server import anthropic, completions, limits, openai_api, reasoning, responses, schema, tokenize, tools
 from neuron.server.completions import Replies
 from neuron.server.guard import Allowed, Guard
-from neuron.server.openai import ApiError, Generation, within_limits
+from neuron.server.openai_api import ApiError, Generation, within_limits
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
 
@@ -101,7 +101,7 @@ def _authorize(request: Request, state: ServerState) -> None:
 
 def _engine(state: ServerState) -> Engine:
     if state.engine is None:
-        raise openai.not_ready(f"not ready: {state.status}")
+        raise openai_api.not_ready(f"not ready: {state.status}")
     return state.engine
 
 
@@ -224,7 +224,7 @@ async def ready(request: Request) -> Response:
         return OrjsonResponse({"status": "ready", "model": state.model_id})
     else:
         reason = state.engine.health.reason
-    return error_response(openai.not_ready(f"not ready: {reason}"))
+    return error_response(openai_api.not_ready(f"not ready: {reason}"))
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -290,7 +290,7 @@ async def _generate(request: Request, *, chat: bool) -> Response:
 
 
 def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
-    gen = openai.parse(body, chat=chat, served_model=state.model_id)
+    gen = openai_api.parse(body, chat=chat, served_model=state.model_id)
     gen.tools = tools.parse(body) if chat else None
     for i, spec in enumerate((body.get("tools") or []) if chat else []):
         # Bounded whatever the choice: auto hands them to the chat template, the forced kinds to the grammar.
@@ -298,10 +298,10 @@ def _parse(body: Any, state: ServerState, *, chat: bool) -> Generation:
         within_limits(limits.check_schema, spec["function"].get("parameters") or {}, where)
     gen.reasoning = reasoning.parse(body) if chat else None
     if gen.tools is not None and gen.schema is not None and not gen.tools.auto:
-        raise openai.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
+        raise openai_api.bad("response_format", "`response_format` and a forced `tool_choice` both shape the output")
     if gen.n > 1 and (gen.schema is not None or (gen.tools is not None and not gen.tools.auto)):
         # A constraint follows one sequence's tokens; n copies would need n compiled grammars.
-        raise openai.bad("n", "`n` above 1 cannot be combined with `response_format` or a forced `tool_choice`")
+        raise openai_api.bad("n", "`n` above 1 cannot be combined with `response_format` or a forced `tool_choice`")
     return gen
 
 
@@ -349,7 +349,7 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
         raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
     except Unavailable as e:
         _cancel(engine, seqs)
-        raise openai.not_ready(str(e), retry_after=e.retry_after) from e
+        raise openai_api.not_ready(str(e), retry_after=e.retry_after) from e
     return engine, seqs
 
 

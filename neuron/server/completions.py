@@ -16,7 +16,7 @@ import orjson
 
 from neuron.engine.sequence import Chunk, Event, Failure, Finish, Sequence
 from neuron.server import tools
-from neuron.server.openai import ApiError, Generation, failure_error
+from neuron.server.openai_api import ApiError, Generation, failure_error
 from neuron.server.reasoning import ReasoningSplit
 from neuron.server.tools import ToolStream
 

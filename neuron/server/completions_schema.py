@@ -7,7 +7,7 @@ from typing import Any
 
 from neuron.sampling_params import LOGIT_BIAS, MAX_STOP_TOKEN_IDS, MAX_STOPS, RANGES
 from neuron.server import limits, tools
-from neuron.server.openai import (
+from neuron.server.openai_api import (
     CHAT_MAX_TOKENS,
     COMPLETION_UNSUPPORTED,
     IGNORED,

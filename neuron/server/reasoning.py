@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron.engine.sequence import RequestError
-from neuron.server.openai import bad
+from neuron.server.openai_api import bad
 
 # The template variables neuron itself sets, and apply_chat_template's own arguments: a request may not set them
 # through ``chat_template_kwargs``.

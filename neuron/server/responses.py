@@ -20,7 +20,7 @@ from typing import Any
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
 from neuron.server import limits
-from neuron.server.openai import (
+from neuron.server.openai_api import (
     CHAT_MAX_TOKENS,
     IGNORED,
     INT64,

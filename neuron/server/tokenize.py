@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from neuron.server import reasoning, tools
-from neuron.server.openai import ApiError, _is_int64, _kind, _messages, bad
+from neuron.server.openai_api import ApiError, _is_int64, _kind, _messages, bad
 
 PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 CHAT_FIELDS = frozenset(

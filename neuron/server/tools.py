@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from neuron.server.openai import bad
+from neuron.server.openai_api import bad
 
 log = structlog.get_logger("neuron.server")
 
