@@ -35,7 +35,7 @@ def child(model: str, tokens: int, rounds: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Sequence
     from neuron.models import resolve
     from neuron.sampling_params import SamplingParams
@@ -64,7 +64,7 @@ def child(model: str, tokens: int, rounds: int) -> None:
 
     async def main() -> None:
         # No prefix cache, as these figures were first measured: each case feeds its prompt whole.
-        async with Engine.open(resolve(model), limits=Limits(prefix_cache_bytes=0)) as engine:
+        async with Engine.open(resolve(model), limits=Scheduling(prefix_cache_bytes=0)) as engine:
             prompt = engine.text.encode_chat([{"role": "user", "content": PROMPT}])
             await case(engine, prompt, 1, 1)  # warm up
             times: dict[int, list[float]] = {i: [] for i in range(len(CASES))}

@@ -50,12 +50,12 @@ def engine_child(model: str, tokens: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk
     from neuron.sampling_params import SamplingParams
 
     async def serve() -> None:
-        async with Engine.open(Path(model), limits=Limits(prefix_cache_bytes=0)) as engine:  # as generate runs it
+        async with Engine.open(Path(model), limits=Scheduling(prefix_cache_bytes=0)) as engine:  # as generate runs it
             prompt = engine.text.encode(PROMPT)
             while await anyio.to_thread.run_sync(sys.stdin.readline):
                 stamps = []

@@ -37,7 +37,7 @@ def engine_run(model: str, hostfile: str, ssh: str, stages: int, micro: int, str
     import anyio
 
     from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk
     from neuron.launch.hosts import read_hostfile
     from neuron.launch.launcher import Launcher
@@ -46,7 +46,7 @@ def engine_run(model: str, hostfile: str, ssh: str, stages: int, micro: int, str
 
     async def run() -> dict:
         layout = Layout(Launcher(read_hostfile(hostfile), ssh), "ring", stages)
-        limits = Limits(micro_batches=micro, prefix_cache_bytes=0)  # as first measured: every prompt fed whole
+        limits = Scheduling(micro_batches=micro, prefix_cache_bytes=0)  # as first measured: every prompt fed whole
         async with Engine.open(Path(model), layout, limits=limits, model=model) as engine:
             stamps: list[list[float]] = []
 

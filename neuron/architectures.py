@@ -125,7 +125,7 @@ class _Limits(Protocol):
     def prefix_cache_bytes(self) -> int: ...
 
 
-Settings = TypeVar("Settings", bound=_Limits)  # the engine's Limits (a frozen dataclass)
+Settings = TypeVar("Settings", bound=_Limits)  # the engine's Scheduling (a frozen dataclass)
 
 
 def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list[str]]:

@@ -215,7 +215,7 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.leader import HttpLimits, ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
@@ -238,7 +238,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 keep_alive_timeout=args.keep_alive_timeout,
             ),
             deadlines=Deadlines(step=args.step_timeout),
-            limits=Limits(
+            limits=Scheduling(
                 max_batch=args.max_batch,
                 max_waiting=args.max_waiting,
                 prefill_chunk=args.prefill_chunk,
@@ -257,7 +257,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 async def _generate(args: argparse.Namespace) -> None:
     from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Failure
     from neuron.models import read_config, resolve
     from neuron.pool import Deadlines
@@ -265,7 +265,7 @@ async def _generate(args: argparse.Namespace) -> None:
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
     # One prompt per process: nothing to share in a prefix cache.
-    limits, _ = limits_for(read_config(path), Limits(prefix_cache_bytes=0))
+    limits, _ = limits_for(read_config(path), Scheduling(prefix_cache_bytes=0))
     async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
 ENV_PREFIX = "NEURON_"
-LIMITS = Limits()  # the serving limits' defaults are stated once, on ``Limits``
+DEFAULTS = Scheduling()  # the engine settings' defaults are stated once, on ``Scheduling``
 
 
 def _at_least(low: float) -> Callable[[Any], str | None]:
@@ -120,9 +120,9 @@ SETTINGS = {
         Setting(
             "micro_batches",
             int,
-            LIMITS.micro_batches,
+            DEFAULTS.micro_batches,
             "decode passes per step, so that pipeline stages work at the same time "
-            f"(default {LIMITS.micro_batches}: decode reads every weight once per pass, and on memory-bound hosts a "
+            f"(default {DEFAULTS.micro_batches}: decode reads every weight once per pass, and on memory-bound hosts a "
             "second pass costs more than the overlap buys)",
             check=_at_least(1),
         ),
@@ -219,61 +219,61 @@ SETTINGS = {
         Setting(
             "max_batch",
             int,
-            LIMITS.max_batch,
-            f"sequences decoding together (default {LIMITS.max_batch})",
+            DEFAULTS.max_batch,
+            f"sequences decoding together (default {DEFAULTS.max_batch})",
             check=_at_least(1),
         ),
         Setting(
             "max_n",
             int,
-            LIMITS.max_n,
-            f"choices per request (n), at most --max-batch; more get 400 (default {LIMITS.max_n})",
+            DEFAULTS.max_n,
+            f"choices per request (n), at most --max-batch; more get 400 (default {DEFAULTS.max_n})",
             check=_at_least(1),
         ),
         Setting(
             "max_waiting",
             int,
-            LIMITS.max_waiting,
-            f"requests queued beyond the batch; more get 429 (default {LIMITS.max_waiting})",
+            DEFAULTS.max_waiting,
+            f"requests queued beyond the batch; more get 429 (default {DEFAULTS.max_waiting})",
             check=_at_least(0),
         ),
         Setting(
             "prefill_chunk",
             int,
-            LIMITS.prefill_chunk,
+            DEFAULTS.prefill_chunk,
             "prompt tokens fed per step, so long prompts do not stall running streams "
-            f"(default {LIMITS.prefill_chunk})",
+            f"(default {DEFAULTS.prefill_chunk})",
             check=_at_least(1),
         ),
         Setting(
             "max_context",
             int,
-            LIMITS.max_context,
+            DEFAULTS.max_context,
             "tokens per request, prompt and completion (default: the model's context)",
             check=_at_least(1),
         ),
         Setting(
             "prefix_cache_bytes",
             int,
-            LIMITS.prefix_cache_bytes,
+            DEFAULTS.prefix_cache_bytes,
             "bytes of KV cache per rank kept for prompts' shared beginnings, reused by later prompts that start "
-            f"the same way (default {LIMITS.prefix_cache_bytes / (1 << 30):g} GiB; 0 turns the prefix cache off)",
+            f"the same way (default {DEFAULTS.prefix_cache_bytes / (1 << 30):g} GiB; 0 turns the prefix cache off)",
             check=_at_least(0),
         ),
         Setting(
             "speculate",
             str,
-            LIMITS.speculate,
+            DEFAULTS.speculate,
             "speculative decoding without a draft model: draft tokens from prompt lookup and requests' "
-            f"`prediction`, verified in the batched step (default {LIMITS.speculate}; off: none)",
+            f"`prediction`, verified in the batched step (default {DEFAULTS.speculate}; off: none)",
             choices=("ngram", "off"),
         ),
         Setting(
             "run_ahead",
             str,
-            LIMITS.run_ahead,
+            DEFAULTS.run_ahead,
             "in steady decode, queue each step on the device before reading the last one's tokens, so that the "
-            f"device never waits for the host (default {LIMITS.run_ahead}; off: each step waits for the one before)",
+            f"device never waits for the host (default {DEFAULTS.run_ahead}; off: each step waits for the one before)",
             choices=("on", "off"),
         ),
         Setting(

@@ -56,7 +56,7 @@ import uvicorn
 from neuron import metrics, systemd
 from neuron.architectures import limits_for
 from neuron.engine.engine import Engine
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 from neuron.launch.checks import Unreachable
 from neuron.models import read_config
 from neuron.pool import Deadlines, Layout
@@ -110,7 +110,7 @@ class ServeOptions:
     api_key: str | None = None
     http: HttpLimits = field(default_factory=HttpLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
-    limits: Limits = field(default_factory=Limits)
+    limits: Scheduling = field(default_factory=Scheduling)
     drain_timeout: float = 30.0
 
 

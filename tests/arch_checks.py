@@ -71,11 +71,11 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: st
     """Each prompt alone, then all together, then two choices of one, then a prompt extending a served one."""
     from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Limits
+    from neuron.engine.scheduler import Scheduling
     from neuron.models import read_config
     from neuron.pool import Layout
 
-    asked = Limits(prefill_chunk=PREFILL_CHUNK, prefix_cache_bytes=1 << 24, micro_batches=stages)
+    asked = Scheduling(prefill_chunk=PREFILL_CHUNK, prefix_cache_bytes=1 << 24, micro_batches=stages)
     limits, notes = limits_for(read_config(model_path), asked)
     result: dict[str, Any] = {"notes": notes}
     async with Engine.open(

@@ -13,7 +13,7 @@ from conftest import Server, run_neuron
 
 from neuron import config
 from neuron.cli import _parser
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 
 
 def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -37,14 +37,14 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path, monkeyp
 
 @pytest.mark.unit
 def test_the_serving_limits_default_to_the_engines_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One place states each default: what ``serve`` resolves with nothing set is ``Limits()``."""
+    """One place states each default: what ``serve`` resolves with nothing set is ``Scheduling()``."""
     empty = tmp_path / "neuron.toml"
     empty.write_text("")
     for name in config.SERVE_SETTINGS:
         monkeypatch.delenv(config.ENV_PREFIX + name.upper(), raising=False)
     args, problems = _resolve(["--config", str(empty)])
     assert problems == []
-    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)} == dataclasses.asdict(Limits())
+    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(Scheduling)} == dataclasses.asdict(Scheduling())
 
 
 @pytest.mark.unit

@@ -22,7 +22,7 @@ from neuron.engine.drafts import (
     expected_kept,
     width,
 )
-from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 
@@ -134,7 +134,7 @@ CYCLE = [5, 6, 7, 8] * 5  # prompt lookup drafts from it: after "7 8 5", "6 7 8 
 
 
 def _batch(size: int, rate: float) -> tuple[Scheduler, list[Sequence]]:
-    s = Scheduler(Limits(max_batch=8), {2})
+    s = Scheduler(Scheduling(max_batch=8), {2})
     seqs = [_sequence(list(CYCLE)) for _ in range(size)]
     for seq in seqs:
         assert seq.proposer is not None

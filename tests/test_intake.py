@@ -9,7 +9,7 @@ import pytest
 
 from neuron.engine.drafts import MAX_K
 from neuron.engine.intake import Intake
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import RequestError
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
@@ -31,7 +31,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Text:
 
 
 def intake(text: Text, **limits: object) -> Intake:
-    return Intake(Limits(**limits), CONTEXT, VOCAB, EOS, text.tokenizer)  # type: ignore[arg-type]
+    return Intake(Scheduling(**limits), CONTEXT, VOCAB, EOS, text.tokenizer)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 from test_scheduler import LETTERS
 
 from neuron.engine.prefix import Hit, PrefixIndex
-from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
 from neuron.rpc import Evict, Prefill, Restore, Save
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
@@ -79,7 +79,7 @@ def test_an_entry_being_restored_is_never_evicted() -> None:
 
 
 def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() -> None:
-    s = Scheduler(Limits(prefill_chunk=4), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    s = Scheduler(Scheduling(prefill_chunk=4), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     first = request([10, 11, 12, 13, 14, 15])
     s.add(first)
     s.admit()
@@ -109,7 +109,7 @@ def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() ->
 def test_no_plan_restores_an_entry_it_saves() -> None:
     """Two prompts that start alike, admitted together: the second cannot use the first's entry in the same step
     (every rank restores before it saves), only in a later one."""
-    s = Scheduler(Limits(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     a, b = request([5, 6, 7]), request([5, 6, 7, 8])
     for seq in (a, b):
         s.add(seq)

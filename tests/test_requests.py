@@ -17,7 +17,7 @@ from bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
 from starlette.testclient import TestClient
 
 from neuron.engine.intake import Intake
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import Overloaded, Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
@@ -39,7 +39,7 @@ class Health:
 class StandInEngine:
     """What the HTTP layer reads of an engine, with the real intake behind ``submit``; no step ever runs."""
 
-    def __init__(self, text: Text, limits: Limits) -> None:
+    def __init__(self, text: Text, limits: Scheduling) -> None:
         self.text = text
         self.limits = limits
         self.context_length = CONTEXT
@@ -72,7 +72,7 @@ def text(tmp_path_factory: pytest.TempPathFactory) -> Text:
 
 @pytest.fixture
 def engine(text: Text) -> StandInEngine:
-    return StandInEngine(text, Limits())
+    return StandInEngine(text, Scheduling())
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from neuron.engine.scheduler import Delivery, Limits, Scheduler
+from neuron.engine.scheduler import Delivery, Scheduler, Scheduling
 from neuron.engine.sequence import Overloaded, Sequence, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
@@ -29,7 +29,7 @@ def request(prompt_tokens: int, max_tokens: int = 100, **params: object) -> Sequ
 
 
 def scheduler(**limits: int) -> Scheduler:
-    return Scheduler(Limits(**limits), {EOS})
+    return Scheduler(Scheduling(**limits), {EOS})
 
 
 def admitted(s: Scheduler, *seqs: Sequence) -> None:
@@ -335,7 +335,7 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
 
 
 def test_with_run_ahead_off_no_step_is_marked_to_run_ahead() -> None:
-    s = Scheduler(Limits(run_ahead="off"), {EOS})
+    s = Scheduler(Scheduling(run_ahead="off"), {EOS})
     admitted(s, request(2))
     run(s)
     assert not next_plan(s).ahead

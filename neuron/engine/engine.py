@@ -34,7 +34,7 @@ from neuron import metrics
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.scheduler import Limits, Scheduler
+from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
@@ -57,11 +57,11 @@ class Health:
 
 
 class Engine:
-    def __init__(self, pool: Pool, text: Text, config: dict[str, Any], limits: Limits | None = None) -> None:
+    def __init__(self, pool: Pool, text: Text, config: dict[str, Any], limits: Scheduling | None = None) -> None:
         model = text_config(config)
         self.pool = pool
         self.text = text
-        self.limits = limits or Limits()
+        self.limits = limits or Scheduling()
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])
@@ -94,7 +94,7 @@ class Engine:
         model_path: Path,
         layout: Layout | None = None,
         deadlines: Deadlines | None = None,
-        limits: Limits | None = None,
+        limits: Scheduling | None = None,
         model: str | None = None,
     ) -> AsyncIterator[Engine]:
         """Spawn the ranks (one, on this host, without a ``layout``), load the model, probe it, and run the step

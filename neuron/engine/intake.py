@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron.engine.drafts import MAX_K, Proposer
-from neuron.engine.scheduler import Limits
+from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class Intake:
-    limits: Limits
+    limits: Scheduling
     context_length: int
     vocab_size: int
     eos_token_ids: frozenset[int]

@@ -33,8 +33,9 @@ from neuron.step import Start, Step
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """The serving limits; these defaults are ``neuron serve``'s (config.py reads them from here)."""
+class Scheduling:
+    """How the scheduler runs the batch: its limits, speculation and running ahead; these defaults are ``neuron
+    serve``'s (config.py reads them from here)."""
 
     max_batch: int = 8  # sequences decoding together; more wait in the queue
     max_waiting: int = 64  # requests queued beyond the batch; more get 429
@@ -80,7 +81,7 @@ class Delivery:
 
 class Scheduler:
     def __init__(
-        self, limits: Limits, eos_token_ids: set[int] | frozenset[int], prefix: PrefixIndex | None = None
+        self, limits: Scheduling, eos_token_ids: set[int] | frozenset[int], prefix: PrefixIndex | None = None
     ) -> None:
         self.limits = limits
         self.prefix = prefix  # None: no prefix cache
