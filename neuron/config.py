@@ -273,8 +273,9 @@ SETTINGS = {
             str,
             DEFAULTS.run_ahead,
             "in steady decode, queue each step on the device before reading the last one's tokens, so that the "
-            f"device never waits for the host (default {DEFAULTS.run_ahead}; off: each step waits for the one before)",
-            choices=("on", "off"),
+            f"device never waits for the host (default {DEFAULTS.run_ahead}: on a GPU, off on a CPU, where MLX "
+            "evaluates in the caller)",
+            choices=("auto", "on", "off"),
         ),
         Setting(
             "drain_timeout",

@@ -28,8 +28,8 @@ def request(prompt_tokens: int, max_tokens: int = 100, **params: object) -> Sequ
     return Sequence(f"r{no}", no, prompt, max_tokens, SamplingParams(**params), StopText(()))  # type: ignore[arg-type]
 
 
-def scheduler(**limits: int) -> Scheduler:
-    return Scheduler(Scheduling(**limits), {EOS})
+def scheduler(**limits: object) -> Scheduler:
+    return Scheduler(Scheduling(**limits), {EOS})  # type: ignore[arg-type]
 
 
 def admitted(s: Scheduler, *seqs: Sequence) -> None:
@@ -314,7 +314,7 @@ def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
 
 
 def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> None:
-    s = scheduler(max_batch=2)
+    s = scheduler(max_batch=2, run_ahead="on")
     a = request(2)
     admitted(s, a)
     assert not next_plan(s).ahead  # a prompt is fed
@@ -328,7 +328,7 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
     last = request(2, max_tokens=1)
     s.add(last)  # waits: no place
     assert next_plan(s).ahead
-    short = scheduler()
+    short = scheduler(run_ahead="on")
     admitted(short, request(2, max_tokens=2))
     run(short)
     assert not next_plan(short).ahead  # its last token comes with this step

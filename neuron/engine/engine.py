@@ -18,6 +18,7 @@ and probes again at once, then every few seconds until a probe passes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -30,7 +31,7 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import metrics
+from neuron import device, metrics
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -62,6 +63,9 @@ class Engine:
         self.pool = pool
         self.text = text
         self.limits = limits or Scheduling()
+        if self.limits.run_ahead == "auto":
+            overlaps = device.backend() != "cpu"  # MLX's CPU backend evaluates in the caller: nothing overlaps
+            self.limits = dataclasses.replace(self.limits, run_ahead="on" if overlaps else "off")
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])

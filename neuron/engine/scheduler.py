@@ -45,7 +45,10 @@ class Scheduling:
     prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
     speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
-    run_ahead: str = "on"  # steady decode steps queued before the last one's tokens are read (tp.ahead); "off"
+    # Steady decode steps queued before the last one's tokens are read (tp.ahead): "on", "off", or "auto": on where
+    # MLX evaluates asynchronously (GPUs); its CPU backend evaluates in the caller, so there it would only waste a
+    # forward where a plan changes (BENCHMARKS.md, "Running ahead").
+    run_ahead: str = "auto"
 
 
 class Detokenizer(Protocol):
@@ -237,7 +240,7 @@ class Scheduler:
         """Whether the next step will most likely decode the same rows, one token each (the ranks may run it
         ahead): no prompt fed now or soon, no draft now (a row that drafts now drafts next too, most likely), one
         micro-batch. A sequence that ends meanwhile just leaves."""
-        if self.limits.run_ahead == "off" or prefill or self.filling or not decode or self.limits.micro_batches != 1:
+        if self.limits.run_ahead != "on" or prefill or self.filling or not decode or self.limits.micro_batches != 1:
             return False
         if self.waiting and len(self.running) + self.waiting[0].n <= self.limits.max_batch:
             return False

@@ -9,6 +9,7 @@ the workers wait inside them forever.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from collections.abc import Callable
@@ -61,7 +62,7 @@ class Rank0Thread:
         """
         done = anyio.Event()
         outcome: dict[str, Any] = {}
-        token = anyio.lowlevel.current_token()
+        signal = _signaller(done)
 
         def job() -> None:
             try:
@@ -70,7 +71,7 @@ class Rank0Thread:
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises
                 outcome["error"] = e
             try:
-                anyio.from_thread.run_sync(done.set, token=token)
+                signal()
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
 
@@ -102,3 +103,19 @@ class Rank0Thread:
         """
         self._jobs.put(None)
         await anyio.to_thread.run_sync(self._thread.join, deadline)
+
+
+def _signaller(done: anyio.Event) -> Callable[[], None]:
+    """How rank 0's thread tells the event loop a job is done. On asyncio, without waiting for the loop to run it:
+    ``anyio.from_thread.run_sync`` blocks this thread until the loop has set the event, and every step would pay
+    that round trip into a loop busy with the previous step's replies."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # another backend (trio): its own way back, waiting
+        token = anyio.lowlevel.current_token()
+        return lambda: anyio.from_thread.run_sync(done.set, token=token)
+
+    def signal() -> None:
+        loop.call_soon_threadsafe(done.set)
+
+    return signal
