@@ -14,20 +14,9 @@ import jsonschema
 import openai
 import pytest
 from conftest import PLAN_TRIP, SHIP_PARCEL, TOOLS_TEMPLATE, Parcel, Server, Trip, serving, with_template
+from test_structured import WEATHER
 
 SMOL = "SmolLM2-135M-Instruct"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
 ASK = "What is the weather like in Paris today?"
 RESULT = json.dumps({"temperature": 21, "sky": "sunny"})
 # A random model's text never ends by itself: four tokens, then the end of turn ("<|im_end|>", token 2).
