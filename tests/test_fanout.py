@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -155,9 +156,10 @@ async def test_a_worker_lost_mid_step_abandons_rank0s_wait(rank0: Rank0Thread) -
     """Rank 0 may sit inside a collective for the dead peer forever: the fan-out stops waiting for it."""
     release = anyio.Event()
     fan, _ = fan_out(rank0, lambda request: 1, cleared)
+    token = anyio.lowlevel.current_token()  # rank 0's thread is not one of anyio's: it must be told the loop
 
     def stuck_in_a_collective(rank: Any) -> None:
-        anyio.from_thread.run(release.wait)
+        anyio.from_thread.run(release.wait, token=token)
 
     with anyio.fail_after(DEADLINE), pytest.raises(PoolError) as caught:
         await fan("generate_step", clear, stuck_in_a_collective, 60.0)
