@@ -269,17 +269,15 @@ class Rank:
         for micro_batch in micro_batches:
             batch = self.batch.micro_batches[micro_batch]
             rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
-            passes.append((mx.array(fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])), batch.cache))
+            tokens = fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])
+            for seq, fed_row in zip(batch.ids, tokens, strict=True):
+                state = self.seqs[seq]
+                state.position += len(fed_row) - by_seq[seq].drop
+                state.last = fed_row[-1]
+            passes.append((mx.array(tokens), batch.cache))
         every = any(row.draft for row in rows)
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
         logits = self.runner.logits(passes, every, lazy=self.world_size == 1)
-        for micro_batch in micro_batches:
-            width = widths[micro_batch]
-            for seq in self.batch.micro_batches[micro_batch].ids:
-                row = by_seq[seq]
-                state = self.seqs[seq]
-                state.position += width - row.drop
-                state.last = fed([row], width)[0][-1]
         out: dict[int, mx.array] = {}
         for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
             if batch_logits is not None:
@@ -310,7 +308,8 @@ def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled]
     (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
     whether the next step was queued."""
     draws, verified = samplers.draw(step, rank.step(step.plan) or {})
-    mx.async_eval([draw.arrays() for draw in draws.values()])  # queued before the next step: the read waits on them
+    if step.plan.ahead:  # queued before the next step, so that the read waits on them alone
+        mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
     sampled = read(draws) | verified
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
