@@ -27,24 +27,13 @@ from neuron.server import limits
 from neuron.server.app import EventStream
 from neuron.server.guard import Allowed, Guard
 from neuron.server.limits import LimitError
-
-
-def _nest(levels: int, leaf: Any = 1) -> Any:
-    for _ in range(levels):
-        leaf = {"a": leaf}
-    return leaf
-
-
-def _chain(links: int) -> dict[str, Any]:
-    """A schema whose `$ref`s go through ``links`` definitions, one after the other."""
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
-    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{links}": {"type": "integer"}}}
+from testkit.hostile import nested, ref_chain
 
 
 def test_depth_is_measured_without_recursing_and_fast_on_wide_bodies() -> None:
-    assert not limits.too_deep(_nest(5), 5) and not limits.too_deep({"x": [_nest(4)]}, 6)
-    assert limits.too_deep(_nest(6), 5) and limits.too_deep({"x": [_nest(5)]}, 6)
-    assert limits.too_deep(_nest(100_000), 100)  # far past Python's recursion limit
+    assert not limits.too_deep(nested(5), 5) and not limits.too_deep({"x": [nested(4)]}, 6)
+    assert limits.too_deep(nested(6), 5) and limits.too_deep({"x": [nested(5)]}, 6)
+    assert limits.too_deep(nested(100_000), 100)  # far past Python's recursion limit
     wide = orjson.loads(b"[" + b",".join([b"{}"] * 1_000_000) + b"]")  # about 3 MiB: within the body limit
     started = time.perf_counter()
     limits.check_body({"model": "m", "messages": wide})
@@ -52,21 +41,21 @@ def test_depth_is_measured_without_recursing_and_fast_on_wide_bodies() -> None:
 
 
 def test_a_deep_body_is_refused_naming_its_field() -> None:
-    limits.check_body({"model": "m", "metadata": _nest(limits.MAX_BODY_DEPTH - 1)})
+    limits.check_body({"model": "m", "metadata": nested(limits.MAX_BODY_DEPTH - 1)})
     with pytest.raises(LimitError) as caught:
-        limits.check_body({"model": "m", "metadata": _nest(limits.MAX_BODY_DEPTH)})
+        limits.check_body({"model": "m", "metadata": nested(limits.MAX_BODY_DEPTH)})
     assert caught.value.param == "metadata" and f"deeper than {limits.MAX_BODY_DEPTH}" in str(caught.value)
     assert caught.value.code == "too_deep"
     with pytest.raises(LimitError) as caught:
-        limits.check_body([_nest(200)])
+        limits.check_body([nested(200)])
     assert caught.value.param is None
 
 
 @pytest.mark.parametrize(
     ("schema", "says"),
     [
-        (_nest(limits.MAX_SCHEMA_DEPTH + 1), "deeper than 64"),
-        (_chain(limits.MAX_SCHEMA_REFS), "more than 256 different places"),
+        (nested(limits.MAX_SCHEMA_DEPTH + 1), "deeper than 64"),
+        (ref_chain(limits.MAX_SCHEMA_REFS), "more than 256 different places"),
         ({"enum": list(range(limits.MAX_SCHEMA_NODES))}, "more than 250000 values"),
     ],
     ids=["nesting", "refs", "size"],
@@ -79,14 +68,14 @@ def test_a_schema_past_a_bound_is_refused_naming_the_field_and_the_bound(schema:
 
 
 def test_a_schema_within_the_bounds_passes() -> None:
-    limits.check_schema(_nest(limits.MAX_SCHEMA_DEPTH), "response_format.json_schema.schema")
-    limits.check_schema(_chain(limits.MAX_SCHEMA_REFS - 1), "response_format.json_schema.schema")
+    limits.check_schema(nested(limits.MAX_SCHEMA_DEPTH), "response_format.json_schema.schema")
+    limits.check_schema(ref_chain(limits.MAX_SCHEMA_REFS - 1), "response_format.json_schema.schema")
 
 
 def test_earlier_tool_call_arguments_are_bounded_and_non_json_passes_as_text() -> None:
     assert limits.tool_call_arguments('{"city": "Paris"}', "w") == {"city": "Paris"}
     assert limits.tool_call_arguments("not json", "w") == "not json"
-    deep = json.dumps(_nest(limits.MAX_ARGUMENTS_DEPTH + 1))
+    deep = json.dumps(nested(limits.MAX_ARGUMENTS_DEPTH + 1))
     with pytest.raises(LimitError) as caught:
         limits.tool_call_arguments(deep, "messages[1].tool_calls[0].function.arguments")
     assert caught.value.param == "messages[1].tool_calls[0].function.arguments"

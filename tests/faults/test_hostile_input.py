@@ -24,6 +24,8 @@ from conftest import Server, alive, serving, sse_events, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from testkit.hostile import nested, ref_chain
+
 ASK = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "qwen3", "messages": ASK, "max_tokens": 4}
 HEADER_TIMEOUT = 1.0
@@ -47,17 +49,6 @@ def _post_deep(server: Server, path: str, body: Any, levels: int) -> httpx.Respo
     return httpx.post(f"{server.url}{path}", content=text, headers={"content-type": "application/json"}, timeout=60)
 
 
-def _nest(levels: int, leaf: Any = 1) -> Any:
-    for _ in range(levels):
-        leaf = {"a": leaf}
-    return leaf
-
-
-def _chain(links: int) -> dict[str, Any]:
-    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
-    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{links}": {"type": "integer"}}}
-
-
 def _format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
@@ -79,7 +70,7 @@ def _still_serving(server: Server) -> None:
 
 def test_a_ref_chain_through_thousands_of_defs_is_a_400_and_the_leader_lives(server: Server) -> None:
     """It used to end the leader with a segmentation fault inside the grammar compiler."""
-    chain = _chain(3000)
+    chain = ref_chain(3000)
     reply = _post(server, "/v1/chat/completions", {**CHAT, "response_format": _format(chain)})
     _refused(reply, 400, "response_format", "`response_format.json_schema.schema` refers (`$ref`) to more than 256")
     tools = {**CHAT, "tools": [_tool(chain)], "tool_choice": "required"}
@@ -120,7 +111,7 @@ def test_deep_nesting_is_a_400_naming_the_field(server: Server) -> None:
     default = {"type": "object", "properties": {"x": {"type": "object", "default": "DEEP"}}}
     body = {**CHAT, "tools": [_tool(default)], "tool_choice": "none"}
     _refused(_post_deep(server, "/v1/chat/completions", body, 1000), 400, "tools", "deeper than 100")
-    default = {"type": "object", "properties": {"x": {"type": "object", "default": _nest(80)}}}
+    default = {"type": "object", "properties": {"x": {"type": "object", "default": nested(80)}}}
     body = {**CHAT, "tools": [_tool(default)], "tool_choice": "none"}
     _refused(_post(server, "/v1/chat/completions", body), 400, "tools[0].function.parameters", "deeper than 64")
 
