@@ -22,6 +22,12 @@ from testkit.faults import FAIL_ENV
 SCENARIOS = str(ROOT / "tests" / "leader_scenarios.py")
 
 
+def scenario_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A scenario's environment: it imports testkit from the repository's root, whatever the interpreter's path."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path} | (env or {})
+
+
 def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: float = 300) -> Any:
     done = subprocess.run(
         [sys.executable, SCENARIOS, name, json.dumps(args)],
@@ -29,9 +35,7 @@ def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: 
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        # The scenarios import testkit from the repository's root, whatever the interpreter's path.
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        | (env or {}),
+        env=scenario_env(env),
     )
     assert done.returncode == 0, f"scenario {name} failed:\n{done.stderr[-4000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -124,7 +128,12 @@ def test_unsplittable_model_is_refused_before_any_rank_is_spawned(tiny_models: d
 def test_no_worker_outlives_a_sigkilled_leader(smollm2: Path) -> None:
     args = json.dumps([str(smollm2), 3])
     leader = subprocess.Popen(
-        [sys.executable, SCENARIOS, "hold", args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, SCENARIOS, "hold", args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=scenario_env(),
     )
     try:
         assert leader.stdout is not None
