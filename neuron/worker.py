@@ -130,7 +130,7 @@ class Worker:
             case rpc.GenerateStep(id=id, plan=plan):
                 state = self._joined()
                 state.step(plan)
-                state.run_ahead(plan)  # queued, not waited for: the reply goes at once
+                state.run_ahead(plan)  # queued or only built (``settle``), not waited for: the reply goes at once
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
@@ -232,3 +232,7 @@ def run_worker(rank: int, world_size: int) -> int:
         if isinstance(request, rpc.Shutdown):
             worker.log.info("shutdown requested; bye")
             return 0
+        if worker.state is not None:
+            busy.set()  # inside collectives again: a leader gone now must end this process
+            worker.state.settle()
+            busy.clear()

@@ -96,6 +96,8 @@ class Rank:
         self.batch = Batch()
         self.entries = Entries()
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
+        self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
+        self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
@@ -174,6 +176,13 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
+        if (error := self._unsettled_error) is not None:
+            self._unsettled_error = None
+            raise error
+        self.settle()  # a step run ahead that nobody settled yet: computed now, before anything else is queued
+        if (error := self._unsettled_error) is not None:
+            self._unsettled_error = None
+            raise error
         queued, self._ahead = self._ahead, None
         if queued is not None and not queued.follows(plan):
             ahead.undo(self.batch.micro_batches[0].cache)
@@ -215,9 +224,25 @@ class Rank:
             tokens = mx.distributed.all_sum(tokens, group=self.group)
         (logits,) = self.runner.logits([(tokens.reshape(-1, 1), rows.cache)], lazy=True)
         queued = tokens if logits is None else logits
-        mx.async_eval(queued)
+        if ahead.EVALUATES_ASYNC:
+            mx.async_eval(queued)
+        else:
+            self._unsettled = queued
         self._ahead = ahead.Ahead(list(rows.ids), tokens, queued if logits is not None else None)
         return True
+
+    def settle(self) -> None:
+        """Compute the step run ahead, where the backend evaluates in the caller (the CPU): called once this
+        step's reply is on its way, so that the host's work on it (the leader's text, streams and next plan)
+        runs beside the computation instead of before it. A failure (a peer lost inside its collectives) is
+        raised by the next step."""
+        queued, self._unsettled = self._unsettled, None
+        if queued is None:
+            return
+        try:
+            mx.eval(queued)
+        except Exception as e:  # noqa: BLE001 - raised by the next step, whose reply reports it
+            self._unsettled_error = e
 
     def ran_ahead_with(self, tokens: dict[int, int]) -> None:
         """The tokens the step run ahead was fed, now that the host has read them: its plan must name the same."""
@@ -290,6 +315,8 @@ class Rank:
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:
+        self.settle()  # every rank computes what it queued, so that the collectives in it stay matched
+        self._unsettled_error = None
         self._ahead = None
         self.seqs.clear()
         self.batch.clear()
@@ -308,7 +335,7 @@ def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled]
     (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
     whether the next step was queued."""
     draws, verified = samplers.draw(step, rank.step(step.plan) or {})
-    if step.plan.ahead:  # queued before the next step, so that the read waits on them alone
+    if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
         mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
     sampled = read(draws) | verified
