@@ -268,7 +268,7 @@ class Scheduler:
         if seq.proposer is None or seq.next_token is None:
             return []
         room = seq.max_tokens - seq.completion_tokens - 1
-        return seq.proposer.propose(seq.prompt + seq.output, seq.output, room)
+        return seq.proposer.propose(seq.prompt, seq.output, room)
 
     def _emptiest_micro_batch(self) -> int:
         """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
