@@ -45,6 +45,13 @@ def real(a: mx.array) -> float:
     return cast(float, a.item())
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mark:
+    key: mx.array | None
+    recent: list[int]
+    generated: int
+
+
 class Sampler:
     """One request's sampler: its parameters, its random key, and the recent tokens the penalties see."""
 
@@ -98,6 +105,18 @@ class Sampler:
                 for row_ids, row_values in zip(id_rows, value_rows, strict=True)
             ]
         self._prompt += list(zip(floats(chosen), tops, strict=True))
+
+    def mark(self) -> Mark:
+        """Where the sampler stands: its key and what the penalties and ``min_tokens`` see."""
+        return Mark(self._key, list(self._recent), self._generated)
+
+    def rewind(self, mark: Mark) -> None:
+        self._key, self._recent, self._generated = mark.key, list(mark.recent), mark.generated
+
+    def assume(self, token: int) -> None:
+        """Draw the next position as if ``token`` had been sampled here (a draft's token, before it is verified)."""
+        self.feed([token])
+        self._generated += 1
 
     def record(self, sampled: Sampled) -> Sampled:
         self.feed([sampled.token])
@@ -184,19 +203,23 @@ def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
         if d.error is not None:
             out[no] = Sampled(0, NOT_ASKED, error=d.error)
             continue
-        token = int(real(d.token))
-        if d.chosen is None:
-            out[no] = d.sampler.record(Sampled(token, NOT_ASKED))
-            continue
-        top: tuple[tuple[int, float], ...] = ()
-        if d.top is not None and d.top_logprobs is not None:
-            top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
-        out[no] = d.sampler.record(Sampled(token, real(d.chosen), top))
+        out[no] = d.sampler.record(_on_host(d))
     for no, d in draws.items():
         constraint = d.sampler.params.constraint
         if d.error is None and constraint is not None and (error := constraint.advance(out[no].token)) is not None:
             out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
     return out
+
+
+def _on_host(d: Draw) -> Sampled:
+    """An evaluated draw's token and logprobs as host values."""
+    token = int(real(d.token))
+    if d.chosen is None:
+        return Sampled(token, NOT_ASKED)
+    top: tuple[tuple[int, float], ...] = ()
+    if d.top is not None and d.top_logprobs is not None:
+        top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
+    return Sampled(token, real(d.chosen), top)
 
 
 class Samplers:
@@ -265,10 +288,22 @@ def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled
             if i == len(draft) or token != draft[i]:
                 break
         return out
+    # Every position drawn at once, as if the draft's tokens before it were kept, and read once; then the sampler
+    # is set back and records only the run kept, ending with the key split once per token kept.
+    before = sampler.mark()
+    draws, keys = [], []
     for i in range(len(draft) + 1):
-        out.append(sampler(logits[i]))
+        draws.append(sampler.draw(logits[i]))
+        keys.append(sampler.mark().key)
+        if i < len(draft):
+            sampler.assume(draft[i])
+    mx.eval([d.arrays() for d in draws])
+    sampler.rewind(before)
+    for i, d in enumerate(draws):
+        out.append(sampler.record(_on_host(d)))
         if i == len(draft) or out[-1].token != draft[i]:
             break
+    sampler.rewind(dataclasses.replace(sampler.mark(), key=keys[len(out) - 1]))
     return out
 
 
