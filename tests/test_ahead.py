@@ -139,6 +139,20 @@ def test_a_steady_decode_step_reads_the_device_once(rank: Rank) -> None:
         assert calls == {("eval", "settle"): 1}
 
 
+def test_a_step_with_drafts_reads_the_device_once(rank: Rank) -> None:
+    """Drafted rows (greedy, and seeded with a penalty) are verified in the step's one read, beside a plain row."""
+    driver = Driver(rank, ahead=False)
+    seeded = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2)
+    driver.start(1, 2, 3, params=lambda seq: seeded if seq == 2 else SamplingParams())
+    driver.decode()
+    rows = [Decode(seq, token, 0, [7, 8] if seq != 3 else []) for seq, token in driver.next.items()]
+    with host_reads() as calls:
+        sampled = driver.lead(StepPlan(decode=rows))
+    assert {call for call in calls if call[0] == "eval"} == {("eval", "read")}
+    assert calls[("eval", "read")] == 1
+    assert set(sampled) == {1, 2, 3} and not sampled[3].more
+
+
 def test_a_plan_that_is_not_the_step_run_ahead_undoes_it(rank: Rank) -> None:
     def run(ahead: bool) -> tuple[int, list[int]]:
         driver = Driver(rank, ahead)

@@ -334,10 +334,10 @@ def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled]
     """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
     (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
     whether the next step was queued."""
-    draws, verified = samplers.draw(step, rank.step(step.plan) or {})
+    draws, runs = samplers.draw(step, rank.step(step.plan) or {})
     if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
         mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
-    sampled = read(draws) | verified
+    sampled = read(draws, runs)
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
     return sampled, rank.fingerprint(), queued

@@ -195,10 +195,12 @@ class Draw:
         return [a for a in (self.token, self.chosen, self.top, self.top_logprobs) if a is not None]
 
 
-def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
-    """Each draw's token (and logprobs) on the host: the one place a step waits for the device."""
-    mx.eval([d.arrays() for d in draws.values()])
-    out = {}
+def read(draws: dict[int, Draw], runs: dict[int, Run] | None = None) -> dict[int, Sampled]:
+    """Each draw's token (and logprobs), and the tokens each drafted row keeps, on the host: the one place a step
+    waits for the device."""
+    runs = runs or {}
+    mx.eval([d.arrays() for d in draws.values()], [r.arrays() for r in runs.values()])
+    out = {no: run.keep() for no, run in runs.items()}
     for no, d in draws.items():
         if d.error is not None:
             out[no] = Sampled(0, NOT_ASKED, error=d.error)
@@ -233,12 +235,11 @@ class Samplers:
 
     def step(self, step: Step, logits: dict[int, mx.array]) -> dict[int, Sampled]:
         """``draw`` then ``read``: the step's tokens on the host."""
-        draws, verified = self.draw(step, logits)
-        return read(draws) | verified
+        return read(*self.draw(step, logits))
 
-    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Sampled]]:
+    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Run]]:
         """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then draw a token from the
-        logits of every sequence that has some, lazily; rows with a draft are verified at once (on the host).
+        logits of every sequence that has some, lazily; rows with a draft draw every position they were fed (``Run``).
 
         A sequence the step neither starts nor has started before is a bug upstream: it raises rather than sample
         with parameters nobody asked for."""
@@ -258,53 +259,80 @@ class Samplers:
                 if chunk.last:
                     logits[chunk.seq] = rows[-1]
                     logits.update(dict.fromkeys(chunk.copies, rows[-1]))
-        verified = {}
+        runs = {}
         for row in plan.decode:  # rows with a draft have one row of logits per position fed
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
-                run = verify(self._by_seq[row.seq], rows, row.draft)
-                verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
-        return draw_all(self._by_seq, logits), verified
+                runs[row.seq] = Run.draw(self._by_seq[row.seq], rows, row.draft)
+        return draw_all(self._by_seq, logits), runs
 
     def clear(self) -> None:
         self._by_seq.clear()
 
 
-def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
-    """The tokens kept from a row fed ``[token] + draft``: ``logits`` holds its ``len(draft) + 1`` positions.
+@dataclasses.dataclass(slots=True)
+class Run:
+    """A drafted row's positions drawn but not yet read (``Run.draw``): read with the step's other draws, then
+    ``keep`` decides the tokens kept.
 
     Speculation's rule: keep the draft's tokens while each sampled token equals the draft's. A point-mass
     proposal, so this is exact rejection sampling (the token kept at each position is a draw from the target
     distribution given the tokens kept before it), and the key is split once per kept token, so a seeded request
     draws the same tokens with speculation on or off.
 
-    Each position is sampled as plain decoding would sample it; the run stops at
-    the first token that differs from the draft (that token is kept: it is the
-    sample at that position), or after the bonus token past a fully kept draft.
+    Each position is drawn as plain decoding would draw it there, as if the
+    draft's tokens before it were kept (the penalties and ``min_tokens`` see
+    them, the key is split once per position); the run stops at the first token
+    that differs from the draft (that token is kept: it is the sample at that
+    position), or after the bonus token past a fully kept draft. The sampler is
+    then set back to the run kept.
     """
-    out = []
-    if sampler.plain:  # greedy and nothing else: one argmax for every position
-        for i, token in enumerate(ints(mx.argmax(logits, axis=-1))):
-            out.append(sampler.record(Sampled(token, NOT_ASKED)))
-            if i == len(draft) or token != draft[i]:
+
+    sampler: Sampler
+    draft: list[int]
+    draws: list[Draw]
+    keys: list[mx.array | None]  # the sampler's key after each position's draw
+    before: Mark
+
+    @classmethod
+    def draw(cls, sampler: Sampler, logits: mx.array, draft: list[int]) -> Run:
+        """``logits`` holds the ``len(draft) + 1`` positions of a row fed ``[token] + draft``."""
+        before = sampler.mark()
+        if sampler.plain:  # greedy and nothing else: one argmax for every position, no state to follow
+            return cls(sampler, draft, [Draw(sampler, mx.argmax(logits, axis=-1))], [], before)
+        draws, keys = [], []
+        for i in range(len(draft) + 1):
+            draws.append(sampler.draw(logits[i]))
+            keys.append(sampler.mark().key)
+            if i < len(draft):
+                sampler.assume(draft[i])
+        sampler.rewind(before)
+        return cls(sampler, draft, draws, keys, before)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for d in self.draws for a in d.arrays()]
+
+    def keep(self) -> Sampled:
+        """Once read: the first token kept, the others in its ``more``."""
+        sampled = (
+            [Sampled(token, NOT_ASKED) for token in ints(self.draws[0].token)]
+            if not self.keys
+            else [_on_host(d) for d in self.draws]
+        )
+        out = []
+        for i, one in enumerate(sampled):
+            out.append(self.sampler.record(one))
+            if i == len(self.draft) or one.token != self.draft[i]:
                 break
-        return out
-    # Every position drawn at once, as if the draft's tokens before it were kept, and read once; then the sampler
-    # is set back and records only the run kept, ending with the key split once per token kept.
-    before = sampler.mark()
-    draws, keys = [], []
-    for i in range(len(draft) + 1):
-        draws.append(sampler.draw(logits[i]))
-        keys.append(sampler.mark().key)
-        if i < len(draft):
-            sampler.assume(draft[i])
-    mx.eval([d.arrays() for d in draws])
-    sampler.rewind(before)
-    for i, d in enumerate(draws):
-        out.append(sampler.record(_on_host(d)))
-        if i == len(draft) or out[-1].token != draft[i]:
-            break
-    sampler.rewind(dataclasses.replace(sampler.mark(), key=keys[len(out) - 1]))
-    return out
+        if self.keys:
+            self.sampler.rewind(dataclasses.replace(self.sampler.mark(), key=self.keys[len(out) - 1]))
+        return dataclasses.replace(out[0], more=tuple(out[1:]))
+
+
+def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
+    """The tokens kept from a row fed ``[token] + draft`` (``Run``), on the host."""
+    run = Run.draw(sampler, logits, draft)
+    kept = read({}, {0: run})[0]
+    return [dataclasses.replace(kept, more=()), *kept.more]
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
