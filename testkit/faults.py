@@ -139,8 +139,8 @@ def _faulty_ranks(rank: ModuleType) -> None:
             out = super().step(plan)
             if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
                 self.seqs[min(self.seqs)].last += 1
-            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := self.entries.state()):
-                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0][0])]), {})
+            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := list(self.entries)):
+                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0])]), {})
             if self.steps_sent in steps(FAIL_ENV, self.rank):
                 raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
             return out

@@ -9,6 +9,8 @@ whose entries differ from rank 0's is a desync on that very step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
@@ -20,16 +22,26 @@ Layer = tuple[mx.array, mx.array]  # keys and values, [1, kv heads here, tokens,
 class Entries:
     def __init__(self) -> None:
         self._held: dict[int, list[Layer]] = {}
+        # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
+        # listing a full cache's entries each time would cost the step more the more the cache holds.
+        self._digest = 0
 
     def __contains__(self, entry: int) -> bool:
         return entry in self._held
 
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._held))
+
     def length(self, entry: int) -> int:
         return self._held[entry][0][0].shape[2]
 
-    def state(self) -> list[tuple[int, int]]:
-        """Each entry's id and length, for the fingerprint."""
-        return sorted((entry, self.length(entry)) for entry in self._held)
+    def state(self) -> tuple[int, int]:
+        """How many entries, and a digest of each one's id and length, for the fingerprint."""
+        return len(self._held), self._digest
+
+    def _fold(self, entry: int) -> None:
+        """Add ``entry`` to the digest, or take it out again (an XOR: order does not matter)."""
+        self._digest ^= hash((entry, self.length(entry)))  # ints hash alike in every process
 
     def disagreement(self, plan: StepPlan) -> str | None:
         """Why this rank's entries cannot follow ``plan``, or None."""
@@ -49,6 +61,7 @@ class Entries:
         """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (``caches``: the
         saved sequences' own caches)."""
         for evict in plan.evict:
+            self._fold(evict.entry)
             del self._held[evict.entry]
         for save in plan.save:
             cache = caches[save.seq]
@@ -68,6 +81,7 @@ class Entries:
         ]
         mx.eval(layers)
         self._held[entry] = layers
+        self._fold(entry)
 
     def restore(self, entry: int, tokens: int) -> list[KVCache]:
         """A fresh cache per layer holding the entry's first ``tokens``; the entry itself is left as it was."""
@@ -81,3 +95,4 @@ class Entries:
 
     def clear(self) -> None:
         self._held.clear()
+        self._digest = 0
