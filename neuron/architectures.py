@@ -48,6 +48,11 @@ class Support:
     def speculation(self) -> bool:
         return self.cuttable
 
+    @property
+    def run_ahead(self) -> bool:
+        """Whether decode may run a step ahead of its plan (``tp.ahead``): a plan that differs drops its token."""
+        return self.cuttable
+
 
 # By ``model_type``. mistral is llama's code in mlx-lm; with ``layer_types`` naming sliding layers it is WINDOW.
 TABLE: dict[str, Support] = {
@@ -64,7 +69,7 @@ TABLE: dict[str, Support] = {
     "qwen3_5": Support(STATE, "mlx-lm", pp=True),
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
-    "gemma3_text": Support(WINDOW, "neuron", pp=False),
+    "gemma3_text": Support(WINDOW, "neuron", pp=True),
     "gemma4_text": Support(WINDOW, "neuron", pp=False),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
@@ -146,8 +151,8 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
 def markdown() -> str:
     """The README's table of architectures, one row each."""
     rows = [
-        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache | speculation |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache restores | speculation | running ahead |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     mark = {True: "yes", False: "no"}
     windowed_mistral = supports({"model_type": "mistral", "layer_types": ["sliding_attention"]})
@@ -156,7 +161,7 @@ def markdown() -> str:
         tp = {"mlx-lm": "mlx-lm's `shard()`", "neuron": "neuron's plan"}.get(s.tp or "", "no")
         rows.append(
             f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {s.prefix_cache} "
-            f"| {mark[s.speculation]} |"
+            f"| {mark[s.speculation]} | {mark[s.run_ahead]} |"
         )
     return "\n".join(rows)
 

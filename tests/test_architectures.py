@@ -97,7 +97,7 @@ def test_two_pipeline_stages_serve_as_mlx_lm_generates(
 ) -> None:
     # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
     # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
-    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3"}.get(arch, "")
+    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}.get(arch, "")
     _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
 
 
@@ -112,7 +112,7 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     [
         ("granite", 3, 1, "'granite' has 4 attention heads, which do not divide over 3 ranks; use --tp with one of"),
         ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
-        ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
+        ("gemma4_text", 3, 3, "neuron does not split 'gemma4_text' into pipeline stages"),
     ],
 )
 def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
