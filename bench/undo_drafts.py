@@ -1,7 +1,7 @@
 """What undoing rejected drafts would cost a model whose caches cannot be cut back (a sliding window, a
 linear-attention state), against cutting them back where they can be.
 
-Run: .venv/bin/python bench/undo_drafts.py [--hidden 1024 --layers 8 --rounds 15]
+Run: .venv/bin/python bench/undo_drafts.py [--hidden 576 --layers 30 --heads 9 --kv-heads 3 --rounds 15]
 
 Where every cache is plain keys and values, a rejected draft's tokens are cut
 off the cache (``tp/rollback.py``), at next to no cost. A rotating window has
@@ -9,8 +9,9 @@ overwritten what it held, and a state has folded the tokens in, so the only
 undo is to copy those layers before every verify step and, where a row
 rejected part of its draft, put the copy back and feed again the tokens it
 kept: a second forward. One row, greedy, on random weights of two shapes,
-each at ``--hidden``/``--layers``: mistral with alternating sliding layers and
-qwen3_5 (gated delta net every layer but every fourth). Medians of ``--rounds``,
+SmolLM2-135M's shape by default (its head and MLP, 49,152 tokens): mistral
+with alternating sliding layers (a window of 128 after a 256-token prompt) and
+qwen3_5 (gated delta net every layer but every fourth, heads as attention's). Medians of ``--rounds``,
 in ms:
 
 - ``step``: one token, the plain decode step;
@@ -41,16 +42,16 @@ PROMPT = 256
 WIDTH = 5  # a verify step: the token and a 4-token draft
 
 
-def _config(arch: str, hidden: int, layers: int) -> dict[str, Any]:
+def _config(arch: str, hidden: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
     base = {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
-        "intermediate_size": hidden * 3,
-        "num_attention_heads": hidden // 64,
-        "num_key_value_heads": max(1, hidden // 256),
-        "head_dim": 64,
+        "intermediate_size": hidden * 8 // 3,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hidden // heads,
         "rms_norm_eps": 1e-5,
-        "vocab_size": 32000,
+        "vocab_size": 49152,
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
@@ -59,10 +60,10 @@ def _config(arch: str, hidden: int, layers: int) -> dict[str, Any]:
         kinds = ["sliding_attention", "full_attention"] * (layers // 2)
         return {**base, "model_type": "mistral", "sliding_window": 128, "layer_types": kinds}
     linear = {
-        "linear_num_value_heads": hidden // 64,
-        "linear_num_key_heads": hidden // 128,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
+        "linear_num_value_heads": heads,
+        "linear_num_key_heads": kv_heads,
+        "linear_key_head_dim": hidden // heads,
+        "linear_value_head_dim": hidden // heads,
         "linear_conv_kernel_dim": 4,
         "full_attention_interval": 4,
     }
@@ -78,8 +79,9 @@ def _median_ms(run: Callable[[], object], rounds: int) -> float:
     return statistics.median(times)
 
 
-def measure(arch: str, hidden: int, layers: int, rounds: int) -> dict[str, float]:
-    config = _config(arch, hidden, layers)
+def measure(arch: str, args: argparse.Namespace) -> dict[str, float]:
+    config = _config(arch, args.hidden, args.layers, args.heads, args.kv_heads)
+    rounds = args.rounds
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
@@ -117,12 +119,14 @@ def rate_with_undo(figures: dict[str, float], p: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     for arch in ("windowed_mistral", "qwen3_5"):
-        figures = measure(arch, args.hidden, args.layers, args.rounds)
+        figures = measure(arch, args)
         plain = 1 / figures["step"]
         even = next((p / 100 for p in range(101) if rate_with_undo(figures, p / 100) >= plain), None)
         print(arch, " ".join(f"{name} {ms:.1f}" for name, ms in figures.items()))
