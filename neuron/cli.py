@@ -255,17 +255,16 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
     from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Failure
-    from neuron.models import read_config, resolve
+    from neuron.models import resolve
     from neuron.pool import Deadlines
 
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
     # One prompt per process: nothing to share in a prefix cache.
-    limits, _ = limits_for(read_config(path), Scheduling(prefix_cache_bytes=0))
+    limits = Scheduling(prefix_cache_bytes=0)
     async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])

@@ -54,11 +54,9 @@ import structlog
 import uvicorn
 
 from neuron import metrics, systemd
-from neuron.architectures import limits_for
 from neuron.engine.engine import Engine
 from neuron.engine.scheduler import Scheduling
 from neuron.launch.checks import Unreachable
-from neuron.models import read_config
 from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
@@ -304,11 +302,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         try:
             with lifetime:
                 try:
-                    limits, notes = limits_for(read_config(options.model_path), options.limits)
-                    for note in notes:
-                        log.info(note)
                     engine_context = Engine.open(
-                        options.model_path, options.layout, options.deadlines, limits, options.model
+                        options.model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine

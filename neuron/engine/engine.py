@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import device, metrics
+from neuron import architectures, device, metrics
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -62,7 +62,10 @@ class Engine:
         model = text_config(config)
         self.pool = pool
         self.text = text
-        self.limits = limits or Scheduling()
+        # What this model's caches cannot do is off, whatever was asked, and the startup log says why.
+        self.limits, notes = architectures.limits_for(config, limits or Scheduling())
+        for note in notes:
+            log.info(note)
         if self.limits.run_ahead == "auto":
             overlaps = device.backend() != "cpu"  # MLX's CPU backend evaluates in the caller: nothing overlaps
             self.limits = dataclasses.replace(self.limits, run_ahead="on" if overlaps else "off")
@@ -75,7 +78,10 @@ class Engine:
         # Set once the group is lost for good (a rank died or hung): only a fresh leader process can serve again.
         self.lost = anyio.Event()
         budget = self.limits.prefix_cache_bytes
-        self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
+        support = architectures.supports(config)
+        # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
+        exact = support is not None and not support.cuttable
+        self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         self.output = Output(text, self.prefix is not None)
         self.intake = Intake(

@@ -33,7 +33,7 @@ from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.stages import check_split, plan_stages
 from neuron.log import ms_since
-from neuron.models import digest_files, kv_bytes_per_token, read_config, text_config
+from neuron.models import cache_bytes, digest_files, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
@@ -206,10 +206,11 @@ class Pool:
         return loaded
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """What one token of KV cache costs the rank holding the largest share, computed here so that no rank
-        measures anything (the prefix cache's budget must hold on all of them alike)."""
-        return kv_bytes_per_token(self.model_path, self.layers, self.world_size)
+    def cache_bytes(self) -> tuple[int, int]:
+        """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
+        computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
+        alike)."""
+        return cache_bytes(self.model_path, self.layers, self.world_size)
 
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""

@@ -197,7 +197,7 @@ class Rank:
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
         out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill, together=self.prompts_together)
-        self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
+        self.entries.evict_and_save(plan, self.seqs)
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:

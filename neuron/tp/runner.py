@@ -19,7 +19,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from neuron.tp import caches
+from neuron.tp import caches, staged
 from neuron.tp.shard import VocabShard, backbone, head_gathers
 
 # One forward pass takes at most this many tokens of a prompt (however many the
@@ -140,6 +140,7 @@ class Stage:
             if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
                 self.project = partial(_scaled, self.project, scaling)
         self.inner.norm = nn.Identity()
+        self.own_call = staged.own_call(model, self.inner)  # where the model's own call cannot run a stage
         self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters
         if rank != 0 and not self.takes_embeddings:
             self.inner.embed_tokens = _Received()
@@ -153,9 +154,15 @@ class Stage:
     def _through(self, tokens: mx.array, cache: Cache) -> mx.array:
         """This stage's layers over ``tokens``: embedded here on rank 0, received from the stage before elsewhere."""
         if self.rank == 0:
-            return self.inner(tokens, cache=cache)
+            return (
+                self.inner(tokens, cache=cache)
+                if self.own_call is None
+                else self.own_call(self.inner, tokens, cache, None)
+            )
         rows, length = tokens.shape
         received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
+        if self.own_call is not None:
+            return self.own_call(self.inner, tokens, cache, received)
         if self.takes_embeddings:
             return self.inner(tokens, cache=cache, input_embeddings=received)
         self.inner.embed_tokens.received.append(received)
