@@ -21,6 +21,7 @@ a ``Source`` (``tp.shard.ShareSource``), evaluated one at a time.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -62,6 +63,10 @@ def run_receiver(key: str) -> int:
 
     try:
         where = shares.folder(key)
+        where.parent.mkdir(parents=True, exist_ok=True)
+        # One receiver per share at a time: a session cut on the leader's side may outlive it here for a moment.
+        lock = (where.parent / f"{where.name}.lock").open("w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
         line = stdin.readline()
         if not line:
             return 0  # the leader left before sending a plan
