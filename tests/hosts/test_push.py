@@ -161,7 +161,8 @@ def test_a_pipeline_stage_gets_its_layers_alone(bed: Namespaces, tiny_models: di
     model = str(tiny_models["qwen3"])
     cache = tmp_path / "host1-cache"
     hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 1, cache)], "push-pp.json")
-    text, logs = generate(bed, "--model", model, "--hosts", str(hostfile), "--pp", "2", "--pp-layers", "1,3", "--push-model")
+    stages = ("--pp", "2", "--pp-layers", "1,3")
+    text, logs = generate(bed, "--model", model, "--hosts", str(hostfile), *stages, "--push-model")
     reference, _ = generate(bed, "--model", model)
     assert text == reference
     share = share_of(cache)
