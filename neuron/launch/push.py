@@ -87,7 +87,10 @@ def run_receiver(key: str) -> int:
         reply(ok=True, path=str(where), digest=digest)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure goes back to the leader, in words
-        reply(error=f"{type(e).__name__}: {e}")
+        try:
+            reply(error=f"{type(e).__name__}: {e}")
+        except OSError:
+            pass  # the session is gone: no one to tell
         return 1
 
 
@@ -195,7 +198,7 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
         os.close(write_end)
     relay = StderrRelay(read_end, rank, host)
     assert process.stdin is not None and process.stdout is not None
-    sender = _Sender(process.stdin, process.stdout, host, relay)
+    sender = _Sender(process.stdin, process.stdout, host, rank, relay)
     try:
         sender.send_line(plan.to_json())
         held = sender.read_line()
@@ -204,13 +207,13 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
         total = needed_bytes(plan, files, set(), {})
         if problem := room_problem(host, path, needed, int(held["free"])):
             raise Refused(f"rank {rank} on {problem}")
+        sender.needed = needed
         log.info(
             "push started", rank=rank, host=host, share=plan.key, bytes=needed, held_bytes=total - needed, path=path
         )
         for entry in plan.entries:
             if entry.name not in have:
                 sender.tensor(entry.name, source.data(entry.name), resume.get(entry.name, 0))
-                sender.progress(rank, total - needed)
         for name in plan.files:
             if name not in have:
                 data = files[name].read_bytes()
@@ -226,12 +229,14 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
 
 
 class _Sender:
-    def __init__(self, stdin: IO[bytes], stdout: IO[bytes], host: str, relay: StderrRelay) -> None:
+    def __init__(self, stdin: IO[bytes], stdout: IO[bytes], host: str, rank: int, relay: StderrRelay) -> None:
         self.stdin = stdin
         self.stdout = stdout
         self.host = host
+        self.rank = rank
         self.relay = relay
         self.sent = 0
+        self.needed = 0  # bytes of tensors and files to send, once the host said what it holds
         self._logged = time.monotonic()
 
     def send(self, data: memoryview) -> None:
@@ -243,6 +248,9 @@ class _Sender:
                 raise self.cut(f"writing to it failed ({e})") from None
             self.sent += len(chunk)
             metrics.PUSH_BYTES.labels(self.host).inc(len(chunk))
+            if time.monotonic() - self._logged >= PROGRESS_EVERY_S:
+                self._logged = time.monotonic()
+                log.info("push progress", rank=self.rank, host=self.host, sent=self.sent, of=self.needed)
 
     def send_line(self, fields: dict[str, object]) -> None:
         self.send(memoryview(json.dumps(fields).encode() + b"\n"))
@@ -268,11 +276,6 @@ class _Sender:
         if "error" in answer:
             raise Refused(f"{self.host} could not take its share of the model: {answer['error']}")
         return dict(answer)
-
-    def progress(self, rank: int, held: int) -> None:
-        if time.monotonic() - self._logged >= PROGRESS_EVERY_S:
-            self._logged = time.monotonic()
-            log.info("push progress", rank=rank, host=self.host, sent=self.sent, held_bytes=held)
 
     def cut(self, what: str) -> PushCut:
         words = self.relay.last_words()
