@@ -36,6 +36,13 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
         testbed.close()
 
 
+@pytest.fixture(scope="module")
+def reference(bed: Namespaces, tiny_models: dict[str, Path]) -> str:
+    """The model's greedy text on one rank."""
+    text, _ = generate(bed, "--model", str(tiny_models["qwen3"]))
+    return text
+
+
 def empty_host(bed: Namespaces, host: int, cache: Path, **env: str) -> dict:
     """Host ``host``'s entry: its own (empty) cache, and no model of its own."""
     command = bed.neuron_command({"NEURON_CACHE_DIR": str(cache), **env}, faults.ENTRY)
@@ -83,13 +90,12 @@ def _ssh_receivers(pid: int) -> list[int]:
 
 
 def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_changed_tensor_back(
-    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path, reference: str
 ) -> None:
     model = str(tiny_models["qwen3"])
     cache = tmp_path / "host0-cache"
     hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 0, cache, **{faults.SLOW_PUSH_ENV: "0.02"})], "push.json")
     hosts = ("--model", model, "--hosts", str(hostfile))
-    reference, _ = generate(bed, "--model", model)
 
     # Without the setting, today's refusal stands, and says what would fix it.
     refused = run_neuron("generate", *hosts, "--ssh-command", bed.ssh_command, PROMPT)
@@ -157,13 +163,14 @@ def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_ch
     assert text == reference
 
 
-def test_a_pipeline_stage_gets_its_layers_alone(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_a_pipeline_stage_gets_its_layers_alone(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path, reference: str
+) -> None:
     model = str(tiny_models["qwen3"])
     cache = tmp_path / "host1-cache"
     hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 1, cache)], "push-pp.json")
     stages = ("--pp", "2", "--pp-layers", "1,3")
     text, logs = generate(bed, "--model", model, "--hosts", str(hostfile), *stages, "--push-model")
-    reference, _ = generate(bed, "--model", model)
     assert text == reference
     share = share_of(cache)
     assert share.name == "pp-1-4"
