@@ -65,6 +65,7 @@ class Entry:
     dtype: str  # safetensors' name: F32, BF16, U32...
     shape: list[int]
     size: int  # bytes
+    whole: list[int]  # its shape in the whole model, before a rank's slice was cut (the loader asks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,11 @@ def intact(where: Path) -> bool:
     if any(sha256_of(where / WEIGHTS, *offsets[n]) != digest for n, digest in manifest["tensors"].items()):
         return False
     return all((where / n).is_file() and sha256_of(where / n) == digest for n, digest in manifest["files"].items())
+
+
+def whole_shapes(where: Path) -> dict[str, list[int]]:
+    """Each tensor of the share at ``where`` -> its shape in the whole model."""
+    return {e.name: e.whole for e in Plan.from_json(json.loads((where / PLAN).read_text())).entries}
 
 
 def is_share(model_path: str | Path) -> bool:

@@ -29,7 +29,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def plan() -> shares.Plan:
-    entries = [shares.Entry(name, "U8", [len(data)], len(data)) for name, data in TENSORS.items()]
+    entries = [shares.Entry(name, "U8", [len(data)], len(data), [2 * len(data)]) for name, data in TENSORS.items()]
     return shares.Plan("0123456789abcdef/tp-1-of-2", entries, {"config.json": hashlib.sha256(CONFIG).hexdigest()})
 
 

@@ -184,23 +184,29 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
 
 
 def _skeleton(path: Path) -> tuple[nn.Module, dict, dict[str, mx.array]]:
-    """mlx-lm's own ``load_model`` (its classes, its sanitizing, its quantization as the tensors' names say), with
-    the tensors kept aside rather than put in: a share's are already sliced, and the cut expects whole ones."""
+    """mlx-lm's own ``load_model`` (its classes, its sanitizing, its quantization), with a share's tensors kept
+    aside rather than put in: they are already sliced, and the cut expects whole ones. mlx-lm infers each layer's
+    quantization from its tensors' shapes, so it is shown shapes as the whole model's (placeholders, never read)."""
     kept: dict[str, mx.array] = {}
+    whole = shares.whole_shapes(path)
 
     def classes(config: dict) -> tuple[type[nn.Module], type]:
         model_class, args_class = _get_classes(config)
+        own_sanitize = getattr(model_class, "sanitize", None)
 
         class Skeleton(model_class):  # type: ignore[valid-type, misc]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                kept.update(own_sanitize(self, weights) if own_sanitize else weights)
+                return {name: mx.zeros(whole.get(name, list(w.shape)), w.dtype) for name, w in kept.items()}
+
             def load_weights(self, weights: list, strict: bool = True) -> nn.Module:
-                kept.update(weights)
                 return self
 
         Skeleton.__name__ = model_class.__name__
         return Skeleton, args_class
 
     model, config = load_model(path, lazy=True, get_model_classes=classes)
-    model.__class__ = model.__class__.__mro__[1]  # the model's own class again, with its own load_weights
+    model.__class__ = model.__class__.__mro__[1]  # the model's own class again, with its own methods
     return model, config, kept
 
 
@@ -267,13 +273,14 @@ class ShareSource:
 
     def __init__(self, model_path: str | Path, rank: int, size: int, layers: list[int]) -> None:
         model, config = load_model(Path(model_path), lazy=True)
+        self.whole = {name: list(v.shape) for name, v in _named(model)}
         names = take_share(model, config, Slot(rank, size) if size > 1 and not layers else None, layers, rank)
         flat = dict(_named(model))
         self.tensors: dict[str, mx.array] = {whole: flat[now] for now, whole in names.items()}
 
     def entries(self) -> list[shares.Entry]:
         return [
-            shares.Entry(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape), a.nbytes)
+            shares.Entry(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape), a.nbytes, self.whole[name])
             for name, a in sorted(self.tensors.items())
         ]
 
