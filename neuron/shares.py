@@ -104,6 +104,11 @@ def layout(entries: list[Entry]) -> tuple[bytes, dict[str, tuple[int, int]]]:
 
 def sha256_of(path: Path, begin: int = 0, end: int | None = None) -> str:
     """The sha256 of ``path``'s bytes ``[begin, end)`` (to its end when None)."""
+    return sha256_from(path, begin, end).hexdigest()
+
+
+def sha256_from(path: Path, begin: int = 0, end: int | None = None) -> hashlib._Hash:
+    """A sha256 fed with ``path``'s bytes ``[begin, end)``, to be fed more."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         f.seek(begin)
@@ -115,7 +120,7 @@ def sha256_of(path: Path, begin: int = 0, end: int | None = None) -> str:
             digest.update(chunk)
             if left is not None:
                 left -= len(chunk)
-    return digest.hexdigest()
+    return digest
 
 
 def read_progress(where: Path) -> tuple[dict[str, str], dict[str, int]]:

@@ -120,6 +120,7 @@ def receive(stdin: BinaryIO, where: Path, plan: shares.Plan) -> bool:
                 continue
             name, offset = header["tensor"], int(header["offset"])
             begin, end = offsets[name]
+            digest = shares.sha256_from(where / shares.WEIGHTS, begin, begin + offset)  # what arrived before a cut
             weights.seek(begin + offset)
             written = offset
             while written < end - begin:
@@ -127,9 +128,10 @@ def receive(stdin: BinaryIO, where: Path, plan: shares.Plan) -> bool:
                 if not chunk:
                     raise PushCut(f"the stream ended inside tensor {name}")
                 write_chunk(weights, chunk)
+                digest.update(chunk)
                 written += len(chunk)
                 record(name=name, bytes=written)
-            if shares.sha256_of(where / shares.WEIGHTS, begin, end) != header["sha256"]:
+            if digest.hexdigest() != header["sha256"]:
                 record(name=name, bytes=0)
                 raise shares.ShareError(f"tensor {name} arrived with another sha256 than the leader's")
             record(name=name, sha256=header["sha256"])
