@@ -28,9 +28,9 @@ from generated import ROOT, add_shape_flags, generated_model
 
 
 def start(hostfile: Path, model: Path, ssh_command: str, *extra: str) -> list[dict]:
+    hosts = ("--hosts", str(hostfile), "--ssh-command", ssh_command)
     done = subprocess.run(
-        [sys.executable, "-m", "neuron", "generate", "--max-tokens", "1", "--model", str(model)]
-        + ["--hosts", str(hostfile), "--ssh-command", ssh_command, *extra, "hi"],
+        [sys.executable, "-m", "neuron", "generate", "--max-tokens", "1", "--model", str(model), *hosts, *extra, "hi"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -75,7 +75,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     rate = done["bytes"] / 1e6 / done["seconds"]
     span = seconds_between(pushed, "group ready", "model loaded")
-    print(f"| empty cache, --push-model | {done['bytes'] / 1e6:.0f} | {done['seconds']:.1f} | {rate:.0f} | {span:.1f} |")
+    sent = done["bytes"] / 1e6
+    print(f"| empty cache, --push-model | {sent:.0f} | {done['seconds']:.1f} | {rate:.0f} | {span:.1f} |")
     print(f"| share held | 0 | - | - | {seconds_between(again, 'group ready', 'model loaded'):.1f} |")
     print(f"| own model folder | 0 | - | - | {seconds_between(copy, 'group ready', 'model loaded'):.1f} |")
 
