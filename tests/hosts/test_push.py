@@ -43,10 +43,10 @@ def reference(bed: Namespaces, tiny_models: dict[str, Path]) -> str:
     return text
 
 
-def empty_host(bed: Namespaces, host: int, cache: Path, **env: str) -> dict:
-    """Host ``host``'s entry: its own (empty) cache, and no model of its own."""
+def empty_host(bed: Namespaces, host: int, cache: Path, model: str = "/nowhere/qwen3", **env: str) -> dict:
+    """Host ``host``'s entry: its own (empty) cache, and no model of its own (or ``model``)."""
     command = bed.neuron_command({"NEURON_CACHE_DIR": str(cache), **env}, faults.ENTRY)
-    return {**bed.entry(host), "model": "/nowhere/qwen3", "neuron": command}
+    return {**bed.entry(host), "model": model, "neuron": command}
 
 
 def generate(bed: Namespaces, *args: str) -> tuple[str, list[dict]]:
@@ -166,9 +166,10 @@ def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_ch
 def test_a_pipeline_stage_gets_its_layers_alone(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path, reference: str
 ) -> None:
+    """Host 1 holds another model (the llama): it gets the qwen3's layers of its stage all the same."""
     model = str(tiny_models["qwen3"])
     cache = tmp_path / "host1-cache"
-    hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 1, cache)], "push-pp.json")
+    hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 1, cache, str(tiny_models["llama"]))], "push-pp.json")
     stages = ("--pp", "2", "--pp-layers", "1,3")
     text, logs = generate(bed, "--model", model, "--hosts", str(hostfile), *stages, "--push-model")
     assert text == reference
