@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    # A host's end of a push of the model (--push-model): started over SSH by the leader, never by a person.
+    parser.add_argument("--receive-share", metavar="KEY", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
@@ -71,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"rank {args.rank}: {e}")
         descriptors.import_mlx_lm()
         return run_worker(args.rank, args.world_size)
+    if args.receive_share:
+        from neuron.launch.push import run_receiver
+
+        return run_receiver(args.receive_share)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -157,7 +163,7 @@ def _layout(args: argparse.Namespace) -> Layout:
     from neuron.launch.launcher import Launcher
     from neuron.pool import Layout
 
-    return Layout(Launcher(args.host_list, args.ssh_command), args.backend, args.pp, args.split)
+    return Layout(Launcher(args.host_list, args.ssh_command), args.backend, args.pp, args.split, args.push_model)
 
 
 def _run(args: argparse.Namespace) -> int:

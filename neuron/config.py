@@ -75,7 +75,9 @@ class Setting:
 
     def parse(self, value: Any, source: str, text: bool = False) -> tuple[Any, str | None]:
         """``value`` as this setting's type (converted from ``text``, the environment's strings), or a problem."""
-        if text and self.type is not str:
+        if text and self.type is bool:
+            value = _BOOLEANS.get(value.strip().lower(), value)
+        elif text and self.type is not str:
             try:
                 value = self.type(value)
             except ValueError:
@@ -91,8 +93,11 @@ class Setting:
         return value, None
 
 
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _type_name(t: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string"}[t]
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false (1 or 0)"}[t]
 
 
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
@@ -139,6 +144,13 @@ SETTINGS = {
             "ssh",
             "the ssh command for --hosts, with its options, e.g. 'ssh -F /etc/neuron/ssh_config' (default ssh)",
             check=_not_blank,
+        ),
+        Setting(
+            "push_model",
+            bool,
+            False,
+            "with --hosts, send a host that lacks the model (or holds another) the share its ranks load, over SSH, "
+            "into its neuron cache (default off: such a host is refused)",
         ),
         Setting(
             "backend",
@@ -294,6 +306,7 @@ MODEL_SETTINGS = (
     "pp_layers",
     "hosts",
     "ssh_command",
+    "push_model",
     "backend",
     "step_timeout",
     "log_level",
@@ -327,6 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None
     """Flags default to None, so that ``resolve`` can tell a flag given from one left out."""
     for name in names:
         s = SETTINGS[name]
+        if s.type is bool:  # a switch: given, it is on; the environment and the file say true or false
+            parser.add_argument(s.flag, action="store_const", const=True, default=None, help=s.help)
+            continue
         parser.add_argument(
             s.flag,
             type=s.type,

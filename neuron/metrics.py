@@ -92,3 +92,9 @@ PREFIX_BYTES = Gauge(
     "Bytes of prefix-cache entries on the rank holding the largest share",
     registry=REGISTRY,
 )
+PUSH_BYTES = Counter(
+    "neuron_push_bytes",
+    "Bytes of the model sent to a host that lacked its share (--push-model), by host",
+    ["host"],
+    registry=REGISTRY,
+)

@@ -157,6 +157,11 @@ def _safetensors_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def model_digest(files: dict[str, str]) -> str:
+    """One digest for the whole model, from ``digest_files``: what a pushed share is filed under on a host."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None:
     """The first file, in name order, whose digest differs or that one side lacks; None when they agree."""
     for name in sorted(set(mine) | set(theirs)):

@@ -12,7 +12,9 @@ prefix-cache entry after given steps, as a rank whose cache went its own way wou
 ``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
 since its model loaded. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
 ``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to
-see the leader refuse it or split by it.
+see the leader refuse it or split by it. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the model
+(``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut the
+push midway.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -32,6 +35,7 @@ FAIL_ENV = "NEURON_TEST_FAIL_STEP"
 DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
 DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
+SLOW_PUSH_ENV = "NEURON_TEST_SLOW_PUSH"
 ENTRY = "testkit.faults"  # what ``python -m`` runs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +72,8 @@ def install() -> None:
     when_imported("neuron.tp.rank", _faulty_ranks)
     for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
         when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
+    if delay := float(os.environ.get(SLOW_PUSH_ENV) or 0):
+        when_imported("neuron.launch.push", lambda module: _slow_push(module, delay))
 
 
 def start_here() -> None:
@@ -118,6 +124,18 @@ def _describe_host(number: int) -> Any:
     from neuron.launch import hosts
 
     return fake_host(hosts.describe_host(number), number)
+
+
+def _slow_push(push: ModuleType, delay: float) -> None:
+    """A receiving host that writes 64 KiB chunks, each ``delay`` seconds late."""
+    write = push.write_chunk
+
+    def slow(weights: Any, chunk: bytes) -> None:
+        time.sleep(delay)
+        write(weights, chunk)
+
+    push.CHUNK = 64 * 1024  # type: ignore[attr-defined]
+    push.write_chunk = slow  # type: ignore[attr-defined]
 
 
 def _faulty_ranks(rank: ModuleType) -> None:

@@ -41,6 +41,8 @@ MLX_FREE = [
     "neuron.server.tokenize",
     "neuron.grammar",
     "neuron.models",
+    "neuron.shares",
+    "neuron.launch.push",
     "neuron.gguf",
     "neuron.config",
     "neuron.cpu",

@@ -84,16 +84,27 @@ def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leade
             )
 
 
-def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
-    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
+def model_differences(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> dict[int, str]:
+    """Each rank whose host holds another model than rank 0's (or none), with what differs, in words."""
     mine = checked[0]
+    out = {}
     for rank, theirs in sorted(checked.items()):
         if (name := first_difference(mine.files, theirs.files)) is not None:
             what = "lacks" if name not in theirs.files else "has a different"
-            raise Refused(
+            out[rank] = (
                 f"rank {rank} on {hosts[rank]} holds another model than the leader: {theirs.path} {what} {name} "
-                f"(the leader's is {mine.path}); copy the same model folder to every host"
+                f"(the leader's is {mine.path})"
             )
+    return out
+
+
+def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
+    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
+    for message in model_differences(checked, hosts).values():
+        raise Refused(
+            f"{message}; copy the same model folder to every host, or pass --push-model to have the leader send "
+            "each host the share its ranks load"
+        )
 
 
 def check_probes(probed: dict[int, dict[str, str]], addresses: list[list[str]], hosts: list[str]) -> None:

@@ -43,6 +43,12 @@ def remote_command(host: Host, rank: int, world_size: int, env: dict[str, str] |
     return "exec " + shlex.join([*setting, *neuron, *worker_command(rank, world_size)])
 
 
+def receiver_argv(ssh_command: list[str], host: Host, key: str) -> list[str]:
+    """The session that receives a share of the model on ``host`` (``launch/push.py``), beside the worker's."""
+    neuron = shlex.split(host.neuron) if host.neuron else reexec.command()
+    return [*ssh_command, *SSH_OPTIONS, "--", host.ssh, "exec " + shlex.join([*neuron, "--receive-share", key])]
+
+
 def ssh_argv(
     ssh_command: list[str], host: Host, rank: int, world_size: int, env: dict[str, str] | None = None
 ) -> list[str]:

@@ -15,6 +15,7 @@ call then fails at once, naming the cause; recovery is a fresh process.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -27,21 +28,23 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models
+from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models, model_differences
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
+from neuron.launch.push import PushCut, Pushed, push
 from neuron.launch.stages import check_split, plan_stages
 from neuron.log import ms_since
-from neuron.models import cache_bytes, digest_files, read_config, text_config
+from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.sampling_params import Sampled
+from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
 from neuron.tp.rank import Loaded, Rank, group_joined, lead
-from neuron.tp.shard import check_splittable
+from neuron.tp.shard import ShareSource, check_splittable
 
 log = structlog.get_logger("neuron.pool")
 
@@ -56,6 +59,7 @@ class Layout:
     backend: str = "ring"
     stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
     split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
+    push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
 
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
@@ -174,20 +178,29 @@ class Pool:
     # Model operations.
 
     async def load(self) -> dict[int, Loaded]:
-        """Check every host holds the same model, then load each rank's shard of it, all ranks at once."""
+        """Check every host holds the same model (or send one that does not the share its rank loads, with
+        ``push``), then load each rank's shard of it, all ranks at once."""
         self.loaded = False
         started = time.perf_counter()
+        layers = self._stage_layers()
+        mine = digest_files(self.model_path)
+        shares = self._share_keys(model_digest(mine), layers)
         checked = await self._fan_out(
             "check_model",
-            lambda rank, id: rpc.CheckModel(id=id, model=self.launcher.model(rank, self.model, self.model_path)),
-            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=digest_files(self.model_path)),
+            lambda rank, id: rpc.CheckModel(
+                id=id, model=self.launcher.model(rank, self.model, self.model_path), share=shares[rank]
+            ),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
             self.deadlines.load,
         )
-        check_models(checked, self.hosts)
-        layers = self._stage_layers()
+        paths = {rank: reply.path for rank, reply in checked.items()}
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
+        for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
+            paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
+            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
         replies = await self._fan_out(
             "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path, layers=layers[rank]),
+            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank]),
             lambda rank: rank.load(self.model_path, layers[0]),
             self.deadlines.load,
         )
@@ -204,6 +217,37 @@ class Pool:
             ms=ms_since(started),
         )
         return loaded
+
+    def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
+        """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with
+        ``push``; empty elsewhere."""
+        return [
+            share_key(digest, rank, self.world_size, layers[rank])
+            if self.layout.push and not self.launcher.hosts[rank].local
+            else ""
+            for rank in range(self.world_size)
+        ]
+
+    async def _push(self, rank: int, key: str, layers: list[int]) -> str:
+        """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
+        thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
+        next try resumes where it stopped."""
+        host = self.hosts[rank]
+        argv = self.launcher.receiver(rank, key)
+        files = {
+            name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
+        }
+
+        def send(_: Rank) -> Pushed:
+            source = ShareSource(self.model_path, rank, self.world_size, layers)
+            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
+            return push(argv, plan, source, files, host, rank)
+
+        try:
+            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
+        except PushCut as e:
+            raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
+        return pushed.path
 
     @property
     def cache_bytes(self) -> tuple[int, int]:

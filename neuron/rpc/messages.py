@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -123,11 +123,16 @@ class Init:
 @dataclass(frozen=True, slots=True)
 class CheckModel:
     """Find the model on this host (``model``: a folder or a .gguf file, null for the embedded default) and
-    digest what decides what it computes, so the leader can check every host holds the same model."""
+    digest what decides what it computes, so the leader can check every host holds the same model.
+
+    ``share`` (with ``--push-model``; empty otherwise) names the share of the leader's model this rank would load
+    (``neuron.shares``): the reply says whether this host holds it whole, and a model missing here is no error.
+    """
 
     op: ClassVar[str] = "check_model"
     id: int
     model: str | None
+    share: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,12 +306,15 @@ class Probed:
 
 @dataclass(frozen=True, slots=True)
 class ModelChecked:
-    """``path``: the model folder on this host; ``files``: each file that decides the model's output -> a digest."""
+    """``path``: the model folder on this host; ``files``: each file that decides the model's output -> a digest
+    (empty when the host has no model there); ``share``: the folder of the share asked for when this host holds
+    it whole, every tensor matching its digest (empty otherwise)."""
 
     op: ClassVar[str] = "model_checked"
     id: int
     path: str
     files: dict[str, str]
+    share: str = ""
 
 
 @dataclass(frozen=True, slots=True)
