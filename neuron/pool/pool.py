@@ -15,6 +15,7 @@ call then fails at once, naming the cause; recovery is a fresh process.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 import time
@@ -27,11 +28,11 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models
+from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_memory, check_models
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
-from neuron.launch.stages import check_split, plan_stages
+from neuron.launch.stages import check_split, plan_stages, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import digest_files, kv_bytes_per_token, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
@@ -94,7 +95,7 @@ class Pool:
         self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
-        self._free_memory: list[int] = []  # each rank's host, as its handshake said
+        self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -146,13 +147,17 @@ class Pool:
             spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
-            self._fan_out.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
+            read_file = functools.partial(self.launcher.read_file, rank)
+            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            self._fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
         infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
-        self._free_memory = [info.free_memory for info in infos]
+        self._hosts_said = infos
+        for worker in self.workers:
+            worker.said = infos[worker.rank]
         for rank, host in enumerate(self.hosts):
             metrics.RANKS.labels(str(rank), host).set(1)
         log.info(
@@ -185,6 +190,7 @@ class Pool:
         )
         check_models(checked, self.hosts)
         layers = self._stage_layers()
+        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
         replies = await self._fan_out(
             "load_shard",
             lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path, layers=layers[rank]),
@@ -215,7 +221,8 @@ class Pool:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         if self.layout.stages == 1:
             return [[] for _ in range(self.world_size)]
-        self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
+        free = [info.free_memory for info in self._hosts_said]
+        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
         return [list(r) for r in self.layers]
 
     async def step(self, step: Step) -> dict[int, Sampled]:
@@ -293,7 +300,8 @@ class Pool:
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
-            failure = {worker.rank: worker.describe(status)}
+            if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
+                failure = {worker.rank: await worker.exit_status()}
             on_lost(self.broken or self._fan_out.break_group("liveness", failure))
 
         async with anyio.create_task_group() as tg:

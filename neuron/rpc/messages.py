@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -51,7 +51,11 @@ class HostInfo:
     mlx_lm: str
     python: str
     platform: str
-    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's
+    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's (or
+    # less: the room left under its memory cgroup's limit)
+    memory_limit: int  # that cgroup limit where one binds, in bytes; 0 where none does
+    oom_counter: str  # the file on its host whose ``oom_kill`` line counts its cgroup's OOM kills; "" where none
+    oom_kills: int  # that count when it answered; -1 where unknown
     cpus: list[int]  # the cores this process may run on
     gpus: int  # the NVIDIA GPUs the host's driver lists (nccl places one rank on each)
 
