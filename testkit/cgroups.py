@@ -58,6 +58,8 @@ class MemoryLimit:
         self.directory = parent / name
         if self.version == 2:  # a child's memory files exist only where its parent hands the controller down
             (parent / "cgroup.subtree_control").write_text("+memory")
+        if self.directory.exists():  # left by a run killed before it could clean up; refused if still in use
+            self.directory.rmdir()
         self.directory.mkdir()
         # No swap either, where the kernel accounts it: a host out of memory is killed, not slowed.
         if self.version == 1:

@@ -301,8 +301,13 @@ class Pool:
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
             if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
-                failure = {worker.rank: await worker.exit_status()}
-            on_lost(self.broken or self._fan_out.break_group("liveness", failure))
+                why = await worker.exit_status()
+                if self._closing:
+                    return
+                if self.broken is None:
+                    self._fan_out.break_group("liveness", {worker.rank: why})
+            assert self.broken is not None
+            on_lost(self.broken)
 
         async with anyio.create_task_group() as tg:
             for worker in self.workers:
