@@ -7,11 +7,14 @@ such hosts, tensor-parallel or in pipeline stages, the model serves; on one host
 alone it is refused before anything loads, naming the host and the memory it
 needed; a host whose handshake cannot tell (here, one that lies) is killed by the
 kernel's OOM killer partway through its load, and the leader says so. Never a
-hang. Each rank's peak memory is printed (``pytest -s`` or ``-rP`` shows it).
+hang, nor an abort (a worker lost while rank 0 loads). Each rank's peak memory is
+printed (``pytest -s`` or ``-rP`` shows it).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,12 +82,16 @@ def start(bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Pat
     )
 
 
-def peak_rss(pid: int) -> int:
-    """The process's peak resident memory (``VmHWM``), in bytes."""
+def peak_rss(pid: int, field: str = "VmHWM") -> int:
+    """The process's peak resident memory (``VmHWM``), or another of its figures, in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for pid {pid}")
+    raise AssertionError(f"no {field} for pid {pid}")
+
+
+def rss(pid: int) -> int:
+    return peak_rss(pid, "VmRSS")
 
 
 def mib(count: int | None) -> str:
@@ -178,3 +185,22 @@ def test_a_host_whose_handshake_cannot_tell_is_reported_killed_by_the_oom_killer
     assert f"rank 1 on root@{bed.ip(1)}" in last and "killed by the kernel's OOM killer" in last, last
     assert "limit of 512 MiB" in last and "split the model over more ranks" in last, last
     nothing_left(bed)
+
+
+def test_a_worker_lost_while_rank_0_loads_ends_the_leader_with_its_error_not_an_abort(
+    big_model: Path, tmp_path: Path
+) -> None:
+    """Rank 0, abandoned inside its load when a peer dies, is still inside MLX as the leader exits: the exit must
+    not tear MLX down under it (the C++ runtime aborted the process, SIGABRT, after the error was said)."""
+    server = Server("--model", str(big_model), "--tp", "2", log_path=tmp_path / "serve.log")
+    try:
+        server.wait_log("group ready", timeout=120)
+        children = Path(f"/proc/{server.process.pid}/task/{server.process.pid}/children").read_text().split()
+        before = rss(server.process.pid)
+        wait_until(lambda: rss(server.process.pid) > before + (100 << 20), 60, "rank 0 to be loading its weights")
+        for worker in map(int, children):
+            os.kill(worker, signal.SIGKILL)
+        last = ended(server, 120)
+    finally:
+        server.stop()
+    assert "rank 1 on localhost: worker pid" in last and "killed by SIGKILL" in last, last
