@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from neuron import __version__, config
@@ -204,12 +205,23 @@ def _run(args: argparse.Namespace) -> int:
         if expected is None:
             raise
         print(f"neuron: error: {expected}", file=sys.stderr)
+        _leave_if_rank0_is_busy(EXIT_FAILURE)
         return EXIT_FAILURE
     if restart is not None:
         from neuron.leader import restart_leader
 
         restart_leader(restart)
     return 0
+
+
+def _leave_if_rank0_is_busy(code: int) -> None:
+    """Exit now, skipping the interpreter's teardown, while rank 0's thread (``neuron-rank0``, pool/rank0.py) is
+    still inside MLX: abandoned in a load or a step when a peer failed, it would have MLX torn down under it, and
+    the C++ runtime aborts the process (SIGABRT) after the error was said. A restart's exec skips it the same way."""
+    if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:

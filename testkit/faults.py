@@ -57,7 +57,7 @@ def fake_host(info: Any, rank: int) -> Any:
         if target and int(target) != rank:
             continue
         fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
-        for number in ("free_memory", "gpus"):
+        for number in ("free_memory", "gpus", "memory_limit", "oom_kills"):
             if number in fields:
                 fields[number] = int(fields[number])
         info = dataclasses.replace(info, **fields)

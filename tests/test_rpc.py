@@ -9,7 +9,7 @@ import pytest
 from neuron import rpc
 from neuron.rpc import ErrorKind
 
-HOST = rpc.HostInfo("mac2", "0.1.0", "0.32.4", "0.32.2", "3.11.7", "linux-x86_64", 8 << 30, [0, 1], 2)
+HOST = rpc.HostInfo("mac2", "0.1.0", "0.32.4", "0.32.2", "3.11.7", "linux-x86_64", 8 << 30, 0, "", -1, [0, 1], 2)
 
 EVERY_MESSAGE = [
     rpc.Ping(id=1),

@@ -117,3 +117,22 @@ def check_probes(probed: dict[int, dict[str, str]], addresses: list[list[str]], 
                 f"({reason}); the data plane needs that address and port open between the two hosts",
                 [hosts[target]],
             )
+
+
+def check_memory(needs: list[int], infos: list[rpc.HostInfo], hosts: list[str]) -> None:
+    """Every rank has room for its share of the weights (``needs``, by rank), as its handshake said: refused
+    before anything loads, where the kernel's OOM killer would otherwise end a rank partway through."""
+    for rank, (need, info) in enumerate(zip(needs, infos, strict=True)):
+        if need > info.free_memory:
+            limit = f" under its memory cgroup's limit of {size(info.memory_limit)}" if info.memory_limit else ""
+            raise Refused(
+                f"rank {rank} on {hosts[rank]} ({info.hostname}) needs {size(need)} for its share of the model's "
+                f"weights, but has {size(info.free_memory)} available{limit}: split the model over more ranks "
+                "(--tp or --pp, with more hosts in the hostfile), give that host more memory (or a higher limit), "
+                "or serve a smaller or quantized model"
+            )
+
+
+def size(count: int) -> str:
+    """Bytes as an operator reads them: GiB from one, else MiB."""
+    return f"{count / (1 << 30):.2f} GiB" if count >= 1 << 30 else f"{count / (1 << 20):.0f} MiB"

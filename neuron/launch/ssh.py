@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import os
 import shlex
+import subprocess
 import threading
 
 import anyio
@@ -113,3 +114,13 @@ async def spawn_ssh(
     finally:
         os.close(write_end)
     return process, StderrRelay(read_end, rank, host.ssh)
+
+
+async def read_remote(ssh_command: list[str], host: Host, path: str) -> str | None:
+    """A small file on ``host`` (a dead worker's OOM count), or None when it cannot be read."""
+    argv = [*ssh_command, *SSH_OPTIONS, "--", host.ssh, shlex.join(["cat", path])]
+    try:
+        done = await anyio.run_process(argv, stdin=subprocess.DEVNULL, check=False)
+    except OSError:
+        return None
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else None

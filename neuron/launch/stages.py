@@ -80,3 +80,13 @@ def plan_stages(model_path: str, asked: list[int], free: list[int], hosts: list[
     for rank, count in enumerate(counts):
         metrics.STAGE_LAYERS.labels(str(rank), hosts[rank]).set(count)
     return ranges(counts)
+
+
+def weights_per_rank(model_path: str, world_size: int, stages: list[tuple[int, int]]) -> list[int]:
+    """Bytes of the model's weights each rank will hold, from the headers: in a pipeline (``stages``, each
+    rank's ``[first, end)``) its layers, and on rank 0 the embedding, final norm and head; split tensor-parallel,
+    its share of every layer (``shard()`` splits the layers' matrices evenly) and the rest whole (replicated)."""
+    per_layer, rest = weight_bytes(model_path, int(text_config(read_config(model_path))["num_hidden_layers"]))
+    if stages:
+        return [sum(per_layer[first:end]) + (rest if rank == 0 else 0) for rank, (first, end) in enumerate(stages)]
+    return [-(-sum(per_layer) // world_size) + rest] * world_size

@@ -148,8 +148,8 @@ class FanOut:
                 try:
                     reply = await worker.receive(request, deadline)
                 except Exception as e:  # noqa: BLE001 - recorded per rank
+                    lost.set()  # first: describing a dead worker may read its host's OOM count, over SSH
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
-                    lost.set()
                     return
                 self.last_reply = max(self.last_reply, time.perf_counter())
                 if isinstance(reply, rpc.Error):

@@ -15,6 +15,7 @@ call then fails at once, naming the cause; recovery is a fresh process.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import tempfile
@@ -28,12 +29,19 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models, model_differences
+from neuron.launch.checks import (
+    Unreachable,
+    check_gpus,
+    check_handshake,
+    check_memory,
+    check_models,
+    model_differences,
+)
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.push import PushCut, Pushed, push
-from neuron.launch.stages import check_split, plan_stages
+from neuron.launch.stages import check_split, plan_stages, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
@@ -98,7 +106,7 @@ class Pool:
         self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
-        self._free_memory: list[int] = []  # each rank's host, as its handshake said
+        self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -150,13 +158,17 @@ class Pool:
             spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
-            self._fan_out.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
+            read_file = functools.partial(self.launcher.read_file, rank)
+            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            self._fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
         infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
-        self._free_memory = [info.free_memory for info in infos]
+        self._hosts_said = infos
+        for worker in self.workers:
+            worker.said = infos[worker.rank]
         for rank, host in enumerate(self.hosts):
             metrics.RANKS.labels(str(rank), host).set(1)
         log.info(
@@ -195,6 +207,7 @@ class Pool:
         )
         paths = {rank: reply.path for rank, reply in checked.items()}
         check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
+        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
         for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
@@ -260,7 +273,8 @@ class Pool:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         if self.layout.stages == 1:
             return [[] for _ in range(self.world_size)]
-        self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
+        free = [info.free_memory for info in self._hosts_said]
+        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
         return [list(r) for r in self.layers]
 
     async def step(self, step: Step) -> dict[int, Sampled]:
@@ -338,8 +352,14 @@ class Pool:
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
-            failure = {worker.rank: worker.describe(status)}
-            on_lost(self.broken or self._fan_out.break_group("liveness", failure))
+            if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
+                why = await worker.exit_status()
+                if self._closing:
+                    return
+                if self.broken is None:
+                    self._fan_out.break_group("liveness", {worker.rank: why})
+            assert self.broken is not None
+            on_lost(self.broken)
 
         async with anyio.create_task_group() as tg:
             for worker in self.workers:

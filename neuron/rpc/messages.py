@@ -51,7 +51,11 @@ class HostInfo:
     mlx_lm: str
     python: str
     platform: str
-    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's
+    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's (or
+    # less: the room left under its memory cgroup's limit)
+    memory_limit: int  # that cgroup limit where one binds, in bytes; 0 where none does
+    oom_counter: str  # the file on its host whose ``oom_kill`` line counts its cgroup's OOM kills; "" where none
+    oom_kills: int  # that count when it answered; -1 where unknown
     cpus: list[int]  # the cores this process may run on
     gpus: int  # the NVIDIA GPUs the host's driver lists (nccl places one rank on each)
 

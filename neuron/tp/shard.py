@@ -150,6 +150,7 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
+    mx.clear_cache()  # the unfused projections' buffers go back to the system, not to MLX's cache
     return model
 
 
@@ -164,6 +165,7 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)
+    mx.clear_cache()
     return model
 
 
