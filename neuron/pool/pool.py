@@ -10,7 +10,9 @@ step's request, so nothing but small JSON crosses a pipe.
 
 A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
-call then fails at once, naming the cause; recovery is a fresh process.
+call then fails at once, naming the cause, until ``recover`` replaces every
+worker and rank 0's group in this process (where MLX can forget a group:
+``tp.backends``); where it cannot, recovery is a fresh process.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.sampling_params import Sampled
 from neuron.step import Step
+from neuron.tp.backends import NoClearBackends
 from neuron.tp.rank import Loaded, Rank, group_joined, lead
 from neuron.tp.shard import check_splittable
 
@@ -60,6 +63,10 @@ class Layout:
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
         return cls(Launcher.local(world_size), "ring", stages, split)
+
+
+class Unrecoverable(RuntimeError):
+    """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
 
 
 class Pool:
@@ -94,6 +101,7 @@ class Pool:
         self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
+        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._free_memory: list[int] = []  # each rank's host, as its handshake said
 
     @property
@@ -278,28 +286,62 @@ class Pool:
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
+    async def recover(self) -> None:
+        """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
+        start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when rank 0 stays inside
+        the lost group's collectives, or this MLX cannot forget a group; any other error from starting, joining or
+        loading as those raise it."""
+        started = time.perf_counter()
+        old, self._fan_out.workers = self._fan_out.workers, []
+        async with anyio.create_task_group() as tg:
+            for worker in old:
+                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+        # The ring lets a collective go once its peers' connections close (they are all gone now); a backend
+        # that never lets go (jaccl) keeps rank 0's thread, and only a fresh process can serve.
+        try:
+            await self._rank0.call(lambda rank: rank.leave_group(), self.deadlines.shutdown)
+        except TimeoutError as e:
+            raise Unrecoverable(
+                f"rank 0 is still inside a collective of the lost {self.backend} group {self.deadlines.shutdown:g} s "
+                "after every worker was stopped"
+            ) from e
+        except NoClearBackends as e:
+            raise Unrecoverable(str(e)) from e
+        self.loaded = False
+        self._fan_out.renew()
+        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
+        pongs = await self.start()
+        await self.init_group(pongs)
+        await self.load()
+        self._renewed.set()
+        metrics.WORKER_RESTARTS.inc()
+
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
 
         Why a task per process: a worker that dies between steps would otherwise
         be noticed only by the next step, while ``/ready`` still said yes. Runs
-        until cancelled.
+        until cancelled, following the workers each ``recover`` starts.
         """
 
         async def wait(worker: Link) -> None:
             await worker.process.wait()
-            if self._closing:
-                return
+            if self._closing or all(w is not worker for w in self._fan_out.workers):
+                return  # asked to leave: at shutdown, or replaced by a recovery
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
             failure = {worker.rank: worker.describe(status)}
             on_lost(self.broken or self._fan_out.break_group("liveness", failure))
 
-        async with anyio.create_task_group() as tg:
-            for worker in self.workers:
-                tg.start_soon(wait, worker)
-            await anyio.sleep_forever()
+        while True:
+            renewed = self._renewed = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                for worker in self.workers:
+                    tg.start_soon(wait, worker)
+                await renewed.wait()
+                tg.cancel_scope.cancel()
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""
