@@ -324,7 +324,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             await _drain(engine, server, notifier, options.drain_timeout)
                         else:
                             cause = str(engine.pool.broken or engine.health.reason)
-                            count = restarted.restarts + 1 if restarted else 1
+                            # In-process recoveries count as restarts with fresh workers too.
+                            count = (restarted.restarts if restarted else 0) + engine.recoveries + 1
                             log.error("group lost; restarting the leader", cause=cause, restarts=count)
                             notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
                             # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.

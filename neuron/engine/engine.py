@@ -49,7 +49,7 @@ from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
 from neuron.models import ModelError, read_config, text_config
-from neuron.pool import Deadlines, Layout, Pool, PoolError
+from neuron.pool import Deadlines, Layout, Pool, PoolError, Unrecoverable
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -57,6 +57,7 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
+RETRY_S = (1, 2, 4, 8, 15)  # seconds before recovering again after a failed try: soon at first
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class Engine:
         self.lost = anyio.Event()
         self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
         self._recovering = False
+        self.recoveries = 0  # lost groups replaced in this process
         budget = self.limits.prefix_cache_bytes
         self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
@@ -298,8 +300,10 @@ class Engine:
 
     async def _recover(self) -> None:
         """Replace the lost group in this process and probe it; the paused sequences then resume as the loop
-        admits them. Paused sequences still waiting ``resume_timeout`` s after their loss end with an error. Where
-        recovery fails, every request fails and ``lost`` is set (the leader restarts its process)."""
+        admits them. A try that fails (a host out of reach) is tried again, soon at first, for as long as
+        ``resume_timeout`` lasts; paused sequences still waiting that long after their loss end with an error.
+        Where recovery is not possible in this process, or has not succeeded by then, every request fails and
+        ``lost`` is set (the leader restarts its process)."""
         cause = self.pool.broken
         started = time.perf_counter()
         self._recovering = True
@@ -308,21 +312,39 @@ class Engine:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._expire_paused)
-                try:
-                    await self.pool.recover()
-                finally:
-                    tg.cancel_scope.cancel()
-            if not await self._probe():
-                raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
-        except Exception as e:  # noqa: BLE001 - whatever stopped it, the process restart remains
-            log.error("recovery failed; restarting the leader", cause=str(cause), error=f"{type(e).__name__}: {e}")
-            self.health = Health(False, f"{cause}; recovery failed: {e}")
-            self.lost.set()
-            self._fail_all("unavailable", f"{cause}; recovering in this process failed ({e}): restarting")
-            await anyio.sleep_forever()  # the leader cancels the engine and restarts
+                failure = await self._try_to_recover(cause, started)
+                tg.cancel_scope.cancel()
         finally:
             self._recovering = False
+        if failure is not None:
+            log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
+            self.health = Health(False, f"{cause}; recovery failed: {failure}")
+            self.lost.set()
+            self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
+            await anyio.sleep_forever()  # the leader cancels the engine and restarts
+        self.recoveries += 1
         log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
+
+    async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
+        """``pool.recover`` and a probe, tried again after each failure while ``resume_timeout`` allows; None once
+        the pool is back, else why not."""
+        delays = iter(RETRY_S)
+        while True:
+            try:
+                await self.pool.recover()
+                if await self._probe():
+                    return None
+                raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
+            except Unrecoverable as e:
+                return str(e)
+            except Exception as e:  # noqa: BLE001 - tried again while the time allows
+                error = f"{type(e).__name__}: {e}"
+                delay = next(delays, RETRY_S[-1])
+                if time.perf_counter() - started + delay > self.limits.resume_timeout:
+                    return error
+                log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=delay)
+                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay} s")
+                await anyio.sleep(delay)
 
     async def _expire_paused(self) -> None:
         """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""

@@ -160,7 +160,9 @@ class Scheduler:
         if not self.filling and not self.running:
             return None
         budget = self.limits.prefill_chunk
-        prefill, restore, starts = [], [], {}
+        prefill: list[Prefill] = []
+        restore: list[Restore] = []
+        starts: dict[int, Start] = {}
         for seq in self.filling:
             if budget <= 0:
                 break

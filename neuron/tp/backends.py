@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def clear_backends() -> None:
         clear = getattr(ctypes.CDLL(str(path)), CLEAR_BACKENDS)
     except (OSError, AttributeError) as e:
         raise NoClearBackends(
-            f"MLX {mx.__version__} ({path}) does not export {CLEAR_BACKENDS} (mlx::core::distributed::"
+            f"MLX {importlib.metadata.version('mlx')} ({path}) does not export {CLEAR_BACKENDS} (mlx::core::distributed::"
             f"clear_backends): a lost group cannot be replaced in this process ({e})"
         ) from e
     gc.collect()  # groups held only by cycles (a traceback's frames) go before the cache lets them go

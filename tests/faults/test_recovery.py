@@ -1,4 +1,5 @@
-"""A rank lost for real (SIGKILL, SIGSTOP) while clients stream: clean ends, then recovery with no operator.
+"""A rank lost for real (SIGKILL, SIGSTOP) while clients stream, with ``--resume-timeout 0``: clean ends, then the
+leader restarts with no operator. (By default the requests resume instead: tests/faults/test_resume.py.)
 
 ``bench/faults.py`` runs the same trial 20 times and reports time-to-ready.
 """
@@ -21,7 +22,8 @@ from testkit.recovery import COMPLETIONS, GREEDY, kill_trial, ready, worker_pid
 
 @pytest.fixture
 def tp2(tiny_models: dict[str, Path], tmp_path: Path) -> Iterator[Server]:
-    server = Server("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3", log_path=tmp_path / "log")
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3", "--resume-timeout", "0")
+    server = Server(*args, log_path=tmp_path / "log")
     yield server.start()
     assert server.stop() == 0, server.stderr()
 
@@ -77,7 +79,7 @@ def test_a_pipeline_stage_lost_mid_stream_ends_cleanly_then_recovers(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """The same promises in a pipeline: rank 1 holds the last stage, rank 0 waits on its hidden states."""
-    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3", "--resume-timeout", "0")
     server = Server(*args, log_path=tmp_path / "log").start()
     try:
         reference = httpx.post(f"{server.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
