@@ -46,8 +46,8 @@ def clear_backends() -> None:
         clear = getattr(ctypes.CDLL(str(path)), CLEAR_BACKENDS)
     except (OSError, AttributeError) as e:
         raise NoClearBackends(
-            f"MLX {importlib.metadata.version('mlx')} ({path}) does not export {CLEAR_BACKENDS} (mlx::core::distributed::"
-            f"clear_backends): a lost group cannot be replaced in this process ({e})"
+            f"MLX {importlib.metadata.version('mlx')} ({path}) does not export {CLEAR_BACKENDS} "
+            f"(mlx::core::distributed::clear_backends): a lost group cannot be replaced in this process ({e})"
         ) from e
     gc.collect()  # groups held only by cycles (a traceback's frames) go before the cache lets them go
     clear.restype = None
