@@ -4,12 +4,16 @@ tests/faults/test_resume.py)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import mlx.core as mx
 import pytest
 from test_scheduler import apply, next_step, request, run, scheduler
 
 from neuron.engine import resume
 from neuron.engine.sequence import Lost
+from neuron.launch import dataplane
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.step import Start, Step
@@ -122,3 +126,19 @@ def test_the_key_is_split_once_per_token() -> None:
     for _ in range(3):
         key = mx.random.split(key)[0]
     assert mx.array_equal(rewound(9, 3), key).item() and not mx.array_equal(rewound(9, 2), key).item()
+
+
+def test_cutting_a_groups_connections_frees_a_thread_waiting_on_them_and_nothing_else() -> None:
+    """What frees rank 0 from a collective for a peer that is stopped or out of reach (``Pool.recover``)."""
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_server(("127.0.0.1", 0)) as bystander:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client, server.accept()[0]:
+            received: list[bytes] = []
+            waiting = threading.Thread(target=lambda: received.append(client.recv(10)))
+            waiting.start()
+            assert dataplane.cut([[f"127.0.0.1:{port}"]]) == 3  # the listener, and both ends of the connection
+            waiting.join(5)
+            assert received == [b""] and not waiting.is_alive()
+        bystander.settimeout(0.01)
+        with pytest.raises(TimeoutError):
+            bystander.accept()  # still listening: another address is left alone

@@ -30,7 +30,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import cpu, metrics, rpc
 from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models
-from neuron.launch.dataplane import spawn_env
+from neuron.launch.dataplane import cut, spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.stages import check_split, plan_stages
@@ -103,6 +103,7 @@ class Pool:
         self._closing = False
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._free_memory: list[int] = []  # each rank's host, as its handshake said
+        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -175,7 +176,7 @@ class Pool:
     async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
         """Check every data-plane link answers, then bring up the group (``group.py``)."""
         if self.world_size > 1:
-            await form_group(
+            self._addresses = await form_group(
                 self._fan_out, self.launcher, self.backend, pongs, self.deadlines, Path(self._scratch.name)
             )
 
@@ -297,8 +298,11 @@ class Pool:
         async with anyio.create_task_group() as tg:
             for worker in old:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
-        # The ring lets a collective go once its peers' connections close (they are all gone now); a backend
-        # that never lets go (jaccl) keeps rank 0's thread, and only a fresh process can serve.
+        # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
+        # stopped, or out of reach, holds them open, so rank 0's end is shut down too. A backend whose collectives
+        # wait on other things (jaccl's RDMA) may keep rank 0's thread: then only a fresh process can serve.
+        if cut_connections := cut(self._addresses):
+            log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
         try:
             await self._rank0.call(lambda rank: rank.leave_group(), self.deadlines.shutdown)
         except TimeoutError as e:
