@@ -88,3 +88,21 @@ def test_a_prompt_that_kills_its_rank_ends_after_the_tries_and_the_others_go_on(
         assert s.usage is not None and s.usage["completion_tokens"] == MAX_TOKENS
     given_up = tp2.find_log("not resumed")
     assert given_up is not None and given_up["losses"] == 2, given_up
+
+
+def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The same promises in a pipeline: rank 1 holds the last stage, rank 0 waits on its hidden states."""
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
+    server = Server(*args, log_path=tmp_path / "log").start()
+    try:
+        undisturbed = [reference(server.url, base) for base in BODIES]
+        disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL))
+        victim = worker_pid(server)
+        try:
+            disturb(server, undisturbed, kill(victim, signal.SIGSTOP))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                kill(victim, signal.SIGCONT)()
+        assert server.find_log("pipeline split", layers=[2, 2]) is not None
+    finally:
+        assert server.stop() == 0, server.stderr()

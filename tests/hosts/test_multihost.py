@@ -183,17 +183,20 @@ def _restarts(server: Server) -> float:
     return server.metrics().get(("neuron_worker_restarts_total", ()), 0.0)
 
 
+RESUMING = resume.shorter(40)  # the four resume requests, short enough for a step across hosts on a shared box
+
+
 @pytest.fixture(scope="module")
 def undisturbed(cluster: Server) -> list[str]:
     """What the four resume requests give on the cluster before any fault."""
-    return [resume.reference(cluster.url, base) for base in resume.BODIES]
+    return [resume.reference(cluster.url, base) for base in RESUMING]
 
 
 def test_a_cut_ssh_session_and_every_stream_goes_on(bed: Namespaces, cluster: Server, undisturbed: list[str]) -> None:
     (ssh,) = _children(cluster.process.pid, "ssh")
     (old,) = bed.workers(0)
     before = _restarts(cluster)
-    resume.disturb(cluster, undisturbed, resume.kill(ssh, signal.SIGKILL))
+    resume.disturb(cluster, undisturbed, resume.kill(ssh, signal.SIGKILL), bases=RESUMING)
     resumed = [e for e in cluster.logs() if e.get("event") == "resumed"]
     assert resumed and all(e["rank"] == 1 and e["host"] == f"root@{bed.ip(0)}" for e in resumed), resumed
     assert _restarts(cluster) == before + 1 and cluster.find_log("restarting") is None
@@ -207,7 +210,7 @@ def test_a_remote_worker_killed_or_stopped_and_every_stream_goes_on(
     (worker,) = bed.workers(0)
     before = _restarts(cluster)
     try:
-        resume.disturb(cluster, undisturbed, resume.kill(worker, sig))
+        resume.disturb(cluster, undisturbed, resume.kill(worker, sig), bases=RESUMING)
     finally:
         if sig == signal.SIGSTOP and alive(worker):
             os.kill(worker, signal.SIGCONT)  # its SSH session is gone: it exits once it runs again
