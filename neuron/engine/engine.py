@@ -85,7 +85,6 @@ class Engine:
         # process can serve again.
         self.lost = anyio.Event()
         self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
-        self._recovering = False
         self.recoveries = 0  # lost groups replaced in this process
         budget = self.limits.prefix_cache_bytes
         self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
@@ -306,16 +305,12 @@ class Engine:
         ``lost`` is set (the leader restarts its process)."""
         cause = self.pool.broken
         started = time.perf_counter()
-        self._recovering = True
         self._busy_since = None  # not a wedged step: recovering has deadlines of its own
         log.warning("recovering", cause=str(cause), paused=self.waiting)
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._expire_paused)
-                failure = await self._try_to_recover(cause, started)
-                tg.cancel_scope.cancel()
-        finally:
-            self._recovering = False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._expire_paused)
+            failure = await self._try_to_recover(cause, started)
+            tg.cancel_scope.cancel()
         if failure is not None:
             log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
             self.health = Health(False, f"{cause}; recovery failed: {failure}")
