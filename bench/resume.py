@@ -3,12 +3,13 @@
 Run: .venv/bin/python bench/resume.py [--trials 3] [--hosts]   (--hosts: as root, with openssh-server and iproute2)
 
 A TP=2 server of the tiny qwen3 (testkit's, random weights, a real tokenizer) streams testkit/resume.py's four
-requests (two greedy, two seeded, 300 tokens each); once every stream has a few chunks, rank 1's worker is
-SIGKILLed. Each stream must then end as the same request did on the undisturbed server (its text equal, no error
-event), and for each the time from the kill to its first token after it is taken. One host: the worker is a
-local process. ``--hosts``: rank 1 runs on a namespace host of testkit/testbed.py, started over SSH, and the fault
-is killing its SSH session. The server logs its own part (``recovered``: loss noticed to the group probed again);
-the rest is the replay of each stream (its prompt and output fed again, one blamed stream per step).
+requests (two greedy, two seeded, 300 tokens each; 60 across hosts, where a step is slower); once every stream
+has a few chunks, rank 1's worker is SIGKILLed. Each stream must then end as the same request did on the
+undisturbed server (its text equal, no error event), and for each the time from the kill to its first token
+after it is taken. One host: the worker is a local process. ``--hosts``: rank 1 runs on a namespace host of
+testkit/testbed.py, started over SSH, and the fault is killing its SSH session. The server logs its own part
+(``recovered``: loss noticed to the group probed again); the rest is the replay of each stream (its prompt and
+output fed again, one blamed stream per step).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testkit import Server, make_tiny_model
-from testkit.resume import BODIES, disturb, kill, reference, worker_pid
+from testkit.resume import disturb, kill, reference, shorter, worker_pid
 
 
 def _children(pid: int, name: str) -> list[int]:
@@ -40,15 +41,15 @@ def _children(pid: int, name: str) -> list[int]:
     return out
 
 
-def trials(server: Server, count: int, across: bool) -> tuple[list[float], list[float]]:
+def trials(server: Server, count: int, across: bool, tokens: int) -> tuple[list[float], list[float]]:
     """Seconds from each kill to each stream's next token, and the server's own recovery times."""
-    references = [reference(server.url, base) for base in BODIES]
-    to_next, recovered_before = [], 0
+    bases = shorter(tokens)
+    references = [reference(server.url, base) for base in bases]
+    to_next = []
     for _ in range(count):
         victim = _children(server.process.pid, "ssh")[0] if across else worker_pid(server)
-        streams, at = disturb(server, references, kill(victim, signal.SIGKILL))
+        streams, at = disturb(server, references, kill(victim, signal.SIGKILL), bases=bases)
         to_next += [t for s in streams if (t := s.first_after(at)) is not None]
-        recovered_before += 1
     recoveries = [e["ms"] / 1000 for e in server.logs() if e.get("event") == "recovered" and e.get("in_process")]
     return to_next, recoveries
 
@@ -64,6 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--hosts", action="store_true", help="also across namespace hosts (root)")
+    parser.add_argument("--tokens", type=int, default=300, help="tokens per request on one host")
+    parser.add_argument("--hosts-tokens", type=int, default=60, help="tokens per request across hosts")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -72,7 +75,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         server = Server("--model", str(model), "--tp", "2", "--step-timeout", "3", log_path=root / "local.log")
         try:
-            report("TP=2, one host (SIGKILL a worker)", *trials(server.start(), args.trials, across=False))
+            report("TP=2, one host (SIGKILL a worker)", *trials(server.start(), args.trials, False, args.tokens))
         finally:
             server.stop()
         if args.hosts:
@@ -84,7 +87,8 @@ def main() -> None:
                 hosts = ("--hosts", str(hostfile), "--ssh-command", bed.ssh_command)
                 server = Server("--model", str(model), "--step-timeout", "3", *hosts, log_path=root / "hosts.log")
                 try:
-                    report("TP=2, two hosts (SIGKILL the SSH session)", *trials(server.start(), args.trials, True))
+                    found = trials(server.start(), args.trials, True, args.hosts_tokens)
+                    report("TP=2, two hosts (SIGKILL the SSH session)", *found)
                 finally:
                     server.stop()
             finally:
