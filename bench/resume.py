@@ -81,8 +81,10 @@ def main() -> None:
         if args.hosts:
             from testkit.testbed import Namespaces
 
-            bed = Namespaces(1, root / "bed").start()
+            (root / "bed").mkdir()
+            bed = Namespaces(1, root / "bed")
             try:
+                bed.start()
                 hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "bench.json")
                 hosts = ("--hosts", str(hostfile), "--ssh-command", bed.ssh_command)
                 server = Server("--model", str(model), "--step-timeout", "3", *hosts, log_path=root / "hosts.log")
