@@ -49,6 +49,9 @@ from neuron.tp.shard import check_splittable
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
+# Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
+# failing send or receive a number of times before it gives up, slowly on a loaded host.
+LEAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,11 +307,11 @@ class Pool:
         if cut_connections := cut(self._addresses):
             log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
         try:
-            await self._rank0.call(lambda rank: rank.leave_group(), self.deadlines.shutdown)
+            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
         except TimeoutError as e:
             raise Unrecoverable(
-                f"rank 0 is still inside a collective of the lost {self.backend} group {self.deadlines.shutdown:g} s "
-                "after every worker was stopped"
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                "worker was stopped and its connections were cut"
             ) from e
         except NoClearBackends as e:
             raise Unrecoverable(str(e)) from e
