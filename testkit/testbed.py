@@ -49,13 +49,13 @@ def clean_leftovers() -> None:
     """Namespaces and links an earlier run left behind (a killed test process cannot clean up)."""
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith("nrr"):  # TEMPLOCAL
+        if name.startswith("nrn"):
             for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
                 _kill(int(pid))
             _run("ip", "netns", "del", name, check=False)
     for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith("nrr") and name.endswith("br"):  # TEMPLOCAL
+        if name.startswith("nrn") and name.endswith("br"):
             _run("ip", "link", "del", name, check=False)
 
 
@@ -69,8 +69,8 @@ def _kill(pid: int) -> None:
 class Namespaces:
     def __init__(self, hosts: int, root: Path) -> None:
         self.root = root
-        self.prefix = f"nrr{os.getpid() % 1000}"  # TEMPLOCAL
-        self.net = 230 + os.getpid() % 20  # TEMPLOCAL
+        self.prefix = f"nrn{os.getpid() % 1000}"
+        self.net = 100 + os.getpid() % 100
         self.bridge = f"{self.prefix}br"
         self.leader_ip = self.ip(-1)
         self.namespaces = [f"{self.prefix}n{i}" for i in range(hosts)]
