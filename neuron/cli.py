@@ -266,6 +266,8 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 max_n=args.max_n,
                 speculate=args.speculate,
                 run_ahead=args.run_ahead,
+                resume_timeout=args.resume_timeout,
+                resume_tries=args.resume_tries,
             ),
             drain_timeout=args.drain_timeout,
         )

@@ -290,6 +290,22 @@ SETTINGS = {
             choices=("auto", "on", "off"),
         ),
         Setting(
+            "resume_timeout",
+            float,
+            DEFAULTS.resume_timeout,
+            "seconds the requests in flight when a rank is lost wait for fresh workers, then go on where they "
+            f"stopped; 0: they fail at once and the leader restarts (default {DEFAULTS.resume_timeout:g})",
+            check=_at_least(0),
+        ),
+        Setting(
+            "resume_tries",
+            int,
+            DEFAULTS.resume_tries,
+            "losses of a rank a request may be blamed for (fed when it happened) and still go on; the next ends "
+            f"it with an error, as it may be what kills the rank (default {DEFAULTS.resume_tries})",
+            check=_at_least(0),
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -332,6 +348,8 @@ SERVE_SETTINGS = (
     "prefix_cache_bytes",
     "speculate",
     "run_ahead",
+    "resume_timeout",
+    "resume_tries",
     "drain_timeout",
 )
 

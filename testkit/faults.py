@@ -10,7 +10,9 @@ post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record 
 given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
 prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
 ``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
-since its model loaded. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
+since its model loaded. ``NEURON_TEST_CRASH_ON`` makes a rank's process die (SIGKILL, as a crash inside MLX
+would) whenever a step feeds it given tokens in a row, ``RANK:TOKEN,TOKEN...`` (``1:17,4,99``): a request whose
+prompt kills its rank every time. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
 ``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to
 see the leader refuse it or split by it. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the model
 (``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut the
@@ -23,6 +25,7 @@ import dataclasses
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +39,7 @@ DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
 DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
 SLOW_PUSH_ENV = "NEURON_TEST_SLOW_PUSH"
+CRASH_ENV = "NEURON_TEST_CRASH_ON"
 ENTRY = "testkit.faults"  # what ``python -m`` runs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +52,20 @@ def steps(env: str, rank: int) -> frozenset[int]:
         if int(listed_rank) == rank:
             found.update(int(step) for step in listed.split(","))
     return frozenset(found)
+
+
+def crash_tokens(rank: int) -> list[int]:
+    """The tokens whose feeding kills ``rank``, from ``NEURON_TEST_CRASH_ON`` (empty: none)."""
+    for spec in filter(None, os.environ.get(CRASH_ENV, "").split(";")):
+        listed_rank, _, listed = spec.partition(":")
+        if int(listed_rank) == rank:
+            return [int(token) for token in listed.split(",")]
+    return []
+
+
+def feeds(tokens: list[int], run: list[int]) -> bool:
+    """Whether ``run`` occurs in ``tokens``, in a row."""
+    return bool(run) and any(tokens[i : i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
 
 
 def fake_host(info: Any, rank: int) -> Any:
@@ -154,6 +172,8 @@ def _faulty_ranks(rank: ModuleType) -> None:
 
         def step(self, plan: StepPlan) -> Any:
             self.steps_sent += 1
+            if (run := crash_tokens(self.rank)) and any(feeds(chunk.tokens, run) for chunk in plan.prefill):
+                os.kill(os.getpid(), signal.SIGKILL)
             out = super().step(plan)
             if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
                 self.seqs[min(self.seqs)].last += 1

@@ -41,6 +41,8 @@ class Output:
     def deliver(self, delivery: Delivery) -> None:
         """Render what the scheduler decided for one token: its text, and the sequence's finish if it ended."""
         seq, sampled = delivery.seq, delivery.sampled
+        if seq.lost is not None:
+            self.resumed(seq)
         if delivery.first:
             log.info(
                 "prefill done",
@@ -64,6 +66,23 @@ class Output:
             seq.emit(Chunk(sampled.token, delivery.text, sampled.logprob, sampled.top))
         if delivery.finish is not None:
             self.finish(seq, delivery.finish, delivery.tail)
+
+    def resumed(self, seq: Sequence) -> None:
+        """``seq``'s first token since the group was lost under it: its stream goes on."""
+        assert seq.lost is not None
+        replayed = len(seq.tokens)
+        log.info(
+            "resumed",
+            request_id=seq.request_id,
+            rank=seq.lost.rank,
+            host=seq.lost.host,
+            replayed_tokens=replayed,
+            losses=seq.losses,
+            ms=ms_since(seq.lost.at),
+        )
+        metrics.RESUMED.inc()
+        metrics.REPLAYED_TOKENS.inc(replayed)
+        seq.lost = None
 
     def finish(self, seq: Sequence, reason: str, tail: str) -> None:
         """End ``seq`` with the text held back until now, and say why."""

@@ -117,6 +117,16 @@ class StopText:
         return pending
 
 
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Why a sequence is paused: the group was lost under it, and it waits to be fed again (``engine.resume``)."""
+
+    rank: int  # the rank whose loss broke the group
+    host: str
+    cause: str
+    at: float  # perf_counter time of the loss
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request's state in the engine. The engine writes its events; the caller reads them."""
@@ -150,6 +160,12 @@ class Sequence:
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)
     drop: int = 0
+    # Resuming after a lost group: why it is paused (None while it runs), the tokens fed again once it resumes
+    # (its prompt and its output so far; None: its prompt alone, as at first), and the losses blamed on it.
+    lost: Lost | None = None
+    replay: list[int] | None = None
+    losses: int = 0
+    alone: bool = False  # fed on its own since a loss, even as one of n choices: its original's cache is gone
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
 
@@ -160,8 +176,18 @@ class Sequence:
 
     @property
     def n(self) -> int:
-        """Places it takes in the batch: itself and its copies."""
-        return 1 + len(self.copies)
+        """Places it takes in the batch: itself and its copies (each on its own since a loss)."""
+        return 1 if self.alone else 1 + len(self.copies)
+
+    @property
+    def fed_with(self) -> list[Sequence]:
+        """The copies that start from this sequence's cache once its prompt is fed."""
+        return [] if self.alone else [c for c in self.copies if not c.alone]
+
+    @property
+    def tokens(self) -> list[int]:
+        """What its cache must hold before it samples: its prompt, and since a loss its output so far too."""
+        return self.prompt if self.replay is None else self.replay
 
     def emit(self, event: Event) -> None:
         """Hand an event to the reader; a reader that has gone away counts as a cancellation."""

@@ -29,8 +29,9 @@ log = structlog.get_logger("neuron.pool")
 
 async def form_group(
     fan_out: FanOut, launcher: Launcher, backend: str, pongs: dict[int, rpc.Pong], deadlines: Deadlines, scratch: Path
-) -> None:
-    """Bring up the group, rank 0 joining concurrently, and check an all-reduce of ones sums to the world size."""
+) -> list[list[str]]:
+    """Bring up the group, rank 0 joining concurrently, and check an all-reduce of ones sums to the world size;
+    returns every rank's data-plane addresses."""
     started = time.perf_counter()
     world_size, hosts, names = launcher.world_size, launcher.hosts, fan_out.hosts
     listeners = Listeners()
@@ -61,6 +62,7 @@ async def form_group(
     if wrong:
         raise fan_out.break_group("init", wrong)
     log.info("group ready", backend=backend, world_size=world_size, addresses=addresses, ms=ms_since(started))
+    return addresses
 
 
 async def _open_data_plane(

@@ -10,7 +10,9 @@ step's request, so nothing but small JSON crosses a pipe.
 
 A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
-call then fails at once, naming the cause; recovery is a fresh process.
+call then fails at once, naming the cause, until ``recover`` replaces every
+worker and rank 0's group in this process (where MLX can forget a group:
+``tp.backends``); where it cannot, recovery is a fresh process.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from neuron.launch.checks import (
     check_models,
     model_differences,
 )
-from neuron.launch.dataplane import spawn_env
+from neuron.launch.dataplane import cut, spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.push import PushCut, Pushed, push
@@ -51,12 +53,16 @@ from neuron.pool.rank0 import Rank0Thread
 from neuron.sampling_params import Sampled
 from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
+from neuron.tp.backends import NoClearBackends
 from neuron.tp.rank import Loaded, Rank, group_joined, lead
 from neuron.tp.shard import ShareSource, check_splittable
 
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
+# Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
+# failing send or receive a number of times before it gives up, slowly on a loaded host.
+LEAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,10 @@ class Layout:
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
         return cls(Launcher.local(world_size), "ring", stages, split)
+
+
+class Unrecoverable(RuntimeError):
+    """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
 
 
 class Pool:
@@ -107,6 +117,8 @@ class Pool:
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._closing = False
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
+        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
+        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -183,7 +195,7 @@ class Pool:
     async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
         """Check every data-plane link answers, then bring up the group (``group.py``)."""
         if self.world_size > 1:
-            await form_group(
+            self._addresses = await form_group(
                 self._fan_out, self.launcher, self.backend, pongs, self.deadlines, Path(self._scratch.name)
             )
 
@@ -337,18 +349,52 @@ class Pool:
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
+    async def recover(self) -> None:
+        """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
+        start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when rank 0 stays inside
+        the lost group's collectives, or this MLX cannot forget a group; any other error from starting, joining or
+        loading as those raise it."""
+        started = time.perf_counter()
+        old, self._fan_out.workers = self._fan_out.workers, []
+        async with anyio.create_task_group() as tg:
+            for worker in old:
+                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+        # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
+        # stopped, or out of reach, holds them open, so rank 0's end is shut down too. A backend whose collectives
+        # wait on other things (jaccl's RDMA) may keep rank 0's thread: then only a fresh process can serve.
+        if cut_connections := cut(self._addresses):
+            log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
+        try:
+            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+        except TimeoutError as e:
+            raise Unrecoverable(
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                "worker was stopped and its connections were cut"
+            ) from e
+        except NoClearBackends as e:
+            raise Unrecoverable(str(e)) from e
+        self.loaded = False
+        self._fan_out.renew()
+        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
+        pongs = await self.start()
+        await self.init_group(pongs)
+        await self.load()
+        self._renewed.set()
+        metrics.WORKER_RESTARTS.inc()
+
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
 
         Why a task per process: a worker that dies between steps would otherwise
         be noticed only by the next step, while ``/ready`` still said yes. Runs
-        until cancelled.
+        until cancelled, following the workers each ``recover`` starts.
         """
 
         async def wait(worker: Link) -> None:
             await worker.process.wait()
-            if self._closing:
-                return
+            if self._closing or all(w is not worker for w in self._fan_out.workers):
+                return  # asked to leave: at shutdown, or replaced by a recovery
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
@@ -361,10 +407,13 @@ class Pool:
             assert self.broken is not None
             on_lost(self.broken)
 
-        async with anyio.create_task_group() as tg:
-            for worker in self.workers:
-                tg.start_soon(wait, worker)
-            await anyio.sleep_forever()
+        while True:
+            renewed = self._renewed = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                for worker in self.workers:
+                    tg.start_soon(wait, worker)
+                await renewed.wait()
+                tg.cancel_scope.cancel()
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

@@ -39,6 +39,7 @@ from neuron.sampling_params import SamplingParams
 from neuron.server import anthropic, completions, limits, openai_api, reasoning, responses, schema, tokenize, tools
 from neuron.server.completions import Replies
 from neuron.server.guard import Allowed, Guard
+from neuron.server.keepalive import KEEP_ALIVE_S, pump
 from neuron.server.openai_api import ApiError, Generation, within_limits
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
@@ -152,7 +153,8 @@ async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]
 
 
 class EventStream(Response):
-    """Server-sent events that stop when the client disconnects, and always run ``on_close``.
+    """Server-sent events that stop when the client disconnects, and always run ``on_close``; a comment keeps a
+    silent stream open (``keepalive``).
 
     ``on_close`` runs even when the body never started, so a request whose client
     left early is still cancelled in the engine.
@@ -179,25 +181,23 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
 
+            async def body(data: bytes) -> None:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
             async def stream() -> None:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                while True:
-                    try:
-                        data = await anext(self.events)
-                    except StopAsyncIteration:
-                        break
-                    except Exception as e:
-                        # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
-                        log.exception("stream failed", path=scope.get("path"))
-                        error = ApiError(
-                            500,
-                            f"internal error ({type(e).__name__}); the server log has the details",
-                            type="server_error",
-                            code="server_error",
-                        )
-                        await send({"type": "http.response.body", "body": self.error_event(error), "more_body": True})
-                        break
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                try:
+                    await pump(self.events, body, KEEP_ALIVE_S)
+                except Exception as e:
+                    # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
+                    log.exception("stream failed", path=scope.get("path"))
+                    error = ApiError(
+                        500,
+                        f"internal error ({type(e).__name__}); the server log has the details",
+                        type="server_error",
+                        code="server_error",
+                    )
+                    await body(self.error_event(error))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
             await _unless_disconnected(receive, stream)

@@ -27,7 +27,7 @@ from neuron.models import read_config, text_config
 from neuron.rpc import Decode, StepPlan
 from neuron.sampling_params import Sampled
 from neuron.step import Step
-from neuron.tp import ahead, caches, rollback
+from neuron.tp import ahead, backends, caches, rollback
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch, fed
 from neuron.tp.entries import Entries
@@ -68,13 +68,13 @@ def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
 
 
 # MLX keeps one distributed group per process: a second init returns the first
-# group (or a dead one after a failure). A process joins at most once, and a
-# new group means a new process.
+# group (or a dead one after a failure). A process joins again only after
+# ``Rank.leave_group`` has made MLX forget the first (``tp.backends``).
 _joined_group = False
 
 
 def group_joined() -> bool:
-    """Whether this process has already joined a group (and so can never join another)."""
+    """Whether this process has joined a group it has not left (and so cannot join another now)."""
     return _joined_group
 
 
@@ -328,6 +328,16 @@ class Rank:
         self.model = None
         self.runner = None
         mx.clear_cache()
+
+    def leave_group(self) -> None:
+        """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it, so that
+        ``init_group`` can join a fresh one in this process; ``backends.NoClearBackends`` where MLX cannot."""
+        global _joined_group
+        self.unload()
+        self.group = None
+        if _joined_group:
+            backends.clear_backends()
+            _joined_group = False
 
 
 def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str, bool]:

@@ -55,15 +55,19 @@ class Mark:
 class Sampler:
     """One request's sampler: its parameters, its random key, and the recent tokens the penalties see."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, produced: tuple[int, ...] | None = None) -> None:
+        """``produced``: the tokens this sequence sampled before a lost group (``Start.produced``); the sampler
+        starts where it stood after them, as if it had never been lost."""
         self.params = params
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._recent: list[int] = []
-        self._generated = 0  # tokens sampled so far: min_tokens holds the stop tokens back until enough are
+        self._generated = len(produced or ())  # sampled so far: min_tokens holds the stop tokens back until enough
         self._prompt: list[tuple[float, tuple[tuple[int, float], ...]]] = []  # prompt scores not yet handed on
         self._tail: mx.array | None = None  # the last scored position's logprobs: they predict the next chunk
         self._key: mx.array | None = None  # made on first use
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
+        if produced is not None and params.constraint is not None:
+            params.constraint.rewind(list(produced))  # it may have followed a token of the step that failed
 
     @property
     def plain(self) -> bool:
@@ -137,7 +141,7 @@ class Sampler:
             frequency_penalty=p.frequency_penalty or None,
             frequency_context_size=PENALTY_WINDOW,
         )
-        return mx.random.key(self._seed)
+        return rewound(self._seed, self._generated if p.temperature != 0.0 else 0)
 
     def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
         """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
@@ -177,6 +181,15 @@ class Sampler:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else None
         return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
+
+
+def rewound(seed: int, draws: int) -> mx.array:
+    """The random key of a sampler seeded with ``seed`` after ``draws`` tokens: each draw splits it once
+    (``Sampler.draw``), and keeps the first half."""
+    key = mx.random.key(seed)
+    for _ in range(draws):
+        key = mx.random.split(key)[0]
+    return key
 
 
 @dataclasses.dataclass(slots=True)
@@ -247,7 +260,7 @@ class Samplers:
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
         for seq, start in step.starts.items():
-            self._by_seq[seq] = Sampler(start.params)
+            self._by_seq[seq] = Sampler(start.params, start.produced)
             self._by_seq[seq].feed(list(start.recent))
         if unknown := sorted(({c.seq for c in plan.prefill} | {r.seq for r in plan.decode}) - self._by_seq.keys()):
             raise KeyError(f"rank 0 has no sampler for sequences {unknown}: the step neither starts nor continues them")
