@@ -248,6 +248,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 max_n=args.max_n,
                 speculate=args.speculate,
                 run_ahead=args.run_ahead,
+                pooling_type=args.pooling_type,
             ),
             drain_timeout=args.drain_timeout,
         )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron.engine.scheduler import Scheduling
+from neuron.models import POOLING_TYPES
 
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
@@ -278,6 +279,14 @@ SETTINGS = {
             choices=("auto", "on", "off"),
         ),
         Setting(
+            "pooling_type",
+            str,
+            DEFAULTS.pooling_type,
+            "how /v1/embeddings pools the final hidden states, vLLM's pooling types: MEAN over every position, or "
+            "the LAST position's (default: what the model's sentence-transformers card says, else MEAN)",
+            choices=POOLING_TYPES,
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -319,6 +328,7 @@ SERVE_SETTINGS = (
     "prefix_cache_bytes",
     "speculate",
     "run_ahead",
+    "pooling_type",
     "drain_timeout",
 )
 
