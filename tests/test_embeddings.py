@@ -68,6 +68,7 @@ def test_the_four_shapes_of_input_are_read_in_order(given: Any, inputs: list[Any
         ({"model": "m", "input": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "or -1"),
         ({"model": "m", "input": "a", "add_special_tokens": 1}, 400, "add_special_tokens", "a boolean"),
         ({"model": "m", "input": "a", "normalize": False}, 400, "normalize", "unrecognized request argument"),
+        ({"model": "m", "input": "a", "user": {}}, 400, "user", "must be a string"),
     ],
 )
 def test_a_bad_request_names_its_field(body: dict[str, Any], status: int, param: str, words: str) -> None:
@@ -152,6 +153,23 @@ def test_the_pooling_is_the_settings_else_the_model_cards_else_the_mean(tmp_path
     assert embedding(tmp_path, config, None).pooling == "MEAN"
     assert embedding(tmp_path, {**config, "is_matryoshka": True}, None).cuts is None
     assert embedding(tmp_path, {**config, "matryoshka_dimensions": [2, 4]}, None).cuts == (2, 4)
+
+
+@pytest.mark.unit
+def test_whole_inputs_are_batched_by_length_so_that_padding_never_outweighs_the_tokens() -> None:
+    from neuron.rpc import Prefill
+    from neuron.tp.embed import _groups
+
+    def chunk(seq: int, length: int, pool: str = "MEAN") -> Prefill:
+        return Prefill(seq, 0, [5] * length, True, pool=pool)
+
+    def lengths(groups: list[list[Prefill]]) -> list[list[int]]:
+        return [[len(c.tokens) for c in group] for group in groups]
+
+    assert lengths(_groups([chunk(i, 12) for i in range(8)])) == [[12] * 8]
+    assert lengths(_groups([chunk(1, 500), *(chunk(i, 10 + i) for i in range(2, 6))])) == [[12, 13, 14, 15], [500]]
+    assert lengths(_groups([chunk(1, 3), chunk(2, 4, "LAST"), chunk(3, 5)])) == [[4], [3, 5]]
+    assert _groups([]) == []
 
 
 def _inputs(*lengths: int) -> list[Sequence]:
@@ -256,9 +274,10 @@ def test_the_openai_client_gets_mlx_lms_vectors_in_order_as_floats_and_base64(
     thinking_server: Server, reference: Any
 ) -> None:
     client = _client(thinking_server)
-    texts = ["hello", LONG, "héllo wörld"]
+    # The first two are fed together, left-padded in one forward; the long one over four steps; the last alone.
+    texts = ["hello", "two dogs", LONG, "héllo wörld"]
     floats = client.embeddings.create(model="tiny-thinker", input=texts, encoding_format="float")
-    assert [item.index for item in floats.data] == [0, 1, 2] and floats.object == "list"
+    assert [item.index for item in floats.data] == [0, 1, 2, 3] and floats.object == "list"
     ids = [reference.tokenizer.encode(text) for text in texts]
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     for item, tokens in zip(floats.data, ids, strict=True):
@@ -274,7 +293,7 @@ def test_the_openai_client_gets_mlx_lms_vectors_in_order_as_floats_and_base64(
         json={"model": "tiny-thinker", "input": ids, "encoding_format": "base64"},
         timeout=30,
     ).json()
-    assert [item["index"] for item in raw["data"]] == [0, 1, 2]
+    assert [item["index"] for item in raw["data"]] == [0, 1, 2, 3]
     for item, plain in zip(raw["data"], floats.data, strict=True):
         decoded = np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4")
         assert np.array_equal(decoded, np.array(plain.embedding, dtype=np.float32))
@@ -366,7 +385,7 @@ def split(
 
 def test_two_ranks_give_one_ranks_vectors(split: Server, thinking_server: Server, reference: Any) -> None:
     pooling = "LAST" if "LAST" in split.args else "MEAN"
-    texts = ["hello", LONG]
+    texts = ["hello", "two dogs", LONG]
     got = _client(split).embeddings.create(model="tiny-thinker", input=texts, encoding_format="float")
     for item, text in zip(got.data, texts, strict=True):
         assert np.abs(np.array(item.embedding) - reference(reference.tokenizer.encode(text), pooling)).max() < 1e-5

@@ -505,7 +505,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings"
+        routes = (
+            "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize"
+        )
         message = f"no route {request.method} {request.url.path}; see {routes}"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"

@@ -51,6 +51,7 @@ def parse(body: Any, served_model: str) -> EmbeddingRequest:
     if model != served_model:
         message = f"the model `{model}` does not exist; this server serves `{served_model}`"
         raise ApiError(404, message, param="model", code="model_not_found")
+    _get(body, "user", "a string", lambda v: isinstance(v, str), None)  # accepted and ignored, as OpenAI's is
     if body.get("input") is None:
         message = "`input` is required: a string, an array of strings, or token ids"
         raise bad("input", message, "missing_required_parameter")

@@ -192,7 +192,7 @@ class Rank:
         assert self.runner is not None
         prompts, inputs = _split(plan)
         out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together)
-        self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs)
+        self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs, together=self.prompts_together)
         self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
@@ -254,7 +254,7 @@ class Rank:
         assert self.model is not None and self.runner is not None
         prompts, inputs = _split(plan)
         feed_prompts(self.runner, self.model, self.seqs, prompts, shadow=True, together=self.prompts_together)
-        embed_inputs(self.runner, self.model, self.seqs, inputs, shadow=True)
+        embed_inputs(self.runner, self.model, self.seqs, inputs, shadow=True, together=self.prompts_together)
         passes = []
         for micro_batch, width in sorted(plan.widths().items()):
             rows = sum(row.micro_batch == micro_batch for row in plan.decode)
