@@ -1,15 +1,16 @@
-"""What embeddings cost and what they cost a running stream: one embedding request of many short inputs and one of
-a few long ones, alone; then one greedy stream's time per token alone and while a client embeds without pause.
+"""What embeddings cost and what they cost a running stream: one request of many short inputs fed together (left-
+padded) and fed one by one, a long input against the same tokens as a prompt, and one greedy stream's time per
+token alone and while a client embeds without pause.
 
-Run: .venv/bin/python bench/embeddings.py [--model FOLDER] [--rounds 3] [--prefill-chunk 512] [--one-by-one]
+Run: .venv/bin/python bench/embeddings.py [--model FOLDER] [--rounds 3] [--prefill-chunk 512]
 
 neuron's engine at TP=1 in this process (as ``neuron generate`` runs it; OpenBLAS when the environment preloads
-it). Each figure is the median over rounds. "short" is 32 inputs of about 12 tokens, "long" 4 of about 480; a
-request's time runs from its submission to its last vector. The stream decodes 32 tokens after its first; "while
-embedding" a task submits the short request again as soon as the last one is answered, for the stream's whole life.
-``--one-by-one`` feeds every input on its own, as for a model whose caches cannot take left padding (the figure
-to compare the batched forward of whole inputs with).
-Prints a markdown table; trust the ratios, not the absolute times.
+it, ``LD_PRELOAD``). Each round runs every case once, so that the machine's noise hits them alike; a figure is the
+median over rounds. "short" is 32 inputs of about 10 tokens; "one by one" feeds each on its own, as for a model
+whose caches cannot take left padding. The long input is about 1,300 tokens, fed in chunks; "as a prompt" is the
+same tokens generating one token. The stream decodes 32 tokens after its first; "while embedding" a task submits
+the short request again as soon as the last one is answered, for the stream's whole life. Prints a markdown
+table; trust the ratios, not the absolute times.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [f"Sentence number {i} says something short." for i in range(32)]
-LONG = [" ".join(f"word{j} of passage {i}," for j in range(160)) for i in range(4)]
+LONG = " ".join(f"word{j} of passage 1," for j in range(160))
 STREAM_TOKENS = 33
 
 
@@ -31,7 +32,6 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--one-by-one", action="store_true")
     args = parser.parse_args()
 
     import anyio
@@ -43,14 +43,11 @@ def main() -> None:
     from neuron.models import resolve
     from neuron.sampling_params import SamplingParams
 
-    async def vectors(seqs: list[Sequence]) -> None:
+    async def drain(seqs: list[Sequence]) -> float:
+        started = time.perf_counter()
         for seq in seqs:
             async for _ in seq.events:
                 pass
-
-    async def embed(engine: Engine, prompts: list[list[int]]) -> float:
-        started = time.perf_counter()
-        await vectors(engine.embed(prompts, "bench"))
         return time.perf_counter() - started
 
     async def stream(engine: Engine, prompt: list[int]) -> float:
@@ -64,7 +61,7 @@ def main() -> None:
 
         async def embedding() -> None:
             while not done.is_set():
-                served.append(await embed(engine, inputs))
+                served.append(await drain(engine.embed(inputs, "bench")))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(embedding)
@@ -72,44 +69,47 @@ def main() -> None:
             done.set()
         return during, served
 
-    async def run() -> dict[str, list[float]]:
+    async def run() -> tuple[dict[str, list[float]], int, int]:
         figures: dict[str, list[float]] = {}
         limits = Scheduling(prefix_cache_bytes=0, prefill_chunk=args.prefill_chunk)
         async with Engine.open(resolve(args.model), limits=limits) as engine:
-            if args.one_by_one:
-                engine.pool._rank0.rank.prompts_together = False  # type: ignore[union-attr]  # read by its thread
+            rank = engine.pool._rank0.rank  # read by its own thread between steps: a flag for the one-by-one case
+            assert rank is not None
             short = [engine.text.encode(text) for text in SHORT]
-            long = [engine.text.encode(text) for text in LONG]
+            long = engine.text.encode(LONG)
             prompt = engine.text.encode("Once upon a time")
-            figures["tokens"] = [sum(map(len, short)), sum(map(len, long))]
-            await embed(engine, short)  # warm
+            await drain(engine.embed(short, "bench"))  # warm
             for _ in range(args.rounds):
-                figures.setdefault("short", []).append(await embed(engine, short))
-                figures.setdefault("long", []).append(await embed(engine, long))
+                figures.setdefault("short", []).append(await drain(engine.embed(short, "bench")))
+                rank.prompts_together = False
+                figures.setdefault("short one by one", []).append(await drain(engine.embed(short, "bench")))
+                rank.prompts_together = True
+                figures.setdefault("long", []).append(await drain(engine.embed([long], "bench")))
+                prompted = [engine.submit(long, SamplingParams(max_tokens=1))]
+                figures.setdefault("long as a prompt", []).append(await drain(prompted))
                 figures.setdefault("stream", []).append(await stream(engine, prompt))
                 during, served = await beside(engine, short, prompt)
                 figures.setdefault("stream while embedding", []).append(during)
                 figures.setdefault("short while streaming", []).append(statistics.median(served))
-        return figures
+        return figures, sum(map(len, short)), len(long)
 
-    figures = anyio.run(run)
-    short_tokens, long_tokens = figures.pop("tokens")
-    median = {name: statistics.median(values) for name, values in figures.items()}
-    print(f"| case | figure (median of {args.rounds}) |\n|---|---|")
-    print(
-        f"| 32 short inputs ({short_tokens} tokens), alone | {median['short'] * 1000:.0f} ms: "
-        f"{32 / median['short']:.0f} inputs/s, {short_tokens / median['short']:.0f} tokens/s |"
-    )
-    print(
-        f"| 4 long inputs ({long_tokens} tokens), alone | {median['long'] * 1000:.0f} ms: "
-        f"{long_tokens / median['long']:.0f} tokens/s |"
-    )
-    print(f"| one stream, alone | {median['stream'] * 1000:.1f} ms/token |")
-    print(
-        f"| one stream, while a client embeds the 32 short inputs again and again | "
-        f"{median['stream while embedding'] * 1000:.1f} ms/token |"
-    )
-    print(f"| the 32 short inputs, while the stream decodes | {median['short while streaming'] * 1000:.0f} ms |")
+    figures, short_tokens, long_tokens = anyio.run(run)
+    ms = {name: statistics.median(values) * 1000 for name, values in figures.items()}
+    rows = [
+        (f"32 short inputs ({short_tokens} tokens), fed together", f"{ms['short']:.0f} ms"),
+        ("the same, fed one by one", f"{ms['short one by one']:.0f} ms"),
+        (f"one long input ({long_tokens} tokens)", f"{ms['long']:.0f} ms"),
+        ("the same tokens as a prompt, one token generated", f"{ms['long as a prompt']:.0f} ms"),
+        ("one stream, alone", f"{ms['stream']:.1f} ms/token"),
+        (
+            "one stream, while a client embeds the 32 short inputs again and again",
+            f"{ms['stream while embedding']:.1f} ms/token",
+        ),
+        ("the 32 short inputs, while the stream decodes", f"{ms['short while streaming']:.0f} ms"),
+    ]
+    print(f"| case | median of {args.rounds} |\n|---|---|")
+    for case, figure in rows:
+        print(f"| {case} | {figure} |")
 
 
 if __name__ == "__main__":

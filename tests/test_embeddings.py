@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from conftest import Server, serving
+from conftest import Server, serving, wait_until
 from test_scheduler import LETTERS, admitted, request, run, scheduler
 
 from neuron.engine.intake import Intake
@@ -368,6 +368,25 @@ def test_embeddings_while_a_generation_streams_leave_it_and_themselves_unchanged
     for vectors in during:
         assert np.abs(vectors - alone).max() < 1e-6
     assert np.abs(alone[2] - reference([7, 8, 9])).max() < 1e-4
+
+
+def test_a_client_that_leaves_cancels_its_inputs_and_the_server_goes_on(
+    thinking_server: Server, reference: Any
+) -> None:
+    def outcomes() -> dict[str, float]:
+        scraped = thinking_server.metrics()
+        return {o: scraped.get(("neuron_requests_total", (("outcome", o),)), 0.0) for o in ("stop", "cancelled")}
+
+    before = outcomes()
+    body = {"model": "tiny-thinker", "input": [LONG] * 64}  # about 230 steps of 64 tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{thinking_server.url}/v1/embeddings", json=body, timeout=httpx.Timeout(30, read=1.0))
+    # Each input ends once: embedded before the client left, or cancelled.
+    wait_until(lambda: sum(outcomes().values()) - sum(before.values()) >= 64, 60, "every input to end")
+    assert outcomes()["cancelled"] - before["cancelled"] > 32
+    again = _client(thinking_server).embeddings.create(model="tiny-thinker", input=[5, 6], encoding_format="float")
+    assert np.abs(np.array(again.data[0].embedding) - reference([5, 6])).max() < 1e-4
+    assert thinking_server.find_log("desync") is None and thinking_server.find_log("not ready") is None
 
 
 @pytest.fixture(

@@ -27,12 +27,12 @@ class Output:
 
     def started(self, seq: Sequence) -> None:
         """``seq`` was admitted to the batch."""
-        self.text.start(seq)
         seq.started = time.perf_counter()
         metrics.PROMPT_TOKENS.inc(len(seq.prompt))
         if seq.pooling is not None:  # one of up to thousands of inputs of one request: not a line each at info
             log.debug("embedding started", request_id=seq.request_id, prompt_tokens=len(seq.prompt))
             return
+        self.text.start(seq)
         log.info(
             "request started",
             request_id=seq.request_id,

@@ -463,8 +463,11 @@ async def create_embeddings(request: Request) -> Response:
     engine = _engine(state)
     embeddings.check_dimensions(asked, engine.embedding, state.model_id)
     prompts = embeddings.prompts(asked, engine.text.tokenizer, engine.context_length)
+    request_id = f"embd-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
     try:
-        seqs = engine.embed(prompts, f"embd-{uuid.uuid4().hex}")
+        seqs = engine.embed(prompts, request_id)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.param, code=e.code) from e
     except (Overloaded, Unavailable) as e:
@@ -472,6 +475,10 @@ async def create_embeddings(request: Request) -> Response:
     reply = await _answer(request, engine, seqs, lambda: embeddings.collect(seqs, asked, state.model_id))
     if reply is None:
         return Response(status_code=499)
+    tokens = reply["usage"]["prompt_tokens"]
+    log.info(
+        "embeddings done", inputs=len(seqs), prompt_tokens=tokens, ms=round((time.perf_counter() - started) * 1000)
+    )
     return Response(embeddings.render(reply), media_type="application/json")
 
 
