@@ -318,14 +318,11 @@ def test_refusals_are_openai_errors_naming_the_limit(thinking_server: Server) ->
     assert cut.usage.prompt_tokens == 2048
 
 
-def _stream_text(server: Server, started: threading.Event | None = None) -> str:
-    body = {
-        "model": "tiny-thinker",
-        "prompt": "Once upon a time",
-        "max_tokens": 300,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
+STORIES = ["Once upon a time", "In a land far away", "The ship sailed", "Rain fell on"]
+
+
+def _stream_text(server: Server, prompt: str, started: threading.Event | None = None) -> str:
+    body = {"model": "tiny-thinker", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     text = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
         for line in reply.iter_lines():
@@ -336,35 +333,49 @@ def _stream_text(server: Server, started: threading.Event | None = None) -> str:
     return "".join(text)
 
 
+def _four_streams(server: Server, started: threading.Event | None = None) -> list[str]:
+    """Four greedy generations at once; each one's text."""
+    texts: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: texts.update({i: _stream_text(server, STORIES[i], started)}))
+        for i in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    return [texts.get(i, "") for i in range(4)]
+
+
 def _embed_while(server: Server, streaming: threading.Thread, inputs: list[Any]) -> list[np.ndarray]:
     client = _client(server)
     out = []
     while streaming.is_alive() or not out:
         reply = client.embeddings.create(model="tiny-thinker", input=inputs, encoding_format="float")
         out.append(np.array([item.embedding for item in reply.data]))
-        assert streaming.is_alive() or len(out) > 1, "the generation ended before an embedding came back"
+        assert streaming.is_alive() or len(out) > 1, "the generations ended before an embedding came back"
     return out
 
 
-def test_embeddings_while_a_generation_streams_leave_it_and_themselves_unchanged(
+def test_embeddings_while_four_generations_stream_leave_them_and_themselves_unchanged(
     thinking_server: Server, reference: Any
 ) -> None:
-    alone_text = _stream_text(thinking_server)
+    undisturbed = _four_streams(thinking_server)
     inputs = [LONG, "short one", [7, 8, 9]]
     once = _client(thinking_server).embeddings.create(model="tiny-thinker", input=inputs, encoding_format="float")
     alone = np.array([item.embedding for item in once.data])
     started, texts = threading.Event(), []
-    streaming = threading.Thread(target=lambda: texts.append(_stream_text(thinking_server, started)))
+    streaming = threading.Thread(target=lambda: texts.append(_four_streams(thinking_server, started)))
     streaming.start()
     try:
         deadline = time.monotonic() + 60
         while not started.is_set():
-            assert time.monotonic() < deadline, "the stream never started"
+            assert time.monotonic() < deadline, "the streams never started"
             started.wait(0.05)
         during = _embed_while(thinking_server, streaming, inputs)
     finally:
-        streaming.join(120)
-    assert texts == [alone_text]
+        streaming.join(150)
+    assert texts == [undisturbed] and all(undisturbed)
     for vectors in during:
         assert np.abs(vectors - alone).max() < 1e-6
     assert np.abs(alone[2] - reference([7, 8, 9])).max() < 1e-4
