@@ -124,6 +124,8 @@ def test_an_input_longer_than_the_context_is_refused_naming_it_and_the_limit() -
     assert (refused.value.param, refused.value.code) == ("input[1]", "context_length_exceeded")
     with pytest.raises(RequestError, match=r"`input`: token ids must lie in \[0, 100\)"):
         intake.embeddings([[100]], "MEAN", "r")
+    with pytest.raises(RequestError, match="holds no input"):
+        intake.embeddings([], "MEAN", "r")
 
 
 def _card(folder: Path, **modes: bool) -> Path:

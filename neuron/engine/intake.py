@@ -69,6 +69,8 @@ class Intake:
     def embeddings(self, prompts: list[list[int]], pooling: str, request_id: str) -> list[Sequence]:
         """An embedding request's inputs, a sequence each, pooled so; the first holds the others as its ``group``
         (queued as one request). Raises ``RequestError`` naming the input at fault (``input``, or ``input[i]``)."""
+        if not prompts:
+            raise RequestError("`input` holds no input: send at least one", "input")
         seqs = []
         for i, prompt in enumerate(prompts):
             where = f"input[{i}]" if len(prompts) > 1 else "input"
