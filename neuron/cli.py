@@ -268,6 +268,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 run_ahead=args.run_ahead,
                 resume_timeout=args.resume_timeout,
                 resume_tries=args.resume_tries,
+                pooling_type=args.pooling_type,
             ),
             drain_timeout=args.drain_timeout,
         )

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron.engine.scheduler import Scheduling
+from neuron.models import POOLING_TYPES
 
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
@@ -306,6 +307,14 @@ SETTINGS = {
             check=_at_least(0),
         ),
         Setting(
+            "pooling_type",
+            str,
+            DEFAULTS.pooling_type,
+            "how /v1/embeddings pools the final hidden states, vLLM's pooling types: MEAN over every position, or "
+            "the LAST position's (default: what the model's sentence-transformers card says, else MEAN)",
+            choices=POOLING_TYPES,
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -350,6 +359,7 @@ SERVE_SETTINGS = (
     "run_ahead",
     "resume_timeout",
     "resume_tries",
+    "pooling_type",
     "drain_timeout",
 )
 

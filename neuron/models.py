@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,47 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
     return config.get("text_config", config)
+
+
+# How an embedding pools the final hidden states, by vLLM's names (its `pooling_type`): the mean over every
+# position, or the last position's (what a model trained for it with a causal mask, Qwen3-Embedding's kind, uses).
+POOLING_TYPES = ("MEAN", "LAST")
+# sentence-transformers' pooling modes (a model card's 1_Pooling/config.json), as vLLM reads them.
+_CARD_POOLING = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """What the model's embeddings are: how the final hidden states are pooled, their size, and the sizes a
+    request's ``dimensions`` may cut them to."""
+
+    pooling: str  # one of POOLING_TYPES
+    size: int  # the hidden size
+    # None: any size up to ``size`` (config.json's ``is_matryoshka``, vLLM's); else only these, besides ``size``
+    # itself (its ``matryoshka_dimensions``; none for a model not trained to be cut short).
+    cuts: tuple[int, ...] | None = ()
+
+
+def card_pooling(model_path: str | Path) -> str | None:
+    """The pooling the model's sentence-transformers card prescribes (``modules.json`` names its Pooling module's
+    folder, whose ``config.json`` sets one ``pooling_mode_*``), if it has one neuron does."""
+    path = Path(model_path)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        folder = next(m["path"] for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        card = json.loads((path / folder / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        return None
+    modes = [pooling for mode, pooling in _CARD_POOLING.items() if isinstance(card, dict) and card.get(mode) is True]
+    return modes[0] if len(modes) == 1 else None
+
+
+def embedding(model_path: str | Path, config: dict[str, Any], pooling: str | None) -> Embedding:
+    """The model's embeddings: pooled as ``pooling`` says, else as its card says, else by the mean."""
+    model = text_config(config)
+    cuts = config.get("matryoshka_dimensions")
+    allowed = tuple(int(d) for d in cuts) if isinstance(cuts, list) else None if config.get("is_matryoshka") else ()
+    return Embedding(pooling or card_pooling(model_path) or "MEAN", int(model["hidden_size"]), allowed)
 
 
 def default_gguf() -> Path:

@@ -217,3 +217,40 @@ def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_i
         has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
         assert (support.tp == "mlx-lm") == has_shard, arch
         assert (support.tp == "neuron") == (arch in PLANS), arch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_embeds_as_mlx_lms_final_states_pool(arch: str, arch_models: dict[str, Path]) -> None:
+    """Embedding inputs on one rank, in this process: two whole ones in one step (left-padded together where the
+    caches take padding) and one fed over two steps, against mlx-lm's inner model's output pooled the same way."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    from neuron.rpc import Prefill, StepPlan
+    from neuron.tp.rank import Rank
+
+    path = str(arch_models[arch])
+    rank = Rank(0, 1)
+    rank.load(path, [])
+    long = PROMPTS[2] * 3
+    half = len(long) // 2
+    rank.step(
+        StepPlan(
+            prefill=[
+                Prefill(1, 0, PROMPTS[0], True, pool="MEAN"),
+                Prefill(2, 0, PROMPTS[1], True, pool="MEAN"),
+                Prefill(3, 0, long[:half], False, pool="LAST"),
+            ]
+        )
+    )
+    first = dict(rank.embedded)
+    rank.step(StepPlan(prefill=[Prefill(3, half, long[half:], True, pool="LAST")]))
+    got = {**first, **rank.embedded}
+    assert not rank.seqs  # every input dropped at its last chunk
+    model, _ = load(path)
+    for seq, (ids, pooling) in {1: (PROMPTS[0], "MEAN"), 2: (PROMPTS[1], "MEAN"), 3: (long, "LAST")}.items():
+        states = model.model(mx.array([ids]))[0].astype(mx.float32)
+        pooled = states.mean(axis=0) if pooling == "MEAN" else states[-1]
+        expected = np.array(pooled / mx.linalg.norm(pooled))
+        assert np.abs(np.array(got[seq]) - expected).max() < 1e-4, (arch, seq)

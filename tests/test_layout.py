@@ -39,6 +39,7 @@ MLX_FREE = [
     "neuron.server.anthropic",
     "neuron.server.anthropic_schema",
     "neuron.server.tokenize",
+    "neuron.server.embeddings",
     "neuron.grammar",
     "neuron.models",
     "neuron.shares",

@@ -48,7 +48,7 @@ from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import ms_since, progress, trace
-from neuron.models import ModelError, read_config, text_config
+from neuron.models import ModelError, embedding, read_config, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError, Unrecoverable
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
@@ -81,6 +81,7 @@ class Engine:
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])
+        self.embedding = embedding(pool.model_path, config, self.limits.pooling_type)
         # Compiles requests' output constraints (on a caller's thread); rank 0's sampler applies them.
         self.grammars = Grammars(text.tokenizer._tokenizer, self.vocab_size, sorted(text.eos_token_ids))
         self.health = Health(False, "not probed yet")
@@ -174,6 +175,21 @@ class Engine:
         a finished sequence ignores it, a queued one leaves the queue at once, and a
         running one is dropped at the next step boundary.
         """
+        self._check_open()
+        seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
+        self._queue(seqs[0])
+        return seqs[0]
+
+    def embed(self, prompts: list[list[int]], request_id: str) -> list[Sequence]:
+        """Queue an embedding request, one sequence per input in order, as one request; read each one's events
+        until its ``Finish`` (``embedding``: the vector) or a ``Failure``, and ``cancel`` each as ``submit`` says.
+        Its inputs are fed in the steps that decode the running sequences, pooled on rank 0."""
+        self._check_open()
+        seqs = self.intake.embeddings(prompts, self.embedding.pooling, request_id)
+        self._queue(seqs[0])
+        return seqs
+
+    def _check_open(self) -> None:
         if not self._accepting:
             raise Unavailable("the server is shutting down; retry on another instance")
         if self.pool.broken is not None and not self._resumes:
@@ -182,11 +198,11 @@ class Engine:
             # Otherwise it queues: a failed step is followed at once by a probe, and one
             # step's failure should not turn away whoever arrives in the milliseconds it takes.
             raise Unavailable(f"not ready: {self.health.reason}", retry_after=math.ceil(REPROBE_S))
-        seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
-        self.scheduler.add(seqs[0])
+
+    def _queue(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
         self._idle = anyio.Event()
         self._wakeup.set()
-        return seqs[0]
 
     def cancel(self, seq: Sequence) -> None:
         if self.scheduler.cancel(seq):

@@ -54,6 +54,9 @@ class Scheduling:
     # and the leader restarts its process), and the losses a request may be blamed for and still resume.
     resume_timeout: float = 60.0
     resume_tries: int = 2
+    # How embedding inputs pool the final hidden states (models.POOLING_TYPES); None: as the model's card says,
+    # else MEAN. Not the scheduler's to read: it plans what each input's sequence says.
+    pooling_type: str | None = None
 
 
 class Detokenizer(Protocol):
@@ -135,13 +138,24 @@ class Scheduler:
         return [(seq, self.steps - (seq.cancelled_at or 0)) for seq in dropped]
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests into the batch, in arrival order, while it has places; returns them."""
-        admitted = []
-        while self.waiting and len(self.filling) + len(self.running) + self.waiting[0].n <= self.limits.max_batch:
-            seq = self.waiting.popleft()
-            group = [seq] if seq.alone else [seq, *seq.copies]
-            self.filling += group
-            admitted += group
+        """Move waiting requests into the batch, in arrival order, while it has places; returns them.
+
+        An embedding request holds no place (its inputs are fed and leave, and no decode row is theirs), so it
+        is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
+        """
+        admitted: list[Sequence] = []
+        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
+        blocked = False
+        for seq in list(self.waiting):
+            if seq.pooling is None:
+                blocked = blocked or places + seq.n > self.limits.max_batch
+                if blocked:
+                    continue
+                places += seq.n
+            self.waiting.remove(seq)
+            members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
+            self.filling += members
+            admitted += members
         return admitted
 
     def release_leaving(self) -> bool:
@@ -172,6 +186,11 @@ class Scheduler:
                 break  # a sequence blamed for a lost group is fed alone, so that a second loss blames it alone
             tokens = seq.tokens
             start = seq.fed
+            if seq.pooling is not None:  # an embedding input: no prefix cache (hidden states are not kept), no sampler
+                end = min(len(seq.prompt), start + budget)
+                prefill.append(Prefill(seq.no, start, seq.prompt[start:end], end == len(seq.prompt), pool=seq.pooling))
+                budget -= end - start
+                continue
             # A restored prefix would leave its tokens unscored; a resumed sequence's prompt was scored already.
             scores = seq.params.prompt_logprobs is not None and seq.replay is None
             prefix = self.prefix if seq.params.prompt_logprobs is None else None
@@ -197,7 +216,9 @@ class Scheduler:
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
         for chunk in prefill:
-            if chunk.last and self.prefix is not None and (stored := self.prefix.store(by_no[chunk.seq].tokens)):
+            if chunk.pool or not chunk.last or self.prefix is None:
+                continue
+            if stored := self.prefix.store(by_no[chunk.seq].tokens):
                 plan.save.append(Save(chunk.seq, stored.entry))
                 plan.evict.extend(Evict(entry) for entry in stored.evicted)
         return Step(plan, starts)
@@ -227,7 +248,10 @@ class Scheduler:
             if (seq := by_no.get(chunk.seq)) is None:
                 continue
             seq.fed += len(chunk.tokens)
-            if chunk.last:
+            if chunk.last and seq.pooling is not None:  # every rank has dropped it already: it leaves no plan
+                self.filling.remove(seq)
+                out.append(Delivery(seq, sampled[seq.no], None, "stop", first=True))
+            elif chunk.last:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
                     copy.fed = len(copy.tokens)
                     self.filling.remove(copy)
@@ -358,7 +382,8 @@ class Scheduler:
     def clear(self) -> list[Sequence]:
         """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
         each marked as cancelled now."""
-        unfinished = [seq for seq in (*self.waiting, *self.batch) if not seq.finished]
+        queued = [member for seq in self.waiting for member in (seq, *seq.copies, *seq.group)]
+        unfinished = [seq for seq in (*queued, *self.batch) if not seq.finished]
         for seq in unfinished:
             seq.cancelled_at = self.steps
         self.waiting.clear()

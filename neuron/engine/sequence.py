@@ -39,6 +39,7 @@ class Finish:
     # Speculation's draft tokens kept and rejected (OpenAI's accepted/rejected_prediction_tokens).
     accepted_tokens: int = 0
     rejected_tokens: int = 0
+    embedding: bytes = b""  # an embedding input's vector (``Sampled.embedding``); nothing else is generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,10 @@ class Sequence:
     # again; they wait in the batch, unfed, until then.
     copies: list[Sequence] = field(default_factory=list)
     copy_of: Sequence | None = None
+    # An embedding input: how its final hidden states are pooled (``MEAN`` or ``LAST``); None for a generation.
+    # ``group``: the other inputs of its request, queued with it as one request and admitted with it.
+    pooling: str | None = None
+    group: list[Sequence] = field(default_factory=list)
     # Speculation (engine.drafts): None when this sequence does not speculate. ``output`` is the completion
     # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
     proposer: Proposer | None = None

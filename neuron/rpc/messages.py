@@ -168,6 +168,10 @@ class Prefill:
     # Rank 0 wants the logits of every position of this chunk (prompt scoring, ``echo`` with ``logprobs``); every
     # rank feeds it on its own, apart from the batch of new prompts, so all issue the same collectives.
     scores: bool = False
+    # An embedding input (``MEAN`` or ``LAST``, vLLM's pooling types; empty for a prompt to generate from): no
+    # logits; when its last chunk is fed, rank 0 gets its final hidden states pooled so and scaled to unit length,
+    # and every rank drops it at once (it never joins the batch, and no plan names it again).
+    pool: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,12 +24,13 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import read_config, text_config
-from neuron.rpc import Decode, StepPlan
+from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled
 from neuron.step import Step
 from neuron.tp import ahead, backends, caches, rollback
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch, fed
+from neuron.tp.embed import as_sampled, embed_inputs
 from neuron.tp.entries import Entries
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
@@ -99,6 +100,7 @@ class Rank:
         self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
         self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
+        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``lead`` reads them
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -163,7 +165,8 @@ class Rank:
     # The step.
 
     def step(self, plan: StepPlan) -> dict[int, mx.array] | None:
-        """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch).
+        """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch),
+        and keeps the vector of each embedding input finished in ``embedded``.
 
         A plan this rank's state cannot follow still runs, on throwaway caches of
         the same shapes, so that every peer's collectives are matched; the
@@ -196,7 +199,9 @@ class Rank:
             self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
-        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill, together=self.prompts_together)
+        prompts, inputs = _split(plan)
+        out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together)
+        self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs, together=self.prompts_together)
         self.entries.evict_and_save(plan, self.seqs)
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
@@ -272,7 +277,9 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
-        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True, together=self.prompts_together)
+        prompts, inputs = _split(plan)
+        feed_prompts(self.runner, self.model, self.seqs, prompts, shadow=True, together=self.prompts_together)
+        embed_inputs(self.runner, self.model, self.seqs, inputs, shadow=True, together=self.prompts_together)
         passes = []
         for micro_batch, width in sorted(plan.widths().items()):
             rows = sum(row.micro_batch == micro_batch for row in plan.decode)
@@ -340,6 +347,11 @@ class Rank:
             _joined_group = False
 
 
+def _split(plan: StepPlan) -> tuple[list[Prefill], list[Prefill]]:
+    """The plan's prompt chunks, and its embedding inputs' chunks."""
+    return [c for c in plan.prefill if not c.pool], [c for c in plan.prefill if c.pool]
+
+
 def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str, bool]:
     """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
     (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
@@ -348,6 +360,6 @@ def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled]
     if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
         mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
-    sampled = read(draws, runs)
+    sampled = read(draws, runs) | as_sampled(rank.embedded)
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
     return sampled, rank.fingerprint(), queued

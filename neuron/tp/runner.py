@@ -69,6 +69,20 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
+    def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+        """Like ``feed``, and rank 0 gets the final hidden states (the final norm's output, whole on every rank
+        once each layer's all-reduce has joined the slices): every position's, (rows, positions, hidden), or with
+        ``every`` false the last one's, (rows, 1, hidden). Embeddings are pooled from them; no head runs."""
+        trunk, out = backbone(self.model), []
+        length = tokens.shape[1]
+        for start in range(0, length, FORWARD_TOKENS):
+            hidden = trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache)
+            if self.rank == 0 and (every or start + FORWARD_TOKENS >= length):
+                hidden = hidden if every else hidden[:, -1:, :]
+                out.append(hidden)
+            _eval_with(cache, hidden)
+        return mx.concatenate(out, axis=1) if self.rank == 0 else None
+
     def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
@@ -189,6 +203,27 @@ class Stage:
                 out.append(self.project(self.norm(hidden))[0])
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
+
+    def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+        """Like ``feed``, and the last stage sends the final hidden states back, of every position or (``every``
+        false) of the last: rank 0 applies the final norm and gets them, as ``Sharded.states`` gives them."""
+        out = []
+        length = tokens.shape[1]
+        for start in range(0, length, FORWARD_TOKENS):
+            piece = tokens[:, start : start + FORWARD_TOKENS]
+            wanted = every or start + FORWARD_TOKENS >= length
+            hidden = self._through(piece, cache)
+            if not self.last:
+                hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
+            elif wanted:
+                hidden = mx.distributed.send(hidden if every else hidden[:, -1:, :], 0, group=self.group)
+            _eval_with(cache, hidden)
+            if self.rank == 0 and wanted:
+                assert self.norm is not None
+                shape = (piece.shape[0], piece.shape[1] if every else 1, self.hidden)
+                out.append(self.norm(mx.distributed.recv(shape, self.dtype, self.stages - 1, group=self.group)))
+                mx.eval(out[-1])
+        return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
     def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).

@@ -262,9 +262,12 @@ class Samplers:
         for seq, start in step.starts.items():
             self._by_seq[seq] = Sampler(start.params, start.produced)
             self._by_seq[seq].feed(list(start.recent))
-        if unknown := sorted(({c.seq for c in plan.prefill} | {r.seq for r in plan.decode}) - self._by_seq.keys()):
+        fed = {c.seq for c in plan.prefill if not c.pool}  # an embedding input is never sampled
+        if unknown := sorted((fed | {r.seq for r in plan.decode}) - self._by_seq.keys()):
             raise KeyError(f"rank 0 has no sampler for sequences {unknown}: the step neither starts nor continues them")
         for chunk in plan.prefill:
+            if chunk.pool:
+                continue
             sampler = self._by_seq[chunk.seq]
             sampler.feed(chunk.tokens)
             if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
