@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from arch_checks import PROMPTS, reference, serve
-from conftest import ROOT
+from conftest import ROOT, run_neuron
 from tiny_archs import ARCHS, config, make_arch_model
 
 from neuron import architectures
@@ -132,6 +132,39 @@ def test_the_tiny_gemma4s_last_layer_stays_with_the_layer_whose_keys_and_values_
         check_split([2, 2], 4, 2, together)
     with pytest.raises(SplitError, match=r"\(3 reads 1's\), and no split into 3 stages"):
         check_split([], 4, 3, together)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--pp", "2", "--pp-layers", "2,2"), "puts layer 3 in stage 1 and layer 1, whose keys and values it reads"),
+        (("--pp", "3"), "no split into 3 stages puts each pair in one stage; use a smaller --pp"),
+    ],
+)
+def test_a_gemma4_split_that_parts_a_reading_layer_from_its_source_is_refused_before_anything_loads(
+    arch_models: dict[str, Path], args: tuple[str, ...], message: str
+) -> None:
+    done = run_neuron("generate", "--model", str(arch_models["gemma4_text"]), *args, "hello", timeout=60)
+    assert done.returncode in (1, 2) and message in done.stderr, done.stderr[-2000:]
+
+
+def test_gemma4s_per_layer_tables_weigh_on_the_stages_that_hold_their_columns(arch_models: dict[str, Path]) -> None:
+    """The split by memory counts gemma4's per-layer input tables with the layers, each stage holding its layers'
+    columns, not with rank 0's embedding and head."""
+    import mlx.core as mx
+
+    from neuron.models import weight_bytes
+
+    path = arch_models["gemma4_text"]
+    weights = mx.load(str(path / "model.safetensors"))
+    assert isinstance(weights, dict)
+    tables = sum(
+        a.nbytes for name, a in weights.items() if "per_layer_model_projection" in name or "_per_layer." in name
+    )
+    elsewhere = sum(a.nbytes for name, a in weights.items() if not name.startswith("model.layers."))
+    per_layer, rest = weight_bytes(path, 4)
+    assert tables > 0 and rest == elsewhere - tables
+    assert sum(per_layer) + rest == sum(a.nbytes for a in weights.values())
 
 
 def test_gemma4s_full_attention_heads_must_divide_too() -> None:

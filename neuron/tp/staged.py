@@ -97,6 +97,8 @@ def _kv_sources(layers: Sequence[nn.Module]) -> list[int]:
 
 
 def _gemma4_caches(inner: nn.Module) -> Callable[[], list[Any]]:
+    _kv_sources(inner.layers)  # at load: a stage lacking a reading layer's source cannot run a step
+
     def make_cache() -> list[Any]:
         return [
             RotatingKVCache(max_size=inner.window_size, keep=0) if layer.self_attn.is_sliding else KVCache()
