@@ -70,7 +70,7 @@ TABLE: dict[str, Support] = {
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
     "gemma3_text": Support(WINDOW, "neuron", pp=True),
-    "gemma4_text": Support(WINDOW, "neuron", pp=False),
+    "gemma4_text": Support(WINDOW, "neuron", pp=True),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
 _LAYER_TYPED = frozenset({"llama", "mistral"})
@@ -91,6 +91,23 @@ def windowed(config: dict[str, Any]) -> bool:
     return "sliding_attention" in (text.get("layer_types") or [])
 
 
+def kept_together(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """Pairs of layers that one pipeline stage must hold both of, (source, reader): gemma4's last
+    ``num_kv_shared_layers`` keep no keys and values of their own and read those of the last earlier layer of
+    their kind (sliding or full), as mlx-lm's ``Gemma4TextModel`` wires them."""
+    text = config.get("text_config", config)
+    shared = int(text.get("num_kv_shared_layers") or 0)
+    if architecture(config) != "gemma4_text" or not shared:
+        return []
+    layers = int(text["num_hidden_layers"])
+    types = text.get("layer_types")
+    if not isinstance(types, list):  # mlx-lm's default: every ``sliding_window_pattern``-th layer is full
+        pattern = int(text.get("sliding_window_pattern") or 5)
+        types = ["full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)]
+    last_of_kind = {kind: i for i, kind in enumerate(types[: layers - shared])}
+    return [(last_of_kind[types[j]], j) for j in range(layers - shared, layers) if types[j] in last_of_kind]
+
+
 def supports(config: dict[str, Any]) -> Support | None:
     """What neuron serves of a model with this config; None for an architecture outside the table (served as
     before it: one rank or mlx-lm's ``shard()``, plain key/value caches only, checked when the ranks load it)."""
@@ -101,7 +118,7 @@ def supports(config: dict[str, Any]) -> Support | None:
     if arch in _LAYER_TYPED and windowed(config):
         return Support(WINDOW, support.tp, pp=support.pp)
     if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
-        return Support(WINDOW, None, pp=False)  # neuron's plan splits attention and the MLP, not its experts
+        return Support(WINDOW, None, pp=True)  # neuron's plan splits attention and the MLP, not its experts
     return support
 
 

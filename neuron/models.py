@@ -213,13 +213,15 @@ def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# gemma4's per-layer input tables: model-wide tensors, but each stage holds only its layers' columns of them.
+_PER_LAYER_TABLES = ("embed_tokens_per_layer.", "per_layer_model_projection.")
 
 
 def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
     """Bytes of each decoder layer's weights, and of everything else (embedding, final norm, head), read from the
     safetensors headers alone: what a pipeline stage will hold."""
     per_layer = [0] * layers
-    rest = 0
+    rest = spread = 0
     for weights in sorted(Path(model_path).glob("model*.safetensors")):
         with weights.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -230,9 +232,11 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
             match = _LAYER.search(name)
             if match and int(match.group(1)) < layers:
                 per_layer[int(match.group(1))] += size
+            elif any(table in name for table in _PER_LAYER_TABLES):
+                spread += size
             else:
                 rest += size
-    return per_layer, rest
+    return [size + spread // layers for size in per_layer], rest
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from arch_checks import PROMPTS, reference, serve
-from conftest import ROOT
+from conftest import ROOT, run_neuron
 from tiny_archs import ARCHS, config, make_arch_model
 
 from neuron import architectures
@@ -97,6 +97,7 @@ def test_two_pipeline_stages_serve_as_mlx_lm_generates(
 ) -> None:
     # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
     # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
+    # gemma4's is left to the leader, which moves the split by memory to keep its last layer with layer 1.
     split = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}.get(arch, "")
     _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
 
@@ -111,8 +112,6 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     ("arch", "world_size", "stages", "message"),
     [
         ("granite", 3, 1, "'granite' has 4 attention heads, which do not divide over 3 ranks; use --tp with one of"),
-        ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
-        ("gemma4_text", 3, 3, "neuron does not split 'gemma4_text' into pipeline stages"),
     ],
 )
 def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
@@ -121,6 +120,51 @@ def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
     with pytest.raises(ModelError, match=r"use|serve it") as caught:
         check_splittable(config(arch, 300), world_size, stages)
     assert message in str(caught.value)
+
+
+@pytest.mark.unit
+def test_the_tiny_gemma4s_last_layer_stays_with_the_layer_whose_keys_and_values_it_reads() -> None:
+    from neuron.launch.stages import SplitError, check_split
+
+    together = architectures.kept_together(config("gemma4_text", 300))
+    assert together == [(1, 3)]  # layer 3 (full attention) reads layer 1's
+    with pytest.raises(SplitError, match=r"puts layer 3 in stage 1 and layer 1, .* use --pp-layers 1,3"):
+        check_split([2, 2], 4, 2, together)
+    with pytest.raises(SplitError, match=r"\(3 reads 1's\), and no split into 3 stages"):
+        check_split([], 4, 3, together)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--pp", "2", "--pp-layers", "2,2"), "puts layer 3 in stage 1 and layer 1, whose keys and values it reads"),
+        (("--pp", "3"), "no split into 3 stages puts each pair in one stage; use a smaller --pp"),
+    ],
+)
+def test_a_gemma4_split_that_parts_a_reading_layer_from_its_source_is_refused_before_anything_loads(
+    arch_models: dict[str, Path], args: tuple[str, ...], message: str
+) -> None:
+    done = run_neuron("generate", "--model", str(arch_models["gemma4_text"]), *args, "hello", timeout=60)
+    assert done.returncode in (1, 2) and message in done.stderr, done.stderr[-2000:]
+
+
+def test_gemma4s_per_layer_tables_weigh_on_the_stages_that_hold_their_columns(arch_models: dict[str, Path]) -> None:
+    """The split by memory counts gemma4's per-layer input tables with the layers, each stage holding its layers'
+    columns, not with rank 0's embedding and head."""
+    import mlx.core as mx
+
+    from neuron.models import weight_bytes
+
+    path = arch_models["gemma4_text"]
+    weights = mx.load(str(path / "model.safetensors"))
+    assert isinstance(weights, dict)
+    tables = sum(
+        a.nbytes for name, a in weights.items() if "per_layer_model_projection" in name or "_per_layer." in name
+    )
+    elsewhere = sum(a.nbytes for name, a in weights.items() if not name.startswith("model.layers."))
+    per_layer, rest = weight_bytes(path, 4)
+    assert tables > 0 and rest == elsewhere - tables
+    assert sum(per_layer) + rest == sum(a.nbytes for a in weights.values())
 
 
 def test_gemma4s_full_attention_heads_must_divide_too() -> None:

@@ -30,7 +30,7 @@ import anyio
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import cpu, metrics, rpc
+from neuron import architectures, cpu, metrics, rpc
 from neuron.launch.checks import (
     Unreachable,
     check_gpus,
@@ -133,8 +133,9 @@ class Pool:
     async def __aenter__(self) -> Pool:
         config = read_config(self.model_path)
         check_splittable(config, self.world_size, self.layout.stages)
-        if self.layout.split:
-            check_split(list(self.layout.split), int(text_config(config)["num_hidden_layers"]), self.layout.stages)
+        if self.layout.stages > 1:
+            layers = int(text_config(config)["num_hidden_layers"])
+            check_split(list(self.layout.split), layers, self.layout.stages, architectures.kept_together(config))
         try:
             pongs = await self.start()
             await self.init_group(pongs)

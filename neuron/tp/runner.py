@@ -18,6 +18,7 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.gemma4_text import logit_softcap
 
 from neuron.tp import caches, staged
 from neuron.tp.shard import VocabShard, backbone, head_gathers
@@ -115,6 +116,10 @@ def _scaled(project: Callable[[mx.array], mx.array], scaling: float, hidden: mx.
     return project(hidden) / scaling
 
 
+def _capped(project: Callable[[mx.array], mx.array], cap: float, hidden: mx.array) -> mx.array:
+    return logit_softcap(cap, project(hidden))  # mlx-lm's own, compiled as the model's call runs it
+
+
 class _Received(nn.Module):
     """The embedding of a stage after the first, where the model's own code takes no ``input_embeddings``: it
     gives the hidden states received from the stage before, whatever the tokens, so the model's call runs its
@@ -153,6 +158,8 @@ class Stage:
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
             if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
                 self.project = partial(_scaled, self.project, scaling)
+            if cap := getattr(model, "final_logit_softcapping", None):  # gemma4 caps its logits, after the head
+                self.project = partial(_capped, self.project, cap)
         self.inner.norm = nn.Identity()
         self.own_call = staged.own_call(model, self.inner)  # where the model's own call cannot run a stage
         self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters

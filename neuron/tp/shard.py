@@ -14,7 +14,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 from neuron import architectures, shares
 from neuron.models import ModelError, text_config
-from neuron.tp import plans
+from neuron.tp import plans, staged
 from neuron.tp.fuse import fuse_projections
 
 
@@ -155,7 +155,8 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
 
 
 def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Module:
-    """Load layers ``[first, end)`` of the model, and on rank 0 the embedding, final norm and head too.
+    """Load layers ``[first, end)`` of the model, and on rank 0 the embedding, final norm and head too (gemma4's
+    embedding on every stage where its layers take inputs of their own).
 
     The model is loaded lazily and the other layers dropped before anything is
     read, so a rank reads, and holds, only its stage (a tied head is the
@@ -239,9 +240,11 @@ def take_share(
         inner = backbone(model)
         inner.layers = inner.layers[first:end]
         _stage_layer_types(inner, first, end)
+        # gemma4's per-layer inputs are computed on each stage from the embedding, which every stage then keeps.
+        embeds_here = staged.slice_per_layer_inputs(inner, first, end)
         if rank != 0:
             for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
-                if name in owner:
+                if name in owner and not (name == "embed_tokens" and embeds_here):
                     del owner[name]
     elif group is not None and group.size() > 1:
         plans.split(model, config.get("model_type", ""), cast("mx.distributed.Group", group))
