@@ -343,6 +343,7 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     try:
         if chat:
             prompts = [_chat_prompt(engine, gen)]
+            gen.params = reasoning.chat_params(text.tokenizer, gen.params)
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
