@@ -177,13 +177,15 @@ class Scheduler:
         prefill: list[Prefill] = []
         restore: list[Restore] = []
         starts: dict[int, Start] = {}
+        suspect = False  # whether the step feeds a sequence blamed for a lost group
         for seq in self.filling:
             if budget <= 0:
                 break
             if seq.copy_of is not None and not seq.alone:
                 continue  # fed when its original's prompt ends
-            if prefill and (seq.losses or self._suspect(prefill)):
+            if prefill and (seq.losses or suspect):
                 break  # a sequence blamed for a lost group is fed alone, so that a second loss blames it alone
+            suspect = bool(seq.losses)
             tokens = seq.tokens
             start = seq.fed
             if seq.pooling is not None:  # an embedding input: no prefix cache (hidden states are not kept), no sampler
@@ -346,10 +348,6 @@ class Scheduler:
                 place.remove(seq)
                 if seq.fed:
                     self.leaving.append(seq.no)
-
-    def _suspect(self, prefill: list[Prefill]) -> bool:
-        """Whether a chunk of ``prefill`` feeds a sequence blamed for a lost group."""
-        return any(seq.losses for seq in self.filling if any(chunk.seq == seq.no for chunk in prefill))
 
     def pause(self, lost: Lost, blamed: Collection[Sequence], tries: int) -> tuple[list[Sequence], list[Sequence]]:
         """The group was lost under the batch: every admitted sequence goes back to the front of the queue, in
