@@ -31,10 +31,12 @@ class Spawned:
 class Launcher:
     """Starts rank R's process on ``hosts[R]``: a subprocess for this host, ``ssh`` for the others."""
 
-    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH) -> None:
+    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH, data_plane: str = "direct") -> None:
         self.hosts = hosts
         self.world_size = len(hosts)
         self.ssh_command = shlex.split(ssh_command)
+        self.data_plane = data_plane
+        self.relays: dict[int, StderrRelay] = {}  # each remote rank's latest worker's stderr
 
     @classmethod
     def local(cls, world_size: int) -> Launcher:
@@ -43,6 +45,11 @@ class Launcher:
     @property
     def remote(self) -> bool:
         return any(not h.local for h in self.hosts)
+
+    @property
+    def tunnelled(self) -> bool:
+        """The ring's links between hosts go through SSH tunnels (``tunnels.py``)."""
+        return self.data_plane == "ssh" and self.remote
 
     def host(self, rank: int) -> str:
         """The host as the operator named it: logs and errors say so."""
@@ -54,7 +61,9 @@ class Launcher:
         host = self.hosts[rank]
         if host.local:
             return Spawned(await spawn_local(rank, self.world_size, env or {}), None)
-        return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {}))
+        process, relay = await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {})
+        self.relays[rank] = relay
+        return Spawned(process, relay)
 
     def model(self, rank: int, leader_model: str | None, leader_path: str) -> str | None:
         """What ``rank`` should load: its host's own path when the hostfile names one; on this host, the folder
