@@ -15,9 +15,10 @@ import pytest
 
 from neuron import config
 from neuron.launch import dataplane, ssh
+from neuron.launch.checks import Refused, Unreachable
 from neuron.launch.hosts import Host, HostsError, check_hosts
 from neuron.launch.launcher import Launcher
-from neuron.launch.tunnels import Forward, Link, Tunnels, plan_links, ring_view
+from neuron.launch.tunnels import Forward, Link, Tunnels, forward_failure, plan_links, ring_view
 
 pytestmark = pytest.mark.unit
 
@@ -144,3 +145,18 @@ def test_a_probe_through_a_tunnel_whose_far_end_is_gone_is_named() -> None:
         assert dataplane.probe([greeting, greeting]) == {}  # each connection is greeted
     finally:
         listeners.close()
+
+
+def test_a_failed_forward_names_the_link_and_what_to_do() -> None:
+    hosts = ["localhost", "me@mac2", "me@mac3"]
+    relay = Link(1, 2, None, (Forward(2, "-L", 50001, "127.0.0.1:4002"), Forward(1, "-R", 0, "127.0.0.1:50001")))
+    taken = forward_failure(relay.forwards[0], relay, hosts, "Port forwarding failed")
+    assert isinstance(taken, Unreachable) and taken.hosts == ["me@mac3"]  # the leader tries again, other ports
+    assert str(taken).startswith("the SSH tunnel from rank 1 on me@mac2 to rank 2 on me@mac3: cannot listen on ")
+    assert "the leader's 127.0.0.1:50001 through me@mac3's SSH connection (ssh: Port forwarding failed)" in str(taken)
+    refused = forward_failure(relay.forwards[1], relay, hosts, "remote port forwarding failed for listen port 0")
+    assert isinstance(refused, Refused)  # an operator must change sshd_config: trying again cannot help
+    assert "sshd on me@mac2 would not listen on its 127.0.0.1" in str(refused)
+    assert "AllowTcpForwarding" in str(refused) and "--data-plane direct" in str(refused)
+    gone = forward_failure(relay.forwards[1], relay, hosts, "Control socket connect(/tmp/x): No such file or directory")
+    assert isinstance(gone, Unreachable) and gone.hosts == ["me@mac2"]  # the connection died: not sshd's refusal

@@ -125,7 +125,7 @@ class Tunnels:
                 try:
                     port = await self._forward(step)
                 except (ForwardError, TimeoutError) as e:
-                    raise _failed(step, link, hosts, str(e) or "timed out: no answer from ssh") from e
+                    raise forward_failure(step, link, hosts, str(e) or "timed out: no answer from ssh") from e
                 entry = join_address(LOOPBACK, port)
             assert entry is not None
             entries.append(entry)
@@ -137,8 +137,15 @@ class Tunnels:
         host = self.launcher.hosts[step.rank].ssh
         if host not in self._connections:
             control = self.scratch / f"ssh-{len(self._connections)}"
-            with anyio.fail_after(CONNECT_TIMEOUT_S):
-                process, relay = await spawn_tunnel(self.launcher.ssh_command, host, control, step.rank)
+            try:
+                with anyio.fail_after(CONNECT_TIMEOUT_S):
+                    process, relay = await spawn_tunnel(self.launcher.ssh_command, host, control, step.rank)
+            except (ForwardError, TimeoutError) as e:
+                raise Unreachable(
+                    f"cannot open the SSH connection for the data plane's tunnels to {host} (ssh: "
+                    f"{str(e) or f'no session within {CONNECT_TIMEOUT_S:g} s'}); the leader tries again",
+                    [host],
+                ) from e
             self._connections[host] = (control, process, relay)
         control = self._connections[host][0]
         return await forward(self.launcher.ssh_command, control, host, step.flag, step.spec, FORWARD_TIMEOUT_S)
@@ -189,7 +196,9 @@ class Tunnels:
             await process.aclose()
 
 
-def _failed(forward: Forward, link: Link, hosts: list[str], said: str) -> Exception:
+def forward_failure(forward: Forward, link: Link, hosts: list[str], said: str) -> Exception:
+    """The error for a forward ssh could not add, by what it means: a port taken or a connection lost (tried
+    again), or an sshd that will not forward (an operator must allow it)."""
     where = f"the SSH tunnel from rank {link.rank} on {hosts[link.rank]} to rank {link.peer} on {hosts[link.peer]}"
     carrier = hosts[forward.rank]
     lost = any(words in said.lower() for words in ("control socket", "timed out"))
