@@ -238,6 +238,7 @@ def compare_planes(args: argparse.Namespace) -> None:
                             "--pool", str(model), str(hostfile), bed.ssh_command, str(args.tokens), plane, str(batch)
                         )
                         runs.setdefault((batch, plane), []).append(_result(child))
+                        print(batch, plane, json.dumps(runs[batch, plane][-1]), file=sys.stderr, flush=True)
         finally:
             bed.close()
 

@@ -25,7 +25,7 @@ import structlog
 
 from neuron import cpu, device, models, rpc
 from neuron import log as logging_setup
-from neuron.launch.dataplane import RING_GATE_ENV, RING_REPORT_ENV, Listeners, probe, report_joining
+from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
 
@@ -168,17 +168,11 @@ class Worker:
             cpus=pinned,
             **blas,
         )
-        env = dict(env)
-        report, gate = env.pop(RING_REPORT_ENV, None), env.pop(RING_GATE_ENV, None)
         for variable, content in files.items():
             path = Path(self.scratch.name) / variable.lower()
             path.write_text(content)
             env = {**env, variable: str(path)}
         self.state = Rank(self.rank, self.world_size)
-        if report is not None:
-            report_joining(report)
-        if gate is not None:
-            sys.stdin.buffer.readline()  # the leader's word that every other rank joined (tunnels.py)
         return self.state.init_group(backend, env)
 
     def _joined(self) -> Rank:

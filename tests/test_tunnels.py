@@ -1,6 +1,6 @@
-"""``--data-plane ssh``, the decisions only: which tunnels each ring link needs, each rank's own hostfile, the ssh
-command lines, the order of joining, and the probe through a tunnel's end (real sockets on loopback). No ssh, no
-model; tests/hosts/test_multihost.py runs the tunnels across namespaces.
+"""``--data-plane ssh``, the decisions: which tunnels each ring link needs, each rank's own hostfile, the ssh
+command lines, what a failed forward means, the probe through a tunnel's end and the look for a listener (real
+sockets on loopback). No ssh, no model; tests/hosts/test_multihost.py runs the tunnels across namespaces.
 """
 
 from __future__ import annotations
@@ -8,19 +8,18 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
 from neuron import config
-from neuron.launch import dataplane, ssh
+from neuron.launch import dataplane, ssh, tunnels
 from neuron.launch.checks import Refused, Unreachable
 from neuron.launch.hosts import Host, HostsError, check_hosts
 from neuron.launch.launcher import Launcher
-from neuron.launch.tunnels import Forward, Link, Tunnels, forward_failure, plan_links, ring_view
-
-pytestmark = pytest.mark.unit
+from neuron.launch.tunnels import Forward, Link, forward_failure, plan_links, ring_view
 
 LEADER, MAC2, MAC3 = Host("localhost"), Host("me@mac2"), Host("me@mac3")
 
@@ -33,6 +32,7 @@ def listening(world_size: int) -> list[str]:
     return [f"127.0.0.1:{4000 + rank}" for rank in range(world_size)]
 
 
+@pytest.mark.unit
 def test_two_hosts_take_a_local_and_a_remote_forward_on_the_remote_hosts_connection() -> None:
     links = plan_links([LEADER, MAC2], listening(2), ports().__next__)
     assert links == [
@@ -45,6 +45,7 @@ def test_two_hosts_take_a_local_and_a_remote_forward_on_the_remote_hosts_connect
     assert links[1].forwards[0].spec == "127.0.0.1:0:127.0.0.1:4000"
 
 
+@pytest.mark.unit
 def test_ranks_on_one_machine_connect_directly_and_two_remote_hosts_relay_through_the_leader() -> None:
     hosts = [LEADER, LEADER, MAC2, MAC2, MAC3]
     links = plan_links(hosts, listening(5), ports().__next__)
@@ -59,6 +60,7 @@ def test_ranks_on_one_machine_connect_directly_and_two_remote_hosts_relay_throug
     assert plan_links([LEADER], listening(1), ports().__next__) == []
 
 
+@pytest.mark.unit
 def test_each_rank_gets_a_hostfile_of_its_own_where_only_its_next_ranks_entry_differs() -> None:
     """MLX's ring reads entry r (to accept) and entry r + 1 (to connect); the others are never used."""
     addresses, entries = listening(3), ["127.0.0.1:50000", "127.0.0.1:38000", "127.0.0.1:39000"]
@@ -72,6 +74,7 @@ def test_each_rank_gets_a_hostfile_of_its_own_where_only_its_next_ranks_entry_di
     assert json.loads(files["MLX_HOSTFILE"]) == views[2] and env["MLX_RANK"] == "2"
 
 
+@pytest.mark.unit
 def test_the_ssh_command_lines_for_a_tunnel_connection_and_its_forwards(tmp_path: Path) -> None:
     control = tmp_path / "ssh-0"
     argv = ssh.tunnel_argv(["ssh", "-F", "cfg"], "me@mac2", control)
@@ -83,8 +86,16 @@ def test_the_ssh_command_lines_for_a_tunnel_connection_and_its_forwards(tmp_path
         "ssh", "-o", "BatchMode=yes", "-S", str(control), "-O", "forward", "-R", "127.0.0.1:0:127.0.0.1:4000", "--",
         "me@mac2",
     ]  # fmt: skip
+    cancel = ssh.forward_argv(["ssh"], control, "me@mac2", "-L", "127.0.0.1:50000:127.0.0.1:4001", "cancel")
+    assert cancel[cancel.index("-O") : cancel.index("-O") + 4] == [
+        "-O",
+        "cancel",
+        "-L",
+        "127.0.0.1:50000:127.0.0.1:4001",
+    ]
 
 
+@pytest.mark.unit
 def test_only_the_ring_is_tunnelled_and_it_needs_no_ips_then() -> None:
     hosts = [Host("localhost"), Host("me@mac2")]  # no "ips": the ring listens on each host's loopback
     check_hosts(hosts, "ring", "ssh")
@@ -93,37 +104,27 @@ def test_only_the_ring_is_tunnelled_and_it_needs_no_ips_then() -> None:
     with pytest.raises(HostsError, match="--data-plane ssh tunnels the ring's TCP links; jaccl"):
         check_hosts([Host("localhost", ("10.0.0.1",), (None, "a")), Host("me@mac2", ("10.0.0.2",), ("b", None))],
                     "jaccl", "ssh")  # fmt: skip
+    assert Launcher([LEADER, MAC2], data_plane="ssh").tunnelled
+    assert not Launcher([LEADER, LEADER], data_plane="ssh").tunnelled and not Launcher([LEADER, MAC2]).tunnelled
     setting = config.SETTINGS["data_plane"]
     assert setting.default == "direct" and setting.parse("ssh", "--data-plane") == ("ssh", None)
     assert setting.parse("tls", "NEURON_DATA_PLANE")[1] == "NEURON_DATA_PLANE must be one of direct, ssh, got 'tls'"
 
 
-def test_the_last_rank_waits_for_the_word_and_the_ranks_between_say_when_they_join(tmp_path: Path) -> None:
-    launcher = Launcher([LEADER, MAC2, LEADER, MAC3], data_plane="ssh")
-    assert launcher.tunnelled and not Launcher([LEADER, LEADER], data_plane="ssh").tunnelled
-    tunnels = Tunnels(launcher, tmp_path)
-    envs = [tunnels.ring_env(rank) for rank in range(4)]
-    assert envs == [
-        {},
-        {dataplane.RING_REPORT_ENV: "-"},  # from another host: a line on its stderr, which the leader reads
-        {dataplane.RING_REPORT_ENV: str(tmp_path / "joining-2")},  # from this one: a file
-        {dataplane.RING_GATE_ENV: "1"},
-    ]
-    # The last rank is released only once rank 2 (and rank 1, from its relay) said it joins.
-    relay_read, relay_write = socket.socketpair()
-    launcher.relays[1] = ssh.StderrRelay(relay_read.detach(), 1, "me@mac2")
-    released = threading.Event()
-    waiting = threading.Thread(target=tunnels.join_in_order, args=(released.set, 30.0))
-    waiting.start()
-    relay_write.sendall(f"{dataplane.RING_JOINING}\n".encode())
-    assert not released.wait(0.2)  # rank 2 has not said it
-    dataplane.report_joining(envs[2][dataplane.RING_REPORT_ENV])
-    assert released.wait(10)
-    waiting.join()
-    relay_write.close()
-    assert launcher.relays[1].ring_joining.is_set() and launcher.relays[1].last_words() == ""
+def test_the_look_for_a_listener_finds_one_without_connecting_and_gives_up_on_none() -> None:
+    """What a tunnel's helper runs on the rank's host before it adds the forward back (``reopen_when_listening``):
+    it must see a listening socket without connecting to it (MLX's ring accepts one connection per address)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        check = tunnels.LISTENING_CHECK.format(port=port, hex=f"{port:04X}", tries=50)
+        assert subprocess.run(["sh", "-c", check], timeout=30).returncode == 0
+        listener.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    assert subprocess.run(["sh", "-c", check], timeout=30).returncode == 1  # gone: gives up after its looks
 
 
+@pytest.mark.unit
 def test_a_probe_through_a_tunnel_whose_far_end_is_gone_is_named() -> None:
     """Through a tunnel, ssh accepts the connect itself and closes it when nothing listens behind: only the
     listener's greeting tells the two apart."""
@@ -147,6 +148,7 @@ def test_a_probe_through_a_tunnel_whose_far_end_is_gone_is_named() -> None:
         listeners.close()
 
 
+@pytest.mark.unit
 def test_a_failed_forward_names_the_link_and_what_to_do() -> None:
     hosts = ["localhost", "me@mac2", "me@mac3"]
     relay = Link(1, 2, None, (Forward(2, "-L", 50001, "127.0.0.1:4002"), Forward(1, "-R", 0, "127.0.0.1:50001")))

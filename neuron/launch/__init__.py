@@ -4,6 +4,7 @@
 host's name, its cores and model path); ``local.py`` starts a worker as a
 subprocess, ``ssh.py`` on another host over SSH; ``hosts.py`` reads the
 hostfile and describes a host; ``dataplane.py`` picks and probes the addresses
-the collectives use; ``tunnels.py`` carries them through SSH (``--data-plane ssh``); ``checks.py`` compares what the ranks report. The modules
-are imported by path: a worker uses ``hosts`` and ``dataplane`` alone.
+the collectives use, and ``tunnels.py`` carries them through SSH (``--data-plane
+ssh``); ``checks.py`` compares what the ranks report. The modules are imported
+by path: a worker uses ``hosts`` and ``dataplane`` alone.
 """

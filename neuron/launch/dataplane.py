@@ -18,10 +18,8 @@ leader.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
-from pathlib import Path
 
 from neuron.launch.hosts import Host
 
@@ -124,22 +122,6 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
             if answer != GREETING:
                 unreachable[address] = "connected, but closed before any listener answered (a tunnel to nothing?)"
     return unreachable
-
-
-# Through SSH tunnels a ring connect is answered by ssh whether or not the rank behind it listens yet, so MLX's
-# connect retries never run: the ranks join in an order (``tunnels.py``), each saying when it is about to.
-RING_REPORT_ENV = "NEURON_RING_REPORT"  # where a worker says it joins: "-" (a line on stderr), or a file to create
-RING_GATE_ENV = "NEURON_RING_GATE"  # set: the worker reads one line from stdin (the leader's word) before it joins
-RING_JOINING = "neuron-ring-joining"  # the line a worker writes on stderr as it joins
-
-
-def report_joining(where: str) -> None:
-    """Say this rank is about to join the ring (MLX listens first thing there, and MLX's init holds the GIL:
-    nothing in this process could say it later)."""
-    if where == "-":
-        os.write(2, f"{RING_JOINING}\n".encode())  # one write: no log line of another thread splits it
-    else:
-        Path(where).touch()
 
 
 def ring_files(addresses: list[list[str]]) -> dict[str, str]:

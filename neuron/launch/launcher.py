@@ -36,7 +36,6 @@ class Launcher:
         self.world_size = len(hosts)
         self.ssh_command = shlex.split(ssh_command)
         self.data_plane = data_plane
-        self.relays: dict[int, StderrRelay] = {}  # each remote rank's latest worker's stderr
 
     @classmethod
     def local(cls, world_size: int) -> Launcher:
@@ -61,9 +60,7 @@ class Launcher:
         host = self.hosts[rank]
         if host.local:
             return Spawned(await spawn_local(rank, self.world_size, env or {}), None)
-        process, relay = await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {})
-        self.relays[rank] = relay
-        return Spawned(process, relay)
+        return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {}))
 
     def model(self, rank: int, leader_model: str | None, leader_path: str) -> str | None:
         """What ``rank`` should load: its host's own path when the hostfile names one; on this host, the folder

@@ -35,7 +35,6 @@ import orjson
 import structlog
 
 from neuron import reexec
-from neuron.launch.dataplane import RING_JOINING
 from neuron.launch.hosts import Host
 from neuron.launch.local import worker_command
 from neuron.log import trace
@@ -74,27 +73,22 @@ class ForwardError(RuntimeError):
     """A tunnel connection or forward ssh could not make; the message is ssh's own words."""
 
 
-def forward_argv(ssh_command: list[str], control: Path, host: str, flag: str, spec: str) -> list[str]:
-    return [*ssh_command, "-o", "BatchMode=yes", "-S", str(control), "-O", "forward", flag, spec, "--", host]
+def forward_argv(
+    ssh_command: list[str], control: Path, host: str, flag: str, spec: str, op: str = "forward"
+) -> list[str]:
+    """Ask the ControlMaster on ``control`` to add (``op`` forward) or take down (cancel) ``flag spec``."""
+    return [*ssh_command, "-o", "BatchMode=yes", "-S", str(control), "-O", op, flag, spec, "--", host]
 
 
-async def forward(ssh_command: list[str], control: Path, host: str, flag: str, spec: str, timeout: float) -> int:
-    """Add ``flag spec`` (``-L`` or ``-R``, ``listen_ip:port:target_ip:port``) to the ControlMaster on ``control``;
-    the port it listens on: ``spec``'s, or for ``-R`` on port 0 the one sshd picked (ssh prints it). ssh returns
-    once the forward listens (for ``-R``, once sshd said so)."""
+async def run_forward(argv: list[str], timeout: float) -> None:
+    """Run a ``forward_argv``; ssh returns once the forward listens (for ``-R``, once sshd said so) or is down.
+    Raises ``ForwardError`` with ssh's words."""
     env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
     with anyio.fail_after(timeout):
-        done = await anyio.run_process(forward_argv(ssh_command, control, host, flag, spec), check=False, env=env)
-    said = (done.stderr or b"").decode(errors="replace").strip().replace("\r", "").replace("\n", "; ")
+        done = await anyio.run_process(argv, check=False, env=env)
     if done.returncode != 0:
-        raise ForwardError(said or f"ssh -O forward exited {done.returncode}")
-    listen = int(spec.split(":")[1])
-    if listen:
-        return listen
-    printed = (done.stdout or b"").decode(errors="replace").strip()
-    if not printed.isdigit():
-        raise ForwardError(f"ssh did not print the port sshd picked (it printed {printed!r}; {said})")
-    return int(printed)
+        said = (done.stderr or b"").decode(errors="replace").strip().replace("\r", "").replace("\n", "; ")
+        raise ForwardError(said or f"ssh -O exited {done.returncode}")
 
 
 class StderrRelay:
@@ -104,7 +98,6 @@ class StderrRelay:
         self.rank = rank
         self.host = host
         self.tail: collections.deque[str] = collections.deque(maxlen=8)
-        self.ring_joining = threading.Event()  # the worker said it joins the ring (``dataplane.RING_JOINING``)
         self._thread = threading.Thread(target=self._run, args=(fd,), name=f"neuron-relay-{rank}", daemon=True)
         self._thread.start()
 
@@ -116,9 +109,6 @@ class StderrRelay:
                     self._relay(line)
 
     def _relay(self, line: str) -> None:
-        if line == RING_JOINING:
-            self.ring_joining.set()
-            return
         try:
             entry = orjson.loads(line)
         except orjson.JSONDecodeError:

@@ -20,15 +20,23 @@ them:
   (the leader holds the only credentials): ``-L`` on the connection to G,
   then ``-R`` on the connection to H, to that ``-L``'s port.
 
-The decisions (``plan_links``, ``ring_view``) are plain functions; ``Tunnels``
-asks ssh for the connections and forwards.
+Every forward is added once to probe the link (each listener greets), then
+taken down, and added back by a process of its own once the rank behind it
+listens in the group (``Tunnels.reopen_when_listening``). The decisions
+(``plan_links``, ``ring_view``) are plain functions; ``Tunnels`` asks ssh for
+the connections and forwards.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import os
+import random
+import shlex
+import signal
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
@@ -36,16 +44,26 @@ import anyio.abc
 import structlog
 
 from neuron.launch.checks import Refused, Unreachable
-from neuron.launch.dataplane import RING_GATE_ENV, RING_REPORT_ENV, join_address, machine_ranks
+from neuron.launch.dataplane import join_address, machine_ranks, split_address
 from neuron.launch.hosts import Host
 from neuron.launch.launcher import Launcher
-from neuron.launch.ssh import ForwardError, StderrRelay, forward, spawn_tunnel
+from neuron.launch.ssh import ForwardError, StderrRelay, forward_argv, run_forward, spawn_tunnel
 
 log = structlog.get_logger("neuron.launch")
 
 LOOPBACK = "127.0.0.1"
 CONNECT_TIMEOUT_S = 15.0
 FORWARD_TIMEOUT_S = 10.0
+EPHEMERAL = (32768, 60999)  # where a -R's port is picked on the other host (sshd's own pick could not be cancelled)
+REMOTE_PORT_TRIES = 5
+REOPEN_TRIES = 3000  # looks, 20 ms apart, for the rank behind a link to listen: a minute
+# Whether 127.0.0.1:{port} is listening on this host, without connecting (MLX accepts one connection) or binding
+# (the port is MLX's): Linux's socket table, else BSD netstat (macOS); waits for it.
+LISTENING_CHECK = (
+    "n=0; until grep -q ' 0100007F:{hex} 00000000:0000 0A ' /proc/net/tcp 2>/dev/null || "
+    "netstat -an -p tcp 2>/dev/null | grep -q '127\\.0\\.0\\.1\\.{port} .*LISTEN'; "
+    "do n=$((n+1)); [ $n -lt {tries} ] || exit 1; sleep 0.02; done"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,28 +130,98 @@ class Tunnels:
         self.launcher = launcher
         self.scratch = scratch  # the control sockets' folder (the pool's, removed with it)
         self._connections: dict[str, tuple[Path, anyio.abc.Process, StderrRelay]] = {}
+        self._opened: list[tuple[Link, tuple[Forward, ...]]] = []  # each link's forwards, as added
+        self._helpers: list[tuple[Link, anyio.abc.Process]] = []
 
     async def open(self, links: list[Link]) -> list[str]:
         """Add every link's forwards; each rank's entry (the address it connects to for its next rank). A port
-        taken on the leader between picking and listening, or a host that cannot be reached, is ``Unreachable``
-        (the leader tries again); an sshd that will not forward is ``Refused`` (an operator must allow it)."""
+        taken on the leader, or a host that cannot be reached, is ``Unreachable`` (the leader tries again); an
+        sshd that will not forward is ``Refused`` (an operator must allow it)."""
         hosts = [h.ssh for h in self.launcher.hosts]
         entries = []
         for link in links:
-            entry = link.direct
+            entry, added = link.direct, []
             for step in link.forwards:
-                try:
-                    port = await self._forward(step)
-                except (ForwardError, TimeoutError) as e:
-                    raise forward_failure(step, link, hosts, str(e) or "timed out: no answer from ssh") from e
-                entry = join_address(LOOPBACK, port)
+                if step.flag == "-R":  # the port on the other host: any free there; one taken is tried again
+                    step = replace(step, listen=random.randint(*EPHEMERAL))
+                for attempt in range(REMOTE_PORT_TRIES):
+                    try:
+                        await self._forward(step)
+                        break
+                    except (ForwardError, TimeoutError) as e:
+                        if step.flag == "-L" or attempt == REMOTE_PORT_TRIES - 1:
+                            raise forward_failure(step, link, hosts, str(e) or "timed out") from e
+                        step = replace(step, listen=random.randint(*EPHEMERAL))
+                added.append(step)
+                entry = join_address(LOOPBACK, step.listen)
             assert entry is not None
             entries.append(entry)
+            self._opened.append((link, tuple(added)))
         tunnelled = [f"{link.rank}->{link.peer}" for link in links if link.forwards]
         log.info("ssh tunnels open", links=tunnelled, connections=len(self._connections))
         return entries
 
-    async def _forward(self, step: Forward) -> int:
+    async def reopen_when_listening(self, listening: list[str]) -> None:
+        """Take every forward down, and start, for each link, a process that adds its forwards back once the
+        rank behind it listens (``listening``, by rank) on its host.
+
+        Why: through a tunnel, a connect is accepted by ssh at once and closed when nothing listens behind
+        it, so MLX (which retries only a refused connect) would keep a dead link. With the entry absent the
+        connect is refused, and retried. Each rank's ring listens only inside MLX's init, which holds the GIL,
+        so the waiting is done by processes of their own: a look at the host's listening sockets (over the
+        tunnel connection for another host), then ``ssh -O forward``."""
+        for _, forwards in self._opened:
+            for step in reversed(forwards):
+                await self._ask(step, "cancel")
+        for link, forwards in self._opened:
+            if not forwards:
+                continue
+            port = split_address(listening[link.peer])[1]
+            peer = self.launcher.hosts[link.peer]
+            wait = ["sh", "-c", LISTENING_CHECK.format(port=port, hex=f"{port:04X}", tries=REOPEN_TRIES)]
+            if not peer.local:  # looked at on that host, over the tunnel connection to it
+                wait = [*self._mux(peer.ssh), "--", peer.ssh, shlex.join(wait)]
+            steps = [shlex.join(wait), *(shlex.join(self._forward_argv(step, "forward")) for step in forwards)]
+            helper = await anyio.open_process(
+                ["sh", "-c", " && ".join(steps)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a group of its own: ended whole, its ssh with it
+            )
+            self._helpers.append((link, helper))
+
+    async def settle(self) -> None:
+        """Once the group formed (or failed): every helper has finished, or is ended; one that failed is logged."""
+        helpers, self._helpers = self._helpers, []
+        hosts = [h.ssh for h in self.launcher.hosts]
+        for link, helper in helpers:
+            if helper.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(helper.pid, signal.SIGKILL)
+            await helper.wait()
+            said = ""
+            if helper.stderr is not None:
+                with contextlib.suppress(anyio.EndOfStream, anyio.ClosedResourceError):
+                    said = (await helper.stderr.receive()).decode(errors="replace").strip()
+            if helper.returncode:
+                log.warning(
+                    "ssh tunnel not reopened",
+                    link=f"{link.rank}->{link.peer}",
+                    hosts=[hosts[link.rank], hosts[link.peer]],
+                    status=helper.returncode,
+                    ssh=said,
+                )
+            await helper.aclose()
+
+    def _mux(self, host: str) -> list[str]:
+        """ssh through the tunnel connection to ``host``, as a client of its ControlMaster."""
+        return [*self.launcher.ssh_command, "-o", "BatchMode=yes", "-S", str(self._connections[host][0])]
+
+    def _forward_argv(self, step: Forward, op: str) -> list[str]:
+        host = self.launcher.hosts[step.rank].ssh
+        return forward_argv(self.launcher.ssh_command, self._connections[host][0], host, step.flag, step.spec, op)
+
+    async def _forward(self, step: Forward) -> None:
         host = self.launcher.hosts[step.rank].ssh
         if host not in self._connections:
             control = self.scratch / f"ssh-{len(self._connections)}"
@@ -147,42 +235,15 @@ class Tunnels:
                     [host],
                 ) from e
             self._connections[host] = (control, process, relay)
-        control = self._connections[host][0]
-        return await forward(self.launcher.ssh_command, control, host, step.flag, step.spec, FORWARD_TIMEOUT_S)
+        await self._ask(step, "forward")
 
-    def ring_env(self, rank: int) -> dict[str, str]:
-        """What ``rank``'s init adds to its environment for the order of joining (``join_in_order``): the last
-        rank waits for the leader's word, the ranks between say when they join (on stderr, which the leader reads
-        from another host; in a file of the pool's on this one)."""
-        hosts, last = self.launcher.hosts, self.launcher.world_size - 1
-        if rank == last:
-            return {RING_GATE_ENV: "1"}
-        if rank == 0:
-            return {}
-        return {RING_REPORT_ENV: str(self.scratch / f"joining-{rank}") if hosts[rank].local else "-"}
-
-    def join_in_order(self, release: Callable[[], None], timeout: float) -> None:
-        """On rank 0's thread, just before it joins: wait until every rank but 0 and the last said it joins, then
-        ``release`` the last.
-
-        Why: in MLX's ring the last rank connects first (to rank 0) and every other rank listens first and
-        connects once connected to; so once ranks 0 to n-2 listen, each connect finds its listener, and the
-        last listens as soon as its own connect returns. Through a tunnel a connect that finds no listener is
-        accepted by ssh and then closed, and MLX's retries never run. MLX listens first thing in its init, but
-        holds the GIL throughout, so the word comes just before it: each listens a few system calls after its
-        word, and the connect that needs it is at least a round trip over SSH later."""
-        hosts = self.launcher.hosts
-        deadline = time.monotonic() + timeout
-        for rank in range(1, len(hosts) - 1):
-            if hosts[rank].local:
-                while not (self.scratch / f"joining-{rank}").exists() and time.monotonic() < deadline:
-                    time.sleep(0.005)
-            elif relay := self.launcher.relays.get(rank):
-                relay.ring_joining.wait(max(0.0, deadline - time.monotonic()))
-        release()  # past the deadline too: the group's own deadline then names who is stuck
+    async def _ask(self, step: Forward, op: str) -> None:
+        await run_forward(self._forward_argv(step, op), FORWARD_TIMEOUT_S)
 
     async def close(self) -> None:
         """End every tunnel connection (their forwards with them): the ring's links are gone."""
+        await self.settle()
+        self._opened = []
         connections, self._connections = self._connections, {}
         for _, process, _ in connections.values():
             if process.returncode is None:

@@ -8,7 +8,8 @@ to in the group (``launch.dataplane``); an address that does not answer is
 named, with both hosts, before any rank joins. With ``--data-plane ssh``
 every rank listens on its host's loopback instead, the links between hosts
 are SSH tunnels (``launch.tunnels``), each rank gets a hostfile of its own,
-and the probes go through the tunnels as the ring will.
+the probes go through the tunnels as the ring will, and each tunnel is
+opened again for the group only once the rank behind it listens.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import socket
 import time
 from pathlib import Path
 
-import anyio
-import anyio.lowlevel
 import structlog
 
 from neuron import rpc
@@ -53,7 +52,6 @@ async def form_group(
 
         def init(rank: int, id: int) -> rpc.Init:
             env, files = backend_setup(backend, rank, views[rank], hosts)
-            env |= tunnels.ring_env(rank) if launcher.tunnelled else {}
             cpus = launcher.cpus(rank, pongs[rank].host.cpus)
             settings = rpc.WorkerSettings(names[rank], level, launcher.log_format(rank, fmt), cpus)
             return rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings)
@@ -65,20 +63,12 @@ async def form_group(
                 path = scratch / variable.lower()
                 path.write_text(content)
                 env[variable] = str(path)
-            if launcher.tunnelled:
-                tunnels.join_in_order(lambda: anyio.from_thread.run(release, token=token), deadlines.init)
             return rank.init_group(backend, env)
-
-        token = anyio.lowlevel.current_token()
-
-        async def release() -> None:
-            last = next(worker for worker in fan_out.workers if worker.rank == world_size - 1)
-            assert last.process.stdin is not None
-            await last.process.stdin.send(b"go\n")
 
         replies = await fan_out("init", init, join, deadlines.init)
     finally:
         listeners.close()
+        await tunnels.settle()
     sums = {0: replies[0], **{rank: reply.all_sum for rank, reply in replies.items() if rank}}
     wrong = {r: f"sanity all-reduce gave {s:g}, expected {world_size}" for r, s in sums.items() if s != world_size}
     if wrong:
@@ -124,6 +114,11 @@ async def _open_data_plane(
         deadline,
     )
     check_probes({r: p.unreachable for r, p in probed.items()}, backend, fan_out.hosts, tunnelled)
+    if tunnelled:
+        # Each tunnel comes back once the rank behind it listens in the group (``Tunnels``), which must not
+        # find the probes' listeners instead: closed first, everywhere.
+        await fan_out("listen", lambda rank, id: rpc.Listen(id=id, ips=[]), lambda _: listeners.close(), deadline)
+        await tunnels.reopen_when_listening([a[0] for a in addresses])
     return views
 
 
