@@ -37,8 +37,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from generated import ROOT, add_shape_flags, generated_model
+
+if TYPE_CHECKING:
+    from testkit.testbed import Namespaces
 
 PROMPT = list(range(5, 21))
 
@@ -163,7 +167,7 @@ def main() -> None:
         print(json.dumps(bare_all_sum(int(args.all_sum[0]), 500)))
         return
 
-    from testkit.testbed import Namespaces, unavailable
+    from testkit.testbed import unavailable
 
     if reason := unavailable():
         sys.exit(f"bench/hosts.py: {reason}")
@@ -239,6 +243,7 @@ def compare_planes(args: argparse.Namespace) -> None:
                         )
                         runs.setdefault((batch, plane), []).append(_result(child))
                         print(batch, plane, json.dumps(runs[batch, plane][-1]), file=sys.stderr, flush=True)
+            echo = echo_ms(bed, scratch)
         finally:
             bed.close()
 
@@ -257,6 +262,68 @@ def compare_planes(args: argparse.Namespace) -> None:
             f"{median((batch, plane), 'fan_out'):.2f} | {median((batch, plane), 'rank0'):.1f} | "
             f"{median((batch, plane), 'drain'):.2f} |"
         )
+    print(f"\n4 KiB echoed back across the bridge, median of {ECHOES}: {echo['direct']:.3f} ms direct, ", end="")
+    print(f"{echo['ssh']:.3f} ms through an SSH -L tunnel")
+
+
+ECHOES = 500
+ECHO_SERVER = """
+import socket, sys
+with socket.create_server((sys.argv[1], int(sys.argv[2]))) as s:
+    c, _ = s.accept()
+    with c:
+        while data := c.recv(1 << 16):
+            c.sendall(data)
+"""
+
+
+def echo_ms(bed: Namespaces, scratch: Path) -> dict[str, float]:
+    """Round trips of 4 KiB (a 1 x 1024 fp32 activation) to an echo server on the other host: straight to its
+    address, and through an ``ssh -L`` to its loopback (one connection each; the median of ``ECHOES``)."""
+    import socket
+
+    port = 40000 + os.getpid() % 10000
+    inside = ["ip", "netns", "exec", bed.namespaces[0]]
+    servers = [
+        subprocess.Popen([*inside, sys.executable, "-c", ECHO_SERVER, ip, str(port + i)])
+        for i, ip in enumerate([bed.ip(0), "127.0.0.1"])
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        local = s.getsockname()[1]
+    forward = f"127.0.0.1:{local}:127.0.0.1:{port + 1}"
+    ssh = [*bed.ssh_command.split(), "-N", "-o", "ExitOnForwardFailure=yes", "-L", forward, f"root@{bed.ip(0)}"]
+    tunnel = subprocess.Popen(ssh)
+    try:
+        out = {}
+        for name, address in (("direct", (bed.ip(0), port)), ("ssh", ("127.0.0.1", local))):
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    conn = socket.create_connection(address, timeout=5)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                times, message = [], bytes(4096)
+                for _ in range(ECHOES):
+                    started = time.perf_counter()
+                    conn.sendall(message)
+                    got = 0
+                    while got < len(message):
+                        got += len(conn.recv(len(message) - got))
+                    times.append(time.perf_counter() - started)
+                out[name] = statistics.median(times) * 1000
+        return out
+    finally:
+        tunnel.terminate()
+        tunnel.wait(10)
+        for server in servers:
+            server.kill()
+            server.wait(10)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ r+1's. Its accept has no timeout and its connect retries for about 30 s, so a
 wrong address or a closed firewall shows up as a hang. So each rank first
 listens on its own addresses, on ports free on its own host (``Listeners``),
 then connects to the next rank's as the ring will (``probe``); only once every
-link answered does any rank close its listeners and join the group. A
+link answered are the listeners closed, all of them, and the ranks join the
+group (a ring connect that comes early is refused, and MLX tries again). A
 listener greets each connection with one byte, and a probe passes only once
 that byte arrives: through an SSH tunnel (``tunnels.py``) the connect itself
 is answered by ssh on the prober's own host, whatever lies beyond. The prober

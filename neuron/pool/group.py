@@ -57,7 +57,6 @@ async def form_group(
             return rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings)
 
         def join(rank: Rank) -> float:
-            listeners.close()  # MLX binds the same ports next
             env, files = backend_setup(backend, 0, views[0], hosts)
             for variable, content in files.items():
                 path = scratch / variable.lower()
@@ -114,10 +113,11 @@ async def _open_data_plane(
         deadline,
     )
     check_probes({r: p.unreachable for r, p in probed.items()}, backend, fan_out.hosts, tunnelled)
+    # Closed everywhere before any rank joins: a ring connect that came early would be greeted by a listener
+    # of the probe's and kept, where now it is refused, and MLX tries again. And each tunnel comes back only
+    # once the rank behind it listens in the group (``Tunnels``), which must not find a probe's listener.
+    await fan_out("listen", lambda rank, id: rpc.Listen(id=id, ips=[]), lambda _: listeners.close(), deadline)
     if tunnelled:
-        # Each tunnel comes back once the rank behind it listens in the group (``Tunnels``), which must not
-        # find the probes' listeners instead: closed first, everywhere.
-        await fan_out("listen", lambda rank, id: rpc.Listen(id=id, ips=[]), lambda _: listeners.close(), deadline)
         await tunnels.reopen_when_listening([a[0] for a in addresses])
     return views
 
