@@ -1,4 +1,5 @@
-"""Unattended recovery, the long run: SIGKILL rank 1 of a TP=2 server at a random moment under 3 streams, N times.
+"""Unattended recovery, the long run: SIGKILL rank 1 of a TP=2 server at a random moment under 3 streams, N times,
+with ``--resume-timeout 0`` (the leader restarts; ``bench/resume.py`` measures requests that resume instead).
 
 Run: .venv/bin/python bench/faults.py [--trials 20] [--seed 1]
 Each trial is tests/faults/test_recovery.py's: every client must get a clean
@@ -35,7 +36,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "qwen3", "qwen3")
-        server = Server("--model", str(model), "--tp", "2", "--step-timeout", "3", log_path=Path(tmp) / "log").start()
+        args = ("--model", str(model), "--tp", "2", "--step-timeout", "3", "--resume-timeout", "0")
+        server = Server(*args, log_path=Path(tmp) / "log").start()
         try:
             reference = httpx.post(f"{server.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
             rng = random.Random(args.seed)

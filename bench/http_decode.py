@@ -10,6 +10,8 @@ start) and a real ``neuron serve`` answering a streamed ``/v1/completions``
 request. All three alternate, round by round, so that the machine's noise hits
 them alike.
 Decode rate is (tokens - 1) / (time from first to last token): prefill excluded.
+CPU ms/token is the process's user+system time per token: on a machine shared with other work it moves less
+than wall time, and for a tiny model it is mostly host time.
 Prints a markdown table; the ratio is what to trust, not the absolute rates.
 """
 
@@ -38,10 +40,11 @@ def baseline_child(model: str, tokens: int) -> None:
 
     loaded_model, tokenizer = load(model)
     for _ in sys.stdin:
-        stamps = []
+        stamps, cpu = [], []
         for _response in stream_generate(loaded_model, tokenizer, PROMPT, max_tokens=tokens):
             stamps.append(time.perf_counter())
-        print(json.dumps({"tokens": len(stamps), "seconds": stamps[-1] - stamps[0]}), flush=True)
+            cpu.append(time.process_time())
+        print(json.dumps(_result(stamps, cpu[-1] - cpu[0])), flush=True)
 
 
 def engine_child(model: str, tokens: int) -> None:
@@ -58,14 +61,25 @@ def engine_child(model: str, tokens: int) -> None:
         async with Engine.open(Path(model), limits=Scheduling(prefix_cache_bytes=0)) as engine:  # as generate runs it
             prompt = engine.text.encode(PROMPT)
             while await anyio.to_thread.run_sync(sys.stdin.readline):
-                stamps = []
+                stamps, cpu = [], []
                 seq = engine.submit(prompt, SamplingParams(max_tokens=tokens))
                 async for event in seq.events:
                     if isinstance(event, Chunk):
                         stamps.append(time.perf_counter())
-                print(json.dumps({"tokens": len(stamps), "seconds": stamps[-1] - stamps[0]}), flush=True)
+                        cpu.append(time.process_time())
+                print(json.dumps(_result(stamps, cpu[-1] - cpu[0])), flush=True)
 
     anyio.run(serve)
+
+
+def _result(stamps: list[float], cpu_seconds: float) -> dict:
+    return {"tokens": len(stamps), "seconds": stamps[-1] - stamps[0], "cpu_seconds": cpu_seconds}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system time of ``pid`` and its threads so far (Linux), to count a server's CPU per token."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _blas_env() -> dict[str, str]:
@@ -78,10 +92,12 @@ def _blas_env() -> dict[str, str]:
     return env
 
 
-def http_round(url: str, model_id: str, tokens: int) -> dict:
+def http_round(url: str, model_id: str, tokens: int, pid: int) -> dict:
+    cpu_before = process_cpu_seconds(pid)
     streamed = stream_completion(url, model_id, PROMPT, tokens)
+    cpu = process_cpu_seconds(pid) - cpu_before  # prefill included: clock ticks are too coarse to split it off
     # Text can lag a token (a partial character), so time spans first to last text, counted in tokens.
-    return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0]}
+    return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0], "cpu_seconds": cpu}
 
 
 def _persistent(flag: str, path: Path, tokens: int) -> subprocess.Popen[str]:
@@ -151,7 +167,7 @@ def main() -> None:
         for warmup in (True,) + (False,) * args.rounds:
             measured = {name: _round(child) for name, child in children.items()}
             for name, server in servers.items():
-                measured[f"http{name}"] = http_round(server.url, served_id, args.tokens)
+                measured[f"http{name}"] = http_round(server.url, served_id, args.tokens, server.process.pid)
             if not warmup:
                 for name, result in measured.items():
                     results[name].append(result)
@@ -167,11 +183,15 @@ def main() -> None:
     def rate(r: dict) -> float:
         return (r["tokens"] - 1) / r["seconds"]
 
+    def cpu_ms(r: dict) -> float:
+        return r["cpu_seconds"] * 1000 / (r["tokens"] - 1)
+
     rates = {name: statistics.median(rate(r) for r in rs) for name, rs in results.items()}
+    cpus = {name: statistics.median(cpu_ms(r) for r in rs) for name, rs in results.items()}
     base = rates["mlx_lm"]
     print(f"model {path.name}, TP={args.tp}, {args.tokens} tokens, median of {args.rounds} alternating rounds\n")
-    print("| path | decode tok/s (median) | tokens/round | vs mlx_lm |")
-    print("|---|---|---|---|")
+    print("| path | decode tok/s (median) | tokens/round | vs mlx_lm | CPU ms/token | CPU vs mlx_lm |")
+    print("|---|---|---|---|---|---|")
     names = {
         "mlx_lm": "mlx_lm.stream_generate",
         "engine": "neuron's engine, TP=1 (what `neuron generate` runs)",
@@ -181,7 +201,8 @@ def main() -> None:
         },
     }
     for name, label in names.items():
-        print(f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x |")
+        row = f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x "
+        print(row + f"| {cpus[name]:.2f} | {cpus[name] / cpus['mlx_lm']:.2f}x |")
 
 
 if __name__ == "__main__":

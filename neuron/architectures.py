@@ -9,8 +9,10 @@ The caches a model builds decide the rest. Plain key/value caches can be cut
 back to any length, so a prefix-cache entry restores any beginning of a saved
 prompt and a rejected draft is trimmed away. A sliding window's cache has
 forgotten what fell out of the window, and a linear-attention layer keeps one
-state for the whole past: neither can be cut back, so such a model runs
-without drafting and keeps no prefix-cache entries (see ``Support``).
+state for the whole past: neither can be cut back, so such a model's prefix
+entries are snapshots restored only whole, at the end of the prompt they saved
+(a chat's next turn starts there), and it runs without drafting (see
+``Support`` and ``limits_for``).
 """
 
 from __future__ import annotations
@@ -38,11 +40,17 @@ class Support:
         return self.caches == KV
 
     @property
-    def prefix_cache(self) -> bool:
-        return self.cuttable
+    def prefix_cache(self) -> str:
+        """Which beginnings of a saved prompt a later one restores."""
+        return "any shared beginning" if self.cuttable else "a whole saved prompt"
 
     @property
     def speculation(self) -> bool:
+        return self.cuttable
+
+    @property
+    def run_ahead(self) -> bool:
+        """Whether decode may run a step ahead of its plan (``tp.ahead``): a plan that differs drops its token."""
         return self.cuttable
 
 
@@ -61,8 +69,8 @@ TABLE: dict[str, Support] = {
     "qwen3_5": Support(STATE, "mlx-lm", pp=True),
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
-    "gemma3_text": Support(WINDOW, "neuron", pp=False),
-    "gemma4_text": Support(WINDOW, "neuron", pp=False),
+    "gemma3_text": Support(WINDOW, "neuron", pp=True),
+    "gemma4_text": Support(WINDOW, "neuron", pp=True),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
 _LAYER_TYPED = frozenset({"llama", "mistral"})
@@ -83,6 +91,23 @@ def windowed(config: dict[str, Any]) -> bool:
     return "sliding_attention" in (text.get("layer_types") or [])
 
 
+def kept_together(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """Pairs of layers that one pipeline stage must hold both of, (source, reader): gemma4's last
+    ``num_kv_shared_layers`` keep no keys and values of their own and read those of the last earlier layer of
+    their kind (sliding or full), as mlx-lm's ``Gemma4TextModel`` wires them."""
+    text = config.get("text_config", config)
+    shared = int(text.get("num_kv_shared_layers") or 0)
+    if architecture(config) != "gemma4_text" or not shared:
+        return []
+    layers = int(text["num_hidden_layers"])
+    types = text.get("layer_types")
+    if not isinstance(types, list):  # mlx-lm's default: every ``sliding_window_pattern``-th layer is full
+        pattern = int(text.get("sliding_window_pattern") or 5)
+        types = ["full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)]
+    last_of_kind = {kind: i for i, kind in enumerate(types[: layers - shared])}
+    return [(last_of_kind[types[j]], j) for j in range(layers - shared, layers) if types[j] in last_of_kind]
+
+
 def supports(config: dict[str, Any]) -> Support | None:
     """What neuron serves of a model with this config; None for an architecture outside the table (served as
     before it: one rank or mlx-lm's ``shard()``, plain key/value caches only, checked when the ranks load it)."""
@@ -93,7 +118,7 @@ def supports(config: dict[str, Any]) -> Support | None:
     if arch in _LAYER_TYPED and windowed(config):
         return Support(WINDOW, support.tp, pp=support.pp)
     if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
-        return Support(WINDOW, None, pp=False)  # neuron's plan splits attention and the MLP, not its experts
+        return Support(WINDOW, None, pp=True)  # neuron's plan splits attention and the MLP, not its experts
     return support
 
 
@@ -121,37 +146,30 @@ class _Limits(Protocol):
     @property
     def speculate(self) -> str: ...
 
-    @property
-    def prefix_cache_bytes(self) -> int: ...
-
 
 Settings = TypeVar("Settings", bound=_Limits)  # the engine's Scheduling (a frozen dataclass)
 
 
 def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list[str]]:
     """``limits`` with what this model cannot do turned off, and a line saying why for each, for the startup log:
-    drafting needs rejected tokens cut from every layer's cache, and a prefix entry is restored cut back to the
-    shared beginning of a prompt (engine/prefix.py does not yet restore only at an entry's end)."""
+    drafting needs rejected tokens cut from every layer's cache (BENCHMARKS.md, "Speculation where caches cannot be
+    cut", measured what undoing them instead would cost)."""
     support = supports(config)
-    if support is None or support.cuttable:
+    if support is None or support.speculation or limits.speculate == "off":
         return limits, []
-    arch, why = architecture(config), f"its caches ({support.caches}) cannot be cut back to an earlier length"
-    changes: dict[str, Any] = {}
-    notes = []
-    if limits.speculate != "off":
-        changes["speculate"] = "off"
-        notes.append(f"speculative decoding off for {arch!r}: {why}, so rejected draft tokens cannot be dropped")
-    if limits.prefix_cache_bytes:
-        changes["prefix_cache_bytes"] = 0
-        notes.append(f"prefix cache off for {arch!r}: {why}")
-    return replace(limits, **changes), notes  # type: ignore[type-var]
+    arch = architecture(config)
+    note = (
+        f"speculative decoding off for {arch!r}: its caches ({support.caches}) cannot be cut back to an earlier "
+        "length, so rejected draft tokens cannot be dropped"
+    )
+    return replace(limits, speculate="off"), [note]  # type: ignore[type-var]
 
 
 def markdown() -> str:
     """The README's table of architectures, one row each."""
     rows = [
-        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache | speculation |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache restores | speculation | running ahead |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     mark = {True: "yes", False: "no"}
     windowed_mistral = supports({"model_type": "mistral", "layer_types": ["sliding_attention"]})
@@ -159,8 +177,8 @@ def markdown() -> str:
     for arch, s in [*TABLE.items(), ("mistral / llama with sliding `layer_types`", windowed_mistral)]:
         tp = {"mlx-lm": "mlx-lm's `shard()`", "neuron": "neuron's plan"}.get(s.tp or "", "no")
         rows.append(
-            f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {mark[s.prefix_cache]} "
-            f"| {mark[s.speculation]} |"
+            f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {s.prefix_cache} "
+            f"| {mark[s.speculation]} | {mark[s.run_ahead]} |"
         )
     return "\n".join(rows)
 

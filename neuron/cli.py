@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from neuron import __version__, config
@@ -30,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    # A host's end of a push of the model (--push-model): started over SSH by the leader, never by a person.
+    parser.add_argument("--receive-share", metavar="KEY", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"rank {args.rank}: {e}")
         descriptors.import_mlx_lm()
         return run_worker(args.rank, args.world_size)
+    if args.receive_share:
+        from neuron.launch.push import run_receiver
+
+        return run_receiver(args.receive_share)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -157,7 +164,9 @@ def _layout(args: argparse.Namespace) -> Layout:
     from neuron.launch.launcher import Launcher
     from neuron.pool import Layout
 
-    return Layout(Launcher(args.host_list, args.ssh_command, args.data_plane), args.backend, args.pp, args.split)
+    return Layout(
+        Launcher(args.host_list, args.ssh_command, args.data_plane), args.backend, args.pp, args.split, args.push_model
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -198,12 +207,23 @@ def _run(args: argparse.Namespace) -> int:
         if expected is None:
             raise
         print(f"neuron: error: {expected}", file=sys.stderr)
+        _leave_if_rank0_is_busy(EXIT_FAILURE)
         return EXIT_FAILURE
     if restart is not None:
         from neuron.leader import restart_leader
 
         restart_leader(restart)
     return 0
+
+
+def _leave_if_rank0_is_busy(code: int) -> None:
+    """Exit now, skipping the interpreter's teardown, while rank 0's thread (``neuron-rank0``, pool/rank0.py) is
+    still inside MLX: abandoned in a load or a step when a peer failed, it would have MLX torn down under it, and
+    the C++ runtime aborts the process (SIGABRT) after the error was said. A restart's exec skips it the same way."""
+    if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
@@ -248,6 +268,9 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 max_n=args.max_n,
                 speculate=args.speculate,
                 run_ahead=args.run_ahead,
+                resume_timeout=args.resume_timeout,
+                resume_tries=args.resume_tries,
+                pooling_type=args.pooling_type,
             ),
             drain_timeout=args.drain_timeout,
         )
@@ -255,17 +278,16 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
     from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Failure
-    from neuron.models import read_config, resolve
+    from neuron.models import resolve
     from neuron.pool import Deadlines
 
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
     # One prompt per process: nothing to share in a prefix cache.
-    limits, _ = limits_for(read_config(path), Scheduling(prefix_cache_bytes=0))
+    limits = Scheduling(prefix_cache_bytes=0)
     async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
         if args.chat:
             prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron.engine.scheduler import Scheduling
+from neuron.models import POOLING_TYPES
 
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
@@ -75,7 +76,9 @@ class Setting:
 
     def parse(self, value: Any, source: str, text: bool = False) -> tuple[Any, str | None]:
         """``value`` as this setting's type (converted from ``text``, the environment's strings), or a problem."""
-        if text and self.type is not str:
+        if text and self.type is bool:
+            value = _BOOLEANS.get(value.strip().lower(), value)
+        elif text and self.type is not str:
             try:
                 value = self.type(value)
             except ValueError:
@@ -91,8 +94,11 @@ class Setting:
         return value, None
 
 
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _type_name(t: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string"}[t]
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false (1 or 0)"}[t]
 
 
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
@@ -139,6 +145,13 @@ SETTINGS = {
             "ssh",
             "the ssh command for --hosts, with its options, e.g. 'ssh -F /etc/neuron/ssh_config' (default ssh)",
             check=_not_blank,
+        ),
+        Setting(
+            "push_model",
+            bool,
+            False,
+            "with --hosts, send a host that lacks the model (or holds another) the share its ranks load, over SSH, "
+            "into its neuron cache (default off: such a host is refused)",
         ),
         Setting(
             "backend",
@@ -287,6 +300,30 @@ SETTINGS = {
             choices=("auto", "on", "off"),
         ),
         Setting(
+            "resume_timeout",
+            float,
+            DEFAULTS.resume_timeout,
+            "seconds the requests in flight when a rank is lost wait for fresh workers, then go on where they "
+            f"stopped; 0: they fail at once and the leader restarts (default {DEFAULTS.resume_timeout:g})",
+            check=_at_least(0),
+        ),
+        Setting(
+            "resume_tries",
+            int,
+            DEFAULTS.resume_tries,
+            "losses of a rank a request may be blamed for (fed when it happened) and still go on; the next ends "
+            f"it with an error, as it may be what kills the rank (default {DEFAULTS.resume_tries})",
+            check=_at_least(0),
+        ),
+        Setting(
+            "pooling_type",
+            str,
+            DEFAULTS.pooling_type,
+            "how /v1/embeddings pools the final hidden states, vLLM's pooling types: MEAN over every position, or "
+            "the LAST position's (default: what the model's sentence-transformers card says, else MEAN)",
+            choices=POOLING_TYPES,
+        ),
+        Setting(
             "drain_timeout",
             float,
             30.0,
@@ -303,6 +340,7 @@ MODEL_SETTINGS = (
     "pp_layers",
     "hosts",
     "ssh_command",
+    "push_model",
     "backend",
     "data_plane",
     "step_timeout",
@@ -329,6 +367,9 @@ SERVE_SETTINGS = (
     "prefix_cache_bytes",
     "speculate",
     "run_ahead",
+    "resume_timeout",
+    "resume_tries",
+    "pooling_type",
     "drain_timeout",
 )
 
@@ -337,6 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None
     """Flags default to None, so that ``resolve`` can tell a flag given from one left out."""
     for name in names:
         s = SETTINGS[name]
+        if s.type is bool:  # a switch: given, it is on; the environment and the file say true or false
+            parser.add_argument(s.flag, action="store_const", const=True, default=None, help=s.help)
+            continue
         parser.add_argument(
             s.flag,
             type=s.type,

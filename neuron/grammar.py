@@ -111,6 +111,12 @@ class Constraint:
             return "the output constraint reached a dead end: no token can continue it"
         return None
 
+    def rewind(self, tokens: list[int]) -> None:
+        """Start over and follow ``tokens``: where it stands after them, whatever it followed since."""
+        self._matcher.reset()
+        if tokens and not self._matcher.consume_tokens(tokens):
+            raise ValueError(f"the output constraint refuses tokens it accepted before: {self._matcher.get_error()}")
+
     def advance(self, token: int) -> str | None:
         """Follow a sampled token; return why it does not fit, if it does not."""
         if self._matcher.consume_token(token):

@@ -1,6 +1,6 @@
 """The leader process of ``neuron serve``: one event loop runs the HTTP server and the engine; the engine owns
-the pool. Its signals, its readiness for systemd, and its restart when the group is lost live here, beside the
-CLI: ``neuron.server`` is only the HTTP application.
+the pool. Its signals, its readiness for systemd, and its restart when a lost group cannot be replaced in
+process live here, beside the CLI: ``neuron.server`` is only the HTTP application.
 
 Why we bind the socket ourselves: a port in use is reported before the model
 loads, in our words, and uvicorn never gets to call ``sys.exit`` inside our loop.
@@ -19,15 +19,21 @@ the listener on the first signal: a restart answers every request, late
 rather than with a 503. A server that binds its own port answers at once
 instead, ``/health`` included, so that a supervisor can watch it load.
 
-Why a lost group restarts the whole leader: MLX allows one distributed group
-per process, and a group whose peer died or hung cannot be trusted or
-replaced. So when a rank is lost, every request in flight ends with an error
-(an SSE error event, or 503 with ``Retry-After``), the listener closes, the
-workers are stopped, and ``restart_leader`` re-executes this process (same
-pid, so systemd still sees its main process) with the listening socket
-handed over as a socket activation would. Connections that arrive meanwhile
-wait in the socket's backlog; the fresh leader answers them at once, with
-503 until its model is ready again.
+What a lost group does: the requests in flight outlive it. The engine pauses
+them, the pool replaces every worker and rank 0's group inside this process
+(MLX caches one group per backend per process; ``tp.backends`` makes it forget
+the lost one), and each request goes on where it stopped, its connection open
+all along (``engine.resume``). This module sees none of it, unless the group
+cannot be replaced here: rank 0 held inside a collective, a backend that
+cannot let a group go, MLX without ``clear_backends``, no fresh group within
+``--resume-timeout`` (or that set to 0). Then the engine's ``lost`` is set,
+every request in flight has ended with an error (an SSE error event, or 503
+with ``Retry-After``), the listener closes, the workers are stopped, and
+``restart_leader`` re-executes this process (same pid, so systemd still sees
+its main process) with the listening socket handed over as a socket
+activation would. Connections that arrive meanwhile wait in the socket's
+backlog; the fresh leader answers them at once, with 503 until its model is
+ready again.
 
 Under systemd (``Type=notify``) the server says ``READY=1`` once the model has
 answered a probe on every rank, keeps ``STATUS=`` current, and sends
@@ -54,11 +60,9 @@ import structlog
 import uvicorn
 
 from neuron import metrics, systemd
-from neuron.architectures import limits_for
 from neuron.engine.engine import Engine
 from neuron.engine.scheduler import Scheduling
 from neuron.launch.checks import Unreachable
-from neuron.models import read_config
 from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
@@ -304,11 +308,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         try:
             with lifetime:
                 try:
-                    limits, notes = limits_for(read_config(options.model_path), options.limits)
-                    for note in notes:
-                        log.info(note)
                     engine_context = Engine.open(
-                        options.model_path, options.layout, options.deadlines, limits, options.model
+                        options.model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine
@@ -324,7 +325,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             await _drain(engine, server, notifier, options.drain_timeout)
                         else:
                             cause = str(engine.pool.broken or engine.health.reason)
-                            count = restarted.restarts + 1 if restarted else 1
+                            # In-process recoveries count as restarts with fresh workers too.
+                            count = (restarted.restarts if restarted else 0) + engine.recoveries + 1
                             log.error("group lost; restarting the leader", cause=cause, restarts=count)
                             notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
                             # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.

@@ -55,6 +55,16 @@ STEPS_AHEAD = Counter(
 WORKER_RESTARTS = Counter(
     "neuron_worker_restarts", "Times the leader restarted with fresh workers after losing a rank", registry=REGISTRY
 )
+RESUMED = Counter(
+    "neuron_requests_resumed",
+    "Requests that went on after a lost group, fed their prompt and output so far again (once per loss)",
+    registry=REGISTRY,
+)
+REPLAYED_TOKENS = Counter(
+    "neuron_replayed_tokens",
+    "Tokens fed again to resume requests after a lost group (prompts and the output so far)",
+    registry=REGISTRY,
+)
 RANKS = Gauge(
     "neuron_rank_info",
     "1 for each rank of the group, labelled by the host it runs on",
@@ -90,5 +100,11 @@ PREFIX_EVICTIONS = Counter(
 PREFIX_BYTES = Gauge(
     "neuron_prefix_cache_bytes",
     "Bytes of prefix-cache entries on the rank holding the largest share",
+    registry=REGISTRY,
+)
+PUSH_BYTES = Counter(
+    "neuron_push_bytes",
+    "Bytes of the model sent to a host that lacked its share (--push-model), by host",
+    ["host"],
     registry=REGISTRY,
 )

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,47 @@ def read_config(model_path: str | Path) -> dict[str, Any]:
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's part of a config (multimodal configs nest it under ``text_config``)."""
     return config.get("text_config", config)
+
+
+# How an embedding pools the final hidden states, by vLLM's names (its `pooling_type`): the mean over every
+# position, or the last position's (what a model trained for it with a causal mask, Qwen3-Embedding's kind, uses).
+POOLING_TYPES = ("MEAN", "LAST")
+# sentence-transformers' pooling modes (a model card's 1_Pooling/config.json), as vLLM reads them.
+_CARD_POOLING = {"pooling_mode_mean_tokens": "MEAN", "pooling_mode_lasttoken": "LAST"}
+
+
+@dataclass(frozen=True, slots=True)
+class Embedding:
+    """What the model's embeddings are: how the final hidden states are pooled, their size, and the sizes a
+    request's ``dimensions`` may cut them to."""
+
+    pooling: str  # one of POOLING_TYPES
+    size: int  # the hidden size
+    # None: any size up to ``size`` (config.json's ``is_matryoshka``, vLLM's); else only these, besides ``size``
+    # itself (its ``matryoshka_dimensions``; none for a model not trained to be cut short).
+    cuts: tuple[int, ...] | None = ()
+
+
+def card_pooling(model_path: str | Path) -> str | None:
+    """The pooling the model's sentence-transformers card prescribes (``modules.json`` names its Pooling module's
+    folder, whose ``config.json`` sets one ``pooling_mode_*``), if it has one neuron does."""
+    path = Path(model_path)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+        folder = next(m["path"] for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        card = json.loads((path / folder / "config.json").read_text())
+    except (OSError, ValueError, StopIteration, KeyError, TypeError):
+        return None
+    modes = [pooling for mode, pooling in _CARD_POOLING.items() if isinstance(card, dict) and card.get(mode) is True]
+    return modes[0] if len(modes) == 1 else None
+
+
+def embedding(model_path: str | Path, config: dict[str, Any], pooling: str | None) -> Embedding:
+    """The model's embeddings: pooled as ``pooling`` says, else as its card says, else by the mean."""
+    model = text_config(config)
+    cuts = config.get("matryoshka_dimensions")
+    allowed = tuple(int(d) for d in cuts) if isinstance(cuts, list) else None if config.get("is_matryoshka") else ()
+    return Embedding(pooling or card_pooling(model_path) or "MEAN", int(model["hidden_size"]), allowed)
 
 
 def default_gguf() -> Path:
@@ -157,6 +199,11 @@ def _safetensors_digest(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def model_digest(files: dict[str, str]) -> str:
+    """One digest for the whole model, from ``digest_files``: what a pushed share is filed under on a host."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None:
     """The first file, in name order, whose digest differs or that one side lacks; None when they agree."""
     for name in sorted(set(mine) | set(theirs)):
@@ -166,13 +213,15 @@ def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# gemma4's per-layer input tables: model-wide tensors, but each stage holds only its layers' columns of them.
+_PER_LAYER_TABLES = ("embed_tokens_per_layer.", "per_layer_model_projection.")
 
 
 def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
     """Bytes of each decoder layer's weights, and of everything else (embedding, final norm, head), read from the
     safetensors headers alone: what a pipeline stage will hold."""
     per_layer = [0] * layers
-    rest = 0
+    rest = spread = 0
     for weights in sorted(Path(model_path).glob("model*.safetensors")):
         with weights.open("rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -183,22 +232,23 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
             match = _LAYER.search(name)
             if match and int(match.group(1)) < layers:
                 per_layer[int(match.group(1))] += size
+            elif any(table in name for table in _PER_LAYER_TABLES):
+                spread += size
             else:
                 rest += size
-    return per_layer, rest
+    return [size + spread // layers for size in per_layer], rest
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
-def kv_bytes_per_token(model_path: str | Path, stages: list[tuple[int, int]], world_size: int) -> int:
-    """Bytes one token adds to the KV cache of the rank holding the largest share, from the config and the
-    safetensors headers alone: keys and values of the largest pipeline stage's layers (``stages``, each rank's
-    ``[first, end)``), or, without stages, of every layer over 1 / ``world_size`` of the key/value heads (tensor
-    parallelism splits the heads evenly)."""
+def cache_bytes(model_path: str | Path, stages: list[tuple[int, int]], world_size: int) -> tuple[int, int]:
+    """What a prompt's caches hold on the rank holding the largest share, from the config and the safetensors
+    headers alone: bytes per token, and bytes whatever the length (a sliding window's full buffer, which it holds
+    from a prompt's end on; a linear-attention layer's state). Over the largest pipeline stage's layers
+    (``stages``, each rank's ``[first, end)``), or, without stages, over every layer's 1 / ``world_size`` of the
+    heads (tensor parallelism splits them evenly)."""
     model = text_config(read_config(model_path))
-    kv_heads = int(model.get("num_key_value_heads") or model["num_attention_heads"])
-    head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
     dtype = 4
     for weights in sorted(Path(model_path).glob("model*.safetensors")):
         with weights.open("rb") as f:
@@ -208,7 +258,49 @@ def kv_bytes_per_token(model_path: str | Path, stages: list[tuple[int, int]], wo
         if norms:
             dtype = _DTYPE_BYTES.get(norms[0], 4)
             break
-    layers = max(end - first for first, end in stages) if stages else int(model["num_hidden_layers"])
+    share = 1 if stages else world_size
+    kinds = _layer_kinds(model)
+    per_layer = [_layer_bytes(model, kind, dtype, share) for kind in kinds]
+    ranges = stages or [(0, len(kinds))]
+    return (
+        max(sum(per_layer[i][0] for i in range(first, end)) for first, end in ranges),
+        max(sum(per_layer[i][1] for i in range(first, end)) for first, end in ranges),
+    )
+
+
+def _layer_kinds(model: dict[str, Any]) -> list[str]:
+    """Each layer's cache as mlx-lm's ``make_cache`` builds it: "full", "sliding", "linear", or "none" (a layer
+    reading another's keys and values)."""
+    layers = int(model["num_hidden_layers"])
+    names = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear"}
+    if interval := model.get("full_attention_interval"):  # qwen3_next, qwen3_5
+        kinds = ["full" if (i + 1) % int(interval) == 0 else "linear" for i in range(layers)]
+    elif isinstance(model.get("layer_types"), list):
+        kinds = [names.get(kind, "full") for kind in model["layer_types"]]
+    elif model.get("model_type") == "gemma3_text":
+        pattern = int(model.get("sliding_window_pattern") or 1)
+        kinds = ["full" if i % pattern == pattern - 1 else "sliding" for i in range(layers)]
+    else:
+        kinds = ["full"] * layers
+    shared = int(model.get("num_kv_shared_layers") or 0)  # gemma4's last layers keep no cache of their own
+    return kinds[: layers - shared] + ["none"] * shared
+
+
+def _layer_bytes(model: dict[str, Any], kind: str, dtype: int, share: int) -> tuple[int, int]:
+    """One layer's bytes per token and bytes whatever the length, on a rank holding 1 / ``share`` of its heads."""
+    if kind == "none":
+        return 0, 0
+    if kind == "linear":  # a convolution's last inputs and the recurrent state, kept in float32
+        key_heads, value_heads = int(model["linear_num_key_heads"]), int(model["linear_num_value_heads"])
+        key_dim, value_dim = int(model["linear_key_head_dim"]), int(model["linear_value_head_dim"])
+        conv = (int(model["linear_conv_kernel_dim"]) - 1) * (2 * key_heads * key_dim + value_heads * value_dim)
+        return 0, (conv * dtype + value_heads * value_dim * key_dim * 4) // share
     if model.get("kv_lora_rank"):  # latent attention (deepseek_v3): a latent and a rotary key, whole on every rank
-        return layers * (int(model["kv_lora_rank"]) + int(model.get("qk_rope_head_dim") or 0)) * dtype
-    return 2 * layers * kv_heads // (1 if stages else world_size) * head_dim * dtype
+        return (int(model["kv_lora_rank"]) + int(model.get("qk_rope_head_dim") or 0)) * dtype, 0
+    kv_heads = int(model.get("num_key_value_heads") or model["num_attention_heads"])
+    head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
+    if kind == "full" and model.get("global_head_dim"):  # gemma4's full-attention layers
+        kv_heads = int(model.get("num_global_key_value_heads") or kv_heads)
+        head_dim = int(model["global_head_dim"])
+    token = 2 * kv_heads // share * head_dim * dtype
+    return (token, 0) if kind == "full" else (0, token * int(model["sliding_window"]))

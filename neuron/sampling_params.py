@@ -88,7 +88,7 @@ NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
-    """What rank 0 sampled for one sequence in one step."""
+    """What rank 0 sampled for one sequence in one step (for an embedding input, its vector)."""
 
     token: int
     # Of the chosen token, under the model's own distribution (before penalties and
@@ -101,6 +101,8 @@ class Sampled:
     error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
     # Speculation: the tokens kept after this one in the same step, in order (a verified draft, then the bonus).
     more: tuple[Sampled, ...] = ()
+    # An embedding input's outcome instead of a token: its pooled, unit-length vector, float32 little-endian.
+    embedding: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,10 @@ class Start:
     # Tokens already in its cache that no chunk of this step feeds (the tail of a restored prefix, or the prompt a
     # copy shares with its original): the penalties look at them.
     recent: tuple[int, ...] = ()
+    # Set when it resumes after a lost group: the tokens it had sampled before (its prompt's chunks feed them
+    # again). Its sampler starts where it stood after them: the random key split once per token, min_tokens
+    # counting them, the output constraint advanced over them. None: a sequence starting afresh.
+    produced: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

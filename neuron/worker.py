@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
 
-from neuron import cpu, device, models, rpc
+from neuron import cpu, device, models, rpc, shares
 from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
@@ -113,14 +113,19 @@ class Worker:
                 return rpc.Probed(id=id, unreachable=probe(addresses))
             case rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings):
                 return rpc.InitOk(id=id, all_sum=self._init(backend, env, files, settings))
-            case rpc.CheckModel(id=id, model=model):
+            case rpc.CheckModel(id=id, model=model, share=share):
                 try:
                     path = models.resolve(model)
                 except models.ModelError as e:
+                    if share:  # the leader sends its share when this host holds no model of its own
+                        return rpc.ModelChecked(id=id, path=str(model), files={}, share=self._held(share))
                     raise models.ModelError(
-                        f"{e} (on this host: copy the model here, or name its path here in the hostfile's 'model')"
+                        f"{e} (on this host: copy the model here, name its path here in the hostfile's 'model', "
+                        "or pass --push-model to have the leader send it)"
                     ) from e
-                return rpc.ModelChecked(id=id, path=str(path), files=models.digest_files(path))
+                files = models.digest_files(path)
+                same = share.split("/")[0] == models.model_digest(files)
+                return rpc.ModelChecked(id=id, path=str(path), files=files, share="" if same else self._held(share))
             case rpc.LoadShard(id=id, model_path=path, layers=layers):
                 loaded = self._joined().load(path, layers)
                 self.log.info(
@@ -130,7 +135,7 @@ class Worker:
             case rpc.GenerateStep(id=id, plan=plan):
                 state = self._joined()
                 state.step(plan)
-                state.run_ahead(plan)  # queued, not waited for: the reply goes at once
+                state.run_ahead(plan)  # queued or only built (``settle``), not waited for: the reply goes at once
                 return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
@@ -139,6 +144,13 @@ class Worker:
             case rpc.Shutdown(id=id):
                 return rpc.Bye(id=id)
         raise AssertionError(f"unhandled request {request!r}")
+
+    def _held(self, share: str) -> str:
+        """The folder of ``share`` when this host holds it whole and unchanged; empty otherwise."""
+        if not share:
+            return ""
+        where = shares.folder(share)
+        return str(where) if shares.intact(where) else ""
 
     def _init(self, backend: str, env: dict[str, str], files: dict[str, str], settings: rpc.WorkerSettings) -> float:
         """Take the leader's settings, pin to the planned cores (Linux CPU only), load MLX, and join the group."""
@@ -232,3 +244,7 @@ def run_worker(rank: int, world_size: int) -> int:
         if isinstance(request, rpc.Shutdown):
             worker.log.info("shutdown requested; bye")
             return 0
+        if worker.state is not None:
+            busy.set()  # inside collectives again: a leader gone now must end this process
+            worker.state.settle()
+            busy.clear()

@@ -10,9 +10,13 @@ post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record 
 given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
 prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
 ``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
-since its model loaded. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
+since its model loaded. ``NEURON_TEST_CRASH_ON`` makes a rank's process die (SIGKILL, as a crash inside MLX
+would) whenever a step feeds it given tokens in a row, ``RANK:TOKEN,TOKEN...`` (``1:17,4,99``): a request whose
+prompt kills its rank every time. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
 ``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to
-see the leader refuse it or split by it.
+see the leader refuse it or split by it. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the model
+(``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut the
+push midway.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import dataclasses
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -32,6 +38,8 @@ FAIL_ENV = "NEURON_TEST_FAIL_STEP"
 DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
 DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
+SLOW_PUSH_ENV = "NEURON_TEST_SLOW_PUSH"
+CRASH_ENV = "NEURON_TEST_CRASH_ON"
 ENTRY = "testkit.faults"  # what ``python -m`` runs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,6 +54,20 @@ def steps(env: str, rank: int) -> frozenset[int]:
     return frozenset(found)
 
 
+def crash_tokens(rank: int) -> list[int]:
+    """The tokens whose feeding kills ``rank``, from ``NEURON_TEST_CRASH_ON`` (empty: none)."""
+    for spec in filter(None, os.environ.get(CRASH_ENV, "").split(";")):
+        listed_rank, _, listed = spec.partition(":")
+        if int(listed_rank) == rank:
+            return [int(token) for token in listed.split(",")]
+    return []
+
+
+def feeds(tokens: list[int], run: list[int]) -> bool:
+    """Whether ``run`` occurs in ``tokens``, in a row."""
+    return bool(run) and any(tokens[i : i + len(run)] == run for i in range(len(tokens) - len(run) + 1))
+
+
 def fake_host(info: Any, rank: int) -> Any:
     """``info`` (a ``HostInfo``) with what ``NEURON_TEST_FAKE_HOST`` makes ``rank`` say instead."""
     for spec in filter(None, os.environ.get(FAKE_HOST_ENV, "").split(";")):
@@ -53,7 +75,7 @@ def fake_host(info: Any, rank: int) -> Any:
         if target and int(target) != rank:
             continue
         fields: dict[str, Any] = dict(part.partition("=")[::2] for part in assignments.split(","))
-        for number in ("free_memory", "gpus"):
+        for number in ("free_memory", "gpus", "memory_limit", "oom_kills"):
             if number in fields:
                 fields[number] = int(fields[number])
         info = dataclasses.replace(info, **fields)
@@ -68,6 +90,8 @@ def install() -> None:
     when_imported("neuron.tp.rank", _faulty_ranks)
     for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
         when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
+    if delay := float(os.environ.get(SLOW_PUSH_ENV) or 0):
+        when_imported("neuron.launch.push", lambda module: _slow_push(module, delay))
 
 
 def start_here() -> None:
@@ -120,6 +144,18 @@ def _describe_host(number: int) -> Any:
     return fake_host(hosts.describe_host(number), number)
 
 
+def _slow_push(push: ModuleType, delay: float) -> None:
+    """A receiving host that writes 64 KiB chunks, each ``delay`` seconds late."""
+    write = push.write_chunk
+
+    def slow(weights: Any, chunk: bytes) -> None:
+        time.sleep(delay)
+        write(weights, chunk)
+
+    push.CHUNK = 64 * 1024  # type: ignore[attr-defined]
+    push.write_chunk = slow  # type: ignore[attr-defined]
+
+
 def _faulty_ranks(rank: ModuleType) -> None:
     """``neuron.tp.rank``'s ``Rank`` replaced by one that fails, desyncs or loses an entry after the steps the
     environment names (rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker)."""
@@ -136,11 +172,13 @@ def _faulty_ranks(rank: ModuleType) -> None:
 
         def step(self, plan: StepPlan) -> Any:
             self.steps_sent += 1
+            if (run := crash_tokens(self.rank)) and any(feeds(chunk.tokens, run) for chunk in plan.prefill):
+                os.kill(os.getpid(), signal.SIGKILL)
             out = super().step(plan)
             if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
                 self.seqs[min(self.seqs)].last += 1
-            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := self.entries.state()):
-                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0][0])]), {})
+            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := list(self.entries)):
+                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0])]), {})
             if self.steps_sent in steps(FAIL_ENV, self.rank):
                 raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
             return out

@@ -61,6 +61,7 @@ class Server:
     With ``listen``, the server is socket-activated as systemd does it: the
     socket becomes its file descriptor 3, with ``LISTEN_PID`` and ``LISTEN_FDS``.
     With ``module``, it runs that entry point in front of neuron (``testkit.faults.ENTRY`` injects faults).
+    With ``cgroup_procs`` (a cgroup's ``cgroup.procs``), it starts inside that cgroup, under its limits.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Server:
         listen: socket.socket | None = None,
         module: str = "neuron",
         nofile: tuple[int, int] | None = None,
+        cgroup_procs: Path | None = None,
     ):
         self.log_path = log_path
         self.args = args
@@ -90,6 +92,8 @@ class Server:
                 os.dup2(fd, 3)  # the new descriptor is inheritable
             if nofile is not None:  # the descriptor limit an operator (systemd's LimitNOFILE=) would give
                 resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+            if cgroup_procs is not None:  # starts inside a cgroup (its limits), as a systemd unit would
+                cgroup_procs.write_text(str(os.getpid()))
 
         self.process = subprocess.Popen(
             command,
@@ -97,7 +101,7 @@ class Server:
             stderr=self._log,
             cwd=ROOT,
             env={**os.environ, **(env or {})},
-            preexec_fn=setup if fd is not None or nofile is not None else None,
+            preexec_fn=setup if fd is not None or nofile is not None or cgroup_procs is not None else None,
             close_fds=listen is None,
         )
         self.port = 0

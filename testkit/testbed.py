@@ -36,6 +36,8 @@ def unavailable() -> str | None:
         return "the multi-host test bed needs root (network namespaces)"
     if shutil.which("ip") is None:
         return "the multi-host test bed needs iproute2's `ip` (apt-get install iproute2)"
+    if shutil.which("nsenter") is None:
+        return "the multi-host test bed needs util-linux's `nsenter` (apt-get install util-linux)"
     if not Path(SSHD).is_file() or shutil.which("ssh-keygen") is None:
         return "the multi-host test bed needs an SSH server (apt-get install openssh-server)"
     probe = f"nrnprobe{os.getpid() % 10000}"
@@ -141,8 +143,10 @@ class Namespaces:
             f"StrictModes no\nUsePAM no\nPidFile {self.root / f'sshd_{host}.pid'}\n"
         )
         log = open(self.root / f"sshd_{host}.log", "ab")
+        # nsenter enters the namespace's network alone; ``ip netns exec`` would also remount /sys, and hide the
+        # host's cgroups from its processes (a memory limit they must see, testkit/cgroups.py).
         self._sshd[host] = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[host], SSHD, "-D", "-e", "-f", str(config)],
+            ["nsenter", f"--net=/run/netns/{self.namespaces[host]}", SSHD, "-D", "-e", "-f", str(config)],
             stdout=log,
             stderr=log,
         )
@@ -151,6 +155,10 @@ class Namespaces:
             assert self._sshd[host].poll() is None, (self.root / f"sshd_{host}.log").read_text()
             assert time.monotonic() < deadline, f"sshd on host {host} did not start"
             time.sleep(0.02)
+
+    def sshd_pid(self, host: int) -> int:
+        """Host ``i``'s sshd listener: what it starts (each session, each worker) is its child."""
+        return self._sshd[host].pid
 
     def stop_sshd(self, host: int) -> None:
         process = self._sshd.pop(host, None)
@@ -216,7 +224,7 @@ class Namespaces:
 
 
 def _children_of(pid: int) -> set[int]:
-    """``pid`` and its descendants, from /proc (``ip netns exec`` execs sshd, which is the listener)."""
+    """``pid`` and its descendants, from /proc (``nsenter`` execs sshd, which is the listener)."""
     family = {pid}
     changed = True
     while changed:

@@ -23,6 +23,7 @@ PROMPTS = [
     [200, 201, 202, 203, 200, 201, 202, 203, 200, 201, 202, 203],
 ]
 EXTENDED = PROMPTS[2] + [9, 8, 7, 6, 5]  # shares PROMPTS[2]'s whole prompt: a prefix-cache hit where it is on
+NEXT_TURN = [7, 8, 9]  # a chat's next turn: the last prompt, its reply, and this
 MAX_TOKENS = 12
 PREFILL_CHUNK = 16
 
@@ -39,17 +40,33 @@ def reference(model_path: str) -> dict[str, list[list[int]]]:
         steps = generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)
         return [int(token) for token, _ in steps]
 
-    return {"prompts": [greedy(p) for p in PROMPTS], "extended": greedy(EXTENDED)}
+    prompts = [greedy(p) for p in PROMPTS]
+    return {"prompts": prompts, "extended": greedy(EXTENDED), "next_turn": greedy(_next_turn(prompts[3]))}
 
 
-async def _tokens(engine: Any, prompt: list[int], n: int = 1) -> tuple[list[list[int]], dict[str, int]]:
+def _next_turn(reply: list[int]) -> list[int]:
+    return PROMPTS[3] + reply + NEXT_TURN
+
+
+def _counted(name: str) -> float:
+    """A counter's value as /metrics shows it."""
+    from neuron.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(f"{name}_total") or 0.0
+
+
+async def _tokens(
+    engine: Any, prompt: list[int], n: int = 1, predicted: list[int] | None = None
+) -> tuple[list[list[int]], dict[str, int]]:
+    """The tokens of each choice, and how the last ended: tokens restored from the prefix cache, tokens drafted.
+    ``predicted``: the output's prediction, as token ids (a random model's tokens do not survive a round trip
+    through text, as a request's ``prediction`` takes), where the engine drafts."""
     from neuron.engine.sequence import Chunk, Failure, Finish
     from neuron.sampling_params import SamplingParams
 
-    # The prompt's own text as the predicted output: drafts every step, most of them rejected and dropped.
-    predicted = "".join(engine.text.token_text(t) for t in prompt)
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, prediction=predicted)
-    seq = engine.submit(prompt, params, n=n)
+    seq = engine.submit(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), n=n)
+    if predicted and seq.proposer is not None:  # before the step loop runs again: nothing awaited since submit
+        seq.proposer.prediction = predicted
     out, finish = [], {}
     for one in [seq, *seq.copies]:
         tokens = []
@@ -69,39 +86,48 @@ async def _tokens(engine: Any, prompt: list[int], n: int = 1) -> tuple[list[list
 
 async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: str = "") -> dict[str, Any]:
     """Each prompt alone, then all together, then two choices of one, then a prompt extending a served one."""
-    from neuron.architectures import limits_for
     from neuron.engine.engine import Engine
     from neuron.engine.scheduler import Scheduling
-    from neuron.models import read_config
     from neuron.pool import Layout
 
     asked = Scheduling(prefill_chunk=PREFILL_CHUNK, prefix_cache_bytes=1 << 24, micro_batches=stages)
-    limits, notes = limits_for(read_config(model_path), asked)
-    result: dict[str, Any] = {"notes": notes}
+    result: dict[str, Any] = {}
     async with Engine.open(
-        Path(model_path), Layout.local(world_size, stages, tuple(int(n) for n in split.split(",") if n)), limits=limits
+        Path(model_path), Layout.local(world_size, stages, tuple(int(n) for n in split.split(",") if n)), limits=asked
     ) as engine:
+        result["speculate"] = engine.limits.speculate
+        proposed = _counted("neuron_speculative_proposed_tokens")
         if os.environ.get("NEURON_TEST_DESYNC_STEP"):  # a rank goes its own way during the first request
             try:
                 await _tokens(engine, PROMPTS[1])
                 result["desync"] = ""
             except RuntimeError as e:
                 result["desync"] = str(e)
-        alone = [await _tokens(engine, p) for p in PROMPTS]
-        result["alone"] = [tokens[0] for tokens, _ in alone]
-        result["drafted"] = sum(finish["drafted"] for _, finish in alone)
+        alone = [(await _tokens(engine, p))[0][0] for p in PROMPTS]
+        result["alone"] = alone
         together: list[list[int]] = [[] for _ in PROMPTS]
+        drafted = [0] * len(PROMPTS)
+        # Together, each predicted by its own reply alone: right throughout for some (whole drafts kept), wrong from
+        # the sixth token for the others (the rest of each draft rejected and dropped from the caches).
+        predictions = [out if i % 2 else [*out[:5], (out[5] + 1) % 250, *out[6:]] for i, out in enumerate(alone)]
 
         async def one(i: int) -> None:
-            together[i] = (await _tokens(engine, PROMPTS[i]))[0][0]
+            tokens, finish = await _tokens(engine, PROMPTS[i], predicted=predictions[i])
+            together[i], drafted[i] = tokens[0], finish["drafted"]
 
         async with anyio.create_task_group() as tg:
             for i in range(len(PROMPTS)):
                 tg.start_soon(one, i)
         result["together"] = together
+        result["drafted"] = sum(drafted)
+        result["proposed"] = _counted("neuron_speculative_proposed_tokens") - proposed
         result["copies"] = (await _tokens(engine, PROMPTS[1], n=2))[0]
+        hits = _counted("neuron_prefix_cache_hits")
         extended, finish = await _tokens(engine, EXTENDED)
         result["extended"], result["cached"] = extended[0], finish["cached"]
+        next_turn, finish = await _tokens(engine, _next_turn(result["alone"][3]))
+        result["next_turn"], result["next_turn_cached"] = next_turn[0], finish["cached"]
+        result["hits"] = _counted("neuron_prefix_cache_hits") - hits
     return result
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 MESSAGES = [{"role": "user", "content": "hello there"}]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 GOOD_CHAT = {"model": "qwen3", "messages": MESSAGES, "max_tokens": 4}
 BAD_REQUESTS = [
     # (what, path, body, key, status, param, words in the message)
@@ -126,4 +127,16 @@ BAD_REQUESTS = [
     ("oversized body", CHAT, b'{"x": "' + b"a" * (5 << 20) + b'"}', "secret", 413, None, "bytes"),
     ("no key", CHAT, GOOD_CHAT, None, 401, None, "Authorization"),
     ("wrong key", CHAT, GOOD_CHAT, "guess", 401, None, "incorrect"),
+    ("embeddings without input", EMBEDDINGS, {"model": "qwen3"}, "secret", 400, "input", "`input` is required"),
+    ("embeddings of nothing", EMBEDDINGS, {"model": "qwen3", "input": ["a", ""]}, "secret", 400, "input[1]", "empty"),
+    (
+        "embeddings as text",
+        EMBEDDINGS,
+        {"model": "qwen3", "input": "a", "encoding_format": "x"},
+        "secret",
+        400,
+        "encoding_format",
+        "one of float, base64",
+    ),
+    ("embeddings without a key", EMBEDDINGS, {"model": "qwen3", "input": "a"}, None, 401, None, "Authorization"),
 ]

@@ -40,7 +40,9 @@ def rank_state() -> tuple[dict[int, SeqState], Batch, Entries]:
     batch.join(0, [1, 2], [cache(12), cache(12)])
     batch.join(1, [3], [cache(12)])
     entries = Entries()
-    entries.evict_and_save(StepPlan(prefill=[Prefill(6, 0, [1] * 6, True)], save=[Save(6, 10)]), {6: cache(6)})
+    entries.evict_and_save(
+        StepPlan(prefill=[Prefill(6, 0, [1] * 6, True)], save=[Save(6, 10)]), {6: SeqState(6, 1, cache(6), True)}
+    )
     return seqs, batch, entries
 
 

@@ -23,6 +23,7 @@ from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
 from neuron.tp import sampler
+from neuron.tp.ahead import EVALUATES_ASYNC
 from neuron.tp.rank import Rank, lead
 from neuron.tp.sampler import Samplers
 
@@ -34,7 +35,7 @@ def host_reads() -> Iterator[Counter[tuple[str, str]]]:
     """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function); the
     sampler's typed readers are seen through, to the function that called them."""
     calls: Counter[tuple[str, str]] = Counter()
-    readers = {reader.__code__ for reader in (sampler.ints, sampler.floats, sampler.real)}
+    readers = {reader.__code__ for reader in (sampler.ints, sampler.floats, sampler.real, sampler._on_host)}
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str) -> None:
@@ -76,6 +77,12 @@ class Driver:
         self.next: dict[int, int] = {}  # each decoding sequence's next token
 
     def step(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
+        sampled = self.lead(plan, starts)
+        self.rank.settle()  # as rank 0's thread does once the reply is on its way
+        return sampled
+
+    def lead(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
+        """The step up to its reply: what the leader waits for."""
         sampled, _, _ = lead(self.rank, self.samplers, Step(plan, starts or {}))
         for seq in plan.leave:
             self.next.pop(seq, None)
@@ -119,12 +126,31 @@ def test_a_steady_decode_step_reads_the_device_once(rank: Rank) -> None:
     driver.start(1, 2, params=lambda seq: SamplingParams(temperature=0.7, seed=seq))
     for _ in range(3):
         driver.decode()
+    rows = [Decode(seq, token, 0) for seq, token in driver.next.items()]
     with host_reads() as calls:
-        driver.decode()
+        driver.lead(StepPlan(decode=rows, ahead=True))
     outside = {call: n for call, n in calls.items() if call[1] != "read"}
     assert outside == {}, f"host reads outside sampler.read in a steady step: {outside}"
     assert calls[("eval", "read")] == 1
     assert rank._ahead is not None  # the next step is queued
+    if not EVALUATES_ASYNC:  # the CPU computes it after the reply, not before
+        with host_reads() as calls:
+            rank.settle()
+        assert calls == {("eval", "settle"): 1}
+
+
+def test_a_step_with_drafts_reads_the_device_once(rank: Rank) -> None:
+    """Drafted rows (greedy, and seeded with a penalty) are verified in the step's one read, beside a plain row."""
+    driver = Driver(rank, ahead=False)
+    seeded = SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.2)
+    driver.start(1, 2, 3, params=lambda seq: seeded if seq == 2 else SamplingParams())
+    driver.decode()
+    rows = [Decode(seq, token, 0, [7, 8] if seq != 3 else []) for seq, token in driver.next.items()]
+    with host_reads() as calls:
+        sampled = driver.lead(StepPlan(decode=rows))
+    assert {call for call in calls if call[0] == "eval"} == {("eval", "read")}
+    assert calls[("eval", "read")] == 1
+    assert set(sampled) == {1, 2, 3} and not sampled[3].more
 
 
 def test_a_plan_that_is_not_the_step_run_ahead_undoes_it(rank: Rank) -> None:

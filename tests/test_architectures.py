@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 from arch_checks import PROMPTS, reference, serve
-from conftest import ROOT
+from conftest import ROOT, run_neuron
 from tiny_archs import ARCHS, config, make_arch_model
 
 from neuron import architectures
@@ -46,13 +46,17 @@ def _check(result: dict, expected: dict[str, list], arch: str) -> None:
     assert result["together"] == expected["prompts"], "four concurrent requests"
     assert result["copies"] == [expected["prompts"][1]] * 2, "n=2 copies"
     assert result["extended"] == expected["extended"], "a prompt extending a served one"
+    assert result["next_turn"] == expected["next_turn"], "a chat's next turn"
+    # Both restored their whole previous prompt, whatever the caches: a snapshot at a prompt's end restores there.
+    assert result["cached"] == len(PROMPTS[2]), "the extending prompt restored the served one"
+    assert result["next_turn_cached"] == len(PROMPTS[3]), "the next turn restored the previous one"
+    assert result["hits"] == 2, "/metrics counts the two hits"
     support = architectures.supports(config(arch, 300))
     assert support is not None
-    if support.cuttable:
-        assert result["cached"] == len(PROMPTS[2]) and not result["notes"]
-    else:  # turned off, and said so
-        assert result["cached"] == 0
-        assert any("speculative decoding off" in note for note in result["notes"])
+    if support.speculation:  # the predictions were drafted and verified, not ignored
+        assert result["speculate"] == "ngram" and result["drafted"] > 0 and result["proposed"] > 0
+    else:  # turned off
+        assert result["speculate"] == "off" and result["drafted"] == 0 and result["proposed"] == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -93,7 +97,8 @@ def test_two_pipeline_stages_serve_as_mlx_lm_generates(
 ) -> None:
     # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
     # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
-    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3"}.get(arch, "")
+    # gemma4's is left to the leader, which moves the split by memory to keep its last layer with layer 1.
+    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}.get(arch, "")
     _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
 
 
@@ -107,8 +112,6 @@ def test_the_readme_table_is_the_one_the_checks_read() -> None:
     ("arch", "world_size", "stages", "message"),
     [
         ("granite", 3, 1, "'granite' has 4 attention heads, which do not divide over 3 ranks; use --tp with one of"),
-        ("gemma4_text", 2, 2, "neuron does not split 'gemma4_text' into pipeline stages"),
-        ("gemma3_text", 3, 3, "neuron does not split 'gemma3_text' into pipeline stages"),
     ],
 )
 def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
@@ -117,6 +120,51 @@ def test_refusals_name_the_architecture_and_what_to_use_before_anything_loads(
     with pytest.raises(ModelError, match=r"use|serve it") as caught:
         check_splittable(config(arch, 300), world_size, stages)
     assert message in str(caught.value)
+
+
+@pytest.mark.unit
+def test_the_tiny_gemma4s_last_layer_stays_with_the_layer_whose_keys_and_values_it_reads() -> None:
+    from neuron.launch.stages import SplitError, check_split
+
+    together = architectures.kept_together(config("gemma4_text", 300))
+    assert together == [(1, 3)]  # layer 3 (full attention) reads layer 1's
+    with pytest.raises(SplitError, match=r"puts layer 3 in stage 1 and layer 1, .* use --pp-layers 1,3"):
+        check_split([2, 2], 4, 2, together)
+    with pytest.raises(SplitError, match=r"\(3 reads 1's\), and no split into 3 stages"):
+        check_split([], 4, 3, together)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--pp", "2", "--pp-layers", "2,2"), "puts layer 3 in stage 1 and layer 1, whose keys and values it reads"),
+        (("--pp", "3"), "no split into 3 stages puts each pair in one stage; use a smaller --pp"),
+    ],
+)
+def test_a_gemma4_split_that_parts_a_reading_layer_from_its_source_is_refused_before_anything_loads(
+    arch_models: dict[str, Path], args: tuple[str, ...], message: str
+) -> None:
+    done = run_neuron("generate", "--model", str(arch_models["gemma4_text"]), *args, "hello", timeout=60)
+    assert done.returncode in (1, 2) and message in done.stderr, done.stderr[-2000:]
+
+
+def test_gemma4s_per_layer_tables_weigh_on_the_stages_that_hold_their_columns(arch_models: dict[str, Path]) -> None:
+    """The split by memory counts gemma4's per-layer input tables with the layers, each stage holding its layers'
+    columns, not with rank 0's embedding and head."""
+    import mlx.core as mx
+
+    from neuron.models import weight_bytes
+
+    path = arch_models["gemma4_text"]
+    weights = mx.load(str(path / "model.safetensors"))
+    assert isinstance(weights, dict)
+    tables = sum(
+        a.nbytes for name, a in weights.items() if "per_layer_model_projection" in name or "_per_layer." in name
+    )
+    elsewhere = sum(a.nbytes for name, a in weights.items() if not name.startswith("model.layers."))
+    per_layer, rest = weight_bytes(path, 4)
+    assert tables > 0 and rest == elsewhere - tables
+    assert sum(per_layer) + rest == sum(a.nbytes for a in weights.values())
 
 
 def test_gemma4s_full_attention_heads_must_divide_too() -> None:
@@ -167,37 +215,41 @@ def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_k
     assert logits is not None and logits[1].shape[-1] == 260
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if architectures.supports(config(a, 300)).cuttable])  # type: ignore[union-attr]
-def test_the_prefix_caches_bytes_per_token_are_what_mlx_lms_caches_hold(
-    arch: str, arch_models: dict[str, Path]
-) -> None:
-    """The prefix cache's budget is only as good as this figure: deepseek_v3 keeps a latent per token, not keys
-    and values per head."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
-
-    from neuron.models import kv_bytes_per_token
-
-    model, _ = load_model(arch_models[arch])
-    cache = make_prompt_cache(model)
-    model(mx.array([PROMPTS[0]]), cache=cache)
-    held = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in cache)
-    assert kv_bytes_per_token(arch_models[arch], [], 1) * len(PROMPTS[0]) == held
-
-
-def test_a_window_models_prompt_is_never_saved_as_a_prefix_entry_that_would_be_cut(
-    arch_models: dict[str, Path],
-) -> None:
-    """limits_for keeps the prefix cache off for such a model; a plan that saves anyway fails loudly, never
-    keeps keys a window has already rolled past."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_prefix_caches_sizes_are_what_a_saved_prompt_holds(arch: str, arch_models: dict[str, Path]) -> None:
+    """The prefix cache's budget is only as good as these figures: deepseek_v3 keeps a latent per token, not keys
+    and values per head; a window holds its whole buffer from a prompt's end on; a linear-attention state has one
+    size whatever the length."""
+    from neuron.models import cache_bytes
     from neuron.rpc import Prefill, Save, StepPlan
     from neuron.tp.rank import Rank
 
     rank = Rank(0, 1)
-    rank.load(str(arch_models["gpt_oss"]), [])
-    with pytest.raises(ValueError, match="serve this model with the prefix cache off"):
-        rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)], save=[Save(1, 1)]))
+    rank.load(str(arch_models[arch]), [])
+    per_token, per_entry = cache_bytes(arch_models[arch], [], 1)
+    for seq, prompt in enumerate(PROMPTS[:3], start=1):  # shorter than a window, and longer
+        rank.step(StepPlan(prefill=[Prefill(seq, 0, prompt, True)], save=[Save(seq, seq)]))
+        held = rank.entries._held[seq].layers
+        measured = sum(sum(a.nbytes for a in layer) if isinstance(layer, tuple) else layer.nbytes for layer in held)
+        assert measured == per_token * len(prompt) + per_entry, len(prompt)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_5"])
+def test_a_snapshot_restores_only_the_whole_prompt_it_saved(arch: str, arch_models: dict[str, Path]) -> None:
+    """A window's or a state's entry is the cache at its prompt's end: a plan restoring a shorter beginning is a
+    desync on the rank, said as such, never a cache that holds what it should not."""
+    from neuron.rpc import Prefill, Restore, Save, StepPlan
+    from neuron.tp.rank import Rank, RankError
+
+    rank = Rank(0, 1)
+    rank.load(str(arch_models[arch]), [])
+    prompt = PROMPTS[2]
+    rank.step(StepPlan(prefill=[Prefill(1, 0, prompt, True)], save=[Save(1, 1)]))
+    cut = len(prompt) - 3
+    with pytest.raises(RankError, match=f"holds a snapshot of {len(prompt)} tokens, which cannot be cut back to {cut}"):
+        rank.step(StepPlan(prefill=[Prefill(2, cut, prompt[cut:], True)], restore=[Restore(2, 1, cut)]))
+    logits = rank.step(StepPlan(prefill=[Prefill(3, len(prompt), [5, 6], True)], restore=[Restore(3, 1, len(prompt))]))
+    assert logits is not None and 3 in logits
 
 
 def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
@@ -209,3 +261,40 @@ def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_i
         has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
         assert (support.tp == "mlx-lm") == has_shard, arch
         assert (support.tp == "neuron") == (arch in PLANS), arch
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_embeds_as_mlx_lms_final_states_pool(arch: str, arch_models: dict[str, Path]) -> None:
+    """Embedding inputs on one rank, in this process: two whole ones in one step (left-padded together where the
+    caches take padding) and one fed over two steps, against mlx-lm's inner model's output pooled the same way."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    from neuron.rpc import Prefill, StepPlan
+    from neuron.tp.rank import Rank
+
+    path = str(arch_models[arch])
+    rank = Rank(0, 1)
+    rank.load(path, [])
+    long = PROMPTS[2] * 3
+    half = len(long) // 2
+    rank.step(
+        StepPlan(
+            prefill=[
+                Prefill(1, 0, PROMPTS[0], True, pool="MEAN"),
+                Prefill(2, 0, PROMPTS[1], True, pool="MEAN"),
+                Prefill(3, 0, long[:half], False, pool="LAST"),
+            ]
+        )
+    )
+    first = dict(rank.embedded)
+    rank.step(StepPlan(prefill=[Prefill(3, half, long[half:], True, pool="LAST")]))
+    got = {**first, **rank.embedded}
+    assert not rank.seqs  # every input dropped at its last chunk
+    model, _ = load(path)
+    for seq, (ids, pooling) in {1: (PROMPTS[0], "MEAN"), 2: (PROMPTS[1], "MEAN"), 3: (long, "LAST")}.items():
+        states = model.model(mx.array([ids]))[0].astype(mx.float32)
+        pooled = states.mean(axis=0) if pooling == "MEAN" else states[-1]
+        expected = np.array(pooled / mx.linalg.norm(pooled))
+        assert np.abs(np.array(got[seq]) - expected).max() < 1e-4, (arch, seq)

@@ -178,5 +178,5 @@ def test_the_estimate_follows_verified_tokens_and_a_matching_prediction_starts_h
     chat.update(4, 1)  # one kept, one rejected; the two after it were never compared
     assert chat.lookup_rate == pytest.approx(before + 0.1 * (1 - before) - 0.1 * (before + 0.1 * (1 - before)))
     predicted = Proposer(prediction=[5, 6, 7, 8])
-    assert predicted.propose([1, 5], [5], room=10) == [6, 7, 8]
+    assert predicted.propose([1], [5], room=10) == [6, 7, 8]
     assert predicted.acceptance == PREDICTION_PRIOR

@@ -109,3 +109,17 @@ def test_a_dead_end_fails_its_row_only(text: Text, grammars: Grammars) -> None:
         if (failed := sampled[1].error) is not None:
             break
     assert failed is not None and "constraint" in failed
+
+
+def test_a_resumed_sampler_rewinds_its_constraint_to_the_tokens_it_produced(text: Text, grammars: Grammars) -> None:
+    """After a lost group, the constraint may have followed a token of the step that failed: a resumed sampler
+    (``Start.produced``) puts it back where the delivered tokens leave it."""
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}
+    params = SamplingParams(constraint=grammars.compile(schema))
+    z = text.encode("z")[0]
+    logits = mx.zeros((259,)).at[z].add(100.0)
+    first = Sampler(params)
+    produced = [sample_all({1: first}, {1: logits})[1].token for _ in range(4)]  # the 4th: in the step that failed
+    resumed = Sampler(params, tuple(produced[:3]))
+    out = text.tokenizer.decode(produced[:3]) + _greedy(text, resumed, 30, z)
+    assert json.loads(out) == {"word": "zzzzzzzz"}, out

@@ -181,6 +181,32 @@ def test_an_asked_split_is_checked(text: str, layers: int, count: int, says: str
         assert says is None
 
 
+# Gemma 4 E2B's shape: 35 layers, every fifth full attention, the last 20 reading layer 13's (sliding) or 14's (full)
+# keys and values.
+GEMMA4_E2B = {"model_type": "gemma4_text", "num_hidden_layers": 35, "num_kv_shared_layers": 20}
+
+
+def test_gemma4s_reading_layers_stay_in_their_sources_stage() -> None:
+    from neuron import architectures
+
+    together = architectures.kept_together(GEMMA4_E2B)
+    assert {source for source, _ in together} == {13, 14} and [r for _, r in together] == list(range(15, 35))
+    assert (14, 19) in together and (13, 18) in together
+    assert stages.keep_together([17, 18], together) == [13, 22]  # the memory's split moved back to keep them
+    assert stages.keep_together([5, 10, 20], together) == [5, 8, 22]
+    stages.check_split([13, 22], 35, 2, together)
+    with pytest.raises(stages.SplitError) as refused:
+        stages.check_split([17, 18], 35, 2, together)
+    assert str(refused.value) == (
+        "--pp-layers 17,18 puts layer 17 in stage 1 and layer 13, whose keys and values it reads, in stage 0: one "
+        "stage must hold both; use --pp-layers 13,22"
+    )
+    stages.check_split([], 35, 14, together)  # 13 places to cut before layer 14: 14 stages at most
+    with pytest.raises(stages.SplitError, match="no split into 15 stages puts each pair in one stage; use a smaller"):
+        stages.check_split([], 35, 15, together)
+    assert architectures.kept_together({**GEMMA4_E2B, "num_kv_shared_layers": 0}) == []
+
+
 def test_the_split_follows_free_memory_and_gives_every_stage_a_layer() -> None:
     assert stages.split_by_memory([1] * 30, 0, [100, 200]) == [10, 20]
     assert stages.split_by_memory([1] * 30, 100, [200, 100]) == [15, 15]  # rank 0 keeps room for the rest

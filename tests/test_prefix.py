@@ -52,6 +52,24 @@ def test_a_prompt_already_covered_is_not_stored_again_and_a_longer_one_replaces_
     assert index.lookup([1, 2, 3, 4, 9]) == Hit(turn2.entry, 4)
 
 
+def test_where_caches_cannot_be_cut_only_a_whole_saved_prompt_is_restored() -> None:
+    """A sliding window's or a linear-attention state's entry is a snapshot at its prompt's end (``exact``)."""
+    index = PrefixIndex(budget=10_000, bytes_per_token=1, bytes_per_entry=100, exact=True)
+    turn1 = index.store([1, 2, 3])
+    assert turn1 is not None and index.bytes == 103
+    assert index.lookup([1, 2, 3, 4, 5]) == Hit(turn1.entry, 3)  # the next turn: the whole previous prompt
+    assert index.lookup([1, 2, 9]) is None  # shares a beginning, but not the whole entry
+    assert index.lookup([1, 2, 3]) is None  # its last token is fed: the snapshot is past it
+    turn2 = index.store([1, 2, 3, 4, 5])
+    assert turn2 is not None and turn2.evicted == [turn1.entry] and index.bytes == 105
+    # A prompt on a longer entry's path is an entry of its own here: the longer one cannot be cut back to it.
+    short = index.store([1, 2, 3, 4])
+    assert short is not None and short.evicted == []
+    assert index.lookup([1, 2, 3, 4, 7]) == Hit(short.entry, 4)
+    assert index.lookup([1, 2, 3, 4, 5, 6]) == Hit(turn2.entry, 5)  # the longest whole one
+    assert index.store([1, 2, 3, 4]) is None
+
+
 def test_the_least_recently_used_goes_first_and_an_entry_over_budget_flushes_nothing() -> None:
     index = PrefixIndex(budget=10, bytes_per_token=1)
     a, b = index.store([1] * 4), index.store([2] * 4)

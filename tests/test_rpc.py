@@ -9,7 +9,7 @@ import pytest
 from neuron import rpc
 from neuron.rpc import ErrorKind
 
-HOST = rpc.HostInfo("mac2", "0.1.0", "0.32.4", "0.32.2", "3.11.7", "linux-x86_64", 8 << 30, [0, 1], 2)
+HOST = rpc.HostInfo("mac2", "0.1.0", "0.32.4", "0.32.2", "3.11.7", "linux-x86_64", 8 << 30, 0, "", -1, [0, 1], 2)
 
 EVERY_MESSAGE = [
     rpc.Ping(id=1),
@@ -23,6 +23,7 @@ EVERY_MESSAGE = [
         settings=rpc.WorkerSettings(host="mac2", log_level="info", log_format="json", cpus=[2, 3]),
     ),
     rpc.CheckModel(id=10, model=None),
+    rpc.CheckModel(id=11, model="/models/x", share="0123456789abcdef/tp-1-of-2"),
     rpc.LoadShard(id=3, model_path="/models/x", layers=[0, 15]),
     rpc.GenerateStep(
         id=4,
@@ -41,6 +42,7 @@ EVERY_MESSAGE = [
     rpc.Listening(id=8, addresses=["10.0.0.2:4001"]),
     rpc.Probed(id=9, unreachable={"10.0.0.3:4000": "Connection refused"}),
     rpc.ModelChecked(id=10, path="/models/x", files={"config.json": "ab12"}),
+    rpc.ModelChecked(id=11, path="/nowhere", files={}, share="/cache/shares/0123456789abcdef/tp-1-of-2"),
     rpc.InitOk(id=2, all_sum=2.0),
     rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
@@ -66,7 +68,7 @@ def test_every_op_is_covered() -> None:
 
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
-    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], "scores": False, **fields}
+    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], "scores": False, "pool": "", **fields}
     plan = {
         "leave": [],
         "prefill": [chunk],

@@ -8,7 +8,7 @@ import pytest
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
-from neuron.tp.sampler import Samplers
+from neuron.tp.sampler import Sampler, Samplers, verify
 
 
 def test_a_sequence_the_step_neither_starts_nor_continues_is_refused() -> None:
@@ -31,3 +31,46 @@ def test_the_step_starts_each_sampler_with_its_own_parameters_and_the_tail_its_p
     assert (out[1].token, out[2].token) == (2, 1)
     follow = Step(StepPlan(leave=[2], decode=[Decode(1, 2, 0)]))
     assert set(samplers.step(follow, {1: logits})) == {1} and len(samplers) == 1
+
+
+@pytest.mark.parametrize("mismatch_at", [0, 2, None])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_verifying_a_drawn_draft_reads_once_and_keeps_what_sampling_position_by_position_keeps(
+    mismatch_at: int | None, temperature: float
+) -> None:
+    """A penalised request with logprobs (seeded, or greedy): the run kept, its logprobs and the sampler's state
+    after it (the next draw) equal sampling the positions one by one. Every position has the same logits, so only
+    the penalty on the tokens before it (the draft's, assumed kept) makes them differ, and ``min_tokens`` holds
+    the favourite, a stop token, back for the first two."""
+    params = SamplingParams(
+        temperature=temperature, seed=11, repetition_penalty=3.0, logprobs=2, min_tokens=2, stop_token_ids=(5,)
+    )
+    row = mx.random.normal((16,), key=mx.random.key(3)) + mx.arange(16) * 0.2
+    logits = mx.stack([mx.where(mx.arange(16) == 5, 9.0, row)] * 4)
+    one_by_one = Sampler(params)
+    expected = [one_by_one(logits[i]) for i in range(4)]
+    assert len({s.token for s in expected}) > 1
+    draft = [s.token for s in expected[:3]]
+    if mismatch_at is not None:
+        draft[mismatch_at] = (draft[mismatch_at] + 1) % 16
+        # Position by position, the run stops at the first sampled token that differs from the draft.
+        one_by_one = Sampler(params)
+        expected = [one_by_one(logits[i]) for i in range(mismatch_at + 1)]
+    verifying = Sampler(params)
+    evaluations = 0
+    original = mx.eval
+
+    def counted(*args: object) -> None:
+        nonlocal evaluations
+        evaluations += 1
+        original(*args)
+
+    mx.eval = counted
+    try:
+        run = verify(verifying, logits, draft)
+    finally:
+        mx.eval = original
+    assert evaluations == 1
+    assert run == expected
+    follow = mx.random.normal((16,), key=mx.random.key(4))
+    assert verifying(follow) == one_by_one(follow)

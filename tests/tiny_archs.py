@@ -96,7 +96,7 @@ EXTRA: dict[str, dict[str, Any]] = {
         "sliding_window_pattern": 2,
         "layer_types": TWO_KINDS,
         "global_head_dim": 32,
-        "num_kv_shared_layers": 2,  # its last two layers read the keys and values of earlier ones
+        "num_kv_shared_layers": 1,  # its last layer reads the keys and values of layer 1 (so a stage holds both)
         "hidden_size_per_layer_input": 16,
         "use_double_wide_mlp": False,
         "final_logit_softcapping": 30.0,

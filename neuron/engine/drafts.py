@@ -70,20 +70,21 @@ class Proposer:
         """The estimated chance that each token of the last draft is kept, given those before it were."""
         return self.prediction_rate if self.following else self.lookup_rate
 
-    def propose(self, context: list[int], output: list[int], room: int) -> list[int]:
-        """Up to k tokens to follow ``context`` (prompt and output, up to the token about to be fed), at most
-        ``room``; ``output`` is the completion so far, that token included."""
+    def propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
+        """Up to k tokens to follow the prompt and ``output`` (the completion so far, up to the token about to be
+        fed), at most ``room``."""
         self._check_withheld(output)
-        self.last, self.last_at = self._propose(context, output, room), len(output)
+        self.last, self.last_at = self._propose(prompt, output, room), len(output)
         return self.last
 
-    def _propose(self, context: list[int], output: list[int], room: int) -> list[int]:
+    def _propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
         k = min(self.k, self.limit, room)
         if k <= 0:
             return []
-        if self.resting:
+        if self.resting:  # before the context is built: a resting sequence costs its step next to nothing
             self.resting -= 1
             return []
+        context = prompt + output
         done = len(output)
         self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)
         if self.following:

@@ -14,6 +14,13 @@ Readiness: the engine is ready once a probe step has succeeded on every rank
 since the last failure. A failed step (or a desync) fails the sequences in the
 batch, clears every rank's cache, makes the engine unready (requests get 503),
 and probes again at once, then every few seconds until a probe passes.
+
+A lost group (a rank died, hung, was cut off) fails nothing at first: the batch
+is paused (``engine.resume``), the pool replaces every worker and rank 0's
+group in this process, and each paused sequence is fed its prompt and output
+so far again and goes on; meanwhile new requests queue. Where the pool cannot
+recover in this process, or with ``resume_timeout`` 0, every request fails and
+``lost`` is set: the leader restarts its process.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import device, metrics
+from neuron import architectures, device, metrics
+from neuron.engine import resume
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -39,9 +47,9 @@ from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
-from neuron.log import progress, trace
-from neuron.models import ModelError, read_config, text_config
-from neuron.pool import Deadlines, Layout, Pool, PoolError
+from neuron.log import ms_since, progress, trace
+from neuron.models import ModelError, embedding, read_config, text_config
+from neuron.pool import Deadlines, Layout, Pool, PoolError, Unrecoverable
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -49,6 +57,7 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
+RETRY_S = (1, 2, 4, 8, 15)  # seconds before recovering again after a failed try: soon at first
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,20 +71,30 @@ class Engine:
         model = text_config(config)
         self.pool = pool
         self.text = text
-        self.limits = limits or Scheduling()
+        # What this model's caches cannot do is off, whatever was asked, and the startup log says why.
+        self.limits, notes = architectures.limits_for(config, limits or Scheduling())
+        for note in notes:
+            log.info(note)
         if self.limits.run_ahead == "auto":
             overlaps = device.backend() != "cpu"  # MLX's CPU backend evaluates in the caller: nothing overlaps
             self.limits = dataclasses.replace(self.limits, run_ahead="on" if overlaps else "off")
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])
+        self.embedding = embedding(pool.model_path, config, self.limits.pooling_type)
         # Compiles requests' output constraints (on a caller's thread); rank 0's sampler applies them.
         self.grammars = Grammars(text.tokenizer._tokenizer, self.vocab_size, sorted(text.eos_token_ids))
         self.health = Health(False, "not probed yet")
-        # Set once the group is lost for good (a rank died or hung): only a fresh leader process can serve again.
+        # Set once the group is lost for good (lost, and not recovered in this process): only a fresh leader
+        # process can serve again.
         self.lost = anyio.Event()
+        self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
+        self.recoveries = 0  # lost groups replaced in this process
         budget = self.limits.prefix_cache_bytes
-        self.prefix = PrefixIndex(budget, pool.kv_bytes_per_token) if budget else None
+        support = architectures.supports(config)
+        # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
+        exact = support is not None and not support.cuttable
+        self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         self.output = Output(text, self.prefix is not None)
         self.intake = Intake(
@@ -156,19 +175,34 @@ class Engine:
         a finished sequence ignores it, a queued one leaves the queue at once, and a
         running one is dropped at the next step boundary.
         """
+        self._check_open()
+        seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
+        self._queue(seqs[0])
+        return seqs[0]
+
+    def embed(self, prompts: list[list[int]], request_id: str) -> list[Sequence]:
+        """Queue an embedding request, one sequence per input in order, as one request; read each one's events
+        until its ``Finish`` (``embedding``: the vector) or a ``Failure``, and ``cancel`` each as ``submit`` says.
+        Its inputs are fed in the steps that decode the running sequences, pooled on rank 0."""
+        self._check_open()
+        seqs = self.intake.embeddings(prompts, self.embedding.pooling, request_id)
+        self._queue(seqs[0])
+        return seqs
+
+    def _check_open(self) -> None:
         if not self._accepting:
             raise Unavailable("the server is shutting down; retry on another instance")
-        if self.pool.broken is not None:
+        if self.pool.broken is not None and not self._resumes:
             raise Unavailable(f"{self.pool.broken}")
         if not self.health.ready and self._probe_failed:
             # Otherwise it queues: a failed step is followed at once by a probe, and one
             # step's failure should not turn away whoever arrives in the milliseconds it takes.
             raise Unavailable(f"not ready: {self.health.reason}", retry_after=math.ceil(REPROBE_S))
-        seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
-        self.scheduler.add(seqs[0])
+
+    def _queue(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
         self._idle = anyio.Event()
         self._wakeup.set()
-        return seqs[0]
 
     def cancel(self, seq: Sequence) -> None:
         if self.scheduler.cancel(seq):
@@ -189,12 +223,20 @@ class Engine:
             return True
         return False
 
+    @property
+    def _resumes(self) -> bool:
+        """Whether a lost group pauses the batch (rather than failing it, and the leader restarting)."""
+        return self.limits.resume_timeout > 0 and not self.lost.is_set()
+
     # The step loop: the only code that drives the pool.
 
     async def _loop(self) -> None:
         scheduler = self.scheduler
         while True:
             self._busy_since = time.monotonic()
+            if self.pool.broken is not None and self._resumes:
+                await self._recover()
+                continue
             if not self.health.ready and self.pool.broken is None and not await self._probe():
                 self._fail_all("unavailable", f"not ready: {self.health.reason}")
                 self._busy_since = None
@@ -205,7 +247,8 @@ class Engine:
             for seq, steps_after in scheduler.drop_cancelled():
                 self.output.cancelled(seq, steps_after)
             for seq in scheduler.admit():
-                self.output.started(seq)
+                if seq.lost is None:  # a paused sequence was started before, and resumes (``Output.resumed``)
+                    self.output.started(seq)
             step = scheduler.plan()
             if step is not None:
                 await self._step(step)
@@ -222,16 +265,22 @@ class Engine:
     async def _step(self, step: Step) -> None:
         started = time.perf_counter()
         plan = step.plan
+        self._in_flight = step
         try:
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
             self._unready(e)
+            if e.broken and self._resumes:
+                self._pause(e, step)
+                return
             # A lost group is a server that is about to restart (503, retry), not a failed request (500).
             self._fail_all("unavailable" if e.broken else "step_failed", str(e))
             with anyio.CancelScope(shield=True):
                 await self._clear_cache(prefixes=True)
             return
+        finally:
+            self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         deliveries = self.scheduler.apply(step, sampled, self.text, ms)
@@ -252,6 +301,82 @@ class Engine:
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
+
+    # A lost group: pause, recover in this process, resume.
+
+    def _pause(self, error: PoolError, step: Step | None) -> None:
+        """Put the batch back in the queue to be fed again once the pool is back (``Scheduler.pause``); a request
+        blamed for too many losses ends here."""
+        for seq, steps_after in self.scheduler.drop_cancelled():
+            self.output.cancelled(seq, steps_after)
+        lost = resume.lost(error.failures, self.pool.hosts, str(error))
+        tries = self.limits.resume_tries
+        paused, given_up = self.scheduler.pause(lost, resume.blamed(step, self.scheduler.batch), tries)
+        for seq in given_up:
+            log.warning("not resumed", request_id=seq.request_id, losses=seq.losses, rank=lost.rank, host=lost.host)
+            self.output.failed(seq, "step_failed", resume.too_many_losses(seq, tries, str(error)))
+        if paused:
+            log.warning("requests paused", requests=len(paused), rank=lost.rank, host=lost.host, cause=str(error))
+        self._wakeup.set()
+
+    async def _recover(self) -> None:
+        """Replace the lost group in this process and probe it; the paused sequences then resume as the loop
+        admits them. A try that fails (a host out of reach) is tried again, soon at first, for as long as
+        ``resume_timeout`` lasts; paused sequences still waiting that long after their loss end with an error.
+        Where recovery is not possible in this process, or has not succeeded by then, every request fails and
+        ``lost`` is set (the leader restarts its process)."""
+        cause = self.pool.broken
+        started = time.perf_counter()
+        self._busy_since = None  # not a wedged step: recovering has deadlines of its own
+        log.warning("recovering", cause=str(cause), paused=self.waiting)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._expire_paused)
+            failure = await self._try_to_recover(cause, started)
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
+            self.health = Health(False, f"{cause}; recovery failed: {failure}")
+            self.lost.set()
+            self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
+            await anyio.sleep_forever()  # the leader cancels the engine and restarts
+        self.recoveries += 1
+        log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
+
+    async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
+        """``pool.recover`` and a probe, tried again after each failure while ``resume_timeout`` allows; None once
+        the pool is back, else why not."""
+        delays = iter(RETRY_S)
+        while True:
+            try:
+                await self.pool.recover()
+                if await self._probe():
+                    return None
+                raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
+            except Unrecoverable as e:
+                return str(e)
+            except Exception as e:  # noqa: BLE001 - tried again while the time allows
+                error = f"{type(e).__name__}: {e}"
+                delay = next(delays, RETRY_S[-1])
+                if time.perf_counter() - started + delay > self.limits.resume_timeout:
+                    return error
+                log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=delay)
+                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay} s")
+                await anyio.sleep(delay)
+
+    async def _expire_paused(self) -> None:
+        """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""
+        timeout = self.limits.resume_timeout
+        while True:
+            paused = [seq for seq in self.scheduler.waiting if seq.lost is not None]
+            if not paused:
+                return
+            first = min(paused, key=lambda seq: seq.lost.at if seq.lost else 0.0)
+            assert first.lost is not None
+            await anyio.sleep(max(0.0, first.lost.at + timeout - time.perf_counter()))
+            if first in self.scheduler.waiting and first.lost is not None:
+                self.scheduler.waiting.remove(first)
+                first.cancelled_at = self.scheduler.steps
+                self.output.failed(first, "unavailable", resume.timed_out(first.lost, timeout))
 
     # Health.
 
@@ -286,10 +411,14 @@ class Engine:
     def _unready(self, error: PoolError) -> None:
         self.health = Health(False, str(error))
         log.warning("not ready", reason=str(error), broken=error.broken)
-        if error.broken:
+        if error.broken and not self._resumes:
             self.lost.set()
 
     def _on_lost(self, error: PoolError) -> None:
-        """A worker exited: fail everything now, even between steps (a step in flight fails on its own)."""
+        """A worker exited: pause the batch now (or fail everything), even between steps; a step in flight
+        fails on its own."""
         self._unready(error)
-        self._fail_all("unavailable", str(error))
+        if self._resumes:
+            self._pause(error, self._in_flight)
+        else:
+            self._fail_all("unavailable", str(error))

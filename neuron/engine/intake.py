@@ -66,6 +66,32 @@ class Intake:
             copy.copy_of = seqs[0]
         return seqs
 
+    def embeddings(self, prompts: list[list[int]], pooling: str, request_id: str) -> list[Sequence]:
+        """An embedding request's inputs, a sequence each, pooled so; the first holds the others as its ``group``
+        (queued as one request). Raises ``RequestError`` naming the input at fault (``input``, or ``input[i]``)."""
+        if not prompts:
+            raise RequestError("`input` holds no input: send at least one", "input")
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            where = f"input[{i}]" if len(prompts) > 1 else "input"
+            if not prompt:
+                raise RequestError(f"`{where}` is empty: it needs at least one token", where)
+            if not all(0 <= t < self.vocab_size for t in prompt):
+                raise RequestError(f"`{where}`: token ids must lie in [0, {self.vocab_size})", where)
+            if len(prompt) > self.context_length:
+                raise RequestError(
+                    f"`{where}` has {len(prompt)} tokens but this model embeds at most {self.context_length} (its "
+                    "context); shorten it, or send `truncate_prompt_tokens`",
+                    where,
+                    "context_length_exceeded",
+                )
+            seq = Sequence(request_id, next(self.numbers), list(prompt), 0, SamplingParams(), StopText(()))
+            seq.pooling = pooling
+            seq.submitted = time.perf_counter()
+            seqs.append(seq)
+        seqs[0].group = seqs[1:]
+        return seqs
+
     def _proposer(self, params: SamplingParams) -> Proposer | None:
         """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
         request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""

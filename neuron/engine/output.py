@@ -15,6 +15,7 @@ from neuron.engine.scheduler import Delivery
 from neuron.engine.sequence import Chunk, Failure, Finish, Sequence
 from neuron.engine.text import Text
 from neuron.log import ms_since
+from neuron.sampling_params import Sampled
 
 log = structlog.get_logger("neuron.engine")
 
@@ -26,9 +27,12 @@ class Output:
 
     def started(self, seq: Sequence) -> None:
         """``seq`` was admitted to the batch."""
-        self.text.start(seq)
         seq.started = time.perf_counter()
         metrics.PROMPT_TOKENS.inc(len(seq.prompt))
+        if seq.pooling is not None:  # one of up to thousands of inputs of one request: not a line each at info
+            log.debug("embedding started", request_id=seq.request_id, prompt_tokens=len(seq.prompt))
+            return
+        self.text.start(seq)
         log.info(
             "request started",
             request_id=seq.request_id,
@@ -41,6 +45,11 @@ class Output:
     def deliver(self, delivery: Delivery) -> None:
         """Render what the scheduler decided for one token: its text, and the sequence's finish if it ended."""
         seq, sampled = delivery.seq, delivery.sampled
+        if seq.pooling is not None:
+            self.embedded(seq, sampled)
+            return
+        if seq.lost is not None:
+            self.resumed(seq)
         if delivery.first:
             log.info(
                 "prefill done",
@@ -64,6 +73,23 @@ class Output:
             seq.emit(Chunk(sampled.token, delivery.text, sampled.logprob, sampled.top))
         if delivery.finish is not None:
             self.finish(seq, delivery.finish, delivery.tail)
+
+    def resumed(self, seq: Sequence) -> None:
+        """``seq``'s first token since the group was lost under it: its stream goes on."""
+        assert seq.lost is not None
+        replayed = len(seq.tokens)
+        log.info(
+            "resumed",
+            request_id=seq.request_id,
+            rank=seq.lost.rank,
+            host=seq.lost.host,
+            replayed_tokens=replayed,
+            losses=seq.losses,
+            ms=ms_since(seq.lost.at),
+        )
+        metrics.RESUMED.inc()
+        metrics.REPLAYED_TOKENS.inc(replayed)
+        seq.lost = None
 
     def finish(self, seq: Sequence, reason: str, tail: str) -> None:
         """End ``seq`` with the text held back until now, and say why."""
@@ -93,6 +119,12 @@ class Output:
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
         rejected = proposed - accepted
         seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail, seq.cached, accepted, rejected))
+
+    def embedded(self, seq: Sequence, sampled: Sampled) -> None:
+        """An embedding input's vector is ready: its one event."""
+        log.debug("embedding done", request_id=seq.request_id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
+        metrics.REQUESTS.labels("stop").inc()
+        seq.emit(Finish("stop", len(seq.prompt), 0, "", embedding=sampled.embedding))
 
     def cancelled(self, seq: Sequence, steps_after_cancel: int) -> None:
         """The caller stopped listening: the sequence has left the batch (or never entered it)."""

@@ -8,9 +8,13 @@ rank that disagrees is caught on that step.
 
 A trie over token ids: a lookup walks the prompt down it, and the deepest node
 reached is the longest cached prefix, exact token for token. An entry is one
-saved prompt; a lookup may restore only the first n tokens of one. Sizes come
-from ``bytes_per_token`` (the leader computes it from the model's shape and
-each rank's share), so the budget holds on every rank without any measuring.
+saved prompt; a lookup may restore only the first n tokens of one, or, where
+the model's caches cannot be cut back (``exact``: a sliding window, a
+linear-attention state), only a whole one: the entry's end must be a beginning
+of the prompt, as the previous turn's prompt is of a chat's next one. Sizes
+come from ``bytes_per_token`` and ``bytes_per_entry`` (the leader computes
+them from the model's shape and each rank's share), so the budget holds on
+every rank without any measuring.
 
 Pure Python, no MLX: the scheduler consults it, and it is tested directly.
 """
@@ -41,9 +45,11 @@ class Stored:
 
 
 class PrefixIndex:
-    def __init__(self, budget: int, bytes_per_token: int) -> None:
+    def __init__(self, budget: int, bytes_per_token: int, bytes_per_entry: int = 0, exact: bool = False) -> None:
         self.budget = budget  # bytes on the rank holding the largest share
         self.bytes_per_token = bytes_per_token
+        self.bytes_per_entry = bytes_per_entry  # what an entry holds whatever its length: states, full windows
+        self.exact = exact  # restore whole entries only
         self.bytes = 0
         self.evictions = 0
         self._root = _Node()
@@ -57,20 +63,23 @@ class PrefixIndex:
         return {entry: len(tokens) for entry, tokens in self._entries.items()}
 
     def lookup(self, prompt: list[int]) -> Hit | None:
-        """The longest cached prefix of ``prompt`` that leaves at least one token to feed; pinned until
-        ``unpin``, and made most recently used."""
-        node, depth, entry = self._root, 0, None
+        """The longest cached prefix of ``prompt`` that leaves at least one token to feed (``exact``: the longest
+        whole entry); pinned until ``unpin``, and made most recently used."""
+        node, depth, hit = self._root, 0, None
         for token in prompt[:-1]:  # the last token is always fed: its logits are the first sample
             child = node.children.get(token)
             if child is None:
                 break
             node, depth = child, depth + 1
-            entry = next(iter(node.through))
-        if entry is None:
+            if not self.exact:
+                hit = Hit(next(iter(node.through)), depth)
+            elif node.ends is not None:
+                hit = Hit(node.ends, depth)
+        if hit is None:
             return None
-        self._entries.move_to_end(entry)
-        self._pinned.add(entry)
-        return Hit(entry, depth)
+        self._entries.move_to_end(hit.entry)
+        self._pinned.add(hit.entry)
+        return hit
 
     def unpin(self) -> None:
         """The plan that restored the pinned entries has run."""
@@ -79,7 +88,7 @@ class PrefixIndex:
     def store(self, prompt: list[int]) -> Stored | None:
         """Make ``prompt`` an entry, evicting the least recently used to stay within the budget; None when it
         is cached already, or cannot fit even alone (an entry over the budget must not flush everything)."""
-        size = len(prompt) * self.bytes_per_token
+        size = self._size(len(prompt))
         if size > self.budget:
             return None
         node, covered = self._root, []
@@ -92,17 +101,17 @@ class PrefixIndex:
                 # restores from it: every rank restores before it evicts, and the new entry holds the same tokens.
                 covered.append(node.ends)
         else:
-            if node.through:  # the whole prompt lies on an entry's path
-                self._entries.move_to_end(next(iter(node.through)))
+            if node.ends is not None or (node.through and not self.exact):  # the whole prompt lies on an entry's path
+                self._entries.move_to_end(node.ends if node.ends is not None else next(iter(node.through)))
                 return None
         # Chosen before anything is dropped: when pinned entries leave too little room, nothing is.
-        evicted, freed = list(covered), sum(len(self._entries[e]) for e in covered) * self.bytes_per_token
+        evicted, freed = list(covered), sum(self._size(len(self._entries[e])) for e in covered)
         for entry, tokens in self._entries.items():
             if self.bytes - freed + size <= self.budget:
                 break
             if entry not in self._pinned and entry not in covered:
                 evicted.append(entry)
-                freed += len(tokens) * self.bytes_per_token
+                freed += self._size(len(tokens))
         if self.bytes - freed + size > self.budget:
             return None
         for entry in evicted:
@@ -126,11 +135,11 @@ class PrefixIndex:
             node.through.add(entry)
         node.ends = entry
         self._entries[entry] = list(prompt)
-        self.bytes += len(prompt) * self.bytes_per_token
+        self.bytes += self._size(len(prompt))
 
     def _remove(self, entry: int) -> None:
         tokens = self._entries.pop(entry)
-        self.bytes -= len(tokens) * self.bytes_per_token
+        self.bytes -= self._size(len(tokens))
         self.evictions += 1
         node = self._root
         for token in tokens:
@@ -142,3 +151,6 @@ class PrefixIndex:
             node = child
         if node.ends == entry:
             node.ends = None
+
+    def _size(self, tokens: int) -> int:
+        return tokens * self.bytes_per_token + self.bytes_per_entry

@@ -21,12 +21,13 @@ the same way, a chat's next turn among them, skips that part.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
 from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.sequence import Overloaded, Sequence
+from neuron.engine.sequence import Lost, Overloaded, Sequence
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import PENALTY_WINDOW, Sampled
 from neuron.step import Start, Step
@@ -49,6 +50,13 @@ class Scheduling:
     # MLX evaluates asynchronously (GPUs); its CPU backend evaluates in the caller, so there it would only waste a
     # forward where a plan changes (BENCHMARKS.md, "Running ahead").
     run_ahead: str = "auto"
+    # A lost group (engine.resume): seconds the paused requests wait for the pool to be back (0: they fail at once,
+    # and the leader restarts its process), and the losses a request may be blamed for and still resume.
+    resume_timeout: float = 60.0
+    resume_tries: int = 2
+    # How embedding inputs pool the final hidden states (models.POOLING_TYPES); None: as the model's card says,
+    # else MEAN. Not the scheduler's to read: it plans what each input's sequence says.
+    pooling_type: str | None = None
 
 
 class Detokenizer(Protocol):
@@ -130,12 +138,24 @@ class Scheduler:
         return [(seq, self.steps - (seq.cancelled_at or 0)) for seq in dropped]
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests into the batch, in arrival order, while it has places; returns them."""
-        admitted = []
-        while self.waiting and len(self.filling) + len(self.running) + self.waiting[0].n <= self.limits.max_batch:
-            seq = self.waiting.popleft()
-            self.filling += [seq, *seq.copies]
-            admitted += [seq, *seq.copies]
+        """Move waiting requests into the batch, in arrival order, while it has places; returns them.
+
+        An embedding request holds no place (its inputs are fed and leave, and no decode row is theirs), so it
+        is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
+        """
+        admitted: list[Sequence] = []
+        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
+        blocked = False
+        for seq in list(self.waiting):
+            if seq.pooling is None:
+                blocked = blocked or places + seq.n > self.limits.max_batch
+                if blocked:
+                    continue
+                places += seq.n
+            self.waiting.remove(seq)
+            members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
+            self.filling += members
+            admitted += members
         return admitted
 
     def release_leaving(self) -> bool:
@@ -154,28 +174,41 @@ class Scheduler:
         if not self.filling and not self.running:
             return None
         budget = self.limits.prefill_chunk
-        prefill, restore, starts = [], [], {}
+        prefill: list[Prefill] = []
+        restore: list[Restore] = []
+        starts: dict[int, Start] = {}
         for seq in self.filling:
             if budget <= 0:
                 break
-            if seq.copy_of is not None:
+            if seq.copy_of is not None and not seq.alone:
                 continue  # fed when its original's prompt ends
+            if prefill and (seq.losses or self._suspect(prefill)):
+                break  # a sequence blamed for a lost group is fed alone, so that a second loss blames it alone
+            tokens = seq.tokens
             start = seq.fed
-            scores = seq.params.prompt_logprobs is not None  # a restored prefix would leave its tokens unscored
-            prefix = self.prefix if not scores else None
-            if start == 0 and prefix is not None and (hit := prefix.lookup(seq.prompt)) is not None:
-                restore.append(Restore(seq.no, hit.entry, hit.tokens))
-                start = hit.tokens  # restored, not computed: outside the budget
-                starts[seq.no] = Start(seq.params, tuple(seq.prompt[max(0, start - PENALTY_WINDOW) : start]))
-            elif start == 0:
-                starts[seq.no] = Start(seq.params)
-            take = min(budget, len(seq.prompt) - start)
+            if seq.pooling is not None:  # an embedding input: no prefix cache (hidden states are not kept), no sampler
+                end = min(len(seq.prompt), start + budget)
+                prefill.append(Prefill(seq.no, start, seq.prompt[start:end], end == len(seq.prompt), pool=seq.pooling))
+                budget -= end - start
+                continue
+            # A restored prefix would leave its tokens unscored; a resumed sequence's prompt was scored already.
+            scores = seq.params.prompt_logprobs is not None and seq.replay is None
+            prefix = self.prefix if seq.params.prompt_logprobs is None else None
+            if start == 0:
+                produced = None if seq.lost is None else tuple(seq.output)
+                recent: tuple[int, ...] = ()
+                if prefix is not None and (hit := prefix.lookup(tokens)) is not None:
+                    restore.append(Restore(seq.no, hit.entry, hit.tokens))
+                    start = hit.tokens  # restored, not computed: outside the budget
+                    recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
+                starts[seq.no] = Start(seq.params, recent, produced)
+            take = min(budget, len(tokens) - start)
             end = start + take
-            last = end == len(seq.prompt)
-            copies = [c for c in seq.copies if c in self.filling] if last else []
+            last = end == len(tokens)
+            copies = [c for c in seq.fed_with if c in self.filling] if last else []
             for copy in copies:
                 starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
-            prefill.append(Prefill(seq.no, start, seq.prompt[start:end], last, [c.no for c in copies], scores))
+            prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores))
             budget -= take
         decode = self._decode()
         ahead = self._steady(prefill, decode)
@@ -183,7 +216,9 @@ class Scheduler:
         # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
         by_no = {seq.no: seq for seq in self.filling}
         for chunk in prefill:
-            if chunk.last and self.prefix is not None and (stored := self.prefix.store(by_no[chunk.seq].prompt)):
+            if chunk.pool or not chunk.last or self.prefix is None:
+                continue
+            if stored := self.prefix.store(by_no[chunk.seq].tokens):
                 plan.save.append(Save(chunk.seq, stored.entry))
                 plan.evict.extend(Evict(entry) for entry in stored.evicted)
         return Step(plan, starts)
@@ -205,20 +240,26 @@ class Scheduler:
         by_no = {seq.no: seq for seq in self.batch}
         for restore in plan.restore:
             if (seq := by_no.get(restore.seq)) is not None:
-                seq.fed = seq.cached = restore.tokens
+                seq.fed = restore.tokens
+                if seq.replay is None:  # a resumed sequence's usage keeps what its first prefill reused
+                    seq.cached = restore.tokens
         out = []
         for chunk in plan.prefill:
             if (seq := by_no.get(chunk.seq)) is None:
                 continue
             seq.fed += len(chunk.tokens)
-            if chunk.last:
+            if chunk.last and seq.pooling is not None:  # every rank has dropped it already: it leaves no plan
+                self.filling.remove(seq)
+                out.append(Delivery(seq, sampled[seq.no], None, "stop", first=True))
+            elif chunk.last:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
-                    copy.fed = len(copy.prompt)
+                    copy.fed = len(copy.tokens)
                     self.filling.remove(copy)
                     copy.micro_batch = self._emptiest_micro_batch()
                     self.running.append(copy)
-                    copy.prompt_logprobs = sampled[copy.no].prompt
-                    out.append(self._outcome(copy, sampled[copy.no], text, first=True))
+                    if copy.replay is None:
+                        copy.prompt_logprobs = sampled[copy.no].prompt
+                    out.append(self._outcome(copy, sampled[copy.no], text, first=copy.replay is None))
         widths = plan.widths()
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is None:
@@ -268,7 +309,7 @@ class Scheduler:
         if seq.proposer is None or seq.next_token is None:
             return []
         room = seq.max_tokens - seq.completion_tokens - 1
-        return seq.proposer.propose(seq.prompt + seq.output, seq.output, room)
+        return seq.proposer.propose(seq.prompt, seq.output, room)
 
     def _emptiest_micro_batch(self) -> int:
         """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
@@ -289,8 +330,7 @@ class Scheduler:
             return Delivery(seq, sampled, None, "stop", first, tail)
         seq.completion_tokens += 1
         seq.next_token = sampled.token
-        if seq.proposer is not None:
-            seq.output.append(sampled.token)
+        seq.output.append(sampled.token)
         released, stopped = text.push(seq, sampled.token)
         if stopped:
             return Delivery(seq, sampled, released, "stop", first)
@@ -307,10 +347,43 @@ class Scheduler:
                 if seq.fed:
                     self.leaving.append(seq.no)
 
+    def _suspect(self, prefill: list[Prefill]) -> bool:
+        """Whether a chunk of ``prefill`` feeds a sequence blamed for a lost group."""
+        return any(seq.losses for seq in self.filling if any(chunk.seq == seq.no for chunk in prefill))
+
+    def pause(self, lost: Lost, blamed: Collection[Sequence], tries: int) -> tuple[list[Sequence], list[Sequence]]:
+        """The group was lost under the batch: every admitted sequence goes back to the front of the queue, in
+        order, to be fed again once the ranks are back: its prompt and the tokens it has produced (its stream
+        goes on where it stopped); the ranks' caches are gone, the prefix cache with them. Those ``blamed``
+        count one more loss; one blamed more than ``tries`` times is not resumed. Returns (paused, given up)."""
+        paused, given_up = [], []
+        for seq in self.batch:
+            if seq.finished or seq.cancelled_at is not None:
+                continue
+            if seq in blamed:
+                seq.losses += 1
+            if seq.losses > tries:
+                given_up.append(seq)
+                continue
+            seq.lost = seq.lost or lost  # lost again before it resumed: the first loss is what it waits on
+            seq.replay = [*seq.prompt, *seq.output] if seq.output else None
+            seq.alone = True
+            seq.fed = seq.drop = seq.micro_batch = 0
+            paused.append(seq)
+        self.filling.clear()
+        self.running.clear()
+        self.leaving.clear()
+        self.waiting.extendleft(reversed(paused))
+        if self.prefix is not None:
+            self.prefix.unpin()
+            self.prefix.clear()
+        return paused, given_up
+
     def clear(self) -> list[Sequence]:
         """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
         each marked as cancelled now."""
-        unfinished = [seq for seq in (*self.waiting, *self.batch) if not seq.finished]
+        queued = [member for seq in self.waiting for member in (seq, *seq.copies, *seq.group)]
+        unfinished = [seq for seq in (*queued, *self.batch) if not seq.finished]
         for seq in unfinished:
             seq.cancelled_at = self.steps
         self.waiting.clear()

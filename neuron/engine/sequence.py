@@ -39,6 +39,7 @@ class Finish:
     # Speculation's draft tokens kept and rejected (OpenAI's accepted/rejected_prediction_tokens).
     accepted_tokens: int = 0
     rejected_tokens: int = 0
+    embedding: bytes = b""  # an embedding input's vector (``Sampled.embedding``); nothing else is generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,16 @@ class StopText:
         return pending
 
 
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """Why a sequence is paused: the group was lost under it, and it waits to be fed again (``engine.resume``)."""
+
+    rank: int  # the rank whose loss broke the group
+    host: str
+    cause: str
+    at: float  # perf_counter time of the loss
+
+
 @dataclass(eq=False)
 class Sequence:
     """A request's state in the engine. The engine writes its events; the caller reads them."""
@@ -145,11 +156,21 @@ class Sequence:
     # again; they wait in the batch, unfed, until then.
     copies: list[Sequence] = field(default_factory=list)
     copy_of: Sequence | None = None
+    # An embedding input: how its final hidden states are pooled (``MEAN`` or ``LAST``); None for a generation.
+    # ``group``: the other inputs of its request, queued with it as one request and admitted with it.
+    pooling: str | None = None
+    group: list[Sequence] = field(default_factory=list)
     # Speculation (engine.drafts): None when this sequence does not speculate. ``output`` is the completion
     # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)
     drop: int = 0
+    # Resuming after a lost group: why it is paused (None while it runs), the tokens fed again once it resumes
+    # (its prompt and its output so far; None: its prompt alone, as at first), and the losses blamed on it.
+    lost: Lost | None = None
+    replay: list[int] | None = None
+    losses: int = 0
+    alone: bool = False  # fed on its own since a loss, even as one of n choices: its original's cache is gone
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
 
@@ -160,8 +181,18 @@ class Sequence:
 
     @property
     def n(self) -> int:
-        """Places it takes in the batch: itself and its copies."""
-        return 1 + len(self.copies)
+        """Places it takes in the batch: itself and its copies (each on its own since a loss)."""
+        return 1 if self.alone else 1 + len(self.copies)
+
+    @property
+    def fed_with(self) -> list[Sequence]:
+        """The copies that start from this sequence's cache once its prompt is fed."""
+        return [] if self.alone else [c for c in self.copies if not c.alone]
+
+    @property
+    def tokens(self) -> list[int]:
+        """What its cache must hold before it samples: its prompt, and since a loss its output so far too."""
+        return self.prompt if self.replay is None else self.replay
 
     def emit(self, event: Event) -> None:
         """Hand an event to the reader; a reader that has gone away counts as a cancellation."""

@@ -84,16 +84,27 @@ def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leade
             )
 
 
-def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
-    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
+def model_differences(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> dict[int, str]:
+    """Each rank whose host holds another model than rank 0's (or none), with what differs, in words."""
     mine = checked[0]
+    out = {}
     for rank, theirs in sorted(checked.items()):
         if (name := first_difference(mine.files, theirs.files)) is not None:
             what = "lacks" if name not in theirs.files else "has a different"
-            raise Refused(
+            out[rank] = (
                 f"rank {rank} on {hosts[rank]} holds another model than the leader: {theirs.path} {what} {name} "
-                f"(the leader's is {mine.path}); copy the same model folder to every host"
+                f"(the leader's is {mine.path})"
             )
+    return out
+
+
+def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
+    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
+    for message in model_differences(checked, hosts).values():
+        raise Refused(
+            f"{message}; copy the same model folder to every host, or pass --push-model to have the leader send "
+            "each host the share its ranks load"
+        )
 
 
 def check_probes(probed: dict[int, dict[str, str]], backend: str, hosts: list[str], tunnelled: bool = False) -> None:
@@ -114,3 +125,22 @@ def check_probes(probed: dict[int, dict[str, str]], backend: str, hosts: list[st
                 "hosts",
                 [hosts[target]],
             )
+
+
+def check_memory(needs: list[int], infos: list[rpc.HostInfo], hosts: list[str]) -> None:
+    """Every rank has room for its share of the weights (``needs``, by rank), as its handshake said: refused
+    before anything loads, where the kernel's OOM killer would otherwise end a rank partway through."""
+    for rank, (need, info) in enumerate(zip(needs, infos, strict=True)):
+        if need > info.free_memory:
+            limit = f" under its memory cgroup's limit of {size(info.memory_limit)}" if info.memory_limit else ""
+            raise Refused(
+                f"rank {rank} on {hosts[rank]} ({info.hostname}) needs {size(need)} for its share of the model's "
+                f"weights, but has {size(info.free_memory)} available{limit}: split the model over more ranks "
+                "(--tp or --pp, with more hosts in the hostfile), give that host more memory (or a higher limit), "
+                "or serve a smaller or quantized model"
+            )
+
+
+def size(count: int) -> str:
+    """Bytes as an operator reads them: GiB from one, else MiB."""
+    return f"{count / (1 << 30):.2f} GiB" if count >= 1 << 30 else f"{count / (1 << 20):.0f} MiB"

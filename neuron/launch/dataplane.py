@@ -19,6 +19,7 @@ leader.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 
@@ -123,6 +124,41 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
             if answer != GREETING:
                 unreachable[address] = "connected, but closed before any listener answered (a tunnel to nothing?)"
     return unreachable
+
+
+def cut(addresses: list[list[str]]) -> int:
+    """Shut down every socket of this process bound to or connected to one of a group's ``addresses``; returns
+    how many. Why: rank 0's thread may sit inside a collective for a peer that is stopped or out of reach, which
+    no timeout of MLX ends; a socket shut down under it makes the collective fail, and frees the thread. The
+    descriptors stay MLX's (it closes them with the group): only the connections end."""
+    wanted = {split_address(a) for rank in addresses for a in rank}
+    directory = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    count = 0
+    for name in os.listdir(directory):
+        try:
+            copy = os.dup(int(name))
+        except OSError:
+            continue  # closed meanwhile (the directory's own descriptor among them)
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue  # not a socket
+        with sock:
+            try:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                ends = {sock.getsockname()[:2]}
+                try:
+                    ends.add(sock.getpeername()[:2])
+                except OSError:
+                    pass  # a listener: no peer
+                if ends & wanted:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+            except OSError:
+                continue
+    return count
 
 
 def ring_files(addresses: list[list[str]]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import neuron
 from neuron import device
+from neuron.launch import cgroup
 from neuron.rpc import HostInfo
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -140,11 +141,17 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def free_memory() -> int:
+def free_memory(room: cgroup.Room | None) -> int:
     """Bytes this rank could give a model now: its GPU's room on a GPU backend (MLX says, so it loads there,
-    where nothing must be settled before it), else the host's available memory."""
+    where nothing must be settled before it), else the host's available memory, or less where the process's
+    memory cgroup leaves it less ``room`` under its limit."""
     if (on_gpu := device.gpu_free_memory()) is not None:
         return on_gpu
+    host = _available()
+    return host if room is None else min(host, room.available)
+
+
+def _available() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -161,6 +168,12 @@ def describe_host(rank: int) -> HostInfo:
     """This host and this process, as ``rank`` reports them: the versions from package metadata, and without
     importing MLX on the CPU backend (a worker pins itself to its cores before MLX starts a thread)."""
     mlx = _version("mlx")
+    group = cgroup.own_group()
+    room = cgroup.room(group) if group is not None else None
+    try:
+        oom_kills = cgroup.oom_kills(group.oom_counter.read_text()) if group is not None else None
+    except OSError:
+        oom_kills = None
     return HostInfo(
         hostname=socket.gethostname(),
         neuron=neuron.__version__,
@@ -168,7 +181,10 @@ def describe_host(rank: int) -> HostInfo:
         mlx_lm=_version("mlx-lm"),
         python=platform.python_version(),
         platform=f"{sys.platform}-{platform.machine()}",
-        free_memory=free_memory(),
+        free_memory=free_memory(room),
+        memory_limit=room.limit if room is not None else 0,
+        oom_counter=str(group.oom_counter) if group is not None and oom_kills is not None else "",
+        oom_kills=-1 if oom_kills is None else oom_kills,
         cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
         gpus=device.gpu_count(),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio.abc
 
@@ -13,7 +14,7 @@ from neuron import cpu
 from neuron.launch.dataplane import machine_ranks
 from neuron.launch.hosts import Host, local_hosts
 from neuron.launch.local import spawn_local
-from neuron.launch.ssh import StderrRelay, spawn_ssh
+from neuron.launch.ssh import StderrRelay, read_remote, receiver_argv, spawn_ssh
 
 DEFAULT_SSH = "ssh"
 
@@ -61,6 +62,21 @@ class Launcher:
         if host.local:
             return Spawned(await spawn_local(rank, self.world_size, env or {}), None)
         return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {}))
+
+    def receiver(self, rank: int, key: str) -> list[str]:
+        """The command that receives share ``key`` on ``rank``'s host (a remote one: this one has the model)."""
+        return receiver_argv(self.ssh_command, self.hosts[rank], key)
+
+    async def read_file(self, rank: int, path: str) -> str | None:
+        """A small file on ``rank``'s host (where a dead worker's OOM kills are counted): read here, or over SSH;
+        None where it cannot be read."""
+        host = self.hosts[rank]
+        if not host.local:
+            return await read_remote(self.ssh_command, host, path)
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
 
     def model(self, rank: int, leader_model: str | None, leader_path: str) -> str | None:
         """What ``rank`` should load: its host's own path when the hostfile names one; on this host, the folder

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import os
 import shlex
+import subprocess
 import threading
 from pathlib import Path
 
@@ -51,6 +52,12 @@ def remote_command(host: Host, rank: int, world_size: int, env: dict[str, str] |
     neuron = shlex.split(host.neuron) if host.neuron else reexec.command()
     setting = ["env", *(f"{name}={value}" for name, value in sorted((env or {}).items()))] if env else []
     return "exec " + shlex.join([*setting, *neuron, *worker_command(rank, world_size)])
+
+
+def receiver_argv(ssh_command: list[str], host: Host, key: str) -> list[str]:
+    """The session that receives a share of the model on ``host`` (``launch/push.py``), beside the worker's."""
+    neuron = shlex.split(host.neuron) if host.neuron else reexec.command()
+    return [*ssh_command, *SSH_OPTIONS, "--", host.ssh, "exec " + shlex.join([*neuron, "--receive-share", key])]
 
 
 def ssh_argv(
@@ -176,3 +183,13 @@ async def spawn_tunnel(
         raise
     await process.aclose()
     raise ForwardError(relay.last_words() or f"ssh exited with code {process.returncode}")
+
+
+async def read_remote(ssh_command: list[str], host: Host, path: str) -> str | None:
+    """A small file on ``host`` (a dead worker's OOM count), or None when it cannot be read."""
+    argv = [*ssh_command, *SSH_OPTIONS, "--", host.ssh, shlex.join(["cat", path])]
+    try:
+        done = await anyio.run_process(argv, stdin=subprocess.DEVNULL, check=False)
+    except OSError:
+        return None
+    return done.stdout.decode(errors="replace") if done.returncode == 0 else None

@@ -6,6 +6,6 @@ on; ``link.py`` the leader's end of one worker's pipes. How a worker's process
 is started lives beside the pool, in ``neuron.launch``.
 """
 
-from neuron.pool.pool import Deadlines, Layout, Pool, PoolError
+from neuron.pool.pool import Deadlines, Layout, Pool, PoolError, Unrecoverable
 
-__all__ = ["Deadlines", "Layout", "Pool", "PoolError"]
+__all__ = ["Deadlines", "Layout", "Pool", "PoolError", "Unrecoverable"]

@@ -36,7 +36,7 @@ IN_STEP = (ErrorKind.BAD_STATE, ErrorKind.LOAD_FAILED)
 class PoolError(RuntimeError):
     """An operation failed on one or more ranks; ``failures`` maps each rank to what it said.
 
-    ``broken``: the group can no longer be trusted, and only a fresh process can serve again.
+    ``broken``: the group can no longer be trusted; only fresh workers and a fresh group can serve again.
     """
 
     def __init__(self, op: str, failures: dict[int, str], *, broken: bool, hosts: list[str] | None = None) -> None:
@@ -95,6 +95,11 @@ class FanOut:
         self._lock = anyio.Lock()
         self._lost = anyio.Event()  # set when a worker is lost mid-operation
 
+    def renew(self) -> None:
+        """Trust the group again: a recovery has replaced every worker and rank 0's group."""
+        self.broken = None
+        self._lost = anyio.Event()
+
     def lose(self) -> None:
         """A worker exited: rank 0 stops waiting inside the operation in flight, if any."""
         self._lost.set()
@@ -148,8 +153,8 @@ class FanOut:
                 try:
                     reply = await worker.receive(request, deadline)
                 except Exception as e:  # noqa: BLE001 - recorded per rank
+                    lost.set()  # first: describing a dead worker may read its host's OOM count, over SSH
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
-                    lost.set()
                     return
                 self.last_reply = max(self.last_reply, time.perf_counter())
                 if isinstance(reply, rpc.Error):

@@ -41,8 +41,9 @@ async def form_group(
     deadlines: Deadlines,
     scratch: Path,
     tunnels: Tunnels,
-) -> None:
-    """Bring up the group, rank 0 joining concurrently, and check an all-reduce of ones sums to the world size."""
+) -> list[list[str]]:
+    """Bring up the group, rank 0 joining concurrently, and check an all-reduce of ones sums to the world size;
+    returns every rank's data-plane addresses as rank 0 reaches them (its end of the connections)."""
     started = time.perf_counter()
     world_size, hosts, names = launcher.world_size, launcher.hosts, fan_out.hosts
     listeners = Listeners()
@@ -80,6 +81,7 @@ async def form_group(
         addresses=views[0],
         ms=ms_since(started),
     )
+    return views[0]
 
 
 async def _open_data_plane(

@@ -8,7 +8,7 @@ never a reply to be guessed at.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
@@ -17,6 +17,8 @@ import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import rpc
+from neuron.launch import cgroup
+from neuron.launch.checks import size
 from neuron.rpc import ErrorKind
 
 log = structlog.get_logger("neuron.pool")
@@ -30,6 +32,8 @@ class Link:
     reader: BufferedByteReceiveStream
     last_words: Callable[[], str] = lambda: ""  # what the process (or ssh) said last on stderr, where it is kept
     next_id: int = 1
+    said: rpc.HostInfo | None = None  # its handshake, once answered: where its host counts its OOM kills
+    read_file: Callable[[str], Awaitable[str | None]] | None = None  # a file on its host, read here or over SSH
 
     @property
     def pid(self) -> int:
@@ -87,15 +91,47 @@ class Link:
             await self.process.aclose()
 
     async def exit_status(self) -> str:
-        """How the process ended, for an error message; waits briefly for the kernel to report it."""
+        """How the process ended, for an error message; waits briefly for the kernel to report it. A worker
+        killed outright (SIGKILL here; over SSH, ssh's code 255) is checked against its host's OOM count."""
         with anyio.move_on_after(2.0):
             await self.process.wait()
-        return self.describe(describe_exit(self.process.returncode))
+        code = self.process.returncode
+        if code not in (-signal.SIGKILL, SSH_FAILED):
+            return self.describe(describe_exit(code))
+        return self.describe(await self._killed(code))
+
+    async def _killed(self, code: int) -> str:
+        """``code``'s status, saying whether the kernel's OOM killer ended the worker: its memory cgroup counted
+        more OOM kills than at its handshake (the OOM killer ends the largest process, the worker); "likely"
+        where the count cannot be read."""
+        status = describe_exit(code)
+        said, now = self.said, None
+        if said is not None and said.oom_counter and said.oom_kills >= 0 and self.read_file is not None:
+            with anyio.move_on_after(OOM_READ_S):
+                text = await self.read_file(said.oom_counter)
+                now = cgroup.oom_kills(text) if text is not None else None
+        if said is not None and now is not None and now > said.oom_kills:
+            limit = f" of {size(said.memory_limit)}" if said.memory_limit else ""
+            return (
+                f"was killed by the kernel's OOM killer: its memory cgroup reached its limit{limit} "
+                f"({now - said.oom_kills} OOM kill(s) there since it started, {said.oom_counter}); give that host "
+                "more memory or a higher limit, or split the model over more ranks (--tp or --pp)"
+            )
+        if now is None and code == -signal.SIGKILL:
+            return f"{status}, likely out of memory (the kernel's OOM killer sends it; its OOM count is unknown)"
+        return status
 
     def describe(self, status: str) -> str:
         """``status`` of this worker's process, with its last words (ssh's own, when ssh could not connect)."""
         words = self.last_words()
         return f"worker pid {self.pid} {status}" + (f" ({words})" if words else "")
+
+
+# ssh's own exit code when the session ends without the remote command's status: a worker killed by a signal,
+# or a connection that failed.
+SSH_FAILED = 255
+# Seconds to read a dead worker's OOM count (over SSH for another host) before reporting without it.
+OOM_READ_S = 5.0
 
 
 def describe_exit(code: int | None) -> str:

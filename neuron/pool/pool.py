@@ -10,11 +10,15 @@ step's request, so nothing but small JSON crosses a pipe.
 
 A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
-call then fails at once, naming the cause; recovery is a fresh process.
+call then fails at once, naming the cause, until ``recover`` replaces every
+worker and rank 0's group in this process (where MLX can forget a group:
+``tp.backends``); where it cannot, recovery is a fresh process.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import tempfile
 import time
@@ -26,27 +30,40 @@ import anyio
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, check_gpus, check_handshake, check_models
-from neuron.launch.dataplane import spawn_env
+from neuron import architectures, cpu, metrics, rpc
+from neuron.launch.checks import (
+    Unreachable,
+    check_gpus,
+    check_handshake,
+    check_memory,
+    check_models,
+    model_differences,
+)
+from neuron.launch.dataplane import cut, spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
-from neuron.launch.stages import check_split, plan_stages
+from neuron.launch.push import PushCut, Pushed, push
+from neuron.launch.stages import check_split, plan_stages, weights_per_rank
 from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
-from neuron.models import digest_files, kv_bytes_per_token, read_config, text_config
+from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.sampling_params import Sampled
+from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
+from neuron.tp.backends import NoClearBackends
 from neuron.tp.rank import Loaded, Rank, group_joined, lead
-from neuron.tp.shard import check_splittable
+from neuron.tp.shard import ShareSource, check_splittable
 
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
+# Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
+# failing send or receive a number of times before it gives up, slowly on a loaded host.
+LEAVE_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +74,15 @@ class Layout:
     backend: str = "ring"
     stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
     split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
+    push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
 
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
         return cls(Launcher.local(world_size), "ring", stages, split)
+
+
+class Unrecoverable(RuntimeError):
+    """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
 
 
 class Pool:
@@ -96,7 +118,9 @@ class Pool:
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
         self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
         self._closing = False
-        self._free_memory: list[int] = []  # each rank's host, as its handshake said
+        self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
+        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
+        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -111,8 +135,9 @@ class Pool:
     async def __aenter__(self) -> Pool:
         config = read_config(self.model_path)
         check_splittable(config, self.world_size, self.layout.stages)
-        if self.layout.split:
-            check_split(list(self.layout.split), int(text_config(config)["num_hidden_layers"]), self.layout.stages)
+        if self.layout.stages > 1:
+            layers = int(text_config(config)["num_hidden_layers"])
+            check_split(list(self.layout.split), layers, self.layout.stages, architectures.kept_together(config))
         try:
             pongs = await self.start()
             await self.init_group(pongs)
@@ -148,13 +173,17 @@ class Pool:
             spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
-            self._fan_out.workers.append(Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words))
+            read_file = functools.partial(self.launcher.read_file, rank)
+            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            self._fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
         infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
-        self._free_memory = [info.free_memory for info in infos]
+        self._hosts_said = infos
+        for worker in self.workers:
+            worker.said = infos[worker.rank]
         for rank, host in enumerate(self.hosts):
             metrics.RANKS.labels(str(rank), host).set(1)
         log.info(
@@ -169,7 +198,7 @@ class Pool:
     async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
         """Check every data-plane link answers, then bring up the group (``group.py``)."""
         if self.world_size > 1:
-            await form_group(
+            self._addresses = await form_group(
                 self._fan_out,
                 self.launcher,
                 self.backend,
@@ -182,20 +211,30 @@ class Pool:
     # Model operations.
 
     async def load(self) -> dict[int, Loaded]:
-        """Check every host holds the same model, then load each rank's shard of it, all ranks at once."""
+        """Check every host holds the same model (or send one that does not the share its rank loads, with
+        ``push``), then load each rank's shard of it, all ranks at once."""
         self.loaded = False
         started = time.perf_counter()
+        layers = self._stage_layers()
+        mine = digest_files(self.model_path)
+        shares = self._share_keys(model_digest(mine), layers)
         checked = await self._fan_out(
             "check_model",
-            lambda rank, id: rpc.CheckModel(id=id, model=self.launcher.model(rank, self.model, self.model_path)),
-            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=digest_files(self.model_path)),
+            lambda rank, id: rpc.CheckModel(
+                id=id, model=self.launcher.model(rank, self.model, self.model_path), share=shares[rank]
+            ),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
             self.deadlines.load,
         )
-        check_models(checked, self.hosts)
-        layers = self._stage_layers()
+        paths = {rank: reply.path for rank, reply in checked.items()}
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
+        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
+        for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
+            paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
+            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
         replies = await self._fan_out(
             "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=checked[rank].path, layers=layers[rank]),
+            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank]),
             lambda rank: rank.load(self.model_path, layers[0]),
             self.deadlines.load,
         )
@@ -213,17 +252,50 @@ class Pool:
         )
         return loaded
 
+    def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
+        """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with
+        ``push``; empty elsewhere."""
+        return [
+            share_key(digest, rank, self.world_size, layers[rank])
+            if self.layout.push and not self.launcher.hosts[rank].local
+            else ""
+            for rank in range(self.world_size)
+        ]
+
+    async def _push(self, rank: int, key: str, layers: list[int]) -> str:
+        """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
+        thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
+        next try resumes where it stopped."""
+        host = self.hosts[rank]
+        argv = self.launcher.receiver(rank, key)
+        files = {
+            name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
+        }
+
+        def send(_: Rank) -> Pushed:
+            source = ShareSource(self.model_path, rank, self.world_size, layers)
+            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
+            return push(argv, plan, source, files, host, rank)
+
+        try:
+            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
+        except PushCut as e:
+            raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
+        return pushed.path
+
     @property
-    def kv_bytes_per_token(self) -> int:
-        """What one token of KV cache costs the rank holding the largest share, computed here so that no rank
-        measures anything (the prefix cache's budget must hold on all of them alike)."""
-        return kv_bytes_per_token(self.model_path, self.layers, self.world_size)
+    def cache_bytes(self) -> tuple[int, int]:
+        """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
+        computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
+        alike)."""
+        return cache_bytes(self.model_path, self.layers, self.world_size)
 
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         if self.layout.stages == 1:
             return [[] for _ in range(self.world_size)]
-        self.layers = plan_stages(self.model_path, list(self.layout.split), self._free_memory, self.hosts)
+        free = [info.free_memory for info in self._hosts_said]
+        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
         return [list(r) for r in self.layers]
 
     async def step(self, step: Step) -> dict[int, Sampled]:
@@ -286,28 +358,71 @@ class Pool:
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
+    async def recover(self) -> None:
+        """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
+        start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when rank 0 stays inside
+        the lost group's collectives, or this MLX cannot forget a group; any other error from starting, joining or
+        loading as those raise it."""
+        started = time.perf_counter()
+        old, self._fan_out.workers = self._fan_out.workers, []
+        async with anyio.create_task_group() as tg:
+            for worker in old:
+                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+        # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
+        # stopped, or out of reach, holds them open, so rank 0's end is shut down too. A backend whose collectives
+        # wait on other things (jaccl's RDMA) may keep rank 0's thread: then only a fresh process can serve.
+        if cut_connections := cut(self._addresses):
+            log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
+        try:
+            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+        except TimeoutError as e:
+            raise Unrecoverable(
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                "worker was stopped and its connections were cut"
+            ) from e
+        except NoClearBackends as e:
+            raise Unrecoverable(str(e)) from e
+        self.loaded = False
+        self._fan_out.renew()
+        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
+        pongs = await self.start()
+        await self.init_group(pongs)
+        await self.load()
+        self._renewed.set()
+        metrics.WORKER_RESTARTS.inc()
+
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
 
         Why a task per process: a worker that dies between steps would otherwise
         be noticed only by the next step, while ``/ready`` still said yes. Runs
-        until cancelled.
+        until cancelled, following the workers each ``recover`` starts.
         """
 
         async def wait(worker: Link) -> None:
             await worker.process.wait()
-            if self._closing:
-                return
+            if self._closing or all(w is not worker for w in self._fan_out.workers):
+                return  # asked to leave: at shutdown, or replaced by a recovery
             self._fan_out.lose()
             status = describe_exit(worker.process.returncode)
             log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
-            failure = {worker.rank: worker.describe(status)}
-            on_lost(self.broken or self._fan_out.break_group("liveness", failure))
+            if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
+                why = await worker.exit_status()
+                if self._closing:
+                    return
+                if self.broken is None:
+                    self._fan_out.break_group("liveness", {worker.rank: why})
+            assert self.broken is not None
+            on_lost(self.broken)
 
-        async with anyio.create_task_group() as tg:
-            for worker in self.workers:
-                tg.start_soon(wait, worker)
-            await anyio.sleep_forever()
+        while True:
+            renewed = self._renewed = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                for worker in self.workers:
+                    tg.start_soon(wait, worker)
+                await renewed.wait()
+                tg.cancel_scope.cancel()
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

@@ -74,6 +74,8 @@ class Rank0Thread:
                 signal()
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
+            if self.rank is not None:
+                self.rank.settle()  # a step run ahead, computed while the event loop handles this one's reply
 
         self._jobs.put(job)
         with anyio.CancelScope(shield=True), anyio.move_on_after(deadline) as timer:

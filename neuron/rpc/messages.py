@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -51,7 +51,11 @@ class HostInfo:
     mlx_lm: str
     python: str
     platform: str
-    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's
+    free_memory: int  # bytes this rank could give a model now: its GPU's on a GPU backend, else the host's (or
+    # less: the room left under its memory cgroup's limit)
+    memory_limit: int  # that cgroup limit where one binds, in bytes; 0 where none does
+    oom_counter: str  # the file on its host whose ``oom_kill`` line counts its cgroup's OOM kills; "" where none
+    oom_kills: int  # that count when it answered; -1 where unknown
     cpus: list[int]  # the cores this process may run on
     gpus: int  # the NVIDIA GPUs the host's driver lists (nccl places one rank on each)
 
@@ -124,11 +128,16 @@ class Init:
 @dataclass(frozen=True, slots=True)
 class CheckModel:
     """Find the model on this host (``model``: a folder or a .gguf file, null for the embedded default) and
-    digest what decides what it computes, so the leader can check every host holds the same model."""
+    digest what decides what it computes, so the leader can check every host holds the same model.
+
+    ``share`` (with ``--push-model``; empty otherwise) names the share of the leader's model this rank would load
+    (``neuron.shares``): the reply says whether this host holds it whole, and a model missing here is no error.
+    """
 
     op: ClassVar[str] = "check_model"
     id: int
     model: str | None
+    share: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +169,10 @@ class Prefill:
     # Rank 0 wants the logits of every position of this chunk (prompt scoring, ``echo`` with ``logprobs``); every
     # rank feeds it on its own, apart from the batch of new prompts, so all issue the same collectives.
     scores: bool = False
+    # An embedding input (``MEAN`` or ``LAST``, vLLM's pooling types; empty for a prompt to generate from): no
+    # logits; when its last chunk is fed, rank 0 gets its final hidden states pooled so and scaled to unit length,
+    # and every rank drops it at once (it never joins the batch, and no plan names it again).
+    pool: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,12 +315,15 @@ class Probed:
 
 @dataclass(frozen=True, slots=True)
 class ModelChecked:
-    """``path``: the model folder on this host; ``files``: each file that decides the model's output -> a digest."""
+    """``path``: the model folder on this host; ``files``: each file that decides the model's output -> a digest
+    (empty when the host has no model there); ``share``: the folder of the share asked for when this host holds
+    it whole, every tensor matching its digest (empty otherwise)."""
 
     op: ClassVar[str] = "model_checked"
     id: int
     path: str
     files: dict[str, str]
+    share: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,9 +36,21 @@ from neuron import metrics
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server import anthropic, completions, limits, openai_api, reasoning, responses, schema, tokenize, tools
+from neuron.server import (
+    anthropic,
+    completions,
+    embeddings,
+    limits,
+    openai_api,
+    reasoning,
+    responses,
+    schema,
+    tokenize,
+    tools,
+)
 from neuron.server.completions import Replies
 from neuron.server.guard import Allowed, Guard
+from neuron.server.keepalive import KEEP_ALIVE_S, pump
 from neuron.server.openai_api import ApiError, Generation, within_limits
 from neuron.server.responses import ResponseReplies
 from neuron.server.tools import ToolStream
@@ -52,6 +64,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 OFF_LOOP_BYTES = 64 * 1024
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
+JSON_PATHS = (*GENERATION_PATHS, "/v1/embeddings")  # bodies refused unless sent as JSON
 T = TypeVar("T")
 
 
@@ -152,7 +165,8 @@ async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]
 
 
 class EventStream(Response):
-    """Server-sent events that stop when the client disconnects, and always run ``on_close``.
+    """Server-sent events that stop when the client disconnects, and always run ``on_close``; a comment keeps a
+    silent stream open (``keepalive``).
 
     ``on_close`` runs even when the body never started, so a request whose client
     left early is still cancelled in the engine.
@@ -179,25 +193,23 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
 
+            async def body(data: bytes) -> None:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
             async def stream() -> None:
                 await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-                while True:
-                    try:
-                        data = await anext(self.events)
-                    except StopAsyncIteration:
-                        break
-                    except Exception as e:
-                        # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
-                        log.exception("stream failed", path=scope.get("path"))
-                        error = ApiError(
-                            500,
-                            f"internal error ({type(e).__name__}); the server log has the details",
-                            type="server_error",
-                            code="server_error",
-                        )
-                        await send({"type": "http.response.body", "body": self.error_event(error), "more_body": True})
-                        break
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                try:
+                    await pump(self.events, body, KEEP_ALIVE_S)
+                except Exception as e:
+                    # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
+                    log.exception("stream failed", path=scope.get("path"))
+                    error = ApiError(
+                        500,
+                        f"internal error ({type(e).__name__}); the server log has the details",
+                        type="server_error",
+                        code="server_error",
+                    )
+                    await body(self.error_event(error))
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
             await _unless_disconnected(receive, stream)
@@ -247,6 +259,7 @@ async def openapi(request: Request) -> Response:
             keyed=state.api_key is not None,
             max_n=min(engine.limits.max_n, engine.limits.max_batch) if engine else None,
             reasons=reasoning.reasons(engine.text.tokenizer) if engine else True,
+            embedding=engine.embedding if engine else None,
         )
     )
 
@@ -330,6 +343,7 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
     try:
         if chat:
             prompts = [_chat_prompt(engine, gen)]
+            gen.params = reasoning.chat_params(text.tokenizer, gen.params)
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
@@ -344,13 +358,16 @@ async def _submit(state: ServerState, gen: Generation, request_id: str) -> tuple
         _cancel(engine, seqs)
         param = "messages" if chat and e.param == "prompt" else e.param
         raise ApiError(400, str(e), param=param, code=e.code) from e
-    except Overloaded as e:
+    except (Overloaded, Unavailable) as e:
         _cancel(engine, seqs)
-        raise ApiError(429, str(e), type="server_error", code="queue_full", headers={"retry-after": "1"}) from e
-    except Unavailable as e:
-        _cancel(engine, seqs)
-        raise openai_api.not_ready(str(e), retry_after=e.retry_after) from e
+        raise _refused(e) from e
     return engine, seqs
+
+
+def _refused(error: Overloaded | Unavailable) -> ApiError:
+    if isinstance(error, Overloaded):
+        return ApiError(429, str(error), type="server_error", code="queue_full", headers={"retry-after": "1"})
+    return openai_api.not_ready(str(error), retry_after=error.retry_after)
 
 
 def _chat_prompt(engine: Engine, gen: Generation) -> list[int]:
@@ -439,6 +456,33 @@ async def count_message_tokens(request: Request) -> Response:
     return OrjsonResponse({"input_tokens": len(prompt)})
 
 
+async def create_embeddings(request: Request) -> Response:
+    """OpenAI's embeddings: every input's vector, computed in the steps that decode the running sequences."""
+    state = _state(request)
+    _authorize(request, state)
+    asked = embeddings.parse(await _read_json(request), state.model_id)
+    engine = _engine(state)
+    embeddings.check_dimensions(asked, engine.embedding, state.model_id)
+    prompts = embeddings.prompts(asked, engine.text.tokenizer, engine.context_length)
+    request_id = f"embd-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
+    try:
+        seqs = engine.embed(prompts, request_id)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.param, code=e.code) from e
+    except (Overloaded, Unavailable) as e:
+        raise _refused(e) from e
+    reply = await _answer(request, engine, seqs, lambda: embeddings.collect(seqs, asked, state.model_id))
+    if reply is None:
+        return Response(status_code=499)
+    tokens = reply["usage"]["prompt_tokens"]
+    log.info(
+        "embeddings done", inputs=len(seqs), prompt_tokens=tokens, ms=round((time.perf_counter() - started) * 1000)
+    )
+    return Response(embeddings.render(reply), media_type="application/json")
+
+
 async def tokenize_text(request: Request) -> Response:
     state = _state(request)
     _authorize(request, state)
@@ -469,7 +513,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        routes = "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /tokenize"
+        routes = (
+            "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize"
+        )
         message = f"no route {request.method} {request.url.path}; see {routes}"
     else:
         message = f"{exc.detail}: {request.method} {request.url.path}"
@@ -493,7 +539,7 @@ def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:
     allowed = allowed or Allowed.build()
     app = Starlette(
         middleware=[
-            Middleware(Guard, allowed=allowed, json_paths=GENERATION_PATHS),
+            Middleware(Guard, allowed=allowed, json_paths=JSON_PATHS),
             # Pages from an allowed origin may read the replies (their JSON POSTs are preflighted).
             Middleware(
                 CORSMiddleware,
@@ -514,6 +560,7 @@ def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/messages", create_message, methods=["POST"]),
             Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
+            Route("/v1/embeddings", create_embeddings, methods=["POST"]),
             Route("/tokenize", tokenize_text, methods=["POST"]),
             Route("/detokenize", detokenize_tokens, methods=["POST"]),
         ],

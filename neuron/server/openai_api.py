@@ -423,11 +423,11 @@ def _content(value: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _prompts(value: Any) -> list[str | list[int]]:
-    """One prompt (text or token ids) or a list of them; OpenAI's four shapes."""
+def _prompts(value: Any, name: str = "prompt") -> list[str | list[int]]:
+    """One prompt (text or token ids) or a list of them; OpenAI's four shapes (the embeddings' ``input`` too)."""
     if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
-    return [_prompt(value, "prompt")]
+        return [_prompt(p, f"{name}[{i}]") for i, p in enumerate(value)]
+    return [_prompt(value, name)]
 
 
 def _prompt(value: Any, where: str) -> str | list[int]:

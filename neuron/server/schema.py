@@ -14,7 +14,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from neuron.server import anthropic_schema, reasoning, responses, tools
+from neuron.models import Embedding
+from neuron.server import anthropic_schema, embeddings, reasoning, responses, tools
 from neuron.server.completions_schema import Schema, integer, or_null, request
 
 REF = "#/components/schemas/"
@@ -220,6 +221,7 @@ def document(
     keyed: bool,
     max_n: int | None = None,
     reasons: bool = True,
+    embedding: Embedding | None = None,
 ) -> Schema:
     """The OpenAPI document for a server serving ``model_id``; the bounds are the loaded model's, once loaded.
     ``reasons``: whether it takes ``reasoning_effort`` (reasoning.reasons)."""
@@ -269,6 +271,7 @@ def document(
         return {"post": {"summary": summary, "requestBody": request_body, "responses": responses_, **secured}}
 
     chat_body = request(model_id, vocab_size, context, max_n, chat=True)["properties"]
+    embed_body, embed_reply = embeddings.schema(model_id, vocab_size, context, embedding)
     message = anthropic_schema.message_reply(model_id)
     counted = {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": integer(0)}}
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
@@ -323,6 +326,14 @@ def document(
                 counted,
                 anthropic_schema.ERROR,
             ),
+            "/v1/embeddings": {
+                "post": {
+                    "summary": "embeddings: the model's final hidden states, pooled and of unit length (OpenAI's)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": embed_body}}},
+                    "responses": _responses(400, 401, 403, 404, 413, 415, 429, 500, 503, ok=embed_reply),
+                    **secured,
+                }
+            },
             "/tokenize": post(
                 "a prompt or a chat as the model's tokens (vLLM's)",
                 anthropic_schema.tokenize_request(model_id, chat_body["messages"], chat_body["tools"]),

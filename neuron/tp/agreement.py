@@ -30,8 +30,11 @@ def disagreement(plan: StepPlan, seqs: dict[int, SeqState], batch: Batch, entrie
 def _prompts(plan: StepPlan, seqs: dict[int, SeqState]) -> str | None:
     left = set(plan.leave)
     restored = {r.seq: r.tokens for r in plan.restore}
+    saved = {s.seq for s in plan.save}
     for chunk in plan.prefill:
         seq, position = chunk.seq, chunk.position
+        if chunk.pool and (chunk.copies or seq in saved or seq in restored):
+            return f"embedding input {seq} cannot be copied, saved or restored: it keeps no cache past its last chunk"
         known = seqs.get(seq)
         if seq in restored:
             if known is not None or position != restored[seq]:

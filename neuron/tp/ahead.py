@@ -15,6 +15,12 @@ it drops the token it fed from every row's cache and runs the plan as usual,
 having wasted one forward. A row that finishes is fed one token more than it
 needed and leaves with the next plan, as in mlx-lm.
 
+Where the backend evaluates in the caller (MLX's CPU backend computes inside
+``async_eval``), queueing would compute step n+1 before step n's tokens reach
+the leader. There the rank builds the step, replies, and only then computes it
+(``Rank.settle``): the leader's host work runs beside that computation, on
+another core.
+
 Only where every layer's cache can drop a token again (``can_undo``). Across
 ranks (tensor parallel) the workers need the tokens before any host has them:
 rank 0 puts them into an all-reduce every rank issues in the same graph, so
@@ -32,6 +38,9 @@ from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rpc import StepPlan
 from neuron.tp.sampler import ints
+
+# Whether ``mx.async_eval`` returns before the computation ends: on a GPU it does; the CPU computes in the caller.
+EVALUATES_ASYNC = mx.default_device().type != mx.cpu
 
 
 @dataclass(slots=True)

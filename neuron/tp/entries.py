@@ -5,37 +5,77 @@ evict, and the leader sized them all. A rank holds only its layers' share (its
 slice of the key/value heads, or its pipeline stage's layers), and handles it
 the same way either way. ``state`` goes into the rank's fingerprint, so a rank
 whose entries differ from rank 0's is a desync on that very step.
+
+A plain key/value layer is kept as its keys and values, and restores any first
+part of them. Any other layer (a sliding window's rotating cache, a
+linear-attention state) is kept whole as it stood at the prompt's end: a
+snapshot, which restores that one boundary and no other (the leader's index
+then restores only at an entry's end: ``PrefixIndex(exact=True)``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from neuron.rpc import StepPlan
+from neuron.tp import caches
 
-Layer = tuple[mx.array, mx.array]  # keys and values, [1, kv heads here, tokens, head dim]
+if TYPE_CHECKING:
+    from neuron.tp.prefill import SeqState
+
+KeysValues = tuple[mx.array, mx.array]  # a plain layer's keys and values, [1, kv heads here, tokens, head dim]
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    tokens: int  # the prompt's length
+    layers: list[KeysValues | caches.Layer]  # per layer: keys and values, or a snapshot of any other cache
+
+    @property
+    def cuttable(self) -> bool:
+        return all(isinstance(layer, tuple) for layer in self.layers)
 
 
 class Entries:
     def __init__(self) -> None:
-        self._held: dict[int, list[Layer]] = {}
+        self._held: dict[int, _Entry] = {}
+        # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
+        # listing a full cache's entries each time would cost the step more the more the cache holds.
+        self._digest = 0
 
     def __contains__(self, entry: int) -> bool:
         return entry in self._held
 
-    def length(self, entry: int) -> int:
-        return self._held[entry][0][0].shape[2]
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._held))
 
-    def state(self) -> list[tuple[int, int]]:
-        """Each entry's id and length, for the fingerprint."""
-        return sorted((entry, self.length(entry)) for entry in self._held)
+    def length(self, entry: int) -> int:
+        return self._held[entry].tokens
+
+    def state(self) -> tuple[int, int]:
+        """How many entries, and a digest of each one's id and length, for the fingerprint."""
+        return len(self._held), self._digest
+
+    def _fold(self, entry: int) -> None:
+        """Add ``entry`` to the digest, or take it out again (an XOR: order does not matter)."""
+        self._digest ^= hash((entry, self.length(entry)))  # ints hash alike in every process
 
     def disagreement(self, plan: StepPlan) -> str | None:
         """Why this rank's entries cannot follow ``plan``, or None."""
         for restore in plan.restore:
-            if restore.entry not in self._held or self.length(restore.entry) < restore.tokens:
+            held = self._held.get(restore.entry)
+            if held is None or held.tokens < restore.tokens:
                 return f"prefix entry {restore.entry} cannot give {restore.tokens} tokens: this rank lacks them"
+            if held.tokens != restore.tokens and not held.cuttable:
+                return (
+                    f"prefix entry {restore.entry} holds a snapshot of {held.tokens} tokens, which cannot be cut "
+                    f"back to {restore.tokens}"
+                )
         for evict in plan.evict:
             if evict.entry not in self._held:
                 return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
@@ -45,39 +85,48 @@ class Entries:
                 return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
         return None
 
-    def evict_and_save(self, plan: StepPlan, caches: dict[int, list[KVCache] | None]) -> None:
-        """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (``caches``: the
-        saved sequences' own caches)."""
+    def evict_and_save(self, plan: StepPlan, seqs: Mapping[int, SeqState]) -> None:
+        """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (from ``seqs``,
+        the rank's sequences, their prompts just fed)."""
         for evict in plan.evict:
+            self._fold(evict.entry)
             del self._held[evict.entry]
         for save in plan.save:
-            cache = caches[save.seq]
-            assert cache is not None
-            self._save(save.entry, cache)
+            state = seqs[save.seq]
+            assert state.cache is not None
+            self._held[save.entry] = _kept(state.cache, state.position)
+            self._fold(save.entry)
 
-    def _save(self, entry: int, cache: list[KVCache]) -> None:
-        """Copy a sequence's cache, trimmed to what it holds (the buffer beyond its offset is slack)."""
-        if not all(type(c) is KVCache for c in cache):
-            raise ValueError(
-                "a prefix-cache entry is restored cut back to a shared beginning, which a sliding window's or a "
-                "linear-attention state's cache cannot be: serve this model with the prefix cache off "
-                "(neuron.architectures.limits_for turns it off)"
-            )
-        layers = [
-            (mx.contiguous(c.keys[..., : c.offset, :]), mx.contiguous(c.values[..., : c.offset, :])) for c in cache
-        ]
-        mx.eval(layers)
-        self._held[entry] = layers
-
-    def restore(self, entry: int, tokens: int) -> list[KVCache]:
-        """A fresh cache per layer holding the entry's first ``tokens``; the entry itself is left as it was."""
-        caches = []
-        for keys, values in self._held[entry]:
-            cache = KVCache()
-            # The cache's next update sees a full buffer and concatenates into a new one, never writing here.
-            cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
-            caches.append(cache)
-        return caches
+    def restore(self, entry: int, tokens: int) -> list[caches.Layer]:
+        """A fresh cache per layer holding the entry's first ``tokens`` (all of them where it holds a snapshot);
+        the entry itself is left as it was."""
+        restored: list[caches.Layer] = []
+        for layer in self._held[entry].layers:
+            if isinstance(layer, tuple):
+                keys, values = layer
+                cache = KVCache()
+                # The cache's next update sees a full buffer and concatenates into a new one, never writing here.
+                cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
+                restored.append(cache)
+            else:
+                restored.extend(caches.twin([layer]))
+        return restored
 
     def clear(self) -> None:
         self._held.clear()
+        self._digest = 0
+
+
+def _kept(cache: list[caches.Layer], tokens: int) -> _Entry:
+    """A copy of a sequence's caches: a plain layer trimmed to what it holds (the buffer beyond its offset is
+    slack), any other whole, with arrays of its own (the sequence goes on writing into its own)."""
+    layers: list[KeysValues | caches.Layer] = []
+    for layer in cache:
+        if type(layer) is KVCache:
+            keys, values = layer.keys, layer.values
+            assert keys is not None and values is not None
+            layers.append((mx.contiguous(keys[..., : layer.offset, :]), mx.contiguous(values[..., : layer.offset, :])))
+        else:
+            layers.extend(caches.twin([layer]))
+    mx.eval([layer if isinstance(layer, tuple) else caches.arrays(layer) for layer in layers])
+    return _Entry(tokens, layers)

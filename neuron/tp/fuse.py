@@ -145,8 +145,12 @@ def fuse_group(owner: nn.Module, names: tuple[str, ...]) -> bool:
 
 def fuse_projections(model: nn.Module, groups: tuple[tuple[str, ...], ...] = GROUPS) -> int:
     """Fuse every module's ``groups`` of projections in place; returns how many groups were fused."""
+    # Only the modules that own a group are kept while fusing: a list of every module would hold each replaced
+    # projection, and with it its separate weights, until the last group is fused, as large a peak as the model's
+    # fused part again.
+    owners = [module for _, module in model.named_modules() if any(names[0] in module for names in groups)]
     fused = 0
-    for _, module in model.named_modules():
+    for module in owners:
         for names in groups:
             fused += fuse_group(module, names)
     return fused

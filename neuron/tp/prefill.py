@@ -26,6 +26,7 @@ class SeqState:
     last: int = -1  # the last token it was fed
     cache: list[caches.Layer] | None = None  # its own, while the prompt is fed; None once in the batch
     prompt_done: bool = False
+    pooled: mx.array | None = None  # an embedding input's final hidden states summed so far (rank 0, MEAN)
 
 
 def feed_prompts(

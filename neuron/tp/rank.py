@@ -24,12 +24,13 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import read_config, text_config
-from neuron.rpc import Decode, StepPlan
+from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled
 from neuron.step import Step
-from neuron.tp import ahead, caches, rollback
+from neuron.tp import ahead, backends, caches, rollback
 from neuron.tp.agreement import disagreement
 from neuron.tp.batch import Batch, fed
+from neuron.tp.embed import as_sampled, embed_inputs
 from neuron.tp.entries import Entries
 from neuron.tp.prefill import SeqState, feed_prompts
 from neuron.tp.runner import Sharded, Stage
@@ -68,13 +69,13 @@ def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
 
 
 # MLX keeps one distributed group per process: a second init returns the first
-# group (or a dead one after a failure). A process joins at most once, and a
-# new group means a new process.
+# group (or a dead one after a failure). A process joins again only after
+# ``Rank.leave_group`` has made MLX forget the first (``tp.backends``).
 _joined_group = False
 
 
 def group_joined() -> bool:
-    """Whether this process has already joined a group (and so can never join another)."""
+    """Whether this process has joined a group it has not left (and so cannot join another now)."""
     return _joined_group
 
 
@@ -96,7 +97,10 @@ class Rank:
         self.batch = Batch()
         self.entries = Entries()
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
+        self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
+        self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
+        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``lead`` reads them
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group and return the sanity all-reduce of 1.0 from every rank."""
@@ -161,7 +165,8 @@ class Rank:
     # The step.
 
     def step(self, plan: StepPlan) -> dict[int, mx.array] | None:
-        """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch).
+        """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch),
+        and keeps the vector of each embedding input finished in ``embedded``.
 
         A plan this rank's state cannot follow still runs, on throwaway caches of
         the same shapes, so that every peer's collectives are matched; the
@@ -174,6 +179,13 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
+        if (error := self._unsettled_error) is not None:
+            self._unsettled_error = None
+            raise error
+        self.settle()  # a step run ahead that nobody settled yet: computed now, before anything else is queued
+        if (error := self._unsettled_error) is not None:
+            self._unsettled_error = None
+            raise error
         queued, self._ahead = self._ahead, None
         if queued is not None and not queued.follows(plan):
             ahead.undo(self.batch.micro_batches[0].cache)
@@ -187,8 +199,10 @@ class Rank:
             self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
-        out = feed_prompts(self.runner, self.model, self.seqs, plan.prefill, together=self.prompts_together)
-        self.entries.evict_and_save(plan, {save.seq: self.seqs[save.seq].cache for save in plan.save})
+        prompts, inputs = _split(plan)
+        out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together)
+        self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs, together=self.prompts_together)
+        self.entries.evict_and_save(plan, self.seqs)
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:
@@ -215,9 +229,25 @@ class Rank:
             tokens = mx.distributed.all_sum(tokens, group=self.group)
         (logits,) = self.runner.logits([(tokens.reshape(-1, 1), rows.cache)], lazy=True)
         queued = tokens if logits is None else logits
-        mx.async_eval(queued)
+        if ahead.EVALUATES_ASYNC:
+            mx.async_eval(queued)
+        else:
+            self._unsettled = queued
         self._ahead = ahead.Ahead(list(rows.ids), tokens, queued if logits is not None else None)
         return True
+
+    def settle(self) -> None:
+        """Compute the step run ahead, where the backend evaluates in the caller (the CPU): called once this
+        step's reply is on its way, so that the host's work on it (the leader's text, streams and next plan)
+        runs beside the computation instead of before it. A failure (a peer lost inside its collectives) is
+        raised by the next step."""
+        queued, self._unsettled = self._unsettled, None
+        if queued is None:
+            return
+        try:
+            mx.eval(queued)
+        except Exception as e:  # noqa: BLE001 - raised by the next step, whose reply reports it
+            self._unsettled_error = e
 
     def ran_ahead_with(self, tokens: dict[int, int]) -> None:
         """The tokens the step run ahead was fed, now that the host has read them: its plan must name the same."""
@@ -247,7 +277,9 @@ class Rank:
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
-        feed_prompts(self.runner, self.model, self.seqs, plan.prefill, shadow=True, together=self.prompts_together)
+        prompts, inputs = _split(plan)
+        feed_prompts(self.runner, self.model, self.seqs, prompts, shadow=True, together=self.prompts_together)
+        embed_inputs(self.runner, self.model, self.seqs, inputs, shadow=True, together=self.prompts_together)
         passes = []
         for micro_batch, width in sorted(plan.widths().items()):
             rows = sum(row.micro_batch == micro_batch for row in plan.decode)
@@ -290,6 +322,8 @@ class Rank:
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:
+        self.settle()  # every rank computes what it queued, so that the collectives in it stay matched
+        self._unsettled_error = None
         self._ahead = None
         self.seqs.clear()
         self.batch.clear()
@@ -302,15 +336,30 @@ class Rank:
         self.runner = None
         mx.clear_cache()
 
+    def leave_group(self) -> None:
+        """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it, so that
+        ``init_group`` can join a fresh one in this process; ``backends.NoClearBackends`` where MLX cannot."""
+        global _joined_group
+        self.unload()
+        self.group = None
+        if _joined_group:
+            backends.clear_backends()
+            _joined_group = False
+
+
+def _split(plan: StepPlan) -> tuple[list[Prefill], list[Prefill]]:
+    """The plan's prompt chunks, and its embedding inputs' chunks."""
+    return [c for c in plan.prefill if not c.pool], [c for c in plan.prefill if c.pool]
+
 
 def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str, bool]:
     """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
     (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
     whether the next step was queued."""
-    draws, verified = samplers.draw(step, rank.step(step.plan) or {})
-    if step.plan.ahead:  # queued before the next step, so that the read waits on them alone
+    draws, runs = samplers.draw(step, rank.step(step.plan) or {})
+    if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
         mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
-    sampled = read(draws) | verified
+    sampled = read(draws, runs) | as_sampled(rank.embedded)
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
     return sampled, rank.fingerprint(), queued

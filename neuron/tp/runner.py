@@ -18,8 +18,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.gemma4_text import logit_softcap
 
-from neuron.tp import caches
+from neuron.tp import caches, staged
 from neuron.tp.shard import VocabShard, backbone, head_gathers
 
 # One forward pass takes at most this many tokens of a prompt (however many the
@@ -69,6 +70,20 @@ class Sharded:
             out.append(logits)
         return mx.concatenate(out) if self.rank == 0 else None
 
+    def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+        """Like ``feed``, and rank 0 gets the final hidden states (the final norm's output, whole on every rank
+        once each layer's all-reduce has joined the slices): every position's, (rows, positions, hidden), or with
+        ``every`` false the last one's, (rows, 1, hidden). Embeddings are pooled from them; no head runs."""
+        trunk, out = backbone(self.model), []
+        length = tokens.shape[1]
+        for start in range(0, length, FORWARD_TOKENS):
+            hidden = trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache)
+            if self.rank == 0 and (every or start + FORWARD_TOKENS >= length):
+                hidden = hidden if every else hidden[:, -1:, :]
+                out.append(hidden)
+            _eval_with(cache, hidden)
+        return mx.concatenate(out, axis=1) if self.rank == 0 else None
+
     def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
@@ -99,6 +114,10 @@ class Sharded:
 
 def _scaled(project: Callable[[mx.array], mx.array], scaling: float, hidden: mx.array) -> mx.array:
     return project(hidden) / scaling
+
+
+def _capped(project: Callable[[mx.array], mx.array], cap: float, hidden: mx.array) -> mx.array:
+    return logit_softcap(cap, project(hidden))  # mlx-lm's own, compiled as the model's call runs it
 
 
 class _Received(nn.Module):
@@ -139,7 +158,10 @@ class Stage:
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
             if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
                 self.project = partial(_scaled, self.project, scaling)
+            if cap := getattr(model, "final_logit_softcapping", None):  # gemma4 caps its logits, after the head
+                self.project = partial(_capped, self.project, cap)
         self.inner.norm = nn.Identity()
+        self.own_call = staged.own_call(model, self.inner)  # where the model's own call cannot run a stage
         self.takes_embeddings = "input_embeddings" in inspect.signature(self.inner.__call__).parameters
         if rank != 0 and not self.takes_embeddings:
             self.inner.embed_tokens = _Received()
@@ -153,9 +175,15 @@ class Stage:
     def _through(self, tokens: mx.array, cache: Cache) -> mx.array:
         """This stage's layers over ``tokens``: embedded here on rank 0, received from the stage before elsewhere."""
         if self.rank == 0:
-            return self.inner(tokens, cache=cache)
+            return (
+                self.inner(tokens, cache=cache)
+                if self.own_call is None
+                else self.own_call(self.inner, tokens, cache, None)
+            )
         rows, length = tokens.shape
         received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
+        if self.own_call is not None:
+            return self.own_call(self.inner, tokens, cache, received)
         if self.takes_embeddings:
             return self.inner(tokens, cache=cache, input_embeddings=received)
         self.inner.embed_tokens.received.append(received)
@@ -182,6 +210,27 @@ class Stage:
                 out.append(self.project(self.norm(hidden))[0])
                 mx.eval(out[-1])
         return mx.concatenate(out) if self.rank == 0 else None
+
+    def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
+        """Like ``feed``, and the last stage sends the final hidden states back, of every position or (``every``
+        false) of the last: rank 0 applies the final norm and gets them, as ``Sharded.states`` gives them."""
+        out = []
+        length = tokens.shape[1]
+        for start in range(0, length, FORWARD_TOKENS):
+            piece = tokens[:, start : start + FORWARD_TOKENS]
+            wanted = every or start + FORWARD_TOKENS >= length
+            hidden = self._through(piece, cache)
+            if not self.last:
+                hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
+            elif wanted:
+                hidden = mx.distributed.send(hidden if every else hidden[:, -1:, :], 0, group=self.group)
+            _eval_with(cache, hidden)
+            if self.rank == 0 and wanted:
+                assert self.norm is not None
+                shape = (piece.shape[0], piece.shape[1] if every else 1, self.hidden)
+                out.append(self.norm(mx.distributed.recv(shape, self.dtype, self.stages - 1, group=self.group)))
+                mx.eval(out[-1])
+        return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
     def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).

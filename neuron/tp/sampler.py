@@ -45,18 +45,29 @@ def real(a: mx.array) -> float:
     return cast(float, a.item())
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mark:
+    key: mx.array | None
+    recent: list[int]
+    generated: int
+
+
 class Sampler:
     """One request's sampler: its parameters, its random key, and the recent tokens the penalties see."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, produced: tuple[int, ...] | None = None) -> None:
+        """``produced``: the tokens this sequence sampled before a lost group (``Start.produced``); the sampler
+        starts where it stood after them, as if it had never been lost."""
         self.params = params
         self._seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._recent: list[int] = []
-        self._generated = 0  # tokens sampled so far: min_tokens holds the stop tokens back until enough are
+        self._generated = len(produced or ())  # sampled so far: min_tokens holds the stop tokens back until enough
         self._prompt: list[tuple[float, tuple[tuple[int, float], ...]]] = []  # prompt scores not yet handed on
         self._tail: mx.array | None = None  # the last scored position's logprobs: they predict the next chunk
         self._key: mx.array | None = None  # made on first use
         self._processors: list[Callable[[mx.array, mx.array], mx.array]] = []
+        if produced is not None and params.constraint is not None:
+            params.constraint.rewind(list(produced))  # it may have followed a token of the step that failed
 
     @property
     def plain(self) -> bool:
@@ -99,6 +110,18 @@ class Sampler:
             ]
         self._prompt += list(zip(floats(chosen), tops, strict=True))
 
+    def mark(self) -> Mark:
+        """Where the sampler stands: its key and what the penalties and ``min_tokens`` see."""
+        return Mark(self._key, list(self._recent), self._generated)
+
+    def rewind(self, mark: Mark) -> None:
+        self._key, self._recent, self._generated = mark.key, list(mark.recent), mark.generated
+
+    def assume(self, token: int) -> None:
+        """Draw the next position as if ``token`` had been sampled here (a draft's token, before it is verified)."""
+        self.feed([token])
+        self._generated += 1
+
     def record(self, sampled: Sampled) -> Sampled:
         self.feed([sampled.token])
         self._generated += 1
@@ -118,7 +141,7 @@ class Sampler:
             frequency_penalty=p.frequency_penalty or None,
             frequency_context_size=PENALTY_WINDOW,
         )
-        return mx.random.key(self._seed)
+        return rewound(self._seed, self._generated if p.temperature != 0.0 else 0)
 
     def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> Sampled:
         """Sample from ``logits`` (one row), only among the ``allowed`` tokens when given."""
@@ -160,6 +183,15 @@ class Sampler:
         return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
 
 
+def rewound(seed: int, draws: int) -> mx.array:
+    """The random key of a sampler seeded with ``seed`` after ``draws`` tokens: each draw splits it once
+    (``Sampler.draw``), and keeps the first half."""
+    key = mx.random.key(seed)
+    for _ in range(draws):
+        key = mx.random.split(key)[0]
+    return key
+
+
 @dataclasses.dataclass(slots=True)
 class Draw:
     """A token drawn but not yet read: MLX arrays the device may still be computing. ``read`` brings a step's
@@ -176,27 +208,33 @@ class Draw:
         return [a for a in (self.token, self.chosen, self.top, self.top_logprobs) if a is not None]
 
 
-def read(draws: dict[int, Draw]) -> dict[int, Sampled]:
-    """Each draw's token (and logprobs) on the host: the one place a step waits for the device."""
-    mx.eval([d.arrays() for d in draws.values()])
-    out = {}
+def read(draws: dict[int, Draw], runs: dict[int, Run] | None = None) -> dict[int, Sampled]:
+    """Each draw's token (and logprobs), and the tokens each drafted row keeps, on the host: the one place a step
+    waits for the device."""
+    runs = runs or {}
+    mx.eval([d.arrays() for d in draws.values()], [r.arrays() for r in runs.values()])
+    out = {no: run.keep() for no, run in runs.items()}
     for no, d in draws.items():
         if d.error is not None:
             out[no] = Sampled(0, NOT_ASKED, error=d.error)
             continue
-        token = int(real(d.token))
-        if d.chosen is None:
-            out[no] = d.sampler.record(Sampled(token, NOT_ASKED))
-            continue
-        top: tuple[tuple[int, float], ...] = ()
-        if d.top is not None and d.top_logprobs is not None:
-            top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
-        out[no] = d.sampler.record(Sampled(token, real(d.chosen), top))
+        out[no] = d.sampler.record(_on_host(d))
     for no, d in draws.items():
         constraint = d.sampler.params.constraint
         if d.error is None and constraint is not None and (error := constraint.advance(out[no].token)) is not None:
             out[no] = Sampled(out[no].token, NOT_ASKED, error=error)
     return out
+
+
+def _on_host(d: Draw) -> Sampled:
+    """An evaluated draw's token and logprobs as host values."""
+    token = int(real(d.token))
+    if d.chosen is None:
+        return Sampled(token, NOT_ASKED)
+    top: tuple[tuple[int, float], ...] = ()
+    if d.top is not None and d.top_logprobs is not None:
+        top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
+    return Sampled(token, real(d.chosen), top)
 
 
 class Samplers:
@@ -210,12 +248,11 @@ class Samplers:
 
     def step(self, step: Step, logits: dict[int, mx.array]) -> dict[int, Sampled]:
         """``draw`` then ``read``: the step's tokens on the host."""
-        draws, verified = self.draw(step, logits)
-        return read(draws) | verified
+        return read(*self.draw(step, logits))
 
-    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Sampled]]:
+    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Run]]:
         """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then draw a token from the
-        logits of every sequence that has some, lazily; rows with a draft are verified at once (on the host).
+        logits of every sequence that has some, lazily; rows with a draft draw every position they were fed (``Run``).
 
         A sequence the step neither starts nor has started before is a bug upstream: it raises rather than sample
         with parameters nobody asked for."""
@@ -223,11 +260,14 @@ class Samplers:
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
         for seq, start in step.starts.items():
-            self._by_seq[seq] = Sampler(start.params)
+            self._by_seq[seq] = Sampler(start.params, start.produced)
             self._by_seq[seq].feed(list(start.recent))
-        if unknown := sorted(({c.seq for c in plan.prefill} | {r.seq for r in plan.decode}) - self._by_seq.keys()):
+        fed = {c.seq for c in plan.prefill if not c.pool}  # an embedding input is never sampled
+        if unknown := sorted((fed | {r.seq for r in plan.decode}) - self._by_seq.keys()):
             raise KeyError(f"rank 0 has no sampler for sequences {unknown}: the step neither starts nor continues them")
         for chunk in plan.prefill:
+            if chunk.pool:
+                continue
             sampler = self._by_seq[chunk.seq]
             sampler.feed(chunk.tokens)
             if chunk.scores and (rows := logits.pop(chunk.seq, None)) is not None:
@@ -235,41 +275,80 @@ class Samplers:
                 if chunk.last:
                     logits[chunk.seq] = rows[-1]
                     logits.update(dict.fromkeys(chunk.copies, rows[-1]))
-        verified = {}
+        runs = {}
         for row in plan.decode:  # rows with a draft have one row of logits per position fed
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
-                run = verify(self._by_seq[row.seq], rows, row.draft)
-                verified[row.seq] = dataclasses.replace(run[0], more=tuple(run[1:]))
-        return draw_all(self._by_seq, logits), verified
+                runs[row.seq] = Run.draw(self._by_seq[row.seq], rows, row.draft)
+        return draw_all(self._by_seq, logits), runs
 
     def clear(self) -> None:
         self._by_seq.clear()
 
 
-def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
-    """The tokens kept from a row fed ``[token] + draft``: ``logits`` holds its ``len(draft) + 1`` positions.
+@dataclasses.dataclass(slots=True)
+class Run:
+    """A drafted row's positions drawn but not yet read (``Run.draw``): read with the step's other draws, then
+    ``keep`` decides the tokens kept.
 
     Speculation's rule: keep the draft's tokens while each sampled token equals the draft's. A point-mass
     proposal, so this is exact rejection sampling (the token kept at each position is a draw from the target
     distribution given the tokens kept before it), and the key is split once per kept token, so a seeded request
     draws the same tokens with speculation on or off.
 
-    Each position is sampled as plain decoding would sample it; the run stops at
-    the first token that differs from the draft (that token is kept: it is the
-    sample at that position), or after the bonus token past a fully kept draft.
+    Each position is drawn as plain decoding would draw it there, as if the
+    draft's tokens before it were kept (the penalties and ``min_tokens`` see
+    them, the key is split once per position); the run stops at the first token
+    that differs from the draft (that token is kept: it is the sample at that
+    position), or after the bonus token past a fully kept draft. The sampler is
+    then set back to the run kept.
     """
-    out = []
-    if sampler.plain:  # greedy and nothing else: one argmax for every position
-        for i, token in enumerate(ints(mx.argmax(logits, axis=-1))):
-            out.append(sampler.record(Sampled(token, NOT_ASKED)))
-            if i == len(draft) or token != draft[i]:
+
+    sampler: Sampler
+    draft: list[int]
+    draws: list[Draw]
+    keys: list[mx.array | None]  # the sampler's key after each position's draw
+    before: Mark
+
+    @classmethod
+    def draw(cls, sampler: Sampler, logits: mx.array, draft: list[int]) -> Run:
+        """``logits`` holds the ``len(draft) + 1`` positions of a row fed ``[token] + draft``."""
+        before = sampler.mark()
+        if sampler.plain:  # greedy and nothing else: one argmax for every position, no state to follow
+            return cls(sampler, draft, [Draw(sampler, mx.argmax(logits, axis=-1))], [], before)
+        draws, keys = [], []
+        for i in range(len(draft) + 1):
+            draws.append(sampler.draw(logits[i]))
+            keys.append(sampler.mark().key)
+            if i < len(draft):
+                sampler.assume(draft[i])
+        sampler.rewind(before)
+        return cls(sampler, draft, draws, keys, before)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for d in self.draws for a in d.arrays()]
+
+    def keep(self) -> Sampled:
+        """Once read: the first token kept, the others in its ``more``."""
+        sampled = (
+            [Sampled(token, NOT_ASKED) for token in ints(self.draws[0].token)]
+            if not self.keys
+            else [_on_host(d) for d in self.draws]
+        )
+        out = []
+        for i, one in enumerate(sampled):
+            out.append(self.sampler.record(one))
+            if i == len(self.draft) or one.token != self.draft[i]:
                 break
-        return out
-    for i in range(len(draft) + 1):
-        out.append(sampler(logits[i]))
-        if i == len(draft) or out[-1].token != draft[i]:
-            break
-    return out
+        if self.keys:
+            self.sampler.rewind(dataclasses.replace(self.sampler.mark(), key=self.keys[len(out) - 1]))
+        return dataclasses.replace(out[0], more=tuple(out[1:]))
+
+
+def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
+    """The tokens kept from a row fed ``[token] + draft`` (``Run``), on the host."""
+    run = Run.draw(sampler, logits, draft)
+    kept = read({}, {0: run})[0]
+    return [dataclasses.replace(kept, more=()), *kept.more]
 
 
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:

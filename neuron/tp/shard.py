@@ -12,9 +12,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, load_model
 
-from neuron import architectures
+from neuron import architectures, shares
 from neuron.models import ModelError, text_config
-from neuron.tp import plans
+from neuron.tp import plans, staged
 from neuron.tp.fuse import fuse_projections
 
 
@@ -143,36 +143,157 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
 
     One tensor at a time: evaluating a slice reads its whole tensor from disk,
     and evaluating every slice at once would hold every whole tensor at the
-    same moment, a peak as large as the unsplit model on every rank.
+    same moment, a peak as large as the unsplit model on every rank. A pushed
+    share (``neuron.shares``) holds the slices themselves, read as they are.
     """
-    model, config = load_model(Path(model_path), lazy=True)
-    if group is not None and group.size() > 1:
-        plans.split(model, config.get("model_type", ""), group)
+    model = _load_share(model_path, group, [], group.rank() if group is not None else 0)
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
+    mx.clear_cache()  # the unfused projections' buffers go back to the system, not to MLX's cache
     return model
 
 
 def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Module:
-    """Load layers ``[first, end)`` of the model, and on rank 0 the embedding, final norm and head too.
+    """Load layers ``[first, end)`` of the model, and on rank 0 the embedding, final norm and head too (gemma4's
+    embedding on every stage where its layers take inputs of their own).
 
     The model is loaded lazily and the other layers dropped before anything is
     read, so a rank reads, and holds, only its stage (a tied head is the
     embedding, and both are rank 0's).
     """
-    model, _ = load_model(Path(model_path), lazy=True)
-    inner = backbone(model)
-    inner.layers = inner.layers[first:end]
-    _stage_layer_types(inner, first, end)
-    if rank != 0:
-        for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
-            if name in owner:
-                del owner[name]
+    model = _load_share(model_path, None, [first, end], rank)
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)
+    mx.clear_cache()
     return model
+
+
+def _load_share(model_path: str | Path, group: mx.distributed.Group | None, layers: list[int], rank: int) -> nn.Module:
+    """The model cut down to this rank's share, lazily: from the whole model, or from a pushed share, whose
+    tensors go in where the same cut of the whole model put its own."""
+    path = Path(model_path)
+    if not shares.is_share(path):
+        model, config = load_model(path, lazy=True)
+        take_share(model, config, group, layers, rank)
+        return model
+    model, config, pushed = _skeleton(path)
+    names = take_share(model, config, group, layers, rank)
+    if missing := sorted(set(names.values()) - set(pushed)):
+        raise ModelError(f"{path} is a share without {missing[0]} ({len(missing)} tensors missing): push it again")
+    model.load_weights([(now, pushed[whole]) for now, whole in names.items()], strict=True)
+    return model
+
+
+def _skeleton(path: Path) -> tuple[nn.Module, dict, dict[str, mx.array]]:
+    """mlx-lm's own ``load_model`` (its classes, its sanitizing, its quantization), with a share's tensors kept
+    aside rather than put in: they are already sliced, and the cut expects whole ones. mlx-lm infers each layer's
+    quantization from its tensors' shapes, so it is shown shapes as the whole model's (placeholders, never read)."""
+    kept: dict[str, mx.array] = {}
+    whole = shares.whole_shapes(path)
+
+    def classes(config: dict) -> tuple[type[nn.Module], type]:
+        model_class, args_class = _get_classes(config)
+        own_sanitize = getattr(model_class, "sanitize", None)
+
+        class Skeleton(model_class):  # type: ignore[valid-type, misc]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                kept.update(own_sanitize(self, weights) if own_sanitize else weights)
+                return {name: mx.zeros(whole.get(name, list(w.shape)), w.dtype) for name, w in kept.items()}
+
+            def load_weights(self, weights: list, strict: bool = True) -> nn.Module:
+                return self
+
+        Skeleton.__name__ = model_class.__name__
+        return Skeleton, args_class
+
+    model, config = load_model(path, lazy=True, get_model_classes=classes)
+    model.__class__ = model.__class__.__mro__[1]  # the model's own class again, with its own methods
+    return model, config, kept
+
+
+class Slot:
+    """A rank's place in a group, without the group: enough for mlx's sharding helpers to slice for that rank (they
+    ask only ``rank()`` and ``size()``), so the leader can cut another rank's share as that rank cuts it."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank = rank
+        self._size = size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def take_share(
+    model: nn.Module, config: dict, group: mx.distributed.Group | Slot | None, layers: list[int], rank: int
+) -> dict[str, str]:
+    """Cut a lazily loaded model down to what ``rank`` holds: the stage's layers ``[first, end)`` (rank 0 keeps the
+    embedding, final norm and head), or its slice of every layer (``group`` of more than one). Returns each kept
+    parameter's path now -> its name in the whole model (a stage's layers are numbered from 0 once cut)."""
+    before = {id(v): (name, v) for name, v in _named(model)}  # the arrays held, so that no id is reused
+    if layers:
+        first, end = layers
+        inner = backbone(model)
+        inner.layers = inner.layers[first:end]
+        _stage_layer_types(inner, first, end)
+        # gemma4's per-layer inputs are computed on each stage from the embedding, which every stage then keeps.
+        embeds_here = staged.slice_per_layer_inputs(inner, first, end)
+        if rank != 0:
+            for owner, name in ((inner, "embed_tokens"), (inner, "norm"), (model, "lm_head")):
+                if name in owner and not (name == "embed_tokens" and embeds_here):
+                    del owner[name]
+    elif group is not None and group.size() > 1:
+        plans.split(model, config.get("model_type", ""), cast("mx.distributed.Group", group))
+    return {path: before.get(id(v), (path, v))[0] for path, v in _named(model)}
+
+
+def _named(model: nn.Module) -> list[tuple[str, mx.array]]:
+    return cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+
+
+# safetensors' names of MLX's dtypes.
+SAFETENSORS_DTYPES = {
+    mx.float32: "F32",
+    mx.float16: "F16",
+    mx.bfloat16: "BF16",
+    mx.uint32: "U32",
+    mx.int32: "I32",
+    mx.uint16: "U16",
+    mx.int16: "I16",
+    mx.uint8: "U8",
+    mx.int8: "I8",
+    mx.int64: "I64",
+    mx.uint64: "U64",
+    mx.bool_: "BOOL",
+}
+
+
+class ShareSource:
+    """Another rank's share, cut on the leader from its own model by ``take_share``, as that rank would cut it:
+    the tensors it will load, named as in the whole model, each computed when asked (``launch.push.Source``)."""
+
+    def __init__(self, model_path: str | Path, rank: int, size: int, layers: list[int]) -> None:
+        model, config = load_model(Path(model_path), lazy=True)
+        self.whole = {name: list(v.shape) for name, v in _named(model)}
+        names = take_share(model, config, Slot(rank, size) if size > 1 and not layers else None, layers, rank)
+        flat = dict(_named(model))
+        self.tensors: dict[str, mx.array] = {whole: flat[now] for now, whole in names.items()}
+
+    def entries(self) -> list[shares.Entry]:
+        return [
+            shares.Entry(name, SAFETENSORS_DTYPES[a.dtype], list(a.shape), a.nbytes, self.whole[name])
+            for name, a in sorted(self.tensors.items())
+        ]
+
+    def data(self, name: str) -> memoryview:
+        """The tensor's bytes, row-major; the leader's copy is let go once sent."""
+        array = mx.contiguous(self.tensors.pop(name))
+        mx.eval(array)
+        return memoryview(array)  # type: ignore[arg-type]  # mx.array exports the buffer protocol
 
 
 def _stage_layer_types(inner: nn.Module, first: int, end: int) -> None:
@@ -200,4 +321,4 @@ def parameter_count(model: nn.Module) -> int:
 
 def _arrays(model: nn.Module) -> list[mx.array]:
     """The model's parameters (``tree_flatten`` without a destination gives a list of name and array pairs)."""
-    return [v for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))]
+    return [v for _, v in _named(model)]

@@ -1,0 +1,108 @@
+"""Requests that outlive a lost rank, on one host: a worker SIGKILLed or stopped past the step deadline under four
+streams (greedy and seeded), and a prompt that kills its rank every time. One server for all of it: each stream
+must end as the same request did on the undisturbed server (its first requests), with no error event.
+
+The multi-host cases (an SSH session cut among them) are in tests/hosts/test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Server
+
+from testkit.faults import CRASH_ENV, ENTRY
+from testkit.resume import (
+    BODIES,
+    COMPLETIONS,
+    MAX_TOKENS,
+    disturb,
+    join,
+    kill,
+    reference,
+    served,
+    start_streams,
+    worker_pid,
+)
+from testkit.server import wait_until
+
+# A prompt of token ids (the completions API takes them) that kills rank 1 whenever a step feeds it.
+KILLER = [5, 77, 5, 78]
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("resume") / "log"
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3", "--resume-tries", "1")
+    env = {CRASH_ENV: f"1:{','.join(map(str, KILLER[1:]))}"}
+    server = Server(*args, log_path=log, module=ENTRY, env=env).start()
+    yield server
+    assert server.stop() == 0, server.stderr()
+
+
+@pytest.fixture(scope="module")
+def references(tp2: Server) -> list[str]:
+    return [reference(tp2.url, base) for base in BODIES]
+
+
+def test_a_worker_sigkilled_mid_stream_and_every_stream_goes_on(tp2: Server, references: list[str]) -> None:
+    victim = worker_pid(tp2)
+    disturb(tp2, references, kill(victim, signal.SIGKILL))
+    assert worker_pid(tp2) != victim
+    resumed = [e for e in tp2.logs() if e.get("event") == "resumed"]
+    assert {e["rank"] for e in resumed} == {1} and all(e["replayed_tokens"] > 0 for e in resumed), resumed
+    assert tp2.find_log("recovered", in_process=True) is not None
+    assert tp2.find_log("restarting") is None, "the leader process restarted"
+    metrics = tp2.metrics()
+    assert metrics[("neuron_requests_resumed_total", ())] >= len(BODIES)
+    assert metrics[("neuron_replayed_tokens_total", ())] > 0
+
+
+def test_a_worker_stopped_past_the_deadline_and_every_stream_goes_on(tp2: Server, references: list[str]) -> None:
+    victim = worker_pid(tp2)
+    try:
+        streams, _ = disturb(tp2, references, kill(victim, signal.SIGSTOP))
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the recovery killed it; this only never leaves it frozen
+            kill(victim, signal.SIGCONT)()
+    assert any(s.keep_alives for s in streams), "no keep-alive while the streams waited"
+    assert worker_pid(tp2) != victim
+
+
+def test_a_prompt_that_kills_its_rank_ends_after_the_tries_and_the_others_go_on(
+    tp2: Server, references: list[str]
+) -> None:
+    streams = start_streams(tp2.url, BODIES)
+    wait_until(lambda: all(s.chunks >= 3 for s in streams), 60, "3 chunks on every stream")
+    body = {"model": served(tp2.url), "prompt": KILLER, "max_tokens": 8, "stream": True}
+    killer = httpx.post(f"{tp2.url}{COMPLETIONS}", json=body, timeout=120)
+    join(streams)
+    assert "--resume-tries 1" in killer.text and "2 times" in killer.text, killer.text
+    for s, expected in zip(streams, references, strict=True):
+        assert s.error is None and s.text == expected, (s.base, s.error)
+        assert s.usage is not None and s.usage["completion_tokens"] == MAX_TOKENS
+    given_up = tp2.find_log("not resumed")
+    assert given_up is not None and given_up["losses"] == 2, given_up
+
+
+def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The same promises in a pipeline: rank 1 holds the last stage, rank 0 waits on its hidden states."""
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
+    server = Server(*args, log_path=tmp_path / "log").start()
+    try:
+        undisturbed = [reference(server.url, base) for base in BODIES]
+        disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL))
+        victim = worker_pid(server)
+        try:
+            disturb(server, undisturbed, kill(victim, signal.SIGSTOP))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                kill(victim, signal.SIGCONT)()
+        assert server.find_log("pipeline split", layers=[2, 2]) is not None
+    finally:
+        assert server.stop() == 0, server.stderr()
