@@ -147,7 +147,7 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
                 f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which MLX's "
                 f"{args.backend} backend cannot make (of its backends only MPI can); use --tp or --pp alone"
             )
-        check_hosts(hosts, args.backend)
+        check_hosts(hosts, args.backend, args.data_plane)
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
         if args.split and args.pp == 1:
             raise HostsError("--pp-layers splits pipeline stages: give --pp too")
@@ -164,7 +164,9 @@ def _layout(args: argparse.Namespace) -> Layout:
     from neuron.launch.launcher import Launcher
     from neuron.pool import Layout
 
-    return Layout(Launcher(args.host_list, args.ssh_command), args.backend, args.pp, args.split, args.push_model)
+    return Layout(
+        Launcher(args.host_list, args.ssh_command, args.data_plane), args.backend, args.pp, args.split, args.push_model
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

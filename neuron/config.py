@@ -161,6 +161,15 @@ SETTINGS = {
             ("ring", "jaccl", "nccl"),
         ),
         Setting(
+            "data_plane",
+            str,
+            "direct",
+            "how the ring's links between hosts travel: direct (plain TCP between the hostfile's ips; keep it on a "
+            "private link) or ssh (each link tunnelled through the leader's SSH connections, encrypted; default "
+            "direct)",
+            ("direct", "ssh"),
+        ),
+        Setting(
             "step_timeout",
             float,
             120.0,
@@ -333,6 +342,7 @@ MODEL_SETTINGS = (
     "ssh_command",
     "push_model",
     "backend",
+    "data_plane",
     "step_timeout",
     "log_level",
     "log_format",

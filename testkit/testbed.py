@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,18 +48,38 @@ def unavailable() -> str | None:
     return None
 
 
+PREFIX = "nrp"  # then the pid of the process that made the bed: another's live bed is left alone
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether ``name`` (a namespace or link of a bed) belongs to a process no longer running."""
+    digits = re.match(rf"{PREFIX}(\d+)", name)
+    return digits is not None and not Path(f"/proc/{digits.group(1)}").exists()
+
+
 def clean_leftovers() -> None:
-    """Namespaces and links an earlier run left behind (a killed test process cannot clean up)."""
+    """Namespaces and links an earlier run left behind (a killed test process cannot clean up); beds of test
+    processes still running (another checkout's, at the same time) are theirs."""
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith("nrn"):
+        if _owner_gone(name):
             for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
                 _kill(int(pid))
             _run("ip", "netns", "del", name, check=False)
     for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith("nrn") and name.endswith("br"):
+        if _owner_gone(name) and name.endswith("br"):
             _run("ip", "link", "del", name, check=False)
+
+
+def _free_net() -> int:
+    """X of a 10.X.0.0/24 no interface of this machine is in (another bed running at the same time holds one)."""
+    taken = set(re.findall(r"inet 10\.(\d+)\.", _run("ip", "-o", "addr", "show", check=False).stdout))
+    for offset in range(100):
+        net = 100 + (os.getpid() + offset) % 100
+        if str(net) not in taken:
+            return net
+    raise RuntimeError("every 10.X.0.0/24 with X in 100-199 is in use on this machine: no room for a test bed")
 
 
 def _kill(pid: int) -> None:
@@ -71,8 +92,8 @@ def _kill(pid: int) -> None:
 class Namespaces:
     def __init__(self, hosts: int, root: Path) -> None:
         self.root = root
-        self.prefix = f"nrn{os.getpid() % 1000}"
-        self.net = 100 + os.getpid() % 100
+        self.prefix = f"{PREFIX}{os.getpid()}"  # up to 7 digits: its links' names stay within 15 characters
+        self.net = _free_net()
         self.bridge = f"{self.prefix}br"
         self.leader_ip = self.ip(-1)
         self.namespaces = [f"{self.prefix}n{i}" for i in range(hosts)]

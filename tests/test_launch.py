@@ -131,10 +131,9 @@ def test_a_listener_on_an_address_this_host_lacks_says_so() -> None:
 
 
 def test_an_unreachable_rank_is_named_with_its_host() -> None:
-    addresses = [["10.0.0.1:5000"], ["10.0.0.2:5001"]]
-    checks.check_probes({0: {}, 1: {}}, addresses, ["leader", "mac2"])
+    checks.check_probes({0: {}, 1: {}}, "ring", ["leader", "mac2"])
     with pytest.raises(checks.Unreachable) as caught:
-        checks.check_probes({1: {"10.0.0.1:5000": "Connection refused"}}, addresses, ["leader", "mac2"])
+        checks.check_probes({1: {"10.0.0.1:5000": "Connection refused"}}, "ring", ["leader", "mac2"])
     assert "rank 1 on mac2 cannot reach rank 0 on leader at 10.0.0.1:5000 (Connection refused)" in str(caught.value)
     assert caught.value.hosts == ["leader"]
 

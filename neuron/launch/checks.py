@@ -13,7 +13,7 @@ from __future__ import annotations
 import structlog
 
 from neuron import rpc
-from neuron.launch.dataplane import machine_ranks, visible_gpus
+from neuron.launch.dataplane import machine_ranks, probe_peer, visible_gpus
 from neuron.launch.hosts import SAME_VERSIONS, Host
 from neuron.models import first_difference
 
@@ -107,14 +107,22 @@ def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None
         )
 
 
-def check_probes(probed: dict[int, dict[str, str]], addresses: list[list[str]], hosts: list[str]) -> None:
-    """Every rank reached the addresses it will connect to when the group forms."""
+def check_probes(probed: dict[int, dict[str, str]], backend: str, hosts: list[str], tunnelled: bool = False) -> None:
+    """Every rank reached the addresses it will connect to when the group forms (through SSH tunnels: their
+    ends on its own host)."""
     for rank, unreachable in sorted(probed.items()):
         for address, reason in sorted(unreachable.items()):
-            target = next(r for r, mine in enumerate(addresses) if address in mine)
+            target = probe_peer(backend, rank, len(hosts))
+            where = f"rank {rank} on {hosts[rank]} cannot reach rank {target} on {hosts[target]}"
+            if tunnelled:
+                raise Unreachable(
+                    f"{where} through the SSH tunnel at {address} ({reason}); the sshd of each host must allow TCP "
+                    "forwarding (AllowTcpForwarding yes, the default)",
+                    [hosts[target]],
+                )
             raise Unreachable(
-                f"rank {rank} on {hosts[rank]} cannot reach rank {target} on {hosts[target]} at {address} "
-                f"({reason}); the data plane needs that address and port open between the two hosts",
+                f"{where} at {address} ({reason}); the data plane needs that address and port open between the two "
+                "hosts",
                 [hosts[target]],
             )
 

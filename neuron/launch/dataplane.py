@@ -6,10 +6,14 @@ r+1's. Its accept has no timeout and its connect retries for about 30 s, so a
 wrong address or a closed firewall shows up as a hang. So each rank first
 listens on its own addresses, on ports free on its own host (``Listeners``),
 then connects to the next rank's as the ring will (``probe``); only once every
-link answered does any rank close its listeners and join the group. The
-listeners never accept: the kernel completes a probe's handshake from the
-backlog, and closing the listener resets it, leaving no TIME_WAIT on the port
-MLX binds next. No MLX here: rank 0's part runs in the leader.
+link answered are the listeners closed, all of them, and the ranks join the
+group (a ring connect that comes early is refused, and MLX tries again). A
+listener greets each connection with one byte, and a probe passes only once
+that byte arrives: through an SSH tunnel (``tunnels.py``) the connect itself
+is answered by ssh on the prober's own host, whatever lies beyond. The prober
+closes first, so the listener's port is left with no TIME_WAIT (MLX binds it
+next, with ``SO_REUSEADDR`` besides). No MLX here: rank 0's part runs in the
+leader.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 
 from neuron.launch.hosts import Host
 
 PROBE_TIMEOUT_S = 3.0
+GREETING = b"\x01"
+_ACCEPT_POLL_S = 0.1  # how soon a greeter notices its listener closing (a blocked accept is not woken by close)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -33,15 +40,19 @@ def join_address(ip: str, port: int) -> str:
 
 
 class Listeners:
-    """A listening socket on each of this host's data-plane addresses, each on a port free there."""
+    """A listening socket on each of this host's data-plane addresses, each on a port free there, each greeting the
+    connections it gets (``GREETING``) on a thread of its own until closed."""
 
     def __init__(self) -> None:
         self._sockets: list[socket.socket] = []
+        self._greeters: list[threading.Thread] = []
+        self._closing = threading.Event()
 
     def open(self, ips: list[str]) -> list[str]:
         """Listen on each of ``ips``; returns their ``ip:port`` addresses. Raises ``OSError`` naming an address
         this host does not have."""
         self.close()
+        self._closing = threading.Event()
         for ip in ips:
             family = socket.AF_INET6 if ":" in ip else socket.AF_INET
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -53,27 +64,65 @@ class Listeners:
                 self.close()
                 raise OSError(e.errno, f"cannot listen on {ip}: {e.strerror} (is it an address of this host?)") from e
             sock.listen(8)
+            sock.settimeout(_ACCEPT_POLL_S)
             self._sockets.append(sock)
+            greeter = threading.Thread(target=self._greet, args=(sock, self._closing), daemon=True)
+            greeter.name = f"neuron-greeter-{ip}"
+            greeter.start()
+            self._greeters.append(greeter)
         return [join_address(ip, s.getsockname()[1]) for ip, s in zip(ips, self._sockets, strict=True)]
 
+    @staticmethod
+    def _greet(sock: socket.socket, closing: threading.Event) -> None:
+        while not closing.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(PROBE_TIMEOUT_S)
+                try:
+                    conn.sendall(GREETING)
+                    conn.recv(1)  # until the prober closes: its side, not this port, keeps the TIME_WAIT
+                except OSError:
+                    pass
+
     def close(self) -> None:
+        self._closing.set()
+        for greeter in self._greeters:
+            greeter.join(timeout=PROBE_TIMEOUT_S)
         for sock in self._sockets:
             sock.close()
-        self._sockets = []
+        self._sockets, self._greeters = [], []
 
 
 def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, str]:
-    """Connect to each address as the ring will; returns the unreachable ones, each with the reason."""
+    """Connect to each address as the ring will and wait for its listener's greeting; returns the unreachable
+    ones, each with the reason."""
     unreachable = {}
     for address in addresses:
         ip, port = split_address(address)
         try:
-            with socket.create_connection((ip, port), timeout=timeout):
-                pass
+            sock = socket.create_connection((ip, port), timeout=timeout)
         except TimeoutError:
             unreachable[address] = f"no answer within {timeout:g} s (a link down, or a firewall dropping it?)"
+            continue
         except OSError as e:
             unreachable[address] = e.strerror or str(e)
+            continue
+        with sock:
+            try:
+                answer = sock.recv(1)
+            except TimeoutError:
+                unreachable[address] = f"connected, but no listener answered within {timeout:g} s"
+                continue
+            except OSError as e:
+                unreachable[address] = e.strerror or str(e)
+                continue
+            if answer != GREETING:
+                unreachable[address] = "connected, but closed before any listener answered (a tunnel to nothing?)"
     return unreachable
 
 
@@ -113,21 +162,29 @@ def cut(addresses: list[list[str]]) -> int:
 
 
 def ring_files(addresses: list[list[str]]) -> dict[str, str]:
-    """The ring's hostfile, the same for every rank: each rank's ``ip:port`` addresses, in rank order."""
+    """The ring's hostfile: each rank's ``ip:port`` addresses, in rank order, as one rank sees them (the same
+    for every rank on the direct data plane; through tunnels, ``tunnels.ring_view``)."""
     return {"MLX_HOSTFILE": json.dumps(addresses)}
 
 
 def probe_targets(backend: str, rank: int, addresses: list[list[str]]) -> list[str]:
-    """Where ``rank`` connects when the group forms: the ring's next rank, or the coordinator on rank 0."""
+    """Where ``rank`` connects when the group forms (``addresses`` as it sees them): the ring's next rank, or the
+    coordinator on rank 0."""
     if backend == "ring":
         return addresses[(rank + 1) % len(addresses)] if len(addresses) > 1 else []
     return [addresses[0][0]] if rank else []
 
 
+def probe_peer(backend: str, rank: int, world_size: int) -> int:
+    """The rank whose listener ``rank`` probes (``probe_targets``)."""
+    return (rank + 1) % world_size if backend == "ring" else 0
+
+
 def backend_setup(backend: str, rank: int, addresses: list[list[str]], hosts: list[Host]) -> tuple[dict, dict]:
     """The variables (and files named by variables) ``mx.distributed.init`` reads on ``rank``, as ``mlx.launch``
-    sets them: the ring's hostfile; jaccl's coordinator (rank 0's first address) and RDMA device matrix;
-    nccl's rendezvous on rank 0 (each rank's GPU is chosen earlier, when it is spawned: ``spawn_env``)."""
+    sets them (``addresses`` as ``rank`` sees them): the ring's hostfile; jaccl's coordinator (rank 0's first
+    address) and RDMA device matrix; nccl's rendezvous on rank 0 (each rank's GPU is chosen earlier, when it is
+    spawned: ``spawn_env``)."""
     env = {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(len(hosts))}
     if backend == "ring":
         return env, ring_files(addresses)

@@ -95,14 +95,19 @@ def _host(entry: Any, where: str) -> Host:
     return Host(ssh, tuple(ips), tuple(rdma), entry.get("neuron"), entry.get("model"), tuple(cpus))
 
 
-def check_hosts(hosts: list[Host], backend: str) -> None:
-    """What a backend needs of every host, checked before anything starts."""
+def check_hosts(hosts: list[Host], backend: str, data_plane: str = "direct") -> None:
+    """What a backend (and the data plane) needs of every host, checked before anything starts."""
     if not hosts[0].local:
         raise HostsError(
             f"entry 0 of the hostfile is the leader's own host (rank 0 runs inside the leader): its 'ssh' must be "
             f"localhost, got {hosts[0].ssh!r}"
         )
-    if backend == "ring":
+    if data_plane == "ssh" and backend != "ring":
+        raise HostsError(
+            f"--data-plane ssh tunnels the ring's TCP links; {backend} does not carry its data over TCP links neuron "
+            "can forward: use --backend ring with it, or --data-plane direct"
+        )
+    if backend == "ring" and data_plane == "direct":
         for rank, host in enumerate(hosts):
             if not host.ips and len(hosts) > 1:
                 raise HostsError(f"rank {rank} on {host.ssh} has no 'ips': the ring needs each host's addresses")

@@ -32,10 +32,11 @@ class Spawned:
 class Launcher:
     """Starts rank R's process on ``hosts[R]``: a subprocess for this host, ``ssh`` for the others."""
 
-    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH) -> None:
+    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH, data_plane: str = "direct") -> None:
         self.hosts = hosts
         self.world_size = len(hosts)
         self.ssh_command = shlex.split(ssh_command)
+        self.data_plane = data_plane
 
     @classmethod
     def local(cls, world_size: int) -> Launcher:
@@ -44,6 +45,11 @@ class Launcher:
     @property
     def remote(self) -> bool:
         return any(not h.local for h in self.hosts)
+
+    @property
+    def tunnelled(self) -> bool:
+        """The ring's links between hosts go through SSH tunnels (``tunnels.py``)."""
+        return self.data_plane == "ssh" and self.remote
 
     def host(self, rank: int) -> str:
         """The host as the operator named it: logs and errors say so."""

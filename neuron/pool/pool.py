@@ -44,6 +44,7 @@ from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.push import PushCut, Pushed, push
 from neuron.launch.stages import check_split, plan_stages, weights_per_rank
+from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
 from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest, read_config, text_config
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
@@ -115,6 +116,7 @@ class Pool:
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)
         self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
+        self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
         self._closing = False
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
@@ -197,7 +199,13 @@ class Pool:
         """Check every data-plane link answers, then bring up the group (``group.py``)."""
         if self.world_size > 1:
             self._addresses = await form_group(
-                self._fan_out, self.launcher, self.backend, pongs, self.deadlines, Path(self._scratch.name)
+                self._fan_out,
+                self.launcher,
+                self.backend,
+                pongs,
+                self.deadlines,
+                Path(self._scratch.name),
+                self._tunnels,
             )
 
     # Model operations.
@@ -426,6 +434,7 @@ class Pool:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, self.broken is not None)
         # A broken group may hold rank 0 inside a collective forever: do not wait long for it.
         await self._rank0.close(1.0 if self.broken else self.deadlines.shutdown)
+        await self._tunnels.close()
         self._scratch.cleanup()
         if workers:
             log.info("workers stopped", world_size=self.world_size)

@@ -70,10 +70,11 @@ class Ping:
 class Listen:
     """Open a listener on each of this host's data-plane addresses, on a port free there.
 
-    They stay open, so that the neighbouring rank can ``Probe`` them, until
-    ``Init`` closes them and MLX binds the same ports. Why: the ring's accept
-    has no timeout, and its connect retries for about 30 s, so an address the
-    neighbour cannot reach must be found before any rank joins the group.
+    They stay open, so that the neighbouring rank can ``Probe`` them, until a
+    ``Listen`` with no addresses closes them, before ``Init``, and MLX binds the
+    same ports. Why: the ring's accept has no timeout, and its connect retries
+    for about 30 s, so an address the neighbour cannot reach must be found
+    before any rank joins the group.
     """
 
     op: ClassVar[str] = "listen"

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,6 +142,52 @@ def test_the_data_plane_binds_only_the_named_addresses_and_workers_log_their_hos
     assert cluster.find_log("shard loaded", rank=1, host=host) is not None  # relayed from host 0's worker
     metrics = cluster.metrics()
     assert metrics[("neuron_rank_info", (("host", host), ("rank", "1")))] == 1
+
+
+def _ss(*args: str, namespace: str | None = None) -> list[tuple[str, int, str, int, str]]:
+    """(local address, port, peer address, port, process) of each TCP socket ``ss -Htnp ARGS`` lists, in
+    ``namespace`` (this one by default)."""
+    inside = ["ip", "netns", "exec", namespace] if namespace else []
+    lines = subprocess.run([*inside, "ss", "-Htnp", *args], capture_output=True, text=True, check=True).stdout
+    out = []
+    for fields in (line.split() for line in lines.splitlines()):
+        process = fields.pop() if fields[-1].startswith("users:") else ""
+        (ip, _, port), (peer, _, peer_port) = fields[-2].rpartition(":"), fields[-1].rpartition(":")
+        out.append((ip.strip("[]"), int(port), peer.strip("[]"), int(peer_port) if peer_port != "*" else 0, process))
+    return out
+
+
+def test_the_ssh_data_plane_listens_on_loopback_and_crosses_the_bridge_only_inside_ssh(
+    bed: Namespaces, tiny_models: dict[str, Path], reference: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--data-plane ssh``: the same tokens as TP=1; every ring listener on its host's loopback, the tunnels'
+    ends too; between the hosts nothing but SSH (port 22); no tunnel left once the server is gone."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
+    args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", *hosts_args(bed, hostfile))
+    with serving(tmp_path_factory, *args) as server:
+        assert complete(server) == reference
+        assert server.find_log("ssh tunnels open", links=["0->1", "1->0"]) is not None
+        (worker,) = bed.workers(1)
+        # On host 1: loopback only, but for the test bed's own sshd on its address (its config names it).
+        host = bed.namespaces[1]
+        for ip, port, _, _, process in _ss("-l", namespace=host):
+            assert ip == "127.0.0.1" or ((ip, port) == (bed.ip(1), 22) and "sshd" in process), (ip, port, process)
+        connected = _ss("state", "established", namespace=host)
+        crossing = [s for s in connected if s[0] == bed.ip(1)]
+        assert crossing and all(port == 22 for _, port, _, _, _ in crossing), crossing
+        ring = [s for s in connected if f"pid={worker}," in s[4]]
+        assert ring and all(ip == peer == "127.0.0.1" for ip, _, peer, _, _ in ring), ring  # to sshd's tunnel ends
+        # On the leader's host: its own sockets and its ssh processes' (the workers' and the tunnel's).
+        leader = [server.process.pid, *_children(server.process.pid, "ssh")]
+        for pid in leader:
+            for ip, port, state in tcp_sockets(pid):
+                assert ip == "127.0.0.1" or (ip == bed.leader_ip and state == "ESTABLISHED"), (pid, ip, port, state)
+        mine = [s for s in _ss("state", "established") if any(f"pid={pid}," in s[4] for pid in leader)]
+        peers = {(ip, port) for _, _, ip, port, _ in mine}
+        assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
+        assert len(_children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
+    nothing_left(bed, (1,))
+    wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
 
 
 def _children(pid: int, name: str) -> list[int]:
