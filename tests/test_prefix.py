@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import itertools
 
+import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import KVCache
 from test_scheduler import LETTERS
 
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
-from neuron.rpc import Evict, Prefill, Restore, Save
+from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+from neuron.tp.entries import Entries
+from neuron.tp.prefill import SeqState
 
 pytestmark = pytest.mark.unit
 
@@ -136,3 +140,26 @@ def test_no_plan_restores_an_entry_it_saves() -> None:
     assert step is not None and step.plan.restore == []
     plan = step.plan
     assert [save.seq for save in plan.save] == [a.no, b.no] and plan.evict == [Evict(1)]
+
+
+def test_a_ranks_entries_state_tells_apart_holdings_of_the_same_count() -> None:
+    """The fingerprint's part for the prefix cache: the same number of entries, but another id or another length,
+    is another state; the same entries saved in another order are the same; evicting all is the empty state."""
+
+    def seq(tokens: int) -> SeqState:
+        cache = KVCache()
+        cache.update_and_fetch(mx.zeros((1, 1, tokens, 2)), mx.zeros((1, 1, tokens, 2)))
+        return SeqState(tokens, 0, [cache], True)
+
+    def held(*saves: tuple[int, int]) -> Entries:
+        entries = Entries()
+        for entry, tokens in saves:
+            entries.evict_and_save(StepPlan(save=[Save(entry, entry)]), {entry: seq(tokens)})
+        return entries
+
+    assert held((1, 3), (2, 4)).state() == held((2, 4), (1, 3)).state()
+    assert held((1, 3), (2, 4)).state() != held((1, 3), (5, 4)).state()
+    assert held((1, 3), (2, 4)).state() != held((1, 3), (2, 5)).state()
+    emptied = held((1, 3), (2, 4))
+    emptied.evict_and_save(StepPlan(evict=[Evict(1), Evict(2)]), {})
+    assert emptied.state() == Entries().state()

@@ -63,6 +63,18 @@ def test_a_paused_sequence_is_fed_its_prompt_and_output_again_and_goes_on_where_
     assert next_step(s).plan.prefill == [Prefill(b.no, 0, b.replay, True)]
 
 
+def test_a_blamed_sequence_first_in_line_is_fed_without_the_unblamed_ones_behind_it() -> None:
+    s = scheduler(max_batch=4, prefill_chunk=64)
+    a, b = request(4), request(3)
+    for seq in (a, b):
+        s.add(seq)
+    s.admit()
+    run(s, {a.no: ord("x"), b.no: ord("p")})
+    s.pause(LOST, {a}, tries=2)  # only a was blamed: b goes on after it, not beside it
+    s.admit()
+    assert [chunk.seq for chunk in next_step(s).plan.prefill] == [a.no]
+
+
 def test_a_sequence_lost_before_its_first_token_starts_afresh() -> None:
     s = scheduler(prefill_chunk=2)
     a = request(5, prompt_logprobs=1)
