@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import pytest
 
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
-from neuron.tp.sampler import Sampler, Samplers, verify
+from neuron.tp.sampler import Run, Sampler, Samplers, read
 
 
 def test_a_sequence_the_step_neither_starts_nor_continues_is_refused() -> None:
@@ -67,7 +69,8 @@ def test_verifying_a_drawn_draft_reads_once_and_keeps_what_sampling_position_by_
 
     mx.eval = counted
     try:
-        run = verify(verifying, logits, draft)
+        kept = read({}, {0: Run.draw(verifying, logits, draft)})[0]
+        run = [dataclasses.replace(kept, more=()), *kept.more]
     finally:
         mx.eval = original
     assert evaluations == 1

@@ -179,9 +179,6 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
-        if (error := self._unsettled_error) is not None:
-            self._unsettled_error = None
-            raise error
         self.settle()  # a step run ahead that nobody settled yet: computed now, before anything else is queued
         if (error := self._unsettled_error) is not None:
             self._unsettled_error = None

@@ -2,7 +2,7 @@
 
 Each decode row is fed ``[token] + draft`` (padded to its micro-batch's width)
 in one batched forward; rank 0 keeps the run its sampler agrees with
-(``sampler.verify``), and the next plan tells every rank how many tokens of
+(``sampler.Run``), and the next plan tells every rank how many tokens of
 the row to drop from its cache (``Decode.drop``).
 """
 

@@ -344,13 +344,6 @@ class Run:
         return dataclasses.replace(out[0], more=tuple(out[1:]))
 
 
-def verify(sampler: Sampler, logits: mx.array, draft: list[int]) -> list[Sampled]:
-    """The tokens kept from a row fed ``[token] + draft`` (``Run``), on the host."""
-    run = Run.draw(sampler, logits, draft)
-    kept = read({}, {0: run})[0]
-    return [dataclasses.replace(kept, more=()), *kept.more]
-
-
 def sample_all(samplers: dict[int, Sampler], logits: dict[int, mx.array]) -> dict[int, Sampled]:
     """Each sequence's token from its logits, on the host."""
     return read(draw_all(samplers, logits))
