@@ -1,4 +1,4 @@
-"""Where a TP=1 decode step's time goes, with the fused projections (neuron/tp/fuse.py) and without.
+"""Where a TP=1 decode step's time goes, with the fused projections (neuron/rank/fuse.py) and without.
 
 Run: .venv/bin/python bench/decode_step.py [--model FOLDER] [--batch 1 8] [--steps 15] [--rounds 3]
                                            [--blas NAME] [--gemv on|off] [--threads 2] [--variants unfused fused]
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from neuron.tp.rank import Rank
+    from neuron.rank.rank import Rank
 
 CHILD = "NEURON_DECODE_STEP_CHILD"
 BANDWIDTH = "NEURON_DECODE_STEP_GB_S"  # "one core,all cores", measured by the parent before MLX loads anywhere
@@ -52,7 +52,7 @@ PROMPT = 32
 
 
 def _groups(variant: str) -> tuple[tuple[str, ...], ...]:
-    from neuron.tp import fuse
+    from neuron.rank import fuse
 
     return {"unfused": (), "fused": fuse.GROUPS, "qkv": (fuse.QKV,), "gate_up": (fuse.GATE_UP,)}[variant]
 
@@ -61,11 +61,11 @@ def load_rank(model: str, variant: str) -> Rank:
     """A TP=1 rank 0 loaded the way the server loads it, with only ``variant``'s groups fused."""
     from unittest import mock
 
-    from neuron.tp import fuse
-    from neuron.tp.rank import Rank
+    from neuron.rank import fuse
+    from neuron.rank.rank import Rank
 
     rank = Rank(0, 1)
-    with mock.patch("neuron.tp.shard.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
+    with mock.patch("neuron.rank.shard.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
         rank.load(model, [])
     assert rank.model is not None
     fuse.fuse_projections(rank.model, _groups(variant))
@@ -78,10 +78,10 @@ def prompt() -> list[int]:
 
 def time_neuron(rank: Rank, batch: int, steps: int) -> float:
     """Median ms of rank 0's step plus greedy sampling, ``batch`` sequences decoding together."""
+    from neuron.rank.sampler import Samplers
     from neuron.rpc import Decode, Prefill, StepPlan
     from neuron.sampling_params import SamplingParams
     from neuron.step import Start, Step
-    from neuron.tp.sampler import Samplers
 
     rank.clear_kv_cache()
     samplers = Samplers()
@@ -125,7 +125,7 @@ def matrices(model: nn.Module) -> list[mx.array]:
     every other linear layer's, and the vocabulary projection (the embedding, where it is tied)."""
     from mlx.nn.layers.distributed import ShardedToAllLinear
 
-    from neuron.tp import fuse
+    from neuron.rank import fuse
 
     out = []
     for _, module in model.named_modules():

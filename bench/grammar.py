@@ -82,8 +82,8 @@ def sampling_only(engine: object, rounds: int) -> dict[str, float]:
     """``sample_all`` per step on random logits: 8 free rows, 8 constrained rows, 1 constrained row."""
     import mlx.core as mx
 
+    from neuron.rank.sampler import Sampler, sample_all
     from neuron.sampling_params import SamplingParams
-    from neuron.tp.sampler import Sampler, sample_all
 
     vocab = engine.vocab_size  # type: ignore[attr-defined]
     out: dict[str, list[float]] = {"free 8": [], "json 8": [], "free 1": [], "json 1": []}

@@ -70,7 +70,7 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
         loaded.shard(mx.distributed.init(backend="ring", strict=True))
     mx.eval(loaded.parameters())
     cache = make_prompt_cache(loaded)
-    from neuron.tp.shard import backbone, shard_head
+    from neuron.rank.shard import backbone, shard_head
 
     mode = os.environ.get("BENCH_HEAD", "")
     head = shard_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None

@@ -30,7 +30,7 @@ STATE = "key/value + linear-attention state"
 class Support:
     caches: str  # KV, WINDOW or STATE
     tp: str | None  # who splits its layers over tensor-parallel ranks: "mlx-lm" (its ``shard()``), "neuron"
-    # (tp/plans.py), or None: nobody
+    # (rank/plans.py), or None: nobody
     pp: bool  # pipeline stages: a stage runs a run of its layers
     batching: bool = True  # continuous batching: joins, leaves, chunked prompts, n > 1 copies
 
@@ -136,7 +136,7 @@ def check(config: dict[str, Any], world_size: int, stages: int) -> Support | Non
     if support is not None and stages == 1 and world_size > 1 and support.tp is None:
         instead = "--tp 1, or --pp to split its layers over the ranks" if support.pp else "--tp 1"
         raise Unsupported(
-            f"neither mlx-lm (it has no shard() for {arch!r}) nor neuron (tp/plans.py) splits {arch!r} over "
+            f"neither mlx-lm (it has no shard() for {arch!r}) nor neuron (rank/plans.py) splits {arch!r} over "
             f"tensor-parallel ranks; serve it with {instead}"
         )
     return support

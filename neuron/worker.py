@@ -30,7 +30,7 @@ from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
 
 if TYPE_CHECKING:
-    from neuron.tp.rank import Rank
+    from neuron.rank.rank import Rank
 
 _HANGUP_POLL_MS = 1000
 
@@ -164,7 +164,7 @@ class Worker:
             cpu.pin(pinned)  # before MLX starts any thread, so its threads inherit the mask
 
         try:
-            from neuron.tp.rank import Rank, RankError  # MLX loads here, after pinning
+            from neuron.rank.rank import Rank, RankError  # MLX loads here, after pinning
         except ImportError as e:
             raise RuntimeError(device.cannot_load(e)) from e
 

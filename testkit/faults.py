@@ -84,10 +84,10 @@ def fake_host(info: Any, rank: int) -> Any:
 
 def install() -> None:
     """Make this process's ranks ``FaultyRank``s and its hosts say what the environment fakes, and have every
-    process it starts run this entry point. Nothing is imported here: a worker loads MLX (with ``neuron.tp.rank``)
+    process it starts run this entry point. Nothing is imported here: a worker loads MLX (with ``neuron.rank.rank``)
     only once it is pinned to its cores, so each module is patched as it is imported."""
     start_here()
-    when_imported("neuron.tp.rank", _faulty_ranks)
+    when_imported("neuron.rank.rank", _faulty_ranks)
     for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
         when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
     if delay := float(os.environ.get(SLOW_PUSH_ENV) or 0):
@@ -157,7 +157,7 @@ def _slow_push(push: ModuleType, delay: float) -> None:
 
 
 def _faulty_ranks(rank: ModuleType) -> None:
-    """``neuron.tp.rank``'s ``Rank`` replaced by one that fails, desyncs or loses an entry after the steps the
+    """``neuron.rank.rank``'s ``Rank`` replaced by one that fails, desyncs or loses an entry after the steps the
     environment names (rank 0 is made by the leader's rank-0 thread, a worker's rank by the worker)."""
     from neuron.rpc import Evict, StepPlan
 

@@ -9,11 +9,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from neuron.rank.agreement import disagreement
+from neuron.rank.batch import Batch
+from neuron.rank.entries import Entries
+from neuron.rank.prefill import SeqState
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
-from neuron.tp.agreement import disagreement
-from neuron.tp.batch import Batch
-from neuron.tp.entries import Entries
-from neuron.tp.prefill import SeqState
 
 pytestmark = pytest.mark.unit
 

@@ -19,13 +19,13 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from neuron.rank import sampler
+from neuron.rank.ahead import EVALUATES_ASYNC
+from neuron.rank.rank import Rank, lead
+from neuron.rank.sampler import Samplers
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
-from neuron.tp import sampler
-from neuron.tp.ahead import EVALUATES_ASYNC
-from neuron.tp.rank import Rank, lead
-from neuron.tp.sampler import Samplers
 
 PROMPTS = {1: [5, 17, 99, 42, 7, 120], 2: [8, 3, 77, 64], 3: [33, 34, 35]}
 

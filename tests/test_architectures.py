@@ -20,7 +20,7 @@ from tiny_archs import ARCHS, config, make_arch_model
 
 from neuron import architectures
 from neuron.models import ModelError
-from neuron.tp.shard import check_splittable
+from neuron.rank.shard import check_splittable
 
 
 @pytest.fixture(scope="session")
@@ -199,8 +199,8 @@ def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_k
 ) -> None:
     """The desync path: a rank that does not hold what the plan names still runs every pass (so a group's
     collectives match) on fresh caches of the model's own kinds, records nothing, and says why."""
+    from neuron.rank.rank import Rank, RankError
     from neuron.rpc import Decode, Prefill, StepPlan
-    from neuron.tp.rank import Rank, RankError
 
     rank = Rank(0, 1)
     rank.load(str(arch_models[arch]), [])
@@ -221,8 +221,8 @@ def test_the_prefix_caches_sizes_are_what_a_saved_prompt_holds(arch: str, arch_m
     and values per head; a window holds its whole buffer from a prompt's end on; a linear-attention state has one
     size whatever the length."""
     from neuron.models import cache_bytes
+    from neuron.rank.rank import Rank
     from neuron.rpc import Prefill, Save, StepPlan
-    from neuron.tp.rank import Rank
 
     rank = Rank(0, 1)
     rank.load(str(arch_models[arch]), [])
@@ -238,8 +238,8 @@ def test_the_prefix_caches_sizes_are_what_a_saved_prompt_holds(arch: str, arch_m
 def test_a_snapshot_restores_only_the_whole_prompt_it_saved(arch: str, arch_models: dict[str, Path]) -> None:
     """A window's or a state's entry is the cache at its prompt's end: a plan restoring a shorter beginning is a
     desync on the rank, said as such, never a cache that holds what it should not."""
+    from neuron.rank.rank import Rank, RankError
     from neuron.rpc import Prefill, Restore, Save, StepPlan
-    from neuron.tp.rank import Rank, RankError
 
     rank = Rank(0, 1)
     rank.load(str(arch_models[arch]), [])
@@ -255,7 +255,7 @@ def test_a_snapshot_restores_only_the_whole_prompt_it_saved(arch: str, arch_mode
 def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
     from mlx_lm.utils import _get_classes
 
-    from neuron.tp.plans import PLANS
+    from neuron.rank.plans import PLANS
 
     for arch, support in architectures.TABLE.items():
         has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
@@ -271,8 +271,8 @@ def test_every_architecture_embeds_as_mlx_lms_final_states_pool(arch: str, arch_
     import numpy as np
     from mlx_lm import load
 
+    from neuron.rank.rank import Rank
     from neuron.rpc import Prefill, StepPlan
-    from neuron.tp.rank import Rank
 
     path = str(arch_models[arch])
     rank = Rank(0, 1)

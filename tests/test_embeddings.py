@@ -159,8 +159,8 @@ def test_the_pooling_is_the_settings_else_the_model_cards_else_the_mean(tmp_path
 
 @pytest.mark.unit
 def test_whole_inputs_are_batched_by_length_so_that_padding_never_outweighs_the_tokens() -> None:
+    from neuron.rank.embed import _groups
     from neuron.rpc import Prefill
-    from neuron.tp.embed import _groups
 
     def chunk(seq: int, length: int, pool: str = "MEAN") -> Prefill:
         return Prefill(seq, 0, [5] * length, True, pool=pool)

@@ -17,8 +17,8 @@ from neuron import rpc
 from neuron.pool.fanout import FanOut, PoolError
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Rank0Thread
+from neuron.rank.rank import RankError
 from neuron.rpc import ErrorKind
-from neuron.tp.rank import RankError
 
 pytestmark = [pytest.mark.unit, pytest.mark.anyio]
 

@@ -1,4 +1,4 @@
-"""Fused projections (neuron/tp/fuse.py): the same logits as the model as mlx-lm loads it, in no more memory.
+"""Fused projections (neuron/rank/fuse.py): the same logits as the model as mlx-lm loads it, in no more memory.
 
 Tolerance: bitwise with the reference BLAS the mlx wheel links (what this process
 uses unless it was started with OpenBLAS preloaded). OpenBLAS picks a different
@@ -22,8 +22,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from neuron import cpu
-from neuron.tp import fuse
-from neuron.tp.shard import load_shard, parameter_count
+from neuron.rank import fuse
+from neuron.rank.shard import load_shard, parameter_count
 
 
 def _logits(model: nn.Module) -> list[mx.array]:

@@ -11,8 +11,8 @@ import pytest
 
 from neuron.engine.text import Text
 from neuron.grammar import MAX_DEPTH, GrammarError, Grammars
+from neuron.rank.sampler import Sampler, sample_all
 from neuron.sampling_params import SamplingParams
-from neuron.tp.sampler import Sampler, sample_all
 from testkit import tokenizer_files
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,6 @@
 """The layout is the architecture: dependencies point one way, and MLX loads only where a rank's work is done.
 
-server -> engine -> pool -> rpc and tp; launching beside the pool. These tests
+server -> engine -> pool -> rpc and rank; launching beside the pool. These tests
 read the import statements themselves, and import the MLX-free modules in a
 fresh interpreter to see that MLX stays out.
 """
@@ -20,11 +20,11 @@ PACKAGE = ROOT / "neuron"
 # What each room may not import at run time (imports under ``if TYPE_CHECKING:`` only name types).
 FORBIDDEN = {
     "neuron.rpc": ("neuron.",),  # the protocol stands alone (bar itself)
-    "neuron.tp": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.leader"),
-    "neuron.launch": ("neuron.tp", "neuron.pool", "neuron.engine", "neuron.server"),
+    "neuron.rank": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.leader"),
+    "neuron.launch": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server"),
     "neuron.pool": ("neuron.engine", "neuron.server", "neuron.leader"),
-    "neuron.engine": ("neuron.tp", "neuron.server", "neuron.leader", "neuron.launch"),
-    "neuron.server": ("neuron.tp", "neuron.pool", "neuron.engine.engine", "neuron.leader", "neuron.launch"),
+    "neuron.engine": ("neuron.rank", "neuron.server", "neuron.leader", "neuron.launch"),
+    "neuron.server": ("neuron.rank", "neuron.pool", "neuron.engine.engine", "neuron.leader", "neuron.launch"),
 }
 
 # Modules that must import without MLX: what the HTTP layer, the settings and the protocol need.

@@ -16,7 +16,7 @@ from test_pool import scenario
 
 from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
 from neuron.models import ModelError, weight_bytes
-from neuron.tp.shard import check_splittable
+from neuron.rank.shard import check_splittable
 from testkit.faults import FAKE_HOST_ENV
 
 

@@ -149,7 +149,7 @@ def test_no_worker_outlives_a_sigkilled_leader(smollm2: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_process_hosts_one_group_only(tiny_models: dict[str, Path]) -> None:
-    from neuron.tp import rank
+    from neuron.rank import rank
 
     rank._joined_group, was = True, rank._joined_group
     try:

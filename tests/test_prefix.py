@@ -15,10 +15,10 @@ from test_scheduler import LETTERS
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
+from neuron.rank.entries import Entries
+from neuron.rank.prefill import SeqState
 from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
-from neuron.tp.entries import Entries
-from neuron.tp.prefill import SeqState
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import dataclasses
 import mlx.core as mx
 import pytest
 
+from neuron.rank.sampler import Run, Sampler, Samplers, read
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
-from neuron.tp.sampler import Run, Sampler, Samplers, read
 
 
 def test_a_sequence_the_step_neither_starts_nor_continues_is_refused() -> None:

@@ -17,7 +17,7 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from neuron import shares
 from neuron.launch import push
-from neuron.tp import shard
+from neuron.rank import shard
 
 
 @pytest.fixture(scope="module")

@@ -172,7 +172,7 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from neuron.tp.rollback import drop_tail
+    from neuron.rank.rollback import drop_tail
 
     def caches() -> list[BatchKVCache]:
         mx.random.seed(0)

@@ -24,8 +24,8 @@ from neuron import rpc
 from neuron.log import ms_since
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Abandoned, Rank0Thread
+from neuron.rank.rank import Rank, RankError
 from neuron.rpc import ErrorKind
-from neuron.tp.rank import Rank, RankError
 
 log = structlog.get_logger("neuron.pool")
 

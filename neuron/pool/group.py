@@ -28,7 +28,7 @@ from neuron.launch.tunnels import LOOPBACK, Tunnels, plan_links, ring_view
 from neuron.log import configured as log_config
 from neuron.log import ms_since
 from neuron.pool.fanout import Deadlines, FanOut
-from neuron.tp.rank import Rank
+from neuron.rank.rank import Rank
 
 log = structlog.get_logger("neuron.pool")
 

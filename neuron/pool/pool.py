@@ -51,12 +51,12 @@ from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
+from neuron.rank.backends import NoClearBackends
+from neuron.rank.rank import Loaded, Rank, group_joined, lead
+from neuron.rank.shard import ShareSource, check_splittable
 from neuron.sampling_params import Sampled
 from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
-from neuron.tp.backends import NoClearBackends
-from neuron.tp.rank import Loaded, Rank, group_joined, lead
-from neuron.tp.shard import ShareSource, check_splittable
 
 log = structlog.get_logger("neuron.pool")
 

@@ -19,8 +19,8 @@ import anyio
 import anyio.lowlevel
 
 from neuron import cpu
-from neuron.tp.rank import Rank
-from neuron.tp.sampler import Samplers
+from neuron.rank.rank import Rank
+from neuron.rank.sampler import Samplers
 
 T = TypeVar("T")
 

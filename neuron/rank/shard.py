@@ -14,8 +14,8 @@ from mlx_lm.utils import _get_classes, load_model
 
 from neuron import architectures, shares
 from neuron.models import ModelError, text_config
-from neuron.tp import plans, staged
-from neuron.tp.fuse import fuse_projections
+from neuron.rank import plans, staged
+from neuron.rank.fuse import fuse_projections
 
 
 def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:

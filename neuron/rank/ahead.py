@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.rank.sampler import ints
 from neuron.rpc import StepPlan
-from neuron.tp.sampler import ints
 
 # Whether ``mx.async_eval`` returns before the computation ends: on a GPU it does; the CPU computes in the caller.
 EVALUATES_ASYNC = mx.default_device().type != mx.cpu

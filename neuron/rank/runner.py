@@ -20,8 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from neuron.tp import caches, staged
-from neuron.tp.shard import VocabShard, backbone, head_gathers
+from neuron.rank import caches, staged
+from neuron.rank.shard import VocabShard, backbone, head_gathers
 
 # One forward pass takes at most this many tokens of a prompt (however many the
 # step feeds): the attention scores of one pass stay small, and every rank cuts

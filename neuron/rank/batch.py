@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from neuron.rank import caches
 from neuron.rpc import Decode
-from neuron.tp import caches
 
 if TYPE_CHECKING:
-    from neuron.tp.prefill import SeqState
+    from neuron.rank.prefill import SeqState
 
 
 @dataclass(slots=True)

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
-    from neuron.tp.batch import Batch
-    from neuron.tp.entries import Entries
-    from neuron.tp.prefill import SeqState
+    from neuron.rank.batch import Batch
+    from neuron.rank.entries import Entries
+    from neuron.rank.prefill import SeqState
 
 
 def disagreement(plan: StepPlan, seqs: dict[int, SeqState], batch: Batch, entries: Entries) -> str | None:

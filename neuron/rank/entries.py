@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from neuron.rank import caches
 from neuron.rpc import StepPlan
-from neuron.tp import caches
 
 if TYPE_CHECKING:
-    from neuron.tp.prefill import SeqState
+    from neuron.rank.prefill import SeqState
 
 KeysValues = tuple[mx.array, mx.array]  # a plain layer's keys and values, [1, kv heads here, tokens, head dim]
 

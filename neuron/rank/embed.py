@@ -23,11 +23,11 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.rank import caches
+from neuron.rank.prefill import SeqState
+from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill
 from neuron.sampling_params import NOT_ASKED, Sampled
-from neuron.tp import caches
-from neuron.tp.prefill import SeqState
-from neuron.tp.runner import Sharded, Stage
 
 # torch's F.normalize guards a zero vector the same way: it stays zero instead of becoming NaN.
 _NORM_FLOOR = 1e-12

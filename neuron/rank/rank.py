@@ -24,18 +24,18 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import read_config, text_config
+from neuron.rank import ahead, backends, caches, rollback
+from neuron.rank.agreement import disagreement
+from neuron.rank.batch import Batch, fed
+from neuron.rank.embed import as_sampled, embed_inputs
+from neuron.rank.entries import Entries
+from neuron.rank.prefill import SeqState, feed_prompts
+from neuron.rank.runner import Sharded, Stage
+from neuron.rank.sampler import Samplers, read, real
+from neuron.rank.shard import load_shard, load_stage, parameter_count, shard_head
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled
 from neuron.step import Step
-from neuron.tp import ahead, backends, caches, rollback
-from neuron.tp.agreement import disagreement
-from neuron.tp.batch import Batch, fed
-from neuron.tp.embed import as_sampled, embed_inputs
-from neuron.tp.entries import Entries
-from neuron.tp.prefill import SeqState, feed_prompts
-from neuron.tp.runner import Sharded, Stage
-from neuron.tp.sampler import Samplers, read, real
-from neuron.tp.shard import load_shard, load_stage, parameter_count, shard_head
 
 
 class RankError(RuntimeError):

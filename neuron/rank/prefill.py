@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.rank import caches
+from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill
-from neuron.tp import caches
-from neuron.tp.runner import Sharded, Stage
 
 
 @dataclass(slots=True)
