@@ -25,6 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
+from neuron.engine import vision
 from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Lost, Overloaded, Sequence
@@ -199,7 +200,7 @@ class Scheduler:
             if start == 0:
                 produced = None if seq.lost is None else tuple(seq.output)
                 recent: tuple[int, ...] = ()
-                if prefix is not None and (hit := prefix.lookup(tokens)) is not None:
+                if prefix is not None and (hit := prefix.lookup(vision.keyed(tokens, seq.images))) is not None:
                     restore.append(Restore(seq.no, hit.entry, hit.tokens))
                     start = hit.tokens  # restored, not computed: outside the budget
                     recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
@@ -210,7 +211,8 @@ class Scheduler:
             copies = [c for c in seq.fed_with if c in self.filling] if last else []
             for copy in copies:
                 starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
-            prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores))
+            runs = vision.runs(seq.images, start, end) if seq.images else []
+            prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
             budget -= take
         decode = self._decode()
         ahead = self._steady(prefill, decode)
@@ -220,7 +222,7 @@ class Scheduler:
         for chunk in prefill:
             if chunk.pool or not chunk.last or self.prefix is None:
                 continue
-            if stored := self.prefix.store(by_no[chunk.seq].tokens):
+            if stored := self.prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
                 plan.save.append(Save(chunk.seq, stored.entry))
                 plan.evict.extend(Evict(entry) for entry in stored.evicted)
         return Step(plan, starts)

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import read_config, text_config
-from neuron.rank import ahead, backends, caches, rollback
+from neuron.rank import ahead, backends, caches, rollback, vision
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
 from neuron.rank.embed import as_sampled, embed_inputs
@@ -160,6 +160,7 @@ class Rank:
             self.runner = Stage(model, self.rank, self.world_size, self.group)
         else:
             self.runner = Sharded(model, shard_head(model, config.get("model_type", ""), self.group), self.rank)
+        self.runner.images = vision.attach(model_path, config, model, self.rank, self.group, staged=bool(layers))
         return Loaded(parameters, time.perf_counter() - start)
 
     # The step.
@@ -204,6 +205,8 @@ class Rank:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:
             out.update(self._decode(plan.decode, plan.widths()))
+        if self.runner.images is not None and (gone := self.runner.images.take_missing()):
+            raise RankError(f"rank {self.rank}: {gone}")
         return out if self.rank == 0 else None
 
     def run_ahead(self, plan: StepPlan, drawn: dict[int, mx.array] | None = None) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from neuron import images
 from neuron.engine.sequence import Failure
 from neuron.sampling_params import MAX_STOPS, MAX_TOP_LOGPROBS, RANGES, Range, SamplingParams
 from neuron.server import limits
@@ -382,6 +383,10 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 raise bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
             entry["tool_call_id"] = call_id
         out.append(entry)
+    try:
+        images.check_count(out)
+    except images.ImageError as e:
+        raise bad(e.param, str(e)) from e
     return out
 
 
@@ -407,20 +412,26 @@ def _message_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
     if value is None:
         return ""
     if not isinstance(value, list):
         raise bad(where, f"`{where}` must be a string or an array of text parts, got {_kind(value)}")
-    parts = []
+    parts: list[str | dict[str, Any]] = []
     for i, part in enumerate(value):
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            try:
+                parts.append(images.part(part.get("image_url"), f"{where}[{i}]"))
+            except images.ImageError as e:
+                raise bad(e.param, str(e)) from e
+            continue
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else _kind(part)
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` is a {kind!r} part; this model reads text parts only")
         parts.append(part["text"])
-    return "".join(parts)
+    return images.joined(parts)
 
 
 def _prompts(value: Any, name: str = "prompt") -> list[str | list[int]]:
