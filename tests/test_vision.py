@@ -232,6 +232,7 @@ def test_a_repeated_image_reuses_the_cache_and_one_changed_pixel_does_not(served
     assert tokens_of(miss) == tokens_of(alone)
 
 
+@pytest.mark.anyio
 async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(served: Server) -> None:
     bodies = [
         chat(image_parts(png(64, 64, seed=21)), max_tokens=10),
@@ -259,7 +260,7 @@ def text_only(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, P
 
 
 def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(text_only: Server, picture: bytes) -> None:
-    body = chat([{"type": "text", "text": "look:"}, *image_parts(picture)])
+    body = {**chat([{"type": "text", "text": "look:"}, *image_parts(picture)]), "model": "qwen3"}
     reply = httpx.post(f"{text_only.url}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
