@@ -56,6 +56,26 @@ def part(value: Any, where: str) -> dict[str, Any]:
     return {"type": "image", "picture": from_url(url, f"{where}.image_url.url")}
 
 
+def from_responses(part: Any) -> dict[str, Any] | None:
+    """The Responses API's ``input_image`` part as a chat's ``image_url`` part; None for any other part."""
+    if not isinstance(part, dict) or part.get("type") != "input_image":
+        return None
+    return {"type": "image_url", "image_url": {"url": part.get("image_url")}}
+
+
+def from_anthropic(block: Any) -> dict[str, Any] | None:
+    """Anthropic's ``image`` block (a base64 ``source``, or a ``url`` one) as a chat's ``image_url`` part; None for
+    any other block."""
+    if not isinstance(block, dict) or block.get("type") != "image":
+        return None
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
+    url: Any = source.get("url")
+    if source.get("type") == "base64":
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def joined(parts: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
     """A message's content: its text where it holds only text (as before images), else its parts in order."""
     if all(isinstance(p, str) for p in parts):

@@ -169,23 +169,42 @@ def picture() -> bytes:
     return png(64, 48, seed=1)
 
 
-def mlx_vlm_tokens(model_path: Path, picture: bytes | None, max_tokens: int = 12) -> list[str]:
-    """mlx-vlm's own greedy generation, each token as its text (one character each in the tiny vocabulary)."""
+def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes], max_tokens: int = 12) -> list[str]:
+    """mlx-vlm's own greedy generation for a chat (image parts as ``{"type": "image"}``) rendered by the model's
+    template, each token as its text (one character each in the tiny vocabulary)."""
     from mlx_vlm import generate, load
-    from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
 
     model, processor = load(str(model_path))
-    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=int(picture is not None))
-    pictures = [Image.open(io.BytesIO(picture))] if picture is not None else None
-    result = generate(model, processor, prompt, image=pictures, max_tokens=max_tokens, temperature=0.0)
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [Image.open(io.BytesIO(p)) for p in pictures] or None
+    result = generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
     ids = [t for t in result.token_ids if t != model.config.eos_token_id]
     return [processor.tokenizer.decode([t]) for t in ids]
 
 
+def as_mlx_vlm(content: list[dict]) -> list[dict]:
+    return [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+
+
+# A conversation with an image in an earlier turn and two in the last.
+TURNS = [
+    {"role": "user", "content": image_parts(png(32, 48, seed=5), text="What is this?")},
+    {"role": "assistant", "content": "A square."},
+    {"role": "user", "content": image_parts(png(64, 32, seed=6), png(32, 32, seed=7), text="And these two?")},
+]
+TURN_PICTURES = [png(32, 48, seed=5), png(64, 32, seed=6), png(32, 32, seed=7)]
+
+
 @pytest.fixture(scope="module")
 def expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
-    return {"image": mlx_vlm_tokens(vlm, picture), "text": mlx_vlm_tokens(vlm, None)}
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    turns = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in TURNS]
+    return {
+        "image": mlx_vlm_tokens(vlm, user, [picture]),
+        "text": mlx_vlm_tokens(vlm, [{"role": "user", "content": PROMPT}], []),
+        "turns": mlx_vlm_tokens(vlm, turns, TURN_PICTURES),
+    }
 
 
 @pytest.fixture(scope="module", params=[(), ("--tp", "2"), ("--pp", "2")], ids=["tp1", "tp2", "pp2"])
@@ -207,6 +226,40 @@ def test_greedy_output_equals_mlx_vlm_on_the_same_image(
     # A text-only request to the same model is what mlx-vlm generates without an image.
     plain = client.chat.completions.create(**chat(PROMPT))  # type: ignore[call-overload]
     assert tokens_of(plain.model_dump()) == expected["text"]
+
+
+def test_several_images_and_images_in_earlier_turns_equal_mlx_vlm(
+    served: Server, expected: dict[str, list[str]]
+) -> None:
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json={**chat(""), "messages": TURNS}, timeout=120)
+    assert tokens_of(reply.json()) == expected["turns"]
+
+
+def test_responses_input_image_and_anthropic_image_blocks_read_as_chat_image_url(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    import anthropic
+
+    if len(served.args) > 2:
+        pytest.skip("the APIs are shown at TP=1; the ranks see the same prompt from each")
+    want = "".join(expected["image"])
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    content = [{"type": "input_image", "image_url": data_url(picture)}, {"type": "input_text", "text": PROMPT}]
+    ask = {"model": "mistral3", "input": [{"role": "user", "content": content}], "max_output_tokens": 12}
+    assert client.responses.create(**ask, temperature=0).output_text == want  # type: ignore[call-overload]
+    streamed = client.responses.create(**ask, temperature=0, stream=True)  # type: ignore[call-overload]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == want
+    claude = anthropic.Anthropic(base_url=served.url, api_key="x")
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(picture).decode()}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": PROMPT}]
+    message = claude.messages.create(
+        model="mistral3", max_tokens=12, messages=[{"role": "user", "content": blocks}], extra_body={"temperature": 0}
+    )
+    assert "".join(b.text for b in message.content if b.type == "text") == want
+    with claude.messages.stream(
+        model="mistral3", max_tokens=12, messages=[{"role": "user", "content": blocks}], extra_body={"temperature": 0}
+    ) as stream:
+        assert "".join(stream.text_stream) == want
 
 
 def test_a_repeated_image_reuses_the_cache_and_one_changed_pixel_does_not(served: Server) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from neuron import images
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.server.openai_api import ApiError, Generation, _is_int64, _kind, bad, failure_error
 from neuron.server.reasoning import ReasoningSplit
@@ -173,11 +174,14 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     """A user turn: each ``tool_result`` a tool message (they answer the previous turn's calls), then the text."""
-    results, texts = [], []
+    results: list[dict[str, Any]] = []
+    texts: list[str | dict[str, Any]] = []
     for i, block in enumerate(blocks):
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "tool_result":
+        if (image := images.from_anthropic(block)) is not None:
+            texts.append(image)
+        elif kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
                 raise bad(f"{at}.tool_use_id", f"`{at}.tool_use_id` must be a string")
@@ -193,7 +197,7 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
             texts.append(_text(block, at))
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    return results + ([{"role": "user", "content": images.joined(texts)}] if texts or not results else [])
 
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:

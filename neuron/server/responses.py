@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
+from neuron import images
 from neuron.engine.sequence import Chunk, Finish, Sequence
 from neuron.sampling_params import RANGES
 from neuron.server import limits
@@ -143,17 +144,20 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(value: Any, where: str) -> str:
+def _text(value: Any, where: str) -> str | list[dict[str, Any]]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise bad(where, f"`{where}` must be a string or an array of text parts, got {_kind(value)}")
-    parts = []
+    parts: list[str | dict[str, Any]] = []
     for i, part in enumerate(value):
+        if (image := images.from_responses(part)) is not None:
+            parts.append(image)
+            continue
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` must be an input_text or output_text part")
         parts.append(part["text"])
-    return "".join(parts)
+    return images.joined(parts)
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
