@@ -235,12 +235,14 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
+    from neuron import images
     from neuron.engine.scheduler import Scheduling
     from neuron.leader import HttpLimits, ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
     from neuron.server.guard import split_list
 
+    images.LIMITS = images.Limits(max_images=args.max_images, max_pixels=args.max_image_pixels)
     return await run_leader(
         ServeOptions(
             model_path=resolve(args.model),

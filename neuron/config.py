@@ -268,6 +268,21 @@ SETTINGS = {
             check=_at_least(1),
         ),
         Setting(
+            "max_images",
+            int,
+            16,
+            "images per request, across its messages; more get 400 (default 16)",
+            check=_at_least(0),
+        ),
+        Setting(
+            "max_image_pixels",
+            int,
+            4096 * 4096,
+            "pixels per image (width x height), read from its header before it is decoded; larger get 400 "
+            "(default 16777216: 4096 x 4096)",
+            check=_at_least(1),
+        ),
+        Setting(
             "max_context",
             int,
             DEFAULTS.max_context,
@@ -362,6 +377,8 @@ SERVE_SETTINGS = (
     "max_n",
     "max_waiting",
     "prefill_chunk",
+    "max_images",
+    "max_image_pixels",
     "max_context",
     "micro_batches",
     "prefix_cache_bytes",

@@ -24,11 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # A request's images, and one image's size: generous for documents and screenshots, far from what would exhaust
-# a host (a 16.7-megapixel RGB picture is 50 MB decoded).
+# a host (a 16.7-megapixel RGB picture is 50 MB decoded). The server's --max-images and --max-image-pixels.
 MAX_IMAGES = 16
 MAX_PIXELS = 4096 * 4096
 MAX_BYTES = 20 * 1024 * 1024  # one image's encoded bytes (its base64 is a third longer)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_images: int = MAX_IMAGES
+    max_pixels: int = MAX_PIXELS
+
+
+LIMITS = Limits()  # the server's, set once at startup (``neuron serve``), before any request is read
 
 
 class ImageError(ValueError):
@@ -104,9 +113,13 @@ def first_image(messages: list[dict[str, Any]]) -> str:
     return "messages"
 
 
-def check_count(messages: list[dict[str, Any]], where: str = "messages", most: int = MAX_IMAGES) -> None:
+def check_count(messages: list[dict[str, Any]], where: str = "messages", most: int | None = None) -> None:
+    most = LIMITS.max_images if most is None else most
     if (seen := len(pictures(messages))) > most:
-        raise ImageError(f"`{where}` carries {seen} images; this server takes at most {most} a request", where)
+        raise ImageError(
+            f"`{where}` carries {seen} images; this server takes at most {most} a request (--max-images): send fewer",
+            where,
+        )
 
 
 def from_url(url: Any, where: str) -> Picture:
@@ -143,8 +156,9 @@ def from_base64(payload: Any, where: str) -> Picture:
     return decode(data, where)
 
 
-def decode(data: bytes, where: str, max_pixels: int = MAX_PIXELS) -> Picture:
+def decode(data: bytes, where: str, max_pixels: int | None = None) -> Picture:
     """Check the header, then decode the first frame as RGB; refusals name ``where`` and what to send instead."""
+    max_pixels = LIMITS.max_pixels if max_pixels is None else max_pixels
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -166,8 +180,8 @@ def decode(data: bytes, where: str, max_pixels: int = MAX_PIXELS) -> Picture:
         width, height = opened.size
         if width < 1 or height < 1 or width * height > max_pixels:
             raise ImageError(
-                f"`{where}` is {width}x{height} pixels; this server takes at most {max_pixels:,} pixels an image: "
-                "scale it down",
+                f"`{where}` is {width}x{height} pixels; this server takes at most {max_pixels:,} pixels an image "
+                "(--max-image-pixels): scale it down",
                 where,
             )
         try:

@@ -53,11 +53,20 @@ def _tokenizer(folder: Path, template: str) -> dict[str, int]:
     return vocab
 
 
-def make_tiny_mistral3(folder: Path, seed: int = 0, longest_edge: int = 64, hidden: int = 256) -> Path:
+def make_tiny_mistral3(
+    folder: Path,
+    seed: int = 0,
+    longest_edge: int = 64,
+    hidden: int = 256,
+    layers: int = 2,
+    patch: int = 8,
+    vision_hidden: int = 64,
+    vision_layers: int = 2,
+) -> Path:
     """A Mistral 3 (Pixtral vision tower, patch merger, llama-shaped language model) of random weights.
 
-    Patches of 8 pixels merged 2 by 2: an image of ``longest_edge`` pixels a side becomes (edge/16)² image tokens
-    (16 at the default), plus a break per row.
+    Patches of ``patch`` pixels merged 2 by 2: at the defaults an image of ``longest_edge`` pixels a side becomes
+    (edge/16)² image tokens (16), plus a break per row.
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
@@ -76,7 +85,7 @@ def make_tiny_mistral3(folder: Path, seed: int = 0, longest_edge: int = 64, hidd
         "text_config": {
             "model_type": "mistral",
             "hidden_size": hidden,
-            "num_hidden_layers": 2,
+            "num_hidden_layers": layers,
             "intermediate_size": hidden * 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -89,13 +98,13 @@ def make_tiny_mistral3(folder: Path, seed: int = 0, longest_edge: int = 64, hidd
         },
         "vision_config": {
             "model_type": "pixtral",
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "intermediate_size": 128,
+            "hidden_size": vision_hidden,
+            "num_hidden_layers": vision_layers,
+            "intermediate_size": vision_hidden * 2,
             "num_attention_heads": 2,
-            "head_dim": 32,
+            "head_dim": vision_hidden // 2,
             "image_size": longest_edge,
-            "patch_size": 8,
+            "patch_size": patch,
             "num_channels": 3,
             "rope_theta": 10000.0,
         },
@@ -115,7 +124,7 @@ def make_tiny_mistral3(folder: Path, seed: int = 0, longest_edge: int = 64, hidd
             {
                 "image_processor_type": "PixtralImageProcessor",
                 "size": {"longest_edge": longest_edge},
-                "patch_size": {"height": 8, "width": 8},
+                "patch_size": {"height": patch, "width": patch},
                 "do_resize": True,
                 "do_rescale": True,
                 "do_normalize": True,

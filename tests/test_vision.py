@@ -342,3 +342,31 @@ def test_hostile_images_get_a_4xx_in_bounded_time_and_the_server_stays_up(
             assert time.monotonic() - started < 10, name
         reply = client.post("/v1/chat/completions", json=chat(image_parts(picture))).json()
     assert tokens_of(reply) == expected["image"]
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
+    """Prompts fed 7 tokens a step, so that images are cut across steps; the image caps set low."""
+    args = ("--prefill-chunk", "7", "--max-images", "3", "--max-image-pixels", "3100", "--tp", "2")
+    with serving(tmp_path_factory, "--model", str(vlm), *args) as server:
+        yield server
+
+
+def test_images_cut_across_prefill_chunks_give_the_same_tokens(
+    chunked: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    with httpx.Client(base_url=chunked.url, timeout=120) as client:
+        assert (
+            tokens_of(client.post("/v1/chat/completions", json=chat(image_parts(picture))).json()) == expected["image"]
+        )
+        turns = client.post("/v1/chat/completions", json={**chat(""), "messages": TURNS}).json()
+    assert tokens_of(turns) == expected["turns"]
+
+
+def test_the_image_caps_are_the_servers_settings(chunked: Server, picture: bytes) -> None:
+    with httpx.Client(base_url=chunked.url, timeout=60) as client:
+        four = client.post("/v1/chat/completions", json=chat(image_parts(*[picture] * 4)))
+        large = client.post("/v1/chat/completions", json=chat(image_parts(png(64, 64))))
+    assert four.status_code == 400 and "at most 3 a request (--max-images)" in four.json()["error"]["message"]
+    assert large.status_code == 400 and "at most 3,100 pixels" in large.json()["error"]["message"]
+    assert large.json()["error"]["param"] == "messages[0].content[0].image_url.url"

@@ -10,16 +10,20 @@ once, on the first chunk that needs them, and kept while later chunks of a long 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 
 from neuron import images
 from neuron.rank.shard import backbone
 from neuron.rpc import ImageRun
+
+log = structlog.get_logger("neuron.vision")
 
 # Images whose features rank 0 keeps: a long prompt's chunks may need one image's features in several steps.
 KEPT_FEATURES = 32
@@ -50,6 +54,7 @@ class Encoder:
         inputs = images.STORE.get(digest)
         if inputs is None:
             return None
+        started = time.perf_counter()
         ids = mx.array(inputs.ids)[None]
         kwargs: dict[str, Any] = {k: mx.array(v) for k, v in inputs.arrays.items()}
         pixels = kwargs.pop("pixel_values", None)
@@ -59,6 +64,8 @@ class Encoder:
         rows = mx.array([i for i, t in enumerate(inputs.ids) if t == inputs.token])
         features = embedded[rows]
         mx.eval(features)
+        ms = round((time.perf_counter() - started) * 1e3, 1)
+        log.info("image encoded", image=digest[:12], tokens=features.shape[0], ms=ms)
         self.features[digest] = features
         while len(self.features) > KEPT_FEATURES:
             self.features.popitem(last=False)
