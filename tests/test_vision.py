@@ -370,3 +370,11 @@ def test_the_image_caps_are_the_servers_settings(chunked: Server, picture: bytes
     assert four.status_code == 400 and "at most 3 a request (--max-images)" in four.json()["error"]["message"]
     assert large.status_code == 400 and "at most 3,100 pixels" in large.json()["error"]["message"]
     assert large.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+
+
+def test_prompt_logprobs_with_images_are_refused_not_computed_without_them(served: Server, picture: bytes) -> None:
+    if len(served.args) > 2:
+        pytest.skip("shown at TP=1")
+    body = {**chat(image_parts(picture), max_tokens=2), "prompt_logprobs": 1}
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs", reply.text

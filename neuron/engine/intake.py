@@ -43,6 +43,10 @@ class Intake:
                 "prompt",
                 "context_length_exceeded",
             )
+        if getattr(prompt, "images", ()) and params.prompt_logprobs is not None:
+            raise RequestError(
+                "prompt_logprobs are not computed for prompts with images; drop one or the other", "prompt_logprobs"
+            )
         if problems := params.problems(self.vocab_size):
             raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
         most = min(self.limits.max_n, self.limits.max_batch)
