@@ -79,7 +79,11 @@ class Vision:
         if not isinstance(token, int):
             raise ModelError("the model's config.json names no image_token_index or image_token_id")
         self.image_token = token
-        self.placeholder: str = getattr(processor, "image_token", None) or "<image>"
+        # What a chat template writes for an image, which the processor expands: Gemma 3's begin-of-image marker,
+        # else the image token itself (Mistral 3's [IMG]).
+        self.placeholder: str = (
+            getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or "<image>"
+        )
 
     @classmethod
     def load(cls, model_path: Path) -> Vision | None:
