@@ -38,7 +38,11 @@ class ChatReplies(Replies):
                 # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
                 piece["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             return {"delta": piece}
-        message = {"role": "assistant", "content": said.text or None if calls else said.text, "refusal": None}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": said.text or None if calls else said.text,
+            "refusal": None,
+        }
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         if calls:
