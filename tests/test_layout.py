@@ -188,6 +188,15 @@ def _family_paths(family: str) -> list[Path]:
 
 
 @pytest.mark.unit
+def test_every_folder_of_modules_is_a_package() -> None:
+    """setuptools' ``find`` packages only folders with an ``__init__.py``: one without it imports here (as a
+    namespace package) and is missing from the wheel, the .deb and the .rpm."""
+    folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    bare = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
+    assert not bare, f"folders of modules without __init__.py: {bare}"
+
+
+@pytest.mark.unit
 def test_every_server_module_is_a_family_common_or_the_skeleton() -> None:
     """A new module is placed on purpose: in a family, in common/, or beside app.py as the HTTP plumbing."""
     plumbing = {"__init__", "app", "http", "openapi", "guard", "connections", "keepalive"}
