@@ -26,8 +26,10 @@ from neuron.server.common.fields import (
     same,
     type_of,
 )
+from neuron.server.common.reasoning import Options
 from neuron.server.common.schema import Schema, below, or_null, ranged
 from neuron.server.common.schema import integer as integer_schema
+from neuron.server.common.tools import Tools
 
 CHAT_MAX_TOKENS = Range(1)
 # Refused unless they hold a value that asks for nothing (null, or a neutral value
@@ -84,8 +86,8 @@ class Generation:
     include_usage: bool = False
     logprobs: bool = False
     schema: dict[str, Any] | None = None  # what the output must match (response_format)
-    tools: Any = None  # common/tools.py's Tools, for a chat that may call them
-    reasoning: Any = None  # common/reasoning.py's Options, for a chat
+    tools: Tools | None = None  # for a chat that may call them
+    reasoning: Options | None = None  # for a chat
 
 
 def begin(
