@@ -24,7 +24,7 @@ from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.models import Embedding, card_pooling, embedding
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.server import embeddings
-from neuron.server.openai_api import ApiError
+from neuron.server.common.errors import ApiError
 
 # The decisions.
 

@@ -16,9 +16,9 @@ from conftest import Server, make_thinking_model
 from openai import OpenAI
 
 from neuron.sampling_params import SamplingParams
-from neuron.server import reasoning
-from neuron.server.openai_api import ApiError
-from neuron.server.reasoning import Channels, Options, ReasoningSplit, Thinking
+from neuron.server.common import reasoning
+from neuron.server.common.errors import ApiError
+from neuron.server.common.reasoning import Channels, Options, ReasoningSplit, Thinking
 
 THINK = Thinking("<think>", "</think>", (259,), (260,))
 START, END = "259", "260"  # the markers' token ids in the thinking model (conftest.make_thinking_model)

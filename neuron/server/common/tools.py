@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from neuron.server.openai_api import bad
+from neuron.server.common.errors import bad
 
 log = structlog.get_logger("neuron.server")
 
@@ -303,18 +303,22 @@ CALL = {
 }
 
 
+# A function tool as chat completions nest it (`tools[i].function`); the Responses API's tools are this, typed.
+FUNCTION: dict[str, Any] = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
+        "strict": {"type": ["boolean", "null"]},
+    },
+}
+
+
 def request_properties() -> dict[str, Any]:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
-    function = {
-        "type": "object",
-        "required": ["name"],
-        "properties": {
-            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
-            "description": {"type": ["string", "null"]},
-            "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
-            "strict": {"type": ["boolean", "null"]},
-        },
-    }
+    function = FUNCTION
     named = {
         "type": "object",
         "required": ["type", "function"],

@@ -25,7 +25,7 @@ from typing import Any
 
 from neuron.engine.sequence import RequestError
 from neuron.sampling_params import SamplingParams
-from neuron.server.openai_api import bad
+from neuron.server.common.errors import bad
 
 # The template variables neuron itself sets, and apply_chat_template's own arguments: a request may not set them
 # through ``chat_template_kwargs``.
