@@ -105,7 +105,7 @@ def connection_limit(wanted: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    model_path: Path
+    model_path: Path | None  # None: ``model`` names a model on the Hub, fetched once the port answers
     model_id: str
     layout: Layout = field(default_factory=lambda: Layout.local(1))
     model: str | None = None  # what --model said: hosts of their own resolve it there
@@ -251,6 +251,20 @@ async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notif
         engine.abort("the server is shutting down")
 
 
+async def _fetch(options: ServeOptions, state: ServerState) -> Path:
+    """Fetch the model named on the Hub while the port answers: ``/ready`` says how far the download got."""
+    from neuron.models import fetch, resolve
+    from neuron.progress import Download
+
+    state.download = Download(str(options.model))
+    state.status = f"fetching {options.model} from the Hugging Face Hub"
+    # Abandoned on a signal: the download holds no MLX, and huggingface_hub resumes a cut file on the next start.
+    local = await anyio.to_thread.run_sync(fetch, options.model, state.download, abandon_on_cancel=True)
+    state.status = "loading the model"
+    state.download = None
+    return resolve(str(local))  # a GGUF file is converted here, on this thread as before the port opened
+
+
 async def run_leader(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
@@ -308,8 +322,9 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         try:
             with lifetime:
                 try:
+                    model_path = options.model_path or await _fetch(options, state)
                     engine_context = Engine.open(
-                        options.model_path, options.layout, options.deadlines, options.limits, options.model
+                        model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine

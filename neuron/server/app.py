@@ -57,6 +57,7 @@ from neuron.server.tools import ToolStream
 
 if TYPE_CHECKING:
     from neuron.engine.engine import Engine
+    from neuron.progress import Download
 
 log = structlog.get_logger("neuron.server")
 
@@ -75,6 +76,8 @@ class ServerState:
     engine: Engine | None = None  # None while the model loads
     status: str = "loading the model"
     started: int = 0
+    # While a model named on the Hub is fetched: its progress, which /ready answers with (neuron.progress).
+    download: Download | None = None
 
 
 class OrjsonResponse(JSONResponse):
@@ -236,7 +239,11 @@ async def ready(request: Request) -> Response:
         return OrjsonResponse({"status": "ready", "model": state.model_id})
     else:
         reason = state.engine.health.reason
-    return error_response(openai_api.not_ready(f"not ready: {reason}"))
+    error = openai_api.not_ready(f"not ready: {reason}")
+    if state.engine is None and state.download is not None:
+        body = {**error.body(), "download": state.download.snapshot()}
+        return OrjsonResponse(body, status_code=error.status, headers=error.headers)
+    return error_response(error)
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
