@@ -4,8 +4,9 @@ No MLX here.
 
 Why the standard cache (``HF_HOME``, ``HF_HUB_CACHE``): a model mlx-lm, LM Studio or ``hf download`` already
 fetched is used where it lies, and nothing is stored twice. ``huggingface_hub`` does the fetching: it reads
-``HF_TOKEN``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` itself, downloads each file to ``blobs/*.incomplete`` and
-renames it whole (a cut download resumes where it stopped, and a half file is never taken for a whole one).
+``HF_TOKEN``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` itself. Every file is written beside its final name and
+renamed whole once complete, so a half file is never taken for a whole one; a cut download of the weights resumes
+where it stopped (``_resumable``).
 
 Why the repository is judged before its weights are fetched: listing its files and reading its ``config.json``
 costs two small requests, while a model neuron cannot serve (an architecture it lacks, weights in a format it does
@@ -235,16 +236,60 @@ def _fetch(name: HubName, download: Download) -> Path:
     bars = download.bars()
     if what.gguf is not None:
         download.start(1, files.get(what.gguf) or 0)
-        path = hf_hub_download(name.repo, what.gguf, revision=revision, tqdm_class=bars)
+        _resumable(name.repo, what.gguf, info.sha, bars)
+        path = hf_hub_download(name.repo, what.gguf, revision=revision)  # in place: records the revision's ref
         download.finish()
         return Path(path)
     config = Path(hf_hub_download(name.repo, "config.json", revision=info.sha))
     check_config(json.loads(config.read_text()), name.repo)
     wanted = _wanted(files)
     download.start(len(wanted), sum(files.get(f) or 0 for f in wanted if f != "config.json"))  # that one is here
+    for weights in sorted(f for f in wanted if _WEIGHTS.match(f)):
+        _resumable(name.repo, weights, info.sha, bars)
+    # The rest (small files), and the revision's ref and tree, as huggingface_hub records them.
     folder = snapshot_download(name.repo, revision=revision, allow_patterns=ALLOW_PATTERNS, tqdm_class=bars)
     download.finish()
     return Path(folder)
+
+
+def _resumable(repo: str, filename: str, commit: str, bars: type[Any]) -> None:
+    """Fetch one large file into the cache as ``hf_hub_download`` lays it out (``blobs/ETAG``, linked from
+    ``snapshots/COMMIT/FILE``), resuming what an earlier, cut attempt left in ``blobs/ETAG.incomplete``.
+
+    Why not ``hf_hub_download`` itself: since huggingface_hub 1.x it downloads to a file unique to each process
+    and deletes it on failure, so a killed start, a full disk or a dropped link begins the file again from its
+    first byte: gigabytes, for a model's weights. ``http_get`` resumes with a range request.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    storage = cache_root() / repo_folder_name(repo_id=repo, repo_type="model")
+    pointer = storage / "snapshots" / commit / filename
+    if pointer.exists():
+        return
+    meta = get_hf_file_metadata(hf_hub_url(repo, filename, revision=commit))
+    if meta.etag is None:
+        raise HubError(f"the Hub gave no ETag for {repo}/{filename}: check HF_ENDPOINT points at a Hub")
+    blob = storage / "blobs" / meta.etag
+    part = blob.with_name(f"{meta.etag}.incomplete")
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(cache_root() / ".locks" / storage.name / f"{meta.etag}.lock"):
+        if not blob.exists():
+            with part.open("ab") as f:
+                http_get(
+                    meta.location,
+                    f,
+                    resume_size=f.tell(),
+                    headers=build_hf_headers(),
+                    expected_size=meta.size,
+                    displayed_filename=filename,
+                    tqdm_class=bars,
+                )
+            os.replace(part, blob)
+        pointer.parent.mkdir(parents=True, exist_ok=True)
+        if not pointer.exists():
+            os.symlink(os.path.relpath(blob, pointer.parent), pointer)
 
 
 def _wanted(files: dict[str, int | None]) -> list[str]:

@@ -52,6 +52,7 @@ class LocalHub:
         self.contents: dict[str, bytes] = {}  # content URLs' bytes, by sha256
         self.names: dict[str, str] = {}  # content URLs' file names (ORG/NAME/FILE), by sha256
         self.rate = rate  # bytes per second for LFS bodies; None: as fast as the socket takes them
+        self.tokens: set[str] = set()  # the tokens the Hub knows; any other is refused on every route, as the Hub does
         self._lock = threading.Lock()
         hub = self
 
@@ -216,7 +217,9 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         path = unquote(url.path)
         try:
-            if match := _REPO_API.match(path):
+            if (token := self._auth()) is not None and token not in self.owner.tokens:
+                self._error(401, None, "Invalid credentials in Authorization header", head=head)
+            elif match := _REPO_API.match(path):
                 self._api(match, parse_qs(url.query), head=head)
             elif match := _RESOLVE.match(path):
                 self._resolve(match.group(1), match.group(2), match.group(3), head=head)
