@@ -396,3 +396,30 @@ def _network_error(error: BaseException) -> bool:
     import httpx2
 
     return isinstance(error, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+# Across hosts: each host fetches its ranks' files from the Hub itself, or receives its share from the leader
+# (``--push-model``, neuron/launch/push.py). Which one is the operator's choice; the default works on a cluster
+# where only the leader reaches the Hub.
+
+
+def pinned(model: str | None, path: str | Path) -> str | None:
+    """``model`` pinned to the commit the leader resolved (its snapshot folder's name), so that every host
+    fetches that very revision even when its branch moves meanwhile; any other ``model`` as it is."""
+    name = parse(model)
+    folder = Path(path)
+    if name is None or folder.parent.name != "snapshots" or not re.fullmatch(r"[0-9a-f]{40}", folder.name):
+        return model
+    return str(HubName(name.repo, folder.name, name.quant))
+
+
+def leader_may_push(model: str | None, push: bool) -> bool:
+    """Whether the leader sends a host that cannot get the model its share: always for a model named on the
+    Hub (a host that cannot reach the Hub still serves), else only with ``--push-model``."""
+    return push or parse(model) is not None
+
+
+def host_env(model: str | None, push: bool) -> dict[str, str]:
+    """The environment a worker on another host gets: with ``--push-model``, a model named on the Hub comes
+    from the host's cache or the leader, never from the Hub (``HF_HUB_OFFLINE=1``: it does not try)."""
+    return {"HF_HUB_OFFLINE": "1"} if push and parse(model) is not None else {}

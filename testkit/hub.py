@@ -41,6 +41,7 @@ class Request:
     range: str | None
     status: int
     authorization: str | None
+    client: str  # the address the request came from
 
 
 class LocalHub:
@@ -179,7 +180,14 @@ class _Handler(BaseHTTPRequestHandler):
         self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, head: bool = False
     ) -> None:
         self.owner.record(
-            Request(self.command, unquote(urlsplit(self.path).path), self.headers.get("Range"), status, self._auth())
+            Request(
+                self.command,
+                unquote(urlsplit(self.path).path),
+                self.headers.get("Range"),
+                status,
+                self._auth(),
+                self.client_address[0],
+            )
         )
         self.send_response(status)
         for name, value in (headers or {}).items():
