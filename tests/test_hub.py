@@ -26,6 +26,7 @@ from testkit import Server, make_tiny_model, neuron_command, run_neuron, wait_un
 from testkit.hub import LocalHub
 
 PROMPT = "The hub"
+CHUNK = 10 * 1024 * 1024  # what huggingface_hub reads and writes at a time
 TOKEN = "hf_granted"
 OTHER_TOKEN = "hf_not_granted"
 
@@ -33,8 +34,9 @@ OTHER_TOKEN = "hf_not_granted"
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hub-models")
-    first = make_tiny_model(root / "first", "qwen3", seed=1)
-    second = make_tiny_model(root / "second", "qwen3", seed=2)
+    # Weights past huggingface_hub's 10 MiB read size, so that a download reports progress and can be cut midway.
+    first = make_tiny_model(root / "first", "qwen3", seed=1, hidden=512)
+    second = make_tiny_model(root / "second", "qwen3", seed=2, hidden=512)
     return {"first": first, "second": second}
 
 
@@ -123,7 +125,7 @@ def test_revisions_pinned_by_tag_and_by_commit(local_hub: LocalHub, folders: dic
 def test_serve_by_name_shows_progress_on_ready_and_counts_bytes(
     local_hub: LocalHub, folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    local_hub.rate = 3_000_000  # bytes a second: the weights take a few seconds
+    local_hub.rate = 6_000_000  # bytes a second: the weights take a few seconds
     env = hub_env(local_hub, tmp_path / "hf")
     server = None
     try:
@@ -145,7 +147,7 @@ def test_serve_by_name_shows_progress_on_ready_and_counts_bytes(
 
         wait_until(downloading, 60, "/ready to show the download's progress")
         progress = seen[0]["download"]
-        assert progress["model"] == "org/tiny@v1" and 0 < progress["bytes_done"] <= progress["bytes_total"]
+        assert progress["model"] == "org/tiny@v1" and CHUNK <= progress["bytes_done"] < progress["bytes_total"]
         assert "fetching org/tiny@v1" in seen[0]["error"]["message"]
         server.start()
         local_hub.rate = None
@@ -166,7 +168,7 @@ def test_serve_by_name_shows_progress_on_ready_and_counts_bytes(
 
 
 def test_a_download_killed_midway_resumes(local_hub: LocalHub, tmp_path: Path) -> None:
-    local_hub.rate = 2_000_000
+    local_hub.rate = 4_000_000
     env = {**os.environ, **hub_env(local_hub, tmp_path / "hf")}
     blobs = tmp_path / "hf" / "hub" / "models--org--tiny" / "blobs"
     pull = subprocess.Popen(neuron_command("pull", "org/tiny"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -175,7 +177,7 @@ def test_a_download_killed_midway_resumes(local_hub: LocalHub, tmp_path: Path) -
         def part_arrived() -> bool:
             assert pull.poll() is None, pull.communicate()
             parts = list(blobs.glob("*.incomplete")) if blobs.is_dir() else []
-            return any(p.stat().st_size > 1_000_000 for p in parts)
+            return any(p.stat().st_size >= CHUNK for p in parts)
 
         wait_until(part_arrived, 60, "a part of the weights to arrive")
     finally:
@@ -184,14 +186,14 @@ def test_a_download_killed_midway_resumes(local_hub: LocalHub, tmp_path: Path) -
         local_hub.rate = None
     # No half file under a final name: the weights are only an .incomplete blob.
     assert not list((tmp_path / "hf" / "hub" / "models--org--tiny").rglob("model.safetensors"))
-    assert [p.name.endswith(".incomplete") for p in blobs.iterdir() if p.stat().st_size > 1_000_000] == [True]
+    assert [p.name.endswith(".incomplete") for p in blobs.iterdir() if p.stat().st_size >= CHUNK] == [True]
     offline = generate("org/tiny", hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"))
     one_line_error(offline, "is not in the Hugging Face cache")
     local_hub.requests.clear()
     again = run_neuron("pull", "org/tiny", env=hub_env(local_hub, tmp_path / "hf"))
     assert again.returncode == 0, again.stderr
     ranges = local_hub.ranges("org/tiny", "model.safetensors")
-    assert len(ranges) == 1 and ranges[0] is not None and int(ranges[0].split("=")[1].split("-")[0]) > 1_000_000
+    assert len(ranges) == 1 and ranges[0] is not None and int(ranges[0].split("=")[1].split("-")[0]) >= CHUNK
     assert (Path(again.stdout.strip()) / "model.safetensors").is_file()
 
 
@@ -271,7 +273,7 @@ def test_pull_models_and_rm(local_hub: LocalHub, tmp_path: Path) -> None:
 
 
 def test_progress_bar_on_a_terminal_and_log_lines_when_piped(local_hub: LocalHub, tmp_path: Path) -> None:
-    local_hub.rate = 4_000_000
+    local_hub.rate = 8_000_000
     try:
         piped = run_neuron("pull", "org/tiny", env=hub_env(local_hub, tmp_path / "piped"))
         assert piped.returncode == 0, piped.stderr
@@ -347,3 +349,34 @@ def test_how_a_cached_model_is_served() -> None:
     assert how_served(gemma, "o/n", True) == "yes: --tp 1,2,4; --pp 2..6"
     assert how_served({**config, "quantization_config": {"quant_method": "gptq"}}, "o/n", True).startswith("no: ")
     assert how_served(config, "o/n", False).startswith("no: no model*.safetensors")
+
+
+def test_a_signal_during_the_download_stops_the_server_and_the_next_start_resumes(
+    local_hub: LocalHub, tmp_path: Path
+) -> None:
+    local_hub.rate = 4_000_000
+    env = hub_env(local_hub, tmp_path / "hf")
+    server = Server("--model", "org/tiny", log_path=tmp_path / "serve.log", env=env)
+    try:
+        port = server.wait_log("listening")["port"]
+
+        def midway() -> bool:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).json()
+            except httpx.TransportError:
+                return False
+            return body.get("download", {}).get("bytes_done", 0) >= CHUNK
+
+        wait_until(midway, 60, "the weights to be half fetched")
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0, server.stderr()[-3000:]
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop()
+        local_hub.rate = None
+    local_hub.requests.clear()
+    again = run_neuron("pull", "org/tiny", env=env)
+    assert again.returncode == 0, again.stderr
+    (resumed,) = local_hub.ranges("org/tiny", "model.safetensors")
+    assert resumed is not None and int(resumed.split("=")[1].split("-")[0]) >= CHUNK
