@@ -130,7 +130,8 @@ def test_serve_by_name_shows_progress_on_ready_and_counts_bytes(
     server = None
     try:
         log = tmp_path / "serve.log"
-        server = Server("--model", "org/tiny@v1", log_path=log, env=env)
+        # Named in the environment, as a unit file would (the TOML file and --model take it alike).
+        server = Server(log_path=log, env={**env, "NEURON_MODEL": "org/tiny@v1"})
         port = server.wait_log("listening")["port"]
         seen: list[dict] = []
 
