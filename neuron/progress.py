@@ -22,6 +22,13 @@ log = structlog.get_logger("neuron.hub")
 LOG_EVERY_S = 2.0
 
 
+def _bars_drawn() -> bool:
+    """Whether the Hub's bars show: on a terminal, unless ``HF_HUB_DISABLE_PROGRESS_BARS`` turned them off."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    return sys.stderr.isatty() and not are_progress_bars_disabled()
+
+
 class Download:
     """What one fetch has done so far; safe to read from another thread (the HTTP server's)."""
 
@@ -54,7 +61,7 @@ class Download:
                 self._logged = time.monotonic()
         if n > 0 and fetched:
             metrics.HUB_BYTES.inc(n)
-        if due and not sys.stderr.isatty():  # a terminal has the bars
+        if due and not _bars_drawn():
             log.info("fetching", **self.snapshot())
 
     def file_done(self) -> None:

@@ -100,6 +100,10 @@ def test_generate_by_name_fetches_only_what_neuron_reads_and_equals_the_folder(
     offline = generate("org/tiny", hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"))
     assert offline.returncode == 0, offline.stderr
     assert offline.stdout == by_name.stdout
+    # Not told to stay offline, the Hub out of reach: the cache serves it all the same.
+    unreachable = generate("org/tiny", hub_env(None, tmp_path / "hf"))
+    assert unreachable.returncode == 0, unreachable.stderr
+    assert unreachable.stdout == by_name.stdout
     # Not cached, offline: refused at once, saying what to do.
     started = time.monotonic()
     missing = generate("org/gated", hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"))
@@ -340,6 +344,15 @@ def test_gguf_files_picked_as_llama_cpp_does() -> None:
         hub.pick_gguf(hub.HubName("org/a", quant="Q6_K"), files)
     with pytest.raises(hub.HubError, match="GGUF files only"):
         hub.plan(hub.HubName("org/a"), dict.fromkeys(files, 1), "c")
+
+
+@pytest.mark.unit
+def test_a_name_lies_in_the_hugging_face_cache_for_model_dirs() -> None:
+    from neuron.models import outside
+
+    assert outside("org/name", str(hub.cache_root().parent)) is None
+    problem = outside("org/name", "/srv/models")
+    assert problem is not None and "Hugging Face cache" in problem and "HF_HUB_CACHE" in problem
 
 
 @pytest.mark.unit
