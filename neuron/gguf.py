@@ -140,9 +140,12 @@ _SPLIT_REGEX = {
 def _tokenizer_json(meta: dict[str, Any]) -> str:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return _sentencepiece_json(meta)
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise GGUFError(
-            f"only byte-level BPE (gpt2) tokenizers are supported, not {meta.get('tokenizer.ggml.model')!r}"
+            "only byte-level BPE (gpt2) and SentencePiece BPE (llama) tokenizers are supported, not "
+            f"{meta.get('tokenizer.ggml.model')!r}"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes alone
@@ -163,6 +166,57 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
     # Token types 3 (control) and 4 (user-defined) are special: matched whole, never split.
     tokenizer.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (3, 4)]
+    )
+    return tokenizer.to_str()
+
+
+def _sentencepiece_json(meta: dict[str, Any]) -> str:
+    """A SentencePiece BPE vocabulary (llama.cpp's ``llama`` tokenizer: Llama 2's, Mistral's, Gemma's) as the
+    tokenizers library runs it, built the way transformers converts a SentencePiece model: merges from the
+    pieces (every split of a piece into two pieces, ranked by the whole piece's score), bytes for what no piece
+    covers, "▁" for spaces and one before the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    scores = meta["tokenizer.ggml.scores"].tolist()
+    kinds = meta["tokenizer.ggml.token_type"].tolist()
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score, kind in zip(tokens, scores, kinds, strict=True):
+        if kind != 1:  # normal pieces only: control, unknown and byte tokens are never merged into
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unknown = int(_scalar(meta, "tokenizer.ggml.unknown_token_id")) if "tokenizer.ggml.unknown_token_id" in meta else 0
+    model = models.BPE(
+        vocab=vocab,
+        merges=[(left, right) for *_, left, right in ranked],
+        unk_token=tokens[unknown],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    # As Llama 2's own tokenizer.json: "▁" before the text, always (SentencePiece's dummy prefix, which Gemma's
+    # vocabulary goes without: llama.cpp records add_space_prefix), and for spaces.
+    prefix = not ("tokenizer.ggml.add_space_prefix" in meta and not _scalar(meta, "tokenizer.ggml.add_space_prefix"))
+    spaces = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", int(prefix), 0)]
+    )
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token")) if "tokenizer.ggml.add_bos_token" in meta else True
+    if add_bos and "tokenizer.ggml.bos_token_id" in meta:  # SentencePiece models start every text with BOS
+        bos_id = int(_scalar(meta, "tokenizer.ggml.bos_token_id"))
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    # Control (3) and user-defined (4) tokens are special, as for byte-level vocabularies; so is the unknown one.
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (2, 3, 4)]
     )
     return tokenizer.to_str()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,9 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default") -> Path:
-    """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3)."""
+def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default", sentencepiece: Path | None = None) -> Path:
+    """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3); its tokenizer,
+    or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -57,15 +59,18 @@ def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default") -> Path
     writer.add_value_length(config["head_dim"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    specials = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    if sentencepiece is not None:
+        _sentencepiece_tokens(writer, sentencepiece)
+    else:
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        specials = {t["content"] for t in tokenizer["added_tokens"] if t["special"]}
+        tokens = sorted(vocab, key=vocab.__getitem__)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t in specials else 1 for t in tokens])
+        writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
     writer.add_eos_token_id(config["eos_token_id"])
     writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
     for name, tensor in sorted(load_file(str(folder / "model.safetensors")).items()):
@@ -80,3 +85,51 @@ def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default") -> Path
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _sentencepiece_tokens(writer: Any, model: Path) -> None:
+    """A SentencePiece model's vocabulary as llama.cpp's converter writes it: token types 1 normal, 2 unknown,
+    3 control, 6 byte; BOS added to every text."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    pieces = range(sp.get_piece_size())
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in pieces]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in pieces])
+    writer.add_token_scores([sp.get_score(i) for i in pieces])
+    writer.add_token_types(kinds)
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_add_bos_token(True)
+
+
+def train_sentencepiece(folder: Path, vocab: int = 330) -> Path:
+    """A tiny SentencePiece BPE model with byte fallback, as Llama 2's and Mistral's are made."""
+    import sentencepiece
+
+    lines = [
+        "The quick brown fox jumps over the lazy dog.",
+        "The hub serves models by name, from the cache every tool shares.",
+        "Tensor parallel inference splits heads over ranks; pipeline stages split layers.",
+        "12345 67890 hello world",
+    ] * 50
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "corpus.txt").write_text("\n".join(lines))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"),
+        model_prefix=str(folder / "spm"),
+        vocab_size=vocab,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        # As Llama 2's and Mistral's: no normalization, spaces kept as written (llama.cpp tokenizes so too).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    return folder / "spm.model"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from testkit import Server, make_tiny_model, run_neuron
-from testkit.gguf_files import write_gguf
+from testkit.gguf_files import train_sentencepiece, write_gguf
 from testkit.hub import LocalHub
 
 PROMPT = "The hub"
@@ -36,6 +36,39 @@ def test_a_gguf_file_gives_the_text_of_its_safetensors(tmp_path: Path, model_typ
     from_folder = generate(folder, tmp_path / "cache")
     assert from_folder.strip()
     assert generate(gguf, tmp_path / "cache") == from_folder
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(tmp_path: Path) -> None:
+    import mlx.core as mx
+    import sentencepiece
+    from tokenizers import Tokenizer
+
+    from neuron.gguf import _sentencepiece_json
+
+    model = train_sentencepiece(tmp_path / "spm")
+    folder = make_tiny_model(tmp_path / "tiny-mistral", "mistral", vocab=330)
+    gguf = write_gguf(folder, tmp_path / "tiny-mistral.gguf", "llama", sentencepiece=model)
+    _, meta = mx.load(str(gguf), return_metadata=True)  # type: ignore[misc]
+    tokenizer = Tokenizer.from_str(_sentencepiece_json(meta))
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    for text in ["The hub serves héllo 42", "  two  spaces", "tab\tand\nnewline", "ünïcödé 🙂 x", "12345 67890"]:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("hi").ids[0] == reference.bos_id()  # BOS first, as llama.cpp adds it
+
+
+def test_a_mistral_gguf_with_a_sentencepiece_tokenizer_gives_the_text_of_its_safetensors(tmp_path: Path) -> None:
+    model = train_sentencepiece(tmp_path / "spm")
+    folder = make_tiny_model(tmp_path / "tiny-mistral", "mistral", seed=9, vocab=330)
+    gguf = write_gguf(folder, tmp_path / "tiny-mistral-F32.gguf", "llama", sentencepiece=model)
+    from_gguf = generate(gguf, tmp_path / "cache")
+    # The same weights in safetensors, read with the tokenizer the conversion built (checked against
+    # SentencePiece itself above).
+    (converted,) = (tmp_path / "cache" / "models").iterdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, folder / name)
+    assert from_gguf.strip() and generate(folder, tmp_path / "cache") == from_gguf
 
 
 def test_a_gguf_named_on_the_hub_is_served_as_its_safetensors(tmp_path: Path) -> None:
