@@ -40,7 +40,7 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default", sentencepiece: Path | None = None) -> Path:
-    """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3); its tokenizer,
+    """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3, gemma); its tokenizer,
     or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types)."""
     import gguf
     from safetensors.numpy import load_file
@@ -79,6 +79,8 @@ def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default", sentenc
             tensor = _permute(tensor, heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             tensor = _permute(tensor, kv_heads)
+        elif arch == "gemma" and name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # llama.cpp stores Gemma's norms as the scale they apply, 1 + w
         writer.add_tensor(_gguf_name(name), tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -28,7 +28,12 @@ def generate(model: str | Path, cache: Path, **env: str) -> str:
 
 @pytest.mark.parametrize(
     ("model_type", "arch", "pre"),
-    [("qwen3", "qwen3", "qwen2"), ("qwen2", "qwen2", "qwen2"), ("mistral", "llama", "default")],
+    [
+        ("qwen3", "qwen3", "qwen2"),
+        ("qwen2", "qwen2", "qwen2"),
+        ("mistral", "llama", "default"),
+        ("gemma", "gemma", "default"),
+    ],
 )
 def test_a_gguf_file_gives_the_text_of_its_safetensors(tmp_path: Path, model_type: str, arch: str, pre: str) -> None:
     folder = make_tiny_model(tmp_path / f"tiny-{model_type}", model_type, seed=7)
