@@ -117,7 +117,8 @@ def plan(name: HubName, files: dict[str, int | None], commit: str) -> Plan:
     """Refuse a repository neuron cannot read, by its file list alone; else what to fetch of it."""
     ggufs = sorted(f for f in files if f.endswith(".gguf") and "mmproj" not in f.lower())
     if name.quant is not None:
-        return Plan(commit, pick_gguf(name, ggufs), files.get(pick_gguf(name, ggufs)) or 0)
+        gguf = pick_gguf(name, ggufs)
+        return Plan(commit, gguf, files.get(gguf) or 0)
     weights = [f for f in files if _WEIGHTS.match(f)]
     if weights:
         return Plan(commit, None, sum(files[f] or 0 for f in weights))
