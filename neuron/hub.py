@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuron import architectures
-from neuron.progress import Download
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
+
+    from neuron.progress import Download
 
 # The files neuron reads of a model: config, tokenizer and template files, the safetensors its ranks load (and
 # their index), and a sentence-transformers card's pooling. Never *.bin, *.pth, consolidated.* or other formats.
@@ -198,6 +199,8 @@ def fetch(name: HubName, download: Download | None = None) -> Path:
     """The local path of ``name``: its snapshot folder, or its GGUF file; fetched (or completed) when the Hub is
     reachable, taken from the cache alone under ``HF_HUB_OFFLINE=1``."""
     import httpx2
+
+    from neuron.progress import Download  # here: the worker and the CLI import this module, rarely fetch
 
     download = download or Download(str(name))
     try:
