@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from neuron import __version__, config
+from neuron import __version__, catalog, config
 
 if TYPE_CHECKING:
     from neuron.leader import Restart
@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, help="make sampling reproducible")
+    catalog.add_commands(commands)  # pull, models, models rm: the Hugging Face cache (neuron/catalog.py)
     return parser
 
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.command in catalog.COMMANDS:
+        return catalog.run(args)
     problems = config.resolve(
         args,
         config.SERVE_SETTINGS if args.command == "serve" else config.MODEL_SETTINGS,
@@ -236,6 +239,7 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
     from neuron.engine.scheduler import Scheduling
+    from neuron.hub import parse
     from neuron.leader import HttpLimits, ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
@@ -243,7 +247,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 
     return await run_leader(
         ServeOptions(
-            model_path=resolve(args.model),
+            model_path=None if parse(args.model) else resolve(args.model),  # a Hub name is fetched once serving
             model=args.model,
             model_id=model_id(args.model),
             layout=_layout(args),

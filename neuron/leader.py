@@ -49,13 +49,16 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import structlog
 import uvicorn
 
@@ -72,6 +75,7 @@ from neuron.server.guard import Allowed
 log = structlog.get_logger("neuron.server")
 
 STATUS_EVERY_S = 1.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +109,7 @@ def connection_limit(wanted: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    model_path: Path
+    model_path: Path | None  # None: ``model`` names a model on the Hub, fetched once the port answers
     model_id: str
     layout: Layout = field(default_factory=lambda: Layout.local(1))
     model: str | None = None  # what --model said: hosts of their own resolve it there
@@ -251,6 +255,43 @@ async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notif
         engine.abort("the server is shutting down")
 
 
+async def _in_daemon_thread(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` on a daemon thread of its own, awaited. Why not ``to_thread``: a signal abandons a
+    download, which holds no MLX and resumes on the next start, and the process must exit at once rather than
+    wait, as the interpreter does for any other thread, for the file to finish."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(function(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            failure.append(e)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=run, name="neuron-fetch", daemon=True).start()
+    await done.wait()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+async def _fetch(options: ServeOptions, state: ServerState) -> Path:
+    """Fetch the model named on the Hub while the port answers: ``/ready`` says how far the download got."""
+    from neuron.models import fetch, resolve
+    from neuron.progress import Download
+
+    state.download = Download(str(options.model))
+    state.status = f"fetching {options.model} from the Hugging Face Hub"
+    local = await _in_daemon_thread(fetch, options.model, state.download)
+    state.status = "loading the model"
+    state.download = None
+    return resolve(str(local))  # a GGUF file is converted here, on this thread as before the port opened
+
+
 async def run_leader(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
@@ -308,8 +349,9 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         try:
             with lifetime:
                 try:
+                    model_path = options.model_path or await _fetch(options, state)
                     engine_context = Engine.open(
-                        options.model_path, options.layout, options.deadlines, options.limits, options.model
+                        model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine

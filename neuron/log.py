@@ -213,24 +213,22 @@ class JournalLogger:
 
 @contextmanager
 def progress(label: str, total: int) -> Iterator[Callable[[], None]]:
-    """Count work done: a live line on a terminal, one log line with the duration either way."""
+    """Count work done: tqdm's bar on a terminal (rate, time left), one log line with the duration either way."""
+    from huggingface_hub.utils import tqdm  # tqdm itself, typed; huggingface_hub brings it
+
     started = time.perf_counter()
     done = 0
-    live = sys.stderr.isatty()
-    if live:
-        sys.stderr.write(f"{label}: 0/{total}")
-        sys.stderr.flush()
+    bar = tqdm(total=total, desc=label, disable=not sys.stderr.isatty(), file=sys.stderr)
 
     def advance() -> None:
         nonlocal done
         done += 1
-        if live:
-            sys.stderr.write(f"\r{label}: {done}/{total}")
-            sys.stderr.flush()
+        bar.update(1)
 
-    yield advance
-    if live:
-        sys.stderr.write("\n")
+    try:
+        yield advance
+    finally:
+        bar.close()
     structlog.get_logger("neuron").info(label, items=done, ms=ms_since(started))
 
 

@@ -30,7 +30,7 @@ import anyio
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import architectures, cpu, metrics, rpc
+from neuron import architectures, cpu, hub, metrics, rpc
 from neuron.launch.checks import (
     Unreachable,
     check_gpus,
@@ -107,7 +107,7 @@ class Pool:
         self.world_size = world_size = self.launcher.world_size
         self.backend = self.layout.backend
         self.model_path = str(Path(model_path).resolve())
-        self.model = model  # what --model said: a host of its own resolves it there
+        self.model = hub.pinned(model, self.model_path)  # what --model said: a host of its own resolves it there
         self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
         self.deadlines = deadlines or Deadlines()
         self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
@@ -170,6 +170,8 @@ class Pool:
         leader_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for rank in range(1, self.world_size):
             env = spawn_env(self.backend, rank, self.launcher.hosts, leader_visible)
+            if not self.launcher.hosts[rank].local:
+                env.update(hub.host_env(self.model, self.layout.push))
             spawned = await self.launcher.spawn(rank, env)
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
@@ -257,7 +259,7 @@ class Pool:
         ``push``; empty elsewhere."""
         return [
             share_key(digest, rank, self.world_size, layers[rank])
-            if self.layout.push and not self.launcher.hosts[rank].local
+            if hub.leader_may_push(self.model, self.layout.push) and not self.launcher.hosts[rank].local
             else ""
             for rank in range(self.world_size)
         ]

@@ -32,7 +32,12 @@ async def ready(call: Call) -> Response:
     reason = not_ready_because(call.state)
     if reason is not None:
         # Answered, not raised: a poll while loading is no refused request to log.
-        return error_response(not_ready(f"not ready: {reason}"))
+        error = not_ready(f"not ready: {reason}")
+        download = call.state.download
+        if call.state.engine is None and download is not None:
+            body = {**error.body(), "download": download.snapshot()}
+            return OrjsonResponse(body, status_code=error.status, headers=error.headers)
+        return error_response(error)
     return OrjsonResponse({"status": "ready", "model": call.model_id})
 
 
