@@ -25,6 +25,8 @@ def _cell(text: str) -> str:
 
 def _first_line(obj: Any) -> str:
     doc = inspect.getdoc(obj) or ""
+    if doc.startswith(f"{getattr(obj, '__name__', '')}("):  # a dataclass's generated signature says nothing more
+        return ""
     return doc.split("\n\n")[0].replace("\n", " ")
 
 
