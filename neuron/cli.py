@@ -43,7 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     config.add_arguments(serve, "serve")
 
-    gen = commands.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen = commands.add_parser(
+        "generate", help="answer one prompt: the text on stdout, progress and a summary on stderr"
+    )
     gen.add_argument("prompt", metavar="PROMPT")
     config.add_arguments(gen, "generate")
     return parser
@@ -236,29 +238,6 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    from neuron.engine.engine import Engine
-    from neuron.engine.sequence import Chunk, Failure
-    from neuron.models import resolve
-    from neuron.pool import Deadlines
-    from neuron.settings import Scheduling
+    from neuron.generate import generate
 
-    path = resolve(args.model)
-    deadlines = Deadlines(step=args.step_timeout)
-    # One prompt per process: nothing to share in a prefix cache.
-    limits = Scheduling(prefix_cache_bytes=0)  # the other scheduling settings are serve's, at their defaults
-    async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
-        if args.chat:
-            prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
-        else:
-            prompt = engine.text.encode(args.prompt)
-        seq = engine.submit(prompt, args.sampling)
-        try:
-            async for event in seq.events:
-                if isinstance(event, Failure):
-                    raise RuntimeError(event.message)
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-                if not isinstance(event, Chunk):
-                    sys.stdout.write("\n")
-        finally:
-            engine.cancel(seq)
+    await generate(args, _layout(args))
