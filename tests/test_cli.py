@@ -106,19 +106,14 @@ def test_text_streams_while_generating(smollm2: Path) -> None:
     assert proc.returncode == 0
 
 
+def _one_token_logged(smollm2: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One token, with the startup's info lines (the BLAS in use) that generate leaves out by default."""
+    return run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi", env=env)
+
+
 @pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="the hint is for the Linux CPU backend")
 def test_without_openblas_a_hint_says_how_to_get_it(smollm2: Path) -> None:
-    done = run_neuron(
-        "generate",
-        "--model",
-        str(smollm2),
-        "--max-tokens",
-        "1",
-        "--log-level",
-        "info",
-        "Hi",
-        env={cpu.BLAS_ENV: "reference"},
-    )
+    done = _one_token_logged(smollm2, {cpu.BLAS_ENV: "reference"})
     assert done.returncode == 0, done.stderr
     assert '"blas": "reference BLAS bundled with mlx"' in done.stderr
     assert "apt-get install libopenblas0-pthread" in done.stderr
@@ -128,7 +123,7 @@ def test_startup_log_names_the_blas(smollm2: Path) -> None:
     """The README's commands start with scripts/fast-blas: where it could install OpenBLAS and a compiler (root and
     apt-get, as in CI's clean clone), the server must be on both; elsewhere on the best installed library, or print
     the hint."""
-    done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi")
+    done = _one_token_logged(smollm2)
     assert done.returncode == 0, done.stderr
     if not cpu.is_linux_cpu_backend():
         return
@@ -153,17 +148,7 @@ def test_neuron_blas_picks_the_library_or_says_what_is_wrong(smollm2: Path, tmp_
         done = run_neuron("generate", "--model", str(smollm2), "Hi", env={cpu.BLAS_ENV: value})
         assert done.returncode == 2 and message in done.stderr, done.stderr
     for library in cpu.LIBRARIES:
-        done = run_neuron(
-            "generate",
-            "--model",
-            str(smollm2),
-            "--max-tokens",
-            "1",
-            "--log-level",
-            "info",
-            "Hi",
-            env={cpu.BLAS_ENV: library.name.lower()},
-        )
+        done = _one_token_logged(smollm2, {cpu.BLAS_ENV: library.name.lower()})
         if cpu.installed(library) is None:
             assert done.returncode == 2 and f"{library.name} is not installed" in done.stderr, done.stderr
         else:
