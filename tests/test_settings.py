@@ -10,11 +10,14 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
+from neuron import config
+from neuron.cli import _parser
 from neuron.settings import SETTINGS
 
 # A class that holds a setting under a name of its own: (class, field) -> the setting.
@@ -131,3 +134,22 @@ def test_a_default_changed_in_its_declaration_changes_everything_that_shows_it(t
     assert seen["unset"] == [[], 13] and seen["env"] == [[], 5] and seen["file"] == [[], 6]
     assert "| 13 |" in seen["row"] and "| 8 |" not in seen["row"]
     assert seen["engine"] == 13
+
+
+@pytest.mark.unit
+def test_the_packaged_config_sets_only_what_differs_from_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """packaging/neuron.toml is read as any config is, and states no default: not as a value, nor in a comment."""
+    packaged = ROOT / "packaging" / "neuron.toml"
+    for s in SETTINGS.values():
+        monkeypatch.delenv(s.env, raising=False)
+    args = _parser().parse_args(["serve", "--config", str(packaged)])
+    assert config.resolve(args, "serve") == []
+    values = tomllib.loads(packaged.read_text())
+    commented = {
+        name: tomllib.loads(line.lstrip("# "))[name]
+        for line in packaged.read_text().splitlines()
+        if (found := re.match(r"#\s*(\w+) = ", line)) and (name := found[1]) in SETTINGS
+    }
+    for source in (values, commented):
+        repeated = [name for name, value in source.items() if value == SETTINGS[name].default]
+        assert repeated == [], f"{packaged} repeats the defaults of {repeated}"
