@@ -46,6 +46,8 @@ MLX_FREE = [
     "neuron.launch.push",
     "neuron.gguf",
     "neuron.config",
+    "neuron.settings",
+    "neuron.reference",
     "neuron.cpu",
     "neuron.device",
     "neuron.sampling_params",
