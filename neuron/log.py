@@ -43,7 +43,7 @@ def configured() -> tuple[str, str]:
     return _configured
 
 
-def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
+def configure(level: str, fmt: str, **bound: object) -> str:
     """Set up this process's logging; returns the format in use (``auto`` resolved).
 
     ``fmt`` is ``json``, ``console``, ``journal``, or ``auto``: the journal when

@@ -20,8 +20,12 @@ from neuron import config
 from neuron.cli import _parser
 from neuron.settings import SETTINGS
 
-# A class that holds a setting under a name of its own: (class, field) -> the setting.
-ALIASES = {("Deadlines", "step"): "step_timeout"}
+# A class or function that holds a setting under a name of its own: (class or function, field or argument) -> it.
+ALIASES = {
+    ("Deadlines", "step"): "step_timeout",
+    ("configure", "level"): "log_level",
+    ("configure", "fmt"): "log_format",
+}
 # The declarations themselves, and the API's sampling defaults that generate's sampling settings read.
 DECLARING = {ROOT / "neuron" / "settings.py", ROOT / "neuron" / "sampling_params.py"}
 # Being restructured by another change as this one lands: its class defaults (overridden by ``bounded`` on every
@@ -46,9 +50,14 @@ def _second_literals(path: Path, root: Path = ROOT) -> list[str]:
             positional = args.posonlyargs + args.args
             pairs = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True))
             pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
-            bound += [(a.arg, d, node.lineno) for a, d in pairs]
+            bound += [(ALIASES.get((node.name, a.arg), a.arg), d, node.lineno) for a, d in pairs]
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             bound.append((node.targets[0].id.lower(), node.value, node.lineno))
+        elif isinstance(node, ast.Call) and len(node.args) == 2 and isinstance(node.args[0], ast.Constant):
+            # os.environ.get("NEURON_PORT", 8000): the variable's default
+            named = {s.env: s.name for s in SETTINGS.values()}.get(node.args[0].value)  # type: ignore[arg-type]
+            if named is not None:
+                bound.append((named, node.args[1], node.lineno))
         for name, value, line in bound:
             setting = SETTINGS.get(name)
             if setting is None or setting.default is None or value is None:
@@ -79,12 +88,16 @@ def test_the_check_finds_a_second_literal(tmp_path: Path) -> None:
         "class Options:\n    port: int = 8000\n    host: str = 'localhost'\n\n"
         "class Deadlines:\n    step: float = 120.0\n\n"
         "def serve(max_connections: int = 1024) -> None: ...\n"
+        "def configure(level: str = 'info') -> None: ...\n"
+        "LEVEL = os.environ.get('NEURON_LOG_LEVEL', 'info')\n"
     )
     hits = _second_literals(planted, tmp_path)
     assert [hit.split(": ", 1)[1] for hit in hits] == [
         "port = 8000 repeats --port's default",
         "step_timeout = 120.0 repeats --step-timeout's default",
         "max_connections = 1024 repeats --max-connections's default",
+        "log_level = 'info' repeats --log-level's default",
+        "log_level = 'info' repeats --log-level's default",
     ]
 
 
