@@ -14,6 +14,7 @@ from conftest import ROOT
 
 from neuron import metrics
 from neuron.cli import _parser
+from neuron.reference import PAGES as GENERATED
 from neuron.reference import openapi
 from neuron.settings import SETTINGS
 
@@ -103,6 +104,13 @@ def _problems(page: Path) -> list[str]:
         for url in re.findall(r"https?://(?:127\.0\.0\.1|localhost)(?::\d+)?(/[\w./{}-]*)", line):
             if url not in routes and not any(route.startswith(url.rstrip("/") + "/") for route in routes):
                 out.append(f"{where}: calls {url}, which neuron does not serve")
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # another site's
+        linked = (page.parent / target).resolve()
+        generated = linked.is_relative_to(ROOT / "docs") and linked.relative_to(ROOT / "docs").as_posix() in GENERATED
+        if not linked.exists() and not generated:
+            out.append(f"{where}: links to {target}, which does not exist")
     for variable in set(re.findall(r"\bNEURON_[A-Z][A-Z_]*", text)) - variables:
         out.append(f"{where}: names {variable}, which neuron does not read")
     for name in {n for token in re.findall(r"\bneuron_[a-z][a-z_{},]*(?<![{,])", text) for n in _expand(token)}:
@@ -124,12 +132,18 @@ def test_the_check_finds_what_no_longer_exists(tmp_path: Path) -> None:
     page.write_text(
         "Files `neuron/rank/hooks.py` and `hooks.py`, the flag `--max-batches`, `NEURON_MAX_BATCHES`, "
         "`POST /v1/chat/complete`, the metric `neuron_requests_failed_total`, "
-        "`neuron_prefix_cache_{hits,misss}_total`.\n\n```sh\nneuron serve --prot 8000\n"
+        "`neuron_prefix_cache_{hits,misss}_total`, [the old page](docs/gone.md).\n\n```sh\nneuron serve --prot 8000\n"
         "curl http://127.0.0.1:8000/v1/chat/complete\n```\n"
     )
     found = " ".join(_problems(page))
     names = ["neuron/rank/hooks.py", "hooks.py,", "--max-batches", "NEURON_MAX_BATCHES", "/v1/chat/complete,"]
-    names += ["neuron_requests_failed_total", "neuron_prefix_cache_misss_total", "--prot", "calls /v1/chat/complete"]
+    names += [
+        "neuron_requests_failed_total",
+        "neuron_prefix_cache_misss_total",
+        "--prot",
+        "calls /v1/chat/complete",
+        "docs/gone.md",
+    ]
     for gone in names:
         assert gone in found + ",", f"{gone} not found in {found}"
     assert "neuron_prefix_cache_hits_total" not in found
