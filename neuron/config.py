@@ -42,7 +42,6 @@ __all__ = [
 DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
 SERVE_SETTINGS = names("serve")
-GENERATE_SETTINGS = names("generate")
 LAYERED = ("serve",)  # the commands that read the environment and the file, not only their flags
 
 T = TypeVar("T")
