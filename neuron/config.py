@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tomllib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from neuron.settings import ENV_PREFIX, SETTINGS, Setting, names
+from neuron.settings import ENV_PREFIX, GROUPS, SETTINGS, Setting, names, title
 
 __all__ = [
     "CONFIG_ENV",
@@ -48,13 +49,24 @@ T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
-    """``command``'s flags. They default to None, so that ``resolve`` can tell a flag given from one left out."""
+    """``command``'s flags, in one group per settings object. They default to None, so that ``resolve`` can tell a
+    flag given from one left out."""
+    groups = {
+        # The docstring's first line, less the modules it names: a person reads this.
+        group.__name__: parser.add_argument_group(
+            title(group),
+            re.sub(r" \([^)]*\)\.$", ".", (group.__doc__ or "").split("\n")[0]),
+        )
+        for group in GROUPS
+        if any(SETTINGS[name].group == group.__name__ for name in names(command))
+    }
     for name in names(command):
         s = SETTINGS[name]
+        group = groups[s.group]
         if s.type is bool:  # a switch: given, it is on; the environment and the file say true or false
-            parser.add_argument(s.flag, action="store_const", const=True, default=None, help=s.help_for(command))
+            group.add_argument(s.flag, action="store_const", const=True, default=None, help=s.help_for(command))
             continue
-        parser.add_argument(
+        group.add_argument(
             s.flag,
             type=s.type,
             default=None,

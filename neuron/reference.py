@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from neuron import architectures, metrics, rpc
-from neuron.settings import GROUPS, SETTINGS, Setting
+from neuron.settings import GROUPS, SETTINGS, Setting, title
 
 _TYPES = {int: "integer", float: "number", str: "string", bool: "switch"}
 
@@ -42,7 +42,7 @@ def settings_page() -> str:
         "`NEURON_PORT`, `port in /etc/neuron/neuron.toml`).",
     ]
     for group in GROUPS:
-        out += ["", f"## {group.__name__}", "", _first_line(group), ""]
+        out += ["", f"## {title(group).capitalize()}", "", _first_line(group), ""]
         out += ["| flag | environment | TOML key | type | allowed | default | commands | what it does |"]
         out += ["|---|---|---|---|---|---|---|---|"]
         for f in dataclasses.fields(group):

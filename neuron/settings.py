@@ -16,6 +16,7 @@ the other way round.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, get_type_hints
@@ -122,7 +123,7 @@ class Setting:
         if self.type is float:
             return f"{value:g}"
         if self.name.endswith("_bytes") and value >= 1 << 30 and value % (1 << 30) == 0:
-            return f"{value >> 30} GiB"
+            return f"{value >> 30} GiB ({value})"
         return str(value)
 
     def shown_default(self, command: str | None = None) -> str:
@@ -264,7 +265,7 @@ class Logging:
 
 @dataclass(frozen=True, slots=True)
 class Serving:
-    """Where ``serve`` listens, who may load what, and how it stops (neuron.leader)."""
+    """Where the server listens, who may load what, and how it stops (neuron.leader)."""
 
     model_dirs: str | None = setting(
         None,
@@ -412,6 +413,11 @@ def _collect() -> dict[str, Setting]:
 
 
 SETTINGS = _collect()
+
+
+def title(group: type) -> str:
+    """A settings object's name as words: ``HttpLimits``, "http limits"."""
+    return re.sub(r"(?<!^)(?=[A-Z][a-z])", " ", group.__name__).lower()
 
 
 def default(name: str) -> Any:
