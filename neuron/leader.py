@@ -64,29 +64,18 @@ import uvicorn
 
 from neuron import metrics, systemd
 from neuron.engine.engine import Engine
-from neuron.engine.scheduler import Scheduling
 from neuron.launch.checks import Unreachable
 from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
-from neuron.server.guard import Allowed
+from neuron.server.guard import Allowed, split_list
+from neuron.settings import HttpLimits, Scheduling, Serving
 
 log = structlog.get_logger("neuron.server")
 
 STATUS_EVERY_S = 1.0
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    """Who may call, and what connections may hold (see neuron.server.guard and neuron.server.connections)."""
-
-    allowed_origins: list[str] = field(default_factory=list)
-    allowed_hosts: list[str] = field(default_factory=list)
-    max_connections: int = 1024
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
 
 
 # Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
@@ -113,13 +102,10 @@ class ServeOptions:
     model_id: str
     layout: Layout = field(default_factory=lambda: Layout.local(1))
     model: str | None = None  # what --model said: hosts of their own resolve it there
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
+    serving: Serving = field(default_factory=Serving)
     http: HttpLimits = field(default_factory=HttpLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
     limits: Scheduling = field(default_factory=Scheduling)
-    drain_timeout: float = 30.0
 
 
 class ServeError(RuntimeError):
@@ -298,12 +284,15 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     if restarted:
         metrics.WORKER_RESTARTS.inc(restarted.restarts)
     activated = systemd.activated_socket()
-    sock = activated or bind(options.host, options.port)
+    sock = activated or bind(options.serving.host, options.serving.port)
     host, port = sock.getsockname()[:2]
     notifier = systemd.Notifier()
-    state = ServerState(options.model_id, options.api_key)
+    api_key = options.serving.api_key
+    state = ServerState(options.model_id, api_key.strip() if api_key else None)
     http = options.http
-    allowed = Allowed.build(http.allowed_origins, http.allowed_hosts, listen=options.host)
+    allowed = Allowed.build(
+        split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
+    )
     config = uvicorn.Config(
         build_app(state, allowed),
         http=bounded(connection_limit(http.max_connections), http.header_timeout),
@@ -364,7 +353,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
                         await _first(stopping, engine.lost)
                         if stopping.is_set():
-                            await _drain(engine, server, notifier, options.drain_timeout)
+                            await _drain(engine, server, notifier, options.serving.drain_timeout)
                         else:
                             cause = str(engine.pool.broken or engine.health.reason)
                             # In-process recoveries count as restarts with fresh workers too.

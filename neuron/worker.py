@@ -28,6 +28,7 @@ from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
+from neuron.settings import SETTINGS
 
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
@@ -211,9 +212,8 @@ def run_worker(rank: int, world_size: int) -> int:
     busy = threading.Event()  # set while a request is handled
     _exit_when_leader_gone(stdin.fileno(), busy)
     # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON.
-    logging_setup.configure(
-        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "auto"), rank=rank
-    )
+    level, fmt = SETTINGS["log_level"], SETTINGS["log_format"]
+    logging_setup.configure(os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), rank=rank)
     worker = Worker(rank, world_size)
     while True:
         request: rpc.Request | None = None

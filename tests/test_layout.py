@@ -40,6 +40,8 @@ MLX_FREE = [
     "neuron.progress",
     "neuron.catalog",
     "neuron.config",
+    "neuron.settings",
+    "neuron.reference",
     "neuron.cpu",
     "neuron.device",
     "neuron.sampling_params",

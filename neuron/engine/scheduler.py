@@ -30,33 +30,8 @@ from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Lost, Overloaded, Sequence
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import PENALTY_WINDOW, Sampled
+from neuron.settings import Scheduling  # its fields are settings of ``serve``, declared there once
 from neuron.step import Start, Step
-
-
-@dataclass(frozen=True, slots=True)
-class Scheduling:
-    """How the scheduler runs the batch: its limits, speculation and running ahead; these defaults are ``neuron
-    serve``'s (config.py reads them from here)."""
-
-    max_batch: int = 8  # sequences decoding together; more wait in the queue
-    max_waiting: int = 64  # requests queued beyond the batch; more get 429
-    prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
-    max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
-    micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
-    prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget on the rank holding the largest share; 0: off
-    max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
-    speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
-    # Steady decode steps queued before the last one's tokens are read (tp.ahead): "on", "off", or "auto": on where
-    # MLX evaluates asynchronously (GPUs); its CPU backend evaluates in the caller, so there it would only waste a
-    # forward where a plan changes (BENCHMARKS.md, "Running ahead").
-    run_ahead: str = "auto"
-    # A lost group (engine.resume): seconds the paused requests wait for the pool to be back (0: they fail at once,
-    # and the leader restarts its process), and the losses a request may be blamed for and still resume.
-    resume_timeout: float = 60.0
-    resume_tries: int = 2
-    # How embedding inputs pool the final hidden states (models.POOLING_TYPES); None: as the model's card says,
-    # else MEAN. Not the scheduler's to read: it plans what each input's sequence says.
-    pooling_type: str | None = None
 
 
 class Detokenizer(Protocol):

@@ -55,6 +55,7 @@ from neuron.rank.backends import NoClearBackends
 from neuron.rank.rank import Loaded, Rank, group_joined, lead
 from neuron.rank.shard import ShareSource, check_splittable
 from neuron.sampling_params import Sampled
+from neuron.settings import default
 from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
 
@@ -71,7 +72,7 @@ class Layout:
     """Where the ranks run, how they talk, and how the model is split over them."""
 
     launcher: Launcher
-    backend: str = "ring"
+    backend: str = default("backend")
     stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
     split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
     push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)

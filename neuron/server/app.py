@@ -21,6 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from neuron.server import embeddings, health, models, openapi, tokenize
 from neuron.server.chat_completions import routes as chat_completions
+from neuron.server.common.schema import Schema, Spec
 from neuron.server.completions import routes as completions
 from neuron.server.guard import Allowed, Guard
 from neuron.server.http import Endpoint, ServerState, exception_handlers
@@ -34,6 +35,11 @@ FAMILIES = (health, models, chat_completions, completions, responses, messages, 
 
 def endpoints() -> list[Endpoint]:
     return [*(e for family in FAMILIES for e in family.ENDPOINTS), openapi.endpoint(f.openapi for f in FAMILIES)]
+
+
+def describe(model_id: str) -> Schema:
+    """The OpenAPI document served before a model is loaded, with a key asked: what the docs' routes page reads."""
+    return openapi.document(Spec(model_id, keyed=True), (f.openapi for f in FAMILIES))
 
 
 def build_app(state: ServerState, allowed: Allowed | None = None) -> Starlette:

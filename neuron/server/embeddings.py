@@ -240,7 +240,7 @@ async def create(call: Call) -> Response:
     try:
         seqs = engine.embed(inputs, request_id)
     except RequestError as e:
-        raise request_error(e) from e
+        raise request_error(e, chat=False) from e
     except (Overloaded, Unavailable) as e:
         raise refused(e) from e
 

@@ -49,14 +49,14 @@ async def submit(engine: Engine, gen: Generation, request_id: str) -> list[Seque
             seqs += [seq, *seq.copies]
     except RequestError as e:
         cancel(engine, seqs)
-        raise request_error(e, chat) from e
+        raise request_error(e, chat=chat) from e
     except (Overloaded, Unavailable) as e:
         cancel(engine, seqs)
         raise refused(e) from e
     return seqs
 
 
-def request_error(error: RequestError, chat: bool = False) -> ApiError:
+def request_error(error: RequestError, *, chat: bool) -> ApiError:
     """The engine's refusal of a request as a 400; a chat's prompt is its ``messages``."""
     param = "messages" if chat and error.param == "prompt" else error.param
     return ApiError(400, str(error), param=param, code=error.code)
