@@ -52,8 +52,10 @@ from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
 from neuron.rank.backends import NoClearBackends
-from neuron.rank.rank import Loaded, Rank, group_joined, lead
+from neuron.rank.group import group_joined
+from neuron.rank.rank import Loaded, Rank
 from neuron.rank.shard import ShareSource, check_splittable
+from neuron.rank.step import Stepped, run
 from neuron.sampling_params import Sampled
 from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
@@ -315,8 +317,8 @@ class Pool:
         samplers = self._rank0.samplers
         plan = step.plan
 
-        def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str, bool]:
-            return lead(rank, samplers, step)
+        def on_rank(rank: Rank) -> Stepped:
+            return run(rank, step, samplers)
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
@@ -327,8 +329,9 @@ class Pool:
         if self.workers:
             metrics.STEP_SECONDS.labels("fanout").observe(timing.fan_out)
             metrics.STEP_SECONDS.labels("drain").observe(timing.drain)
-        sampled, expected, queued = replies[0]
-        if queued:
+        mine = replies[0]
+        expected = mine.fingerprint
+        if mine.queued:
             metrics.STEPS_AHEAD.inc()
         desynced = {
             r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
@@ -339,7 +342,7 @@ class Pool:
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
-        return sampled
+        return mine.sampled
 
     async def ping(self) -> dict[int, rpc.Pong]:
         """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
