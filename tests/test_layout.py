@@ -221,3 +221,18 @@ def test_only_the_group_module_touches_the_process_global_group() -> None:
     assert _group_state_touches(GROUP_STATE), "the check finds nothing even where the state lives"
     elsewhere = [t for path in sorted(PACKAGE.rglob("*.py")) if path != GROUP_STATE for t in _group_state_touches(path)]
     assert not elsewhere, "the process-global group touched outside rank/group.py:\n" + "\n".join(elsewhere)
+
+
+# A class past this many lines is split along a seam a newcomer would guess (the developer guide).
+CLASS_LINES = 300
+
+
+@pytest.mark.unit
+def test_no_class_runs_past_the_limit() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > CLASS_LINES
+    ]
+    assert not long, f"classes past {CLASS_LINES} lines:\n" + "\n".join(long)

@@ -87,7 +87,7 @@ class Engine(Recovering):
         self.recoveries = 0  # lost groups replaced in this process
         budget = self.limits.prefix_cache_bytes
         support = architectures.supports(config)
-        # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
+        # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
         exact = support is not None and not support.cuttable
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)

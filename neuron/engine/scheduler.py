@@ -51,7 +51,7 @@ class Scheduling:
     prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget on the rank holding the largest share; 0: off
     max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
     speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
-    # Steady decode steps queued before the last one's tokens are read (tp.ahead): "on", "off", or "auto": on where
+    # Steady decode steps queued before the last one's tokens are read (rank.ahead): "on", "off", or "auto": on where
     # MLX evaluates asynchronously (GPUs); its CPU backend evaluates in the caller, so there it would only waste a
     # forward where a plan changes (BENCHMARKS.md, "Running ahead").
     run_ahead: str = "auto"
