@@ -236,3 +236,22 @@ def test_no_class_runs_past_the_limit() -> None:
         if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > CLASS_LINES
     ]
     assert not long, f"classes past {CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+@pytest.mark.unit
+def test_every_rank_steps_through_one_function() -> None:
+    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.step.run`` alone: nothing else
+    drives a rank's run-ahead or reads its fingerprint, so the two step paths cannot drift apart again."""
+    step_path = PACKAGE / "rank" / "step.py"
+    driven = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in (step_path, PACKAGE / "rank" / "rank.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("run_ahead", "ran_ahead_with", "fingerprint")
+    ]
+    assert not driven, "a rank's step driven outside rank/step.py:\n" + "\n".join(driven)
+    for caller in ("neuron/worker.py", "neuron/pool/pool.py"):
+        assert "neuron.rank.step.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"
