@@ -29,6 +29,7 @@ from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
 from neuron.settings import SETTINGS
+from neuron.step import Step
 
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
@@ -134,10 +135,10 @@ class Worker:
                 )
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
             case rpc.GenerateStep(id=id, plan=plan):
-                state = self._joined()
-                state.step(plan)
-                state.run_ahead(plan)  # queued or only built (``settle``), not waited for: the reply goes at once
-                return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
+                from neuron.rank.step import run  # loaded with the rank, in ``_init``
+
+                stepped = run(self._joined(), Step(plan))  # the step rank 0 runs too, less the sampling
+                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint)
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)

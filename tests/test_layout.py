@@ -272,3 +272,65 @@ def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
     assert done.returncode == 2
     assert "--port must lie in [0, 65535], got 99999" in done.stderr
     assert "no mlx" in done.stderr, done.stderr
+
+
+# The process-global group: MLX keeps one per process, so joining, leaving and remembering it live in one module.
+GROUP_STATE = PACKAGE / "rank" / "group.py"
+
+
+def _group_state_touches(path: Path) -> list[str]:
+    """Where ``path`` joins a group (``mx.distributed.init``), makes MLX forget one (``clear_backends``), or
+    reads or writes the process's record of it (``_in_group``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "init":
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "distributed":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} mx.distributed.init")
+        if isinstance(node, ast.Attribute) and node.attr in ("clear_backends", "_in_group"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}")
+        elif isinstance(node, ast.Name) and node.id in ("clear_backends", "_in_group"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.id}")
+        elif isinstance(node, ast.Global) and "_in_group" in node.names:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} global _in_group")
+    return found
+
+
+@pytest.mark.unit
+def test_only_the_group_module_touches_the_process_global_group() -> None:
+    assert _group_state_touches(GROUP_STATE), "the check finds nothing even where the state lives"
+    elsewhere = [t for path in sorted(PACKAGE.rglob("*.py")) if path != GROUP_STATE for t in _group_state_touches(path)]
+    assert not elsewhere, "the process-global group touched outside rank/group.py:\n" + "\n".join(elsewhere)
+
+
+# A class past this many lines is split along a seam a newcomer would guess (the developer guide).
+CLASS_LINES = 300
+
+
+@pytest.mark.unit
+def test_no_class_runs_past_the_limit() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > CLASS_LINES
+    ]
+    assert not long, f"classes past {CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+@pytest.mark.unit
+def test_every_rank_steps_through_one_function() -> None:
+    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.step.run`` alone: nothing else
+    drives a rank's run-ahead or reads its fingerprint, so the two step paths cannot drift apart again."""
+    step_path = PACKAGE / "rank" / "step.py"
+    driven = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in (step_path, PACKAGE / "rank" / "rank.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("run_ahead", "ran_ahead_with", "fingerprint")
+    ]
+    assert not driven, "a rank's step driven outside rank/step.py:\n" + "\n".join(driven)
+    for caller in ("neuron/worker.py", "neuron/pool/pool.py"):
+        assert "neuron.rank.step.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"

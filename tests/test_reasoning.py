@@ -121,7 +121,7 @@ def test_a_harmony_reply_decoded_with_its_markers_splits_into_channels(tmp_path:
     def decoded(skip_special_tokens: bool) -> tuple[list[str], str]:
         seq = Sequence("r", 0, [], 99, SamplingParams(skip_special_tokens=skip_special_tokens), StopText(()))
         text.start(seq)
-        return [text.push(seq, token)[0] for token in tokens], text.finish(seq)[0]
+        return [text.push(seq, token, i + 1)[0] for i, token in enumerate(tokens)], text.finish(seq)[0]
 
     assert Channels().whole(*decoded(skip_special_tokens=False)) == HARMONY_SPLIT
     # Decoded as any other reply, the markers are gone and the channels with them: why the chat keeps them.
