@@ -14,7 +14,7 @@ import structlog
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server.common import reasoning, tools
+from neuron.server.common import harmony, reasoning, tools
 from neuron.server.common.errors import ApiError, refused
 from neuron.server.common.generation import Generation
 
@@ -65,6 +65,8 @@ def request_error(error: RequestError, chat: bool = False) -> ApiError:
 def chat_prompt(engine: Engine, gen: Generation) -> list[int]:
     """A chat's prompt: its tools and template variables through the model's template."""
     text = engine.text
+    if reasoning.harmony(text.tokenizer):
+        return harmony.prompt(text, gen.messages, gen.tools, gen.reasoning)
     messages = tools.template_messages(gen.messages, gen.tools, text.tool_markup)
     specs = gen.tools.specs if gen.tools and text.tool_markup else None
     kwargs = reasoning.template_kwargs(
