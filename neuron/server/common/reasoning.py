@@ -205,7 +205,14 @@ def harmony(tokenizer: Any) -> bool:
 def chat_params(tokenizer: Any, params: SamplingParams) -> SamplingParams:
     """A chat's sampling parameters for this model: a harmony reply keeps its markers in the text for
     ``harmony.Reply``, even where the tokenizer names them special (``skip_special_tokens`` would drop them)."""
-    return dataclasses.replace(params, skip_special_tokens=False) if harmony(tokenizer) else params
+    if not harmony(tokenizer):
+        return params
+    # gpt-oss ends its turn on <|call|> as well as <|return|> (its generation_config), which mlx-lm's eos omits.
+    ends = [
+        tokenizer.added_tokens_encoder[t] for t in ("<|call|>", "<|return|>") if t in tokenizer.added_tokens_encoder
+    ]
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, *ends)))
+    return dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
 
 def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:
