@@ -271,6 +271,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 resume_timeout=args.resume_timeout,
                 resume_tries=args.resume_tries,
                 pooling_type=args.pooling_type,
+                constrained_reasoning_tokens=args.constrained_reasoning_tokens,
             ),
             drain_timeout=args.drain_timeout,
         )

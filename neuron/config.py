@@ -268,6 +268,14 @@ SETTINGS = {
             check=_at_least(1),
         ),
         Setting(
+            "constrained_reasoning_tokens",
+            int,
+            DEFAULTS.constrained_reasoning_tokens,
+            "tokens of analysis a gpt-oss reply may write before the message response_format or a forced tool "
+            f"call constrains (default {DEFAULTS.constrained_reasoning_tokens})",
+            check=_at_least(1),
+        ),
+        Setting(
             "max_context",
             int,
             DEFAULTS.max_context,
@@ -362,6 +370,7 @@ SERVE_SETTINGS = (
     "max_n",
     "max_waiting",
     "prefill_chunk",
+    "constrained_reasoning_tokens",
     "max_context",
     "micro_batches",
     "prefix_cache_bytes",

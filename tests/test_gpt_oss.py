@@ -169,3 +169,33 @@ def test_messages_think_call_and_answer(server: Server) -> None:
         second = stream.get_final_message()
     assert second.stop_reason == "end_turn" and [b.type for b in second.content] == ["thinking", "text"]
     assert second.content[1].text == "It is 20 degrees."  # type: ignore[union-attr]
+
+
+DEGREES = {"type": "object", "properties": {"degrees": {"enum": [20, 21]}}, "required": ["degrees"]}
+PLACES = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+PLACE_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": PLACES}}
+
+
+def test_a_schema_constrains_only_the_final_message(client: OpenAI) -> None:
+    """The script calls the tool; the schema makes it answer, after the analysis it chose to write."""
+    format_: Any = {"type": "json_schema", "json_schema": {"name": "weather", "schema": DEGREES}}
+    choice = chat(client, ASK, response_format=format_, max_tokens=60).choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.reasoning_content == "Need the weather."
+    assert json.loads(choice.message.content)["degrees"] in (20, 21)
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "reason"),
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")],
+)
+def test_a_forced_call_keeps_its_header_and_follows_the_schema(client: OpenAI, tool_choice: Any, reason: str) -> None:
+    """The script answers once the tool's result is in; the forced call makes it call again."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CALLED, tools=[PLACE_TOOL], tool_choice=tool_choice, temperature=0, max_tokens=60
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == reason and not choice.message.content
+    assert choice.message.reasoning_content == "Got it."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")

@@ -57,6 +57,7 @@ class Scheduling:
     # How embedding inputs pool the final hidden states (models.POOLING_TYPES); None: as the model's card says,
     # else MEAN. Not the scheduler's to read: it plans what each input's sequence says.
     pooling_type: str | None = None
+    constrained_reasoning_tokens: int = 1024  # a constrained gpt-oss reply's analysis before its constrained message
 
 
 class Detokenizer(Protocol):

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import uuid
+from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
+from neuron.grammar import closed
 from neuron.paths import cache_dir
 from neuron.server.common import reasoning
 from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
@@ -255,6 +257,44 @@ class Calls(ToolStream):
         if calls and reason == "stop" and self.tools.choice in ("auto", "required"):
             reason = "tool_calls"
         return "", calls, reason
+
+
+def grammar(
+    tokenizer: Any, tools: Tools | None, analysis_tokens: int
+) -> Callable[[dict[str, Any], dict[str, Any]], str]:
+    """How a constraint goes into a grammar for a harmony reply (``grammar.Grammars.compile``'s ``around``): the
+    analysis the model chooses to write (at most ``analysis_tokens``), then the constrained message. For
+    ``response_format`` (no ``tools``), a ``final`` message whose body matches the schema; for a forced call,
+    a ``commentary`` message to ``functions.NAME`` (the named one, or any for ``required``) whose body matches
+    that function's parameters, ended by ``<|call|>``. The markers are special tokens, named by id."""
+    ids = tokenizer.added_tokens_encoder
+    channel, message, end, start, call, constrain = (
+        f"<[{ids[m]}]>" for m in ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|call|>", "<|constrain|>")
+    )
+
+    def around(schema: dict[str, Any], options: dict[str, Any]) -> str:
+        lines = [
+            f'analysis: {channel} "analysis" {message} thought {end} {start} "assistant"',
+            f"thought[max_tokens={analysis_tokens}]: /(?s:.*)/",
+        ]
+        if tools is None:
+            lines += [f'start: analysis? {channel} "final" {message} body', _json("body", schema, options)]
+            return "\n".join(lines)
+        names = list(tools.parameters) if tools.choice == "required" else [tools.choice]
+        lines.append(f"start: analysis? ({' | '.join(f'call{i}' for i in range(len(names)))})")
+        for i, name in enumerate(names):
+            header = f'{channel} "commentary to={FUNCTIONS}{name} " {constrain} "json" {message}'
+            lines += [
+                f"call{i}: {header} arguments{i} {call}",
+                _json(f"arguments{i}", closed(tools.parameters[name]), options),
+            ]
+        return "\n".join(lines)
+
+    return around
+
+
+def _json(rule: str, schema: dict[str, Any], options: dict[str, Any]) -> str:
+    return f"{rule}: %json {json.dumps({**schema, 'x-guidance': options})}"
 
 
 def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:

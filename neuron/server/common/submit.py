@@ -85,7 +85,11 @@ async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> Sa
         return gen.params
     try:
         # On a thread: a large schema takes up to a few hundred ms to compile (bounded by grammar.LIMITS).
-        around = reasoning.grammar(engine.text.tokenizer, prompt) if gen.chat else None
+        tokenizer = engine.text.tokenizer
+        around = reasoning.grammar(tokenizer, prompt) if gen.chat else None
+        if gen.chat and reasoning.harmony(tokenizer):  # the constraint holds only its own message
+            tools = gen.tools if param == "tools" else None
+            around = harmony.grammar(tokenizer, tools, engine.limits.constrained_reasoning_tokens)
         constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema, around)
     except GrammarError as e:
         message = f"`{param}`: the schema cannot be enforced: {e}; remove or rewrite that part of the schema"
