@@ -3,9 +3,11 @@ comes into reasoning, answer and tool calls, with no marker in the answer howeve
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,3 +172,30 @@ def test_a_harmony_reply_decoded_with_its_markers_splits_into_channels(tmp_path:
     pieces, tail = decoded(skip_special_tokens=True)
     assert "<|" not in "".join(pieces) + tail
     assert Reply().whole(pieces, tail) == ("", "".join(pieces) + tail)
+
+
+def test_the_grammar_bounds_the_analysis_and_holds_only_the_constrained_message(tmp_path: Path) -> None:
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    folder = make_harmony_tokenizer(tmp_path / "harmony")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    llg = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+
+    def accepts(tools: tools.Tools | None, text: str, schema: dict[str, Any] | None = None) -> bool:
+        around = harmony.grammar(tokenizer, tools, analysis_tokens=8)
+        grammar = llguidance.grammar_from("lark", around(schema or {"type": "object"}, {}))
+        matcher = llguidance.LLMatcher(llg, grammar, log_level=0)
+        return all(matcher.consume_token(t) for t in tokenizer.encode(text)) and not matcher.is_error()
+
+    final = '<|channel|>final<|message|>{"a": 1}'
+    assert accepts(None, final) and accepts(None, "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant" + final)
+    assert not accepts(None, "<|channel|>analysis<|message|>" + "x" * 9)  # past the bound: only <|end|> may come
+    assert not accepts(None, '<|channel|>commentary<|message|>{"a": 1}') and not accepts(None, '{"a": 1}')
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    assert TOOLS is not None
+    for choice in ("required", "get_weather"):
+        forced = dataclasses.replace(TOOLS, choice=choice)
+        assert accepts(forced, call) and not accepts(forced, call.replace('"city"', '"town"'))
+        assert not accepts(forced, final) and not accepts(forced, call.replace("get_weather", "get_time"))
