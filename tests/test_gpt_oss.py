@@ -199,3 +199,13 @@ def test_a_forced_call_keeps_its_header_and_follows_the_schema(client: OpenAI, t
     assert choice.message.reasoning_content == "Got it."
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+
+
+def test_tokenize_and_count_tokens_render_as_the_chat_does(client: OpenAI, server: Server) -> None:
+    prompt_tokens = chat(client, ASK, max_tokens=1).usage.prompt_tokens
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": ASK, "tools": [TOOL]}).json()
+    assert tokenized["count"] == prompt_tokens
+    counted = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0).messages.count_tokens(
+        model=MODEL, messages=ASK, tools=[ANTHROPIC_TOOL]
+    )
+    assert counted.input_tokens == prompt_tokens
