@@ -66,6 +66,16 @@ def test_streams_cut_at_every_offset_show_no_marker(reply_text: str) -> None:
 
 def test_a_reply_in_no_harmony_format_is_the_answer_and_a_cut_header_is_dropped() -> None:
     assert Reply().whole(["just ", "text <|"], "") == ("", "just text <|")
+    # A message to a tool neuron does not run is neither answer nor call.
+    browse = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary to=browser.search"
+    reply = Reply()
+    assert reply.whole([browse + '<|message|>{"q": 1}<|call|>'], "") == ("a", "") and not reply.tool_calls()
+    # A reply that breaks the format past its first message: the rest is answer, with no marker in it.
+    broken = Reply()
+    thought, answer = broken.whole(["<|channel|>final<|message|>ok<|end|><|message|><|message|>more<|end|>"], "")
+    assert thought == "" and answer.startswith("ok") and "<|" not in answer
+    stray = Reply().whole(["<|channel|>final<|message|>ok<|end|><|start|>assistant<|message|>x<|start|>y"], "")
+    assert stray == ("", "okxy")
     assert Reply().whole(["<|channel|>final<|message|>ok<|end|><|start|>assistant<|chan"], "") == ("", "ok")
 
 

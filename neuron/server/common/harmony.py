@@ -194,31 +194,36 @@ class Reply(ReasoningSplit):
 
     def _feed(self, text: str) -> tuple[str, str]:
         if self._broken:
-            return "", text
+            return "", _unmarked(text)
         if not self._opened:
             self._raw += text
         reasoning: list[str] = []
         answer: list[str] = []
         parser = self.parser
-        for token in encoding().encode(text, allowed_special="all"):
+        tokens = encoding().encode(text, allowed_special="all")
+        for i, token in enumerate(tokens):
             try:
                 parser.process(token)
             except HarmonyError:
+                # The model broke the format: the rest is answer text, its markers dropped.
                 self._broken = True
-                rest = encoding().decode_utf8([token])  # a rare path: the model broke the format
-                return "".join(reasoning), "".join(answer) + rest
+                answer.append(_unmarked(encoding().decode(tokens[i:])))
+                break
             in_message = parser.state == StreamState.CONTENT
+            recipient = parser.current_recipient or ""
             if in_message and not self._in_message:
                 self._opened = True
-                recipient = parser.current_recipient or ""
                 if recipient.startswith(FUNCTIONS):
                     self.calls.append((recipient.removeprefix(FUNCTIONS), []))
             self._in_message = in_message
-            delta = parser.last_content_delta if in_message else None
+            # A marker inside a message's text (one the model wrote where harmony has none) is not text either.
+            delta = _unmarked(parser.last_content_delta or "") if in_message else None
             if not delta:
                 continue
-            if (parser.current_recipient or "").startswith(FUNCTIONS):
+            if recipient.startswith(FUNCTIONS):
                 self.calls[-1][1].append(delta)
+            elif recipient and recipient != "assistant":
+                continue  # a call to a tool neuron does not run (harmony's browser, python): not the answer
             elif parser.current_channel == "analysis":
                 reasoning.append(delta)
             else:
@@ -235,6 +240,12 @@ class Reply(ReasoningSplit):
             }
             for name, pieces in self.calls
         ]
+
+
+def _unmarked(text: str) -> str:
+    for marker in MARKERS:
+        text = text.replace(marker, "")
+    return text
 
 
 def _opens_marker(text: str) -> bool:
