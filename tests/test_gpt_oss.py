@@ -209,3 +209,25 @@ def test_tokenize_and_count_tokens_render_as_the_chat_does(client: OpenAI, serve
         model=MODEL, messages=ASK, tools=[ANTHROPIC_TOOL]
     )
     assert counted.input_tokens == prompt_tokens
+
+
+def test_each_family_s_reasoning_control_sets_harmony_s_effort(client: OpenAI, server: Server) -> None:
+    """The system message says `Reasoning: medium` by default; each byte of the level is a token of the tiny
+    tokenizer, so the prompt's length tells the level apart."""
+    medium = chat(client, ASK, max_tokens=1).usage.prompt_tokens
+    assert chat(client, ASK, max_tokens=1, reasoning_effort="high").usage.prompt_tokens == medium - 2
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": CITY, "description": "The weather now"}]
+    low = client.responses.create(
+        model=MODEL, input=ASK, tools=tools, reasoning={"effort": "low"}, max_output_tokens=16, temperature=0
+    )
+    assert low.usage is not None and low.usage.input_tokens == medium - 3
+    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0).messages
+    off = messages.create(
+        model=MODEL,
+        max_tokens=1,
+        messages=ASK,
+        tools=[ANTHROPIC_TOOL],
+        thinking={"type": "disabled"},
+        extra_body=GREEDY,
+    )
+    assert off.usage.input_tokens + off.usage.cache_read_input_tokens == medium - 3
