@@ -376,6 +376,12 @@ class Scheduling:
         choices=POOLING_TYPES,
         unset="what the model's sentence-transformers card says, else MEAN",
     )
+    constrained_reasoning_tokens: int = setting(
+        1024,
+        "tokens of analysis a gpt-oss reply may write before the message that response_format or a forced tool "
+        "call constrains",
+        at_least=1,
+    )
 
 
 def _api_default(name: str) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from neuron.server.common import fields, reasoning, tools
+from neuron.server.common import fields, harmony, reasoning, tools
 from neuron.server.common.chat import messages, messages_schema
 from neuron.server.common.errors import bad
 from neuron.server.common.reasoning import TEMPLATE_KWARGS
@@ -73,6 +73,8 @@ def _render(text: Any, body: dict[str, Any]) -> str:
     specs = parsed.specs if parsed and text.tool_markup else None
     kwargs = reasoning.parse(body).template_kwargs
     generation = _flag(body, "add_generation_prompt", True)
+    if generation and reasoning.harmony(text.tokenizer):  # as a chat request's prompt is rendered
+        return harmony.render(messages(body.get("messages")), parsed, reasoning.parse(body))
     if not text.tokenizer.chat_template:
         raise bad("messages", f"{text.model_name} has no chat template; send `prompt` instead")
     try:

@@ -10,10 +10,9 @@ from starlette.responses import Response
 
 from neuron.server.chat_completions import schema
 from neuron.server.chat_completions.render import ChatReplies
-from neuron.server.common import chat, choices, reasoning
+from neuron.server.common import chat, choices, harmony
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, ref, replies
 from neuron.server.common.submit import submit
-from neuron.server.common.tools import ToolStream
 from neuron.server.http import Call, Endpoint
 
 
@@ -24,8 +23,8 @@ async def create(call: Call) -> Response:
     seqs = await submit(engine, gen, request_id)
     text = engine.text
     replies_ = ChatReplies(gen, request_id, text.token_text)
-    readers = [ToolStream(gen.tools, text.tool_markup) if gen.tools is not None else None for _ in seqs]
-    splits = [reasoning.splitter(text.tokenizer, seq.prompt) for seq in seqs]
+    splits = [harmony.splitter(text.tokenizer, seq.prompt) for seq in seqs]
+    readers = [harmony.reader(gen.tools, text.tool_markup, split) for split in splits]
     if gen.stream:
         return call.stream(seqs, choices.stream(seqs, gen, replies_, readers, splits))
     return await call.answer(seqs, lambda: choices.collect(seqs, replies_, readers, splits))

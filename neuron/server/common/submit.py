@@ -14,7 +14,7 @@ import structlog
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server.common import reasoning, tools
+from neuron.server.common import harmony, reasoning, tools
 from neuron.server.common.errors import ApiError, refused
 from neuron.server.common.generation import Generation
 
@@ -65,6 +65,8 @@ def request_error(error: RequestError, *, chat: bool) -> ApiError:
 def chat_prompt(engine: Engine, gen: Generation) -> list[int]:
     """A chat's prompt: its tools and template variables through the model's template."""
     text = engine.text
+    if reasoning.harmony(text.tokenizer):
+        return harmony.prompt(text, gen.messages, gen.tools, gen.reasoning)
     messages = tools.template_messages(gen.messages, gen.tools, text.tool_markup)
     specs = gen.tools.specs if gen.tools and text.tool_markup else None
     kwargs = reasoning.template_kwargs(
@@ -83,7 +85,11 @@ async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> Sa
         return gen.params
     try:
         # On a thread: a large schema takes up to a few hundred ms to compile (bounded by grammar.LIMITS).
-        around = reasoning.grammar(engine.text.tokenizer, prompt) if gen.chat else None
+        tokenizer = engine.text.tokenizer
+        around = reasoning.grammar(tokenizer, prompt) if gen.chat else None
+        if gen.chat and reasoning.harmony(tokenizer):  # the constraint holds only its own message
+            tools = gen.tools if param == "tools" else None
+            around = harmony.grammar(tokenizer, tools, engine.limits.constrained_reasoning_tokens)
         constraint = await anyio.to_thread.run_sync(engine.grammars.compile, schema, around)
     except GrammarError as e:
         message = f"`{param}`: the schema cannot be enforced: {e}; remove or rewrite that part of the schema"

@@ -88,7 +88,7 @@ async def pieces(
             if tail:
                 yield ("text", tail)
             stop_reason = {"length": "max_tokens"}.get(reason, "end_turn")
-            if calls:
+            if calls and reason != "length":  # a call cut short by max_tokens is still a tool_use block
                 stop_reason = "tool_use"
             elif stopped_by is not None:
                 stop_reason = "stop_sequence"
@@ -105,8 +105,17 @@ def tool_use(call: dict[str, Any]) -> dict[str, Any]:
         "type": "tool_use",
         "id": call_id,
         "name": call["function"]["name"],
-        "input": json.loads(call["function"]["arguments"]),
+        "input": _input(call["function"]["arguments"]),
     }
+
+
+def _input(arguments: str) -> Any:
+    """A call's arguments as ``input``; those cut short by max_tokens, unfinished JSON, as far as an object can
+    hold them: none."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
 
 
 def message(request_id: str, model: str, content: list[dict[str, Any]], outcome: Outcome | None) -> dict[str, Any]:

@@ -10,12 +10,11 @@ from typing import Any
 from starlette.responses import Response
 
 from neuron.engine.sequence import RequestError
-from neuron.server.common import chat, reasoning
+from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.generation import Generation
 from neuron.server.common.schema import OpenApi, Spec, integer, post, replies_with
 from neuron.server.common.submit import chat_prompt, request_error, submit
-from neuron.server.common.tools import ToolStream
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 from neuron.server.messages import parse, render, schema
 
@@ -33,8 +32,8 @@ async def create(call: Call) -> Response:
     engine = call.engine
     seqs = await submit(engine, gen, request_id)
     (seq,) = seqs
-    split = reasoning.splitter(engine.text.tokenizer, seq.prompt)
-    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    split = harmony.splitter(engine.text.tokenizer, seq.prompt)
+    reader = harmony.reader(gen.tools, engine.text.tool_markup, split)
     if gen.stream:
         return call.stream(seqs, render.events(seq, gen, request_id, split, reader))
     return await call.answer(seqs, lambda: render.collect(seq, gen, request_id, split, reader))

@@ -8,11 +8,10 @@ import uuid
 
 from starlette.responses import Response
 
-from neuron.server.common import chat, reasoning
+from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, replies
 from neuron.server.common.submit import submit
-from neuron.server.common.tools import ToolStream
 from neuron.server.http import Call, Endpoint
 from neuron.server.responses import parse, render, schema
 
@@ -26,9 +25,9 @@ async def create(call: Call) -> Response:
     engine = call.engine
     seqs = await submit(engine, gen, request_id)
     (seq,) = seqs
-    split = reasoning.splitter(engine.text.tokenizer, seq.prompt)
+    split = harmony.splitter(engine.text.tokenizer, seq.prompt)
     replies_ = render.ResponseReplies(gen, call.body, request_id, split)
-    reader = ToolStream(gen.tools, engine.text.tool_markup) if gen.tools is not None else None
+    reader = harmony.reader(gen.tools, engine.text.tool_markup, split)
     if gen.stream:
 
         def error_event(e: ApiError) -> bytes:
