@@ -256,6 +256,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
                 max_connections=args.max_connections,
                 header_timeout=args.header_timeout,
                 keep_alive_timeout=args.keep_alive_timeout,
+                page=not args.no_page,
             ),
             deadlines=Deadlines(step=args.step_timeout),
             limits=Scheduling(

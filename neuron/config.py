@@ -208,6 +208,7 @@ SETTINGS = {
             "anything, e.g. https://*.example.com (unset: loopback pages only; `*`: any)",
             check=_not_blank,
         ),
+        Setting("no_page", bool, False, "serve no page at / (default: a chat and the cluster's status, for browsers)"),
         Setting(
             "allowed_hosts",
             str,
@@ -354,6 +355,7 @@ SERVE_SETTINGS = (
     "port",
     "api_key",
     "allowed_origins",
+    "no_page",
     "allowed_hosts",
     "max_connections",
     "header_timeout",

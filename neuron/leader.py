@@ -83,6 +83,7 @@ class HttpLimits:
     max_connections: int = 1024
     header_timeout: float = 10.0
     keep_alive_timeout: float = 5.0
+    page: bool = True  # the page at / (neuron.server.page)
 
 
 # Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
@@ -264,7 +265,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     http = options.http
     allowed = Allowed.build(http.allowed_origins, http.allowed_hosts, listen=options.host)
     config = uvicorn.Config(
-        build_app(state, allowed),
+        build_app(state, allowed, with_page=http.page),
         http=bounded(connection_limit(http.max_connections), http.header_timeout),
         ws="none",
         lifespan="off",

@@ -59,6 +59,8 @@ FAMILIES = (
     "tokenize",
     "models",
     "health",
+    "status",
+    "page",
 )
 
 

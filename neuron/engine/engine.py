@@ -29,6 +29,7 @@ import dataclasses
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
+EVENTS_KEPT = 20
 RETRY_S = (1, 2, 4, 8, 15)  # seconds before recovering again after a failed try: soon at first
 
 
@@ -90,6 +92,8 @@ class Engine:
         self.lost = anyio.Event()
         self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
         self.recoveries = 0  # lost groups replaced in this process
+        # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         budget = self.limits.prefix_cache_bytes
         support = architectures.supports(config)
         # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
@@ -329,6 +333,8 @@ class Engine:
         started = time.perf_counter()
         self._busy_since = None  # not a wedged step: recovering has deadlines of its own
         log.warning("recovering", cause=str(cause), paused=self.waiting)
+        ranks = sorted(cause.failures) if cause is not None else []
+        self.events.append({"at": time.time(), "event": "lost", "ranks": ranks, "reason": str(cause)})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._expire_paused)
             failure = await self._try_to_recover(cause, started)
@@ -336,10 +342,12 @@ class Engine:
         if failure is not None:
             log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
             self.health = Health(False, f"{cause}; recovery failed: {failure}")
+            self.events.append({"at": time.time(), "event": "recovery failed", "ranks": ranks, "reason": failure})
             self.lost.set()
             self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
             await anyio.sleep_forever()  # the leader cancels the engine and restarts
         self.recoveries += 1
+        self.events.append({"at": time.time(), "event": "recovered", "ranks": ranks, "reason": str(cause)})
         log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
 
     async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:

@@ -121,11 +121,17 @@ class Pool:
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
+        self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
 
     @property
     def workers(self) -> tuple[Link, ...]:
         """The workers' links, by rank; the fan-out owns the list."""
         return tuple(self._fan_out.workers)
+
+    @property
+    def said(self) -> tuple[rpc.HostInfo, ...]:
+        """What each rank said about its host in its last handshake, by rank (its free memory then)."""
+        return tuple(self._hosts_said)
 
     @property
     def broken(self) -> PoolError | None:
@@ -228,7 +234,8 @@ class Pool:
         )
         paths = {rank: reply.path for rank, reply in checked.items()}
         check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
-        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
+        self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
+        check_memory(self.weights, self._hosts_said, self.hosts)
         for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
