@@ -19,8 +19,8 @@ from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
 if TYPE_CHECKING:
-    from neuron.rpc import HostInfo
     from neuron.engine.engine import Engine
+    from neuron.rpc import HostInfo
 
 # Whether the model takes images; the vision work sets it where a model does.
 VISION = False

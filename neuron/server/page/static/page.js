@@ -273,9 +273,12 @@ function chart(svg, label, points, unit) {
   const NS = "http://www.w3.org/2000/svg";
   svg.replaceChildren();
   const top = Math.max(...points.map((p) => p[1]), 1e-9);
-  const t0 = Date.now() - HISTORY_MS;
+  const now = Date.now();
+  // The axis spans the last five minutes, or the time since the page opened where that is shorter.
+  const t0 = Math.max(now - HISTORY_MS, points.length ? points[0][0] : now);
+  const span = Math.max(now - t0, 1);
   const line = document.createElementNS(NS, "polyline");
-  const coords = points.map(([t, v]) => `${(((t - t0) / HISTORY_MS) * 300).toFixed(1)},${(78 - (v / top) * 74).toFixed(1)}`);
+  const coords = points.map(([t, v]) => `${(((t - t0) / span) * 298 + 1).toFixed(1)},${(78 - (v / top) * 74).toFixed(1)}`);
   line.setAttribute("points", coords.join(" "));
   svg.append(line);
   const last = points.length ? points[points.length - 1][1] : 0;
@@ -358,7 +361,7 @@ function renderStatus(status) {
       ["host name", rank.hostname],
       ["device", rank.device],
       ["memory used (weights)", bytes(used)],
-      ["memory free", bytes(rank.free_bytes)],
+      ["memory free (when it joined)", bytes(rank.free_bytes)],
       ["layers", rank.layers ? `${rank.layers[0]}–${rank.layers[1] - 1}` : "–"],
       ["attention heads", rank.heads ?? "all"],
     ]);
