@@ -157,6 +157,7 @@ def test_a_chat_streams_a_reply_from_the_embedded_model(chat: Any, shots: Path) 
     assert reply.locator(".error").count() == 0, reply.text_content()
     assert reply.locator("details.reasoning").is_hidden(), "SmolLM2 does not reason"
     chat.reload()  # the conversation was kept in the browser
+    chat.wait_for_selector("#readiness.ready")
     assert chat.locator(".message.user .content").last.text_content() == "What is the capital of France?"
     assert chat.locator(".message.assistant .content").last.text_content()
     shoot(chat, shots, "chat")

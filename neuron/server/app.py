@@ -1,11 +1,11 @@
 """The HTTP application: every family's routes put together on Starlette, behind the guard and CORS. No MLX.
 
-The routes (14): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the model list
-(``models``), and one family per API: ``chat_completions``, ``completions``, ``responses``, ``messages``
-(Anthropic's, with ``count_tokens``), ``embeddings`` and ``tokenize`` (with ``/detokenize``); the cluster's
-``status``, and the ``page`` for people at ``/`` that shows it beside a chat. Each family holds
-its body's checks, its replies and its part of the OpenAPI document; what they share is ``common/``, and the
-request's skeleton (key, body, errors, disconnects, server-sent events) is ``http``.
+The routes (15, and the page's 2): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the
+model list (``models``), and one family per API: ``chat_completions``, ``completions``, ``responses``,
+``messages`` (Anthropic's, with ``count_tokens``), ``embeddings`` and ``tokenize`` (with ``/detokenize``); the
+cluster's ``status``, and the ``page`` for people at ``/`` that shows it beside a chat. Each family holds its body's
+checks, its replies and its part of the OpenAPI document; what they share is ``common/``, and the request's
+skeleton (key, body, errors, disconnects, server-sent events) is ``http``.
 
 Why Starlette and not FastAPI: every refusal must be OpenAI's (or Anthropic's) error body naming the field.
 FastAPI's pydantic validation answers 422 in its own shape, which we would have to undo; Starlette is the

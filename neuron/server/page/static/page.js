@@ -374,7 +374,8 @@ function renderStatus(status) {
   for (const event of status.events) {
     const when = new Date(event.at * 1000).toLocaleTimeString();
     const who = event.ranks.length ? `rank ${event.ranks.join(", ")}` : "the group";
-    events.append(el("li", { cls: event.event.replace(" ", "-"), text: `${when} ${who} ${event.event}: ${event.reason}` }));
+    const cause = event.event === "lost" ? event.reason : "after " + event.reason;
+    events.append(el("li", { cls: event.event.replace(" ", "-"), text: `${when} ${who} ${event.event}: ${cause}` }));
   }
   if (!status.events.length) events.append(el("li", { cls: "muted", text: "none" }));
 }
