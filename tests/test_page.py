@@ -8,11 +8,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
+from pathlib import Path
 
 import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
+from neuron import config
+from neuron.cli import _parser
 from neuron.server.app import ServerState, build_app
 from neuron.server.page.routes import FILES
 
@@ -110,3 +113,23 @@ def test_the_page_can_be_turned_off() -> None:
         assert client.get("/").status_code == 404
         assert client.get("/page/page.js").status_code == 404
         assert client.get("/v1/status").status_code == 200  # the status route stays: clients may poll it
+
+
+def test_the_page_is_turned_off_by_a_flag_the_environment_or_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_page(*argv: str) -> bool:
+        args = _parser().parse_args(["serve", "--config", str(file), *argv])
+        assert config.resolve(args, config.SERVE_SETTINGS, layered=True) == []
+        return bool(args.no_page)
+
+    file = tmp_path / "neuron.toml"
+    file.write_text("")
+    monkeypatch.delenv("NEURON_NO_PAGE", raising=False)
+    assert not no_page()
+    assert no_page("--no-page")
+    monkeypatch.setenv("NEURON_NO_PAGE", "1")
+    assert no_page()
+    monkeypatch.delenv("NEURON_NO_PAGE")
+    file.write_text("no_page = true\n")
+    assert no_page()

@@ -36,6 +36,7 @@ ARGS = [
     "--disable-sync",
 ]
 TIMEOUT_MS = 60_000
+KEY = "sk-browser-test"
 
 
 def _missing() -> str | None:
@@ -53,8 +54,8 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 @pytest.fixture(scope="module")
 def chat_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The embedded model, for the chat."""
-    with serving(tmp_path_factory, "--model", str(smollm2)) as s:
+    """The embedded model, for the chat, behind an API key the page must ask for."""
+    with serving(tmp_path_factory, "--model", str(smollm2), api_key=KEY) as s:
         yield s
 
 
@@ -108,8 +109,12 @@ class Browser:
         self.servers.append(server.url)
         page = self.context.new_page()
         page.on("pageerror", lambda e: self.errors.append(str(e)))
-        page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        # The browser reports each refused status poll (401, before the key is given) as a console error.
+        page.on("console", lambda m: m.type == "error" and "401" not in m.text and self.errors.append(m.text))
         page.goto(server.url + "/")
+        if server.api_key:
+            page.fill("#key-input", server.api_key)
+            page.click("#key-form button")
         page.wait_for_selector("#readiness.ready")
         return page
 
@@ -142,6 +147,9 @@ def send(page: Any, text: str, max_tokens: int) -> Any:
 
 
 def test_the_page_loads_and_shows_the_model(chat: Any, chat_server: Server, shots: Path) -> None:
+    assert chat.locator("#key-form").is_hidden(), "the key was taken"
+    assert KEY not in chat.content() and KEY not in str(chat.evaluate("JSON.stringify(localStorage)"))
+    assert chat.evaluate("sessionStorage.getItem('neuron.key')") == KEY, "the key is kept in the tab only"
     assert chat.locator("#model-name").text_content() == chat_server.find_log("serving")["model"]
     assert chat.locator("#attach-label").is_hidden(), "the model takes no images: no attach button"
     shoot(chat, shots, "loaded")
