@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from conftest import ROOT, Server, serving
 
@@ -155,7 +156,7 @@ def test_the_page_loads_and_shows_the_model(chat: Any, chat_server: Server, shot
     shoot(chat, shots, "loaded")
 
 
-def test_a_chat_streams_a_reply_from_the_embedded_model(chat: Any, shots: Path) -> None:
+def test_a_chat_streams_a_reply_from_the_embedded_model(chat: Any, chat_server: Server, shots: Path) -> None:
     chat.click("#new-chat")
     reply = send(chat, "What is the capital of France?", 24)
     wait_until(lambda: bool(reply.locator(".content").text_content()), 60, "the first words of the reply")
@@ -164,6 +165,10 @@ def test_a_chat_streams_a_reply_from_the_embedded_model(chat: Any, shots: Path) 
     assert reply.locator(".content").text_content().startswith(words), "the reply grew as it streamed"
     assert reply.locator(".error").count() == 0, reply.text_content()
     assert reply.locator("details.reasoning").is_hidden(), "SmolLM2 does not reason"
+    chat.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=chat_server.url)
+    reply.locator("button.copy").click()
+    chat.wait_for_selector(".message.assistant button.copy:text('Copied')")
+    assert chat.evaluate("navigator.clipboard.readText()") == reply.locator(".content").text_content()
     chat.reload()  # the conversation was kept in the browser
     chat.wait_for_selector("#readiness.ready")
     assert chat.locator(".message.user .content").last.text_content() == "What is the capital of France?"
@@ -206,6 +211,9 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     assert ranks.count() == 2
     assert "layers" in page.locator('.rank[data-rank="0"]').text_content()
     status = httpx.get(f"{server.url}/v1/status").json()
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    jsonschema.validate(status, {**schema, "components": document["components"]})
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["model"]["architecture"]["model_type"] == "qwen3"
     shoot(page, shots, "cluster")
     os.kill(worker_pid(server), signal.SIGKILL)
