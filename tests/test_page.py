@@ -18,6 +18,7 @@ from neuron import config
 from neuron.cli import _parser
 from neuron.server.app import ServerState, build_app
 from neuron.server.page.routes import FILES
+from neuron.server.status import rank_state
 
 pytestmark = pytest.mark.unit
 
@@ -133,3 +134,11 @@ def test_the_page_is_turned_off_by_a_flag_the_environment_or_the_file(
     monkeypatch.delenv("NEURON_NO_PAGE")
     file.write_text("no_page = true\n")
     assert no_page()
+
+
+def test_a_rank_named_by_the_broken_group_is_lost_and_the_others_wait_for_the_new_group() -> None:
+    killed = {1: "worker pid 7 was killed by SIGKILL"}
+    assert rank_state(1, killed, loaded=True) == ("lost", killed[1])
+    assert rank_state(0, killed, loaded=True) == ("starting", None)
+    assert rank_state(1, None, loaded=False) == ("starting", None)  # the new group loads the model
+    assert rank_state(1, None, loaded=True) == ("ok", None)

@@ -22,9 +22,6 @@ if TYPE_CHECKING:
     from neuron.engine.engine import Engine
     from neuron.rpc import HostInfo
 
-# Whether the model takes images; the vision work sets it where a model does.
-VISION = False
-
 
 @functools.lru_cache(maxsize=4)
 def _config(model_path: str) -> dict[str, Any]:
@@ -68,6 +65,16 @@ def _device(info: HostInfo, backend: str) -> str:
     return f"{kind} ({info.platform})"
 
 
+def rank_state(rank: int, failures: dict[int, str] | None, loaded: bool) -> tuple[str, str | None]:
+    """A rank's state and why: ``lost`` where the broken group names it, ``starting`` while the group is broken
+    by another rank or (re)loading the model, else ``ok``."""
+    if failures is not None and rank in failures:
+        return "lost", failures[rank]
+    if failures is not None or not loaded:
+        return "starting", None
+    return "ok", None
+
+
 def ranks(engine: Engine) -> list[dict[str, Any]]:
     pool = engine.pool
     broken = pool.broken
@@ -78,12 +85,7 @@ def ranks(engine: Engine) -> list[dict[str, Any]]:
     out = []
     for rank, host in enumerate(pool.hosts):
         info = said[rank] if rank < len(said) else None
-        if broken is not None and rank in broken.failures:
-            state, reason = "lost", broken.failures[rank]
-        elif broken is not None or not pool.loaded:
-            state, reason = "starting", None
-        else:
-            state, reason = "ok", None
+        state, reason = rank_state(rank, broken.failures if broken is not None else None, pool.loaded)
         staged = rank < len(pool.layers)
         out.append(
             {
@@ -129,7 +131,7 @@ def status(call: Call) -> dict[str, Any]:
     reason = not_ready_because(state)
     body: dict[str, Any] = {
         "object": "status",
-        "model": {"id": state.model_id, "vision": VISION, "architecture": None, "context_length": None},
+        "model": {"id": state.model_id, "vision": False, "architecture": None, "context_length": None},
         "ready": reason is None,
         "reason": reason or "ready",
         "started": state.started,
@@ -142,7 +144,12 @@ def status(call: Call) -> dict[str, Any]:
     if engine is None:
         return body
     pool = engine.pool
-    body["model"] |= {"architecture": architecture(pool.model_path), "context_length": engine.context_length}
+    body["model"] |= {
+        "architecture": architecture(pool.model_path),
+        "context_length": engine.context_length,
+        # The page offers to attach an image only where the engine says its model takes images.
+        "vision": bool(getattr(engine, "vision", False)),
+    }
     body |= {
         "world_size": pool.world_size,
         "pipeline_stages": len(pool.layers) or 1,
