@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from neuron import config
 from neuron.cli import _parser
+from neuron.engine.recent import Recent
 from neuron.server.app import ServerState, build_app
 from neuron.server.page.routes import FILES
 from neuron.server.status import rank_state
@@ -142,3 +143,12 @@ def test_a_rank_named_by_the_broken_group_is_lost_and_the_others_wait_for_the_ne
     assert rank_state(0, killed, loaded=True) == ("starting", None)
     assert rank_state(1, None, loaded=False) == ("starting", None)  # the new group loads the model
     assert rank_state(1, None, loaded=True) == ("ok", None)
+
+
+def test_the_recent_steps_are_summed_by_second_and_forgotten_after_the_last_minutes() -> None:
+    recent = Recent(kept=60)
+    recent.add(0.010, 2, now=1000.2)
+    recent.add(0.030, 1, now=1000.9)
+    recent.add(0.020, 0, now=1002.5)
+    assert recent.seconds(now=1003) == [[1000.0, 2, 0.04, 3], [1002.0, 1, 0.02, 0]]
+    assert recent.seconds(now=1060.5) == [[1002.0, 1, 0.02, 0]]  # 1000 is over a minute ago

@@ -214,6 +214,11 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     document = httpx.get(f"{server.url}/openapi.json").json()
     schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     jsonschema.validate(status, {**schema, "components": document["components"]})
+    body = {"model": status["model"]["id"], "prompt": "Hello", "max_tokens": 8}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    recent = httpx.get(f"{server.url}/v1/status").json()["recent"]
+    assert sum(tokens for *_, tokens in recent) >= 7 and all(steps >= 1 for _, steps, _, _ in recent), recent
+    assert page.locator("#chart-step polyline").get_attribute("points")
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["model"]["architecture"]["model_type"] == "qwen3"
     shoot(page, shots, "cluster")
     os.kill(worker_pid(server), signal.SIGKILL)

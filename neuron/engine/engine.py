@@ -44,6 +44,7 @@ from neuron.engine import resume
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.recent import Recent
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
@@ -94,6 +95,7 @@ class Engine:
         self.recoveries = 0  # lost groups replaced in this process
         # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.recent = Recent()  # the steps of the last minutes, for the status route's charts
         budget = self.limits.prefix_cache_bytes
         support = architectures.supports(config)
         # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
@@ -288,6 +290,7 @@ class Engine:
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         deliveries = self.scheduler.apply(step, sampled, self.text, ms)
+        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.text is not None))
         cost = self.scheduler.cost
         trace(
             log,

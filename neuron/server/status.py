@@ -8,6 +8,7 @@ Counters, not rates: the page keeps its own history between polls, so that the s
 from __future__ import annotations
 
 import functools
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -140,6 +141,8 @@ def status(call: Call) -> dict[str, Any]:
         "queue": {"waiting": 0, "running": 0},
         "events": [],
         "recoveries": 0,
+        "recent": [],
+        "now": time.time(),
     }
     if engine is None:
         return body
@@ -157,6 +160,7 @@ def status(call: Call) -> dict[str, Any]:
         "queue": {"waiting": engine.waiting, "running": engine.running},
         "events": list(engine.events),
         "recoveries": engine.recoveries,
+        "recent": engine.recent.seconds(),
         **caches(engine),
     }
     return body
@@ -203,7 +207,18 @@ def openapi(spec: Spec) -> OpenApi:
     number_map: Schema = {"type": "object", "additionalProperties": {"type": "number"}}
     body: Schema = {
         "type": "object",
-        "required": ["object", "model", "ready", "reason", "counters", "ranks", "queue", "events", "recoveries"],
+        "required": [
+            "object",
+            "model",
+            "ready",
+            "reason",
+            "counters",
+            "ranks",
+            "queue",
+            "events",
+            "recoveries",
+            "recent",
+        ],
         "properties": {
             "object": {"const": "status"},
             "model": {
@@ -228,6 +243,12 @@ def openapi(spec: Spec) -> OpenApi:
             "prefix_cache": {"type": "object"},
             "events": {"type": "array", "items": event},
             "recoveries": integer,
+            "now": {"type": "number", "description": "the server's clock, in unix seconds, for ``recent``"},
+            "recent": {
+                "description": "the last minutes' seconds that had steps: [unix second, steps, step seconds, tokens]",
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4},
+            },
         },
     }
     paths = {

@@ -251,7 +251,6 @@ $("attach").addEventListener("change", () => {
 // The cluster, from /v1/status.
 
 let modelId = null;
-const samples = []; // {t, counters}
 
 function bytes(n) {
   if (n === null || n === undefined) return "–";
@@ -272,29 +271,29 @@ function facts(dl, pairs) {
 function chart(svg, label, points, unit) {
   const NS = "http://www.w3.org/2000/svg";
   svg.replaceChildren();
-  const top = Math.max(...points.map((p) => p[1]), 1e-9);
-  const now = Date.now();
-  // The axis spans the last five minutes, or the time since the page opened where that is shorter.
-  const t0 = Math.max(now - HISTORY_MS, points.length ? points[0][0] : now);
-  const span = Math.max(now - t0, 1);
+  const values = points.map((p) => p[1]);
+  const top = Math.max(...values, 1e-9);
   const line = document.createElementNS(NS, "polyline");
-  const coords = points.map(([t, v]) => `${(((t - t0) / span) * 298 + 1).toFixed(1)},${(78 - (v / top) * 74).toFixed(1)}`);
+  const coords = points.map(([x, v]) => `${(x * 298 + 1).toFixed(1)},${(78 - (v / top) * 74).toFixed(1)}`);
   line.setAttribute("points", coords.join(" "));
   svg.append(line);
-  const last = points.length ? points[points.length - 1][1] : 0;
-  label.textContent = `now ${last.toFixed(1)} ${unit}, peak ${points.length ? top.toFixed(1) : "0"} ${unit} (last 5 min)`;
+  const busy = values.filter((v) => v > 0);
+  const mean = busy.length ? busy.reduce((a, b) => a + b, 0) / busy.length : 0;
+  label.textContent = `peak ${Math.max(...values, 0).toFixed(1)} ${unit}, mean ${mean.toFixed(1)} ${unit} while busy (last 5 min)`;
 }
 
-function rates() {
+// The server's seconds of the last five minutes, each with its steps (a second without one is idle: zero).
+function series(status) {
+  const now = Math.floor(status.now);
+  const span = HISTORY_MS / 1000;
+  const bySecond = new Map(status.recent.map((b) => [b[0], b]));
   const step = [];
   const tps = [];
-  for (let i = 1; i < samples.length; i++) {
-    const a = samples[i - 1];
-    const b = samples[i];
-    const seconds = (b.t - a.t) / 1000;
-    const steps = b.counters.steps - a.counters.steps;
-    step.push([b.t, steps > 0 ? ((b.counters.step_seconds - a.counters.step_seconds) / steps) * 1000 : 0]);
-    tps.push([b.t, seconds > 0 ? (b.counters.completion_tokens - a.counters.completion_tokens) / seconds : 0]);
+  for (let s = now - span + 1; s <= now; s++) {
+    const b = bySecond.get(s);
+    const x = (s - (now - span + 1)) / (span - 1);
+    step.push([x, b && b[1] ? (b[2] / b[1]) * 1000 : 0]);
+    tps.push([x, b ? b[3] : 0]);
   }
   return { step, tps };
 }
@@ -338,10 +337,7 @@ function renderStatus(status) {
     ["prefix hits", `${status.counters.prefix_cache_hits} hit, ${status.counters.prefix_cache_misses} missed`],
     ["recoveries", status.recoveries],
   ]);
-  const now = Date.now();
-  samples.push({ t: now, counters: status.counters });
-  while (samples.length && samples[0].t < now - HISTORY_MS) samples.shift();
-  const { step, tps } = rates();
+  const { step, tps } = series(status);
   chart($("chart-step"), $("chart-step-label"), step, "ms");
   chart($("chart-tps"), $("chart-tps-label"), tps, "tok/s");
 
