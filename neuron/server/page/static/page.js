@@ -64,10 +64,17 @@ let streaming = null; // the AbortController of the reply being streamed
 let image = null; // a data: URL attached to the next message
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(conversations));
+  } catch {
+    // Over the browser's quota (images are large): keep the words, drop the images.
+    const words = conversations.map((c) => ({ ...c, messages: c.messages.map((m) => ({ ...m, content: textOf(m.content) })) }));
+    localStorage.setItem(STORE, JSON.stringify(words));
+  }
 }
 
 function newConversation() {
+  if (current && current.messages.length === 0) return render(); // the empty one at hand will do
   current = { id: Date.now().toString(36), title: "New chat", messages: [] };
   conversations.unshift(current);
   save();
