@@ -294,7 +294,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
     )
     config = uvicorn.Config(
-        build_app(state, allowed),
+        build_app(state, allowed, with_page=not http.no_page),
         http=bounded(connection_limit(http.max_connections), http.header_timeout),
         ws="none",
         lifespan="off",

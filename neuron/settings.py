@@ -311,6 +311,7 @@ class HttpLimits:
         positive=True,
     )
     keep_alive_timeout: float = setting(5.0, "seconds an idle connection stays open between requests", positive=True)
+    no_page: bool = setting(False, "serve no page at / (a chat and the cluster's status, for browsers)")
 
 
 @dataclass(frozen=True, slots=True)

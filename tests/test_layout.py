@@ -64,6 +64,8 @@ FAMILIES = (
     "tokenize",
     "models",
     "health",
+    "status",
+    "page",
 )
 
 

@@ -29,6 +29,7 @@ import dataclasses
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,6 +42,7 @@ from neuron import architectures, device, metrics
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovering
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, Unavailable
@@ -56,6 +58,7 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
+EVENTS_KEPT = 20
 
 
 class Engine(Recovering):
@@ -85,6 +88,9 @@ class Engine(Recovering):
         self.lost = anyio.Event()
         self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
         self.recoveries = 0  # lost groups replaced in this process
+        # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.recent = Recent()  # the steps of the last minutes, for the status route's charts
         budget = self.limits.prefix_cache_bytes
         support = architectures.supports(config)
         # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
@@ -278,6 +284,7 @@ class Engine(Recovering):
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         deliveries = self.scheduler.update(step, sampled, ms)
+        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost
         trace(
             log,

@@ -13,8 +13,9 @@ decisions (whom a loss is blamed on, when a request gives up) are
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -47,6 +48,7 @@ class Recovering:
     health: Health
     lost: anyio.Event
     recoveries: int
+    events: deque[dict[str, Any]]  # the latest losses and recoveries, as the status route shows them
     _in_flight: Step | None
     _wakeup: anyio.Event
     _busy_since: float | None
@@ -90,6 +92,8 @@ class Recovering:
         started = time.perf_counter()
         self._busy_since = None  # not a wedged step: recovering has deadlines of its own
         log.warning("recovering", cause=str(cause), paused=self.waiting)
+        ranks = sorted(cause.failures) if cause is not None else []
+        self.events.append({"at": time.time(), "event": "lost", "ranks": ranks, "reason": str(cause)})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._expire_paused)
             failure = await self._try_to_recover(cause, started)
@@ -97,10 +101,12 @@ class Recovering:
         if failure is not None:
             log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
             self.health = Health(False, f"{cause}; recovery failed: {failure}")
+            self.events.append({"at": time.time(), "event": "recovery failed", "ranks": ranks, "reason": failure})
             self.lost.set()
             self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
             await anyio.sleep_forever()  # the leader cancels the engine and restarts
         self.recoveries += 1
+        self.events.append({"at": time.time(), "event": "recovered", "ranks": ranks, "reason": str(cause)})
         log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
 
     async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:

@@ -44,7 +44,8 @@ class Loading(Ranks):
         )
         paths = {rank: reply.path for rank, reply in checked.items()}
         check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
-        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
+        self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
+        check_memory(self.weights, self._hosts_said, self.hosts)
         for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])

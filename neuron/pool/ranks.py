@@ -83,11 +83,17 @@ class Ranks:
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
+        self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
 
     @property
     def workers(self) -> tuple[Link, ...]:
         """The workers' links, by rank; the fan-out owns the list."""
         return tuple(self._fan_out.workers)
+
+    @property
+    def said(self) -> tuple[rpc.HostInfo, ...]:
+        """What each rank said about its host in its last handshake, by rank (its free memory then)."""
+        return tuple(self._hosts_said)
 
     @property
     def broken(self) -> PoolError | None:

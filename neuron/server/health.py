@@ -10,22 +10,13 @@ from starlette.responses import Response
 
 from neuron import metrics
 from neuron.server.common.errors import not_ready
+from neuron.server.common.readiness import not_ready_because
 from neuron.server.common.schema import OpenApi, Schema, Spec, get, replies
-from neuron.server.http import Call, Endpoint, OrjsonResponse, ServerState, error_response
+from neuron.server.http import Call, Endpoint, OrjsonResponse, error_response
 
 
 async def health(call: Call) -> Response:
     return OrjsonResponse({"status": "ok"})
-
-
-def not_ready_because(state: ServerState) -> str | None:
-    """Why the server is not ready to generate, or None when it is."""
-    engine = state.engine
-    if engine is None:
-        return state.status
-    if not engine.accepting:
-        return "shutting down"
-    return None if engine.health.ready else engine.health.reason
 
 
 async def ready(call: Call) -> Response:
