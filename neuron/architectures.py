@@ -2,8 +2,8 @@
 
 No MLX here: the leader checks a model against this table before it spawns a
 worker or a worker reads a weight (``tp.shard.check_splittable``), and the
-README's table is generated from it (``python -m neuron.architectures``;
-tests/test_architectures.py checks the README holds what it prints).
+docs' architectures reference is written from it as the site builds (neuron/reference.py;
+``python -m neuron.architectures`` prints the table).
 
 The caches a model builds decide the rest. Plain key/value caches can be cut
 back to any length, so a prefix-cache entry restores any beginning of a saved
@@ -170,7 +170,7 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
 
 
 def markdown() -> str:
-    """The README's table of architectures, one row each."""
+    """The docs' table of architectures, one row each."""
     rows = [
         "| architecture | caches | `--tp` | `--pp` | batching | prefix cache restores | speculation | running ahead "
         "| images |",

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from neuron import __version__, config
+from neuron import __version__, catalog, config
 
 if TYPE_CHECKING:
     from neuron.leader import Restart
@@ -41,18 +41,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"TOML file of settings (default: ${config.CONFIG_ENV}, else {config.DEFAULT_CONFIG} when present)",
     )
-    config.add_arguments(serve, config.SERVE_SETTINGS)
+    config.add_arguments(serve, "serve")
 
-    gen = commands.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    config.add_arguments(gen, config.MODEL_SETTINGS)
+    gen = commands.add_parser(
+        "generate", help="answer one prompt: the text on stdout, progress and a summary on stderr"
+    )
     gen.add_argument("prompt", metavar="PROMPT")
-    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, help="make sampling reproducible")
+    config.add_arguments(gen, "generate")
+    catalog.add_commands(commands)  # pull, models, models rm: the Hugging Face cache (neuron/catalog.py)
     return parser
 
 
@@ -81,32 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    problems = config.resolve(
-        args,
-        config.SERVE_SETTINGS if args.command == "serve" else config.MODEL_SETTINGS,
-        layered=args.command == "serve",
-    )
+    if args.command in catalog.COMMANDS:
+        return catalog.run(args)
+    problems = config.resolve(args, args.command)
     if args.command == "serve":
         from neuron.models import outside
 
         if problem := outside(args.model, args.model_dirs):
             problems.append(problem)
-    problems += _read_hosts(args)
+    if "hosts" in config.names(args.command):
+        problems += _read_hosts(args)
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
 
-        args.sampling = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-        )
+        args.sampling = config.build(SamplingParams, args)
         # Each problem starts with the field's name: say it as the flag the user typed.
         problems += ["--" + problem.replace("_", "-", problem.index(" ")) for problem in args.sampling.problems()]
-        if args.max_tokens == 0:  # the API's 0 scores a prompt (echo); generate has nothing to show for it
-            problems.append("--max-tokens must be at least 1")
     if problems:
         parser.error("; ".join(problems))
 
@@ -236,73 +222,28 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
     from neuron import images
-    from neuron.engine.scheduler import Scheduling
-    from neuron.leader import HttpLimits, ServeOptions, run_leader
+    from neuron.hub import parse
+    from neuron.leader import ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
-    from neuron.server.guard import split_list
+    from neuron.settings import HttpLimits, ImageLimits, Scheduling, Serving
 
-    images.LIMITS = images.Limits(max_images=args.max_images, max_pixels=args.max_image_pixels)
+    images.LIMITS = config.build(ImageLimits, args)
     return await run_leader(
         ServeOptions(
-            model_path=resolve(args.model),
+            model_path=None if parse(args.model) else resolve(args.model),  # a Hub name is fetched once serving
             model=args.model,
             model_id=model_id(args.model),
             layout=_layout(args),
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key.strip() if args.api_key else None,
-            http=HttpLimits(
-                allowed_origins=split_list(args.allowed_origins),
-                allowed_hosts=split_list(args.allowed_hosts),
-                max_connections=args.max_connections,
-                header_timeout=args.header_timeout,
-                keep_alive_timeout=args.keep_alive_timeout,
-            ),
+            serving=config.build(Serving, args),
+            http=config.build(HttpLimits, args),
             deadlines=Deadlines(step=args.step_timeout),
-            limits=Scheduling(
-                max_batch=args.max_batch,
-                max_waiting=args.max_waiting,
-                prefill_chunk=args.prefill_chunk,
-                max_context=args.max_context,
-                micro_batches=args.micro_batches,
-                prefix_cache_bytes=args.prefix_cache_bytes,
-                max_n=args.max_n,
-                speculate=args.speculate,
-                run_ahead=args.run_ahead,
-                resume_timeout=args.resume_timeout,
-                resume_tries=args.resume_tries,
-                pooling_type=args.pooling_type,
-            ),
-            drain_timeout=args.drain_timeout,
+            limits=config.build(Scheduling, args),
         )
     )
 
 
 async def _generate(args: argparse.Namespace) -> None:
-    from neuron.engine.engine import Engine
-    from neuron.engine.scheduler import Scheduling
-    from neuron.engine.sequence import Chunk, Failure
-    from neuron.models import resolve
-    from neuron.pool import Deadlines
+    from neuron.generate import generate
 
-    path = resolve(args.model)
-    deadlines = Deadlines(step=args.step_timeout)
-    # One prompt per process: nothing to share in a prefix cache.
-    limits = Scheduling(prefix_cache_bytes=0)
-    async with Engine.open(path, _layout(args), deadlines, limits, model=args.model) as engine:
-        if args.chat:
-            prompt = engine.text.encode_chat([{"role": "user", "content": args.prompt}])
-        else:
-            prompt = engine.text.encode(args.prompt)
-        seq = engine.submit(prompt, args.sampling)
-        try:
-            async for event in seq.events:
-                if isinstance(event, Failure):
-                    raise RuntimeError(event.message)
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
-                if not isinstance(event, Chunk):
-                    sys.stdout.write("\n")
-        finally:
-            engine.cancel(seq)
+    await generate(args, _layout(args))

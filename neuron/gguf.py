@@ -1,9 +1,10 @@
-"""Convert a llama-architecture GGUF file into an MLX model folder, once.
+"""Convert a GGUF file (llama and Mistral, Qwen2, Qwen3, Gemma) into an MLX model folder, once.
 
 ``mx.load`` reads GGUF natively, quantized blocks included, so no llama.cpp
 code is needed: this module dequantizes, renames tensors to the Hugging Face
-names mlx-lm expects, undoes llama.cpp's rotary permutation of the q/k rows,
-and rebuilds the tokenizer and chat template from the metadata.
+names mlx-lm expects, undoes what llama.cpp's converter changed (the rotary
+permutation of llama's q/k rows, the 1 it adds to Gemma's norms), and rebuilds
+the tokenizer and chat template from the metadata.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,11 +41,33 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """How a GGUF architecture maps onto mlx-lm's model of the same shape."""
+
+    model_type: str
+    hf_class: str
+    permuted: bool  # llama.cpp's converter interleaved the rotary halves of q/k rows (llama's rope layout)
+    norm_offset: float = 0.0  # llama.cpp's converter added this to every norm weight (Gemma's 1 + w)
+
+
+# By ``general.architecture``; the GGUF's metadata keys start with that name. Any other is refused by name.
+# llama.cpp writes Mistral's models (7B, Nemo) as llama; its gemma2, gemma3 and mistral3 need more than this.
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", permuted=True),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", permuted=False),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permuted=False),
+    "gemma": Arch("gemma", "GemmaForCausalLM", permuted=False, norm_offset=1.0),
+}
 
 # GGUF quantizes in blocks of 32 values (Q4_0, Q4_1, Q8_0), which MLX reads as groups of 32.
 _GGUF_GROUP = 32
@@ -67,7 +91,7 @@ def _hf_name(name: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{leaf}"
-    raise GGUFError(f"unexpected tensor {name!r} in a llama GGUF")
+    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file: neuron does not know where it goes")
 
 
 def _unpermute(weight: mx.array, heads: int) -> mx.array:
@@ -76,7 +100,9 @@ def _unpermute(weight: mx.array, heads: int) -> mx.array:
     return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _weights(arrays: dict[str, mx.array], heads: int, kv_heads: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+def _weights(
+    arrays: dict[str, mx.array], arch: Arch, heads: int, kv_heads: int, dtype: mx.Dtype
+) -> dict[str, mx.array]:
     import mlx.core as mx
 
     out = {}
@@ -90,30 +116,49 @@ def _weights(arrays: dict[str, mx.array], heads: int, kv_heads: int, dtype: mx.D
                 bits = weight.shape[-1] // scales.shape[-1]
                 weight = mx.dequantize(weight, scales, arrays.get(f"{base}.biases"), group_size=_GGUF_GROUP, bits=bits)
             weight = weight.astype(dtype)
-            if base.endswith(".attn_q"):
+            if arch.permuted and base.endswith(".attn_q"):
                 weight = _unpermute(weight, heads)
-            elif base.endswith(".attn_k"):
+            elif arch.permuted and base.endswith(".attn_k"):
                 weight = _unpermute(weight, kv_heads)
+            elif arch.norm_offset and base.endswith("norm"):
+                weight = weight - arch.norm_offset
             mx.eval(weight)
             out[_hf_name(name)] = weight
             advance()
     return out
 
 
-def _tokenizer_json(meta: dict[str, Any]) -> str:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+# Pre-tokenizer splits by ``tokenizer.ggml.pre``, as the models' own tokenizer.json files hold them.
+_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
+_REST = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_SPLIT_REGEX = {
+    "qwen2": rf"{_LETTERS}|\p{{N}}|{_REST}",
+    "llama-bpe": rf"{_LETTERS}|\p{{N}}{{1,3}}|{_REST}",
+}
 
+
+def _tokenizer_json(meta: dict[str, Any]) -> str:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if meta.get("tokenizer.ggml.model") == "llama":
+        return _sentencepiece_json(meta)
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise GGUFError(
-            f"only byte-level BPE (gpt2) tokenizers are supported, not {meta.get('tokenizer.ggml.model')!r}"
+            "only byte-level BPE (gpt2) and SentencePiece BPE (llama) tokenizers are supported, not "
+            f"{meta.get('tokenizer.ggml.model')!r}"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes alone
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") == "smollm":
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre == "smollm":
         # SmolLM splits every digit on its own before the byte-level regex.
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in _SPLIT_REGEX:  # the split the model's own tokenizer.json makes, then bytes without GPT-2's regex
+        split = pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated", invert=False)
+        no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, no_regex])
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
@@ -121,6 +166,57 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
     # Token types 3 (control) and 4 (user-defined) are special: matched whole, never split.
     tokenizer.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (3, 4)]
+    )
+    return tokenizer.to_str()
+
+
+def _sentencepiece_json(meta: dict[str, Any]) -> str:
+    """A SentencePiece BPE vocabulary (llama.cpp's ``llama`` tokenizer: Llama 2's, Mistral's, Gemma's) as the
+    tokenizers library runs it, built the way transformers converts a SentencePiece model: merges from the
+    pieces (every split of a piece into two pieces, ranked by the whole piece's score), bytes for what no piece
+    covers, "▁" for spaces and one before the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    scores = meta["tokenizer.ggml.scores"].tolist()
+    kinds = meta["tokenizer.ggml.token_type"].tolist()
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score, kind in zip(tokens, scores, kinds, strict=True):
+        if kind != 1:  # normal pieces only: control, unknown and byte tokens are never merged into
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unknown = int(_scalar(meta, "tokenizer.ggml.unknown_token_id")) if "tokenizer.ggml.unknown_token_id" in meta else 0
+    model = models.BPE(
+        vocab=vocab,
+        merges=[(left, right) for *_, left, right in ranked],
+        unk_token=tokens[unknown],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    # As Llama 2's own tokenizer.json: "▁" before the text, always (SentencePiece's dummy prefix, which Gemma's
+    # vocabulary goes without: llama.cpp records add_space_prefix), and for spaces.
+    prefix = not ("tokenizer.ggml.add_space_prefix" in meta and not _scalar(meta, "tokenizer.ggml.add_space_prefix"))
+    spaces = normalizers.Replace(" ", "▁")
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", int(prefix), 0)]
+    )
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token")) if "tokenizer.ggml.add_bos_token" in meta else True
+    if add_bos and "tokenizer.ggml.bos_token_id" in meta:  # SentencePiece models start every text with BOS
+        bos_id = int(_scalar(meta, "tokenizer.ggml.bos_token_id"))
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    # Control (3) and user-defined (4) tokens are special, as for byte-level vocabularies; so is the unknown one.
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (2, 3, 4)]
     )
     return tokenizer.to_str()
 
@@ -159,7 +255,10 @@ def converted(gguf: Path) -> Path:
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
     out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        convert(gguf, out, dtype)
+        try:
+            convert(gguf, out, dtype)
+        except KeyError as e:
+            raise GGUFError(f"{gguf.name} lacks the metadata {e} its conversion needs: is it a whole GGUF file?") from e
     return out
 
 
@@ -170,31 +269,47 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
 
     started = time.perf_counter()
     dtype = getattr(mx, dtype_name)
-    # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata.
-    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), return_metadata=True))
-    arch = meta.get("general.architecture")
-    if arch != "llama":
+    # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata. The format is named:
+    # a file of the Hugging Face cache is a blob with no extension to infer it from.
+    arrays, meta = cast(
+        "tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), format="gguf", return_metadata=True)
+    )
+    name = str(meta.get("general.architecture"))
+    if name not in ARCHS:
         raise GGUFError(
-            f"{gguf.name}: GGUF conversion supports the llama architecture, not {arch!r}; "
+            f"{gguf.name}: neuron converts GGUF files of the {', '.join(ARCHS)} architectures, not {name!r}; "
             "convert it with mlx_lm.convert and pass the folder"
         )
-    heads = int(_scalar(meta, "llama.attention.head_count"))
-    kv_heads = int(_scalar(meta, "llama.attention.head_count_kv"))
+    arch = ARCHS[name]
+
+    def number(key: str, default: float | None = None) -> Any:
+        if f"{name}.{key}" not in meta:
+            if default is None:
+                raise GGUFError(f"{gguf.name} lacks the metadata {name}.{key} a {name} model needs")
+            return default
+        return _scalar(meta, f"{name}.{key}")
+
+    heads = int(number("attention.head_count"))
+    kv_heads = int(number("attention.head_count_kv", heads))
+    hidden = int(number("embedding_length"))
     tokens = meta["tokenizer.ggml.tokens"]
     config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": int(_scalar(meta, "llama.embedding_length")),
-        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
+        "model_type": arch.model_type,
+        "architectures": [arch.hf_class],
+        "hidden_size": hidden,
+        "intermediate_size": int(number("feed_forward_length")),
+        "num_hidden_layers": int(number("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_scalar(meta, "llama.rope.freq_base")),
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length")),
+        "head_dim": int(number("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(number("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(number("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(number("context_length")),
         "vocab_size": len(tokens),
         "tie_word_embeddings": "output.weight" not in arrays,
-        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id")),
+        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id"))
+        if "tokenizer.ggml.bos_token_id" in meta
+        else None,
         "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
         "torch_dtype": dtype_name,
     }
@@ -221,7 +336,7 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        weights = _weights(arrays, heads, kv_heads, dtype)
+        weights = _weights(arrays, arch, heads, kv_heads, dtype)
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(_tokenizer_json(meta))

@@ -23,21 +23,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-# A request's images, and one image's size: generous for documents and screenshots, far from what would exhaust
-# a host (a 16.7-megapixel RGB picture is 50 MB decoded). The server's --max-images and --max-image-pixels.
-MAX_IMAGES = 16
-MAX_PIXELS = 4096 * 4096
+from neuron.settings import ImageLimits
+
 MAX_BYTES = 20 * 1024 * 1024  # one image's encoded bytes (its base64 is a third longer)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_images: int = MAX_IMAGES
-    max_pixels: int = MAX_PIXELS
-
-
-LIMITS = Limits()  # the server's, set once at startup (``neuron serve``), before any request is read
+# The server's --max-images and --max-image-pixels, set once at startup (``neuron serve``), before any request is read.
+LIMITS = ImageLimits()
 
 
 class ImageError(ValueError):
@@ -158,7 +149,7 @@ def from_base64(payload: Any, where: str) -> Picture:
 
 def decode(data: bytes, where: str, max_pixels: int | None = None) -> Picture:
     """Check the header, then decode the first frame as RGB; refusals name ``where`` and what to send instead."""
-    max_pixels = LIMITS.max_pixels if max_pixels is None else max_pixels
+    max_pixels = LIMITS.max_image_pixels if max_pixels is None else max_pixels
     from PIL import Image, UnidentifiedImageError
 
     try:

@@ -49,40 +49,33 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import structlog
 import uvicorn
 
 from neuron import metrics, systemd
 from neuron.engine.engine import Engine
-from neuron.engine.scheduler import Scheduling
 from neuron.launch.checks import Unreachable
 from neuron.pool import Deadlines, Layout
 from neuron.reexec import reexec
 from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
-from neuron.server.guard import Allowed
+from neuron.server.guard import Allowed, split_list
+from neuron.settings import HttpLimits, Scheduling, Serving
 
 log = structlog.get_logger("neuron.server")
 
 STATUS_EVERY_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    """Who may call, and what connections may hold (see neuron.server.guard and neuron.server.connections)."""
-
-    allowed_origins: list[str] = field(default_factory=list)
-    allowed_hosts: list[str] = field(default_factory=list)
-    max_connections: int = 1024
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
+T = TypeVar("T")
 
 
 # Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
@@ -105,17 +98,14 @@ def connection_limit(wanted: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    model_path: Path
+    model_path: Path | None  # None: ``model`` names a model on the Hub, fetched once the port answers
     model_id: str
     layout: Layout = field(default_factory=lambda: Layout.local(1))
     model: str | None = None  # what --model said: hosts of their own resolve it there
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
+    serving: Serving = field(default_factory=Serving)
     http: HttpLimits = field(default_factory=HttpLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
     limits: Scheduling = field(default_factory=Scheduling)
-    drain_timeout: float = 30.0
 
 
 class ServeError(RuntimeError):
@@ -251,20 +241,60 @@ async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notif
         engine.abort("the server is shutting down")
 
 
+async def _in_daemon_thread(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` on a daemon thread of its own, awaited. Why not ``to_thread``: a signal abandons a
+    download, which holds no MLX and resumes on the next start, and the process must exit at once rather than
+    wait, as the interpreter does for any other thread, for the file to finish."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(function(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            failure.append(e)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=run, name="neuron-fetch", daemon=True).start()
+    await done.wait()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+async def _fetch(options: ServeOptions, state: ServerState) -> Path:
+    """Fetch the model named on the Hub while the port answers: ``/ready`` says how far the download got."""
+    from neuron.models import fetch, resolve
+    from neuron.progress import Download
+
+    state.download = Download(str(options.model))
+    state.status = f"fetching {options.model} from the Hugging Face Hub"
+    local = await _in_daemon_thread(fetch, options.model, state.download)
+    state.status = "loading the model"
+    state.download = None
+    return resolve(str(local))  # a GGUF file is converted here, on this thread as before the port opened
+
+
 async def run_leader(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
     if restarted:
         metrics.WORKER_RESTARTS.inc(restarted.restarts)
     activated = systemd.activated_socket()
-    sock = activated or bind(options.host, options.port)
+    sock = activated or bind(options.serving.host, options.serving.port)
     host, port = sock.getsockname()[:2]
     notifier = systemd.Notifier()
-    state = ServerState(options.model_id, options.api_key)
+    api_key = options.serving.api_key
+    state = ServerState(options.model_id, api_key.strip() if api_key else None)
     http = options.http
-    allowed = Allowed.build(http.allowed_origins, http.allowed_hosts, listen=options.host)
+    allowed = Allowed.build(
+        split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
+    )
     config = uvicorn.Config(
-        build_app(state, allowed),
+        build_app(state, allowed, with_page=not http.no_page),
         http=bounded(connection_limit(http.max_connections), http.header_timeout),
         ws="none",
         lifespan="off",
@@ -308,8 +338,9 @@ async def run_leader(options: ServeOptions) -> Restart | None:
         try:
             with lifetime:
                 try:
+                    model_path = options.model_path or await _fetch(options, state)
                     engine_context = Engine.open(
-                        options.model_path, options.layout, options.deadlines, options.limits, options.model
+                        model_path, options.layout, options.deadlines, options.limits, options.model
                     )
                     async with engine_context as engine:
                         state.engine = engine
@@ -322,7 +353,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
                         await _first(stopping, engine.lost)
                         if stopping.is_set():
-                            await _drain(engine, server, notifier, options.drain_timeout)
+                            await _drain(engine, server, notifier, options.serving.drain_timeout)
                         else:
                             cause = str(engine.pool.broken or engine.health.reason)
                             # In-process recoveries count as restarts with fresh workers too.

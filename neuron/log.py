@@ -43,7 +43,7 @@ def configured() -> tuple[str, str]:
     return _configured
 
 
-def configure(level: str = "info", fmt: str = "auto", **bound: object) -> str:
+def configure(level: str, fmt: str, **bound: object) -> str:
     """Set up this process's logging; returns the format in use (``auto`` resolved).
 
     ``fmt`` is ``json``, ``console``, ``journal``, or ``auto``: the journal when
@@ -213,25 +213,38 @@ class JournalLogger:
 
 @contextmanager
 def progress(label: str, total: int) -> Iterator[Callable[[], None]]:
-    """Count work done: a live line on a terminal, one log line with the duration either way."""
+    """Count work done: a progress bar on a terminal (rich's, erased once done), one log line with the duration
+    either way. A single item (a model loading) has no fraction to show: its bar pulses until it is done."""
     started = time.perf_counter()
     done = 0
-    live = sys.stderr.isatty()
-    if live:
-        sys.stderr.write(f"{label}: 0/{total}")
-        sys.stderr.flush()
+    bar = _bar(label, total) if sys.stderr.isatty() else None
+    with bar or _nothing():
 
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if live:
-            sys.stderr.write(f"\r{label}: {done}/{total}")
-            sys.stderr.flush()
+        def advance() -> None:
+            nonlocal done
+            done += 1
+            if bar is not None:
+                bar.advance(bar.task_ids[0])
 
-    yield advance
-    if live:
-        sys.stderr.write("\n")
+        yield advance
     structlog.get_logger("neuron").info(label, items=done, ms=ms_since(started))
+
+
+def _bar(label: str, total: int) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    counted = (MofNCompleteColumn(),) if total > 1 else ()
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), *counted, TimeElapsedColumn())
+    # Not redirecting stdout: it holds generate's answer, and nothing but the answer may reach it.
+    bar = Progress(*columns, console=Console(stderr=True), transient=True, redirect_stdout=False)
+    bar.add_task(label, total=total if total > 1 else None)
+    return bar
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 # A library default: until a program configures logging, structlog would print

@@ -108,3 +108,8 @@ PUSH_BYTES = Counter(
     ["host"],
     registry=REGISTRY,
 )
+HUB_BYTES = Counter(
+    "neuron_hub_bytes",
+    "Bytes of model files fetched from the Hugging Face Hub (--model ORG/NAME) by this process",
+    registry=REGISTRY,
+)

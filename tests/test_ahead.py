@@ -1,10 +1,10 @@
 """Rank 0 runs the next decode step ahead of its plan: the device never waits for the host in steady decode.
 
-A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``tp.rank.lead``,
-the function the pool runs on rank 0's thread. What is checked: a steady decode step reads the device once, in
-``sampler.read``, and nowhere else (a stray ``.item()`` or ``.tolist()`` fails it); the tokens are those of the same
-steps run without running ahead, across a join, a leave and a sequence that finishes; and a plan that differs
-from the step run ahead undoes it.
+A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``rank.step.run``,
+the function every rank runs (rank 0's thread with its samplers). What is checked: a steady decode step reads the
+device once, in ``sampler.read``, and nowhere else (a stray ``.item()`` or ``.tolist()`` fails it); the tokens are
+those of the same steps run without running ahead, across a join, a leave and a sequence that finishes; and a plan that
+differs from the step run ahead undoes it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import pytest
 
 from neuron.rank import sampler
 from neuron.rank.ahead import EVALUATES_ASYNC
-from neuron.rank.rank import Rank, lead
+from neuron.rank.rank import Rank
 from neuron.rank.sampler import Samplers
+from neuron.rank.step import run
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
@@ -83,7 +84,7 @@ class Driver:
 
     def lead(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
         """The step up to its reply: what the leader waits for."""
-        sampled, _, _ = lead(self.rank, self.samplers, Step(plan, starts or {}))
+        sampled = run(self.rank, Step(plan, starts or {}), self.samplers).sampled
         for seq in plan.leave:
             self.next.pop(seq, None)
         self.next.update({seq: one.token for seq, one in sampled.items()})

@@ -123,6 +123,23 @@ def test_tools_round_trip(client: anthropic.Anthropic) -> None:
     assert [block.name for block in named.content if block.type == "tool_use"] == ["get_weather"]
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "max_tokens"),
+    [({"type": "tool", "name": "get_weather"}, 5), ({"type": "any"}, 42)],  # any: past the call's name
+)
+def test_a_forced_call_cut_short_is_still_a_tool_use(
+    client: anthropic.Anthropic, tool_choice: Any, max_tokens: int
+) -> None:
+    """max_tokens ends the call inside its arguments: a tool_use block (its input as far as an object holds it),
+    stop_reason max_tokens; never a text block of raw JSON."""
+    reply = client.messages.create(
+        model=MODEL, max_tokens=max_tokens, messages=HI, tools=[WEATHER], tool_choice=tool_choice, thinking=OFF,
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert reply.stop_reason == "max_tokens"
+    assert [(b.type, getattr(b, "name", None)) for b in reply.content] == [("tool_use", "get_weather")]
+
+
 def test_a_stop_sequence_is_named(client: anthropic.Anthropic) -> None:
     common: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "messages": HI, "extra_body": GREEDY, "thinking": OFF}
     text = client.messages.create(**common).content[0].text

@@ -1,5 +1,5 @@
-"""The architectures neuron serves: the table every check reads, the README's copy of it, and each architecture's
-tiny model served by the engine, token for token as mlx-lm generates on the same weights.
+"""The architectures neuron serves: the table every check reads (the docs' copy is written from it as they build),
+and each architecture's tiny model served by the engine, token for token as mlx-lm generates on the same weights.
 
 Every architecture's model is generated once per session (``arch_models``). At one rank the engine runs in this
 process; groups of ranks run in a fresh leader process each (tests/arch_checks.py).
@@ -100,12 +100,6 @@ def test_two_pipeline_stages_serve_as_mlx_lm_generates(
     # gemma4's is left to the leader, which moves the split by memory to keep its last layer with layer 1.
     split = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}.get(arch, "")
     _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
-
-
-def test_the_readme_table_is_the_one_the_checks_read() -> None:
-    readme = (ROOT / "README.md").read_text()
-    between = readme.split("<!-- architectures:begin -->\n")[1].split("\n<!-- architectures:end -->")[0]
-    assert between == architectures.markdown(), "run `python -m neuron.architectures` and paste it into README.md"
 
 
 @pytest.mark.parametrize(

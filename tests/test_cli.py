@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
+import select
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,12 +16,59 @@ from conftest import ROOT, neuron_command, run_neuron
 
 from neuron import cpu
 
+SUMMARY = re.compile(r"^\d+ tokens, [\d.]+ tokens/s, time to first token [\d.]+ s$", re.M)
+INFO = re.compile(r"\[info|\"level\": \"info\"")  # an info line, in the console's format or JSON's
+
 
 def test_smollm2_chat_answers_paris(smollm2: Path) -> None:
     done = run_neuron("generate", "--chat", "What is the capital of France?", "--max-tokens", "30")
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
     assert "{" not in done.stdout  # no log line leaked into the text
+
+
+def test_piped_the_answer_alone_goes_to_stdout_and_one_summary_line_to_stderr(smollm2: Path) -> None:
+    done = run_neuron("generate", "--model", str(smollm2), "--chat", "What is the capital of France?")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "The capital of France is Paris.", done.stdout
+    assert SUMMARY.search(done.stderr) and not INFO.search(done.stderr), done.stderr
+    assert "━" not in done.stderr  # no progress bar where nobody watches
+
+
+def _on_a_terminal(*args: str, timeout: float = 120) -> str:
+    """What ``neuron ARGS`` writes to a pseudo-terminal holding its stdout and stderr, as a person sees it."""
+    main, sub = pty.openpty()
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100"}
+    proc = subprocess.Popen(neuron_command(*args), stdin=sub, stdout=sub, stderr=sub, cwd=ROOT, env=env)
+    os.close(sub)
+    out, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([main], [], [], deadline - time.monotonic())[0]:
+                break
+            try:
+                data = os.read(main, 65536)
+            except OSError:  # EIO: the process closed its end
+                break
+            if not data:
+                break
+            out += data
+    finally:
+        os.close(main)
+        assert proc.wait(timeout=30) == 0, out.decode(errors="replace")[-3000:]
+    return out.decode(errors="replace")
+
+
+def test_on_a_terminal_a_progress_bar_then_the_answer_then_a_summary(smollm2: Path) -> None:
+    seen = _on_a_terminal("generate", "--model", str(smollm2), "--chat", "What is the capital of France?")
+    loading = seen.find(f"loading {smollm2.name} on 1 rank(s)")
+    answer = seen.find("The capital of France is Paris.\r\n")  # the terminal turns each newline into \r\n
+    summary = SUMMARY.search(seen.replace("\r\n", "\n"))
+    assert 0 <= loading < answer and "━" in seen[loading:answer], seen
+    assert summary is not None and summary.start() > answer, seen
+    assert not INFO.search(seen), seen
+    more = _on_a_terminal("generate", "--model", str(smollm2), "--max-tokens", "2", "--log-level", "info", "Hi")
+    assert INFO.search(more), more  # --log-level asks for more
 
 
 def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:
@@ -56,9 +106,14 @@ def test_text_streams_while_generating(smollm2: Path) -> None:
     assert proc.returncode == 0
 
 
+def _one_token_logged(smollm2: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """One token, with the startup's info lines (the BLAS in use) that generate leaves out by default."""
+    return run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi", env=env)
+
+
 @pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="the hint is for the Linux CPU backend")
 def test_without_openblas_a_hint_says_how_to_get_it(smollm2: Path) -> None:
-    done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "Hi", env={cpu.BLAS_ENV: "reference"})
+    done = _one_token_logged(smollm2, {cpu.BLAS_ENV: "reference"})
     assert done.returncode == 0, done.stderr
     assert '"blas": "reference BLAS bundled with mlx"' in done.stderr
     assert "apt-get install libopenblas0-pthread" in done.stderr
@@ -68,7 +123,7 @@ def test_startup_log_names_the_blas(smollm2: Path) -> None:
     """The README's commands start with scripts/fast-blas: where it could install OpenBLAS and a compiler (root and
     apt-get, as in CI's clean clone), the server must be on both; elsewhere on the best installed library, or print
     the hint."""
-    done = run_neuron("generate", "--model", str(smollm2), "--max-tokens", "1", "--log-level", "info", "Hi")
+    done = _one_token_logged(smollm2)
     assert done.returncode == 0, done.stderr
     if not cpu.is_linux_cpu_backend():
         return
@@ -93,17 +148,7 @@ def test_neuron_blas_picks_the_library_or_says_what_is_wrong(smollm2: Path, tmp_
         done = run_neuron("generate", "--model", str(smollm2), "Hi", env={cpu.BLAS_ENV: value})
         assert done.returncode == 2 and message in done.stderr, done.stderr
     for library in cpu.LIBRARIES:
-        done = run_neuron(
-            "generate",
-            "--model",
-            str(smollm2),
-            "--max-tokens",
-            "1",
-            "--log-level",
-            "info",
-            "Hi",
-            env={cpu.BLAS_ENV: library.name.lower()},
-        )
+        done = _one_token_logged(smollm2, {cpu.BLAS_ENV: library.name.lower()})
         if cpu.installed(library) is None:
             assert done.returncode == 2 and f"{library.name} is not installed" in done.stderr, done.stderr
         else:

@@ -18,7 +18,7 @@ from neuron.engine.scheduler import Scheduling
 
 def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = _parser().parse_args(["serve", *argv])
-    return args, config.resolve(args, config.SERVE_SETTINGS, layered=True)
+    return args, config.resolve(args, "serve")
 
 
 @pytest.mark.unit

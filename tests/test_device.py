@@ -170,6 +170,8 @@ def test_nccl_on_a_host_without_enough_gpus_is_refused_before_anything_loads(tin
         "2",
         "--backend",
         "nccl",
+        "--log-level",
+        "info",  # so that a shard loaded would say so
         "hi",
         env=fake,
         module=faults.ENTRY,

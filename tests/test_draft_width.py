@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_scheduler import LETTERS
 
 from neuron.engine.drafts import (
     LOOKUP_PRIOR,
@@ -122,11 +121,11 @@ def _sequence(prompt: list[int], max_tokens: int = 100) -> Sequence:
 
 
 def _step(s: Scheduler, token: int) -> list:
-    step = s.plan()
+    step = s.schedule().step
     assert step is not None
     plan = step.plan
     having = [c.seq for c in plan.prefill if c.last] + [r.seq for r in plan.decode]
-    s.apply(step, {seq: Sampled(token, NOT_ASKED) for seq in having}, LETTERS, 1.0)
+    s.update(step, {seq: Sampled(token, NOT_ASKED) for seq in having}, 1.0)
     return plan.decode
 
 
@@ -140,7 +139,6 @@ def _batch(size: int, rate: float) -> tuple[Scheduler, list[Sequence]]:
         assert seq.proposer is not None
         seq.proposer.lookup_rate = rate
         s.add(seq)
-    s.admit()
     _step(s, 5)  # the prompts: each samples 5, and the lookup finds the cycle
     return s, seqs
 

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import Server, serving, wait_until
-from test_scheduler import LETTERS, admitted, request, run, scheduler
+from test_scheduler import admitted, request, run, scheduler
 
 from neuron.engine.intake import Intake
 from neuron.engine.scheduler import Scheduling
@@ -24,7 +24,7 @@ from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.models import Embedding, card_pooling, embedding
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.server import embeddings
-from neuron.server.openai_api import ApiError
+from neuron.server.common.errors import ApiError
 
 # The decisions.
 
@@ -199,8 +199,9 @@ def test_an_embedding_request_passes_a_generation_waiting_for_a_place_and_feeds_
     short, long = _inputs(3, 12)
     s.add(waiting)
     s.add(short)
-    assert s.admit() == [short, long] and list(s.waiting) == [waiting]
-    step = s.plan()
+    turn = s.schedule()
+    assert turn.admitted == [short, long] and list(s.waiting) == [waiting]
+    step = turn.step
     assert step is not None and set(step.starts) == set()  # no sampler for an input
     plan = step.plan
     assert [(c.seq, c.position, len(c.tokens), c.last, c.pool) for c in plan.prefill] == [
@@ -208,7 +209,7 @@ def test_an_embedding_request_passes_a_generation_waiting_for_a_place_and_feeds_
         (long.no, 0, 5, False, "LAST"),
     ]
     assert [row.seq for row in plan.decode] == [running.no]  # the generation decodes in the same step
-    delivered = s.apply(step, {running.no: Sampled(7, NOT_ASKED), short.no: _vector(short.no)}, LETTERS, 1.0)
+    delivered = s.update(step, {running.no: Sampled(7, NOT_ASKED), short.no: _vector(short.no)}, 1.0)
     assert [(d.seq, d.finish, d.sampled.embedding) for d in delivered if d.seq is short] == [
         (short, "stop", _vector(short.no).embedding)
     ]
@@ -222,11 +223,11 @@ def test_an_input_cancelled_half_fed_leaves_every_rank_in_the_next_plan() -> Non
     s = scheduler(prefill_chunk=4)
     (seq,) = _inputs(10)
     s.add(seq)
-    s.admit()
     run(s)
     s.cancel(seq)
-    assert [dropped for dropped, _ in s.drop_cancelled()] == [seq]
-    assert s.plan() is None and s.leaving == [seq.no]
+    turn = s.schedule()
+    assert [dropped for dropped, _ in turn.cancelled] == [seq]
+    assert turn.step is None and turn.clear  # alone: one clear drops it on every rank
 
 
 @pytest.mark.unit

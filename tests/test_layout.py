@@ -30,22 +30,18 @@ FORBIDDEN = {
 # Modules that must import without MLX: what the HTTP layer, the settings and the protocol need.
 MLX_FREE = [
     "neuron.rpc",
-    "neuron.server.app",
-    "neuron.server.openai_api",
-    "neuron.server.schema",
-    "neuron.server.completions_schema",
-    "neuron.server.tools",
-    "neuron.server.reasoning",
-    "neuron.server.anthropic",
-    "neuron.server.anthropic_schema",
-    "neuron.server.tokenize",
-    "neuron.server.embeddings",
+    "neuron.server.app",  # and through it every family, common/ and the skeleton; test_server_families_load_no_mlx
     "neuron.grammar",
     "neuron.models",
     "neuron.shares",
     "neuron.launch.push",
     "neuron.gguf",
+    "neuron.hub",
+    "neuron.progress",
+    "neuron.catalog",
     "neuron.config",
+    "neuron.settings",
+    "neuron.reference",
     "neuron.cpu",
     "neuron.device",
     "neuron.sampling_params",
@@ -56,6 +52,23 @@ MLX_FREE = [
     "neuron.launch",
     "neuron.reexec",
 ]
+
+
+# The server's API families: each holds its routes, its body's checks, its replies and its part of the OpenAPI
+# document. They share only server/common/ (rules and shapes) and server/http.py (the request's skeleton).
+SERVER = PACKAGE / "server"
+FAMILIES = (
+    "chat_completions",
+    "completions",
+    "responses",
+    "messages",
+    "embeddings",
+    "tokenize",
+    "models",
+    "health",
+    "status",
+    "page",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -178,6 +191,74 @@ def test_the_mlx_free_modules_load_no_mlx() -> None:
     assert done.returncode == 0, f"MLX was imported: {done.stdout} {done.stderr}"
 
 
+def _family_paths(family: str) -> list[Path]:
+    folder = SERVER / family
+    return sorted(folder.rglob("*.py")) if folder.is_dir() else [SERVER / f"{family}.py"]
+
+
+@pytest.mark.unit
+def test_every_folder_of_modules_is_a_package() -> None:
+    """setuptools' ``find`` packages only folders with an ``__init__.py``: one without it imports here (as a
+    namespace package) and is missing from the wheel, the .deb and the .rpm."""
+    folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    bare = sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists())
+    assert not bare, f"folders of modules without __init__.py: {bare}"
+
+
+@pytest.mark.unit
+def test_every_server_module_is_a_family_common_or_the_skeleton() -> None:
+    """A new module is placed on purpose: in a family, in common/, or beside app.py as the HTTP plumbing."""
+    plumbing = {"__init__", "app", "http", "openapi", "guard", "connections", "keepalive"}
+    owned = {path for family in FAMILIES for path in _family_paths(family)}
+    stray = [
+        str(path.relative_to(ROOT))
+        for path in sorted(SERVER.rglob("*.py"))
+        if path not in owned and path.parent != SERVER / "common" and path.stem not in plumbing
+    ]
+    assert not stray, f"server modules outside a family, common/ and the skeleton: {stray}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_server_family_imports_another(family: str) -> None:
+    """A family reads common/ and the skeleton, never another family: a rule two families share moves to common/."""
+    others = tuple(f"neuron.server.{other}" for other in FAMILIES if other != family)
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _family_paths(family)
+        for name in _runtime_imports(path)
+        if any(name == other or name.startswith(other + ".") for other in others)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.unit
+def test_common_and_the_skeleton_import_no_family() -> None:
+    """What the families share depends on none of them; only app.py and openapi.py put them together."""
+    families = tuple(f"neuron.server.{family}" for family in FAMILIES)
+    paths = [*sorted((SERVER / "common").rglob("*.py")), SERVER / "http.py", SERVER / "keepalive.py"]
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in _runtime_imports(path)
+        if any(name == f or name.startswith(f + ".") for f in families)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_server_families_load_no_mlx() -> None:
+    """Every server module, each family's included, imports without MLX."""
+    names = [_module_name(path) for path in sorted(SERVER.rglob("*.py"))]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm'))\n"
+        "print(loaded); sys.exit(1 if loaded else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, f"MLX was imported: {done.stdout} {done.stderr}"
+
+
 def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
     """``neuron serve --port 99999``: the settings are checked, and refused, with no MLX in the process."""
     code = (
@@ -195,3 +276,65 @@ def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
     assert done.returncode == 2
     assert "--port must lie in [0, 65535], got 99999" in done.stderr
     assert "no mlx" in done.stderr, done.stderr
+
+
+# The process-global group: MLX keeps one per process, so joining, leaving and remembering it live in one module.
+GROUP_STATE = PACKAGE / "rank" / "group.py"
+
+
+def _group_state_touches(path: Path) -> list[str]:
+    """Where ``path`` joins a group (``mx.distributed.init``), makes MLX forget one (``clear_backends``), or
+    reads or writes the process's record of it (``_in_group``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "init":
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "distributed":
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} mx.distributed.init")
+        if isinstance(node, ast.Attribute) and node.attr in ("clear_backends", "_in_group"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}")
+        elif isinstance(node, ast.Name) and node.id in ("clear_backends", "_in_group"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.id}")
+        elif isinstance(node, ast.Global) and "_in_group" in node.names:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} global _in_group")
+    return found
+
+
+@pytest.mark.unit
+def test_only_the_group_module_touches_the_process_global_group() -> None:
+    assert _group_state_touches(GROUP_STATE), "the check finds nothing even where the state lives"
+    elsewhere = [t for path in sorted(PACKAGE.rglob("*.py")) if path != GROUP_STATE for t in _group_state_touches(path)]
+    assert not elsewhere, "the process-global group touched outside rank/group.py:\n" + "\n".join(elsewhere)
+
+
+# A class past this many lines is split along a seam a newcomer would guess (the developer guide).
+CLASS_LINES = 300
+
+
+@pytest.mark.unit
+def test_no_class_runs_past_the_limit() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}: {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > CLASS_LINES
+    ]
+    assert not long, f"classes past {CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+@pytest.mark.unit
+def test_every_rank_steps_through_one_function() -> None:
+    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.step.run`` alone: nothing else
+    drives a rank's run-ahead or reads its fingerprint, so the two step paths cannot drift apart again."""
+    step_path = PACKAGE / "rank" / "step.py"
+    driven = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in (step_path, PACKAGE / "rank" / "rank.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("run_ahead", "ran_ahead_with", "fingerprint")
+    ]
+    assert not driven, "a rank's step driven outside rank/step.py:\n" + "\n".join(driven)
+    for caller in ("neuron/worker.py", "neuron/pool/pool.py"):
+        assert "neuron.rank.step.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"

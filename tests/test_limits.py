@@ -23,10 +23,10 @@ from starlette.routing import Route
 from neuron import descriptors
 from neuron.gguf import _publish
 from neuron.log import RateLimit
-from neuron.server import limits
-from neuron.server.app import EventStream
+from neuron.server.common import limits
+from neuron.server.common.limits import LimitError
 from neuron.server.guard import Allowed, Guard
-from neuron.server.limits import LimitError
+from neuron.server.http import EventStream
 from testkit.hostile import nested, ref_chain
 
 

@@ -149,12 +149,12 @@ def test_no_worker_outlives_a_sigkilled_leader(smollm2: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_process_hosts_one_group_only(tiny_models: dict[str, Path]) -> None:
-    from neuron.rank import rank
+    from neuron.rank import group
 
-    rank._joined_group, was = True, rank._joined_group
+    group._in_group, was = True, group._in_group
     try:
         with pytest.raises(RuntimeError, match="fresh process"):
             async with Pool(tiny_models["llama"], Layout.local(2)):
                 pass
     finally:
-        rank._joined_group = was
+        group._in_group = was

@@ -10,7 +10,6 @@ import itertools
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
-from test_scheduler import LETTERS
 
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
@@ -104,19 +103,17 @@ def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() ->
     s = Scheduler(Scheduling(prefill_chunk=4), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     first = request([10, 11, 12, 13, 14, 15])
     s.add(first)
-    s.admit()
-    step = s.plan()
+    step = s.schedule().step
     assert step is not None and step.plan.restore == [] and step.plan.save == []  # the prompt does not end yet
-    s.apply(step, {}, LETTERS, 1.0)
-    step = s.plan()
+    s.update(step, {}, 1.0)
+    step = s.schedule().step
     assert step is not None and step.plan.save == [Save(first.no, 1)] and step.plan.prefill[0].last
-    s.apply(step, {first.no: Sampled(7, NOT_ASKED)}, LETTERS, 1.0)
+    s.update(step, {first.no: Sampled(7, NOT_ASKED)}, 1.0)
 
     # The next turn: the whole first prompt is restored, and only what follows it counts against the chunk budget.
     second = request([10, 11, 12, 13, 14, 15, 7, 16, 17], repetition_penalty=1.2)
     s.add(second)
-    s.admit()
-    step = s.plan()
+    step = s.schedule().step
     assert step is not None
     plan = step.plan
     assert plan.restore == [Restore(second.no, 1, 6)]
@@ -124,7 +121,7 @@ def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() ->
     assert plan.save == [Save(second.no, 2)] and plan.evict == [Evict(1)]  # the longer prompt covers the first
     assert step.starts[second.no].params.repetition_penalty == 1.2
     assert step.starts[second.no].recent == (10, 11, 12, 13, 14, 15)  # the penalties still see them
-    s.apply(step, {first.no: Sampled(8, NOT_ASKED), second.no: Sampled(9, NOT_ASKED)}, LETTERS, 1.0)
+    s.update(step, {first.no: Sampled(8, NOT_ASKED), second.no: Sampled(9, NOT_ASKED)}, 1.0)
     assert second.cached == 6 and second.fed == 9
 
 
@@ -135,8 +132,7 @@ def test_no_plan_restores_an_entry_it_saves() -> None:
     a, b = request([5, 6, 7]), request([5, 6, 7, 8])
     for seq in (a, b):
         s.add(seq)
-    s.admit()
-    step = s.plan()
+    step = s.schedule().step
     assert step is not None and step.plan.restore == []
     plan = step.plan
     assert [save.seq for save in plan.save] == [a.no, b.no] and plan.evict == [Evict(1)]

@@ -16,9 +16,9 @@ from conftest import Server, make_thinking_model
 from openai import OpenAI
 
 from neuron.sampling_params import SamplingParams
-from neuron.server import reasoning
-from neuron.server.openai_api import ApiError
-from neuron.server.reasoning import Channels, Options, ReasoningSplit, Thinking
+from neuron.server.common import reasoning
+from neuron.server.common.errors import ApiError
+from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
 
 THINK = Thinking("<think>", "</think>", (259,), (260,))
 START, END = "259", "260"  # the markers' token ids in the thinking model (conftest.make_thinking_model)
@@ -45,89 +45,6 @@ def test_split_releases_a_held_marker_beginning_that_never_completes() -> None:
     split = ReasoningSplit(THINK, inside=False)
     assert split.push("x <") == ("", "x ")
     assert split.end("b") == ("", "<b")
-
-
-# gpt-oss's harmony format: what its reply looks like with the markers kept in the text.
-HARMONY = (
-    "<|channel|>analysis<|message|>User asks 7. Prime.<|end|>"
-    "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|end|>"
-    "<|start|>assistant<|channel|>final<|message|>Yes, 7 is prime."
-)
-HARMONY_SPLIT = ("User asks 7. Prime.", "{}Yes, 7 is prime.")
-
-
-@pytest.mark.unit
-def test_channels_split_a_whole_harmony_reply() -> None:
-    split = Channels()
-    assert split.whole([HARMONY], "") == HARMONY_SPLIT
-    assert split.tokens == 1  # the one piece that held the analysis channel
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 7])
-def test_channels_split_streamed_pieces_however_the_markers_fall(size: int) -> None:
-    pieces = [HARMONY[i : i + size] for i in range(0, len(HARMONY), size)]
-    split = Channels()
-    released = [split.push(piece) for piece in pieces] + [split.end("")]
-    assert ("".join(r for r, _ in released), "".join(a for _, a in released)) == HARMONY_SPLIT
-    assert all(not (r and a) for r, a in released[:-1])  # one character a piece: never both at once
-    # No marker leaks, even partly: nothing released ends with a marker's beginning.
-    assert not any("<|" in r + a for r, a in released)
-
-
-@pytest.mark.unit
-def test_channels_without_an_end_marker_and_a_reply_in_no_harmony_format() -> None:
-    # The model may open the next message without ending the last one.
-    no_end = "<|channel|>analysis<|message|>hmm<|start|>assistant<|channel|>final<|message|>ok"
-    assert Channels().whole([no_end], "") == ("hmm", "ok")
-    # Text that never opens a message is the answer, not lost.
-    assert Channels().whole(["just ", "text <|"], "") == ("", "just text <|")
-    # A reply cut short in the next message's header (max_tokens) leaves no header text behind.
-    assert Channels().whole(["<|channel|>final<|message|>ok<|end|><|start|>assistant<|chan"], "") == ("", "ok")
-    split = Channels()
-    assert split.push("<|channel|>analysis<|message|>a <|en") == ("a ", "")
-    assert split.end("") == ("<|en", "")  # a marker's beginning that never completes is text after all
-
-
-def make_harmony_tokenizer(folder: Path) -> Path:
-    """The tests' tokenizer with gpt-oss's harmony markers as special tokens of its own."""
-    from tokenizers import AddedToken, Tokenizer
-
-    from testkit.models import tokenizer_files
-
-    folder.mkdir(parents=True)
-    tokenizer_files(folder)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in markers])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    # Named special in the config too (gpt-oss's own names only bos, eos and pad): skip_special_tokens drops them.
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "additional_special_tokens": markers}))
-    return folder
-
-
-@pytest.mark.unit
-def test_a_harmony_reply_decoded_with_its_markers_splits_into_channels(tmp_path: Path) -> None:
-    from neuron.engine.sequence import Sequence, StopText
-    from neuron.engine.text import Text
-
-    text = Text.load(make_harmony_tokenizer(tmp_path / "harmony"))
-    assert reasoning.harmony(text.tokenizer) and isinstance(reasoning.splitter(text.tokenizer, []), Channels)
-    assert not reasoning.chat_params(text.tokenizer, SamplingParams()).skip_special_tokens
-    tokens = text.encode(HARMONY)
-    assert len(tokens) < len(HARMONY) - 60  # the markers are single tokens
-
-    def decoded(skip_special_tokens: bool) -> tuple[list[str], str]:
-        seq = Sequence("r", 0, [], 99, SamplingParams(skip_special_tokens=skip_special_tokens), StopText(()))
-        text.start(seq)
-        return [text.push(seq, token)[0] for token in tokens], text.finish(seq)[0]
-
-    assert Channels().whole(*decoded(skip_special_tokens=False)) == HARMONY_SPLIT
-    # Decoded as any other reply, the markers are gone and the channels with them: why the chat keeps them.
-    pieces, tail = decoded(skip_special_tokens=True)
-    assert "<|" not in "".join(pieces) + tail
-    assert Channels().whole(pieces, tail) == ("", "".join(pieces) + tail)
 
 
 def test_tokenizers_decide_who_thinks_and_where_the_prompt_ends(tmp_path: Path, tiny_models: dict[str, Path]) -> None:

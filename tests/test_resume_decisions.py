@@ -12,7 +12,7 @@ import pytest
 from test_scheduler import apply, next_step, request, run, scheduler
 
 from neuron.engine import resume
-from neuron.engine.sequence import Lost
+from neuron.engine.sequence import Lost, Status
 from neuron.launch import dataplane
 from neuron.rank.sampler import Sampler, rewound
 from neuron.rpc import Decode, Prefill, StepPlan
@@ -44,21 +44,23 @@ def test_a_paused_sequence_is_fed_its_prompt_and_output_again_and_goes_on_where_
     a, b = request(4), request(3)
     for seq in (a, b):
         s.add(seq)
-    s.admit()
     run(s, {a.no: ord("x"), b.no: ord("p")})  # both prompts, a first token each
     run(s, {a.no: ord("y"), b.no: ord("q")})
     assert a.output == [ord("x"), ord("y")] and a.completion_tokens == 2
-    paused, given_up = s.pause(LOST, {a, b}, tries=2)
+    paused, given_up, _ = s.pause(LOST, {a, b}, tries=2)
     assert paused == [a, b] and given_up == [] and list(s.waiting) == [a, b] and not s.batch
     assert a.replay == [*a.prompt, ord("x"), ord("y")] and a.losses == 1 and a.lost == LOST
-    assert s.admit() == [a, b]
-    step = next_step(s)
+    assert a.status == Status.WAITING
+    turn = s.schedule()
+    assert turn.admitted == [a, b]
+    step = turn.step
+    assert step is not None
     # Blamed before, each is fed alone, so that another loss is blamed on the one being fed.
     assert step.plan.prefill == [Prefill(a.no, 0, a.replay, True)]
     assert step.starts[a.no] == Start(a.params, (), (ord("x"), ord("y")))  # its sampler goes on from 2 tokens
     (delivery,) = apply(s, step, {a.no: Sampled(ord("z"), NOT_ASKED)})
     # Its stream goes on: the third token, no "first token" again, usage counts what the client got once.
-    assert (delivery.sampled.token, delivery.text, delivery.first) == (ord("z"), "z", False)
+    assert (delivery.sampled.token, delivery.kept, delivery.first) == (ord("z"), True, False)
     assert a.completion_tokens == 3 and a.fed == len(a.prompt) + 2
     assert next_step(s).plan.prefill == [Prefill(b.no, 0, b.replay, True)]
 
@@ -68,10 +70,8 @@ def test_a_blamed_sequence_first_in_line_is_fed_without_the_unblamed_ones_behind
     a, b = request(4), request(3)
     for seq in (a, b):
         s.add(seq)
-    s.admit()
     run(s, {a.no: ord("x"), b.no: ord("p")})
     s.pause(LOST, {a}, tries=2)  # only a was blamed: b goes on after it, not beside it
-    s.admit()
     assert [chunk.seq for chunk in next_step(s).plan.prefill] == [a.no]
 
 
@@ -79,10 +79,8 @@ def test_a_sequence_lost_before_its_first_token_starts_afresh() -> None:
     s = scheduler(prefill_chunk=2)
     a = request(5, prompt_logprobs=1)
     s.add(a)
-    s.admit()
     run(s)  # two of its five prompt tokens
     s.pause(LOST, {a}, tries=2)
-    s.admit()
     step = next_step(s)
     assert step.plan.prefill == [Prefill(a.no, 0, a.prompt[:2], False, [], True)]  # scored: nothing was sent yet
     assert step.starts[a.no] == Start(a.params, (), ())  # its constraint, if any, rewinds to the start
@@ -93,15 +91,15 @@ def test_a_sequence_blamed_more_than_the_tries_is_given_up_and_the_others_resume
     killer, other = request(3), request(3)
     for seq in (killer, other):
         s.add(seq)
-    s.admit()
     run(s)
     for losses in (1, 2):
-        paused, given_up = s.pause(LOST, {killer}, tries=2)
+        paused, given_up, _ = s.pause(LOST, {killer}, tries=2)
         assert paused == [killer, other] and given_up == [] and killer.losses == losses
-        s.admit()
-        s.admit()
-    paused, given_up = s.pause(LOST, {killer}, tries=2)
+        s.schedule()
+        s.schedule()
+    paused, given_up, _ = s.pause(LOST, {killer}, tries=2)
     assert given_up == [killer] and paused == [other] and other.losses == 0
+    assert killer.status == Status.FINISHED_ERROR
     assert "3 times" in resume.too_many_losses(killer, 2, "rank 1 died")
 
 
@@ -110,11 +108,12 @@ def test_n_choices_resume_each_on_its_own() -> None:
     original, copy = request(3), request(3)
     original.copies, copy.copy_of = [copy], original
     s.add(original)
-    s.admit()
     apply(s, next_step(s), {original.no: Sampled(ord("a"), NOT_ASKED), copy.no: Sampled(ord("b"), NOT_ASKED)})
     s.pause(LOST, set(), tries=2)
-    assert original.n == 1 and s.admit() == [original, copy]
-    plan = next_step(s).plan
+    turn = s.schedule()
+    assert original.n == 1 and turn.admitted == [original, copy]
+    assert turn.step is not None
+    plan = turn.step.plan
     assert plan.prefill == [
         Prefill(original.no, 0, [*original.prompt, ord("a")], True),
         Prefill(copy.no, 0, [*copy.prompt, ord("b")], True),

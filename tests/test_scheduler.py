@@ -10,8 +10,9 @@ import itertools
 
 import pytest
 
+from neuron.engine.output import Output
 from neuron.engine.scheduler import Delivery, Scheduler, Scheduling
-from neuron.engine.sequence import Overloaded, Sequence, StopText
+from neuron.engine.sequence import Chunk, Event, Finish, Overloaded, Sequence, Status, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.step import Start, Step
@@ -35,14 +36,17 @@ def scheduler(**limits: object) -> Scheduler:
 def admitted(s: Scheduler, *seqs: Sequence) -> None:
     for seq in seqs:
         s.add(seq)
-    assert s.admit() == list(seqs)
+    assert s.schedule().admitted == list(seqs)
 
 
 class Letters:
-    """The scheduler's detokenizer, with token t as the letter chr(t) (``engine.text.Text`` does this with a real
+    """The output path's detokenizer, with token t as the letter chr(t) (``engine.text.Text`` does this with a real
     tokenizer): stop strings are found by the sequence's own ``StopText``, as in the engine."""
 
-    def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
+    def start(self, seq: Sequence) -> None:
+        pass
+
+    def push(self, seq: Sequence, token: int, produced: int) -> tuple[str, bool]:
         return seq.stop.push(chr(token))
 
     def finish(self, seq: Sequence) -> tuple[str, bool]:
@@ -52,8 +56,24 @@ class Letters:
 LETTERS = Letters()
 
 
+def rendered(s: Scheduler, deliveries: list[Delivery]) -> list[Event]:
+    """What the readers get from ``deliveries`` on the engine's output path (text, stop strings, finishes), in
+    order, every sequence's events together."""
+    output = Output(LETTERS, s.finish)
+    for delivery in deliveries:
+        output.deliver(delivery)
+    events: list[Event] = []
+    for seq in dict.fromkeys(d.seq for d in deliveries):
+        while True:
+            try:
+                events.append(seq.events.receive_nowait())
+            except Exception:  # noqa: BLE001 - nothing more sent yet, or the stream has ended
+                break
+    return events
+
+
 def next_step(s: Scheduler) -> Step:
-    step = s.plan()
+    step = s.schedule().step
     assert step is not None
     return step
 
@@ -63,7 +83,7 @@ def next_plan(s: Scheduler) -> StepPlan:
 
 
 def apply(s: Scheduler, step: Step, sampled: dict[int, Sampled]) -> list[Delivery]:
-    return s.apply(step, sampled, LETTERS, 1.0)
+    return s.update(step, sampled, 1.0)
 
 
 def run(s: Scheduler, tokens: dict[int, int] | None = None, default: int = 7) -> StepPlan:
@@ -86,12 +106,12 @@ def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
     a, b, c = request(3), request(3), request(3)
     for seq in (a, b, c):
         s.add(seq)
-    assert s.admit() == [a, b]
-    assert list(s.waiting) == [c]
-    assert s.admit() == []  # no place until one leaves
+    assert s.schedule().admitted == [a, b]
+    assert list(s.waiting) == [c] and c.status == Status.WAITING and a.status == Status.FILLING
+    assert s.schedule().admitted == []  # no place until one leaves
     s.cancel(a)
-    s.drop_cancelled()
-    assert s.admit() == [c]
+    assert s.schedule().admitted == [c]  # the cancelled one is dropped in the same turn, freeing its place
+    assert a.status == Status.FINISHED_ABORTED
 
 
 def test_a_full_queue_refuses_and_a_cancelled_waiter_frees_its_place() -> None:
@@ -113,6 +133,7 @@ def test_a_long_prompt_is_fed_in_chunks_of_the_step_budget() -> None:
     assert [(c.position, len(c.tokens), c.last) for (c,) in chunks] == [(0, 4, False), (4, 4, False), (8, 2, True)]
     assert [t for (c,) in chunks for t in c.tokens] == seq.prompt
     assert s.running == [seq] and seq.next_token == 7 and seq.completion_tokens == 1
+    assert seq.status == Status.RUNNING
 
 
 def test_the_prefill_budget_is_shared_in_admission_order() -> None:
@@ -158,7 +179,8 @@ def test_a_finished_sequence_leaves_at_the_next_step_boundary() -> None:
     run(s)  # both prompts: a's first token
     _, deliveries = run_delivering(s)
     assert [(d.seq, d.finish) for d in deliveries] == [(a, "length"), (b, None)]
-    assert s.running == [b]  # the scheduler took it out: nobody else decides an ending
+    assert s.running == [b]  # the scheduler took it out: nobody else decides an ending on token ids or lengths
+    assert a.status == Status.FINISHED_LENGTH
     plan = next_plan(s)
     assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
     run(s)
@@ -171,7 +193,8 @@ def test_end_of_sequence_finishes_without_counting_a_token() -> None:
     admitted(s, a)
     (delivery,) = apply(s, next_step(s), {a.no: Sampled(EOS, NOT_ASKED)})
     assert delivery.finish == "stop" and delivery.first and a.completion_tokens == 0
-    assert delivery.text is None  # not part of the text
+    assert not delivery.kept  # not part of the text
+    assert a.status == Status.FINISHED_STOPPED
 
 
 def test_a_stop_string_ends_the_sequence_inside_a_kept_draft_and_the_rest_is_not_delivered() -> None:
@@ -186,8 +209,15 @@ def test_a_stop_string_ends_the_sequence_inside_a_kept_draft_and_the_rest_is_not
         more=(Sampled(ord("c"), NOT_ASKED), Sampled(ord("d"), NOT_ASKED), Sampled(ord("e"), NOT_ASKED)),
     )
     deliveries = apply(s, step, {a.no: run_of})
-    assert [(d.text, d.finish) for d in deliveries] == [("b", None), ("", None), ("", "stop")]
-    assert s.running == [] and s.leaving == [a.no]
+    assert [d.sampled.token for d in deliveries] == [ord(c) for c in "bcde"]  # token ids alone end nothing here
+    # The output path finds the stop string in the text, ends the sequence there and tells the scheduler.
+    events = rendered(s, deliveries)
+    assert [e.text for e in events if isinstance(e, Chunk)] == ["b", "", ""]
+    assert isinstance(events[-1], Finish) and (events[-1].reason, events[-1].completion_tokens) == ("stop", 4)
+    assert a.output == [ord(c) for c in "abcd"] and a.status == Status.FINISHED_STOPPED
+    assert s.running == [a]  # until the step boundary
+    turn = s.schedule()
+    assert s.running == [] and turn.step is None and turn.clear  # it was alone: a clear drops it on every rank
 
 
 def test_the_last_token_max_tokens_allows_ends_with_length_and_releases_what_was_held() -> None:
@@ -196,7 +226,10 @@ def test_the_last_token_max_tokens_allows_ends_with_length_and_releases_what_was
     admitted(s, a)
     run(s, default=ord("a"))
     (delivery,) = run_delivering(s, default=ord("x"))[1]
-    assert (delivery.text, delivery.finish, delivery.tail) == ("", "length", "x")
+    assert (delivery.kept, delivery.finish) == (True, "length")
+    chunk, finish = rendered(s, [delivery])
+    assert isinstance(chunk, Chunk) and isinstance(finish, Finish)
+    assert (chunk.text, finish.reason, finish.text) == ("", "length", "x")
 
 
 def test_a_constraint_error_ends_the_sequence_with_an_error() -> None:
@@ -204,7 +237,8 @@ def test_a_constraint_error_ends_the_sequence_with_an_error() -> None:
     a = request(2)
     admitted(s, a)
     (delivery,) = apply(s, next_step(s), {a.no: Sampled(0, NOT_ASKED, error="dead end")})
-    assert delivery.finish == "error" and delivery.text is None and s.running == []
+    assert delivery.finish == "error" and not delivery.kept and s.running == []
+    assert a.status == Status.FINISHED_ERROR
 
 
 def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks() -> None:
@@ -214,9 +248,9 @@ def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks(
     run(s)  # the budget went to a; b was admitted but none of its prompt reached a rank
     assert b.fed == 0
     s.cancel(b)
-    assert s.drop_cancelled() == [(b, 0)]
-    plan = next_plan(s)
-    assert b.no not in plan.leave  # no rank holds it: naming it would be a desync
+    turn = s.schedule()
+    assert turn.cancelled == [(b, 0)] and turn.step is not None
+    assert b.no not in turn.step.plan.leave  # no rank holds it: naming it would be a desync
 
 
 def test_a_cancelled_running_sequence_is_dropped_at_the_boundary_and_named_to_the_ranks() -> None:
@@ -224,11 +258,13 @@ def test_a_cancelled_running_sequence_is_dropped_at_the_boundary_and_named_to_th
     a, b = request(2), request(2)
     admitted(s, a, b)
     run(s)
-    assert s.cancel(a) is False  # admitted: it waits for the step boundary
-    run(s)
-    assert s.drop_cancelled() == [(a, 1)]  # one step ran after its caller left
-    plan = next_plan(s)
-    assert plan.leave == [a.no] and [r.seq for r in plan.decode] == [b.no]
+    step = next_step(s)
+    assert s.cancel(a) is False  # admitted, and the step runs: it waits for the step boundary
+    apply(s, step, {a.no: Sampled(7, NOT_ASKED), b.no: Sampled(7, NOT_ASKED)})
+    turn = s.schedule()
+    assert turn.cancelled == [(a, 1)]  # one step ran after its caller left
+    assert turn.step is not None
+    assert turn.step.plan.leave == [a.no] and [r.seq for r in turn.step.plan.decode] == [b.no]
 
 
 def test_a_sequence_taken_out_mid_step_gets_no_token() -> None:
@@ -243,13 +279,14 @@ def test_a_sequence_taken_out_mid_step_gets_no_token() -> None:
 
 def test_nothing_admitted_means_no_plan_but_the_departures_are_kept() -> None:
     s = scheduler()
-    assert s.plan() is None
+    assert s.schedule().step is None
     a = request(2, max_tokens=1)
     admitted(s, a)
     run(s)
-    assert s.plan() is None and s.leaving == [a.no]
-    assert s.release_leaving() and s.leaving == []  # the engine clears every rank's cache instead
-    assert not s.release_leaving()
+    assert s.leaving == [a.no]
+    turn = s.schedule()
+    assert turn.step is None and turn.clear and s.leaving == []  # the engine clears every rank's cache instead
+    assert not s.schedule().clear
 
 
 def test_chunk_positions_continue_across_steps_for_every_prompt() -> None:
@@ -292,7 +329,7 @@ def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() ->
     for seq in (original, other):
         s.add(seq)
     # Two places for the request with n = 2, one for the next: all three fit.
-    assert s.admit() == [original, copy, other]
+    assert s.schedule().admitted == [original, copy, other]
     first = run(s)
     assert first.prefill == [Prefill(original.no, 0, original.prompt[:3], False)]
     second = next_step(s)
@@ -310,7 +347,7 @@ def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
     original, copies = request(2), [request(2), request(2)]
     original.copies = copies
     s.add(original)
-    assert s.admit() == []
+    assert s.schedule().admitted == []
 
 
 def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> None:
@@ -321,8 +358,7 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
     run(s)
     assert next_plan(s).ahead  # a decodes alone, nobody waits
     s.add(request(2))
-    assert not next_plan(s).ahead  # the newcomer joins next step
-    s.admit()
+    assert not next_plan(s).ahead  # the newcomer is admitted: its prompt is fed
     run(s)
     run(s)
     last = request(2, max_tokens=1)

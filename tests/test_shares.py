@@ -132,7 +132,7 @@ def test_without_the_setting_the_refusal_names_it() -> None:
 def test_push_model_is_a_setting_like_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def resolve(*argv: str) -> tuple[object, list[str]]:
         args = _parser().parse_args(["serve", *argv])
-        problems = config.resolve(args, config.SERVE_SETTINGS, layered=True)
+        problems = config.resolve(args, "serve")
         return args.push_model, problems
 
     file = tmp_path / "neuron.toml"

@@ -10,8 +10,9 @@ import pytest
 from conftest import PLAN_TRIP, SHIP_PARCEL, TOOLS_TEMPLATE
 from mlx_lm.tool_parsers import json_tools, mistral
 
-from neuron.server import tools
-from neuron.server.openai_api import ApiError, parse
+from neuron.server.common import tools
+from neuron.server.common.chat import parse
+from neuron.server.common.errors import ApiError
 
 WEATHER = {
     "type": "function",
@@ -192,7 +193,7 @@ def test_a_template_with_tools_gets_them_and_mlx_lm_knows_its_markup(
             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         ],
     }
-    messages = parse(body, chat=True, served_model="m").messages  # the arguments string back to an object
+    messages = parse(body, served_model="m").messages  # the arguments string back to an object
     shown = tools.template_messages(messages, asked, text.tool_markup)
     prompt = text.tokenizer.decode(text.encode_chat(shown, asked.specs))
     assert '<tools>{"type": "function", "function": {"name": "get_weather"' in prompt

@@ -29,9 +29,9 @@ import dataclasses
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +39,18 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
-from neuron.engine import resume
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.recent import Recent
+from neuron.engine.recovery import Health, Recovering
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
-from neuron.log import ms_since, progress, trace
+from neuron.log import progress, trace
 from neuron.models import ModelError, embedding, read_config, text_config
-from neuron.pool import Deadlines, Layout, Pool, PoolError, Unrecoverable
+from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -57,20 +58,18 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
-RETRY_S = (1, 2, 4, 8, 15)  # seconds before recovering again after a failed try: soon at first
+EVENTS_KEPT = 20
 
 
-@dataclass(frozen=True, slots=True)
-class Health:
-    ready: bool
-    reason: str  # why not ready, or "ready"
+class Engine(Recovering):
+    """Requests in, events out, and the one loop that drives the pool; a lost group's handling is
+    ``Recovering``'s (engine.recovery)."""
 
-
-class Engine:
     def __init__(self, pool: Pool, text: Text, config: dict[str, Any], limits: Scheduling | None = None) -> None:
         model = text_config(config)
         self.pool = pool
         self.text = text
+        self.vision = text.vision is not None  # the model takes images (the page offers to attach one)
         # What this model's caches cannot do is off, whatever was asked, and the startup log says why.
         self.limits, notes = architectures.limits_for(config, limits or Scheduling())
         for note in notes:
@@ -90,13 +89,16 @@ class Engine:
         self.lost = anyio.Event()
         self._in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
         self.recoveries = 0  # lost groups replaced in this process
+        # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.recent = Recent()  # the steps of the last minutes, for the status route's charts
         budget = self.limits.prefix_cache_bytes
         support = architectures.supports(config)
-        # A sliding window's or a linear-attention state's cache is restored whole or not at all (tp.entries).
+        # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
         exact = support is not None and not support.cuttable
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
-        self.output = Output(text, self.prefix is not None)
+        self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
             self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
         )
@@ -244,17 +246,16 @@ class Engine:
                 await anyio.sleep(REPROBE_S)
                 self._probe_failed = False
                 continue
-            for seq, steps_after in scheduler.drop_cancelled():
+            turn = scheduler.schedule()
+            for seq, steps_after in turn.cancelled:
                 self.output.cancelled(seq, steps_after)
-            for seq in scheduler.admit():
+            for seq in turn.admitted:
                 if seq.lost is None:  # a paused sequence was started before, and resumes (``Output.resumed``)
                     self.output.started(seq)
-            step = scheduler.plan()
-            if step is not None:
-                await self._step(step)
+            if turn.step is not None:
+                await self._step(turn.step)
                 continue
-            if scheduler.release_leaving():
-                # Nothing left to run: one clear frees every rank's caches at once (the prefix cache stays).
+            if turn.clear:  # nothing left to run: one clear frees every rank's caches at once (prefixes stay)
                 await self._clear_cache(prefixes=False)
             if not scheduler.waiting:
                 self._idle.set()
@@ -283,7 +284,8 @@ class Engine:
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
-        deliveries = self.scheduler.apply(step, sampled, self.text, ms)
+        deliveries = self.scheduler.update(step, sampled, ms)
+        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost
         trace(
             log,
@@ -301,82 +303,6 @@ class Engine:
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
-
-    # A lost group: pause, recover in this process, resume.
-
-    def _pause(self, error: PoolError, step: Step | None) -> None:
-        """Put the batch back in the queue to be fed again once the pool is back (``Scheduler.pause``); a request
-        blamed for too many losses ends here."""
-        for seq, steps_after in self.scheduler.drop_cancelled():
-            self.output.cancelled(seq, steps_after)
-        lost = resume.lost(error.failures, self.pool.hosts, str(error))
-        tries = self.limits.resume_tries
-        paused, given_up = self.scheduler.pause(lost, resume.blamed(step, self.scheduler.batch), tries)
-        for seq in given_up:
-            log.warning("not resumed", request_id=seq.request_id, losses=seq.losses, rank=lost.rank, host=lost.host)
-            self.output.failed(seq, "step_failed", resume.too_many_losses(seq, tries, str(error)))
-        if paused:
-            log.warning("requests paused", requests=len(paused), rank=lost.rank, host=lost.host, cause=str(error))
-        self._wakeup.set()
-
-    async def _recover(self) -> None:
-        """Replace the lost group in this process and probe it; the paused sequences then resume as the loop
-        admits them. A try that fails (a host out of reach) is tried again, soon at first, for as long as
-        ``resume_timeout`` lasts; paused sequences still waiting that long after their loss end with an error.
-        Where recovery is not possible in this process, or has not succeeded by then, every request fails and
-        ``lost`` is set (the leader restarts its process)."""
-        cause = self.pool.broken
-        started = time.perf_counter()
-        self._busy_since = None  # not a wedged step: recovering has deadlines of its own
-        log.warning("recovering", cause=str(cause), paused=self.waiting)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._expire_paused)
-            failure = await self._try_to_recover(cause, started)
-            tg.cancel_scope.cancel()
-        if failure is not None:
-            log.error("recovery failed; restarting the leader", cause=str(cause), error=failure)
-            self.health = Health(False, f"{cause}; recovery failed: {failure}")
-            self.lost.set()
-            self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
-            await anyio.sleep_forever()  # the leader cancels the engine and restarts
-        self.recoveries += 1
-        log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
-
-    async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
-        """``pool.recover`` and a probe, tried again after each failure while ``resume_timeout`` allows; None once
-        the pool is back, else why not."""
-        delays = iter(RETRY_S)
-        while True:
-            try:
-                await self.pool.recover()
-                if await self._probe():
-                    return None
-                raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
-            except Unrecoverable as e:
-                return str(e)
-            except Exception as e:  # noqa: BLE001 - tried again while the time allows
-                error = f"{type(e).__name__}: {e}"
-                delay = next(delays, RETRY_S[-1])
-                if time.perf_counter() - started + delay > self.limits.resume_timeout:
-                    return error
-                log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=delay)
-                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay} s")
-                await anyio.sleep(delay)
-
-    async def _expire_paused(self) -> None:
-        """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""
-        timeout = self.limits.resume_timeout
-        while True:
-            paused = [seq for seq in self.scheduler.waiting if seq.lost is not None]
-            if not paused:
-                return
-            first = min(paused, key=lambda seq: seq.lost.at if seq.lost else 0.0)
-            assert first.lost is not None
-            await anyio.sleep(max(0.0, first.lost.at + timeout - time.perf_counter()))
-            if first in self.scheduler.waiting and first.lost is not None:
-                self.scheduler.waiting.remove(first)
-                first.cancelled_at = self.scheduler.steps
-                self.output.failed(first, "unavailable", resume.timed_out(first.lost, timeout))
 
     # Health.
 
@@ -413,12 +339,3 @@ class Engine:
         log.warning("not ready", reason=str(error), broken=error.broken)
         if error.broken and not self._resumes:
             self.lost.set()
-
-    def _on_lost(self, error: PoolError) -> None:
-        """A worker exited: pause the batch now (or fail everything), even between steps; a step in flight
-        fails on its own."""
-        self._unready(error)
-        if self._resumes:
-            self._pause(error, self._in_flight)
-        else:
-            self._fail_all("unavailable", str(error))

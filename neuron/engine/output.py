@@ -1,28 +1,43 @@
 """What each request's reader gets: text chunks and a finish, rendered from the scheduler's deliveries, and the
 request's logs and metrics along the way (started, prefill done, decode done, request done or cancelled).
 
-It decides nothing: whether a token is text and whether it ends its sequence is the scheduler's call
-(``Scheduler.apply``)."""
+Whether a token is output and whether its id or the sequence's length ends it is the scheduler's call
+(``Scheduler.update``). The text is here, and so are stop strings: one found ends the sequence here (its reader
+gets the text up to it and a finish), and the scheduler is told (``Scheduler.finish``), so that the sequence
+leaves the batch at the next step boundary."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
 from neuron import metrics
 from neuron.engine.scheduler import Delivery
 from neuron.engine.sequence import Chunk, Failure, Finish, Sequence
-from neuron.engine.text import Text
 from neuron.log import ms_since
 from neuron.sampling_params import Sampled
 
 log = structlog.get_logger("neuron.engine")
 
 
+class Detokenizer(Protocol):
+    """Turns a sequence's tokens into text (``engine.text.Text``): what each releases, and whether a stop string
+    ended it."""
+
+    def start(self, seq: Sequence) -> None: ...
+
+    def push(self, seq: Sequence, token: int, produced: int) -> tuple[str, bool]: ...
+
+    def finish(self, seq: Sequence) -> tuple[str, bool]: ...
+
+
 class Output:
-    def __init__(self, text: Text, prefix_cache: bool = False) -> None:
+    def __init__(self, text: Detokenizer, stopped: Callable[[Sequence, int], None], prefix_cache: bool = False) -> None:
         self.text = text
+        self.stopped = stopped  # told when a stop string ends a sequence, after how many tokens (Scheduler.finish)
         self.prefix_cache = prefix_cache  # whether hits and misses are counted
 
     def started(self, seq: Sequence) -> None:
@@ -43,8 +58,11 @@ class Output:
         )
 
     def deliver(self, delivery: Delivery) -> None:
-        """Render what the scheduler decided for one token: its text, and the sequence's finish if it ended."""
+        """Render one token the scheduler delivered: its text, a stop string that ends it there, and the
+        sequence's finish if it ended."""
         seq, sampled = delivery.seq, delivery.sampled
+        if seq.finished:  # a stop string ended it earlier in this step's run of tokens
+            return
         if seq.pooling is not None:
             self.embedded(seq, sampled)
             return
@@ -65,14 +83,27 @@ class Output:
             log.warning("constraint failed", request_id=seq.request_id, error=sampled.error)
             self.failed(seq, "constraint", sampled.error or "the output constraint failed")
             return
-        if delivery.text is not None:
+        reason = delivery.finish
+        if delivery.kept:
+            released, stopped = self.text.push(seq, sampled.token, delivery.produced)
             metrics.COMPLETION_TOKENS.inc()
             if not seq.first_token_at:
                 seq.first_token_at = time.perf_counter()
                 metrics.TIME_TO_FIRST_TOKEN.observe(seq.first_token_at - seq.submitted)
-            seq.emit(Chunk(sampled.token, delivery.text, sampled.logprob, sampled.top))
-        if delivery.finish is not None:
-            self.finish(seq, delivery.finish, delivery.tail)
+            seq.emit(Chunk(sampled.token, released, sampled.logprob, sampled.top))
+            if stopped:
+                self.stopped(seq, delivery.produced)
+                self.finish(seq, "stop", "")
+                return
+        if reason is None:
+            return
+        tail = ""
+        if seq.max_tokens > 0:  # the text held back, released now: a stop string may still close in it
+            tail, stopped = self.text.finish(seq)
+            if stopped and reason == "length":
+                self.stopped(seq, delivery.produced)
+                reason = "stop"
+        self.finish(seq, reason, tail)
 
     def resumed(self, seq: Sequence) -> None:
         """``seq``'s first token since the group was lost under it: its stream goes on."""

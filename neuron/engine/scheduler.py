@@ -1,8 +1,13 @@
 """The scheduler: who waits, whose prompt is fed, who decodes; each step's plan, and what a step's outcome changes.
 
-It only decides. No I/O, no MLX, no event loop: the engine hands it requests,
-asks it for a plan, runs the plan on the pool, and hands the sampled tokens
-back. So every decision here can be tested in milliseconds, without a process.
+It only decides. No I/O, no MLX, no event loop: the engine hands it requests
+(``add``, ``cancel``, and ``finish`` when a stop string ends one), asks it
+what runs next (``schedule``: the step's plan, and who was admitted, dropped
+or released), runs the plan on the pool, and hands the step's result back
+(``update``: who got which token, and who ended). A sequence ends here on
+token ids and lengths only; stop strings are found where the text is
+(``engine.output``). So every decision here can be tested in milliseconds,
+without a process.
 
 Continuous batching: up to ``max_batch`` sequences share each step. A waiting
 request is admitted when a place frees; its prompt is fed in chunks, at most
@@ -22,73 +27,61 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from neuron.engine import vision
-from neuron.engine.drafts import StepCost, width
+from neuron.engine.drafts import StepCost
+from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.sequence import Lost, Overloaded, Sequence
-from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
-from neuron.sampling_params import PENALTY_WINDOW, Sampled
-from neuron.step import Start, Step
+from neuron.engine.sequence import Lost, Overloaded, Sequence, Status
+from neuron.sampling_params import Sampled
+from neuron.settings import Scheduling  # its fields are settings of ``serve``, declared there once
+from neuron.step import Step
 
 
 @dataclass(frozen=True, slots=True)
-class Scheduling:
-    """How the scheduler runs the batch: its limits, speculation and running ahead; these defaults are ``neuron
-    serve``'s (config.py reads them from here)."""
+class SchedulerOutput:
+    """What the engine does this turn, in order (vLLM's ``SchedulerOutput``): tell the readers of ``cancelled``
+    that their sequences left, start the ``admitted`` ones, then run ``step`` on every rank; with no step,
+    ``clear`` says one clear of every rank's caches is owed (it frees the sequences that left at once)."""
 
-    max_batch: int = 8  # sequences decoding together; more wait in the queue
-    max_waiting: int = 64  # requests queued beyond the batch; more get 429
-    prefill_chunk: int = 512  # prompt tokens fed per step, across all prompts being fed
-    max_context: int | None = None  # tokens per request (prompt + completion); None: the model's own
-    micro_batches: int = 1  # decode passes per step: a pipeline's stages then work at once
-    prefix_cache_bytes: int = 1 << 30  # the prefix cache's budget on the rank holding the largest share; 0: off
-    max_n: int = 8  # choices per request (n), each a sequence of the batch: at most max_batch
-    speculate: str = "ngram"  # draft tokens from prompt lookup and ``prediction`` (engine.drafts); "off": none
-    # Steady decode steps queued before the last one's tokens are read (tp.ahead): "on", "off", or "auto": on where
-    # MLX evaluates asynchronously (GPUs); its CPU backend evaluates in the caller, so there it would only waste a
-    # forward where a plan changes (BENCHMARKS.md, "Running ahead").
-    run_ahead: str = "auto"
-    # A lost group (engine.resume): seconds the paused requests wait for the pool to be back (0: they fail at once,
-    # and the leader restarts its process), and the losses a request may be blamed for and still resume.
-    resume_timeout: float = 60.0
-    resume_tries: int = 2
-    # How embedding inputs pool the final hidden states (models.POOLING_TYPES); None: as the model's card says,
-    # else MEAN. Not the scheduler's to read: it plans what each input's sequence says.
-    pooling_type: str | None = None
-
-
-class Detokenizer(Protocol):
-    """Turns a sequence's tokens into text (``engine.text.Text``): what each releases, and whether a stop string
-    ended it. The scheduler asks it, token by token, because whether a token ends the sequence decides whether the
-    next one is text at all."""
-
-    def push(self, seq: Sequence, token: int) -> tuple[str, bool]: ...
-
-    def finish(self, seq: Sequence) -> tuple[str, bool]: ...
+    step: Step | None  # None when nothing is admitted
+    admitted: list[Sequence] = field(default_factory=list)  # taken into the batch this turn, in order
+    cancelled: list[tuple[Sequence, int]] = field(default_factory=list)  # each with the steps it ran after its cancel
+    clear: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """What one step gave ``seq``: a token and the text it released, and how the sequence ends, if it does.
+    """What one step gave ``seq``: a token, whether it is part of the output, and how the sequence ends, if it does.
 
-    ``text`` is None when the token is not part of the output: an end-of-sequence
+    ``kept`` is False when the token is not part of the output: an end-of-sequence
     token, a constraint's dead end, a prompt scored with ``max_tokens`` 0.
-    ``finish`` is ``"stop"`` (an end-of-sequence token or a stop string),
-    ``"length"``, or ``"error"`` (``sampled.error``: the output constraint
-    failed); None while it goes on. ``tail`` is the text held back until the
-    end (a partial character, a stop string's possible start), released with
-    the finish. ``first`` marks the token sampled from the end of the prompt.
+    ``finish`` is ``"stop"`` (an end-of-sequence or stop token), ``"length"``, or
+    ``"error"`` (``sampled.error``: the output constraint failed); None while it
+    goes on. A stop string is not the scheduler's to see: the output path finds it
+    in the text and calls ``Scheduler.finish``. ``produced`` is how many tokens the
+    sequence has produced with this one. ``first`` marks the token sampled from the
+    end of the prompt.
     """
 
     seq: Sequence
     sampled: Sampled
-    text: str | None
     finish: str | None
     first: bool
-    tail: str = ""
+    kept: bool = True
+    produced: int = 0
+
+
+class Paused(NamedTuple):
+    """What a lost group did to the batch (``Scheduler.pause``)."""
+
+    paused: list[Sequence]  # back in the queue, to be fed again
+    given_up: list[Sequence]  # blamed for too many losses
+    cancelled: list[tuple[Sequence, int]]  # their callers had gone: they just leave
+
+
+_ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
 
 
 class Scheduler:
@@ -103,6 +96,7 @@ class Scheduler:
         self.filling: list[Sequence] = []  # admitted, prompt being fed
         self.running: list[Sequence] = []  # decoding, in batch order
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
+        self.stopping: list[Sequence] = []  # ended by the output path (a stop string): they leave at ``schedule``
         self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
 
     @property
@@ -114,122 +108,72 @@ class Scheduler:
     def pending(self) -> int:
         return len(self.waiting) + len(self.filling) + len(self.running)
 
+    # Requests, taken up by the next ``schedule``.
+
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` behind the others, or refuse it when the queue is full."""
         if len(self.waiting) >= self.limits.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are already waiting (the limit); retry shortly")
+        seq.status = Status.WAITING
         self.waiting.append(seq)
 
     def cancel(self, seq: Sequence) -> bool:
-        """Mark ``seq`` as abandoned by its caller; True when it was still queued and has left at once."""
+        """Mark ``seq`` as abandoned by its caller; True when it was still queued and has left at once (an
+        admitted one leaves at the next ``schedule``)."""
         if seq.finished or seq.cancelled_at is not None:
             return False
         seq.cancelled_at = self.steps
         if seq in self.waiting:
             self.waiting.remove(seq)
+            seq.status = Status.FINISHED_ABORTED
             return True
         return False
 
-    def drop_cancelled(self) -> list[tuple[Sequence, int]]:
-        """Take the cancelled sequences out of the batch (they leave in the next plan); returns each with the steps
-        it ran after its caller went away."""
-        dropped = [seq for seq in self.batch if seq.cancelled_at is not None]
-        for seq in dropped:
-            self._remove(seq)
-        return [(seq, self.steps - (seq.cancelled_at or 0)) for seq in dropped]
+    def finish(self, seq: Sequence, produced: int) -> None:
+        """The output path found a stop string in ``seq``'s text after its ``produced``-th token: it ends there
+        (the tokens after it, drawn in the same step, are not its output), and leaves at the next ``schedule``."""
+        del seq.output[produced:]
+        seq.completion_tokens = min(seq.completion_tokens, produced)
+        if not seq.status.finished:
+            self.stopping.append(seq)
+        seq.status = Status.FINISHED_STOPPED
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting requests into the batch, in arrival order, while it has places; returns them.
+    # The turn: what runs next, and what it did.
 
-        An embedding request holds no place (its inputs are fed and leave, and no decode row is theirs), so it
-        is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
-        """
-        admitted: list[Sequence] = []
-        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
-        blocked = False
-        for seq in list(self.waiting):
-            if seq.pooling is None:
-                blocked = blocked or places + seq.n > self.limits.max_batch
-                if blocked:
-                    continue
-                places += seq.n
-            self.waiting.remove(seq)
-            members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
-            self.filling += members
-            admitted += members
-        return admitted
+    def schedule(self) -> SchedulerOutput:
+        """Drop the cancelled and stopped sequences (they leave in this plan), admit waiting requests while the
+        batch has places, and plan the step; with nothing to run, release who leaves (a clear is owed)."""
+        cancelled = [seq for seq in self.batch if seq.cancelled_at is not None]
+        for seq in cancelled:
+            self._remove(seq, Status.FINISHED_ABORTED)
+        for seq in self.stopping:
+            self._remove(seq, Status.FINISHED_STOPPED)
+        self.stopping.clear()
+        admitted = self._admit()
+        limits = self.limits
+        step = plan_step(
+            self.filling,
+            self.running,
+            self.waiting,
+            self.leaving,
+            budget=limits.prefill_chunk,
+            max_batch=limits.max_batch,
+            micro_batches=limits.micro_batches,
+            run_ahead=limits.run_ahead == "on",
+            prefix=self.prefix,
+            cost=self.cost,
+        )
+        clear = step is None and bool(self.leaving)
+        if clear:  # nothing left to run: clearing every rank's sequences at once drops them all
+            self.leaving.clear()
+        return SchedulerOutput(
+            step, admitted, [(seq, self.steps - (seq.cancelled_at or 0)) for seq in cancelled], clear
+        )
 
-    def release_leaving(self) -> bool:
-        """With nothing to run: forget who leaves, since clearing every rank's sequences at once drops them all;
-        True when there was someone, and so a clear is owed."""
-        owed = bool(self.leaving)
-        self.leaving.clear()
-        return owed
-
-    def plan(self) -> Step | None:
-        """The next step: who leaves, which prompt chunks are fed, every running sequence's next input, and how
-        each sequence it starts is sampled.
-
-        None when nothing is admitted (``leaving`` may still name sequences to drop).
-        """
-        if not self.filling and not self.running:
-            return None
-        budget = self.limits.prefill_chunk
-        prefill: list[Prefill] = []
-        restore: list[Restore] = []
-        starts: dict[int, Start] = {}
-        suspect = False  # whether the step feeds a sequence blamed for a lost group
-        for seq in self.filling:
-            if budget <= 0:
-                break
-            if seq.copy_of is not None and not seq.alone:
-                continue  # fed when its original's prompt ends
-            if prefill and (seq.losses or suspect):
-                break  # a sequence blamed for a lost group is fed alone, so that a second loss blames it alone
-            suspect = bool(seq.losses)
-            tokens = seq.tokens
-            start = seq.fed
-            if seq.pooling is not None:  # an embedding input: no prefix cache (hidden states are not kept), no sampler
-                end = min(len(seq.prompt), start + budget)
-                prefill.append(Prefill(seq.no, start, seq.prompt[start:end], end == len(seq.prompt), pool=seq.pooling))
-                budget -= end - start
-                continue
-            # A restored prefix would leave its tokens unscored; a resumed sequence's prompt was scored already.
-            scores = seq.params.prompt_logprobs is not None and seq.replay is None
-            prefix = self.prefix if seq.params.prompt_logprobs is None else None
-            if start == 0:
-                produced = None if seq.lost is None else tuple(seq.output)
-                recent: tuple[int, ...] = ()
-                if prefix is not None and (hit := prefix.lookup(vision.keyed(tokens, seq.images))) is not None:
-                    restore.append(Restore(seq.no, hit.entry, hit.tokens))
-                    start = hit.tokens  # restored, not computed: outside the budget
-                    recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
-                starts[seq.no] = Start(seq.params, recent, produced)
-            take = min(budget, len(tokens) - start)
-            end = start + take
-            last = end == len(tokens)
-            copies = [c for c in seq.fed_with if c in self.filling] if last else []
-            for copy in copies:
-                starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
-            runs = vision.runs(seq.images, start, end) if seq.images else []
-            prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
-            budget -= take
-        decode = self._decode()
-        ahead = self._steady(prefill, decode)
-        plan = StepPlan(leave=list(self.leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
-        # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
-        by_no = {seq.no: seq for seq in self.filling}
-        for chunk in prefill:
-            if chunk.pool or not chunk.last or self.prefix is None:
-                continue
-            if stored := self.prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
-                plan.save.append(Save(chunk.seq, stored.entry))
-                plan.evict.extend(Evict(entry) for entry in stored.evicted)
-        return Step(plan, starts)
-
-    def apply(self, step: Step, sampled: dict[int, Sampled], text: Detokenizer, ms: float) -> list[Delivery]:
+    def update(self, step: Step, sampled: dict[int, Sampled], ms: float) -> list[Delivery]:
         """What ``step`` did, now that every rank ran it in ``ms``: prompts fed, tokens sampled, in plan order, and
-        every sequence that ended (it has left the batch: the next plan drops it on every rank).
+        every sequence that ended on a token id or its length (it has left the batch: the next plan drops it on
+        every rank).
 
         A sequence missing from the batch was taken out while the step ran
         (cancelled, or failed by a shutdown): its token is not delivered.
@@ -254,23 +198,24 @@ class Scheduler:
             seq.fed += len(chunk.tokens)
             if chunk.last and seq.pooling is not None:  # every rank has dropped it already: it leaves no plan
                 self.filling.remove(seq)
-                out.append(Delivery(seq, sampled[seq.no], None, "stop", first=True))
+                out.append(Delivery(seq, sampled[seq.no], "stop", first=True, kept=False))
             elif chunk.last:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
                     copy.fed = len(copy.tokens)
                     self.filling.remove(copy)
                     copy.micro_batch = self._emptiest_micro_batch()
+                    copy.status = Status.RUNNING
                     self.running.append(copy)
                     if copy.replay is None:
                         copy.prompt_logprobs = sampled[copy.no].prompt
-                    out.append(self._outcome(copy, sampled[copy.no], text, first=copy.replay is None))
+                    out.append(self._outcome(copy, sampled[copy.no], first=copy.replay is None))
         widths = plan.widths()
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is None:
                 continue
             run = [sampled[row.seq], *sampled[row.seq].more]  # the token, then those a kept draft adds
             for one in run:
-                out.append(self._outcome(seq, one, text, first=False))
+                out.append(self._outcome(seq, one, first=False))
                 if out[-1].finish is not None:
                     break
             seq.drop = widths[row.micro_batch] - len(run)  # fed but not kept: the draft's rejected tail, the padding
@@ -278,42 +223,31 @@ class Scheduler:
                 seq.proposer.update(len(row.draft), len(run) - 1)
         for delivery in out:
             if delivery.finish is not None:
-                self._remove(delivery.seq)
+                self._remove(delivery.seq, _ENDS[delivery.finish])
         return out
 
-    def _steady(self, prefill: list[Prefill], decode: list[Decode]) -> bool:
-        """Whether the next step will most likely decode the same rows, one token each (the ranks may run it
-        ahead): no prompt fed now or soon, no draft now (a row that drafts now drafts next too, most likely), one
-        micro-batch. A sequence that ends meanwhile just leaves."""
-        if self.limits.run_ahead != "on" or prefill or self.filling or not decode or self.limits.micro_batches != 1:
-            return False
-        if self.waiting and len(self.running) + self.waiting[0].n <= self.limits.max_batch:
-            return False
-        if all(seq.completion_tokens + 1 >= seq.max_tokens for seq in self.running):
-            return False  # every row ends with this step's token: a step ahead would be thrown away
-        return not any(row.draft for row in decode)
+    def _admit(self) -> list[Sequence]:
+        """Move waiting requests into the batch, in arrival order, while it has places; returns them.
 
-    def _decode(self) -> list[Decode]:
-        """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""
-        drafts = {seq.no: self._draft(seq) for seq in self.running}
-        share = 1 / self.limits.micro_batches  # each micro-batch's part of the step's fixed time
-        for micro_batch in range(self.limits.micro_batches):
-            rows = [seq for seq in self.running if seq.micro_batch == micro_batch]
-            estimates = [(len(drafts[seq.no]), seq.proposer.acceptance if seq.proposer else 0.0) for seq in rows]
-            cut = width(estimates, self.cost, share) - 1
-            for seq in rows:
-                drafts[seq.no] = drafts[seq.no][:cut]
-        return [
-            Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop)  # type: ignore[arg-type]
-            for seq in self.running
-        ]
-
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""
-        if seq.proposer is None or seq.next_token is None:
-            return []
-        room = seq.max_tokens - seq.completion_tokens - 1
-        return seq.proposer.propose(seq.prompt, seq.output, room)
+        An embedding request holds no place (its inputs are fed and leave, and no decode row is theirs), so it
+        is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
+        """
+        admitted: list[Sequence] = []
+        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
+        blocked = False
+        for seq in list(self.waiting):
+            if seq.pooling is None:
+                blocked = blocked or places + seq.n > self.limits.max_batch
+                if blocked:
+                    continue
+                places += seq.n
+            self.waiting.remove(seq)
+            members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
+            for member in members:
+                member.status = Status.FILLING
+            self.filling += members
+            admitted += members
+        return admitted
 
     def _emptiest_micro_batch(self) -> int:
         """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
@@ -322,62 +256,67 @@ class Scheduler:
             sizes[seq.micro_batch] += 1
         return sizes.index(min(sizes))
 
-    def _outcome(self, seq: Sequence, sampled: Sampled, text: Detokenizer, *, first: bool) -> Delivery:
-        """Every way a sampled token can end its sequence, decided here and nowhere else."""
+    def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
+        """Every way a sampled token can end its sequence by its id or the sequence's length, decided here and
+        nowhere else (a stop string is the output path's: ``finish``)."""
         if sampled.error is not None:
-            return Delivery(seq, sampled, None, "error", first)
+            return Delivery(seq, sampled, "error", first, kept=False, produced=seq.completion_tokens)
         if seq.max_tokens == 0:  # the prompt, scored, was all it asked for: the token is not used
-            return Delivery(seq, sampled, None, "length", first)
+            return Delivery(seq, sampled, "length", first, kept=False)
         params = seq.params
         if sampled.token in params.stop_token_ids or (sampled.token in self.eos_token_ids and not params.ignore_eos):
-            tail, _ = text.finish(seq)  # the end-of-sequence token is not part of the text
-            return Delivery(seq, sampled, None, "stop", first, tail)
+            return Delivery(seq, sampled, "stop", first, kept=False, produced=seq.completion_tokens)
         seq.completion_tokens += 1
         seq.next_token = sampled.token
         seq.output.append(sampled.token)
-        released, stopped = text.push(seq, sampled.token)
-        if stopped:
-            return Delivery(seq, sampled, released, "stop", first)
-        if seq.completion_tokens >= seq.max_tokens:
-            tail, stopped = text.finish(seq)  # a stop string may still close in the text held back
-            return Delivery(seq, sampled, released, "stop" if stopped else "length", first, tail)
-        return Delivery(seq, sampled, released, None, first)
+        ends = "length" if seq.completion_tokens >= seq.max_tokens else None
+        return Delivery(seq, sampled, ends, first, produced=seq.completion_tokens)
 
-    def _remove(self, seq: Sequence) -> None:
+    def _remove(self, seq: Sequence, status: Status) -> None:
         """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
+        if not seq.status.finished:
+            seq.status = status
         for place in (self.filling, self.running):
             if seq in place:
                 place.remove(seq)
                 if seq.fed:
                     self.leaving.append(seq.no)
 
-    def pause(self, lost: Lost, blamed: Collection[Sequence], tries: int) -> tuple[list[Sequence], list[Sequence]]:
+    # A lost group, and a shutdown.
+
+    def pause(self, lost: Lost, blamed: Collection[Sequence], tries: int) -> Paused:
         """The group was lost under the batch: every admitted sequence goes back to the front of the queue, in
         order, to be fed again once the ranks are back: its prompt and the tokens it has produced (its stream
         goes on where it stopped); the ranks' caches are gone, the prefix cache with them. Those ``blamed``
-        count one more loss; one blamed more than ``tries`` times is not resumed. Returns (paused, given up)."""
-        paused, given_up = [], []
+        count one more loss; one blamed more than ``tries`` times is not resumed. Cancelled ones just leave."""
+        paused, given_up, cancelled = [], [], []
         for seq in self.batch:
+            if seq.cancelled_at is not None and not seq.finished:
+                seq.status = Status.FINISHED_ABORTED
+                cancelled.append((seq, self.steps - seq.cancelled_at))
             if seq.finished or seq.cancelled_at is not None:
                 continue
             if seq in blamed:
                 seq.losses += 1
             if seq.losses > tries:
+                seq.status = Status.FINISHED_ERROR
                 given_up.append(seq)
                 continue
             seq.lost = seq.lost or lost  # lost again before it resumed: the first loss is what it waits on
             seq.replay = [*seq.prompt, *seq.output] if seq.output else None
             seq.alone = True
             seq.fed = seq.drop = seq.micro_batch = 0
+            seq.status = Status.WAITING
             paused.append(seq)
         self.filling.clear()
         self.running.clear()
         self.leaving.clear()
+        self.stopping.clear()
         self.waiting.extendleft(reversed(paused))
         if self.prefix is not None:
             self.prefix.unpin()
             self.prefix.clear()
-        return paused, given_up
+        return Paused(paused, given_up, cancelled)
 
     def clear(self) -> list[Sequence]:
         """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
@@ -386,10 +325,12 @@ class Scheduler:
         unfinished = [seq for seq in (*queued, *self.batch) if not seq.finished]
         for seq in unfinished:
             seq.cancelled_at = self.steps
+            seq.status = Status.FINISHED_ABORTED
         self.waiting.clear()
         self.filling.clear()
         self.running.clear()
         self.leaving.clear()
+        self.stopping.clear()
         if self.prefix is not None:
             self.prefix.unpin()
         return unfinished

@@ -5,6 +5,7 @@ No MLX here: the HTTP server reads these types without loading a model.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,23 @@ class StopText:
         return pending
 
 
+class Status(enum.Enum):
+    """Where a sequence stands in the scheduler (nano-vllm's and vLLM's sequence status); only the scheduler
+    sets it."""
+
+    WAITING = "waiting"  # queued (or paused after a lost group, to be fed again), not admitted
+    FILLING = "filling"  # admitted: its prompt is being fed
+    RUNNING = "running"  # decoding, a token (and a draft) each step
+    FINISHED_STOPPED = "stop"  # an end-of-sequence or stop token, a stop string, or an embedding's vector
+    FINISHED_LENGTH = "length"  # max_tokens reached
+    FINISHED_ERROR = "error"  # its output constraint failed, or it was blamed for too many lost groups
+    FINISHED_ABORTED = "aborted"  # cancelled by its caller, or failed with the batch
+
+    @property
+    def finished(self) -> bool:
+        return self not in (Status.WAITING, Status.FILLING, Status.RUNNING)
+
+
 @dataclass(frozen=True, slots=True)
 class Lost:
     """Why a sequence is paused: the group was lost under it, and it waits to be fed again (``engine.resume``)."""
@@ -152,9 +170,10 @@ class Sequence:
     submitted: float = 0.0  # perf_counter times: queued, admitted to the batch, first token
     started: float = 0.0
     first_token_at: float = 0.0
+    status: Status = Status.WAITING
     # The engine's step count when the caller stopped listening; None while it listens.
     cancelled_at: int | None = None
-    finished: bool = False
+    finished: bool = False  # its reader has had its last event (a ``Finish`` or a ``Failure``)
     # n > 1: the sequences whose prompt is this one's, copied on every rank when it ends rather than computed
     # again; they wait in the batch, unfed, until then.
     copies: list[Sequence] = field(default_factory=list)

@@ -86,9 +86,10 @@ class Text:
             detokenizer._maybe_trim_space = lambda text: text  # type: ignore[method-assign]
         seq.detokenizer = detokenizer
 
-    def push(self, seq: Sequence, token: int) -> tuple[str, bool]:
-        """Add a generated token; return the text it releases and whether a stop string was reached."""
-        armed = seq.completion_tokens >= seq.params.min_tokens  # vLLM: no stop string ends it before min_tokens
+    def push(self, seq: Sequence, token: int, produced: int) -> tuple[str, bool]:
+        """Add a generated token, ``seq``'s ``produced``-th; return the text it releases and whether a stop string
+        was reached."""
+        armed = produced >= seq.params.min_tokens  # vLLM: no stop string ends it before min_tokens
         if seq.params.skip_special_tokens and token in self.special_ids:
             return seq.stop.push("", armed)
         seq.detokenizer.add_token(token)

@@ -28,6 +28,7 @@ import neuron
 from neuron import device
 from neuron.launch import cgroup
 from neuron.rpc import HostInfo
+from neuron.settings import default
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})
@@ -95,7 +96,7 @@ def _host(entry: Any, where: str) -> Host:
     return Host(ssh, tuple(ips), tuple(rdma), entry.get("neuron"), entry.get("model"), tuple(cpus))
 
 
-def check_hosts(hosts: list[Host], backend: str, data_plane: str = "direct") -> None:
+def check_hosts(hosts: list[Host], backend: str, data_plane: str = default("data_plane")) -> None:
     """What a backend (and the data plane) needs of every host, checked before anything starts."""
     if not hosts[0].local:
         raise HostsError(

@@ -15,8 +15,9 @@ from neuron.launch.dataplane import machine_ranks
 from neuron.launch.hosts import Host, local_hosts
 from neuron.launch.local import spawn_local
 from neuron.launch.ssh import StderrRelay, read_remote, receiver_argv, spawn_ssh
+from neuron.settings import default
 
-DEFAULT_SSH = "ssh"
+DEFAULT_SSH: str = default("ssh_command")
 
 
 @dataclass(slots=True)
@@ -32,7 +33,9 @@ class Spawned:
 class Launcher:
     """Starts rank R's process on ``hosts[R]``: a subprocess for this host, ``ssh`` for the others."""
 
-    def __init__(self, hosts: list[Host], ssh_command: str = DEFAULT_SSH, data_plane: str = "direct") -> None:
+    def __init__(
+        self, hosts: list[Host], ssh_command: str = DEFAULT_SSH, data_plane: str = default("data_plane")
+    ) -> None:
         self.hosts = hosts
         self.world_size = len(hosts)
         self.ssh_command = shlex.split(ssh_command)

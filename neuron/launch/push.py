@@ -210,6 +210,7 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
         if problem := room_problem(host, path, needed, int(held["free"])):
             raise Refused(f"rank {rank} on {problem}")
         sender.needed = needed
+        sender.bar.reset(needed)
         log.info(
             "push started", rank=rank, host=host, share=plan.key, bytes=needed, held_bytes=total - needed, path=path
         )
@@ -227,6 +228,7 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
         log.info("push done", rank=rank, host=host, share=plan.key, bytes=pushed.sent, seconds=round(pushed.seconds, 2))
         return pushed
     finally:
+        sender.bar.close()
         _close(process)
 
 
@@ -240,6 +242,10 @@ class _Sender:
         self.sent = 0
         self.needed = 0  # bytes of tensors and files to send, once the host said what it holds
         self._logged = time.monotonic()
+        from huggingface_hub.utils import tqdm  # tqdm itself, typed; huggingface_hub brings it
+
+        # On a terminal, tqdm's bar (bytes, rate, time left) as for a download; the log lines either way.
+        self.bar = tqdm(desc=f"push to {host}", unit="B", unit_scale=True, disable=not sys.stderr.isatty())
 
     def send(self, data: memoryview) -> None:
         for start in range(0, len(data), CHUNK):
@@ -249,6 +255,7 @@ class _Sender:
             except (BrokenPipeError, ValueError, OSError) as e:
                 raise self.cut(f"writing to it failed ({e})") from None
             self.sent += len(chunk)
+            self.bar.update(len(chunk))
             metrics.PUSH_BYTES.labels(self.host).inc(len(chunk))
             if time.monotonic() - self._logged >= PROGRESS_EVERY_S:
                 self._logged = time.monotonic()

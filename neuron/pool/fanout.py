@@ -26,6 +26,7 @@ from neuron.pool.link import Link
 from neuron.pool.rank0 import Abandoned, Rank0Thread
 from neuron.rank.rank import Rank, RankError
 from neuron.rpc import ErrorKind
+from neuron.settings import default
 
 log = structlog.get_logger("neuron.pool")
 
@@ -67,7 +68,7 @@ class Deadlines:
     ping: float = 30.0
     init: float = 60.0
     load: float = 900.0
-    step: float = 120.0
+    step: float = default("step_timeout")  # --step-timeout
     control: float = 30.0  # clear_kv_cache
     shutdown: float = 10.0
 

@@ -8,129 +8,59 @@ Why rank 0 lives in the leader: it samples. The logits never leave the process
 that computed them, and the next token reaches the workers inside the next
 step's request, so nothing but small JSON crosses a pipe.
 
+The pool is built in layers: ``ranks.py`` spawns the workers and forms the
+group, ``load.py`` loads the model onto every rank, and this module adds the
+steps, the watch on the workers, recovery and shutdown.
+
 A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
 call then fails at once, naming the cause, until ``recover`` replaces every
 worker and rank 0's group in this process (where MLX can forget a group:
-``tp.backends``); where it cannot, recovery is a fresh process.
+``rank.backends``); where it cannot, recovery is a fresh process.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 import structlog
-from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import architectures, cpu, metrics, rpc
-from neuron.launch.checks import (
-    Unreachable,
-    check_gpus,
-    check_handshake,
-    check_memory,
-    check_models,
-    model_differences,
-)
-from neuron.launch.dataplane import cut, spawn_env
-from neuron.launch.hosts import describe_host
-from neuron.launch.launcher import Launcher
-from neuron.launch.push import PushCut, Pushed, push
-from neuron.launch.stages import check_split, plan_stages, weights_per_rank
-from neuron.launch.tunnels import Tunnels
+from neuron import architectures, metrics, rpc
+from neuron.launch.checks import Unreachable
+from neuron.launch.dataplane import cut
+from neuron.launch.stages import check_split
 from neuron.log import ms_since
-from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest, read_config, text_config
-from neuron.pool.fanout import Deadlines, FanOut, PoolError
-from neuron.pool.group import form_group
+from neuron.models import read_config, text_config
+from neuron.pool.fanout import PoolError
 from neuron.pool.link import Link, describe_exit
-from neuron.pool.rank0 import Rank0Thread
+from neuron.pool.load import Loading
 from neuron.rank.backends import NoClearBackends
-from neuron.rank.rank import Loaded, Rank, group_joined, lead
-from neuron.rank.shard import ShareSource, check_splittable
+from neuron.rank.rank import Rank
+from neuron.rank.shard import check_splittable
+from neuron.rank.step import Stepped, run
 from neuron.sampling_params import Sampled
-from neuron.shares import Plan, sha256_of, share_key
 from neuron.step import Step
 
 log = structlog.get_logger("neuron.pool")
 
-BACKENDS = ("ring", "jaccl", "nccl")
 # Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
 # failing send or receive a number of times before it gives up, slowly on a loaded host.
 LEAVE_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Where the ranks run, how they talk, and how the model is split over them."""
-
-    launcher: Launcher
-    backend: str = "ring"
-    stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
-    split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
-    push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
-
-    @classmethod
-    def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
-        return cls(Launcher.local(world_size), "ring", stages, split)
 
 
 class Unrecoverable(RuntimeError):
     """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
 
 
-class Pool:
+class Pool(Loading):
     """``model_path`` over the ranks of ``layout``: rank 0 on a thread here, ranks 1.. as worker processes.
 
     Use it as an async context manager: entering checks the model can be split
     (before any worker exists), spawns, pings and joins the group; leaving
     shuts every worker down, whatever happened in between.
     """
-
-    def __init__(
-        self,
-        model_path: str | Path,
-        layout: Layout | None = None,
-        deadlines: Deadlines | None = None,
-        model: str | None = None,
-    ) -> None:
-        self.layout = layout or Layout.local(1)
-        if self.layout.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.layout.backend!r}; choose one of {', '.join(BACKENDS)}")
-        self.launcher = self.layout.launcher
-        self.world_size = world_size = self.launcher.world_size
-        self.backend = self.layout.backend
-        self.model_path = str(Path(model_path).resolve())
-        self.model = model  # what --model said: a host of its own resolves it there
-        self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
-        self.deadlines = deadlines or Deadlines()
-        self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
-        self.loaded = False
-        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
-        self._rank0 = Rank0Thread(world_size, cpus or None)
-        self._fan_out = FanOut(self._rank0, self.hosts)
-        self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
-        self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
-        self._closing = False
-        self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
-        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
-        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
-
-    @property
-    def workers(self) -> tuple[Link, ...]:
-        """The workers' links, by rank; the fan-out owns the list."""
-        return tuple(self._fan_out.workers)
-
-    @property
-    def broken(self) -> PoolError | None:
-        """Why the group can no longer be trusted, or None while it can."""
-        return self._fan_out.broken
 
     async def __aenter__(self) -> Pool:
         config = read_config(self.model_path)
@@ -156,148 +86,6 @@ class Pool:
         with anyio.CancelScope(shield=True):
             await self.shutdown()
 
-    # Spawning and the group.
-
-    async def start(self) -> dict[int, rpc.Pong]:
-        """Spawn a worker per rank above 0 (with nccl, each given its GPU as it starts); each must answer a ping as
-        the rank it was told, with our versions, and its host must have a GPU per rank placed there."""
-        if self.world_size > 1 and group_joined():
-            raise RuntimeError(
-                "this process already hosted rank 0 of an mx.distributed group, and MLX allows one per "
-                "process: run each multi-rank pool in a fresh process"
-            )
-        started = time.perf_counter()
-        leader_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        for rank in range(1, self.world_size):
-            env = spawn_env(self.backend, rank, self.launcher.hosts, leader_visible)
-            spawned = await self.launcher.spawn(rank, env)
-            assert spawned.process.stdout is not None
-            reader = BufferedByteReceiveStream(spawned.process.stdout)
-            read_file = functools.partial(self.launcher.read_file, rank)
-            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
-            self._fan_out.workers.append(link)
-        pongs = await self.ping()
-        mine = describe_host(0)
-        check_handshake(pongs, mine, self.world_size, self.hosts)
-        infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
-        check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
-        self._hosts_said = infos
-        for worker in self.workers:
-            worker.said = infos[worker.rank]
-        for rank, host in enumerate(self.hosts):
-            metrics.RANKS.labels(str(rank), host).set(1)
-        log.info(
-            "workers started",
-            world_size=self.world_size,
-            hosts=self.hosts,
-            pids=[w.pid for w in self.workers],
-            ms=ms_since(started),
-        )
-        return pongs
-
-    async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
-        """Check every data-plane link answers, then bring up the group (``group.py``)."""
-        if self.world_size > 1:
-            self._addresses = await form_group(
-                self._fan_out,
-                self.launcher,
-                self.backend,
-                pongs,
-                self.deadlines,
-                Path(self._scratch.name),
-                self._tunnels,
-            )
-
-    # Model operations.
-
-    async def load(self) -> dict[int, Loaded]:
-        """Check every host holds the same model (or send one that does not the share its rank loads, with
-        ``push``), then load each rank's shard of it, all ranks at once."""
-        self.loaded = False
-        started = time.perf_counter()
-        layers = self._stage_layers()
-        mine = digest_files(self.model_path)
-        shares = self._share_keys(model_digest(mine), layers)
-        checked = await self._fan_out(
-            "check_model",
-            lambda rank, id: rpc.CheckModel(
-                id=id, model=self.launcher.model(rank, self.model, self.model_path), share=shares[rank]
-            ),
-            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
-            self.deadlines.load,
-        )
-        paths = {rank: reply.path for rank, reply in checked.items()}
-        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
-        check_memory(weights_per_rank(self.model_path, self.world_size, self.layers), self._hosts_said, self.hosts)
-        for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
-            paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
-            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
-        replies = await self._fan_out(
-            "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank]),
-            lambda rank: rank.load(self.model_path, layers[0]),
-            self.deadlines.load,
-        )
-        self.loaded = True
-        loaded = {
-            0: replies[0],
-            **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in self.workers},
-        }
-        log.info(
-            "model loaded",
-            model=self.model_path,
-            world_size=self.world_size,
-            parameters_per_rank=[loaded[r].parameters for r in sorted(loaded)],
-            ms=ms_since(started),
-        )
-        return loaded
-
-    def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
-        """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with
-        ``push``; empty elsewhere."""
-        return [
-            share_key(digest, rank, self.world_size, layers[rank])
-            if self.layout.push and not self.launcher.hosts[rank].local
-            else ""
-            for rank in range(self.world_size)
-        ]
-
-    async def _push(self, rank: int, key: str, layers: list[int]) -> str:
-        """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
-        thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
-        next try resumes where it stopped."""
-        host = self.hosts[rank]
-        argv = self.launcher.receiver(rank, key)
-        files = {
-            name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
-        }
-
-        def send(_: Rank) -> Pushed:
-            source = ShareSource(self.model_path, rank, self.world_size, layers)
-            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
-            return push(argv, plan, source, files, host, rank)
-
-        try:
-            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
-        except PushCut as e:
-            raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
-        return pushed.path
-
-    @property
-    def cache_bytes(self) -> tuple[int, int]:
-        """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
-        computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
-        alike)."""
-        return cache_bytes(self.model_path, self.layers, self.world_size)
-
-    def _stage_layers(self) -> list[list[int]]:
-        """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
-        if self.layout.stages == 1:
-            return [[] for _ in range(self.world_size)]
-        free = [info.free_memory for info in self._hosts_said]
-        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
-        return [list(r) for r in self.layers]
-
     async def step(self, step: Step) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
 
@@ -315,8 +103,8 @@ class Pool:
         samplers = self._rank0.samplers
         plan = step.plan
 
-        def on_rank(rank: Rank) -> tuple[dict[int, Sampled], str, bool]:
-            return lead(rank, samplers, step)
+        def on_rank(rank: Rank) -> Stepped:
+            return run(rank, step, samplers)
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
@@ -327,8 +115,9 @@ class Pool:
         if self.workers:
             metrics.STEP_SECONDS.labels("fanout").observe(timing.fan_out)
             metrics.STEP_SECONDS.labels("drain").observe(timing.drain)
-        sampled, expected, queued = replies[0]
-        if queued:
+        mine = replies[0]
+        expected = mine.fingerprint
+        if mine.queued:
             metrics.STEPS_AHEAD.inc()
         desynced = {
             r: f"desync: its state digest {reply.fingerprint} differs from rank 0's {expected}"
@@ -339,11 +128,7 @@ class Pool:
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
-        return sampled
-
-    async def ping(self) -> dict[int, rpc.Pong]:
-        """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
-        return await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
+        return mine.sampled
 
     async def clear_kv_cache(self, prefixes: bool = True) -> None:
         """Drop every sequence on every rank; with ``prefixes``, every prefix-cache entry too."""

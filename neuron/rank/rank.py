@@ -13,76 +13,24 @@ holds, and a fingerprint of that state travels back with every step.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import time
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from neuron import architectures
-from neuron.models import read_config, text_config
-from neuron.rank import ahead, backends, caches, rollback, vision
+from neuron.rank import ahead, caches, group, rollback
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
-from neuron.rank.embed import as_sampled, embed_inputs
+from neuron.rank.embed import embed_inputs
 from neuron.rank.entries import Entries
+from neuron.rank.errors import GroupError, RankError
+from neuron.rank.fingerprint import fingerprint
+from neuron.rank.load import Loaded, load
 from neuron.rank.prefill import SeqState, feed_prompts
 from neuron.rank.runner import Sharded, Stage
-from neuron.rank.sampler import Samplers, read, real
-from neuron.rank.shard import load_shard, load_stage, parameter_count, shard_head
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import Sampled
-from neuron.step import Step
 
-
-class RankError(RuntimeError):
-    """A step or request refused or failed with the group still in step.
-
-    Raised either before any collective (identically on every rank, since every
-    rank checks the same request) or after all of them, so no peer is left
-    waiting inside a collective. Any other exception means the group is suspect.
-    """
-
-
-class GroupError(RuntimeError):
-    """Joining the group failed inside MLX; the message says what to check, the library's words included."""
-
-
-def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
-    """neuron's account of a failed join on this rank: the library's message alone (NCCL's ``invalid usage``)
-    does not say that two ranks share a GPU, or which address every rank must reach."""
-    said = f"{type(error).__name__}: {error}"
-    if backend != "nccl":
-        return f"could not join the {backend} group ({said}); check that every host reaches the others' addresses"
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    gpu = f"CUDA_VISIBLE_DEVICES={visible}" if visible else "no CUDA_VISIBLE_DEVICES: the first GPU CUDA lists"
-    rendezvous = f"{env.get('NCCL_HOST_IP', '?')}:{env.get('NCCL_PORT', '?')}"
-    return (
-        f"could not join the nccl group ({said}); check that this rank has a GPU of its own (it was given "
-        f"{gpu}; nvidia-smi lists the host's GPUs, and no two ranks may share one), that "
-        f"every host reaches rank 0's rendezvous at {rendezvous}, and that MLX for CUDA matches the driver "
-        "(run with NCCL_DEBUG=INFO for NCCL's own account)"
-    )
-
-
-# MLX keeps one distributed group per process: a second init returns the first
-# group (or a dead one after a failure). A process joins again only after
-# ``Rank.leave_group`` has made MLX forget the first (``tp.backends``).
-_joined_group = False
-
-
-def group_joined() -> bool:
-    """Whether this process has joined a group it has not left (and so cannot join another now)."""
-    return _joined_group
-
-
-@dataclass(slots=True)
-class Loaded:
-    parameters: int
-    seconds: float
+__all__ = ["GroupError", "Loaded", "Rank", "RankError"]
 
 
 class Rank:
@@ -100,68 +48,26 @@ class Rank:
         self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
         self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
-        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``lead`` reads them
+        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
-        """Join the group and return the sanity all-reduce of 1.0 from every rank."""
+        """Join the group (``rank.group``) and return the sanity all-reduce of 1.0 from every rank."""
         if self.world_size == 1:
             return 1.0
-        global _joined_group
-        if _joined_group:
-            raise RankError(
-                f"rank {self.rank}: this process already joined an mx.distributed group, and MLX cannot "
-                "join another; start a fresh process for a new group"
-            )
-        os.environ.update(env)
-        _joined_group = True
-        try:
-            group = mx.distributed.init(strict=True, backend=backend)
-        except Exception as e:  # the library's own words alone: say what to check
-            raise GroupError(join_failure(backend, dict(os.environ), e)) from e
-        if group.rank() != self.rank or group.size() != self.world_size:
-            raise RankError(
-                f"joined the {backend} group as rank {group.rank()} of {group.size()}, "
-                f"expected rank {self.rank} of {self.world_size}: check MLX_RANK and the hostfile"
-            )
-        try:
-            total = real(mx.distributed.all_sum(mx.array(1.0), group=group))
-        except Exception as e:  # NCCL can fail at its first collective too
-            raise GroupError(join_failure(backend, dict(os.environ), e)) from e
-        self.group = group
+        self.group, total = group.join(self.rank, self.world_size, backend, env)
         return total
 
     def load(self, model_path: str, layers: list[int]) -> Loaded:
-        """This rank's share of the model: a slice of every layer, or (``layers`` = [first, end)) a pipeline
-        stage of whole layers."""
+        """This rank's share of the model (``rank.load``): a slice of every layer, or (``layers`` = [first, end))
+        a pipeline stage of whole layers."""
         if self.world_size > 1 and self.group is None:
             raise RankError(f"rank {self.rank}: load_shard before init; send init first")
         start = time.perf_counter()
         self.unload()
-        config = read_config(model_path)  # the leader checked it can be split (tp.shard.check_splittable)
-        self.vocab_size = text_config(config)["vocab_size"]
-        if layers:
-            if self.group is None:
-                raise RankError(f"rank {self.rank}: a pipeline stage needs a group of at least two ranks")
-            model = load_stage(model_path, layers[0], layers[1], self.rank)
-        else:
-            model = load_shard(model_path, self.group)
-        if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
-            raise RankError(
-                f"rank {self.rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
-                "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
-                f"serve one of {', '.join(sorted(architectures.TABLE))}"
-            )
-        self.model = model
-        support = architectures.supports(config)
-        self.prompts_together = support is None or support.cuttable  # from the whole model: a stage may hold none
-        parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
-        if layers:
-            assert self.group is not None
-            self.runner = Stage(model, self.rank, self.world_size, self.group)
-        else:
-            self.runner = Sharded(model, shard_head(model, config.get("model_type", ""), self.group), self.rank)
-        self.runner.images = vision.attach(model_path, config, model, self.rank, self.group, staged=bool(layers))
-        return Loaded(parameters, time.perf_counter() - start)
+        share = load(model_path, layers, self.rank, self.world_size, self.group)
+        self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
+        self.prompts_together = share.prompts_together
+        return Loaded(share.parameters, time.perf_counter() - start)
 
     # The step.
 
@@ -206,7 +112,7 @@ class Rank:
         elif plan.decode:
             out.update(self._decode(plan.decode, plan.widths()))
         if self.runner.images is not None and (gone := self.runner.images.take_missing()):
-            raise RankError(f"rank {self.rank}: {gone}")
+            raise RankError(f"rank {self.rank}: {gone}")  # after every collective: no peer is left waiting
         return out if self.rank == 0 else None
 
     def run_ahead(self, plan: StepPlan, drawn: dict[int, mx.array] | None = None) -> bool:
@@ -266,14 +172,8 @@ class Rank:
         return {row.seq: logits[i] for i, row in enumerate(plan.decode)}
 
     def fingerprint(self) -> str:
-        """A digest of what this rank holds: each micro-batch's rows in order, every sequence's position and
-        last token, and its prefix-cache entries' ids and lengths."""
-        state = [
-            self.batch.state(),
-            sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items()),
-            self.entries.state(),
-        ]
-        return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
+        """A digest of what this rank holds (``rank.fingerprint``)."""
+        return fingerprint(self.batch, self.seqs, self.entries)
 
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
@@ -337,29 +237,13 @@ class Rank:
         mx.clear_cache()
 
     def leave_group(self) -> None:
-        """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it, so that
-        ``init_group`` can join a fresh one in this process; ``backends.NoClearBackends`` where MLX cannot."""
-        global _joined_group
+        """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it
+        (``rank.group.leave``), so that ``init_group`` can join a fresh one in this process."""
         self.unload()
         self.group = None
-        if _joined_group:
-            backends.clear_backends()
-            _joined_group = False
+        group.leave()
 
 
 def _split(plan: StepPlan) -> tuple[list[Prefill], list[Prefill]]:
     """The plan's prompt chunks, and its embedding inputs' chunks."""
     return [c for c in plan.prefill if not c.pool], [c for c in plan.prefill if c.pool]
-
-
-def lead(rank: Rank, samplers: Samplers, step: Step) -> tuple[dict[int, Sampled], str, bool]:
-    """Rank 0's whole part of a step: the forward, the tokens drawn, the next step queued where the plan allows
-    (``tp.ahead``), and only then the one read that waits for the device; with its state's fingerprint, and
-    whether the next step was queued."""
-    draws, runs = samplers.draw(step, rank.step(step.plan) or {})
-    if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
-        mx.async_eval([draw.arrays() for draw in draws.values()])
-    queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
-    sampled = read(draws, runs) | as_sampled(rank.embedded)
-    rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
-    return sampled, rank.fingerprint(), queued

@@ -1,5 +1,5 @@
 """OpenAI's embeddings API, ``POST /v1/embeddings``: parse and check a body, turn its inputs into token ids, and
-answer with the vectors in OpenAI's shape. No MLX, no HTTP.
+answer with the vectors in OpenAI's shape; the route and its OpenAPI paths. No MLX.
 
 The vectors are the model's final hidden states pooled as ``models.Embedding`` says (vLLM's ``pooling_type``:
 MEAN or LAST), scaled to unit length on rank 0, in the steps that decode the running sequences. vLLM's names for
@@ -10,16 +10,35 @@ and ``add_special_tokens`` (true, as vLLM's default for embeddings).
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
+import structlog
+from starlette.responses import Response
 
-from neuron.engine.sequence import Failure, Finish, Sequence
+from neuron.engine.sequence import Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
 from neuron.models import Embedding
-from neuron.server.completions_schema import Schema, integer, or_null
-from neuron.server.openai_api import ApiError, _get, _int, _kind, _prompts, bad, failure_error
+from neuron.server.common import fields
+from neuron.server.common.errors import ApiError, bad, failure_error, refused
+from neuron.server.common.schema import (
+    GENERATION_ERRORS,
+    OpenApi,
+    Schema,
+    Spec,
+    integer,
+    or_null,
+    post,
+    replies,
+    token_ids,
+)
+from neuron.server.common.submit import request_error
+from neuron.server.http import Call, Endpoint
+
+log = structlog.get_logger("neuron.server")
 
 FIELDS = frozenset(
     {"model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens", "add_special_tokens"}
@@ -40,36 +59,28 @@ class EmbeddingRequest:
 
 def parse(body: Any, served_model: str) -> EmbeddingRequest:
     """Check a body; raise ``ApiError`` naming the first bad field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
-    for name in body:
-        if name not in FIELDS:
-            raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
-    model = _get(body, "model", "a string", lambda v: isinstance(v, str), None)
-    if model is None:
-        raise bad("model", "`model` is required; GET /v1/models lists the one served", "missing_required_parameter")
-    if model != served_model:
-        message = f"the model `{model}` does not exist; this server serves `{served_model}`"
-        raise ApiError(404, message, param="model", code="model_not_found")
-    _get(body, "user", "a string", lambda v: isinstance(v, str), None)  # accepted and ignored, as OpenAI's is
+    body = fields.an_object(body)
+    fields.known(body, FIELDS)
+    fields.model(body, served_model)
+    fields.get(body, "user", "a string", lambda v: isinstance(v, str), None)  # accepted and ignored, as OpenAI's is
     if body.get("input") is None:
         message = "`input` is required: a string, an array of strings, or token ids"
         raise bad("input", message, "missing_required_parameter")
-    inputs = _prompts(body["input"], "input")
+    inputs = fields.prompts(body["input"], "input")
     if len(inputs) > MAX_INPUTS:
         message = f"`input` holds at most {MAX_INPUTS} inputs, got {len(inputs)}; send them in several requests"
         raise bad("input", message)
-    encoding = _get(body, "encoding_format", "a string", lambda v: isinstance(v, str), "float")
+    encoding = fields.get(body, "encoding_format", "a string", lambda v: isinstance(v, str), "float")
     if encoding not in ENCODINGS:
         raise bad("encoding_format", f"`encoding_format` must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    dimensions = _int(body, "dimensions", None)
+    dimensions = fields.integer(body, "dimensions", None)
     if dimensions is not None and dimensions < 1:
         raise bad("dimensions", f"`dimensions` must be at least 1, got {dimensions}")
-    truncate = _int(body, "truncate_prompt_tokens", None)
+    truncate = fields.integer(body, "truncate_prompt_tokens", None)
     if truncate is not None and truncate != -1 and truncate < 1:
         message = f"`truncate_prompt_tokens` must be at least 1, or -1 for the whole context, got {truncate}"
         raise bad("truncate_prompt_tokens", message)
-    special = _get(body, "add_special_tokens", "a boolean", lambda v: type(v) is bool, True)
+    special = fields.get(body, "add_special_tokens", "a boolean", lambda v: type(v) is bool, True)
     return EmbeddingRequest(inputs, encoding, dimensions, truncate, special)
 
 
@@ -151,7 +162,7 @@ def schema(
 ) -> tuple[Schema, Schema]:
     """The request's and the reply's JSON schemas, for the OpenAPI document; the bounds are the loaded model's."""
     texts: Schema = {"type": "string", "minLength": 1}
-    ids: Schema = {"type": "array", "minItems": 1, "items": integer(0, (vocab_size or 2**63) - 1)}
+    ids: Schema = {"type": "array", "minItems": 1, "items": token_ids(vocab_size)}
     if context:
         ids["maxItems"] = context
     many = {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS}
@@ -215,3 +226,36 @@ def schema(
         },
     }
     return request, reply
+
+
+async def create(call: Call) -> Response:
+    """Every input's vector, computed in the steps that decode the running sequences."""
+    asked = parse(call.body, call.model_id)
+    engine = call.engine
+    check_dimensions(asked, engine.embedding, call.model_id)
+    inputs = prompts(asked, engine.text.tokenizer, engine.context_length)
+    request_id = f"embd-{uuid.uuid4().hex}"
+    structlog.contextvars.bind_contextvars(request_id=request_id)
+    started = time.perf_counter()
+    try:
+        seqs = engine.embed(inputs, request_id)
+    except RequestError as e:
+        raise request_error(e, chat=False) from e
+    except (Overloaded, Unavailable) as e:
+        raise refused(e) from e
+
+    def done(reply: dict[str, Any]) -> Response:
+        ms = round((time.perf_counter() - started) * 1000)
+        log.info("embeddings done", inputs=len(seqs), prompt_tokens=reply["usage"]["prompt_tokens"], ms=ms)
+        return Response(render(reply), media_type="application/json")
+
+    return await call.answer(seqs, lambda: collect(seqs, asked, call.model_id), done)
+
+
+ENDPOINTS = (Endpoint("/v1/embeddings", create, strict_json=True),)
+
+
+def openapi(spec: Spec) -> OpenApi:
+    body, reply = schema(spec.model_id, spec.vocab_size, spec.context, spec.embedding)
+    summary = "embeddings: the model's final hidden states, pooled and of unit length (OpenAI's)"
+    return {"/v1/embeddings": post(spec, summary, body, replies(*GENERATION_ERRORS, ok=reply))}, {}

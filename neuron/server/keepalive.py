@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
+import orjson
 
 KEEP_ALIVE = b": keep-alive\n\n"
 KEEP_ALIVE_S = 2.0  # well inside the read timeouts of common proxies (nginx's 60 s) and clients
@@ -54,3 +56,8 @@ async def pump(events: AsyncIterator[bytes], send: Callable[[bytes], Awaitable[N
                 break
     if failed:
         raise failed[0]
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One unnamed server-sent event holding ``obj`` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import schemathesis
 
 CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min_tokens_above_max_tokens")
-# Anthropic's error body has no code: the same refusals, told by their messages (neuron/engine/intake.py, app.py,
-# tools.py).
+# Anthropic's error body has no code: the same refusals, told by their messages (neuron/engine/intake.py,
+# server/common/submit.py, server/common/tools.py).
 MESSAGES = ("but the context holds", "the schema cannot be enforced", "must name one of the tools given")
 
 

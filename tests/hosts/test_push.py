@@ -51,7 +51,8 @@ def empty_host(bed: Namespaces, host: int, cache: Path, model: str = "/nowhere/q
 
 def generate(bed: Namespaces, *args: str) -> tuple[str, list[dict]]:
     """Greedy text and the leader's log (JSON lines); it must succeed."""
-    done = run_neuron("generate", "--max-tokens", "24", "--ssh-command", bed.ssh_command, *args, PROMPT)
+    done = run_neuron("generate", "--max-tokens", "24", "--log-level", "info", "--ssh-command", bed.ssh_command, *args,
+                      PROMPT)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
 

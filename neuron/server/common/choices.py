@@ -1,5 +1,6 @@
-"""Replies of the chat and completions routes, one choice per sequence: whole, or streamed as chunks that carry
-each choice's ``index``. No MLX, no HTTP.
+"""Replies made of choices (chat completions and completions), one choice per sequence: whole, or streamed as
+chunks that carry each choice's ``index``. The loops are here; each family's ``render`` gives a choice its
+shape. No MLX, no HTTP.
 
 A request's choices are its prompts times ``n``, indexed as OpenAI does (prompt i's choice j is i * n + j);
 they decode together in the batch, so their events interleave step by step.
@@ -9,16 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import orjson
 
 from neuron.engine.sequence import Chunk, Event, Failure, Finish, Sequence
-from neuron.server import tools
-from neuron.server.openai_api import ApiError, Generation, failure_error
-from neuron.server.reasoning import ReasoningSplit
-from neuron.server.tools import ToolStream
+from neuron.server.common import tools
+from neuron.server.common.errors import failure_error, no_answer
+from neuron.server.common.generation import Generation
+from neuron.server.common.reasoning import ReasoningSplit
+from neuron.server.common.schema import Schema
+from neuron.server.common.tools import ToolStream
+from neuron.server.keepalive import sse
 
 
 def usage(
@@ -45,71 +49,32 @@ def usage(
     }
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+@dataclass(frozen=True, slots=True)
+class Said:
+    """What one choice says: its text, whether more is to come, its tool calls and its reasoning."""
+
+    text: str
+    going_on: bool
+    tool_calls: list[dict[str, Any]] | None
+    reasoning: str | None
 
 
 class Replies:
-    """Builds one request's reply objects, in the chat or the completions shape."""
+    """Builds one request's reply objects; ``chat_completions.render`` and ``completions.render`` give the shape
+    of each choice, its logprobs and the envelope's ``object``."""
 
-    def __init__(
-        self,
-        gen: Generation,
-        request_id: str,
-        token_text: Callable[[int], str],
-        decode: Callable[[list[int]], str] = lambda tokens: "",
-    ) -> None:
+    def __init__(self, gen: Generation, request_id: str, token_text: Callable[[int], str]) -> None:
         self.gen = gen
         self.id = request_id
         self.created = int(time.time())
         self.token_text = token_text
-        self.decode = decode
-        self._offsets: dict[int, int] = {}  # completions' text_offset, per choice
         self.shows_reasoning = gen.reasoning is None or gen.reasoning.include  # vLLM's include_reasoning
 
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.gen.chat else "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.gen.model}
+    def kind(self, chunk: bool) -> str:
+        raise NotImplementedError
 
     def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict[str, Any] | None:
-        if not self.gen.logprobs:
-            return None
-        if self.gen.chat:
-            return {"content": [self._chat_logprob(c) for c in chunks], "refusal": None}
-        return self._completion_logprobs(
-            index, [c.token for c in chunks], [c.logprob for c in chunks], [self._top(c.top) for c in chunks]
-        )
-
-    def _top(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
-        return {self.token_text(t): lp for t, lp in top}
-
-    def _completion_logprobs(
-        self, index: int, ids: list[int], logprobs: list[float | None], tops: list[dict[str, float] | None]
-    ) -> dict[str, Any]:
-        tokens = [self.token_text(t) for t in ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._offsets.get(index, 0))
-            self._offsets[index] = offsets[-1] + len(token)
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
-        """The prompt's text and, with logprobs, its scores: the first token's null, as nothing predicts it."""
-        if not self.gen.echo:
-            return "", None
-        if not self.gen.logprobs:
-            return self.decode(seq.prompt), None
-        scores = (seq.copy_of or seq).prompt_logprobs  # the copies' prompt is their original's
-        logprobs = [None, *(lp for lp, _ in scores)]
-        tops = [None, *(self._top(top) for _, top in scores)]
-        return self.decode(seq.prompt), self._completion_logprobs(index, seq.prompt, logprobs, tops)
-
-    def _chat_logprob(self, chunk: Chunk) -> dict[str, Any]:
-        def entry(token: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {**entry(chunk.token, chunk.logprob), "top_logprobs": [entry(t, lp) for t, lp in chunk.top]}
+        raise NotImplementedError
 
     def choice(
         self,
@@ -121,42 +86,32 @@ class Replies:
         delta: bool,
         tool_calls: list[dict[str, Any]] | None = None,
         reasoning: str | None = None,
-    ) -> dict:
-        """One choice; ``reasoning`` (a thinking model's, unless the request left it out) as vLLM's
-        ``reasoning_content``."""
-        out: dict[str, Any] = {"index": index}
-        if not self.gen.chat:
-            out["text"] = text
-        elif delta:
-            opening = finish_reason is None and not tool_calls and not reasoning
-            out["delta"] = {"content": text} if text or opening else {}
-            if reasoning:
-                out["delta"]["reasoning_content"] = reasoning
-            if tool_calls:
-                # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
-                out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-        else:
-            out["message"] = {"role": "assistant", "content": text or None if tool_calls else text, "refusal": None}
-            if reasoning is not None:
-                out["message"]["reasoning_content"] = reasoning
-            if tool_calls:
-                out["message"]["tool_calls"] = tool_calls
-        out["logprobs"] = logprobs
-        out["finish_reason"] = finish_reason
-        return out
+    ) -> dict[str, Any]:
+        """One choice, whole or (``delta``) as a streamed chunk's piece; ``reasoning`` (a thinking model's, unless
+        the request left it out) as vLLM's ``reasoning_content``."""
+        said = self.said(Said(text, finish_reason is None, tool_calls, reasoning), delta)
+        return {"index": index, **said, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def said(self, said: Said, delta: bool) -> dict[str, Any]:
+        """What a choice holds besides its index, logprobs and finish reason, in this family's shape."""
+        raise NotImplementedError
+
+    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and its scores, before the completion: only completions echo."""
+        return "", None
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """The chunk a streamed choice opens with, if its shape has one."""
+        return None
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        return {"id": self.id, "object": self.kind(chunk), "created": self.created, "model": self.gen.model}
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {**self._envelope(chunk=True), "choices": choices}
         if self.gen.include_usage:
             out["usage"] = usage_
         return out
-
-    def opening(self, index: int) -> dict[str, Any] | None:
-        """Chat streams open each choice with the assistant's role and no text."""
-        if not self.gen.chat:
-            return None
-        delta = {"role": "assistant", "content": ""}
-        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def whole(self, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
         return {**self._envelope(chunk=False), "choices": choices, "usage": usage_}
@@ -172,7 +127,7 @@ def _usage(seqs: list[Sequence], splits: list[ReasoningSplit | None] | None = No
     return usage(prompts, sum(seq.completion_tokens for seq in seqs), cached, accepted, proposed - accepted, reasoning)
 
 
-def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+def joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two completions logprobs objects, one after the other."""
     if a is None or b is None:
         return a or b
@@ -202,7 +157,7 @@ async def collect(
                 )
                 text, calls, reason = tools.end(reader, answer, event.reason)
                 prompt, scores = replies.echo(seq, index)
-                logprobs = _joined(scores, replies.logprobs(chunks, index))
+                logprobs = joined(scores, replies.logprobs(chunks, index))
                 shown = (thought or None) if replies.shows_reasoning else None
                 choice = replies.choice(
                     index, prompt + text, reason, logprobs, delta=False, tool_calls=calls, reasoning=shown
@@ -212,7 +167,7 @@ async def collect(
             else:
                 raise failure_error(event)
         else:
-            raise ApiError(500, "the engine ended the request without an answer", type="server_error")
+            raise no_answer()
     return replies.whole(choices, _usage(seqs, splits))
 
 
@@ -281,3 +236,43 @@ async def stream(
     if gen.include_usage:
         yield sse(replies.chunk([], _usage(seqs, splits)))
     yield b"data: [DONE]\n\n"
+
+
+# The OpenAPI pieces of replies made of choices.
+
+USAGE: Schema = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "prompt_tokens_details": {
+            "type": "object",
+            "required": ["cached_tokens"],
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+        },
+        "completion_tokens_details": {
+            "type": "object",
+            "properties": {
+                k: {"type": "integer", "minimum": 0}
+                for k in ("accepted_prediction_tokens", "rejected_prediction_tokens", "reasoning_tokens")
+            },
+        },
+    },
+}
+CHOICE_BASE: Schema = {"index": {"type": "integer", "minimum": 0}, "finish_reason": {"enum": ["stop", "length"]}}
+
+
+def envelope(model_id: str, kind: str, choice: Schema) -> Schema:
+    """A whole reply of ``kind`` holding choices; its usage is the ``Usage`` component (``USAGE``)."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"const": model_id},
+            "choices": {"type": "array", "minItems": 1, "items": choice},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+        },
+    }

@@ -1,32 +1,18 @@
-"""The OpenAPI pieces of the Messages API (``anthropic``) and of ``/tokenize`` and ``/detokenize`` (``tokenize``),
-every bound read from where the checks read it."""
+"""``POST /v1/messages`` and ``/v1/messages/count_tokens`` in the OpenAPI document: the bodies, every bound read
+from where the checks read it, the Message and Anthropic's error. No MLX.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from neuron.sampling_params import MAX_STOPS
+from neuron.server.common.content import ANTHROPIC_IMAGE as IMAGE
+from neuron.server.common.content import ANTHROPIC_TEXT as TEXT
+from neuron.server.common.generation import CHAT_MAX_TOKENS
+from neuron.server.common.schema import Schema, integer, or_null, ranged
+from neuron.server.common.tools import NAME
+from neuron.server.messages.parse import IGNORED_HERE, TOOL_IGNORED
+from neuron.server.messages.render import STOP_REASONS
 
-from neuron.sampling_params import MAX_STOPS, RANGES
-from neuron.server.anthropic import IGNORED_HERE, STOP_REASONS, TOOL_IGNORED
-from neuron.server.completions_schema import integer, or_null
-from neuron.server.openai_api import CHAT_MAX_TOKENS, INT64
-from neuron.server.reasoning import TEMPLATE_KWARGS
-from neuron.server.tools import NAME
-
-Schema = dict[str, Any]
-
-
-def _ranged(name: str, kind: str) -> Schema:
-    schema = {"type": kind, **RANGES[name].json_schema()}
-    if kind == "integer" and "maximum" not in schema and "exclusiveMaximum" not in schema:
-        schema["maximum"] = INT64[1]
-    return schema
-
-
-TEXT = {
-    "type": "object",
-    "required": ["type", "text"],
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-}
 TEXTS: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT}]}
 TOOL_USE = {
     "type": "object",
@@ -67,7 +53,11 @@ def messages_request(model_id: str, counting: bool = False) -> Schema:
             "properties": {"role": {"const": role}, "content": content},
         }
 
-    turns = [turn("user", TEXT, TOOL_RESULT), turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK), turn("system", TEXT)]
+    turns = [
+        turn("user", TEXT, IMAGE, TOOL_RESULT),
+        turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK),
+        turn("system", TEXT),
+    ]
     message = {"anyOf": turns}
     tool = {
         "type": "object",
@@ -147,9 +137,9 @@ def messages_request(model_id: str, counting: bool = False) -> Schema:
         properties |= {
             "max_tokens": integer(int(CHAT_MAX_TOKENS.low)),
             "stop_sequences": or_null({"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOPS}),
-            "temperature": or_null(_ranged("temperature", "number")),
-            "top_p": or_null(_ranged("top_p", "number")),
-            "top_k": or_null(_ranged("top_k", "integer")),
+            "temperature": or_null(ranged("temperature", "number")),
+            "top_p": or_null(ranged("top_p", "number")),
+            "top_k": or_null(ranged("top_k", "integer")),
             "stream": or_null({"type": "boolean"}),
         } | {name: {"description": "accepted and ignored"} for name in sorted(IGNORED_HERE)}
     return {
@@ -223,55 +213,3 @@ ERROR = {
         },
     },
 }
-
-
-def tokenize_request(model_id: str, chat_messages: Schema, tools: Schema) -> Schema:
-    common = {
-        "model": or_null({"type": "string", "enum": [model_id]}),
-        "add_special_tokens": or_null({"type": "boolean"}),
-        "return_token_strs": or_null({"type": "boolean"}),
-    }
-    prompt = {
-        "type": "object",
-        "required": ["prompt"],
-        "properties": common | {"prompt": {"type": "string"}},
-        "additionalProperties": False,
-    }
-    chat = {
-        "type": "object",
-        "required": ["messages"],
-        "properties": common
-        | {
-            "messages": chat_messages,
-            "add_generation_prompt": or_null({"type": "boolean"}),
-            "tools": tools,
-            "chat_template_kwargs": or_null(TEMPLATE_KWARGS),
-        },
-        "additionalProperties": False,
-    }
-    return {"anyOf": [prompt, chat], "description": "a prompt, or a chat rendered by the model's template"}
-
-
-def tokenize_reply() -> Schema:
-    return {
-        "type": "object",
-        "required": ["count", "max_model_len", "tokens", "token_strs"],
-        "properties": {
-            "count": {"type": "integer", "minimum": 0},
-            "max_model_len": {"type": "integer", "minimum": 1},
-            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
-        },
-    }
-
-
-def detokenize_request(model_id: str, vocab_size: int | None) -> Schema:
-    return {
-        "type": "object",
-        "required": ["tokens"],
-        "properties": {
-            "model": or_null({"type": "string", "enum": [model_id]}),
-            "tokens": {"type": "array", "items": integer(0, (vocab_size or 2**63) - 1)},
-        },
-        "additionalProperties": False,
-    }

@@ -8,8 +8,8 @@ thinking section (the last start marker after the last end marker: DeepSeek-R1's
 model). Its own text splitter lives in ``mlx_lm.generate``, which loads MLX, so the few lines of splitting are
 here, in the manner of ``tools.ToolStream``: text released at once, a possible marker's beginning held back.
 
-gpt-oss writes OpenAI's harmony format instead, which mlx-lm does not know: its ``analysis`` channel is the
-reasoning, split out by ``Channels`` on the channel markers, which the chat keeps in the text for it.
+gpt-oss writes OpenAI's harmony format instead, which mlx-lm does not know: ``harmony`` renders and parses it
+with OpenAI's library; its ``splitter`` gives gpt-oss a ``Reply`` in place of this module's.
 
 A model whose tokenizer has no thinking markers is unchanged: no splitter, no template argument added.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from neuron.engine.sequence import RequestError
 from neuron.sampling_params import SamplingParams
-from neuron.server.openai_api import bad
+from neuron.server.common.errors import bad
 
 # The template variables neuron itself sets, and apply_chat_template's own arguments: a request may not set them
 # through ``chat_template_kwargs``.
@@ -196,85 +196,26 @@ class ReasoningSplit:
         return "".join(r for r, _ in parts), "".join(a for _, a in parts)
 
 
-class Channels(ReasoningSplit):
-    """gpt-oss's harmony reply split the same way: the ``analysis`` channel is the reasoning, every other
-    channel's text the answer (``final``, and ``commentary``, where gpt-oss writes tool calls and preambles: left
-    as text, as neuron reads no harmony tool calls). Each message is ``<|channel|>NAME ...<|message|>TEXT`` ended
-    by ``<|end|>``, ``<|call|>`` or ``<|return|>``, and the next opens with ``<|start|>ROLE``; the markers and
-    headers are dropped. They are special tokens, so the text must keep them (``harmony``)."""
-
-    def __init__(self) -> None:
-        super().__init__(Thinking("", "", (), ()), inside=False)
-        self._header: str | None = ""  # a message's header while it is read; None inside a message's text
-        self._opened = False  # a message was opened: the reply is in harmony format
-
-    def push(self, text: str, token: bool = True) -> tuple[str, str]:
-        thought = self.inside  # the piece holds reasoning: it began, or entered, the analysis channel
-        reasoning: list[str] = []
-        answer: list[str] = []
-        pending = self._pending + text
-        while True:
-            if self._header is not None:
-                pending = self._header + pending  # a marker may be split across pieces
-                if (at := pending.find(MESSAGE)) < 0:
-                    self._header, pending = pending, ""
-                    break
-                channel = pending[:at].rpartition(CHANNEL)[2].split(maxsplit=1)
-                self.inside = bool(channel) and channel[0] == "analysis"
-                thought |= self.inside
-                self._header, pending, self._opened = None, pending[at + len(MESSAGE) :], True
-            else:
-                ends = [(at, marker) for marker in ENDS if (at := pending.find(marker)) >= 0]
-                if not ends:
-                    break
-                at, marker = min(ends)
-                (reasoning if self.inside else answer).append(pending[:at])
-                # A message's end, or the next one's header begun without it: what follows is a header.
-                self._header, pending = "", pending[at + len(marker) :]
-                self.inside = False
-        if self._header is None:
-            keep = next((k for k in range(min(HELD, len(pending)), 0, -1) if _opens_marker(pending[-k:])), 0)
-            (reasoning if self.inside else answer).append(pending[: len(pending) - keep])
-            self._pending = pending[len(pending) - keep :]
-        else:
-            self._pending = ""
-        if token and thought:
-            self.tokens += 1
-        return "".join(reasoning), "".join(answer)
-
-    def finish(self) -> tuple[str, str]:
-        """What was held back. A reply that never opened a message (in no harmony format) is given back whole as
-        answer text rather than lost; a last header cut short is dropped."""
-        if self._header is not None:
-            header, self._header = self._header, ""
-            return "", "" if self._opened else header
-        return super().finish()
-
-
-MESSAGE, CHANNEL = "<|message|>", "<|channel|>"
-ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>", CHANNEL)
-HELD = max(len(marker) for marker in ENDS) - 1  # the longest beginning of a marker a piece may end with
-
-
-def _opens_marker(text: str) -> bool:
-    return any(marker.startswith(text) for marker in ENDS)
-
-
 def harmony(tokenizer: Any) -> bool:
     """Whether the model writes OpenAI's harmony format (gpt-oss): its vocabulary has the channel markers."""
     added = tokenizer.added_tokens_encoder  # the markers are added tokens; the whole vocabulary is slow to list
-    return CHANNEL in added and MESSAGE in added
+    return "<|channel|>" in added and "<|message|>" in added
 
 
 def chat_params(tokenizer: Any, params: SamplingParams) -> SamplingParams:
     """A chat's sampling parameters for this model: a harmony reply keeps its markers in the text for
-    ``Channels``, even where the tokenizer names them special (``skip_special_tokens`` would drop them)."""
-    return dataclasses.replace(params, skip_special_tokens=False) if harmony(tokenizer) else params
+    ``harmony.Reply``, even where the tokenizer names them special (``skip_special_tokens`` would drop them)."""
+    if not harmony(tokenizer):
+        return params
+    # gpt-oss ends its turn on <|call|> as well as <|return|> (its generation_config), which mlx-lm's eos omits.
+    ends = [
+        tokenizer.added_tokens_encoder[t] for t in ("<|call|>", "<|return|>") if t in tokenizer.added_tokens_encoder
+    ]
+    stops = tuple(dict.fromkeys((*params.stop_token_ids, *ends)))
+    return dataclasses.replace(params, skip_special_tokens=False, stop_token_ids=stops)
 
 
 def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:
-    if harmony(tokenizer):
-        return Channels()
     thinking = Thinking.of(tokenizer)
     return ReasoningSplit(thinking, inside(tokenizer, prompt)) if thinking else None
 
@@ -343,4 +284,5 @@ def request_properties(reasons: bool) -> dict[str, Any]:
 def reasons(tokenizer: Any) -> bool:
     """Whether ``reasoning_effort`` is taken: the model thinks, or its template reads the effort."""
     template = tokenizer.chat_template
-    return Thinking.of(tokenizer) is not None or (isinstance(template, str) and "reasoning_effort" in template)
+    reads = isinstance(template, str) and "reasoning_effort" in template
+    return Thinking.of(tokenizer) is not None or reads or harmony(tokenizer)

@@ -1,32 +1,25 @@
-"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): a body read as a chat, and the
-reply as a Message, whole or as its stream of events. No MLX, no HTTP.
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``): a body read as a chat. No MLX,
+no HTTP.
 
 As with the Responses API, a translation rather than a route of its own all the way down: ``system``,
 ``messages`` with ``tool_use`` and ``tool_result`` blocks, ``tools`` and ``tool_choice`` are a chat under other
-names, so the chat route's checks, template, tool reading and reasoning split serve it unchanged. ``thinking``
-turns the template's thinking section on or off (``enable_thinking``); ``budget_tokens`` is accepted and not
-enforced (the thinking ends when the model ends it, within ``max_tokens``).
+names, so the chat's checks (``common.chat``), template, tool reading and reasoning split serve it unchanged.
+``thinking`` turns the template's thinking section on or off (``enable_thinking``); ``budget_tokens`` is
+accepted and not enforced (the thinking ends when the model ends it, within ``max_tokens``).
 
 A stop sequence ends the text as ``stop``, which does not say which string it was: the chat is asked to keep
-the stop string in the text (vLLM's ``include_stop_str_in_output``), and it is cut off here, where
-``stop_reason`` becomes ``stop_sequence`` and ``stop_sequence`` names it. The stream holds one token's text
-back for that.
+the stop string in the text (vLLM's ``include_stop_str_in_output``), and ``render`` cuts it off, where
+``stop_reason`` becomes ``stop_sequence`` and ``stop_sequence`` names it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from neuron import images
-from neuron.engine.sequence import Chunk, Finish, Sequence
-from neuron.server.openai_api import ApiError, Generation, _is_int64, _kind, bad, failure_error
-from neuron.server.reasoning import ReasoningSplit
-from neuron.server.tools import ToolStream, end
+from neuron.server.common.content import anthropic_block, anthropic_part, anthropic_text, anthropic_user
+from neuron.server.common.errors import ApiError, bad
+from neuron.server.common.fields import an_object, is_int64, type_of
 
 PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
 ACCEPTED = frozenset(
@@ -42,18 +35,6 @@ COUNT_FIELDS = frozenset(
 TOOL_IGNORED = frozenset(
     {"cache_control", "defer_loading", "eager_input_streaming", "input_examples", "strict", "allowed_callers"}
 )
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
-STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
 # Chat names in errors raised by the chat route's checks, as this route calls them.
 RENAMED = {
     "stop": "stop_sequences",
@@ -64,17 +45,10 @@ RENAMED = {
 ROLES = ("user", "assistant", "system")
 
 
-def error_body(error: ApiError) -> dict[str, Any]:
-    """Anthropic's error shape; the field, when one is at fault, is named in the message."""
-    kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
-
 def to_chat(body: Any, *, counting: bool = False) -> dict[str, Any]:
     """A Messages body as the chat body that asks for the same; ``ApiError`` naming this route's fields.
     ``counting``: a count_tokens body, which has no ``max_tokens`` and generates nothing."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_body")
+    body = an_object(body)
     allowed = COUNT_FIELDS if counting else ACCEPTED | IGNORED_HERE
     for name in body:
         if name not in allowed:
@@ -134,21 +108,10 @@ def _system(value: Any) -> list[dict[str, Any]]:
     if value is None:
         return []
     if isinstance(value, list):
-        value = _text_blocks(value, "system")
+        value = anthropic_text(value, "system")
     if not isinstance(value, str):
-        raise bad("system", f"`system` must be a string or an array of text blocks, got {_kind(value)}")
+        raise bad("system", f"`system` must be a string or an array of text blocks, got {type_of(value)}")
     return [{"role": "system", "content": value}] if value else []
-
-
-def _text_blocks(blocks: list[Any], where: str) -> str:
-    return "".join(_text(block, f"{where}[{i}]") for i, block in enumerate(blocks))
-
-
-def _text(block: Any, where: str) -> str:
-    if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-        kind = block.get("type") if isinstance(block, dict) else _kind(block)
-        raise bad(where, f"`{where}` is a {kind!r} block; this model reads text blocks only")
-    return block["text"]
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -164,7 +127,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             out.append({"role": message["role"], "content": content})
         elif isinstance(content, list) and message["role"] == "system":
             # Claude Code puts system turns mid-conversation; the template places them.
-            out.append({"role": "system", "content": _text_blocks(content, f"{where}.content")})
+            out.append({"role": "system", "content": anthropic_text(content, f"{where}.content")})
         elif isinstance(content, list):
             out += _user(content, where) if message["role"] == "user" else [_assistant(content, where)]
         else:
@@ -179,15 +142,13 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     for i, block in enumerate(blocks):
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if (image := images.from_anthropic(block)) is not None:
-            texts.append(image)
-        elif kind == "tool_result":
+        if kind == "tool_result":
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str):
                 raise bad(f"{at}.tool_use_id", f"`{at}.tool_use_id` must be a string")
             output = block.get("content", "")
             if isinstance(output, list):
-                output = _text_blocks(output, f"{at}.content")
+                output = anthropic_text(output, f"{at}.content")
             elif not isinstance(output, str):
                 raise bad(f"{at}.content", f"`{at}.content` must be a string or an array of text blocks")
             if block.get("is_error") is not None and type(block["is_error"]) is not bool:
@@ -196,8 +157,8 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 output = f"Error: {output}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
-            texts.append(_text(block, at))
-    return results + ([{"role": "user", "content": images.joined(texts)}] if texts or not results else [])
+            texts.append(anthropic_part(block, at))
+    return results + ([{"role": "user", "content": anthropic_user(texts)}] if texts or not results else [])
 
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
@@ -218,7 +179,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
-            texts.append(_text(block, at))
+            texts.append(anthropic_block(block, at))
     return {"role": "assistant", "content": "".join(texts), **({"tool_calls": calls} if calls else {})}
 
 
@@ -229,7 +190,7 @@ def _tools(value: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "custom") not in ("custom", None):
-            kind = tool.get("type") if isinstance(tool, dict) else _kind(tool)
+            kind = tool.get("type") if isinstance(tool, dict) else type_of(tool)
             raise bad(where, f"`{where}` is a {kind!r} tool; neuron runs no server tools: send custom tools")
         for key in tool:
             if key not in ("type", "name", "description", "input_schema") and key not in TOOL_IGNORED:
@@ -272,195 +233,6 @@ def _thinking(value: Any) -> bool:
             '`thinking` must be {"type": "enabled", "budget_tokens"}, {"type": "adaptive"} or {"type": "disabled"}',
         )
     budget = value.get("budget_tokens")
-    if budget is not None and not (_is_int64(budget) and budget >= 1):
+    if budget is not None and not (is_int64(budget) and budget >= 1):
         raise bad("thinking.budget_tokens", "`thinking.budget_tokens` must be a positive integer")
     return kind != "disabled"
-
-
-# Replies.
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a finished reply says beyond its blocks."""
-
-    calls: list[dict[str, Any]] = field(default_factory=list)
-    stop_reason: str = "end_turn"
-    stop_sequence: str | None = None
-    usage: dict[str, Any] = field(default_factory=dict)
-
-
-def usage(finish: Finish | None, seq: Sequence) -> dict[str, Any]:
-    """Anthropic counts the prompt tokens read from its cache apart from ``input_tokens``."""
-    cached = finish.cached_tokens if finish else seq.cached
-    return {
-        "input_tokens": len(seq.prompt) - cached,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-        "output_tokens": finish.completion_tokens if finish else 0,
-    }
-
-
-async def pieces(
-    seq: Sequence, gen: Generation, split: ReasoningSplit | None, reader: ToolStream | None
-) -> AsyncIterator[tuple[str, str] | Outcome]:
-    """The reply as it comes: ("thinking", text) and ("text", text) pieces, then its ``Outcome``."""
-    stops = sorted(gen.params.stop, key=len, reverse=True)
-    held = ""  # the last token's text, which may end with the stop sequence that ended the reply
-
-    def parts(text: str, last: bool) -> list[tuple[str, str]]:
-        thought, answer = (split.end(text) if last else split.push(text)) if split else ("", text)
-        if reader is not None:
-            answer = reader.push(answer)
-        return [("thinking", thought), ("text", answer)]
-
-    async for event in seq.events:
-        if isinstance(event, Chunk):
-            for part in parts(held, last=False) if held else ():
-                yield part
-            held = event.text
-        elif isinstance(event, Finish):
-            text, stopped_by = held + event.text, None
-            if event.reason == "stop" and stops:
-                stopped_by = next((s for s in stops if text.endswith(s)), None)
-                text = text[: len(text) - len(stopped_by)] if stopped_by else text
-            for part in parts(text, last=True):
-                yield part
-            tail, calls, reason = end(reader, "", event.reason)
-            if tail:
-                yield ("text", tail)
-            stop_reason = {"length": "max_tokens"}.get(reason, "end_turn")
-            if calls:
-                stop_reason = "tool_use"
-            elif stopped_by is not None:
-                stop_reason = "stop_sequence"
-            yield Outcome(calls or [], stop_reason, stopped_by, usage(event, seq))
-            return
-        else:
-            raise failure_error(event)
-    raise ApiError(500, "the engine ended the request without an answer", type="server_error")
-
-
-def tool_use(call: dict[str, Any]) -> dict[str, Any]:
-    call_id = "toolu_" + call["id"].removeprefix("call_")
-    return {
-        "type": "tool_use",
-        "id": call_id,
-        "name": call["function"]["name"],
-        "input": json.loads(call["function"]["arguments"]),
-    }
-
-
-def message(request_id: str, model: str, content: list[dict[str, Any]], outcome: Outcome | None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": outcome.stop_reason if outcome else None,
-        "stop_sequence": outcome.stop_sequence if outcome else None,
-        "usage": outcome.usage if outcome else {},
-    }
-
-
-async def collect(
-    seq: Sequence, gen: Generation, request_id: str, split: ReasoningSplit | None, reader: ToolStream | None
-) -> dict[str, Any]:
-    thought: list[str] = []
-    text: list[str] = []
-    outcome = Outcome()
-    async for piece in pieces(seq, gen, split, reader):
-        if isinstance(piece, Outcome):
-            outcome = piece
-        else:
-            (thought if piece[0] == "thinking" else text).append(piece[1])
-    content: list[dict[str, Any]] = []
-    if split is not None and "".join(thought):
-        content.append({"type": "thinking", "thinking": "".join(thought), "signature": ""})
-    if "".join(text) or not (outcome.calls or content):
-        content.append({"type": "text", "text": "".join(text)})
-    content += [tool_use(call) for call in outcome.calls]
-    return message(request_id, gen.model, content, outcome)
-
-
-def sse(event: dict[str, Any]) -> bytes:
-    """Each event named on an ``event:`` line too, as Anthropic's stream does."""
-    return f"event: {event['type']}\ndata: ".encode() + orjson.dumps(event) + b"\n\n"
-
-
-async def events(
-    seq: Sequence, gen: Generation, request_id: str, split: ReasoningSplit | None, reader: ToolStream | None
-) -> AsyncGenerator[bytes]:
-    """Anthropic's event order: message_start; per block content_block_start, its deltas, content_block_stop
-    (thinking, then text, then each tool_use); message_delta with stop_reason and usage; message_stop."""
-    yield sse(
-        {"type": "message_start", "message": message(request_id, gen.model, [], None) | {"usage": usage(None, seq)}}
-    )
-    index, open_kind = -1, None
-
-    def start(kind: str) -> bytes:
-        block = (
-            {"type": "thinking", "thinking": "", "signature": ""}
-            if kind == "thinking"
-            else {"type": "text", "text": ""}
-        )
-        return sse({"type": "content_block_start", "index": index, "content_block": block})
-
-    def stop() -> list[bytes]:
-        closing = (
-            [
-                sse(
-                    {
-                        "type": "content_block_delta",
-                        "index": index,
-                        "delta": {"type": "signature_delta", "signature": ""},
-                    }
-                )
-            ]
-            if open_kind == "thinking"
-            else []
-        )
-        return [*closing, sse({"type": "content_block_stop", "index": index})]
-
-    outcome = Outcome()
-    try:
-        async for piece in pieces(seq, gen, split, reader):
-            if isinstance(piece, Outcome):
-                outcome = piece
-                break
-            kind, text = piece
-            if not text:
-                continue
-            if kind != open_kind:
-                if open_kind is not None:
-                    for data in stop():
-                        yield data
-                index, open_kind = index + 1, kind
-                yield start(kind)
-            delta = (
-                {"type": "thinking_delta", "thinking": text}
-                if kind == "thinking"
-                else {"type": "text_delta", "text": text}
-            )
-            yield sse({"type": "content_block_delta", "index": index, "delta": delta})
-    except ApiError as error:
-        # Headers are long sent: the error travels as an `error` event, and the stream ends there.
-        yield sse(error_body(error))
-        return
-    if open_kind is None and not outcome.calls:
-        index, open_kind = 0, "text"
-        yield start("text")
-    if open_kind is not None:
-        for data in stop():
-            yield data
-    for call in outcome.calls:
-        index += 1
-        block = tool_use(call)
-        yield sse({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
-        delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
-        yield sse({"type": "content_block_delta", "index": index, "delta": delta})
-        yield sse({"type": "content_block_stop", "index": index})
-    end_delta = {"stop_reason": outcome.stop_reason, "stop_sequence": outcome.stop_sequence}
-    yield sse({"type": "message_delta", "delta": end_delta, "usage": outcome.usage})
-    yield sse({"type": "message_stop"})

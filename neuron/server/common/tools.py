@@ -31,13 +31,14 @@ from typing import Any
 
 import structlog
 
-from neuron.server.openai_api import bad
+from neuron.server.common.errors import bad
 
 log = structlog.get_logger("neuron.server")
 
 ToolMarkup = tuple[str, str, Callable[[str, Any], Any]]  # start marker, end marker ("" for none), parser
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 NO_PARAMETERS = {"type": "object", "properties": {}}
+CUT_CALL = re.compile(r'"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"parameters"\s*:\s*')  # Tools.schema's order
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +231,9 @@ class ToolStream:
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
         """The content still to release, the tool calls, and the finish reason."""
         held, self._held = self._held or "", None
+        if held and reason == "length" and not self.tools.auto and (cut := self._cut(held)):
+            # A forced call cut short by max_tokens is still the call, its arguments unfinished.
+            return self._pending, [cut], reason
         if not held or reason != "stop":
             # Cut short by max_tokens (or none): no call to parse; the text is the answer.
             return self._pending + held, [], reason
@@ -244,6 +248,21 @@ class ToolStream:
         # OpenAI's own reasons: a call the model chose (auto, required) ends with "tool_calls", a function the
         # request named ends with "stop", streamed or not (vLLM matches it; clients check it).
         return content, calls, "tool_calls" if calls and self.tools.choice in ("auto", "required") else reason
+
+    def _cut(self, text: str) -> dict[str, Any] | None:
+        """A forced call cut short: the named function's arguments as far as they came, or (``required``) the
+        first call's name and parameters as far as they came; None where not even the name came."""
+        name, arguments = self.tools.choice, text
+        if name == "required":
+            found = CUT_CALL.search(text)
+            if found is None:
+                return None
+            name, arguments = found.group(1), text[found.end() :]
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
 
     def _forced(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         value = json.loads(text)
@@ -303,18 +322,22 @@ CALL = {
 }
 
 
+# A function tool as chat completions nest it (`tools[i].function`); the Responses API's tools are this, typed.
+FUNCTION: dict[str, Any] = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+        "description": {"type": ["string", "null"]},
+        "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
+        "strict": {"type": ["boolean", "null"]},
+    },
+}
+
+
 def request_properties() -> dict[str, Any]:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
-    function = {
-        "type": "object",
-        "required": ["name"],
-        "properties": {
-            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
-            "description": {"type": ["string", "null"]},
-            "parameters": {"type": ["object", "null"], "description": "a JSON schema; enforced for forced calls"},
-            "strict": {"type": ["boolean", "null"]},
-        },
-    }
+    function = FUNCTION
     named = {
         "type": "object",
         "required": ["type", "function"],

@@ -1,0 +1,130 @@
+"""Building one step's plan from the scheduler's batch: who leaves, which prompt chunks are fed (or restored from
+the prefix cache, and saved to it), every running sequence's next input and draft, and whether the ranks may run
+the next step ahead. Decisions only, as the scheduler's (``Scheduler.schedule`` calls it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Rows
+
+from neuron.engine import vision
+from neuron.engine.drafts import StepCost, width
+from neuron.engine.prefix import PrefixIndex
+from neuron.engine.sequence import Sequence
+from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
+from neuron.sampling_params import PENALTY_WINDOW
+from neuron.step import Start, Step
+
+
+def plan_step(
+    filling: list[Sequence],
+    running: list[Sequence],
+    waiting: Rows[Sequence],
+    leaving: list[int],
+    *,
+    budget: int,
+    max_batch: int,
+    micro_batches: int,
+    run_ahead: bool,
+    prefix: PrefixIndex | None,
+    cost: StepCost,
+) -> Step | None:
+    """The next step: who leaves, which prompt chunks are fed, every running sequence's next input, and how
+    each sequence it starts is sampled. ``budget``: prompt tokens fed per step. None when nothing is admitted."""
+    if not filling and not running:
+        return None
+    prefill: list[Prefill] = []
+    restore: list[Restore] = []
+    starts: dict[int, Start] = {}
+    suspect = False  # whether the step feeds a sequence blamed for a lost group
+    for seq in filling:
+        if budget <= 0:
+            break
+        if seq.copy_of is not None and not seq.alone:
+            continue  # fed when its original's prompt ends
+        if prefill and (seq.losses or suspect):
+            break  # a sequence blamed for a lost group is fed alone, so that a second loss blames it alone
+        suspect = bool(seq.losses)
+        tokens = seq.tokens
+        start = seq.fed
+        if seq.pooling is not None:  # an embedding input: no prefix cache (hidden states are not kept), no sampler
+            end = min(len(seq.prompt), start + budget)
+            prefill.append(Prefill(seq.no, start, seq.prompt[start:end], end == len(seq.prompt), pool=seq.pooling))
+            budget -= end - start
+            continue
+        # A restored prefix would leave its tokens unscored; a resumed sequence's prompt was scored already.
+        scores = seq.params.prompt_logprobs is not None and seq.replay is None
+        cached = prefix if seq.params.prompt_logprobs is None else None
+        if start == 0:
+            produced = None if seq.lost is None else tuple(seq.output)
+            recent: tuple[int, ...] = ()
+            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images))) is not None:
+                restore.append(Restore(seq.no, hit.entry, hit.tokens))
+                start = hit.tokens  # restored, not computed: outside the budget
+                recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
+            starts[seq.no] = Start(seq.params, recent, produced)
+        take = min(budget, len(tokens) - start)
+        end = start + take
+        last = end == len(tokens)
+        copies = [c for c in seq.fed_with if c in filling] if last else []
+        for copy in copies:
+            starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
+        runs = vision.runs(seq.images, start, end) if seq.images else []
+        prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
+        budget -= take
+    decode = _decode(running, micro_batches, cost)
+    ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
+    plan = StepPlan(leave=list(leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
+    # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
+    by_no = {seq.no: seq for seq in filling}
+    for chunk in prefill:
+        if chunk.pool or not chunk.last or prefix is None:
+            continue
+        if stored := prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
+            plan.save.append(Save(chunk.seq, stored.entry))
+            plan.evict.extend(Evict(entry) for entry in stored.evicted)
+    return Step(plan, starts)
+
+
+def _steady(
+    prefill: list[Prefill],
+    decode: list[Decode],
+    filling: list[Sequence],
+    running: list[Sequence],
+    waiting: Rows[Sequence],
+    max_batch: int,
+    micro_batches: int,
+) -> bool:
+    """Whether the next step will most likely decode the same rows, one token each (the ranks may run it
+    ahead): no prompt fed now or soon, no draft now (a row that drafts now drafts next too, most likely), one
+    micro-batch. A sequence that ends meanwhile just leaves."""
+    if prefill or filling or not decode or micro_batches != 1:
+        return False
+    if waiting and len(running) + waiting[0].n <= max_batch:
+        return False
+    if all(seq.completion_tokens + 1 >= seq.max_tokens for seq in running):
+        return False  # every row ends with this step's token: a step ahead would be thrown away
+    return not any(row.draft for row in decode)
+
+
+def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list[Decode]:
+    """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""
+    drafts = {seq.no: _draft(seq) for seq in running}
+    share = 1 / micro_batches  # each micro-batch's part of the step's fixed time
+    for micro_batch in range(micro_batches):
+        rows = [seq for seq in running if seq.micro_batch == micro_batch]
+        estimates = [(len(drafts[seq.no]), seq.proposer.acceptance if seq.proposer else 0.0) for seq in rows]
+        cut = width(estimates, cost, share) - 1
+        for seq in rows:
+            drafts[seq.no] = drafts[seq.no][:cut]
+    return [
+        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop)  # type: ignore[arg-type]
+        for seq in running
+    ]
+
+
+def _draft(seq: Sequence) -> list[int]:
+    """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""
+    if seq.proposer is None or seq.next_token is None:
+        return []
+    room = seq.max_tokens - seq.completion_tokens - 1
+    return seq.proposer.propose(seq.prompt, seq.output, room)

@@ -1,0 +1,116 @@
+"""Loading the model onto every rank: each host checked to hold the same model (or sent the share its rank
+loads, with ``--push-model``), then every rank's shard loaded at once."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import structlog
+
+from neuron import hub, rpc
+from neuron.launch.checks import Unreachable, check_memory, check_models, model_differences
+from neuron.launch.push import PushCut, Pushed, push
+from neuron.launch.stages import plan_stages, weights_per_rank
+from neuron.log import ms_since
+from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest
+from neuron.pool.ranks import Ranks
+from neuron.rank.rank import Loaded, Rank
+from neuron.rank.shard import ShareSource
+from neuron.shares import Plan, sha256_of, share_key
+
+log = structlog.get_logger("neuron.pool")
+
+
+class Loading(Ranks):
+    """The ranks, and the model loaded onto them."""
+
+    async def load(self) -> dict[int, Loaded]:
+        """Check every host holds the same model (or send one that does not the share its rank loads, with
+        ``push``), then load each rank's shard of it, all ranks at once."""
+        self.loaded = False
+        started = time.perf_counter()
+        layers = self._stage_layers()
+        mine = digest_files(self.model_path)
+        shares = self._share_keys(model_digest(mine), layers)
+        checked = await self._fan_out(
+            "check_model",
+            lambda rank, id: rpc.CheckModel(
+                id=id, model=self.launcher.model(rank, self.model, self.model_path), share=shares[rank]
+            ),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
+            self.deadlines.load,
+        )
+        paths = {rank: reply.path for rank, reply in checked.items()}
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
+        self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
+        check_memory(self.weights, self._hosts_said, self.hosts)
+        for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
+            paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
+            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
+        replies = await self._fan_out(
+            "load_shard",
+            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank]),
+            lambda rank: rank.load(self.model_path, layers[0]),
+            self.deadlines.load,
+        )
+        self.loaded = True
+        loaded = {
+            0: replies[0],
+            **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in self.workers},
+        }
+        log.info(
+            "model loaded",
+            model=self.model_path,
+            world_size=self.world_size,
+            parameters_per_rank=[loaded[r].parameters for r in sorted(loaded)],
+            ms=ms_since(started),
+        )
+        return loaded
+
+    def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
+        """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with
+        ``push``; empty elsewhere."""
+        return [
+            share_key(digest, rank, self.world_size, layers[rank])
+            if hub.leader_may_push(self.model, self.layout.push) and not self.launcher.hosts[rank].local
+            else ""
+            for rank in range(self.world_size)
+        ]
+
+    async def _push(self, rank: int, key: str, layers: list[int]) -> str:
+        """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
+        thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
+        next try resumes where it stopped."""
+        host = self.hosts[rank]
+        argv = self.launcher.receiver(rank, key)
+        files = {
+            name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
+        }
+
+        def send(_: Rank) -> Pushed:
+            source = ShareSource(self.model_path, rank, self.world_size, layers)
+            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
+            return push(argv, plan, source, files, host, rank)
+
+        try:
+            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
+        except PushCut as e:
+            raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
+        return pushed.path
+
+    @property
+    def cache_bytes(self) -> tuple[int, int]:
+        """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
+        computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
+        alike)."""
+        return cache_bytes(self.model_path, self.layers, self.world_size)
+
+    def _stage_layers(self) -> list[list[int]]:
+        """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
+        if self.layout.stages == 1:
+            return [[] for _ in range(self.world_size)]
+        free = [info.free_memory for info in self._hosts_said]
+        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
+        return [list(r) for r in self.layers]

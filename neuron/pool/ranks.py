@@ -1,0 +1,159 @@
+"""The pool's ranks: rank 0 on a thread here, one worker process per other rank, and the group they form.
+
+``Ranks`` spawns the workers, checks each answers as the rank it was told,
+and brings up the group; ``load.py`` adds loading the model onto them, and
+``pool.py`` the steps, the watch on the workers and recovery.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from neuron import cpu, hub, metrics, rpc
+from neuron.launch.checks import check_gpus, check_handshake
+from neuron.launch.dataplane import spawn_env
+from neuron.launch.hosts import describe_host
+from neuron.launch.launcher import Launcher
+from neuron.launch.tunnels import Tunnels
+from neuron.log import ms_since
+from neuron.pool.fanout import Deadlines, FanOut, PoolError
+from neuron.pool.group import form_group
+from neuron.pool.link import Link
+from neuron.pool.rank0 import Rank0Thread
+from neuron.rank.group import group_joined
+from neuron.settings import default
+
+log = structlog.get_logger("neuron.pool")
+
+BACKENDS = ("ring", "jaccl", "nccl")
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where the ranks run, how they talk, and how the model is split over them."""
+
+    launcher: Launcher
+    backend: str = default("backend")
+    stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
+    split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
+    push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
+
+    @classmethod
+    def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
+        return cls(Launcher.local(world_size), "ring", stages, split)
+
+
+class Ranks:
+    """The ranks of ``layout`` serving ``model_path``: rank 0 on a thread here, ranks 1.. as worker processes."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        layout: Layout | None = None,
+        deadlines: Deadlines | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.layout = layout or Layout.local(1)
+        if self.layout.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.layout.backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.launcher = self.layout.launcher
+        self.world_size = world_size = self.launcher.world_size
+        self.backend = self.layout.backend
+        self.model_path = str(Path(model_path).resolve())
+        self.model = hub.pinned(model, self.model_path)  # what --model said: a host of its own resolves it there
+        self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
+        self.deadlines = deadlines or Deadlines()
+        self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
+        self.loaded = False
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        self._rank0 = Rank0Thread(world_size, cpus or None)
+        self._fan_out = FanOut(self._rank0, self.hosts)
+        self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
+        self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
+        self._closing = False
+        self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
+        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
+        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
+        self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
+
+    @property
+    def workers(self) -> tuple[Link, ...]:
+        """The workers' links, by rank; the fan-out owns the list."""
+        return tuple(self._fan_out.workers)
+
+    @property
+    def said(self) -> tuple[rpc.HostInfo, ...]:
+        """What each rank said about its host in its last handshake, by rank (its free memory then)."""
+        return tuple(self._hosts_said)
+
+    @property
+    def broken(self) -> PoolError | None:
+        """Why the group can no longer be trusted, or None while it can."""
+        return self._fan_out.broken
+
+    # Spawning and the group.
+
+    async def start(self) -> dict[int, rpc.Pong]:
+        """Spawn a worker per rank above 0 (with nccl, each given its GPU as it starts); each must answer a ping as
+        the rank it was told, with our versions, and its host must have a GPU per rank placed there."""
+        if self.world_size > 1 and group_joined():
+            raise RuntimeError(
+                "this process already hosted rank 0 of an mx.distributed group, and MLX allows one per "
+                "process: run each multi-rank pool in a fresh process"
+            )
+        started = time.perf_counter()
+        leader_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        for rank in range(1, self.world_size):
+            env = spawn_env(self.backend, rank, self.launcher.hosts, leader_visible)
+            if not self.launcher.hosts[rank].local:
+                env.update(hub.host_env(self.model, self.layout.push))
+            spawned = await self.launcher.spawn(rank, env)
+            assert spawned.process.stdout is not None
+            reader = BufferedByteReceiveStream(spawned.process.stdout)
+            read_file = functools.partial(self.launcher.read_file, rank)
+            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            self._fan_out.workers.append(link)
+        pongs = await self.ping()
+        mine = describe_host(0)
+        check_handshake(pongs, mine, self.world_size, self.hosts)
+        infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
+        check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
+        self._hosts_said = infos
+        for worker in self.workers:
+            worker.said = infos[worker.rank]
+        for rank, host in enumerate(self.hosts):
+            metrics.RANKS.labels(str(rank), host).set(1)
+        log.info(
+            "workers started",
+            world_size=self.world_size,
+            hosts=self.hosts,
+            pids=[w.pid for w in self.workers],
+            ms=ms_since(started),
+        )
+        return pongs
+
+    async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
+        """Check every data-plane link answers, then bring up the group (``group.py``)."""
+        if self.world_size > 1:
+            self._addresses = await form_group(
+                self._fan_out,
+                self.launcher,
+                self.backend,
+                pongs,
+                self.deadlines,
+                Path(self._scratch.name),
+                self._tunnels,
+            )
+
+    async def ping(self) -> dict[int, rpc.Pong]:
+        """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
+        return await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)

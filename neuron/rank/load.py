@@ -1,0 +1,64 @@
+"""Loading one rank's share of a model: a slice of every layer (tensor parallel), or a pipeline stage of whole
+layers, and the runner that drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from neuron import architectures
+from neuron.models import read_config, text_config
+from neuron.rank import vision
+from neuron.rank.errors import RankError
+from neuron.rank.runner import Sharded, Stage
+from neuron.rank.shard import load_shard, load_stage, parameter_count, shard_head
+
+
+@dataclass(slots=True)
+class Loaded:
+    parameters: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Share:
+    """A rank's share of the model, ready to step."""
+
+    model: nn.Module
+    runner: Sharded | Stage
+    vocab_size: int
+    prompts_together: bool  # new prompts fed as one left-padded batch: where every cache can be cut
+    parameters: int
+
+
+def load(model_path: str, layers: list[int], rank: int, world_size: int, group: mx.distributed.Group | None) -> Share:
+    """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
+    a pipeline stage of whole layers."""
+    config = read_config(model_path)  # the leader checked it can be split (rank.shard.check_splittable)
+    vocab_size = text_config(config)["vocab_size"]
+    if layers:
+        if group is None:
+            raise RankError(f"rank {rank}: a pipeline stage needs a group of at least two ranks")
+        model = load_stage(model_path, layers[0], layers[1], rank)
+    else:
+        model = load_shard(model_path, group)
+    if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        raise RankError(
+            f"rank {rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
+            "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
+            f"serve one of {', '.join(sorted(architectures.TABLE))}"
+        )
+    support = architectures.supports(config)
+    together = support is None or support.cuttable  # from the whole model: a stage may hold none
+    parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
+    runner: Sharded | Stage
+    if layers:
+        assert group is not None
+        runner = Stage(model, rank, world_size, group)
+    else:
+        runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
+    runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
+    return Share(model, runner, vocab_size, together, parameters)

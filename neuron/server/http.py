@@ -1,0 +1,291 @@
+"""The skeleton every route is written on, once: the API key, the body's size and JSON, the engine (or 503 while
+it loads), errors in the family's shape, a client that goes away (a 499, or the end of its event stream) and
+server-sent events. A family declares its routes as ``Endpoint``s; a handler gets a ``Call`` and returns a
+``Response``. No MLX.
+
+A client that goes away never tears a step: the handler only tells the engine (``engine.cancel``), and the
+engine drops the request at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import orjson
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from neuron import metrics
+from neuron.engine.sequence import Sequence
+from neuron.server.common import limits
+from neuron.server.common.errors import ApiError, not_ready, openai_body, within_limits
+from neuron.server.common.submit import cancel
+from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
+
+if TYPE_CHECKING:
+    from neuron.engine.engine import Engine
+    from neuron.progress import Download
+
+log = structlog.get_logger("neuron.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+OFF_LOOP_BYTES = 64 * 1024
+T = TypeVar("T")
+ErrorBody = Callable[[ApiError], dict[str, Any]]
+
+
+@dataclass(slots=True)
+class ServerState:
+    model_id: str
+    api_key: str | None = None
+    engine: Engine | None = None  # None while the model loads
+    status: str = "loading the model"
+    started: int = 0
+    # While a model named on the Hub is fetched: its progress, which /ready answers with (neuron.progress).
+    download: Download | None = None
+
+
+class OrjsonResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(error: ApiError, error_body: ErrorBody = openai_body) -> Response:
+    return OrjsonResponse(error_body(error), status_code=error.status, headers=error.headers)
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as a handler sees it: authorized, its JSON body read and bounded (POST)."""
+
+    request: Request
+    state: ServerState
+    body: Any = None
+
+    @property
+    def model_id(self) -> str:
+        return self.state.model_id
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, or a 503 while the model loads."""
+        if self.state.engine is None:
+            raise not_ready(f"not ready: {self.state.status}")
+        return self.state.engine
+
+    async def answer(
+        self,
+        seqs: list[Sequence],
+        collect: Callable[[], Awaitable[Any]],
+        render: Callable[[Any], Response] = OrjsonResponse,
+    ) -> Response:
+        """The whole reply ``collect`` makes, or a 499 (nobody will read it) when the client left first; the
+        sequences are cancelled in the engine either way (a no-op for those finished)."""
+        engine = self.engine
+        try:
+            reply = await unless_disconnected(self.request.receive, collect)
+        finally:
+            cancel(engine, seqs)
+        return render(reply) if reply is not None else Response(status_code=499)
+
+    def stream(
+        self,
+        seqs: list[Sequence],
+        events: AsyncGenerator[bytes],
+        error_event: Callable[[ApiError], bytes] = lambda error: sse(error.body()),
+    ) -> Response:
+        """The reply as server-sent events; the sequences are cancelled when the stream ends or its client leaves."""
+        engine = self.engine
+        return EventStream(events, on_close=lambda: cancel(engine, seqs), error_event=error_event)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One route of a family, and what the skeleton does for it."""
+
+    path: str
+    handler: Callable[[Call], Awaitable[Response]]
+    method: str = "POST"  # a POST's body is read as JSON before the handler runs
+    keyed: bool = True  # needs the API key (probes and scrapers carry none)
+    strict_json: bool = False  # a body not sent as application/json is refused (415) before it is read
+    generates: bool = False  # its refusals count as rejected requests in the metrics
+    error_body: ErrorBody = openai_body  # the family's error shape
+
+    def route(self) -> Route:
+        async def run(request: Request) -> Response:
+            state: ServerState = request.app.state.neuron
+            if self.keyed:
+                authorize(request, state)
+            body = await read_json(request) if self.method == "POST" else None
+            return await self.handler(Call(request, state, body))
+
+        return Route(self.path, run, methods=[self.method])
+
+
+def authorize(request: Request, state: ServerState) -> None:
+    if state.api_key is None:
+        return
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    # Anthropic's clients send the key as `x-api-key`.
+    key = (key if scheme.lower() == "bearer" else "") or request.headers.get("x-api-key", "")
+    if not key.strip():
+        raise ApiError(
+            401,
+            "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+            code="invalid_api_key",
+            headers={"www-authenticate": "Bearer"},
+        )
+    # Constant time: how long the compare takes must not tell how much of the key matched.
+    if not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+
+
+async def read_json(request: Request) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
+    if len(body) > OFF_LOOP_BYTES:  # a few MiB of values take a few hundred ms to walk: not on the event loop
+        await anyio.to_thread.run_sync(within_limits, limits.check_body, value)
+    else:
+        within_limits(limits.check_body, value)
+    return value
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it and return None."""
+    result: list[T] = []
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await _until_disconnect(receive)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            result.append(await work())
+            tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps what ``work`` raised; the error handlers want it as it was.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return result[0] if result else None
+
+
+class EventStream(Response):
+    """Server-sent events that stop when the client disconnects, and always run ``on_close``; a comment keeps a
+    silent stream open (``keepalive``).
+
+    ``on_close`` runs even when the body never started, so a request whose client
+    left early is still cancelled in the engine.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes],
+        on_close: Callable[[], None],
+        error_event: Callable[[ApiError], bytes] = lambda error: sse(error.body()),
+    ) -> None:
+        # No Response.__init__: it would declare a Content-Length for an empty body.
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # nginx: pass each event on at once
+        ]
+        self.events = events
+        self.on_close = on_close
+        self.error_event = error_event
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+
+            async def body(data: bytes) -> None:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+            async def stream() -> None:
+                await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+                try:
+                    await pump(self.events, body, KEEP_ALIVE_S)
+                except Exception as e:
+                    # Headers are sent: a bug still ends the stream with an error event, not a dropped connection.
+                    log.exception("stream failed", path=scope.get("path"))
+                    error = ApiError(
+                        500,
+                        f"internal error ({type(e).__name__}); the server log has the details",
+                        type="server_error",
+                        code="server_error",
+                    )
+                    await body(self.error_event(error))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+            await unless_disconnected(receive, stream)
+        finally:
+            self.on_close()
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()
+
+
+# Errors, each in the shape of the family whose path it is on.
+
+ROUTES_HINT = (
+    "/v1/models, /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize"
+)
+ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def exception_handlers(endpoints: Sequence_[Endpoint]) -> dict[Any, ExceptionHandler]:
+    """Starlette's handlers for ``ApiError``, its own ``HTTPException`` (404, 405) and anything else (500)."""
+    shapes = {e.path: e.error_body for e in endpoints}
+    generating = {e.path for e in endpoints if e.generates}
+
+    def respond(request: Request, error: ApiError) -> Response:
+        return error_response(error, shapes.get(request.url.path, openai_body))
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        if request.url.path in generating:
+            metrics.REQUESTS.labels("rejected").inc()
+        log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
+        return respond(request, exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; see {ROUTES_HINT}"
+        else:
+            message = f"{exc.detail}: {request.method} {request.url.path}"
+        code = "not_found" if exc.status_code == 404 else None
+        # The headers carry what the status promises, such as 405's Allow.
+        return respond(request, ApiError(exc.status_code, message, code=code, headers=dict(exc.headers or {})))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("internal error", path=request.url.path)
+        message = f"internal error ({type(exc).__name__}); the server log has the details"
+        return respond(request, ApiError(500, message, type="server_error"))
+
+    return {ApiError: api_error, HTTPException: http_error, Exception: internal_error}

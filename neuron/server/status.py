@@ -1,0 +1,261 @@
+"""``GET /v1/status``: the cluster at a glance, as the page (``page``) polls it: the model and its architecture,
+each rank's host, device, memory and share of the model, the queue, the caches, the counters the page turns into
+step time and tokens per second, and the latest losses and recoveries. No MLX.
+
+Counters, not rates: the page keeps its own history between polls, so that the server keeps none per viewer.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+
+from neuron import metrics
+from neuron.models import ModelError, read_config, text_config
+from neuron.server.common.readiness import not_ready_because
+from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
+from neuron.server.http import Call, Endpoint, OrjsonResponse
+
+if TYPE_CHECKING:
+    from neuron.engine.engine import Engine
+    from neuron.rpc import HostInfo
+
+
+@functools.lru_cache(maxsize=4)
+def _config(model_path: str) -> dict[str, Any]:
+    try:
+        return text_config(read_config(model_path))
+    except (ModelError, OSError, ValueError):
+        return {}
+
+
+def architecture(model_path: str) -> dict[str, Any]:
+    config = _config(model_path)
+    return {
+        "model_type": config.get("model_type"),
+        "layers": config.get("num_hidden_layers"),
+        "hidden_size": config.get("hidden_size"),
+        "attention_heads": config.get("num_attention_heads"),
+        "kv_heads": config.get("num_key_value_heads", config.get("num_attention_heads")),
+        "vocab_size": config.get("vocab_size"),
+    }
+
+
+def _sample(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def counters() -> dict[str, float]:
+    return {
+        "steps": _sample("neuron_step_seconds_count", part="total"),
+        "step_seconds": _sample("neuron_step_seconds_sum", part="total"),
+        "prompt_tokens": _sample("neuron_prompt_tokens_total"),
+        "completion_tokens": _sample("neuron_completion_tokens_total"),
+        "cancelled": _sample("neuron_requests_total", outcome="cancelled"),
+        "prefix_cache_hits": _sample("neuron_prefix_cache_hits_total"),
+        "prefix_cache_misses": _sample("neuron_prefix_cache_misses_total"),
+    }
+
+
+def _device(info: HostInfo, backend: str) -> str:
+    """What the rank computes on, and where: nccl places one rank on each GPU."""
+    kind = "metal" if info.platform.startswith("darwin") else "cuda" if backend == "nccl" and info.gpus else "cpu"
+    return f"{kind} ({info.platform})"
+
+
+def rank_state(rank: int, failures: dict[int, str] | None, loaded: bool) -> tuple[str, str | None]:
+    """A rank's state and why: ``lost`` where the broken group names it, ``starting`` while the group is broken
+    by another rank or (re)loading the model, else ``ok``."""
+    if failures is not None and rank in failures:
+        return "lost", failures[rank]
+    if failures is not None or not loaded:
+        return "starting", None
+    return "ok", None
+
+
+def ranks(engine: Engine) -> list[dict[str, Any]]:
+    pool = engine.pool
+    broken = pool.broken
+    config = _config(pool.model_path)
+    heads = config.get("num_attention_heads")
+    layers = config.get("num_hidden_layers")
+    said = pool.said
+    out = []
+    for rank, host in enumerate(pool.hosts):
+        info = said[rank] if rank < len(said) else None
+        state, reason = rank_state(rank, broken.failures if broken is not None else None, pool.loaded)
+        staged = rank < len(pool.layers)
+        out.append(
+            {
+                "rank": rank,
+                "host": host,
+                "hostname": info.hostname if info else None,
+                "device": _device(info, pool.backend) if info else None,
+                "state": state,
+                "reason": reason,
+                "weights_bytes": pool.weights[rank] if rank < len(pool.weights) else None,
+                "free_bytes": info.free_memory if info else None,
+                "memory_limit_bytes": (info.memory_limit or None) if info else None,
+                "layers": list(pool.layers[rank]) if staged else ([0, layers] if layers else None),
+                "heads": None if staged or not heads else heads // pool.world_size,
+            }
+        )
+    return out
+
+
+def caches(engine: Engine) -> dict[str, Any]:
+    batch = engine.scheduler.batch
+    per_token = engine.pool.cache_bytes[0] if engine.pool.loaded else 0
+    tokens = sum(seq.fed + seq.completion_tokens for seq in batch)
+    prefix = engine.prefix
+    return {
+        "kv_cache": {
+            "sequences": len(batch),
+            "max_sequences": engine.limits.max_batch,
+            "tokens": tokens,
+            "bytes": tokens * per_token,
+        },
+        "prefix_cache": {
+            "enabled": prefix is not None,
+            "entries": len(prefix.entries) if prefix else 0,
+            "bytes": prefix.bytes if prefix else 0,
+            "budget_bytes": engine.limits.prefix_cache_bytes if prefix else 0,
+        },
+    }
+
+
+def status(call: Call) -> dict[str, Any]:
+    state, engine = call.state, call.state.engine
+    reason = not_ready_because(state)
+    body: dict[str, Any] = {
+        "object": "status",
+        "model": {"id": state.model_id, "vision": False, "architecture": None, "context_length": None},
+        "ready": reason is None,
+        "reason": reason or "ready",
+        "started": state.started,
+        "counters": counters(),
+        "ranks": [],
+        "queue": {"waiting": 0, "running": 0},
+        "events": [],
+        "recoveries": 0,
+        "recent": [],
+        "now": time.time(),
+    }
+    if engine is None:
+        return body
+    pool = engine.pool
+    body["model"] |= {
+        "architecture": architecture(pool.model_path),
+        "context_length": engine.context_length,
+        # The page offers to attach an image only where the engine says its model takes images.
+        "vision": engine.vision,
+    }
+    body |= {
+        "world_size": pool.world_size,
+        "pipeline_stages": len(pool.layers) or 1,
+        "ranks": ranks(engine),
+        "queue": {"waiting": engine.waiting, "running": engine.running},
+        "events": list(engine.events),
+        "recoveries": engine.recoveries,
+        "recent": engine.recent.seconds(),
+        **caches(engine),
+    }
+    return body
+
+
+async def serve(call: Call) -> Response:
+    return OrjsonResponse(status(call))
+
+
+ENDPOINTS = (Endpoint("/v1/status", serve, method="GET"),)
+
+
+def openapi(spec: Spec) -> OpenApi:
+    integer: Schema = {"type": "integer"}
+    maybe_int: Schema = {"type": ["integer", "null"]}
+    text: Schema = {"type": "string"}
+    rank: Schema = {
+        "type": "object",
+        "required": ["rank", "host", "state", "weights_bytes", "free_bytes", "layers", "heads"],
+        "properties": {
+            "rank": integer,
+            "host": text,
+            "hostname": {"type": ["string", "null"]},
+            "device": {"type": ["string", "null"]},
+            "state": {"enum": ["ok", "starting", "lost"]},
+            "reason": {"type": ["string", "null"]},
+            "weights_bytes": maybe_int,
+            "free_bytes": maybe_int,
+            "memory_limit_bytes": maybe_int,
+            "layers": {"type": ["array", "null"], "items": integer},
+            "heads": maybe_int,
+        },
+    }
+    event: Schema = {
+        "type": "object",
+        "required": ["at", "event", "ranks", "reason"],
+        "properties": {
+            "at": {"type": "number"},
+            "event": {"enum": ["lost", "recovered", "recovery failed"]},
+            "ranks": {"type": "array", "items": integer},
+            "reason": text,
+        },
+    }
+    number_map: Schema = {"type": "object", "additionalProperties": {"type": "number"}}
+    body: Schema = {
+        "type": "object",
+        "required": [
+            "object",
+            "model",
+            "ready",
+            "reason",
+            "counters",
+            "ranks",
+            "queue",
+            "events",
+            "recoveries",
+            "recent",
+        ],
+        "properties": {
+            "object": {"const": "status"},
+            "model": {
+                "type": "object",
+                "required": ["id", "vision", "architecture", "context_length"],
+                "properties": {
+                    "id": {"const": spec.model_id},
+                    "vision": {"type": "boolean"},
+                    "architecture": {"type": ["object", "null"]},
+                    "context_length": maybe_int,
+                },
+            },
+            "ready": {"type": "boolean"},
+            "reason": text,
+            "started": integer,
+            "world_size": integer,
+            "pipeline_stages": integer,
+            "counters": number_map,
+            "ranks": {"type": "array", "items": rank},
+            "queue": number_map,
+            "kv_cache": number_map,
+            "prefix_cache": {"type": "object"},
+            "events": {"type": "array", "items": event},
+            "recoveries": integer,
+            "now": {"type": "number", "description": "the server's clock, in unix seconds, for ``recent``"},
+            "recent": {
+                "description": "the last minutes' seconds that had steps: [unix second, steps, step seconds, tokens]",
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "number"}, "minItems": 4, "maxItems": 4},
+            },
+        },
+    }
+    paths = {
+        "/v1/status": get(
+            "the cluster: model, ranks, queue, caches, counters, losses and recoveries (the page polls it)",
+            replies(401, ok=ref("Status")),
+            **spec.secured,
+        )
+    }
+    return paths, {"Status": body}

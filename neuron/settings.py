@@ -1,0 +1,451 @@
+"""Every setting of ``neuron serve`` and ``neuron generate``, each declared once, as a field of the settings
+object the subsystem that reads it receives.
+
+A field's name is the setting's name: ``--max-batch``, ``NEURON_MAX_BATCH`` and
+``max_batch`` in the TOML file are the field ``Scheduling.max_batch``. Its
+annotation is the type, its value the default, and ``setting(...)`` adds the
+help, the bounds and the commands that take it. The flags (config.py), the
+reference table of the docs (neuron/reference.py) and the defaults of
+``Scheduling``, ``HttpLimits``, ``Serving`` and ``Deadlines.step`` all come from
+here: a default written anywhere else is a bug (tests/test_settings.py looks).
+
+Plain data, no MLX, no engine: the engine imports ``Scheduling`` from here, not
+the other way round.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, get_type_hints
+
+from neuron.models import POOLING_TYPES
+from neuron.sampling_params import SamplingParams
+
+SERVE = ("serve",)
+BOTH = ("serve", "generate")
+GENERATE = ("generate",)
+ENV_PREFIX = "NEURON_"
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console", "journal")
+_BOOLEANS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false (1 or 0)"}
+
+
+def _not_blank(v: str) -> str | None:
+    return None if v.strip() else "is empty; give a value or leave it unset"
+
+
+def _absolute_paths(v: str) -> str | None:
+    relative = [p for p in v.split(":") if not os.path.isabs(p)]
+    return (
+        f"must list absolute directories separated by ':', got {', '.join(map(repr, relative))}" if relative else None
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What ``setting()`` says about a field beyond its name, type and default."""
+
+    help: str
+    commands: tuple[str, ...]
+    choices: tuple[str, ...] = ()
+    at_least: float | None = None
+    at_most: float | None = None
+    positive: bool = False
+    check: Callable[[Any], str | None] | None = None
+    unset: str = ""  # what None means, for a setting whose default is None
+    why: str = ""  # why the default is what it is, said after it
+    per_command: tuple[tuple[str, Any], ...] = ()  # a command whose default differs, and that default
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    commands: tuple[str, ...] = SERVE,
+    choices: tuple[str, ...] = (),
+    at_least: float | None = None,
+    at_most: float | None = None,
+    positive: bool = False,
+    check: Callable[[Any], str | None] | None = None,
+    unset: str = "",
+    why: str = "",
+    per_command: dict[str, Any] | None = None,
+) -> Any:
+    """A settings field: ``default`` is its default, everywhere."""
+    spec = Spec(help, commands, choices, at_least, at_most, positive, check, unset, why,
+                tuple((per_command or {}).items()))  # fmt: skip
+    return field(default=default, metadata={"setting": spec})
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One setting, as read from its field: what the flags, the layers and the docs need."""
+
+    name: str
+    type: type  # int, float, str or bool; None is allowed where the default is None
+    default: Any
+    group: str  # the settings object it lives on
+    spec: Spec
+
+    @property
+    def help(self) -> str:
+        return self.spec.help
+
+    @property
+    def commands(self) -> tuple[str, ...]:
+        return self.spec.commands
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return self.spec.choices
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def default_for(self, command: str) -> Any:
+        return dict(self.spec.per_command).get(command, self.default)
+
+    def shown(self, value: Any) -> str:
+        """A default as a person reads it."""
+        if value is None:
+            return self.spec.unset or "unset"
+        if self.type is bool:
+            return "on" if value else "off"
+        if self.type is float:
+            return f"{value:g}"
+        if self.name.endswith("_bytes") and value >= 1 << 30 and value % (1 << 30) == 0:
+            return f"{value >> 30} GiB ({value})"
+        return str(value)
+
+    def shown_default(self, command: str | None = None) -> str:
+        """The default; with no command, every command's when they differ."""
+        if command is not None:
+            return self.shown(self.default_for(command))
+        others = "".join(f", {cmd}: {self.shown(value)}" for cmd, value in self.spec.per_command)
+        return self.shown(self.default) + others
+
+    def help_for(self, command: str) -> str:
+        value = self.default_for(command)
+        default = f"default: {self.shown(value)}" if value is None else f"default {self.shown(value)}"
+        return f"{self.help} ({default}{': ' + self.spec.why if self.spec.why else ''})"
+
+    def bounds(self) -> str:
+        """The values allowed, for the docs."""
+        if self.choices:
+            return ", ".join(self.choices)
+        spec, parts = self.spec, []
+        if spec.positive:
+            parts.append("> 0")
+        if spec.at_least is not None and spec.at_most is not None:
+            return f"{spec.at_least:g} to {spec.at_most:g}"
+        if spec.at_least is not None:
+            parts.append(f"≥ {spec.at_least:g}")
+        return ", ".join(parts)
+
+    def parse(self, value: Any, source: str, text: bool = False) -> tuple[Any, str | None]:
+        """``value`` as this setting's type (converted from ``text``, the environment's strings), or a problem
+        that names ``source``."""
+        if text and self.type is bool:
+            value = _BOOLEANS.get(value.strip().lower(), value)
+        elif text and self.type is not str:
+            try:
+                value = self.type(value)
+            except ValueError:
+                return None, f"{source} must be {_TYPE_NAMES[self.type]}, got {value!r}"
+        if self.type is float and type(value) is int:
+            value = float(value)
+        if type(value) is not self.type:
+            return None, f"{source} must be {_TYPE_NAMES[self.type]}, got {value!r}"
+        if problem := self._problem(value):
+            return None, f"{source} {problem}"
+        return value, None
+
+    def _problem(self, value: Any) -> str | None:
+        spec = self.spec
+        if spec.choices and value not in spec.choices:
+            return f"must be one of {', '.join(spec.choices)}, got {value!r}"
+        if spec.at_least is not None and spec.at_most is not None and not spec.at_least <= value <= spec.at_most:
+            return f"must lie in [{spec.at_least:g}, {spec.at_most:g}], got {value}"
+        if spec.at_least is not None and value < spec.at_least:
+            return f"must be at least {spec.at_least:g}, got {value}"
+        if spec.positive and value <= 0:
+            return f"must be positive, got {value}"
+        return spec.check(value) if spec.check is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Where the model comes from and how its ranks start (neuron.launch, neuron.pool)."""
+
+    model: str | None = setting(
+        None, "model folder or .gguf file", commands=BOTH, unset="the embedded SmolLM2-135M-Instruct"
+    )
+    tp: int | None = setting(
+        None, "tensor-parallel ranks", commands=BOTH, at_least=1, unset="one per --hosts entry, else 1"
+    )
+    pp: int = setting(
+        1,
+        "pipeline stages: the model's layers split into this many runs of whole layers, one per rank",
+        commands=BOTH,
+        at_least=1,
+    )
+    pp_layers: str | None = setting(
+        None,
+        "layers per pipeline stage, e.g. 10,20",
+        commands=BOTH,
+        check=_not_blank,
+        unset="in proportion to each host's free memory",
+    )
+    hosts: str | None = setting(
+        None,
+        "hostfile (mlx.launch's JSON: one entry per rank, entry 0 this host) to split the model over other hosts, "
+        "started over SSH",
+        commands=BOTH,
+        unset="every rank on this host",
+    )
+    ssh_command: str = setting(
+        "ssh",
+        "the ssh command for --hosts, with its options, e.g. 'ssh -F /etc/neuron/ssh_config'",
+        commands=BOTH,
+        check=_not_blank,
+    )
+    push_model: bool = setting(
+        False,
+        "with --hosts, send a host that lacks the model (or holds another) the share its ranks load, over SSH, "
+        "into its neuron cache",
+        commands=BOTH,
+        why="such a host is refused",
+    )
+    backend: str = setting(
+        "ring",
+        "mx.distributed backend for --tp > 1",
+        commands=BOTH,
+        choices=("ring", "jaccl", "nccl"),
+        why="jaccl and nccl untested here",
+    )
+    data_plane: str = setting(
+        "direct",
+        "how the ring's links between hosts travel: direct (plain TCP between the hostfile's ips; keep it on a "
+        "private link) or ssh (each link tunnelled through the leader's SSH connections, encrypted)",
+        commands=BOTH,
+        choices=("direct", "ssh"),
+    )
+    step_timeout: float = setting(
+        120.0, "seconds a step may take on any rank before it is declared lost", commands=BOTH, positive=True
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Logging:
+    """What the leader logs, and how; its workers log the same way."""
+
+    log_level: str = setting(
+        "info",
+        "trace is one event per step",
+        commands=BOTH,
+        choices=LOG_LEVELS,
+        per_command={"generate": "warning"},  # generate's output is its answer; log lines would interleave
+    )
+    log_format: str = setting(
+        "auto",
+        "auto: the journal under systemd, readable on a terminal, JSON lines otherwise",
+        commands=BOTH,
+        choices=LOG_FORMATS,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """Where the server listens, who may load what, and how it stops (neuron.leader)."""
+
+    model_dirs: str | None = setting(
+        None,
+        "directories, ':'-separated, that --model must lie in once symlinks are followed",
+        check=_absolute_paths,
+        unset="anywhere",
+    )
+    host: str = setting("127.0.0.1", "address to listen on", why="loopback only")
+    port: int = setting(8000, "TCP port; 0 picks a free one", at_least=0, at_most=65535)
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1", check=_not_blank, unset="no key")
+    drain_timeout: float = setting(
+        30.0, "seconds SIGTERM lets running requests finish before ending them with an error", at_least=0
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """Who may call, and what connections may hold (neuron.server.guard, neuron.server.connections)."""
+
+    allowed_origins: str | None = setting(
+        None,
+        "web pages, comma-separated, that browsers may call the API from besides loopback ones, `*` matching "
+        "anything, e.g. https://*.example.com; `*`: any",
+        check=_not_blank,
+        unset="loopback pages only",
+    )
+    allowed_hosts: str | None = setting(
+        None,
+        "names, comma-separated, the server answers to in the Host header besides IP addresses, localhost and "
+        "this machine's name, `*` matching anything; `*`: any",
+        check=_not_blank,
+        unset="those only",
+    )
+    max_connections: int = setting(
+        1024,
+        "open HTTP connections; past it a new one closes the oldest idle one, or gets 503 when none is idle",
+        at_least=1,
+        why="and at most the descriptor limit less 128",
+    )
+    header_timeout: float = setting(
+        10.0,
+        "seconds a connection has to send a request's head, from connecting or from its first byte",
+        positive=True,
+    )
+    keep_alive_timeout: float = setting(5.0, "seconds an idle connection stays open between requests", positive=True)
+    no_page: bool = setting(False, "serve no page at / (a chat and the cluster's status, for browsers)")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What a request's images may be, checked as the server reads the request, before anything queues
+    (neuron.images)."""
+
+    max_images: int = setting(16, "images per request, across its messages; more get 400", at_least=0)
+    max_image_pixels: int = setting(
+        4096 * 4096,
+        "pixels per image (width x height), read from its header before it is decoded; larger get 400",
+        at_least=1,
+        why="4096 x 4096, generous for documents and screenshots; one such RGB picture is 50 MB decoded",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Scheduling:
+    """How the engine's scheduler runs the batch: its limits, speculation and running ahead (neuron.engine)."""
+
+    max_batch: int = setting(8, "sequences decoding together; more wait in the queue", at_least=1)
+    max_n: int = setting(8, "choices per request (n), at most --max-batch; more get 400", at_least=1)
+    max_waiting: int = setting(64, "requests queued beyond the batch; more get 429", at_least=0)
+    prefill_chunk: int = setting(
+        512,
+        "prompt tokens fed per step, across all prompts being fed, so long prompts do not stall running streams",
+        at_least=1,
+    )
+    max_context: int | None = setting(
+        None, "tokens per request, prompt and completion", at_least=1, unset="the model's context"
+    )
+    micro_batches: int = setting(
+        1,
+        "decode passes per step, so that pipeline stages work at the same time",
+        at_least=1,
+        why="decode reads every weight once per pass, and on memory-bound hosts a second pass costs more than the "
+        "overlap buys",
+    )
+    prefix_cache_bytes: int = setting(
+        1 << 30,
+        "bytes of KV cache, on the rank holding the largest share, kept for prompts' shared beginnings, reused by "
+        "later prompts that start the same way; 0 turns the prefix cache off",
+        at_least=0,
+    )
+    speculate: str = setting(
+        "ngram",
+        "speculative decoding without a draft model: draft tokens from prompt lookup and requests' `prediction`, "
+        "verified in the batched step; off: none",
+        choices=("ngram", "off"),
+    )
+    # Where MLX evaluates asynchronously (GPUs) running ahead hides the host's part of a step; its CPU backend
+    # evaluates in the caller, so there it would only waste a forward where a plan changes (BENCHMARKS.md).
+    run_ahead: str = setting(
+        "auto",
+        "in steady decode, queue each step on the device before reading the last one's tokens, so that the "
+        "device never waits for the host",
+        choices=("auto", "on", "off"),
+        why="on on a GPU, off on a CPU, where MLX evaluates in the caller",
+    )
+    resume_timeout: float = setting(
+        60.0,
+        "seconds the requests in flight when a rank is lost wait for fresh workers, then go on where they "
+        "stopped; 0: they fail at once and the leader restarts",
+        at_least=0,
+    )
+    resume_tries: int = setting(
+        2,
+        "losses of a rank a request may be blamed for (fed when it happened) and still go on; the next ends it "
+        "with an error, as it may be what kills the rank",
+        at_least=0,
+    )
+    # Not the scheduler's to read: it plans what each embedding input's sequence says.
+    pooling_type: str | None = setting(
+        None,
+        "how /v1/embeddings pools the final hidden states, vLLM's pooling types: MEAN over every position, or the "
+        "LAST position's",
+        choices=POOLING_TYPES,
+        unset="what the model's sentence-transformers card says, else MEAN",
+    )
+    constrained_reasoning_tokens: int = setting(
+        1024,
+        "tokens of analysis a gpt-oss reply may write before the message that response_format or a forced tool "
+        "call constrains",
+        at_least=1,
+    )
+
+
+def _api_default(name: str) -> Any:
+    """The API's own default for a sampling field: ``generate`` samples as a request that leaves it out."""
+    return next(f.default for f in fields(SamplingParams) if f.name == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How ``generate`` samples its one prompt (neuron.sampling_params checks the values)."""
+
+    max_tokens: int = setting(128, "tokens to generate at most", commands=GENERATE, at_least=1)
+    chat: bool = setting(False, "wrap the prompt in the model's chat template", commands=GENERATE)
+    temperature: float = setting(_api_default("temperature"), "0 is greedy", commands=GENERATE)
+    top_p: float = setting(_api_default("top_p"), "nucleus sampling's mass", commands=GENERATE)
+    top_k: int = setting(_api_default("top_k"), "sample among the k likeliest; 0: no limit", commands=GENERATE)
+    min_p: float = setting(_api_default("min_p"), "drop tokens below this share of the likeliest", commands=GENERATE)
+    seed: int | None = setting(
+        _api_default("seed"), "make sampling reproducible", commands=GENERATE, unset="a fresh one"
+    )
+
+
+GROUPS: tuple[type, ...] = (Launch, Logging, Serving, HttpLimits, ImageLimits, Scheduling, Sampling)
+
+
+def _collect() -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    for group in GROUPS:
+        hints = get_type_hints(group)
+        for f in fields(group):
+            kind = next(t for t in getattr(hints[f.name], "__args__", (hints[f.name],)) if t is not type(None))
+            assert f.default is not MISSING and f.name not in out, f"{group.__name__}.{f.name}"
+            out[f.name] = Setting(f.name, kind, f.default, group.__name__, f.metadata["setting"])
+    return out
+
+
+SETTINGS = _collect()
+
+
+def title(group: type) -> str:
+    """A settings object's name as words: ``HttpLimits``, "http limits"."""
+    return re.sub(r"(?<!^)(?=[A-Z][a-z])", " ", group.__name__).lower()
+
+
+def default(name: str) -> Any:
+    """A setting's default, for a class that holds the setting under a name of its own (``Deadlines.step``)."""
+    return SETTINGS[name].default
+
+
+def names(command: str) -> tuple[str, ...]:
+    """The settings ``command`` takes, in the order of their declarations."""
+    return tuple(name for name, s in SETTINGS.items() if command in s.commands)

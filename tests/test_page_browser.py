@@ -1,0 +1,231 @@
+"""The page at ``/`` in a real browser: the system's Chromium driven by Playwright, every request to another host
+blocked. The page loads; a chat streams a reply from the embedded model (SmolLM2); a thinking model's reasoning is
+shown folded; Stop cancels the request on the server; the cluster view of a tiny model over two ranks (TP=2) shows
+both ranks, marks a killed worker as lost, then as recovered. One server of each for the module.
+
+Screenshots are kept under the module's pytest temporary folder (their paths are printed) and in
+``artifacts/page/`` (git ignores it), for CI to upload. Without Chromium or Playwright these tests skip,
+saying which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from conftest import ROOT, Server, serving
+
+from testkit.resume import worker_pid
+from testkit.server import wait_until
+
+CHROMIUM = os.environ.get("NEURON_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TIMEOUT_MS = 60_000
+KEY = "sk-browser-test"
+
+
+def _missing() -> str | None:
+    if not Path(CHROMIUM).is_file():
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium, or set NEURON_CHROMIUM)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright is not installed (pip install -e '.[test]')"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+
+
+@pytest.fixture(scope="module")
+def chat_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded model, for the chat, behind an API key the page must ask for."""
+    with serving(tmp_path_factory, "--model", str(smollm2), api_key=KEY) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two ranks, one of which the last test kills."""
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "5") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("page-screenshots")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, args=ARGS, viewport={"width": 1280, "height": 800}
+        )
+        context.set_default_timeout(TIMEOUT_MS)
+        browser = Browser(context)
+        context.route("**/*", browser.only_the_servers)
+        yield browser
+        context.close()
+    assert not browser.blocked, f"the page asked for other hosts: {browser.blocked}"
+    assert not browser.errors, f"the page's script failed or was refused (CSP): {browser.errors}"
+
+
+class Browser:
+    """One Chromium profile; each server's page in a tab of its own, every request elsewhere refused."""
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+        self.servers: list[str] = []
+        self.blocked: list[str] = []
+        self.errors: list[str] = []
+
+    def only_the_servers(self, route: Any) -> None:
+        if any(route.request.url.startswith(url + "/") for url in self.servers):
+            route.continue_()
+        else:
+            self.blocked.append(route.request.url)
+            route.abort()
+
+    def open(self, server: Server) -> Any:
+        self.servers.append(server.url)
+        page = self.context.new_page()
+        page.on("pageerror", lambda e: self.errors.append(str(e)))
+        # The browser reports each refused status poll (401, before the key is given) as a console error.
+        page.on("console", lambda m: m.type == "error" and "401" not in m.text and self.errors.append(m.text))
+        page.goto(server.url + "/")
+        if server.api_key:
+            page.fill("#key-input", server.api_key)
+            page.click("#key-form button")
+        page.wait_for_selector("#readiness.ready")
+        return page
+
+
+@pytest.fixture(scope="module")
+def chat(browser: Browser, chat_server: Server) -> Any:
+    return browser.open(chat_server)
+
+
+def shoot(page: Any, folder: Path, name: str) -> Path:
+    path = folder / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    kept = ROOT / "artifacts" / "page"
+    kept.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path, kept / path.name)
+    print(f"screenshot: {path}")
+    return path
+
+
+def cancelled(server: Server) -> float:
+    return server.metrics().get(("neuron_requests_total", (("outcome", "cancelled"),)), 0.0)
+
+
+def send(page: Any, text: str, max_tokens: int) -> Any:
+    page.locator("#settings").evaluate("details => { details.open = true; }")
+    page.fill("#max-tokens", str(max_tokens))
+    page.fill("#prompt", text)
+    page.click("#send")
+    return page.locator(".message.assistant").last
+
+
+def test_the_page_loads_and_shows_the_model(chat: Any, chat_server: Server, shots: Path) -> None:
+    assert chat.locator("#key-form").is_hidden(), "the key was taken"
+    assert KEY not in chat.content() and KEY not in str(chat.evaluate("JSON.stringify(localStorage)"))
+    assert chat.evaluate("sessionStorage.getItem('neuron.key')") == KEY, "the key is kept in the tab only"
+    assert chat.locator("#model-name").text_content() == chat_server.find_log("serving")["model"]
+    assert chat.locator("#attach-label").is_hidden(), "the model takes no images: no attach button"
+    shoot(chat, shots, "loaded")
+
+
+def test_a_chat_streams_a_reply_from_the_embedded_model(chat: Any, chat_server: Server, shots: Path) -> None:
+    chat.click("#new-chat")
+    reply = send(chat, "What is the capital of France?", 24)
+    wait_until(lambda: bool(reply.locator(".content").text_content()), 60, "the first words of the reply")
+    words = reply.locator(".content").text_content()
+    chat.wait_for_selector(".message.assistant[data-done=done]")
+    assert reply.locator(".content").text_content().startswith(words), "the reply grew as it streamed"
+    assert reply.locator(".error").count() == 0, reply.text_content()
+    assert reply.locator("details.reasoning").is_hidden(), "SmolLM2 does not reason"
+    chat.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=chat_server.url)
+    reply.locator("button.copy").click()
+    chat.wait_for_selector(".message.assistant button.copy:text('Copied')")
+    assert chat.evaluate("navigator.clipboard.readText()") == reply.locator(".content").text_content()
+    chat.reload()  # the conversation was kept in the browser
+    chat.wait_for_selector("#readiness.ready")
+    assert chat.locator(".message.user .content").last.text_content() == "What is the capital of France?"
+    assert chat.locator(".message.assistant .content").last.text_content()
+    shoot(chat, shots, "chat")
+
+
+def test_reasoning_is_shown_folded(browser: Browser, thinking_server: Server, shots: Path) -> None:
+    page = browser.open(thinking_server)
+    reply = send(page, "Think first", 16)
+    page.wait_for_selector(".message.assistant[data-done=done]")
+    folded = reply.locator("details.reasoning")
+    assert folded.is_visible() and folded.get_attribute("open") is None
+    assert not reply.locator("details.reasoning > div").is_visible(), "the reasoning is folded"
+    folded.locator("summary").click()
+    assert reply.locator("details.reasoning > div").text_content(), "no reasoning streamed"
+    shoot(page, shots, "reasoning")
+    page.close()
+
+
+def test_stop_cancels_the_request_on_the_server(chat: Any, chat_server: Server) -> None:
+    page, server = chat, chat_server
+    before = cancelled(server)
+    page.click("#new-chat")
+    reply = send(page, "Go on forever", 1900)
+    wait_until(lambda: bool(reply.locator(".content").text_content()), 60, "the first words of the reply")
+    page.click("#stop")
+    page.wait_for_selector(".message.assistant[data-done=stopped]")
+    wait_until(lambda: cancelled(server) > before, 60, "the server to count the request cancelled")
+    assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
+
+
+def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
+    browser: Browser, cluster: Server, shots: Path
+) -> None:
+    page, server = browser.open(cluster), cluster
+    page.click("#tab-cluster")
+    ranks = page.locator(".rank")
+    page.wait_for_selector('.rank[data-rank="1"][data-state=ok]')
+    assert ranks.count() == 2
+    assert "layers" in page.locator('.rank[data-rank="0"]').text_content()
+    status = httpx.get(f"{server.url}/v1/status").json()
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    jsonschema.validate(status, {**schema, "components": document["components"]})
+    body = {"model": status["model"]["id"], "prompt": "Hello", "max_tokens": 8}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    recent = httpx.get(f"{server.url}/v1/status").json()["recent"]
+    assert sum(tokens for *_, tokens in recent) >= 7 and all(steps >= 1 for _, steps, _, _ in recent), recent
+    assert page.locator("#chart-step polyline").get_attribute("points")
+    assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["model"]["architecture"]["model_type"] == "qwen3"
+    shoot(page, shots, "cluster")
+    os.kill(worker_pid(server), signal.SIGKILL)
+    page.wait_for_selector('.rank[data-rank="1"][data-state=lost]')
+    page.wait_for_selector("#events li.lost")
+    shoot(page, shots, "cluster-lost")
+    page.wait_for_selector('.rank[data-rank="1"][data-state=recovered]', timeout=180_000)
+    page.wait_for_selector("#events li.recovered")
+    assert page.locator('.rank[data-rank="0"]').get_attribute("data-state") == "ok"
+    shoot(page, shots, "cluster-recovered")
