@@ -320,6 +320,12 @@ def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(text_only: Serve
     assert error["param"] == "messages[0].content[1]" and "reads text only" in error["message"]
 
 
+def test_the_status_says_whether_the_model_takes_images(text_only: Server, served: Server) -> None:
+    """The page offers to attach an image only where ``/v1/status`` says the model takes them."""
+    assert httpx.get(f"{text_only.url}/v1/status", timeout=60).json()["model"]["vision"] is False
+    assert httpx.get(f"{served.url}/v1/status", timeout=60).json()["model"]["vision"] is True
+
+
 def test_hostile_images_get_a_4xx_in_bounded_time_and_the_server_stays_up(
     served: Server, picture: bytes, expected: dict[str, list[str]]
 ) -> None:
