@@ -33,6 +33,7 @@ class Support:
     # (rank/plans.py), or None: nobody
     pp: bool  # pipeline stages: a stage runs a run of its layers
     batching: bool = True  # continuous batching: joins, leaves, chunked prompts, n > 1 copies
+    images: bool = False  # image input: mlx-vlm's vision tower on rank 0, its features in the prompt (rank.vision)
 
     @property
     def cuttable(self) -> bool:
@@ -58,6 +59,9 @@ class Support:
 TABLE: dict[str, Support] = {
     "llama": Support(KV, "mlx-lm", pp=True),
     "mistral": Support(KV, "mlx-lm", pp=True),
+    "mistral3": Support(
+        KV, "mlx-lm", pp=True, images=True
+    ),  # Mistral 3's vision-language model: a llama-shaped language model
     "qwen2": Support(KV, "mlx-lm", pp=True),
     "qwen3": Support(KV, "mlx-lm", pp=True),
     "qwen3_moe": Support(KV, "mlx-lm", pp=True),
@@ -73,7 +77,7 @@ TABLE: dict[str, Support] = {
     "gemma4_text": Support(WINDOW, "neuron", pp=True),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
-_LAYER_TYPED = frozenset({"llama", "mistral"})
+_LAYER_TYPED = frozenset({"llama", "mistral", "mistral3"})
 
 
 class Unsupported(ValueError):
@@ -116,7 +120,7 @@ def supports(config: dict[str, Any]) -> Support | None:
         return None
     support = TABLE[arch]
     if arch in _LAYER_TYPED and windowed(config):
-        return Support(WINDOW, support.tp, pp=support.pp)
+        return Support(WINDOW, support.tp, pp=support.pp, images=support.images)
     if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
         return Support(WINDOW, None, pp=True)  # neuron's plan splits attention and the MLP, not its experts
     return support
@@ -168,8 +172,9 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
 def markdown() -> str:
     """The docs' table of architectures, one row each."""
     rows = [
-        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache restores | speculation | running ahead |",
-        "|---|---|---|---|---|---|---|---|",
+        "| architecture | caches | `--tp` | `--pp` | batching | prefix cache restores | speculation | running ahead "
+        "| images |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     mark = {True: "yes", False: "no"}
     windowed_mistral = supports({"model_type": "mistral", "layer_types": ["sliding_attention"]})
@@ -178,7 +183,7 @@ def markdown() -> str:
         tp = {"mlx-lm": "mlx-lm's `shard()`", "neuron": "neuron's plan"}.get(s.tp or "", "no")
         rows.append(
             f"| {arch} | {s.caches} | {tp} | {mark[s.pp]} | {mark[s.batching]} | {s.prefix_cache} "
-            f"| {mark[s.speculation]} | {mark[s.run_ahead]} |"
+            f"| {mark[s.speculation]} | {mark[s.run_ahead]} | {mark[s.images]} |"
         )
     return "\n".join(rows)
 

@@ -221,12 +221,14 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
+    from neuron import images
     from neuron.hub import parse
     from neuron.leader import ServeOptions, run_leader
     from neuron.models import model_id, resolve
     from neuron.pool import Deadlines
-    from neuron.settings import HttpLimits, Scheduling, Serving
+    from neuron.settings import HttpLimits, ImageLimits, Scheduling, Serving
 
+    images.LIMITS = config.build(ImageLimits, args)
     return await run_leader(
         ServeOptions(
             model_path=None if parse(args.model) else resolve(args.model),  # a Hub name is fetched once serving

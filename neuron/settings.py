@@ -315,6 +315,20 @@ class HttpLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What a request's images may be, checked as the server reads the request, before anything queues
+    (neuron.images)."""
+
+    max_images: int = setting(16, "images per request, across its messages; more get 400", at_least=0)
+    max_image_pixels: int = setting(
+        4096 * 4096,
+        "pixels per image (width x height), read from its header before it is decoded; larger get 400",
+        at_least=1,
+        why="4096 x 4096, generous for documents and screenshots; one such RGB picture is 50 MB decoded",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Scheduling:
     """How the engine's scheduler runs the batch: its limits, speculation and running ahead (neuron.engine)."""
 
@@ -405,7 +419,7 @@ class Sampling:
     )
 
 
-GROUPS: tuple[type, ...] = (Launch, Logging, Serving, HttpLimits, Scheduling, Sampling)
+GROUPS: tuple[type, ...] = (Launch, Logging, Serving, HttpLimits, ImageLimits, Scheduling, Sampling)
 
 
 def _collect() -> dict[str, Setting]:

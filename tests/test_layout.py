@@ -46,6 +46,8 @@ MLX_FREE = [
     "neuron.device",
     "neuron.sampling_params",
     "neuron.engine.scheduler",
+    "neuron.engine.vision",
+    "neuron.images",
     "neuron.engine.sequence",
     "neuron.launch",
     "neuron.reexec",

@@ -68,7 +68,17 @@ def test_every_op_is_covered() -> None:
 
 def _step_line(**fields: object) -> bytes:
     """A generate_step line, well formed but for ``fields`` of its plan's first prefill chunk."""
-    chunk = {"seq": 1, "position": 0, "tokens": [1], "last": True, "copies": [], "scores": False, "pool": "", **fields}
+    chunk = {
+        "seq": 1,
+        "position": 0,
+        "tokens": [1],
+        "last": True,
+        "copies": [],
+        "scores": False,
+        "pool": "",
+        "images": [],
+        **fields,
+    }
     plan = {
         "leave": [],
         "prefill": [chunk],

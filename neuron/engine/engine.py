@@ -69,6 +69,7 @@ class Engine(Recovering):
         model = text_config(config)
         self.pool = pool
         self.text = text
+        self.vision = text.vision is not None  # the model takes images (the page offers to attach one)
         # What this model's caches cannot do is off, whatever was asked, and the startup log says why.
         self.limits, notes = architectures.limits_for(config, limits or Scheduling())
         for note in notes:

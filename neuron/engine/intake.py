@@ -43,6 +43,10 @@ class Intake:
                 "prompt",
                 "context_length_exceeded",
             )
+        if getattr(prompt, "images", ()) and params.prompt_logprobs is not None:
+            raise RequestError(
+                "prompt_logprobs are not computed for prompts with images; drop one or the other", "prompt_logprobs"
+            )
         if problems := params.problems(self.vocab_size):
             raise RequestError("; ".join(problems), problems[0].split(" ", 1)[0])
         most = min(self.limits.max_n, self.limits.max_batch)
@@ -59,6 +63,7 @@ class Intake:
             own = dataclasses.replace(params, seed=seed) if i else params
             stop = StopText(params.stop, params.include_stop_str_in_output)
             seqs.append(Sequence(request_id, next(self.numbers), list(prompt), max_tokens, own, stop))
+            seqs[-1].images = getattr(prompt, "images", ())  # engine.vision.Prompt
             seqs[-1].proposer = self._proposer(params)
             seqs[-1].submitted = time.perf_counter()
         seqs[0].copies = seqs[1:]

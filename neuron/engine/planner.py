@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Rows
 
+from neuron.engine import vision
 from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Sequence
@@ -56,7 +57,7 @@ def plan_step(
         if start == 0:
             produced = None if seq.lost is None else tuple(seq.output)
             recent: tuple[int, ...] = ()
-            if cached is not None and (hit := cached.lookup(tokens)) is not None:
+            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images))) is not None:
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
                 start = hit.tokens  # restored, not computed: outside the budget
                 recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
@@ -67,7 +68,8 @@ def plan_step(
         copies = [c for c in seq.fed_with if c in filling] if last else []
         for copy in copies:
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
-        prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores))
+        runs = vision.runs(seq.images, start, end) if seq.images else []
+        prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
         budget -= take
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
@@ -77,7 +79,7 @@ def plan_step(
     for chunk in prefill:
         if chunk.pool or not chunk.last or prefix is None:
             continue
-        if stored := prefix.store(by_no[chunk.seq].tokens):
+        if stored := prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(Evict(entry) for entry in stored.evicted)
     return Step(plan, starts)

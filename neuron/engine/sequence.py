@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from neuron.engine.drafts import Proposer
 from neuron.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from neuron.engine.vision import PromptImage
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +184,7 @@ class Sequence:
     group: list[Sequence] = field(default_factory=list)
     # Speculation (engine.drafts): None when this sequence does not speculate. ``output`` is the completion
     # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
+    images: tuple[PromptImage, ...] = ()  # where image features replace the prompt's embeddings (engine.vision)
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)
     drop: int = 0

@@ -17,20 +17,24 @@ from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
+from neuron import images
 from neuron.engine.sequence import RequestError, Sequence
+from neuron.engine.vision import Vision
 
 
 class Text:
-    def __init__(self, tokenizer: TokenizerWrapper, model_name: str) -> None:
+    def __init__(self, tokenizer: TokenizerWrapper, model_name: str, vision: Vision | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.vision = vision  # a vision-language model's processor; None: images are refused
         # What skip_special_tokens leaves out of the text, as vLLM's detokenizer does.
         self.special_ids = frozenset(tokenizer._tokenizer.all_special_ids)
 
     @classmethod
     def load(cls, model_path: Path) -> Text:
         # Said out loud: a tokenizer_config.json's auto_map must never import a .py from the model folder.
-        return cls(load_tokenizer(model_path, {"trust_remote_code": False}), model_path.name)
+        tokenizer = load_tokenizer(model_path, {"trust_remote_code": False})
+        return cls(tokenizer, model_path.name, Vision.load(model_path) if model_path.is_dir() else None)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -57,7 +61,17 @@ class Text:
         if not self.tokenizer.chat_template:
             raise RequestError(f"{self.model_name} has no chat template; use completions instead", "messages")
         extra = {"tools": tools} if tools else {}
+        pictures = images.pictures(messages)
+        if pictures and self.vision is None:
+            raise RequestError(
+                f"{self.model_name} reads text only: remove the image parts, or serve a vision-language model",
+                images.first_image(messages),
+            )
         try:
+            if pictures:
+                assert self.vision is not None
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+                return self.vision.encode(text, pictures)
             tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
         except (TemplateError, ValueError, TypeError, KeyError) as e:
             raise RequestError(f"the model's chat template rejected the messages: {e}", "messages") from e

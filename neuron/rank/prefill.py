@@ -49,7 +49,7 @@ def feed_prompts(
     throwaway caches and records nothing.
     """
     out: dict[int, mx.array] = {}
-    fresh = [chunk for chunk in chunks if chunk.position == 0 and not chunk.scores and together]
+    fresh = [chunk for chunk in chunks if _batched(chunk, together)]
     if fresh:
         logits, batched = _forward_new_prompts(runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh])
         for i, chunk in enumerate(fresh):
@@ -59,7 +59,7 @@ def feed_prompts(
             if chunk.last and logits is not None:
                 out[chunk.seq] = logits[i]
     for chunk in chunks:
-        if chunk.position == 0 and not chunk.scores and together:
+        if _batched(chunk, together):
             continue
         if shadow or chunk.position == 0:
             state = SeqState(cache=caches.fresh(model))
@@ -71,7 +71,10 @@ def feed_prompts(
         if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
             logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
         else:
-            logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache)
+            embeddings = (
+                runner.images.embeddings(chunk.tokens, chunk.images) if chunk.images and runner.images else None
+            )
+            logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache, embeddings)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last
@@ -83,6 +86,11 @@ def feed_prompts(
             if chunk.seq in out:
                 out.update(dict.fromkeys(chunk.copies, out[chunk.seq]))
     return out
+
+
+def _batched(chunk: Prefill, together: bool) -> bool:
+    """Whether a chunk goes with the new prompts fed together: not one with images (fed with its own embeddings)."""
+    return chunk.position == 0 and not chunk.scores and together and not chunk.images
 
 
 def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
@@ -107,13 +115,18 @@ def _forward_new_prompts(
 
 
 def _forward_prompt(
-    runner: Sharded | Stage, tokens: list[int], last: bool, cache: list[caches.Layer]
+    runner: Sharded | Stage,
+    tokens: list[int],
+    last: bool,
+    cache: list[caches.Layer],
+    embeddings: mx.array | None = None,
 ) -> mx.array | None:
     """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
-    to the vocabulary is computed for one position only."""
+    to the vocabulary is computed for one position only (never an image's: ``engine.vision`` refuses a prompt
+    that ends in one)."""
     body = tokens[:-1] if last else tokens
     if body:
-        runner.feed(mx.array(body)[None], cache)
+        runner.feed(mx.array(body)[None], cache, None if embeddings is None else embeddings[:, : len(body)])
     if not last:
         return None
     logits = runner.logits([(mx.array(tokens[-1:])[None], cache)])[0]

@@ -111,6 +111,8 @@ class Rank:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:
             out.update(self._decode(plan.decode, plan.widths()))
+        if self.runner.images is not None and (gone := self.runner.images.take_missing()):
+            raise RankError(f"rank {self.rank}: {gone}")  # after every collective: no peer is left waiting
         return out if self.rank == 0 else None
 
     def run_ahead(self, plan: StepPlan, drawn: dict[int, mx.array] | None = None) -> bool:

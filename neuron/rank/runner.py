@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +23,9 @@ from mlx_lm.models.gemma4_text import logit_softcap
 
 from neuron.rank import caches, staged
 from neuron.rank.shard import VocabShard, backbone, head_gathers
+
+if TYPE_CHECKING:
+    from neuron.rank.vision import Images
 
 # One forward pass takes at most this many tokens of a prompt (however many the
 # step feeds): the attention scores of one pass stay small, and every rank cuts
@@ -40,6 +44,8 @@ def _eval_with(cache: Cache, *arrays: mx.array) -> None:
 class Sharded:
     """Tensor parallel: a slice of every layer here; the vocabulary projection split too where that pays."""
 
+    images: Images | None = None  # a vision-language model's images, where this rank embeds them
+
     def __init__(self, model: nn.Module, head: VocabShard | None, rank: int) -> None:
         self.model = model
         self.head = head
@@ -48,11 +54,16 @@ class Sharded:
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
         self.worker_trunk = model if head_gathers(model) else backbone(model)
 
-    def feed(self, tokens: mx.array, cache: Cache) -> None:
-        """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits."""
+    def feed(self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None) -> None:
+        """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
+        the tokens' input embeddings, where images replace some (``rank.vision``)."""
         trunk = backbone(self.model)
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
-            _eval_with(cache, trunk(tokens[:, start : start + FORWARD_TOKENS], cache=cache))
+            piece = slice(start, start + FORWARD_TOKENS)
+            if embeddings is None:
+                _eval_with(cache, trunk(tokens[:, piece], cache=cache))
+            else:
+                _eval_with(cache, trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece]))
 
     def scores(self, tokens: mx.array, cache: Cache) -> mx.array | None:
         """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
@@ -142,6 +153,8 @@ class Stage:
     its final norm taken out: rank 0 applies it once, after the last stage.
     """
 
+    images: Images | None = None  # a vision-language model's images: the first stage's alone
+
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
         self.inner = backbone(model)
         self.rank = rank
@@ -172,8 +185,11 @@ class Stage:
     def last(self) -> bool:
         return self.rank == self.stages - 1
 
-    def _through(self, tokens: mx.array, cache: Cache) -> mx.array:
-        """This stage's layers over ``tokens``: embedded here on rank 0, received from the stage before elsewhere."""
+    def _through(self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None) -> mx.array:
+        """This stage's layers over ``tokens``: embedded here on rank 0 (``embeddings`` where images replace some),
+        received from the stage before elsewhere."""
+        if self.rank == 0 and embeddings is not None:
+            return self.inner(tokens, cache=cache, input_embeddings=embeddings)
         if self.rank == 0:
             return (
                 self.inner(tokens, cache=cache)
@@ -189,9 +205,10 @@ class Stage:
         self.inner.embed_tokens.received.append(received)
         return self.inner(tokens, cache=cache)
 
-    def feed(self, tokens: mx.array, cache: Cache) -> None:
+    def feed(self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None) -> None:
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
-            hidden = self._through(tokens[:, start : start + FORWARD_TOKENS], cache)
+            piece = slice(start, start + FORWARD_TOKENS)
+            hidden = self._through(tokens[:, piece], cache, None if embeddings is None else embeddings[:, piece])
             if not self.last:
                 hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
             _eval_with(cache, hidden)

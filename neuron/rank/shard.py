@@ -76,6 +76,8 @@ def backbone(model: nn.Module) -> nn.Module:
     single matrix product of a decode step, whose result only rank 0 would use.
     """
     inner = getattr(model, "model", None)
+    if inner is None and isinstance(language := getattr(model, "language_model", None), nn.Module):
+        inner = getattr(language, "model", None)  # a vision-language model's (mistral3's) language model
     return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
 
 

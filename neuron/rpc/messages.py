@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -152,6 +152,19 @@ class LoadShard:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageRun:
+    """Positions ``[at, at + count)`` of a prompt chunk take rows ``[first, first + count)`` of the features of the
+    image ``digest`` in place of their tokens' embeddings. Rank 0 encodes the image (it holds its pixels); under
+    tensor parallelism the others take the rows from a sum in which rank 0 alone gives them, so the plan alone
+    fixes the shapes."""
+
+    at: int
+    count: int
+    digest: str
+    first: int
+
+
+@dataclass(frozen=True, slots=True)
 class Prefill:
     """A chunk of one sequence's prompt, fed at ``position`` (0 starts the sequence).
 
@@ -173,6 +186,7 @@ class Prefill:
     # logits; when its last chunk is fed, rank 0 gets its final hidden states pooled so and scaled to unit length,
     # and every rank drops it at once (it never joins the batch, and no plan names it again).
     pool: str = ""
+    images: list[ImageRun] = field(default_factory=list)  # where image features replace token embeddings
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +440,7 @@ __all__ = [
     "Probed",
     "CheckModel",
     "ModelChecked",
+    "ImageRun",
     "Prefill",
     "Decode",
     "Restore",

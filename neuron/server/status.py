@@ -151,7 +151,7 @@ def status(call: Call) -> dict[str, Any]:
         "architecture": architecture(pool.model_path),
         "context_length": engine.context_length,
         # The page offers to attach an image only where the engine says its model takes images.
-        "vision": bool(getattr(engine, "vision", False)),
+        "vision": engine.vision,
     }
     body |= {
         "world_size": pool.world_size,

@@ -10,7 +10,7 @@ from typing import Any
 
 from neuron.sampling_params import MAX_TOP_LOGPROBS
 from neuron.server.common import limits, reasoning, tools
-from neuron.server.common.content import CHAT_PART, chat_text
+from neuron.server.common.content import CHAT_PART, chat_text, check_images
 from neuron.server.common.errors import bad, within_limits
 from neuron.server.common.fields import flag, integer, type_of
 from neuron.server.common.generation import (
@@ -94,6 +94,7 @@ def messages(value: Any) -> list[dict[str, Any]]:
                 raise bad(f"{where}.tool_call_id", f"`{where}.tool_call_id` must be a string")
             entry["tool_call_id"] = call_id
         out.append(entry)
+    check_images(out)
     return out
 
 

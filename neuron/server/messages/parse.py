@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from neuron.server.common.content import anthropic_block, anthropic_text
+from neuron.server.common.content import anthropic_block, anthropic_part, anthropic_text, anthropic_user
 from neuron.server.common.errors import ApiError, bad
 from neuron.server.common.fields import an_object, is_int64, type_of
 
@@ -137,7 +137,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
     """A user turn: each ``tool_result`` a tool message (they answer the previous turn's calls), then the text."""
-    results, texts = [], []
+    results: list[dict[str, Any]] = []
+    texts: list[str | dict[str, Any]] = []
     for i, block in enumerate(blocks):
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -156,8 +157,8 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 output = f"Error: {output}"
             results.append({"role": "tool", "tool_call_id": call_id, "content": output})
         else:
-            texts.append(anthropic_block(block, at))
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+            texts.append(anthropic_part(block, at))
+    return results + ([{"role": "user", "content": anthropic_user(texts)}] if texts or not results else [])
 
 
 def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from where the checks read it, the Message and Anthropic's error. No MLX.
 from __future__ import annotations
 
 from neuron.sampling_params import MAX_STOPS
+from neuron.server.common.content import ANTHROPIC_IMAGE as IMAGE
 from neuron.server.common.content import ANTHROPIC_TEXT as TEXT
 from neuron.server.common.generation import CHAT_MAX_TOKENS
 from neuron.server.common.schema import Schema, integer, or_null, ranged
@@ -52,7 +53,11 @@ def messages_request(model_id: str, counting: bool = False) -> Schema:
             "properties": {"role": {"const": role}, "content": content},
         }
 
-    turns = [turn("user", TEXT, TOOL_RESULT), turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK), turn("system", TEXT)]
+    turns = [
+        turn("user", TEXT, IMAGE, TOOL_RESULT),
+        turn("assistant", TEXT, TOOL_USE, THINKING_BLOCK),
+        turn("system", TEXT),
+    ]
     message = {"anyOf": turns}
     tool = {
         "type": "object",

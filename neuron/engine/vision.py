@@ -1,0 +1,141 @@
+"""A chat's images on the leader: mlx-vlm's processor turns the rendered chat and its pictures into the prompt's
+tokens (each image expanded into its placeholder tokens) and each image's pixel inputs.
+
+The pixel inputs stay in this process (``images.STORE``, read by rank 0's encoder, ``rank.vision``); the step
+plan carries only where each image's features go (``rpc.ImageRun``): no pixels or features cross the wire. An
+image's tokens are prompt tokens like any other: they count toward the context, admission and memory.
+
+mlx-vlm is imported only when a model has a ``vision_config``: a text-only install never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuron import images
+from neuron.engine.sequence import RequestError
+from neuron.models import ModelError
+from neuron.rpc import ImageRun
+
+
+@dataclass(frozen=True, slots=True)
+class PromptImage:
+    """One image of a prompt: its digest and the prompt positions its features fill, in feature order."""
+
+    digest: str
+    positions: tuple[int, ...]
+
+
+class Prompt(list[int]):
+    """A prompt's tokens, with the images whose features replace the embeddings at some of its positions."""
+
+    images: tuple[PromptImage, ...] = ()
+
+
+def runs(prompt_images: tuple[PromptImage, ...], start: int, end: int) -> list[ImageRun]:
+    """Where the images' features go in the chunk of the prompt ``[start, end)``: runs of consecutive positions,
+    each relative to the chunk, with the row of its image's features the run starts at."""
+    out: list[ImageRun] = []
+    for image in prompt_images:
+        for row, position in enumerate(image.positions):
+            if not start <= position < end:
+                continue
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and last.digest == image.digest
+                and last.at + last.count == position - start
+                and last.first + last.count == row
+            ):
+                out[-1] = ImageRun(last.at, last.count + 1, last.digest, last.first)
+            else:
+                out.append(ImageRun(position - start, 1, image.digest, row))
+    return out
+
+
+def keyed(tokens: list[int], prompt_images: tuple[PromptImage, ...]) -> list[int]:
+    """The prompt as the prefix cache keys it: each image position holds a key of its image's digest and its row
+    there (negative: never a token id), so only the same picture, at the same place, matches."""
+    if not prompt_images:
+        return tokens
+    out = list(tokens)
+    for image in prompt_images:
+        salt = int(image.digest[:32], 16) << 24
+        for row, position in enumerate(image.positions):
+            if position < len(out):
+                out[position] = -1 - (salt + row)
+    return out
+
+
+class Vision:
+    """A vision-language model's processor (mlx-vlm's), and the id of the token an image's features replace."""
+
+    def __init__(self, processor: Any, config: dict[str, Any]) -> None:
+        self.processor = processor
+        token = config.get("image_token_index", config.get("image_token_id"))
+        if not isinstance(token, int):
+            raise ModelError("the model's config.json names no image_token_index or image_token_id")
+        self.image_token = token
+        # What a chat template writes for an image, which the processor expands: Gemma 3's begin-of-image marker,
+        # else the image token itself (Mistral 3's [IMG]).
+        self.placeholder: str = (
+            getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or "<image>"
+        )
+
+    @classmethod
+    def load(cls, model_path: Path) -> Vision | None:
+        """The model's processor where its config has a ``vision_config``; None for a text-only model."""
+        config_file = model_path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if "vision_config" not in config:
+            return None
+        try:
+            from mlx_vlm.utils import get_model_and_args, load_processor
+        except ImportError as e:
+            raise ModelError(
+                f"{model_path.name} is a vision-language model and mlx-vlm is not installed: "
+                "pip install 'neuron[vision]' (or serve it for text with its images refused: remove vision_config)"
+            ) from e
+        get_model_and_args(config)  # importing the model's module registers its processor with transformers
+        return cls(load_processor(model_path, add_detokenizer=False, trust_remote_code=False), config)
+
+    def encode(self, text: str, pictures: list[images.Picture]) -> Prompt:
+        """The prompt of a chat rendered to ``text``, with its ``pictures`` in order; their pixel inputs stored
+        for rank 0. Raises ``RequestError`` where the template rendered another number of images than were sent."""
+        ids = self._prepare(text, pictures)["input_ids"]
+        positions = [i for i, t in enumerate(ids) if t == self.image_token]
+        prompt_images, taken = [], 0
+        for picture in pictures:
+            alone = self._prepare(self.placeholder, [picture])
+            count = sum(1 for t in alone["input_ids"] if t == self.image_token)
+            images.STORE.put(picture.digest, images.Inputs(alone["input_ids"], alone["arrays"], self.image_token))
+            prompt_images.append(PromptImage(picture.digest, tuple(positions[taken : taken + count])))
+            taken += count
+        if taken != len(positions) or any(len(p.positions) == 0 for p in prompt_images):
+            raise RequestError(
+                f"the model's chat template placed {len(positions)} image tokens for {len(pictures)} images; "
+                "put each image in a user message's content",
+                "messages",
+            )
+        if ids and ids[-1] == self.image_token:
+            raise RequestError("the prompt ends inside an image; add text after the last image", "messages")
+        prompt = Prompt(ids)
+        prompt.images = tuple(prompt_images)
+        return prompt
+
+    def _prepare(self, text: str, pictures: list[images.Picture]) -> dict[str, Any]:
+        """mlx-vlm's own preparation (what its ``generate`` feeds the model), as plain lists and numpy arrays."""
+        import numpy as np
+        from mlx_vlm.utils import prepare_inputs
+
+        try:
+            out = prepare_inputs(
+                self.processor, images=[p.image for p in pictures], prompts=text, image_token_index=self.image_token
+            )
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise RequestError(f"the model's processor refused the images: {e}", "messages") from e
+        arrays = {k: np.array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask") and v is not None}
+        return {"input_ids": [int(t) for t in np.array(out["input_ids"])[0]], "arrays": arrays}

@@ -1,0 +1,133 @@
+"""Images on a rank: rank 0 encodes them (mlx-vlm's vision tower and projector), and every rank that embeds the
+prompt puts their features in place of the image tokens' embeddings.
+
+Under tensor parallelism every rank embeds the prompt (the embedding is whole on each), so every rank needs the
+features: rank 0 gives them to an ``all_sum`` in which the other ranks give zeros of the shape the plan fixes
+(``rpc.ImageRun``): a sum with zeros is exact, so every rank feeds the very embeddings rank 0 would alone. Under
+pipeline parallelism only the first stage, rank 0, embeds: no collective. The features of an image are computed
+once, on the first chunk that needs them, and kept while later chunks of a long prompt may still need them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import structlog
+
+from neuron import images
+from neuron.rank.shard import backbone
+from neuron.rpc import ImageRun
+
+log = structlog.get_logger("neuron.vision")
+
+# Images whose features rank 0 keeps: a long prompt's chunks may need one image's features in several steps.
+KEPT_FEATURES = 32
+
+
+class Encoder:
+    """Rank 0's vision tower and projector, loaded by mlx-vlm from the model's folder; the language model's
+    layers are dropped unread, and its embedding is the served model's (the same arrays, not a copy)."""
+
+    def __init__(self, model_path: str, embed: nn.Module) -> None:
+        from mlx_vlm.utils import load_model
+
+        vlm = load_model(Path(model_path), lazy=True)
+        language = vlm.language_model
+        language.model.layers = []
+        language.model.embed_tokens = embed
+        if "lm_head" in language:
+            del language["lm_head"]
+        mx.eval(vlm.parameters())
+        self.vlm = vlm
+        self.features: OrderedDict[str, mx.array] = OrderedDict()
+
+    def of(self, digest: str) -> mx.array | None:
+        """The image's features, (its tokens, hidden); None where its pixels are not here (``images.STORE``)."""
+        if (kept := self.features.get(digest)) is not None:
+            self.features.move_to_end(digest)
+            return kept
+        inputs = images.STORE.get(digest)
+        if inputs is None:
+            return None
+        started = time.perf_counter()
+        ids = mx.array(inputs.ids)[None]
+        kwargs: dict[str, Any] = {k: mx.array(v) for k, v in inputs.arrays.items()}
+        pixels = kwargs.pop("pixel_values", None)
+        # mlx-vlm's own merge, on the image's placeholder tokens alone: its rows at the image token are the
+        # features, scaled and projected exactly as its generate would put them in a prompt.
+        embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids), **kwargs).inputs_embeds[0]
+        rows = mx.array([i for i, t in enumerate(inputs.ids) if t == inputs.token])
+        features = embedded[rows]
+        mx.eval(features)
+        ms = round((time.perf_counter() - started) * 1e3, 1)
+        log.info("image encoded", image=digest[:12], tokens=features.shape[0], ms=ms)
+        self.features[digest] = features
+        while len(self.features) > KEPT_FEATURES:
+            self.features.popitem(last=False)
+        return features
+
+
+class Images:
+    """What one rank does with a chunk's images: rank 0 encodes them (``encoder``), every rank that embeds puts
+    them in; ``group`` is set where the features must reach other ranks (tensor parallelism)."""
+
+    def __init__(self, model: nn.Module, encoder: Encoder | None, group: mx.distributed.Group | None) -> None:
+        self.embed = backbone(model).embed_tokens
+        self.encoder = encoder
+        self.group = group
+        self.missing: list[str] = []  # digests rank 0 had no pixels for: zeros fed, the step raised after
+
+    def embeddings(self, tokens: list[int], runs: list[ImageRun]) -> mx.array:
+        """The chunk's input embeddings, (1, tokens, hidden), the image runs' positions holding their features."""
+        embedded = self.embed(mx.array(tokens)[None])
+        hidden, dtype = embedded.shape[-1], embedded.dtype
+        rows = sum(run.count for run in runs)
+        if self.encoder is not None:
+            pieces = []
+            for run in runs:
+                features = self.encoder.of(run.digest)
+                if features is None:
+                    self.missing.append(run.digest)
+                    features = mx.zeros((run.first + run.count, hidden), dtype)
+                pieces.append(features[run.first : run.first + run.count].astype(dtype))
+            features = mx.concatenate(pieces)
+        else:
+            features = mx.zeros((rows, hidden), dtype)
+        if self.group is not None and self.group.size() > 1:
+            features = mx.distributed.all_sum(features, group=self.group)
+        at = mx.array([run.at + k for run in runs for k in range(run.count)])
+        row = embedded[0]
+        row[at] = features
+        return row[None]
+
+    def take_missing(self) -> str | None:
+        """After a step: why it must be refused, where an image's pixels were gone (zeros were fed in their
+        place, so that every rank still issued the same collectives)."""
+        if not self.missing:
+            return None
+        gone, self.missing = self.missing, []
+        return (
+            f"the pixels of image {gone[0][:12]} were no longer held when its prompt was fed (too many images in "
+            "flight); send the request again"
+        )
+
+
+def attach(
+    model_path: str,
+    config: dict[str, Any],
+    model: nn.Module,
+    rank: int,
+    group: mx.distributed.Group | None,
+    staged: bool,
+) -> Images | None:
+    """The rank's ``Images`` for a vision-language model (None for a text-only one, and on a pipeline stage after
+    the first: it never embeds)."""
+    if "vision_config" not in config or (staged and rank != 0):
+        return None
+    encoder = Encoder(model_path, backbone(model).embed_tokens) if rank == 0 else None
+    return Images(model, encoder, None if staged else group)

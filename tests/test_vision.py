@@ -1,0 +1,386 @@
+"""Images in: a tiny random Mistral 3 (mlx-vlm's vision tower, projector and language model) served by neuron at
+TP=1, TP=2 and PP=2 gives mlx-vlm's own greedy tokens for the same image and prompt; the prefix cache keys on the
+picture; and every hostile image is refused with a 400 that names the part, the server staying up."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from neuron import images
+from neuron.engine.vision import PromptImage, keyed, runs
+from neuron.rpc import ImageRun
+from testkit.server import Server, serving
+from testkit.vision import make_tiny_mistral3, png
+
+PROMPT = "Describe this."
+
+
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def chat(content: str | list[dict], max_tokens: int = 12) -> dict:
+    return {
+        "model": "mistral3",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+def image_parts(*pictures: bytes, text: str = PROMPT) -> list[dict]:
+    return [
+        *({"type": "image_url", "image_url": {"url": data_url(p)}} for p in pictures),
+        {"type": "text", "text": text},
+    ]
+
+
+def tokens_of(reply: dict) -> list[str]:
+    return [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+# Unit: reading images, where their features go, and how the prefix cache keys them.
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_claiming(width: int, height: int, rows: int = 1) -> bytes:
+    """A grey PNG whose header claims ``width`` x ``height``, with ``rows`` rows of zeros compressed behind it."""
+    header = _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+    pixels = zlib.compress((b"\x00" + b"\x00" * width) * rows, 9)
+    return b"\x89PNG\r\n\x1a\n" + header + _png_chunk(b"IDAT", pixels) + _png_chunk(b"IEND", b"")
+
+
+def truncated_jpeg() -> bytes:
+    whole = png(64, 64, fmt="JPEG")
+    return whole[: len(whole) // 2]  # past the header: the size reads, the pixels do not
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
+def test_the_formats_pillow_decodes_are_read_as_rgb(fmt: str) -> None:
+    picture = images.from_url(data_url(png(40, 30, seed=3, fmt=fmt)), "p")
+    assert (picture.width, picture.height, picture.image.mode) == (40, 30, "RGB")
+
+
+@pytest.mark.unit
+def test_the_digest_is_of_the_pixels_and_one_pixel_changes_it() -> None:
+    from PIL import Image
+
+    one = images.decode(png(16, 16, seed=1), "p")
+    again = images.decode(png(16, 16, seed=1), "p")
+    changed = one.image.copy()
+    changed.putpixel((3, 4), tuple((c + 1) % 256 for c in changed.getpixel((3, 4))))
+    out = io.BytesIO()
+    changed.save(out, format="PNG")
+    assert one.digest == again.digest
+    assert images.decode(out.getvalue(), "p").digest != one.digest
+    # The same pixels sent in another lossless format are the same picture.
+    webp = io.BytesIO()
+    Image.open(io.BytesIO(png(16, 16, seed=1))).save(webp, format="WEBP", lossless=True)
+    assert images.decode(webp.getvalue(), "p").digest == one.digest
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [
+        (png_claiming(50_000, 50_000), "too many pixels"),  # Pillow's own bomb check, before any pixel
+        (png_claiming(5_000, 5_000, rows=5_000), "at most 16,777,216 pixels"),  # 24 KB that would decode to 25 MB
+        (truncated_jpeg(), "damaged or cut short"),
+        (b"%PDF-1.4 not an image", "not an image neuron can read"),
+    ],
+    ids=["50000x50000-header", "compressed-bomb", "truncated-jpeg", "not-an-image"],
+)
+def test_hostile_payloads_are_refused_before_decoding_naming_the_part(payload: bytes, says: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(images.ImageError, match=says) as refused:
+        images.from_url(data_url(payload), "messages[0].content[1].image_url.url")
+    assert refused.value.param == "messages[0].content[1].image_url.url"
+    assert time.monotonic() - started < 2
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("file:///etc/passwd", "a file: URL"),
+        ("http://127.0.0.1:9/x.png", "does not fetch image URLs"),
+        ("data:image/png,notbase64", "must be base64"),
+        ("data:image/png;base64,@@@", "not valid base64"),
+    ],
+)
+def test_urls_other_than_inline_base64_are_refused(url: str, says: str) -> None:
+    with pytest.raises(images.ImageError, match=says):
+        images.from_url(url, "p")
+
+
+@pytest.mark.unit
+def test_runs_place_each_images_features_in_the_chunks_that_hold_them() -> None:
+    # Two rows of two image tokens with a break between (positions 3, 4 | 6, 7), then a second image at 10, 11.
+    prompt = (PromptImage("a" * 64, (3, 4, 6, 7)), PromptImage("b" * 64, (10, 11)))
+    assert runs(prompt, 0, 20) == [
+        ImageRun(3, 2, "a" * 64, 0),
+        ImageRun(6, 2, "a" * 64, 2),
+        ImageRun(10, 2, "b" * 64, 0),
+    ]
+    # A chunk that starts inside the first image: its rows from where the chunk starts.
+    assert runs(prompt, 4, 11) == [
+        ImageRun(0, 1, "a" * 64, 1),
+        ImageRun(2, 2, "a" * 64, 2),
+        ImageRun(6, 1, "b" * 64, 0),
+    ]
+
+
+@pytest.mark.unit
+def test_the_prefix_key_holds_the_picture_not_the_placeholder_token() -> None:
+    tokens = [5, 6, 9, 9, 7]
+    one = keyed(tokens, (PromptImage("1" * 64, (2, 3)),))
+    other = keyed(tokens, (PromptImage("2" * 64, (2, 3)),))
+    assert one[:2] == other[:2] == [5, 6] and one[4] == other[4] == 7
+    assert one[2] != other[2] and all(k < 0 for k in one[2:4] + other[2:4])
+    assert keyed(tokens, ()) == tokens
+
+
+# End to end: a real server, the official client, mlx-vlm's own generation as the reference.
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_mistral3(tmp_path_factory.mktemp("vlm") / "mistral3")
+
+
+@pytest.fixture(scope="module")
+def picture() -> bytes:
+    return png(64, 48, seed=1)
+
+
+def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes], max_tokens: int = 12) -> list[str]:
+    """mlx-vlm's own greedy generation for a chat (image parts as ``{"type": "image"}``) rendered by the model's
+    template, each token as its text (one character each in the tiny vocabulary)."""
+    from mlx_vlm import generate, load
+    from PIL import Image
+
+    model, processor = load(str(model_path))
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [Image.open(io.BytesIO(p)) for p in pictures] or None
+    result = generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
+    ids = [t for t in result.token_ids if t != model.config.eos_token_id]
+    return [processor.tokenizer.decode([t]) for t in ids]
+
+
+def as_mlx_vlm(content: list[dict]) -> list[dict]:
+    return [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+
+
+# A conversation with an image in an earlier turn and two in the last.
+TURNS = [
+    {"role": "user", "content": image_parts(png(32, 48, seed=5), text="What is this?")},
+    {"role": "assistant", "content": "A square."},
+    {"role": "user", "content": image_parts(png(64, 32, seed=6), png(32, 32, seed=7), text="And these two?")},
+]
+TURN_PICTURES = [png(32, 48, seed=5), png(64, 32, seed=6), png(32, 32, seed=7)]
+
+
+@pytest.fixture(scope="module")
+def expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    turns = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in TURNS]
+    return {
+        "image": mlx_vlm_tokens(vlm, user, [picture]),
+        "text": mlx_vlm_tokens(vlm, [{"role": "user", "content": PROMPT}], []),
+        "turns": mlx_vlm_tokens(vlm, turns, TURN_PICTURES),
+    }
+
+
+@pytest.fixture(scope="module", params=[(), ("--tp", "2"), ("--pp", "2")], ids=["tp1", "tp2", "pp2"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
+    with serving(tmp_path_factory, "--model", str(vlm), *request.param) as server:
+        yield server
+
+
+def test_greedy_output_equals_mlx_vlm_on_the_same_image(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    reply = client.chat.completions.create(**chat(image_parts(picture)))  # type: ignore[call-overload]
+    assert tokens_of(reply.model_dump()) == expected["image"]
+    assert reply.usage is not None and reply.usage.prompt_tokens > 15  # the image's tokens count as prompt tokens
+    streamed = client.chat.completions.create(**chat(image_parts(picture)), stream=True)  # type: ignore[call-overload]
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == reply.choices[0].message.content
+    # A text-only request to the same model is what mlx-vlm generates without an image.
+    plain = client.chat.completions.create(**chat(PROMPT))  # type: ignore[call-overload]
+    assert tokens_of(plain.model_dump()) == expected["text"]
+
+
+def test_several_images_and_images_in_earlier_turns_equal_mlx_vlm(
+    served: Server, expected: dict[str, list[str]]
+) -> None:
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json={**chat(""), "messages": TURNS}, timeout=120)
+    assert tokens_of(reply.json()) == expected["turns"]
+
+
+def test_responses_input_image_and_anthropic_image_blocks_read_as_chat_image_url(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    import anthropic
+
+    if len(served.args) > 2:
+        pytest.skip("the APIs are shown at TP=1; the ranks see the same prompt from each")
+    want = "".join(expected["image"])
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    content = [{"type": "input_image", "image_url": data_url(picture)}, {"type": "input_text", "text": PROMPT}]
+    ask = {"model": "mistral3", "input": [{"role": "user", "content": content}], "max_output_tokens": 12}
+    assert client.responses.create(**ask, temperature=0).output_text == want  # type: ignore[call-overload]
+    streamed = client.responses.create(**ask, temperature=0, stream=True)  # type: ignore[call-overload]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == want
+    claude = anthropic.Anthropic(base_url=served.url, api_key="x")
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(picture).decode()}
+    blocks = [{"type": "image", "source": source}, {"type": "text", "text": PROMPT}]
+    message = claude.messages.create(
+        model="mistral3", max_tokens=12, messages=[{"role": "user", "content": blocks}], extra_body={"temperature": 0}
+    )
+    assert "".join(b.text for b in message.content if b.type == "text") == want
+    with claude.messages.stream(
+        model="mistral3", max_tokens=12, messages=[{"role": "user", "content": blocks}], extra_body={"temperature": 0}
+    ) as stream:
+        assert "".join(stream.text_stream) == want
+
+
+def test_a_repeated_image_reuses_the_cache_and_one_changed_pixel_does_not(served: Server) -> None:
+    from PIL import Image
+
+    first = png(64, 64, seed=11)
+    changed = Image.open(io.BytesIO(first)).convert("RGB")
+    changed.putpixel((10, 20), (0, 0, 0) if changed.getpixel((10, 20)) != (0, 0, 0) else (1, 1, 1))
+    out = io.BytesIO()
+    changed.save(out, format="PNG")
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        cold = client.post("/v1/chat/completions", json=chat(image_parts(first), max_tokens=4)).json()
+        longer = image_parts(first, text=PROMPT + " In detail, please.")
+        warm = client.post("/v1/chat/completions", json=chat(longer, max_tokens=4)).json()
+        other = image_parts(out.getvalue(), text=PROMPT + " In detail, please.")
+        miss = client.post("/v1/chat/completions", json=chat(other, max_tokens=4)).json()
+        alone = client.post("/v1/chat/completions", json=chat(other, max_tokens=4)).json()
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (cold, warm, miss)]
+    image_start = 6  # "[INST]" is six one-character tokens; the image's tokens follow
+    # The longer prompt shares the first up to its closing "[/INST]" (seven one-character tokens): all restored.
+    assert cached[1] == cold["usage"]["prompt_tokens"] - len("[/INST]"), cached
+    assert cached[2] <= image_start, cached  # the changed picture matches nothing past the text before it
+    assert tokens_of(miss) == tokens_of(alone)
+
+
+@pytest.mark.anyio
+async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(served: Server) -> None:
+    bodies = [
+        chat(image_parts(png(64, 64, seed=21)), max_tokens=10),
+        chat(image_parts(png(48, 64, seed=22), text="What is it?"), max_tokens=10),
+        chat("Tell me something.", max_tokens=10),
+        chat(image_parts(png(32, 32, seed=23), png(64, 32, seed=24), text="Compare them."), max_tokens=10),
+    ]
+    async with httpx.AsyncClient(base_url=served.url, timeout=180) as client:
+        solo = [tokens_of((await client.post("/v1/chat/completions", json=b)).json()) for b in bodies]
+        together: list[list[str]] = [[] for _ in bodies]
+
+        async def one(i: int) -> None:
+            together[i] = tokens_of((await client.post("/v1/chat/completions", json=bodies[i])).json())
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(one, i)
+    assert together == solo
+
+
+@pytest.fixture(scope="module")
+def text_only(tmp_path_factory: pytest.TempPathFactory, tiny_models: dict[str, Path]) -> Iterator[Server]:
+    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"])) as server:
+        yield server
+
+
+def test_an_image_to_a_text_only_model_is_a_400_naming_the_part(text_only: Server, picture: bytes) -> None:
+    body = {**chat([{"type": "text", "text": "look:"}, *image_parts(picture)]), "model": "qwen3"}
+    reply = httpx.post(f"{text_only.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and "reads text only" in error["message"]
+
+
+def test_the_status_says_whether_the_model_takes_images(text_only: Server, served: Server) -> None:
+    """The page offers to attach an image only where ``/v1/status`` says the model takes them."""
+    assert httpx.get(f"{text_only.url}/v1/status", timeout=60).json()["model"]["vision"] is False
+    assert httpx.get(f"{served.url}/v1/status", timeout=60).json()["model"]["vision"] is True
+
+
+def test_hostile_images_get_a_4xx_in_bounded_time_and_the_server_stays_up(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    if len(served.args) > 2:  # one server shows it; the others run the same intake
+        pytest.skip("shown at TP=1")
+    hostile = {
+        "50000x50000 header": image_parts(png_claiming(50_000, 50_000)),
+        "truncated jpeg": image_parts(truncated_jpeg()),
+        "compressed bomb": image_parts(png_claiming(5_000, 5_000, rows=5_000)),
+        "100 images": image_parts(*[picture] * 100),
+        "file url": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+        "closed port": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}],
+    }
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        for name, content in hostile.items():
+            started = time.monotonic()
+            reply = client.post("/v1/chat/completions", json=chat(content))
+            assert reply.status_code == 400, (name, reply.text)
+            assert reply.json()["error"]["param"].startswith("messages"), name
+            assert time.monotonic() - started < 10, name
+        reply = client.post("/v1/chat/completions", json=chat(image_parts(picture))).json()
+    assert tokens_of(reply) == expected["image"]
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
+    """Prompts fed 7 tokens a step, so that images are cut across steps; the image caps set low."""
+    args = ("--prefill-chunk", "7", "--max-images", "3", "--max-image-pixels", "3100", "--tp", "2")
+    with serving(tmp_path_factory, "--model", str(vlm), *args) as server:
+        yield server
+
+
+def test_images_cut_across_prefill_chunks_give_the_same_tokens(
+    chunked: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    with httpx.Client(base_url=chunked.url, timeout=120) as client:
+        assert (
+            tokens_of(client.post("/v1/chat/completions", json=chat(image_parts(picture))).json()) == expected["image"]
+        )
+        turns = client.post("/v1/chat/completions", json={**chat(""), "messages": TURNS}).json()
+    assert tokens_of(turns) == expected["turns"]
+
+
+def test_the_image_caps_are_the_servers_settings(chunked: Server, picture: bytes) -> None:
+    with httpx.Client(base_url=chunked.url, timeout=60) as client:
+        four = client.post("/v1/chat/completions", json=chat(image_parts(*[picture] * 4)))
+        large = client.post("/v1/chat/completions", json=chat(image_parts(png(64, 64))))
+    assert four.status_code == 400 and "at most 3 a request (--max-images)" in four.json()["error"]["message"]
+    assert large.status_code == 400 and "at most 3,100 pixels" in large.json()["error"]["message"]
+    assert large.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+
+
+def test_prompt_logprobs_with_images_are_refused_not_computed_without_them(served: Server, picture: bytes) -> None:
+    if len(served.args) > 2:
+        pytest.skip("shown at TP=1")
+    body = {**chat(image_parts(picture), max_tokens=2), "prompt_logprobs": 1}
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs", reply.text
