@@ -77,6 +77,8 @@ def generate(bed: Namespaces, hub_url: str, root: Path, *args: str) -> tuple[str
         "24",
         "--ssh-command",
         bed.ssh_command,
+        "--log-level",
+        "info",  # the pushes are read from the log, and generate logs warnings only unless asked
         *args,
         PROMPT,
         env=env,
