@@ -94,6 +94,21 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# How a refusal starts when llguidance's parser gave up for a schema's size, not for the model's token: a schema
+# of many alternatives or links can outgrow the parser's row limit only as the text grows, past any check at compile
+# time. The client can act on it (a simpler schema), so it is answered as the request's fault (server.common.errors).
+TOO_COMPLEX = (
+    "the schema is too complex for the output constraint's parser here; simplify it (fewer alternatives, less "
+    "nesting or fewer $ref links)"
+)
+
+
+def _why(error: str, what: str) -> str:
+    if error.startswith("Parser Error") and "max is" in error:
+        return f"{TOO_COMPLEX}: {error}"
+    return f"{what}: {error}"
+
+
 class Constraint:
     """One sequence's place in its grammar: which tokens may come next, and whether the last one fit."""
 
@@ -106,7 +121,7 @@ class Constraint:
         """Write the allowed next tokens into ``bitmask`` (one int32 row); return why none is allowed, if so."""
         self._matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)
         if self._matcher.is_error():
-            return f"the output constraint failed: {self._matcher.get_error()}"
+            return _why(self._matcher.get_error(), "the output constraint failed")
         if not bitmask.any():
             return "the output constraint reached a dead end: no token can continue it"
         return None
@@ -121,7 +136,7 @@ class Constraint:
         """Follow a sampled token; return why it does not fit, if it does not."""
         if self._matcher.consume_token(token):
             return None
-        return f"the output constraint refused token {token}: {self._matcher.get_error()}"
+        return _why(self._matcher.get_error(), f"the output constraint refused token {token}")
 
 
 class Grammars:

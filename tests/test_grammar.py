@@ -123,3 +123,18 @@ def test_a_resumed_sampler_rewinds_its_constraint_to_the_tokens_it_produced(text
     resumed = Sampler(params, tuple(produced[:3]))
     out = text.tokenizer.decode(produced[:3]) + _greedy(text, resumed, 30, z)
     assert json.loads(out) == {"word": "zzzzzzzz"}, out
+
+
+def test_a_parser_that_outgrows_its_limits_is_the_schemas_fault_and_answered_400() -> None:
+    from neuron.engine.sequence import Failure
+    from neuron.grammar import TOO_COMPLEX, _why
+    from neuron.server.common.errors import failure_error
+
+    limit = "Parser Error: Current row has 2211 items; max is 2000; consider making your grammar left-recursive"
+    too_big = failure_error(Failure("constraint", _why(limit, "the output constraint refused token 93"), 3, 2))
+    assert (too_big.status, too_big.code, too_big.param) == (400, "schema_too_complex", "response_format")
+    assert too_big.message.startswith(TOO_COMPLEX)
+    other = failure_error(
+        Failure("constraint", _why("token not allowed", "the output constraint refused token 5"), 3, 2)
+    )
+    assert (other.status, other.code) == (500, "constraint_failed")

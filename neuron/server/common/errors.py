@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from neuron.engine.sequence import Failure, Overloaded, Unavailable
+from neuron.grammar import TOO_COMPLEX
 from neuron.server.common import limits
 
 T = TypeVar("T")
@@ -52,6 +53,8 @@ def failure_error(failure: Failure) -> ApiError:
     if failure.kind == "unavailable":
         # A lost group (the leader restarts) or a failed probe (the next comes in 5 s): seconds either way.
         return not_ready(failure.message, retry_after=5)
+    if failure.kind == "constraint" and failure.message.startswith(TOO_COMPLEX):
+        return ApiError(400, failure.message, param="response_format", code="schema_too_complex")
     if failure.kind == "constraint":
         # This request's grammar alone failed; the rest of the batch went on.
         return ApiError(500, failure.message, type="server_error", code="constraint_failed")
