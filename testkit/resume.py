@@ -60,6 +60,7 @@ class Stream:
     error: Any = None  # an error event, or the exception that cut the connection
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    id: str = ""  # the request's id, as the server logs it
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def first_after(self, moment: float) -> float | None:
@@ -82,6 +83,7 @@ def _read(url: str, stream: Stream) -> None:
                 if "error" in event:
                     stream.error = event["error"]
                     continue
+                stream.id = event.get("id", stream.id)
                 if event.get("usage"):
                     stream.usage = event["usage"]
                 for choice in event.get("choices", []):
@@ -121,12 +123,17 @@ def disturb(
     bases: list[dict[str, Any]] = BODIES,
 ) -> tuple[list[Stream], float]:
     """Stream every request of ``bases``, call ``fault`` once each has ``at_least`` chunks, and check each stream
-    ends as an undisturbed one did: the same text, no error event, usage counted once. Returns the streams and
-    the moment of the fault."""
+    ends as an undisturbed one did: the same text, no error event, usage counted once; and that each stream the
+    fault cut mid-way resumed. Returns the streams and the moment of the fault.
+
+    The fault lands mid-stream by construction: each request asks for many more tokens than ``at_least``, and
+    one that has already received all but ``asked // 4`` of them when the fault lands fails the test as a test
+    that does not test what it claims. A stream that ended before the fault is not expected to resume."""
     resumed_before = len([e for e in server.logs() if e.get("event") == "resumed"])
     streams = start_streams(server.url, bases)
     wait_until(lambda: all(s.chunks >= at_least for s in streams), 60, f"{at_least} chunks on every stream")
     at = time.monotonic()
+    before = [s.chunks for s in streams]
     fault()
     join(streams)
     for s, expected in zip(streams, references, strict=True):
@@ -134,8 +141,11 @@ def disturb(
         assert s.text == expected, f"{s.base}: resumed text differs:\n{s.text!r}\n{expected!r}"
         asked = s.base.get("max_tokens", MAX_TOKENS)
         assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == asked, s.usage
-    resumed = [e for e in server.logs() if e.get("event") == "resumed"][resumed_before:]
-    assert len(resumed) >= len(bases), f"every stream was cut mid-way and resumed: {resumed}"
+    resumed = [e["request_id"] for e in server.logs() if e.get("event") == "resumed"][resumed_before:]
+    for s, chunks in zip(streams, before, strict=True):
+        asked = s.base.get("max_tokens", MAX_TOKENS)
+        assert chunks <= asked - asked // 4, f"the fault landed late: {chunks} of {asked} chunks already in {s.base}"
+        assert s.id in resumed, f"{s.base} ({s.id}) was cut mid-way ({chunks} of {asked} chunks) and not resumed"
     return streams, at
 
 

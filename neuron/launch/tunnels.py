@@ -213,6 +213,11 @@ class Tunnels:
                 )
             await helper.aclose()
 
+    def connections(self) -> list[tuple[str, anyio.abc.Process, StderrRelay]]:
+        """Each tunnel connection now open: its host, its ssh process, and what ssh said. Its process ending is
+        a lost link: every forward on it is gone (ssh's keep-alive ends one whose host stopped answering)."""
+        return [(host, process, relay) for host, (_, process, relay) in self._connections.items()]
+
     def _mux(self, host: str) -> list[str]:
         """ssh through the tunnel connection to ``host``, as a client of its ControlMaster."""
         return [*self.launcher.ssh_command, "-o", "BatchMode=yes", "-S", str(self._connections[host][0])]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -43,6 +44,7 @@ from neuron.launch.dataplane import cut, spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.push import PushCut, Pushed, push
+from neuron.launch.ssh import StderrRelay
 from neuron.launch.stages import check_split, plan_stages, weights_per_rank
 from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
@@ -61,9 +63,11 @@ from neuron.step import Step
 log = structlog.get_logger("neuron.pool")
 
 BACKENDS = ("ring", "jaccl", "nccl")
-# Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
-# failing send or receive a number of times before it gives up, slowly on a loaded host.
-LEAVE_S = 30.0
+# Seconds rank 0 gets to leave a lost group once its connections are cut, before its thread is left behind
+# (``Pool._abandon_rank0``): the ring fails a transfer on a dead socket after ten tries in a row, within milliseconds.
+LEAVE_S = 5.0
+# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead.
+MAX_ABANDONED = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class Pool:
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
+        self._abandoned: list[Rank0Thread] = []  # rank-0 threads left wedged inside a lost group (``recover``)
+        self.unrecoverable: str | None = None  # why the lost group could not be replaced in this process
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -174,7 +180,15 @@ class Pool:
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
             read_file = functools.partial(self.launcher.read_file, rank)
-            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            link = Link(
+                rank,
+                self.hosts[rank],
+                spawned.process,
+                reader,
+                spawned.last_words,
+                read_file=read_file,
+                over_ssh=spawned.relay is not None,
+            )
             self._fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)
@@ -361,27 +375,25 @@ class Pool:
     async def recover(self) -> None:
         """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
         start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
-        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when rank 0 stays inside
-        the lost group's collectives, or this MLX cannot forget a group; any other error from starting, joining or
-        loading as those raise it."""
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when this MLX cannot
+        forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
+        joining or loading as those raise it."""
         started = time.perf_counter()
         old, self._fan_out.workers = self._fan_out.workers, []
         async with anyio.create_task_group() as tg:
             for worker in old:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+        await self._tunnels.close()  # its forwards were the lost group's links; the next group gets its own
         # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
-        # stopped, or out of reach, holds them open, so rank 0's end is shut down too. A backend whose collectives
-        # wait on other things (jaccl's RDMA) may keep rank 0's thread: then only a fresh process can serve.
+        # stopped, or out of reach, holds them open, so rank 0's end is shut down too.
         if cut_connections := cut(self._addresses):
             log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
         try:
             await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
-        except TimeoutError as e:
-            raise Unrecoverable(
-                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
-                "worker was stopped and its connections were cut"
-            ) from e
+        except TimeoutError:
+            await self._abandon_rank0()
         except NoClearBackends as e:
+            self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e
         self.loaded = False
         self._fan_out.renew()
@@ -392,21 +404,61 @@ class Pool:
         self._renewed.set()
         metrics.WORKER_RESTARTS.inc()
 
+    async def _abandon_rank0(self) -> None:
+        """Rank 0's thread did not come out of the lost group: leave it behind, and go on with a fresh one.
+
+        Why it can stay in forever, whatever is cut: the ring gives each socket a
+        thread that fails the transfers pending on it once the peer is gone, and
+        then ends; a collective queued after that (the step run ahead, built before
+        the loss was known) waits on a socket no thread serves any more, and no
+        socket operation of ours can reach it. Its MLX stream belongs to its thread
+        (per-thread since MLX 0.31.2), so a fresh thread gets a fresh stream; the
+        old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
+        left before the leader restarts to free them."""
+        wedged = [t for t in self._abandoned if t.alive]
+        if len(wedged) >= MAX_ABANDONED:
+            self.unrecoverable = (
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
+                "its share of the weights, were already left behind"
+            )
+            raise Unrecoverable(self.unrecoverable)
+        old = self._rank0
+        old.abandon()
+        self._abandoned = [*wedged, old]
+        metrics.RANK0_ABANDONED.inc()
+        log.warning(
+            "rank 0's thread left behind",
+            reason=f"still inside a collective of the lost group {LEAVE_S:g} s after its connections were cut",
+            left_behind=len(self._abandoned),
+        )
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
+        try:  # MLX forgets the group from here: its cache is the process's, whichever thread asks
+            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+        except NoClearBackends as e:
+            self.unrecoverable = str(e)
+            raise Unrecoverable(str(e)) from e
+
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
-        """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
+        """Wait on every worker process, and on every SSH tunnel connection of ``--data-plane ssh``; the moment
+        one exits unasked, break the pool and call ``on_lost``.
 
         Why a task per process: a worker that dies between steps would otherwise
-        be noticed only by the next step, while ``/ready`` still said yes. Runs
-        until cancelled, following the workers each ``recover`` starts.
+        be noticed only by the next step, while ``/ready`` still said yes; and a
+        dead tunnel only when a step's deadline fired. Runs until cancelled,
+        following the workers and tunnels each ``recover`` starts.
         """
+
+        def current(worker: Link) -> bool:
+            return not self._closing and any(w is worker for w in self._fan_out.workers)
 
         async def wait(worker: Link) -> None:
             await worker.process.wait()
-            if self._closing or all(w is not worker for w in self._fan_out.workers):
+            if not current(worker):
                 return  # asked to leave: at shutdown, or replaced by a recovery
             self._fan_out.lose()
-            status = describe_exit(worker.process.returncode)
-            log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
+            log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=worker.status())
             if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
                 why = await worker.exit_status()
                 if self._closing:
@@ -416,11 +468,27 @@ class Pool:
             assert self.broken is not None
             on_lost(self.broken)
 
+        async def wait_tunnel(host: str, process: anyio.abc.Process, relay: StderrRelay) -> None:
+            await process.wait()
+            if self._closing or all(p is not process for _, p, _ in self._tunnels.connections()):
+                return  # closed: at shutdown, or with the group it carried (``recover``)
+            self._fan_out.lose()
+            rank = self.hosts.index(host)
+            said = relay.last_words()
+            why = (
+                f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
+                f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
+            )
+            log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+            on_lost(self.broken or self._fan_out.break_group("liveness", {rank: why}))
+
         while True:
             renewed = self._renewed = anyio.Event()
             async with anyio.create_task_group() as tg:
                 for worker in self.workers:
                     tg.start_soon(wait, worker)
+                for host, process, relay in self._tunnels.connections():
+                    tg.start_soon(wait_tunnel, host, process, relay)
                 await renewed.wait()
                 tg.cancel_scope.cancel()
 

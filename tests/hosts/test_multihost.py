@@ -26,7 +26,7 @@ from test_systemd import FakeSystemd
 
 from neuron import device, log
 from testkit import faults, resume
-from testkit.testbed import Namespaces, unavailable
+from testkit.testbed import Namespaces, children, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
@@ -178,30 +178,16 @@ def test_the_ssh_data_plane_listens_on_loopback_and_crosses_the_bridge_only_insi
         ring = [s for s in connected if f"pid={worker}," in s[4]]
         assert ring and all(ip == peer == "127.0.0.1" for ip, _, peer, _, _ in ring), ring  # to sshd's tunnel ends
         # On the leader's host: its own sockets and its ssh processes' (the workers' and the tunnel's).
-        leader = [server.process.pid, *_children(server.process.pid, "ssh")]
+        leader = [server.process.pid, *children(server.process.pid, "ssh")]
         for pid in leader:
             for ip, port, state in tcp_sockets(pid):
                 assert ip == "127.0.0.1" or (ip == bed.leader_ip and state == "ESTABLISHED"), (pid, ip, port, state)
         mine = [s for s in _ss("state", "established") if any(f"pid={pid}," in s[4] for pid in leader)]
         peers = {(ip, port) for _, _, ip, port, _ in mine}
         assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
-        assert len(_children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
+        assert len(children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
     nothing_left(bed, (1,))
     wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
-
-
-def _children(pid: int, name: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                comm = (entry / "comm").read_text().strip()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and comm == name:
-                out.append(int(entry.name))
-    return out
 
 
 def _restarts(server: Server) -> float:
@@ -218,7 +204,7 @@ def undisturbed(cluster: Server) -> list[str]:
 
 
 def test_a_cut_ssh_session_and_every_stream_goes_on(bed: Namespaces, cluster: Server, undisturbed: list[str]) -> None:
-    (ssh,) = _children(cluster.process.pid, "ssh")
+    (ssh,) = children(cluster.process.pid, "ssh")
     (old,) = bed.workers(0)
     before = _restarts(cluster)
     resume.disturb(cluster, undisturbed, resume.kill(ssh, signal.SIGKILL), bases=RESUMING)
