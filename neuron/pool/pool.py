@@ -53,8 +53,9 @@ from neuron.pool.fanout import Deadlines, FanOut, PoolError
 from neuron.pool.group import form_group
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.rank0 import Rank0Thread
+from neuron.rank import backends
 from neuron.rank.backends import NoClearBackends
-from neuron.rank.rank import Loaded, Rank, group_joined, lead
+from neuron.rank.rank import Loaded, Rank, forget_group, group_joined, lead
 from neuron.rank.shard import ShareSource, check_splittable
 from neuron.sampling_params import Sampled
 from neuron.shares import Plan, sha256_of, share_key
@@ -425,17 +426,19 @@ class Pool:
             raise Unrecoverable(self.unrecoverable)
         old = self._rank0
         old.abandon()
+        backends.stream_left_wedged()
         self._abandoned = [*wedged, old]
         metrics.RANK0_ABANDONED.inc()
         log.warning(
             "rank 0's thread left behind",
             reason=f"still inside a collective of the lost group {LEAVE_S:g} s after its connections were cut",
             left_behind=len(self._abandoned),
+            stuck_in=old.where(),
         )
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
-        try:  # MLX forgets the group from here: its cache is the process's, whichever thread asks
-            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+        try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
+            await self._rank0.call(lambda _: forget_group(), LEAVE_S)
         except NoClearBackends as e:
             self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -55,6 +58,12 @@ class Rank0Thread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def where(self) -> str:
+        """Where this thread is now, innermost call last (``file:line in function``), for a log entry."""
+        frame = sys._current_frames().get(self._thread.ident or 0)
+        calls = traceback.extract_stack(frame)[-6:] if frame is not None else []
+        return " > ".join(f"{Path(c.filename).name}:{c.lineno} in {c.name}" for c in calls)
 
     def abandon(self) -> None:
         """Leave this thread behind for good: it is wedged inside MLX (a collective of a lost group that no socket

@@ -331,17 +331,23 @@ class Rank:
         self.clear_kv_cache()
         self.model = None
         self.runner = None
-        mx.clear_cache()
+        backends.clear_cache()
 
     def leave_group(self) -> None:
         """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it, so that
         ``init_group`` can join a fresh one in this process; ``backends.NoClearBackends`` where MLX cannot."""
-        global _joined_group
         self.unload()
         self.group = None
-        if _joined_group:
-            backends.clear_backends()
-            _joined_group = False
+        forget_group()
+
+
+def forget_group() -> None:
+    """Make MLX forget this process's group, so that a fresh one can be joined here; touches no device, so that a
+    rank-0 thread taking over from one wedged inside the lost group can call it (``Pool.recover``)."""
+    global _joined_group
+    if _joined_group:
+        backends.clear_backends()
+        _joined_group = False
 
 
 def _split(plan: StepPlan) -> tuple[list[Prefill], list[Prefill]]:

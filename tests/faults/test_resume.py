@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import Server
 
-from testkit.faults import CRASH_ENV, ENTRY
+from neuron.pool.pool import LEAVE_S
+from testkit.faults import CRASH_ENV, ENTRY, WEDGE_ENV
 from testkit.resume import (
     BODIES,
     COMPLETIONS,
@@ -106,3 +108,39 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
         assert server.find_log("pipeline split", layers=[2, 2]) is not None
     finally:
         assert server.stop() == 0, server.stderr()
+
+
+def test_rank0_wedged_inside_a_lost_groups_collective_is_left_behind_and_every_stream_goes_on(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 0 waits, past its peer's death, on a collective queued before the loss (``WEDGE_ENV``): no socket cut
+    frees it. Within ``LEAVE_S`` of the cut, a fresh rank-0 thread takes its place, and every stream resumes in
+    this process; the wedged thread is counted in /metrics."""
+    wedge = tmp_path / "wedge"
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3")
+    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={WEDGE_ENV: str(wedge)}).start()
+    try:
+        undisturbed = [reference(server.url, base) for base in BODIES]
+
+        def wedge_rank0() -> None:
+            for rank in (0, 1):
+                Path(f"{wedge}.{rank}").touch()
+
+        disturb(server, undisturbed, wedge_rank0)
+        left = server.find_log("rank 0's thread left behind")
+        assert left is not None and left["left_behind"] == 1, left
+        cut = server.find_log("data plane cut")
+        assert cut is not None
+        freed = _seconds(left["timestamp"]) - _seconds(cut["timestamp"])
+        assert LEAVE_S - 0.5 < freed < LEAVE_S + 5, freed  # left behind after LEAVE_S, not sooner, not much later
+        assert server.find_log("recovered", in_process=True) is not None
+        assert server.find_log("restarting") is None, "the leader process restarted"
+        metrics = server.metrics()
+        assert metrics[("neuron_rank0_threads_abandoned_total", ())] == 1
+        assert ("neuron_leader_restarts_total", (("cause", "unrecoverable"),)) not in metrics
+    finally:
+        assert server.stop() == 0, server.stderr()
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
