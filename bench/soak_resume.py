@@ -35,7 +35,7 @@ from testkit.resume import BODIES, Stream, join, reference, start_streams
 from testkit.testbed import Namespaces, children
 
 STEP_TIMEOUT_S = 3
-TOKENS = 200  # far more than a fault's few chunks: every stream is mid-way when it lands
+TOKENS = 100  # far more than a fault's few chunks: every stream is mid-way when it lands
 # Eight streams: the four resume requests and four more of each kind.
 EIGHT = [
     *BODIES,

@@ -19,8 +19,10 @@ the peer is gone, its socket threads end, and the last then waits forever, whate
 rank removes its file, so that the fault fires once. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of
 itself in its handshake: ``mlx=0.0.1`` on every rank, or per rank,
 ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to see the leader refuse it or split by it.
-``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the model (``--push-model``) take that many seconds over
-each 64 KiB chunk, as a slow link would, so that a test can cut the push midway.
+``NEURON_TEST_SLOW_JOIN`` (``RANK:SECONDS``) makes a rank wait that long before it joins the group, so that its
+peers sit inside ``mx.distributed.init`` meanwhile. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the
+model (``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut
+the push midway.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
 SLOW_PUSH_ENV = "NEURON_TEST_SLOW_PUSH"
 CRASH_ENV = "NEURON_TEST_CRASH_ON"
 WEDGE_ENV = "NEURON_TEST_WEDGE"
+SLOW_JOIN_ENV = "NEURON_TEST_SLOW_JOIN"
 ENTRY = "testkit.faults"  # what ``python -m`` runs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,6 +173,13 @@ def _faulty_ranks(rank: ModuleType) -> None:
         def __init__(self, number: int, world_size: int) -> None:
             super().__init__(number, world_size)
             self.steps_sent = 0  # since the model loaded
+
+        def init_group(self, backend: str, env: dict[str, str]) -> float:
+            for spec in filter(None, os.environ.get(SLOW_JOIN_ENV, "").split(";")):
+                listed_rank, _, seconds = spec.partition(":")
+                if int(listed_rank) == self.rank:
+                    time.sleep(float(seconds))
+            return super().init_group(backend, env)
 
         def load(self, model_path: str, layers: list[int]) -> Any:
             self.steps_sent = 0

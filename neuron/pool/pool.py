@@ -400,7 +400,15 @@ class Pool:
         self._fan_out.renew()
         log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
         pongs = await self.start()
-        await self.init_group(pongs)
+        try:
+            await self.init_group(pongs)
+        except PoolError as e:
+            if 0 in e.failures and any(t.alive for t in self._abandoned):
+                # MLX's scheduler counts every stream's queued operations, the wedged one's too, and past a few it
+                # has every evaluation wait for one to finish: a fresh thread can wait behind the wedged one.
+                self.unrecoverable = f"rank 0 could not join a fresh group beside a thread left wedged in MLX ({e})"
+                raise Unrecoverable(self.unrecoverable) from e
+            raise
         await self.load()
         self._renewed.set()
         metrics.WORKER_RESTARTS.inc()

@@ -8,6 +8,7 @@ nothing left running on any host.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -223,8 +224,9 @@ def test_a_remote_worker_killed_or_stopped_and_every_stream_goes_on(
     try:
         resume.disturb(cluster, undisturbed, resume.kill(worker, sig), bases=RESUMING)
     finally:
-        if sig == signal.SIGSTOP and alive(worker):
-            os.kill(worker, signal.SIGCONT)  # its SSH session is gone: it exits once it runs again
+        if sig == signal.SIGSTOP:
+            with contextlib.suppress(ProcessLookupError):  # its SSH session is gone: it exits once it runs again
+                os.kill(worker, signal.SIGCONT)
     assert _restarts(cluster) == before + 1
     wait_until(lambda: not alive(worker), 15, "the lost worker to be gone from its host")
 
@@ -252,7 +254,9 @@ def test_a_link_down_mid_step_and_every_stream_goes_on_once_it_is_back(
             bed.link(0, up=True)
 
     resume.disturb(cluster, undisturbed, link_down_until_a_try_fails, bases=RESUMING)
-    assert _restarts(cluster) == before + 1 and cluster.find_log("restarting") is None
+    # Once back, a step may miss its deadline again beside the stranded worker, which spins inside the lost group
+    # until its host's TCP notices the cut (seconds after the link is back): recovered again, in this process.
+    assert _restarts(cluster) >= before + 1 and cluster.find_log("restarting") is None
     wait_until(lambda: not alive(old), 30, "the stranded worker to exit once its link is back")
 
 
