@@ -39,8 +39,9 @@ from neuron.launch.checks import (
     check_memory,
     check_models,
     model_differences,
+    size,
 )
-from neuron.launch.dataplane import cut, spawn_env
+from neuron.launch.dataplane import Sink, cut, spawn_env
 from neuron.launch.hosts import describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.push import PushCut, Pushed, push
@@ -67,8 +68,9 @@ BACKENDS = ("ring", "jaccl", "nccl")
 # Seconds rank 0 gets to leave a lost group once its connections are cut, before its thread is left behind
 # (``Pool._abandon_rank0``): the ring fails a transfer on a dead socket after ten tries in a row, within milliseconds.
 LEAVE_S = 5.0
-# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead.
-MAX_ABANDONED = 2
+# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead (it
+# also does once the host's available memory is under twice rank 0's share).
+MAX_ABANDONED = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,15 +382,18 @@ class Pool:
         forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
         joining or loading as those raise it."""
         started = time.perf_counter()
+        # First, before any worker is killed (a dead peer's sockets fail rank 0's, and that can wedge it: ``Sink``),
+        # rank 0's ends of the lost group's connections are handed to a stand-in that lets every collective queued
+        # on them complete; then whatever is left is shut down.
+        sink = Sink()
+        sunk = sink.replace(self._addresses)
         old, self._fan_out.workers = self._fan_out.workers, []
         async with anyio.create_task_group() as tg:
             for worker in old:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
         await self._tunnels.close()  # its forwards were the lost group's links; the next group gets its own
-        # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
-        # stopped, or out of reach, holds them open, so rank 0's end is shut down too.
-        if cut_connections := cut(self._addresses):
-            log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
+        shut = cut(self._addresses)
+        log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
         try:
             await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
         except TimeoutError:
@@ -396,6 +401,8 @@ class Pool:
         except NoClearBackends as e:
             self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e
+        finally:
+            sink.close()
         self.loaded = False
         self._fan_out.renew()
         log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
@@ -425,11 +432,13 @@ class Pool:
         old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
         left before the leader restarts to free them."""
         wedged = [t for t in self._abandoned if t.alive]
-        if len(wedged) >= MAX_ABANDONED:
+        share = weights_per_rank(self.model_path, self.world_size, self.layers)[0]
+        free = describe_host(0).free_memory
+        if len(wedged) >= MAX_ABANDONED or free < 2 * share:
             self.unrecoverable = (
                 f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
                 f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
-                "its share of the weights, were already left behind"
+                f"its share of the weights ({size(share)}), were already left behind ({size(free)} available)"
             )
             raise Unrecoverable(self.unrecoverable)
         old = self._rank0

@@ -260,6 +260,39 @@ def test_a_link_down_mid_step_and_every_stream_goes_on_once_it_is_back(
     wait_until(lambda: not alive(old), 30, "the stranded worker to exit once its link is back")
 
 
+def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goes_on(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--data-plane ssh``: the tunnel connection killed is a lost link, noticed at once (``ssh tunnel lost``, no
+    step deadline), and the streams resume in this process over fresh tunnels; then the worker's own session cut,
+    and they resume again."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane-resume.json")
+    args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
+    with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
+        undisturbed = [resume.reference(server.url, base) for base in RESUMING]
+
+        def session(tunnel: bool) -> int:
+            (pid,) = [p for p in children(server.process.pid, "ssh") if (b"ControlMaster=yes" in _cmdline(p)) == tunnel]
+            return pid
+
+        resume.disturb(server, undisturbed, resume.kill(session(tunnel=True), signal.SIGKILL), bases=RESUMING)
+        lost = server.find_log("ssh tunnel lost")
+        assert lost is not None and lost["host"] == f"root@{bed.ip(1)}" and "SIGKILL" in lost["status"], lost
+        broken = [str(e["failures"]) for e in server.logs() if e.get("event") == "pool broken"]
+        assert broken and not any("deadline" in b or "stuck" in b for b in broken), broken  # no deadline needed
+        resume.disturb(server, undisturbed, resume.kill(session(tunnel=False), signal.SIGKILL), bases=RESUMING)
+        assert _restarts(server) == 2 and server.find_log("restarting") is None
+    nothing_left(bed, (1,))
+    wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 # Refusals: each answered within 10 s, naming the rank and the host, with nothing left running anywhere.
 # They use hosts 1 and 2: host 0 serves the cluster above until the module ends.
 
