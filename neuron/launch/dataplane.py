@@ -128,8 +128,9 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
     return unreachable
 
 
-def _group_sockets(addresses: list[list[str]]) -> list[int]:
-    """This process's descriptors of sockets bound to or connected to one of a group's ``addresses``."""
+def _group_sockets(addresses: list[list[str]], connected: bool = False) -> list[int]:
+    """This process's descriptors of sockets bound to or connected to one of a group's ``addresses``; with
+    ``connected``, of connections alone (no listener)."""
     wanted = {split_address(a) for rank in addresses for a in rank}
     directory = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
     found = []
@@ -151,7 +152,9 @@ def _group_sockets(addresses: list[list[str]]) -> list[int]:
                 try:
                     ends.add(sock.getpeername()[:2])
                 except OSError:
-                    pass  # a listener: no peer
+                    if connected:
+                        continue
+                    # a listener: no peer
                 if ends & wanted:
                     found.append(int(name))
             except OSError:
@@ -192,7 +195,7 @@ class Sink:
     def replace(self, addresses: list[list[str]]) -> int:
         """Put the sink under every socket of this process on the group's ``addresses``; returns how many."""
         count = 0
-        for fd in _group_sockets(addresses):
+        for fd in _group_sockets(addresses, connected=True):
             mine, theirs = socket.socketpair()
             mine.setblocking(False)
             theirs.setblocking(False)
