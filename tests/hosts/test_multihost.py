@@ -276,8 +276,10 @@ def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goe
             return pid
 
         resume.disturb(server, undisturbed, resume.kill(session(tunnel=True), signal.SIGKILL), bases=RESUMING)
-        lost = server.find_log("ssh tunnel lost")
-        assert lost is not None and lost["host"] == f"root@{bed.ip(1)}" and "SIGKILL" in lost["status"], lost
+        lost = server.find_log("pool broken", op="liveness")  # the process watch's, not a step's
+        why = str(lost and lost["failures"])
+        assert f"the SSH connection carrying the data plane's tunnels to root@{bed.ip(1)}" in why, lost
+        assert "was killed by SIGKILL" in why, lost
         broken = [str(e["failures"]) for e in server.logs() if e.get("event") == "pool broken"]
         assert broken and not any("deadline" in b or "stuck" in b for b in broken), broken  # no deadline needed
         resume.disturb(server, undisturbed, resume.kill(session(tunnel=False), signal.SIGKILL), bases=RESUMING)
