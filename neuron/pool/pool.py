@@ -500,7 +500,11 @@ class Pool:
                 f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
             )
             log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
-            on_lost(self.broken or self._fan_out.break_group("liveness", {rank: why}))
+            broken = self.broken or self._fan_out.break_group("liveness", {rank: why})
+            for worker in self._fan_out.workers:  # their links are gone: no step may wait for their replies
+                if worker.host == host and worker.process.returncode is None:
+                    worker.process.kill()
+            on_lost(broken)
 
         while True:
             renewed = self._renewed = anyio.Event()
