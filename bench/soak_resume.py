@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -160,7 +161,10 @@ def main() -> None:
                     if restarted is not None:
                         break
             finally:
-                stopped = server.stop()
+                try:
+                    stopped = server.stop()
+                except subprocess.TimeoutExpired:
+                    stopped = -1  # killed: it did not stop within a minute of SIGTERM
             wait_until(lambda: not bed.workers(0), 15, "no worker left once the leader stopped")
             assert all(not alive(p) for p in bed.workers(0))
         finally:
