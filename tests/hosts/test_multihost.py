@@ -195,7 +195,7 @@ def _restarts(server: Server) -> float:
     return server.metrics().get(("neuron_worker_restarts_total", ()), 0.0)
 
 
-RESUMING = resume.shorter(40)  # the four resume requests, short enough for a step across hosts on a shared box
+RESUMING = resume.shorter(120)  # the four resume requests: long enough that a fault lands mid-stream
 
 
 @pytest.fixture(scope="module")
