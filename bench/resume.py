@@ -25,20 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from testkit import Server, make_tiny_model
 from testkit.resume import disturb, kill, reference, shorter, worker_pid
-
-
-def _children(pid: int, name: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                comm = (entry / "comm").read_text().strip()
-            except OSError:
-                continue
-            if parent == pid and comm == name:
-                out.append(int(entry.name))
-    return out
+from testkit.testbed import children
 
 
 def trials(server: Server, count: int, across: bool, tokens: int) -> tuple[list[float], list[float]]:
@@ -47,7 +34,7 @@ def trials(server: Server, count: int, across: bool, tokens: int) -> tuple[list[
     references = [reference(server.url, base) for base in bases]
     to_next = []
     for _ in range(count):
-        victim = _children(server.process.pid, "ssh")[0] if across else worker_pid(server)
+        victim = children(server.process.pid, "ssh")[0] if across else worker_pid(server)
         streams, at = disturb(server, references, kill(victim, signal.SIGKILL), bases=bases)
         to_next += [t for s in streams if (t := s.first_after(at)) is not None]
     recoveries = [e["ms"] / 1000 for e in server.logs() if e.get("event") == "recovered" and e.get("in_process")]

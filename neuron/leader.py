@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -122,6 +122,14 @@ class Recovery:
     cause: str
     lost_at: float  # time.time(), so the fresh process can log how long the recovery took
     restarts: int
+    # Re-executions of the leader so far, by why (``metrics.LEADER_RESTARTS``' labels), this one included.
+    leader_restarts: dict[str, int] = field(default_factory=dict)
+
+    def counted(self, why: str, previous: Recovery | None) -> Recovery:
+        """This recovery, with ``previous``' counts of leader restarts carried on and this one added."""
+        counts = dict(previous.leader_restarts) if previous else {}
+        counts[why] = counts.get(why, 0) + 1
+        return replace(self, leader_restarts=counts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +217,16 @@ async def _wait_to_retry(
         await stopping.wait()
     if stopping.is_set():
         return None
-    return Recovery(str(error), restarted.lost_at if restarted else time.time(), count)
+    return Recovery(str(error), restarted.lost_at if restarted else time.time(), count).counted(
+        "unreachable", restarted
+    )
+
+
+def _why_restart(engine: Engine, options: ServeOptions) -> str:
+    """Why the group could not be replaced in this process, as ``metrics.LEADER_RESTARTS`` labels it."""
+    if engine.pool.unrecoverable is not None:
+        return "unrecoverable"
+    return "resume_off" if options.limits.resume_timeout <= 0 else "recovery_failed"
 
 
 async def _tell_systemd(notifier: systemd.Notifier, options: ServeOptions, state: ServerState) -> None:
@@ -283,6 +300,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     restarted = _restarted()
     if restarted:
         metrics.WORKER_RESTARTS.inc(restarted.restarts)
+        for why, count in restarted.leader_restarts.items():
+            metrics.LEADER_RESTARTS.labels(why).inc(count)
     activated = systemd.activated_socket()
     sock = activated or bind(options.serving.host, options.serving.port)
     host, port = sock.getsockname()[:2]
@@ -358,10 +377,12 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             cause = str(engine.pool.broken or engine.health.reason)
                             # In-process recoveries count as restarts with fresh workers too.
                             count = (restarted.restarts if restarted else 0) + engine.recoveries + 1
-                            log.error("group lost; restarting the leader", cause=cause, restarts=count)
+                            why = _why_restart(engine, options)
+                            log.error("group lost; restarting the leader", cause=cause, why=why, restarts=count)
                             notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
                             # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
-                            restart = Restart(os.dup(sock.fileno()), Recovery(cause, time.time(), count))
+                            lost = Recovery(cause, time.time(), count).counted(why, restarted)
+                            restart = Restart(os.dup(sock.fileno()), lost)
                             _stop_accepting(server)
                 except Unreachable as e:
                     if (recovery := await _wait_to_retry(e, restarted, state, notifier, stopping)) is not None:

@@ -55,6 +55,19 @@ STEPS_AHEAD = Counter(
 WORKER_RESTARTS = Counter(
     "neuron_worker_restarts", "Times the leader restarted with fresh workers after losing a rank", registry=REGISTRY
 )
+LEADER_RESTARTS = Counter(
+    "neuron_leader_restarts",
+    "Times the leader re-executed itself, the last resort after a lost group, by cause: unreachable (a host out of "
+    "reach at start), unrecoverable (rank 0 could not leave the lost group), recovery_failed (not back within "
+    "--resume-timeout), resume_off (--resume-timeout 0)",
+    ["cause"],
+    registry=REGISTRY,
+)
+RANK0_ABANDONED = Counter(
+    "neuron_rank0_threads_abandoned",
+    "Times rank 0's thread stayed inside a lost group's collective and a fresh one took its place",
+    registry=REGISTRY,
+)
 RESUMED = Counter(
     "neuron_requests_resumed",
     "Requests that went on after a lost group, fed their prompt and output so far again (once per loss)",

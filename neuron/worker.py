@@ -13,11 +13,8 @@ any library lands in the logs instead of corrupting the stream.
 from __future__ import annotations
 
 import os
-import select
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -27,6 +24,7 @@ from neuron import cpu, device, models, rpc, shares
 from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.hosts import describe_host
+from neuron.launch.watchdog import start_sentinel
 from neuron.rpc import ErrorKind
 from neuron.settings import SETTINGS
 from neuron.step import Step
@@ -34,40 +32,12 @@ from neuron.step import Step
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
 
-_HANGUP_POLL_MS = 1000
-
 
 def _take_stdout() -> BinaryIO:
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return protocol_out
-
-
-def _exit_when_leader_gone(stdin_fd: int, busy: threading.Event) -> None:
-    """Exit if the leader goes away while this rank is stuck where stdin EOF cannot reach it.
-
-    A worker waiting on stdin reads EOF the moment the leader (or its SSH
-    session) is gone. One blocked inside a collective does not (jaccl never
-    reports a lost peer), and over SSH it is not even re-parented when the
-    session dies. What does change is its stdin: a pipe whose writer closed
-    reports a hang-up, without a byte being read. So a daemon thread polls for
-    that, and exits while the main thread is busy (when idle, the main thread
-    reads the EOF and leaves cleanly itself).
-    """
-    poller = select.poll()
-    poller.register(stdin_fd, select.POLLHUP | select.POLLERR)
-
-    def watch() -> None:
-        while True:
-            events = poller.poll(_HANGUP_POLL_MS)
-            hung_up = any(flags & (select.POLLHUP | select.POLLERR) for _, flags in events)
-            if hung_up and busy.is_set():
-                os._exit(70)
-            if events:
-                time.sleep(_HANGUP_POLL_MS / 1000)  # a request waiting to be read is not a hang-up: look again later
-
-    threading.Thread(target=watch, name="neuron-hangup-watch", daemon=True).start()
 
 
 def read_line(stream: BinaryIO) -> bytes | None:
@@ -210,8 +180,7 @@ def run_worker(rank: int, world_size: int) -> int:
     """Serve the leader's requests until it says shutdown or goes away; the exit status."""
     protocol_out = _take_stdout()
     stdin = sys.stdin.buffer
-    busy = threading.Event()  # set while a request is handled
-    _exit_when_leader_gone(stdin.fileno(), busy)
+    start_sentinel()  # ends this process if the leader goes while MLX holds it (``launch.watchdog``)
     # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON.
     level, fmt = SETTINGS["log_level"], SETTINGS["log_format"]
     logging_setup.configure(os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), rank=rank)
@@ -224,7 +193,6 @@ def run_worker(rank: int, world_size: int) -> int:
                 worker.log.info("stdin closed; the leader is gone, exiting")
                 return 0
             request = rpc.decode_request(line)
-            busy.set()
             reply = worker.handle(request)
         except rpc.ProtocolError as e:
             worker.log.warning("bad request", kind=e.kind.value, error=e.message)
@@ -235,7 +203,6 @@ def run_worker(rank: int, world_size: int) -> int:
             worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
             message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
             reply = rpc.Error(id=request.id, kind=kind, message=message)
-        busy.clear()
         try:
             protocol_out.write(rpc.encode(reply))
             protocol_out.flush()
@@ -246,6 +213,4 @@ def run_worker(rank: int, world_size: int) -> int:
             worker.log.info("shutdown requested; bye")
             return 0
         if worker.state is not None:
-            busy.set()  # inside collectives again: a leader gone now must end this process
             worker.state.settle()
-            busy.clear()

@@ -9,14 +9,20 @@ from the environment, which every process of the group inherits:
 post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a sequence after
 given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
 prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
-``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent
-since its model loaded. ``NEURON_TEST_CRASH_ON`` makes a rank's process die (SIGKILL, as a crash inside MLX
-would) whenever a step feeds it given tokens in a row, ``RANK:TOKEN,TOKEN...`` (``1:17,4,99``): a request whose
-prompt kills its rank every time. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of itself in its handshake:
-``mlx=0.0.1`` on every rank, or per rank, ``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to
-see the leader refuse it or split by it. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the model
-(``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut the
-push midway.
+``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent since
+its model loaded. ``NEURON_TEST_CRASH_ON`` makes a rank's process die (SIGKILL, as a crash inside MLX would)
+whenever a step feeds it given tokens in a row, ``RANK:TOKEN,TOKEN...`` (``1:17,4,99``): a request whose prompt
+kills its rank every time. ``NEURON_TEST_WEDGE`` names a path: once ``PATH.0`` and ``PATH.1`` exist (a test creates
+both), rank 1 dies (SIGKILL) at its next step, and rank 0 at its next step queues collectives on its group
+beforehand, as a step run ahead does, and waits on the last of them after its step: MLX's ring fails the first once
+the peer is gone, its socket threads end, and the last then waits forever, whatever is cut (``Pool.recover``); each
+rank removes its file, so that the fault fires once. ``NEURON_TEST_FAKE_HOST`` makes a host say other things of
+itself in its handshake: ``mlx=0.0.1`` on every rank, or per rank,
+``1:free_memory=2000000000;2:free_memory=1000000000`` or ``gpus=1``, to see the leader refuse it or split by it.
+``NEURON_TEST_SLOW_JOIN`` (``RANK:SECONDS``) makes a rank wait that long before it joins the group, so that its
+peers sit inside ``mx.distributed.init`` meanwhile. ``NEURON_TEST_SLOW_PUSH`` makes a host receiving a share of the
+model (``--push-model``) take that many seconds over each 64 KiB chunk, as a slow link would, so that a test can cut
+the push midway.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
 SLOW_PUSH_ENV = "NEURON_TEST_SLOW_PUSH"
 CRASH_ENV = "NEURON_TEST_CRASH_ON"
+WEDGE_ENV = "NEURON_TEST_WEDGE"
+SLOW_JOIN_ENV = "NEURON_TEST_SLOW_JOIN"
 ENTRY = "testkit.faults"  # what ``python -m`` runs
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,6 +174,13 @@ def _faulty_ranks(rank: ModuleType) -> None:
             super().__init__(number, world_size)
             self.steps_sent = 0  # since the model loaded
 
+        def init_group(self, backend: str, env: dict[str, str]) -> float:
+            for spec in filter(None, os.environ.get(SLOW_JOIN_ENV, "").split(";")):
+                listed_rank, _, seconds = spec.partition(":")
+                if int(listed_rank) == self.rank:
+                    time.sleep(float(seconds))
+            return super().init_group(backend, env)
+
         def load(self, model_path: str, layers: list[int]) -> Any:
             self.steps_sent = 0
             return super().load(model_path, layers)
@@ -174,7 +189,14 @@ def _faulty_ranks(rank: ModuleType) -> None:
             self.steps_sent += 1
             if (run := crash_tokens(self.rank)) and any(feeds(chunk.tokens, run) for chunk in plan.prefill):
                 os.kill(os.getpid(), signal.SIGKILL)
-            out = super().step(plan)
+            wedged = _wedge(self)
+            try:
+                out = super().step(plan)
+            finally:
+                if wedged is not None:
+                    import mlx.core as mx
+
+                    mx.eval(wedged)  # never returns: see WEDGE_ENV
             if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
                 self.seqs[min(self.seqs)].last += 1
             if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := list(self.entries)):
@@ -186,6 +208,34 @@ def _faulty_ranks(rank: ModuleType) -> None:
     rank.Rank = FaultyRank  # type: ignore[attr-defined]
     if (rank0 := sys.modules.get("neuron.pool.rank0")) is not None:  # imported it before this ran
         rank0.Rank = FaultyRank  # type: ignore[attr-defined]
+
+
+def _wedge(rank: Any) -> Any:
+    """``WEDGE_ENV``'s fault on ``rank`` once its file is there: rank 1 dies half a second into its step; rank 0
+    queues collectives its peer never joins, waits for the peer's loss to fail the first, and returns the last,
+    for its step to wait on; None otherwise."""
+    path = os.environ.get(WEDGE_ENV)
+    if not path or rank.rank > 1 or not Path(f"{path}.{rank.rank}").exists():
+        return None
+    Path(f"{path}.{rank.rank}").unlink()
+    if rank.rank == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    import mlx.core as mx
+
+    ones = mx.ones((1024,))
+    first = mx.distributed.all_sum(ones * 2, group=rank.group)
+    then = mx.distributed.all_sum(first + 1, group=rank.group)
+    last = mx.distributed.all_sum(ones * 3, group=rank.group)
+    mx.async_eval(then)
+    mx.async_eval(last)
+    time.sleep(1.5)
+    for failing in (first, then):
+        try:
+            mx.eval(failing)
+        except RuntimeError:
+            pass  # the peer is gone
+    return last
 
 
 def main() -> int:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -60,6 +61,7 @@ class Stream:
     error: Any = None  # an error event, or the exception that cut the connection
     finish: str | None = None
     usage: dict[str, Any] | None = None
+    id: str = ""  # the request's id, as the server logs it
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def first_after(self, moment: float) -> float | None:
@@ -82,6 +84,7 @@ def _read(url: str, stream: Stream) -> None:
                 if "error" in event:
                     stream.error = event["error"]
                     continue
+                stream.id = event.get("id", stream.id)
                 if event.get("usage"):
                     stream.usage = event["usage"]
                 for choice in event.get("choices", []):
@@ -121,12 +124,16 @@ def disturb(
     bases: list[dict[str, Any]] = BODIES,
 ) -> tuple[list[Stream], float]:
     """Stream every request of ``bases``, call ``fault`` once each has ``at_least`` chunks, and check each stream
-    ends as an undisturbed one did: the same text, no error event, usage counted once. Returns the streams and
-    the moment of the fault."""
+    ends as an undisturbed one did: the same text, no error event, usage counted once; and that each stream the
+    fault cut mid-way resumed. Returns the streams and the moment of the fault.
+
+    The fault lands mid-stream by construction (each request asks for many more tokens than ``at_least``), and
+    what the server itself logged decides: a stream whose request was done there before the fault (the server can
+    run ahead of its client) is not expected to resume; every other one is, and at least one must have been cut."""
     resumed_before = len([e for e in server.logs() if e.get("event") == "resumed"])
     streams = start_streams(server.url, bases)
     wait_until(lambda: all(s.chunks >= at_least for s in streams), 60, f"{at_least} chunks on every stream")
-    at = time.monotonic()
+    at, at_wall = time.monotonic(), time.time()
     fault()
     join(streams)
     for s, expected in zip(streams, references, strict=True):
@@ -134,9 +141,18 @@ def disturb(
         assert s.text == expected, f"{s.base}: resumed text differs:\n{s.text!r}\n{expected!r}"
         asked = s.base.get("max_tokens", MAX_TOKENS)
         assert s.finish == "length" and s.usage is not None and s.usage["completion_tokens"] == asked, s.usage
-    resumed = [e for e in server.logs() if e.get("event") == "resumed"][resumed_before:]
-    assert len(resumed) >= len(bases), f"every stream was cut mid-way and resumed: {resumed}"
+    logs = server.logs()
+    resumed = [e["request_id"] for e in logs if e.get("event") == "resumed"][resumed_before:]
+    done = {e["request_id"]: _wall(e["timestamp"]) for e in logs if e.get("event") == "request done"}
+    cut = [s for s in streams if done.get(s.id, at_wall) >= at_wall]
+    assert cut, "every stream was done before the fault landed: ask for more tokens"
+    for s in cut:
+        assert s.id in resumed, f"{s.base} ({s.id}) was cut mid-way by the fault and not resumed"
     return streams, at
+
+
+def _wall(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def kill(pid: int, sig: signal.Signals) -> Callable[[], None]:

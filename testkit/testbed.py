@@ -240,3 +240,18 @@ def _children_of(pid: int) -> set[int]:
                 family.add(int(entry.name))
                 changed = True
     return family
+
+
+def children(pid: int, name: str) -> list[int]:
+    """``pid``'s child processes whose command is ``name`` (a leader's ``ssh`` sessions)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                comm = (entry / "comm").read_text().strip()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and comm == name:
+                out.append(int(entry.name))
+    return out

@@ -113,7 +113,7 @@ def _problems(page: Path) -> list[str]:
             out.append(f"{where}: links to {target}, which does not exist")
     for variable in set(re.findall(r"\bNEURON_[A-Z][A-Z_]*", text)) - variables:
         out.append(f"{where}: names {variable}, which neuron does not read")
-    for name in {n for token in re.findall(r"\bneuron_[a-z][a-z_{},]*(?<![{,])", text) for n in _expand(token)}:
+    for name in {n for token in re.findall(r"\bneuron_[a-z][a-z0-9_{},]*(?<![{,])", text) for n in _expand(token)}:
         base = re.sub(r"_(total|bucket|sum|count)$", "", name)
         if name not in names and base not in names:
             out.append(f"{where}: names the metric {name}, which neuron does not export")

@@ -153,3 +153,29 @@ def test_cutting_a_groups_connections_frees_a_thread_waiting_on_them_and_nothing
         bystander.settimeout(0.01)
         with pytest.raises(TimeoutError):
             bystander.accept()  # still listening: another address is left alone
+
+
+def test_a_sink_under_a_groups_connections_completes_every_transfer_a_silent_peer_never_would() -> None:
+    """What lets rank 0's queued collectives complete when its peer is stopped or out of reach (``Sink``): sends
+    drain, receives get zeros, on the very descriptors MLX holds; once the descriptor is closed, the sink ends."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        with server.accept()[0]:  # the peer: never reads, never writes
+            client.setblocking(False)  # as the ring's socket threads set theirs
+            sink = dataplane.Sink()
+            try:
+                assert sink.replace([[f"127.0.0.1:{port}"]]) == 2  # the connection's two ends in this process
+                sent, received = 0, b""
+                for _ in range(2000):
+                    try:
+                        sent += client.send(bytes(1 << 16))
+                        received += client.recv(1 << 16)
+                    except BlockingIOError:
+                        threading.Event().wait(0.001)
+                    if sent > 4 << 20 and len(received) > 1 << 20:
+                        break
+                assert sent > 4 << 20 and len(received) > 1 << 20 and not any(received)
+            finally:
+                client.close()
+                sink.close()

@@ -18,8 +18,10 @@ leader.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import socket
 import threading
 
@@ -126,14 +128,12 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
     return unreachable
 
 
-def cut(addresses: list[list[str]]) -> int:
-    """Shut down every socket of this process bound to or connected to one of a group's ``addresses``; returns
-    how many. Why: rank 0's thread may sit inside a collective for a peer that is stopped or out of reach, which
-    no timeout of MLX ends; a socket shut down under it makes the collective fail, and frees the thread. The
-    descriptors stay MLX's (it closes them with the group): only the connections end."""
+def _group_sockets(addresses: list[list[str]], connected: bool = False) -> list[int]:
+    """This process's descriptors of sockets bound to or connected to one of a group's ``addresses``; with
+    ``connected``, of connections alone (no listener)."""
     wanted = {split_address(a) for rank in addresses for a in rank}
     directory = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    count = 0
+    found = []
     for name in os.listdir(directory):
         try:
             copy = os.dup(int(name))
@@ -152,13 +152,88 @@ def cut(addresses: list[list[str]]) -> int:
                 try:
                     ends.add(sock.getpeername()[:2])
                 except OSError:
-                    pass  # a listener: no peer
+                    if connected:
+                        continue
+                    # a listener: no peer
                 if ends & wanted:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
+                    found.append(int(name))
             except OSError:
                 continue
+    return found
+
+
+def cut(addresses: list[list[str]]) -> int:
+    """Shut down every socket of this process bound to or connected to one of a group's ``addresses``; returns
+    how many. Why: rank 0's thread may sit inside a collective for a peer that is stopped or out of reach, which
+    no timeout of MLX ends; a socket shut down under it makes the collective fail. The descriptors stay MLX's (it
+    closes them with the group): only the connections end."""
+    count = 0
+    for fd in _group_sockets(addresses):
+        with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
     return count
+
+
+class Sink:
+    """Stands in for a lost group's peers on this process's ends of its connections: every byte sent is read and
+    dropped, and zeros are there to receive, so that every collective rank 0 has queued on the group completes
+    (with meaningless values, never read: the group is being left) and its thread comes out.
+
+    Why not only ``cut``: MLX's ring gives each socket a thread that, once transfers on it fail, fails those
+    pending and ends; a collective queued after that (the rest of a step already built) waits on a socket no
+    thread serves, forever, and with it the thread, and MLX's scheduler, which counts its queued work, for every
+    other thread of the process. A peer that is stopped or out of reach fails nothing by itself; here it never
+    fails at all. Each descriptor is replaced in place (``dup2``) by one end of a local socket pair, non-blocking
+    as the ring's were; the pairs end when MLX closes the descriptors with the group, or with ``close``."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._ends: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+
+    def replace(self, addresses: list[list[str]]) -> int:
+        """Put the sink under every socket of this process on the group's ``addresses``; returns how many."""
+        count = 0
+        for fd in _group_sockets(addresses, connected=True):
+            mine, theirs = socket.socketpair()
+            mine.setblocking(False)
+            theirs.setblocking(False)
+            try:
+                os.dup2(theirs.fileno(), fd)
+            except OSError:
+                mine.close()
+                continue
+            finally:
+                theirs.close()
+            self._ends.append(mine)
+            thread = threading.Thread(target=self._serve, args=(mine,), name="neuron-sink", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            count += 1
+        return count
+
+    def _serve(self, end: socket.socket) -> None:
+        zeros = bytes(1 << 16)
+        while not self._stop.is_set():
+            try:
+                readable, writable, _ = select.select([end], [end], [], _ACCEPT_POLL_S)
+                if readable and not end.recv(1 << 16):
+                    return  # MLX closed its end with the group
+                if writable:
+                    end.send(zeros)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+        for end in self._ends:
+            end.close()
+        self._ends, self._threads = [], []
 
 
 def ring_files(addresses: list[list[str]]) -> dict[str, str]:

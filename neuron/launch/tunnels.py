@@ -132,6 +132,7 @@ class Tunnels:
         self._connections: dict[str, tuple[Path, anyio.abc.Process, StderrRelay]] = {}
         self._opened: list[tuple[Link, tuple[Forward, ...]]] = []  # each link's forwards, as added
         self._helpers: list[tuple[Link, anyio.abc.Process]] = []
+        self._opened_connections = 0
 
     async def open(self, links: list[Link]) -> list[str]:
         """Add every link's forwards; each rank's entry (the address it connects to for its next rank). A port
@@ -213,6 +214,11 @@ class Tunnels:
                 )
             await helper.aclose()
 
+    def connections(self) -> list[tuple[str, anyio.abc.Process, StderrRelay]]:
+        """Each tunnel connection now open: its host, its ssh process, and what ssh said. Its process ending is
+        a lost link: every forward on it is gone (ssh's keep-alive ends one whose host stopped answering)."""
+        return [(host, process, relay) for host, (_, process, relay) in self._connections.items()]
+
     def _mux(self, host: str) -> list[str]:
         """ssh through the tunnel connection to ``host``, as a client of its ControlMaster."""
         return [*self.launcher.ssh_command, "-o", "BatchMode=yes", "-S", str(self._connections[host][0])]
@@ -224,7 +230,11 @@ class Tunnels:
     async def _forward(self, step: Forward) -> None:
         host = self.launcher.hosts[step.rank].ssh
         if host not in self._connections:
-            control = self.scratch / f"ssh-{len(self._connections)}"
+            # A name never used before: a connection killed leaves its control socket behind, and ssh would not
+            # listen on it again (every forward asked of it then finds nobody).
+            self._opened_connections += 1
+            control = self.scratch / f"ssh-{self._opened_connections}"
+            control.unlink(missing_ok=True)
             try:
                 with anyio.fail_after(CONNECT_TIMEOUT_S):
                     process, relay = await spawn_tunnel(self.launcher.ssh_command, host, control, step.rank)

@@ -34,6 +34,7 @@ class Link:
     next_id: int = 1
     said: rpc.HostInfo | None = None  # its handshake, once answered: where its host counts its OOM kills
     read_file: Callable[[str], Awaitable[str | None]] | None = None  # a file on its host, read here or over SSH
+    over_ssh: bool = False  # the process is ssh carrying the worker: its exit is the session's
 
     @property
     def pid(self) -> int:
@@ -91,20 +92,37 @@ class Link:
             await self.process.aclose()
 
     async def exit_status(self) -> str:
-        """How the process ended, for an error message; waits briefly for the kernel to report it. A worker
-        killed outright (SIGKILL here; over SSH, ssh's code 255) is checked against its host's OOM count."""
+        """How the process ended, for an error message, as observed; waits briefly for the kernel to report it. A
+        worker killed outright (SIGKILL here; over SSH, ssh's code 255) is named an OOM kill only where its host's
+        OOM count says so; an ssh process that ended on this host is named as a lost SSH session."""
         with anyio.move_on_after(2.0):
             await self.process.wait()
         code = self.process.returncode
-        if code not in (-signal.SIGKILL, SSH_FAILED):
-            return self.describe(describe_exit(code))
+        if code != (SSH_FAILED if self.over_ssh else -signal.SIGKILL):
+            return self.describe(self.status())
         return self.describe(await self._killed(code))
+
+    def status(self) -> str:
+        """How the process ended, from its exit status alone."""
+        code = self.process.returncode
+        if not self.over_ssh or code is None:
+            return describe_exit(code)
+        if code < 0:
+            return (
+                f"lost its SSH session: ssh, on the leader's host, {describe_exit(code)}; the worker there ends with it"
+            )
+        if code == SSH_FAILED:
+            return (
+                f"lost its SSH session (ssh exited with {SSH_FAILED}: the connection to {self.host} dropped, or the "
+                "worker there was killed by a signal)"
+            )
+        return f"{describe_exit(code)} (on {self.host}, through its SSH session)"
 
     async def _killed(self, code: int) -> str:
         """``code``'s status, saying whether the kernel's OOM killer ended the worker: its memory cgroup counted
-        more OOM kills than at its handshake (the OOM killer ends the largest process, the worker); "likely"
-        where the count cannot be read."""
-        status = describe_exit(code)
+        more OOM kills than at its handshake (the OOM killer ends the largest process, the worker). Where the
+        count cannot be read, the status says so, and blames no one."""
+        status = self.status()
         said, now = self.said, None
         if said is not None and said.oom_counter and said.oom_kills >= 0 and self.read_file is not None:
             with anyio.move_on_after(OOM_READ_S):
@@ -118,13 +136,16 @@ class Link:
                 "more memory or a higher limit, or split the model over more ranks (--tp or --pp)"
             )
         if now is None and code == -signal.SIGKILL:
-            return f"{status}, likely out of memory (the kernel's OOM killer sends it; its OOM count is unknown)"
+            return (
+                f"{status} (its host's OOM count could not be read: whether the kernel's OOM killer sent it is unknown)"
+            )
         return status
 
     def describe(self, status: str) -> str:
         """``status`` of this worker's process, with its last words (ssh's own, when ssh could not connect)."""
         words = self.last_words()
-        return f"worker pid {self.pid} {status}" + (f" ({words})" if words else "")
+        who = f"worker on {self.host} (ssh pid {self.pid})" if self.over_ssh else f"worker pid {self.pid}"
+        return f"{who} {status}" + (f" ({words})" if words else "")
 
 
 # ssh's own exit code when the session ends without the remote command's status: a worker killed by a signal,

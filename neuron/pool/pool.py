@@ -25,17 +25,22 @@ import time
 from collections.abc import Callable
 
 import anyio
+import anyio.abc
 import structlog
 
-from neuron import architectures, metrics, rpc
-from neuron.launch.checks import Unreachable
-from neuron.launch.dataplane import cut
-from neuron.launch.stages import check_split
+from neuron import architectures, cpu, metrics, rpc
+from neuron.launch.checks import Unreachable, size
+from neuron.launch.dataplane import Sink, cut
+from neuron.launch.hosts import describe_host
+from neuron.launch.ssh import StderrRelay
+from neuron.launch.stages import check_split, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import read_config, text_config
 from neuron.pool.fanout import PoolError
 from neuron.pool.link import Link, describe_exit
 from neuron.pool.load import Loading
+from neuron.pool.rank0 import Rank0Thread
+from neuron.rank import backends, group
 from neuron.rank.backends import NoClearBackends
 from neuron.rank.rank import Rank
 from neuron.rank.shard import check_splittable
@@ -45,9 +50,12 @@ from neuron.step import Step
 
 log = structlog.get_logger("neuron.pool")
 
-# Seconds rank 0 gets to come out of a lost group's collective once its connections are cut: the ring retries a
-# failing send or receive a number of times before it gives up, slowly on a loaded host.
-LEAVE_S = 30.0
+# Seconds rank 0 gets to leave a lost group once its connections are cut, before its thread is left behind
+# (``Pool._abandon_rank0``): the ring fails a transfer on a dead socket after ten tries in a row, within milliseconds.
+LEAVE_S = 5.0
+# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead (it
+# also does once the host's available memory is under twice rank 0's share).
+MAX_ABANDONED = 4
 
 
 class Unrecoverable(RuntimeError):
@@ -146,52 +154,107 @@ class Pool(Loading):
     async def recover(self) -> None:
         """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
         start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
-        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when rank 0 stays inside
-        the lost group's collectives, or this MLX cannot forget a group; any other error from starting, joining or
-        loading as those raise it."""
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when this MLX cannot
+        forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
+        joining or loading as those raise it."""
         started = time.perf_counter()
+        # First, before any worker is killed (a dead peer's sockets fail rank 0's, and that can wedge it: ``Sink``),
+        # rank 0's ends of the lost group's connections are handed to a stand-in that lets every collective queued
+        # on them complete; then whatever is left is shut down.
+        sink = Sink()
+        sunk = sink.replace(self._addresses)
         old, self._fan_out.workers = self._fan_out.workers, []
         async with anyio.create_task_group() as tg:
             for worker in old:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
-        # A collective lets rank 0 go once its connections end: a worker killed here closes its own, but one
-        # stopped, or out of reach, holds them open, so rank 0's end is shut down too. A backend whose collectives
-        # wait on other things (jaccl's RDMA) may keep rank 0's thread: then only a fresh process can serve.
-        if cut_connections := cut(self._addresses):
-            log.info("data plane cut", connections=cut_connections, addresses=self._addresses)
+        await self._tunnels.close()  # its forwards were the lost group's links; the next group gets its own
+        shut = cut(self._addresses)
+        log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
         try:
             await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
-        except TimeoutError as e:
-            raise Unrecoverable(
-                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
-                "worker was stopped and its connections were cut"
-            ) from e
+        except TimeoutError:
+            await self._abandon_rank0()
         except NoClearBackends as e:
+            self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e
+        finally:
+            sink.close()
         self.loaded = False
         self._fan_out.renew()
         log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
         pongs = await self.start()
-        await self.init_group(pongs)
+        try:
+            await self.init_group(pongs)
+        except PoolError as e:
+            if 0 in e.failures and any(t.alive for t in self._abandoned):
+                # MLX's scheduler counts every stream's queued operations, the wedged one's too, and past a few it
+                # has every evaluation wait for one to finish: a fresh thread can wait behind the wedged one.
+                self.unrecoverable = f"rank 0 could not join a fresh group beside a thread left wedged in MLX ({e})"
+                raise Unrecoverable(self.unrecoverable) from e
+            raise
         await self.load()
         self._renewed.set()
         metrics.WORKER_RESTARTS.inc()
 
+    async def _abandon_rank0(self) -> None:
+        """Rank 0's thread did not come out of the lost group: leave it behind, and go on with a fresh one.
+
+        Why it can stay in forever, whatever is cut: the ring gives each socket a
+        thread that fails the transfers pending on it once the peer is gone, and
+        then ends; a collective queued after that (the step run ahead, built before
+        the loss was known) waits on a socket no thread serves any more, and no
+        socket operation of ours can reach it. Its MLX stream belongs to its thread
+        (per-thread since MLX 0.31.2), so a fresh thread gets a fresh stream; the
+        old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
+        left before the leader restarts to free them."""
+        wedged = [t for t in self._abandoned if t.alive]
+        share = weights_per_rank(self.model_path, self.world_size, self.layers)[0]
+        free = describe_host(0).free_memory
+        if len(wedged) >= MAX_ABANDONED or free < 2 * share:
+            self.unrecoverable = (
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
+                f"its share of the weights ({size(share)}), were already left behind ({size(free)} available)"
+            )
+            raise Unrecoverable(self.unrecoverable)
+        old = self._rank0
+        old.abandon()
+        backends.stream_left_wedged()
+        self._abandoned = [*wedged, old]
+        metrics.RANK0_ABANDONED.inc()
+        log.warning(
+            "rank 0's thread left behind",
+            reason=f"still inside a collective of the lost group {LEAVE_S:g} s after its connections were cut",
+            left_behind=len(self._abandoned),
+            stuck_in=old.where(),
+        )
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
+        try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
+            await self._rank0.call(lambda _: group.leave(), LEAVE_S)
+        except NoClearBackends as e:
+            self.unrecoverable = str(e)
+            raise Unrecoverable(str(e)) from e
+
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
-        """Wait on every worker process; the moment one exits unasked, break the pool and call ``on_lost``.
+        """Wait on every worker process, and on every SSH tunnel connection of ``--data-plane ssh``; the moment
+        one exits unasked, break the pool and call ``on_lost``.
 
         Why a task per process: a worker that dies between steps would otherwise
-        be noticed only by the next step, while ``/ready`` still said yes. Runs
-        until cancelled, following the workers each ``recover`` starts.
+        be noticed only by the next step, while ``/ready`` still said yes; and a
+        dead tunnel only when a step's deadline fired. Runs until cancelled,
+        following the workers and tunnels each ``recover`` starts.
         """
+
+        def current(worker: Link) -> bool:
+            return not self._closing and any(w is worker for w in self._fan_out.workers)
 
         async def wait(worker: Link) -> None:
             await worker.process.wait()
-            if self._closing or all(w is not worker for w in self._fan_out.workers):
+            if not current(worker):
                 return  # asked to leave: at shutdown, or replaced by a recovery
             self._fan_out.lose()
-            status = describe_exit(worker.process.returncode)
-            log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=status)
+            log.error("worker lost", rank=worker.rank, host=worker.host, pid=worker.pid, status=worker.status())
             if self.broken is None:  # say why (an OOM kill is read from its host), unless a step said it first
                 why = await worker.exit_status()
                 if self._closing:
@@ -201,11 +264,31 @@ class Pool(Loading):
             assert self.broken is not None
             on_lost(self.broken)
 
+        async def wait_tunnel(host: str, process: anyio.abc.Process, relay: StderrRelay) -> None:
+            await process.wait()
+            if self._closing or all(p is not process for _, p, _ in self._tunnels.connections()):
+                return  # closed: at shutdown, or with the group it carried (``recover``)
+            self._fan_out.lose()
+            rank = self.hosts.index(host)
+            said = relay.last_words()
+            why = (
+                f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
+                f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
+            )
+            log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+            broken = self.broken or self._fan_out.break_group("liveness", {rank: why})
+            for worker in self._fan_out.workers:  # their links are gone: no step may wait for their replies
+                if worker.host == host and worker.process.returncode is None:
+                    worker.process.kill()
+            on_lost(broken)
+
         while True:
             renewed = self._renewed = anyio.Event()
             async with anyio.create_task_group() as tg:
                 for worker in self.workers:
                     tg.start_soon(wait, worker)
+                for host, process, relay in self._tunnels.connections():
+                    tg.start_soon(wait_tunnel, host, process, relay)
                 await renewed.wait()
                 tg.cancel_scope.cancel()
 

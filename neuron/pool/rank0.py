@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -36,6 +39,7 @@ class Rank0Thread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._cpus = cpus
         self._world_size = world_size
+        self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
         self.samplers = Samplers()  # touched only by jobs, on this thread
         # A daemon: if rank 0 is wedged inside a collective (a peer that never
@@ -48,8 +52,25 @@ class Rank0Thread:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
         self.rank = Rank(0, self._world_size)
-        while (job := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
             job()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def where(self) -> str:
+        """Where this thread is now, innermost call last (``file:line in function``), for a log entry."""
+        frame = sys._current_frames().get(self._thread.ident or 0)
+        calls = traceback.extract_stack(frame)[-6:] if frame is not None else []
+        return " > ".join(f"{Path(c.filename).name}:{c.lineno} in {c.name}" for c in calls)
+
+    def abandon(self) -> None:
+        """Leave this thread behind for good: it is wedged inside MLX (a collective of a lost group that no socket
+        can end, see ``Pool.recover``). A fresh ``Rank0Thread`` takes its place; should this one ever come out,
+        it runs no queued job (one would touch the group that replaced its own) and ends."""
+        self._abandoned.set()
+        self._jobs.put(None)
 
     async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: anyio.Event | None = None) -> T:
         """Run ``fn(rank)`` on the rank-0 thread and return its result.
@@ -65,6 +86,8 @@ class Rank0Thread:
         signal = _signaller(done)
 
         def job() -> None:
+            if self._abandoned.is_set():
+                return
             try:
                 assert self.rank is not None
                 outcome["value"] = fn(self.rank)
@@ -74,7 +97,7 @@ class Rank0Thread:
                 signal()
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
-            if self.rank is not None:
+            if self.rank is not None and not self._abandoned.is_set():
                 self.rank.settle()  # a step run ahead, computed while the event loop handles this one's reply
 
         self._jobs.put(job)

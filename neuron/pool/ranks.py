@@ -84,6 +84,8 @@ class Ranks:
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
         self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
+        self._abandoned: list[Rank0Thread] = []  # rank-0 threads left wedged inside a lost group (``Pool.recover``)
+        self.unrecoverable: str | None = None  # why the lost group could not be replaced in this process
 
     @property
     def workers(self) -> tuple[Link, ...]:
@@ -120,7 +122,15 @@ class Ranks:
             assert spawned.process.stdout is not None
             reader = BufferedByteReceiveStream(spawned.process.stdout)
             read_file = functools.partial(self.launcher.read_file, rank)
-            link = Link(rank, self.hosts[rank], spawned.process, reader, spawned.last_words, read_file=read_file)
+            link = Link(
+                rank,
+                self.hosts[rank],
+                spawned.process,
+                reader,
+                spawned.last_words,
+                read_file=read_file,
+                over_ssh=spawned.relay is not None,
+            )
             self._fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)

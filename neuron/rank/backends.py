@@ -19,6 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+# Whether a thread of this process was left inside a lost group's collective (``Pool.recover``): its MLX stream
+# never finishes, and anything that waits for every stream would wait with it.
+_wedged_stream = False
+
 # mlx::core::distributed::clear_backends(), as the Itanium C++ ABI (Linux, macOS) names it.
 CLEAR_BACKENDS = "_ZN3mlx4core11distributed14clear_backendsEv"
 
@@ -52,3 +56,17 @@ def clear_backends() -> None:
     gc.collect()  # groups held only by cycles (a traceback's frames) go before the cache lets them go
     clear.restype = None
     clear()
+
+
+def stream_left_wedged() -> None:
+    """A thread of this process is left inside MLX for good (a collective of a lost group, ``Pool.recover``)."""
+    global _wedged_stream
+    _wedged_stream = True
+
+
+def clear_cache() -> None:
+    """Give MLX's cached buffers back to the system (``mx.clear_cache``), unless a thread was left wedged inside
+    MLX: ``clear_cache`` first waits for every CPU stream, and a wedged thread's stream never finishes. The cache
+    is then kept, and reused."""
+    if not _wedged_stream:
+        mx.clear_cache()

@@ -18,7 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from neuron.rank import ahead, caches, group, rollback
+from neuron.rank import ahead, backends, caches, group, rollback
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
 from neuron.rank.embed import embed_inputs
@@ -234,7 +234,7 @@ class Rank:
         self.clear_kv_cache()
         self.model = None
         self.runner = None
-        mx.clear_cache()
+        backends.clear_cache()
 
     def leave_group(self) -> None:
         """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it

@@ -14,7 +14,7 @@ from mlx_lm.utils import _get_classes, load_model
 
 from neuron import architectures, shares
 from neuron.models import ModelError, text_config
-from neuron.rank import plans, staged
+from neuron.rank import backends, plans, staged
 from neuron.rank.fuse import fuse_projections
 
 
@@ -152,7 +152,7 @@ def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)  # after the split: each rank fuses its own slices (its heads' rows of q, k, v)
-    mx.clear_cache()  # the unfused projections' buffers go back to the system, not to MLX's cache
+    backends.clear_cache()  # the unfused projections' buffers go back to the system, not to MLX's cache
     return model
 
 
@@ -168,7 +168,7 @@ def load_stage(model_path: str | Path, first: int, end: int, rank: int) -> nn.Mo
     for parameter in _arrays(model):
         mx.eval(parameter)
     fuse_projections(model)
-    mx.clear_cache()
+    backends.clear_cache()
     return model
 
 

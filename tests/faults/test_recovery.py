@@ -10,13 +10,16 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, wait_until
+from conftest import Server, alive, wait_until
 
+from neuron.launch.watchdog import GRACE_S
+from testkit.faults import ENTRY, SLOW_JOIN_ENV
 from testkit.recovery import COMPLETIONS, GREEDY, kill_trial, ready, worker_pid
 
 
@@ -73,3 +76,65 @@ def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server, sig: sig
     assert replies[0].headers["retry-after"] == "5"
     assert "rank 1" in replies[0].json()["error"]["message"]
     wait_until(lambda: ready(tp2), 90, "ready again")
+
+
+def _workers_of(pid: int) -> list[int]:
+    """``pid``'s child processes that are neuron workers."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if parent == pid and b"--worker" in command:
+                out.append(int(entry.name))
+    return out
+
+
+# Seconds within which a worker whose leader was SIGKILLed is gone: its sentinel's grace, and a margin; a worker
+# still starting (importing, before its sentinel runs) reads the EOF once it gets there, on a busy host seconds later.
+ORPHAN_BOUND_S = GRACE_S + 2.0
+STARTING_BOUND_S = 20.0
+
+
+@pytest.mark.parametrize("phase", ["spawn", "init", "load", "step"])
+def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(
+    tiny_models: dict[str, Path], tmp_path: Path, phase: str
+) -> None:
+    """SIGKILL the leader while its worker starts, sits inside ``mx.distributed.init`` (the leader's rank 0 joins
+    late: MLX's init holds the worker's GIL, and its connect retries for about 15 s), loads, or steps: the worker
+    is gone within ``ORPHAN_BOUND_S``."""
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2")
+    env = {SLOW_JOIN_ENV: "0:30"} if phase == "init" else {}
+    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env=env)
+    try:
+        workers: list[int] = []
+
+        def started() -> bool:
+            workers[:] = _workers_of(server.process.pid)
+            return bool(workers)
+
+        wait_until(started, 60, "the worker process")
+        if phase == "init":
+            server.wait_log("worker started", rank=1, timeout=60)
+            time.sleep(1.0)  # well inside init: the leader joins 30 s late
+        elif phase == "load":
+            server.wait_log("group ready", timeout=60)
+        elif phase == "step":
+            server.start()
+            client = threading.Thread(
+                target=lambda: httpx.post(f"{server.url}{COMPLETIONS}", json={**GREEDY, "max_tokens": 500}, timeout=60),
+                daemon=True,
+            )
+            client.start()
+            server.wait_log("prefill done", timeout=30)
+        killed = time.monotonic()
+        server.process.kill()
+        server.process.wait()
+        bound = STARTING_BOUND_S if phase == "spawn" else ORPHAN_BOUND_S
+        wait_until(lambda: not any(alive(w) for w in workers), bound, f"workers {workers} to exit")
+        print(f"{phase}: the worker was gone {time.monotonic() - killed:.2f} s after the leader's SIGKILL")
+    finally:
+        server.stop()

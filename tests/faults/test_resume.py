@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import Server
 
-from testkit.faults import CRASH_ENV, ENTRY
+from neuron.pool.pool import LEAVE_S
+from testkit.faults import CRASH_ENV, ENTRY, WEDGE_ENV
 from testkit.resume import (
     BODIES,
     COMPLETIONS,
@@ -106,3 +108,48 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
         assert server.find_log("pipeline split", layers=[2, 2]) is not None
     finally:
         assert server.stop() == 0, server.stderr()
+
+
+def test_rank0_wedged_inside_a_lost_groups_collective_is_left_behind_within_the_bound(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Rank 0 waits, past its peer's death, on a collective queued before the loss (``WEDGE_ENV``): no socket cut
+    frees it. ``LEAVE_S`` after the cut a fresh rank-0 thread takes its place (counted in /metrics). Then either
+    every stream resumes in this process, or, where MLX's scheduler keeps the fresh thread waiting behind the
+    wedged one's queued work, the leader restarts at once, counted with its cause, and every stream ends with an
+    error that says so."""
+    wedge = tmp_path / "wedge"
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3")
+    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={WEDGE_ENV: str(wedge)}).start()
+    try:
+        undisturbed = [reference(server.url, base) for base in BODIES]
+        streams = start_streams(server.url, BODIES)
+        wait_until(lambda: all(s.chunks >= 5 for s in streams), 60, "5 chunks on every stream")
+        for rank in (0, 1):
+            Path(f"{wedge}.{rank}").touch()
+        join(streams)
+        left = server.wait_log("rank 0's thread left behind", timeout=30)
+        cut = server.find_log("data plane cut")
+        assert cut is not None and left["left_behind"] == 1 and "in step" in left["stuck_in"], left
+        freed = _seconds(left["timestamp"]) - _seconds(cut["timestamp"])
+        assert LEAVE_S - 0.5 < freed < LEAVE_S + 5, freed  # left behind after LEAVE_S, not sooner, not much later
+        restarted = server.find_log("group lost; restarting the leader")
+        if restarted is None:
+            for s, expected in zip(streams, undisturbed, strict=True):
+                assert s.error is None and s.text == expected, (s.base, s.error)
+            assert server.find_log("recovered", in_process=True) is not None
+            assert server.metrics()[("neuron_rank0_threads_abandoned_total", ())] == 1
+        else:
+            assert restarted["why"] == "unrecoverable" and "wedged" in restarted["cause"] + str(
+                server.find_log("recovery failed; restarting the leader")
+            ), restarted
+            assert all(s.error is not None and "restarting" in str(s.error) for s in streams), streams
+            server.wait_log("recovered", restarts=restarted["restarts"], timeout=120)
+            metrics = server.metrics()
+            assert metrics[("neuron_leader_restarts_total", (("cause", "unrecoverable"),))] == 1, metrics
+    finally:
+        assert server.stop() == 0, server.stderr()
+
+
+def _seconds(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
