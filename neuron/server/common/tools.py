@@ -112,8 +112,11 @@ def parse(body: dict[str, Any]) -> Tools | None:
     elif choice not in ("none", "auto", "required"):
         expected = '"none", "auto", "required" or {type: function, function: {name}}'
         raise bad("tool_choice", f"`tool_choice` must be {expected}")
-    elif choice != "none" and not specs:
-        raise bad("tool_choice", f"`tool_choice` {choice!r} needs `tools`: send the functions the model may call")
+    elif choice == "auto" and not specs:
+        choice = "none"  # the model may call any of no tools: as OpenAI takes it, nothing to refuse
+    elif choice == "required" and not specs:
+        message = "`tool_choice` 'required' must name one of the tools given, and none is: send `tools`"
+        raise bad("tool_choice", message, "tool_not_found")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and type(parallel) is not bool:
         raise bad("parallel_tool_calls", "`parallel_tool_calls` must be a boolean")
