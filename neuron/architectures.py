@@ -59,9 +59,9 @@ class Support:
 TABLE: dict[str, Support] = {
     "llama": Support(KV, "mlx-lm", pp=True),
     "mistral": Support(KV, "mlx-lm", pp=True),
-    "mistral3": Support(
-        KV, "mlx-lm", pp=True, images=True
-    ),  # Mistral 3's vision-language model: a llama-shaped language model
+    # Mistral 3's vision-language model: its llama-shaped language model split by mlx-lm's shard(), called from
+    # neuron's plan (rank/plans.py), since the vision tower beside it stays whole on rank 0.
+    "mistral3": Support(KV, "neuron", pp=True, images=True),
     "qwen2": Support(KV, "mlx-lm", pp=True),
     "qwen3": Support(KV, "mlx-lm", pp=True),
     "qwen3_moe": Support(KV, "mlx-lm", pp=True),
