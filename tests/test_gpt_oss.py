@@ -231,3 +231,24 @@ def test_each_family_s_reasoning_control_sets_harmony_s_effort(client: OpenAI, s
         extra_body=GREEDY,
     )
     assert off.usage.input_tokens + off.usage.cache_read_input_tokens == medium - 3
+
+
+def test_responses_text_format_constrains_only_the_final_message(client: OpenAI) -> None:
+    """As the chat's response_format: the script calls the tool; text.format makes it answer, analysis kept."""
+    tools: Any = [{"type": "function", "name": "get_weather", "parameters": CITY}]
+    text: Any = {"format": {"type": "json_schema", "name": "weather", "schema": DEGREES}}
+    reply = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=tools, text=text, temperature=0, max_output_tokens=60
+    )
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output[0].content[0].text == "Need the weather."  # type: ignore[union-attr,index]
+    assert json.loads(reply.output_text)["degrees"] in (20, 21)
+
+
+def test_messages_output_format_constrains_only_the_final_message(server: Server) -> None:
+    """Anthropic's output_config.format, through the same path: thinking kept, the text block follows the schema."""
+    messages = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0).messages
+    body = {**GREEDY, "output_config": {"format": {"type": "json_schema", "schema": DEGREES}}}
+    reply = messages.create(model=MODEL, max_tokens=60, messages=ASK, tools=[ANTHROPIC_TOOL], extra_body=body)
+    assert [b.type for b in reply.content] == ["thinking", "text"]
+    assert json.loads(reply.content[1].text)["degrees"] in (20, 21)  # type: ignore[union-attr]
