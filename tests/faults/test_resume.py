@@ -113,7 +113,7 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
 @pytest.mark.xfail(
     strict=False,
     reason="issue 40, blocked on MLX: beside a rank-0 thread wedged in the ring, a fresh one may wait behind its "
-    "queued work, and recovery may then neither resume nor restart within --resume-timeout (seen 3 times in 4 under load)",
+    "queued work, and recovery may then neither resume nor restart within --resume-timeout (3 times in 4 under load)",
 )
 def test_rank0_wedged_inside_a_lost_groups_collective_is_left_behind_within_the_bound(
     tiny_models: dict[str, Path], tmp_path: Path
