@@ -62,6 +62,8 @@ TABLE: dict[str, Support] = {
     # Mistral 3's vision-language model: its llama-shaped language model split by mlx-lm's shard(), called from
     # neuron's plan (rank/plans.py), since the vision tower beside it stays whole on rank 0.
     "mistral3": Support(KV, "neuron", pp=True, images=True),
+    # Qwen3-VL: a qwen3 language model with multimodal rotary positions (rank/mrope.py), split as mistral3's.
+    "qwen3_vl": Support(KV, "neuron", pp=True, images=True),
     "qwen2": Support(KV, "mlx-lm", pp=True),
     "qwen3": Support(KV, "mlx-lm", pp=True),
     "qwen3_moe": Support(KV, "mlx-lm", pp=True),

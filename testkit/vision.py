@@ -29,13 +29,13 @@ MISTRAL3_TEMPLATE = (
 )
 
 
-def _tokenizer(folder: Path, template: str) -> dict[str, int]:
+def _tokenizer(folder: Path, template: str, image_specials: list[str] = IMAGE_SPECIALS) -> dict[str, int]:
     """Printable ASCII, space and newline, a token each (no merges), the text model's specials and the image
     markers; returns the vocabulary. Every token is a whole character, so a reply's text and its logprobs'
     tokens name the token ids exactly (a lone byte of a longer character would decode to U+FFFD)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    specials = SPECIALS + IMAGE_SPECIALS
+    specials = SPECIALS + image_specials
     ascii_ = [chr(c) for c in range(33, 127)] + ["\u0120", "\u010a"]  # byte-level's space and newline
     vocab = {tok: i for i, tok in enumerate(specials + ascii_)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -150,3 +150,134 @@ def png(width: int = 64, height: int = 64, seed: int = 0, fmt: str = "PNG") -> b
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format=fmt)
     return out.getvalue()
+
+
+# Qwen's vision markers: an image part renders as <|vision_start|><|image_pad|><|vision_end|>, and the processor
+# expands <|image_pad|> into one per merged patch.
+QWEN_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+QWEN_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}"
+    "{% elif p['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# The Qwen3.5 language model's own fields: linear-attention (gated delta) layers, every second one full attention.
+QWEN3_5_TEXT = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
+QWEN3_5_MOE_TEXT = {
+    **QWEN3_5_TEXT,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "norm_topk_prob": True,
+}
+
+
+def make_tiny_qwen3_vl(
+    folder: Path,
+    seed: int = 0,
+    hidden: int = 256,
+    layers: int = 4,
+    patch: int = 8,
+    vision_hidden: int = 64,
+    max_pixels: int = 64 * 64,
+    model_type: str = "qwen3_vl",
+) -> Path:
+    """A Qwen3-VL (its vision tower with deepstack mergers, a qwen3-shaped language model with M-RoPE) of random
+    weights; with ``model_type`` qwen3_5 or qwen3_5_moe, a Qwen3.5 (the same vision tower without deepstack, a
+    hybrid language model of gated delta and full attention layers, the latter with a partial M-RoPE). Patches of
+    ``patch`` pixels merged 2 by 2: a 64 x 48 image becomes 4 x 3 image tokens; Qwen3-VL's vision tower's first
+    two layers feed deepstack features to the language model's first two layers."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.utils import get_model_and_args
+
+    folder.mkdir(parents=True)
+    # Room made for specials up to a multiple of 4: qwen3_5's shard() splits the vocabulary evenly over the ranks.
+    room = -(len(SPECIALS) + len(QWEN_VISION_SPECIALS) + 96) % 4
+    vocab = _tokenizer(folder, QWEN_VL_TEMPLATE, QWEN_VISION_SPECIALS + [f"<|unused_{i}|>" for i in range(room)])
+    head_dim = 64
+    qwen3_5 = model_type != "qwen3_vl"
+    text: dict = {
+        "model_type": model_type + "_text" if qwen3_5 else model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": len(vocab),
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    if qwen3_5:
+        # M-RoPE over half of each head (16 frequencies): t, h and w sections, interleaved.
+        section = {"mrope_section": [6, 5, 5], "mrope_interleaved": True, "rope_theta": 10000.0}
+        text["rope_parameters"] = {"type": "default", "partial_rotary_factor": 0.5, **section}
+        text.update(QWEN3_5_MOE_TEXT if model_type == "qwen3_5_moe" else QWEN3_5_TEXT)
+    else:
+        # Interleaved M-RoPE over head_dim / 2 frequencies: t, h and w sections.
+        text["rope_scaling"] = {"rope_type": "default", "mrope_section": [12, 10, 10], "mrope_interleaved": True}
+    config = {
+        "model_type": model_type,
+        "image_token_id": vocab["<|image_pad|>"],
+        "video_token_id": vocab["<|video_pad|>"],
+        "vision_start_token_id": vocab["<|vision_start|>"],
+        "vision_end_token_id": vocab["<|vision_end|>"],
+        "eos_token_id": vocab["<|im_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {
+            "model_type": model_type,
+            "depth": 2,
+            "hidden_size": vision_hidden,
+            "intermediate_size": vision_hidden * 2,
+            "out_hidden_size": hidden,
+            "num_heads": 2,
+            "patch_size": patch,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [] if qwen3_5 else [0, 1],
+            "in_channels": 3,
+        },
+    }
+    module, _ = get_model_and_args(config)
+    model_config = module.ModelConfig.from_dict(config)
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    # Deepstack features as large as the hidden states they join, so that a rank leaving them out changes tokens.
+    for merger in model.vision_tower.deepstack_merger_list:
+        merger.linear_fc2.weight = merger.linear_fc2.weight * 30.0
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "patch_size": patch,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "min_pixels": (patch * 2) ** 2,
+                "max_pixels": max_pixels,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            }
+        )
+    )
+    return folder

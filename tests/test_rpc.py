@@ -77,12 +77,13 @@ def _step_line(**fields: object) -> bytes:
         "scores": False,
         "pool": "",
         "images": [],
+        "positions": [],
         **fields,
     }
     plan = {
         "leave": [],
         "prefill": [chunk],
-        "decode": [{"seq": 2, "token": 1, "micro_batch": 0, "draft": [4, 5], "drop": 1}],
+        "decode": [{"seq": 2, "token": 1, "micro_batch": 0, "draft": [4, 5], "drop": 1, "rope_delta": 0}],
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
         "save": [{"seq": 1, "entry": 4}],
         "evict": [{"entry": 3}],

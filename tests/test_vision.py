@@ -293,7 +293,13 @@ async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(
         chat("Tell me something.", max_tokens=10),
         chat(image_parts(png(32, 32, seed=23), png(64, 32, seed=24), text="Compare them."), max_tokens=10),
     ]
-    async with httpx.AsyncClient(base_url=served.url, timeout=180) as client:
+    solo, together = await solo_and_together(served.url, bodies)
+    assert together == solo
+
+
+async def solo_and_together(url: str, bodies: list[dict]) -> tuple[list[list[str]], list[list[str]]]:
+    """Each chat's tokens sent alone, one after the other, then all of them at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=180) as client:
         solo = [tokens_of((await client.post("/v1/chat/completions", json=b)).json()) for b in bodies]
         together: list[list[str]] = [[] for _ in bodies]
 
@@ -303,7 +309,7 @@ async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(
         async with anyio.create_task_group() as tg:
             for i in range(len(bodies)):
                 tg.start_soon(one, i)
-    assert together == solo
+    return solo, together
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ class Intake:
             stop = StopText(params.stop, params.include_stop_str_in_output)
             seqs.append(Sequence(request_id, next(self.numbers), list(prompt), max_tokens, own, stop))
             seqs[-1].images = getattr(prompt, "images", ())  # engine.vision.Prompt
+            seqs[-1].rope = getattr(prompt, "rope", None)
             seqs[-1].proposer = self._proposer(params)
             seqs[-1].submitted = time.perf_counter()
         seqs[0].copies = seqs[1:]

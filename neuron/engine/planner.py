@@ -69,7 +69,12 @@ def plan_step(
         for copy in copies:
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
         runs = vision.runs(seq.images, start, end) if seq.images else []
-        prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
+        positions = seq.rope.chunk(start, end) if seq.rope else []
+        prefill.append(
+            Prefill(
+                seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs, positions=positions
+            )
+        )
         budget -= take
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
@@ -117,7 +122,7 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
         for seq in rows:
             drafts[seq.no] = drafts[seq.no][:cut]
     return [
-        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop)  # type: ignore[arg-type]
+        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop, seq.rope.delta if seq.rope else 0)  # type: ignore[arg-type]
         for seq in running
     ]
 

@@ -16,7 +16,7 @@ from neuron.engine.drafts import Proposer
 from neuron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from neuron.engine.vision import PromptImage
+    from neuron.engine.vision import PromptImage, Rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +185,7 @@ class Sequence:
     # Speculation (engine.drafts): None when this sequence does not speculate. ``output`` is the completion
     # so far (the prompt lookup searches it); ``drop`` how many tokens the ranks drop from its cache next step.
     images: tuple[PromptImage, ...] = ()  # where image features replace the prompt's embeddings (engine.vision)
+    rope: Rope | None = None  # its M-RoPE positions, where its images make them other than plain (engine.vision)
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)
     drop: int = 0

@@ -29,10 +29,52 @@ class PromptImage:
     positions: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """A prompt's multimodal rotary positions (M-RoPE, Qwen3-VL's): each token's time, row and column, as
+    mlx-vlm's ``get_rope_index`` gives them, and ``delta``, how far the positions after the prompt lag its length
+    (each image of h x w tokens advances them by max(h, w))."""
+
+    rows: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    delta: int
+
+    def chunk(self, start: int, end: int) -> list[list[int]]:
+        """The positions of the tokens ``[start, end)`` (past the prompt: its output, lagging by ``delta``), or
+        none where they are the plain ``start .. end - 1`` (text before the first image)."""
+        length = len(self.rows[0])
+        rows = [list(row[start:end]) + [i + self.delta for i in range(max(start, length), end)] for row in self.rows]
+        return [] if all(row == list(range(start, end)) for row in rows) else rows
+
+
+def rope_index(ids: list[int], images: list[tuple[int, tuple[int, int, int]]]) -> Rope:
+    """M-RoPE positions of a prompt whose images each start at a position with a grid of (time, rows, columns)
+    tokens (after the spatial merge): text tokens count on from the previous token's largest position; an image's
+    tokens take its grid's coordinates, offset by the position it starts at. As mlx-vlm's ``get_rope_index``."""
+    rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+    position, next_ = 0, 0  # the next token's index, and the position it takes
+    for start, (t, h, w) in sorted(images):
+        for _ in range(start - position):
+            for row in rows:
+                row.append(next_)
+            next_ += 1
+        for k in range(t * h * w):
+            rows[0].append(next_ + k // (h * w))
+            rows[1].append(next_ + (k // w) % h)
+            rows[2].append(next_ + k % w)
+        next_ += max(t, h, w)
+        position = start + t * h * w
+    for _ in range(len(ids) - position):
+        for row in rows:
+            row.append(next_)
+        next_ += 1
+    return Rope((tuple(rows[0]), tuple(rows[1]), tuple(rows[2])), next_ - len(ids))
+
+
 class Prompt(list[int]):
     """A prompt's tokens, with the images whose features replace the embeddings at some of its positions."""
 
     images: tuple[PromptImage, ...] = ()
+    rope: Rope | None = None  # a model with M-RoPE: the positions where an image makes them other than plain
 
 
 def runs(prompt_images: tuple[PromptImage, ...], start: int, end: int) -> list[ImageRun]:
@@ -84,6 +126,10 @@ class Vision:
         self.placeholder: str = (
             getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or "<image>"
         )
+        # Qwen3-VL's multimodal rotary positions: an image's tokens take their grid's coordinates.
+        text = config.get("text_config", config)
+        scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        self.merge = int(config["vision_config"].get("spatial_merge_size", 2)) if "mrope_section" in scaling else 0
 
     @classmethod
     def load(cls, model_path: Path) -> Vision | None:
@@ -107,12 +153,15 @@ class Vision:
         for rank 0. Raises ``RequestError`` where the template rendered another number of images than were sent."""
         ids = self._prepare(text, pictures)["input_ids"]
         positions = [i for i, t in enumerate(ids) if t == self.image_token]
-        prompt_images, taken = [], 0
+        prompt_images, taken, grids = [], 0, []
         for picture in pictures:
             alone = self._prepare(self.placeholder, [picture])
             count = sum(1 for t in alone["input_ids"] if t == self.image_token)
             images.STORE.put(picture.digest, images.Inputs(alone["input_ids"], alone["arrays"], self.image_token))
             prompt_images.append(PromptImage(picture.digest, tuple(positions[taken : taken + count])))
+            if self.merge and taken < len(positions):
+                t, h, w = (int(n) for n in alone["arrays"]["image_grid_thw"][0])
+                grids.append((positions[taken], (t, h // self.merge, w // self.merge)))
             taken += count
         if taken != len(positions) or any(len(p.positions) == 0 for p in prompt_images):
             raise RequestError(
@@ -124,6 +173,8 @@ class Vision:
             raise RequestError("the prompt ends inside an image; add text after the last image", "messages")
         prompt = Prompt(ids)
         prompt.images = tuple(prompt_images)
+        if grids:
+            prompt.rope = rope_index(ids, grids)
         return prompt
 
     def _prepare(self, text: str, pictures: list[images.Picture]) -> dict[str, Any]:

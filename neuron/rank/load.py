@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import read_config, text_config
-from neuron.rank import vision
+from neuron.rank import mrope, vision
 from neuron.rank.errors import RankError
 from neuron.rank.runner import Sharded, Stage
 from neuron.rank.shard import load_shard, load_stage, parameter_count, shard_head
@@ -61,4 +61,5 @@ def load(model_path: str, layers: list[int], rank: int, world_size: int, group: 
     else:
         runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
     runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
+    runner.rope = mrope.attach(config, model, layers[0] if layers else 0)
     return Share(model, runner, vocab_size, together, parameters)

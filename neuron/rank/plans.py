@@ -143,13 +143,14 @@ def _linear_attention(net: nn.Module, group: mx.distributed.Group) -> None:
 
 
 def _language_model(model: nn.Module, group: mx.distributed.Group) -> None:
-    """A vision-language model whose language model is one mlx-lm splits (mistral3's llama): the vision tower
-    is rank 0's alone (``rank.vision``), and never part of this model."""
+    """A vision-language model whose language model is one mlx-lm splits (mistral3's llama, qwen3_vl's qwen3):
+    the vision tower is rank 0's alone (``rank.vision``), and never part of this model."""
     model.language_model.shard(group)
 
 
 PLANS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
     "mistral3": _language_model,
+    "qwen3_vl": _language_model,
     "granite": _granite,
     "phi3": _phi3,
     "olmo2": _olmo2,

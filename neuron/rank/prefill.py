@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rank import caches
+from neuron.rank.mrope import placed
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill
 
@@ -71,10 +72,12 @@ def feed_prompts(
         if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
             logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
         else:
-            embeddings = (
-                runner.images.embeddings(chunk.tokens, chunk.images) if chunk.images and runner.images else None
-            )
-            logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache, embeddings)
+            embeddings, deepstack = None, None
+            if chunk.images and runner.images:
+                embeddings = runner.images.embeddings(chunk.tokens, chunk.images)
+                deepstack, runner.images.deepstack = runner.images.deepstack, None
+            with placed(runner.rope, chunk.position, chunk.positions, deepstack):
+                logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache, embeddings)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last
@@ -89,8 +92,9 @@ def feed_prompts(
 
 
 def _batched(chunk: Prefill, together: bool) -> bool:
-    """Whether a chunk goes with the new prompts fed together: not one with images (fed with its own embeddings)."""
-    return chunk.position == 0 and not chunk.scores and together and not chunk.images
+    """Whether a chunk goes with the new prompts fed together: not one with images (fed with its own embeddings)
+    or positions of its own."""
+    return chunk.position == 0 and not chunk.scores and together and not chunk.images and not chunk.positions
 
 
 def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:

@@ -133,7 +133,10 @@ class Rank:
             tokens = mx.zeros((len(rows.ids),), dtype=mx.int32)
         if self.group is not None:  # rank 0's tokens on every rank's device, never through the host
             tokens = mx.distributed.all_sum(tokens, group=self.group)
-        (logits,) = self.runner.logits([(tokens.reshape(-1, 1), rows.cache)], lazy=True)
+        lags = {row.seq: row.rope_delta for row in plan.decode}
+        (logits,) = self.runner.logits(
+            [(tokens.reshape(-1, 1), rows.cache)], lazy=True, lags=[[lags.get(seq, 0) for seq in rows.ids]]
+        )
         queued = tokens if logits is None else logits
         if ahead.EVALUATES_ASYNC:
             mx.async_eval(queued)
@@ -197,9 +200,10 @@ class Rank:
         assert self.runner is not None
         by_seq = {row.seq: row for row in rows}
         micro_batches = sorted(widths)
-        passes = []
+        passes, lags = [], []
         for micro_batch in micro_batches:
             batch = self.batch.micro_batches[micro_batch]
+            lags.append([by_seq[seq].rope_delta for seq in batch.ids])
             rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
             tokens = fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])
             for seq, fed_row in zip(batch.ids, tokens, strict=True):
@@ -209,7 +213,7 @@ class Rank:
             passes.append((mx.array(tokens), batch.cache))
         every = any(row.draft for row in rows)
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
-        logits = self.runner.logits(passes, every, lazy=self.world_size == 1)
+        logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags)
         out: dict[int, mx.array] = {}
         for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
             if batch_logits is not None:

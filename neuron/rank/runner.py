@@ -22,9 +22,11 @@ import mlx.nn as nn
 from mlx_lm.models.gemma4_text import logit_softcap
 
 from neuron.rank import caches, staged
+from neuron.rank.mrope import shifted
 from neuron.rank.shard import VocabShard, backbone, head_gathers
 
 if TYPE_CHECKING:
+    from neuron.rank.mrope import Positions
     from neuron.rank.vision import Images
 
 # One forward pass takes at most this many tokens of a prompt (however many the
@@ -35,6 +37,7 @@ FORWARD_TOKENS = 512
 
 Cache = Sequence[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
+Lags = Sequence[Sequence[int]] | None  # each pass's rows' M-RoPE position deltas (``rank.mrope``)
 
 
 def _eval_with(cache: Cache, *arrays: mx.array) -> None:
@@ -45,6 +48,7 @@ class Sharded:
     """Tensor parallel: a slice of every layer here; the vocabulary projection split too where that pays."""
 
     images: Images | None = None  # a vision-language model's images, where this rank embeds them
+    rope: Positions | None = None  # a model with multimodal rotary positions (Qwen3-VL's): the plan's positions
 
     def __init__(self, model: nn.Module, head: VocabShard | None, rank: int) -> None:
         self.model = model
@@ -95,12 +99,19 @@ class Sharded:
             _eval_with(cache, hidden)
         return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
-    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(
+        self, passes: Sequence[Pass], every: bool = False, lazy: bool = False, lags: Lags = None
+    ) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
         for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
-        is queued (``mx.async_eval``), so that its collectives run as soon as rank 0's do."""
-        return [self._logits(tokens, cache, every, lazy) for tokens, cache in passes]
+        is queued (``mx.async_eval``), so that its collectives run as soon as rank 0's do. ``lags``: each pass's
+        rows' M-RoPE position deltas (``rank.mrope``)."""
+        out = []
+        for i, (tokens, cache) in enumerate(passes):
+            with shifted(self.rope, lags[i] if lags else None):
+                out.append(self._logits(tokens, cache, every, lazy))
+        return out
 
     def _logits(self, tokens: mx.array, cache: Cache, every: bool, lazy: bool) -> mx.array | None:
         wanted = slice(None) if every else -1
@@ -154,6 +165,7 @@ class Stage:
     """
 
     images: Images | None = None  # a vision-language model's images: the first stage's alone
+    rope: Positions | None = None  # a model with multimodal rotary positions: on every stage
 
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
         self.inner = backbone(model)
@@ -249,7 +261,9 @@ class Stage:
                 mx.eval(out[-1])
         return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
-    def logits(self, passes: Sequence[Pass], every: bool = False, lazy: bool = False) -> list[mx.array | None]:
+    def logits(
+        self, passes: Sequence[Pass], every: bool = False, lazy: bool = False, lags: Lags = None
+    ) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
         Always evaluated (``lazy`` is for one rank alone): the passes cross ranks.
 
@@ -258,8 +272,9 @@ class Stage:
         plan's micro-batches), stage 1 works on the first while rank 0 works on
         the second, instead of each stage waiting for the whole batch.
         """
-        for tokens, cache in passes:
-            hidden = self._through(tokens, cache)
+        for i, (tokens, cache) in enumerate(passes):
+            with shifted(self.rope, lags[i] if lags else None):
+                hidden = self._through(tokens, cache)
             if self.last:
                 sent = mx.distributed.send(hidden if every else hidden[:, -1:, :], 0, group=self.group)
             else:

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import structlog
 
 from neuron import images
+from neuron.rank import mrope
 from neuron.rank.shard import backbone
 from neuron.rpc import ImageRun
 
@@ -60,9 +61,12 @@ class Encoder:
         pixels = kwargs.pop("pixel_values", None)
         # mlx-vlm's own merge, on the image's placeholder tokens alone: its rows at the image token are the
         # features, scaled and projected exactly as its generate would put them in a prompt.
-        embedded = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids), **kwargs).inputs_embeds[0]
+        out = self.vlm.get_input_embeddings(ids, pixels, mask=mx.ones_like(ids), **kwargs)
         rows = mx.array([i for i, t in enumerate(inputs.ids) if t == inputs.token])
-        features = embedded[rows]
+        features = out.inputs_embeds[0][rows]
+        # Qwen3-VL's deepstack features (one per early layer, ``rank.mrope``) travel beside the image's own.
+        if (deepstack := getattr(out, "deepstack_visual_embeds", None)) is not None:
+            features = mx.concatenate([features, *(d.reshape(features.shape[0], -1) for d in deepstack)], axis=-1)
         mx.eval(features)
         ms = round((time.perf_counter() - started) * 1e3, 1)
         log.info("image encoded", image=digest[:12], tokens=features.shape[0], ms=ms)
@@ -76,33 +80,41 @@ class Images:
     """What one rank does with a chunk's images: rank 0 encodes them (``encoder``), every rank that embeds puts
     them in; ``group`` is set where the features must reach other ranks (tensor parallelism)."""
 
-    def __init__(self, model: nn.Module, encoder: Encoder | None, group: mx.distributed.Group | None) -> None:
+    def __init__(
+        self, model: nn.Module, encoder: Encoder | None, group: mx.distributed.Group | None, deepstack: int = 0
+    ) -> None:
         self.embed = backbone(model).embed_tokens
         self.encoder = encoder
         self.group = group
         self.missing: list[str] = []  # digests rank 0 had no pixels for: zeros fed, the step raised after
+        self.layers = deepstack  # early layers that take deepstack features (Qwen3-VL's)
+        self.deepstack: tuple[list[int], mx.array] | None = None  # the last chunk's: rows, (layers, rows, hidden)
 
     def embeddings(self, tokens: list[int], runs: list[ImageRun]) -> mx.array:
         """The chunk's input embeddings, (1, tokens, hidden), the image runs' positions holding their features."""
         embedded = self.embed(mx.array(tokens)[None])
         hidden, dtype = embedded.shape[-1], embedded.dtype
         rows = sum(run.count for run in runs)
+        width = hidden * (1 + self.layers)
         if self.encoder is not None:
             pieces = []
             for run in runs:
                 features = self.encoder.of(run.digest)
                 if features is None:
                     self.missing.append(run.digest)
-                    features = mx.zeros((run.first + run.count, hidden), dtype)
+                    features = mx.zeros((run.first + run.count, width), dtype)
                 pieces.append(features[run.first : run.first + run.count].astype(dtype))
             features = mx.concatenate(pieces)
         else:
-            features = mx.zeros((rows, hidden), dtype)
+            features = mx.zeros((rows, width), dtype)
         if self.group is not None and self.group.size() > 1:
             features = mx.distributed.all_sum(features, group=self.group)
-        at = mx.array([run.at + k for run in runs for k in range(run.count)])
+        places = [run.at + k for run in runs for k in range(run.count)]
+        if self.layers:
+            deep = features[:, hidden:].reshape(rows, self.layers, hidden).transpose(1, 0, 2)
+            self.deepstack = (places, deep)
         row = embedded[0]
-        row[at] = features
+        row[mx.array(places)] = features[:, :hidden]
         return row[None]
 
     def take_missing(self) -> str | None:
@@ -130,4 +142,4 @@ def attach(
     if "vision_config" not in config or (staged and rank != 0):
         return None
     encoder = Encoder(model_path, backbone(model).embed_tokens) if rank == 0 else None
-    return Images(model, encoder, None if staged else group)
+    return Images(model, encoder, None if staged else group, mrope.deepstack_layers(config))

@@ -187,6 +187,9 @@ class Prefill:
     # and every rank drops it at once (it never joins the batch, and no plan names it again).
     pool: str = ""
     images: list[ImageRun] = field(default_factory=list)  # where image features replace token embeddings
+    # M-RoPE (Qwen3-VL): the chunk's tokens' positions, three rows (time, row, column) of ``len(tokens)``, where
+    # they are not ``position + i`` (an image's tokens, and every token after one); empty: the plain ones.
+    positions: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +210,9 @@ class Decode:
     # Tokens this row was fed in the previous step that were not accepted (a rejected draft, the padding):
     # every rank drops them from the end of the row's KV cache before this step's forward.
     drop: int = 0
+    # M-RoPE: how far the row's positions lag its cache's length (a prompt's images advanced them by less than
+    # their tokens); 0 for text.
+    rope_delta: int = 0
 
 
 @dataclass(frozen=True, slots=True)

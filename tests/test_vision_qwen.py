@@ -1,0 +1,151 @@
+"""Images in for the Qwen families: a tiny random Qwen3-VL (mlx-vlm's vision tower with deepstack mergers, a qwen3
+language model with multimodal rotary positions) served at TP=1, TP=2 and PP=2 gives mlx-vlm's own greedy tokens
+for the same images and prompt; TP=2 and PP=2 feed their prompts in small chunks, so that an image is cut across
+steps; an image request batched with text-only ones gives each its solo output."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from test_vision import as_mlx_vlm, mlx_vlm_tokens, solo_and_together, tokens_of
+
+from neuron import architectures
+from neuron.engine.vision import Rope, rope_index
+from testkit.server import Server, serving
+from testkit.vision import make_tiny_qwen3_vl, png
+
+PROMPT = "Describe this."
+
+
+def image_parts(*pictures: bytes, text: str = PROMPT) -> list[dict]:
+    urls = ("data:image/png;base64," + base64.b64encode(p).decode() for p in pictures)
+    return [*({"type": "image_url", "image_url": {"url": u}} for u in urls), {"type": "text", "text": text}]
+
+
+def chat(model: str, content: str | list[dict], max_tokens: int = 12) -> dict:
+    return {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "messages": [{"role": "user", "content": content}],
+    }
+
+
+# Unit: the positions the scheduler puts in the plan.
+
+
+@pytest.mark.unit
+def test_the_rope_index_is_mlx_vlms_for_a_prompt_with_two_images() -> None:
+    import mlx.core as mx
+    from mlx_vlm.models.qwen3_vl.language import LanguageModel
+
+    start, pad, end = 7, 9, 8
+    # text, an image of 2 x 3 merged tokens, text, an image of 4 x 2, text
+    ids = [1, 2, start, *[pad] * 6, end, 3, 4, 5, start, *[pad] * 8, end, 6]
+    config = SimpleNamespace(
+        vision_config=SimpleNamespace(spatial_merge_size=2),
+        image_token_id=pad,
+        video_token_id=99,
+        vision_start_token_id=start,
+    )
+    positions, deltas = LanguageModel.get_rope_index(
+        SimpleNamespace(config=config), mx.array([ids]), mx.array([[1, 4, 6], [1, 8, 4]])
+    )
+    rope = rope_index(ids, [(3, (1, 2, 3)), (14, (1, 4, 2))])
+    assert [list(row) for row in rope.rows] == positions[:, 0, :].tolist()
+    assert rope.delta == int(deltas[0, 0].item()) < 0
+
+
+@pytest.mark.unit
+def test_a_chunk_carries_positions_only_where_they_are_not_plain() -> None:
+    rope = rope_index([0] * 8, [(2, (1, 2, 2))])  # text at 0, 1; a 2 x 2 image at 2..5; text at 6, 7
+    assert rope.chunk(0, 2) == []  # before the image: the plain positions
+    assert rope.chunk(1, 4) == [[1, 2, 2], [1, 2, 2], [1, 2, 3]]
+    assert rope.chunk(6, 8) == [[4, 5]] * 3 and rope.delta == -2
+    # Past the prompt (a resumed sequence's output fed again): on from the prompt's last position.
+    assert rope.chunk(7, 10) == [[5, 6, 7]] * 3
+    assert Rope(((0, 1),) * 3, 0).chunk(0, 2) == []
+
+
+@pytest.mark.unit
+def test_the_table_says_the_qwen_vision_language_models_take_images() -> None:
+    support = architectures.supports({"model_type": "qwen3_vl"})
+    assert support is not None and support.images and support.tp and support.pp
+    assert any(
+        line.startswith("| qwen3_vl |") and line.endswith("| yes |") for line in architectures.markdown().split("\n")
+    )
+
+
+# End to end: a real server, mlx-vlm's own generation as the reference.
+
+TURN_PICTURES = [png(32, 48, seed=5), png(64, 32, seed=6), png(32, 32, seed=7)]
+TURNS = [
+    {"role": "user", "content": image_parts(TURN_PICTURES[0], text="What is this?")},
+    {"role": "assistant", "content": "A square."},
+    {"role": "user", "content": image_parts(*TURN_PICTURES[1:], text="And these two?")},
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3_vl(tmp_path_factory.mktemp("vlm") / "qwen3_vl")
+
+
+@pytest.fixture(scope="module")
+def picture() -> bytes:
+    return png(64, 48, seed=1)
+
+
+@pytest.fixture(scope="module")
+def expected(qwen3_vl: Path, picture: bytes) -> dict[str, list[str]]:
+    user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    turns = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in TURNS]
+    return {
+        "image": mlx_vlm_tokens(qwen3_vl, user, [picture]),
+        "text": mlx_vlm_tokens(qwen3_vl, [{"role": "user", "content": PROMPT}], []),
+        "turns": mlx_vlm_tokens(qwen3_vl, turns, TURN_PICTURES),
+    }
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(), ("--tp", "2", "--prefill-chunk", "7"), ("--pp", "2", "--prefill-chunk", "5")],
+    ids=["tp1", "tp2-chunked", "pp2-chunked"],
+)
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, qwen3_vl: Path
+) -> Iterator[Server]:
+    with serving(tmp_path_factory, "--model", str(qwen3_vl), *request.param) as server:
+        yield server
+
+
+def test_greedy_output_equals_mlx_vlm_with_images_and_without(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    assert len(set(expected["image"]) | set(expected["turns"])) > 8  # the tokens say something
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        image = client.post("/v1/chat/completions", json=chat("qwen3_vl", image_parts(picture))).json()
+        text = client.post("/v1/chat/completions", json=chat("qwen3_vl", PROMPT)).json()
+        turns = client.post("/v1/chat/completions", json={**chat("qwen3_vl", ""), "messages": TURNS}).json()
+    assert tokens_of(image) == expected["image"]
+    assert image["usage"]["prompt_tokens"] > 20  # the image's tokens count as prompt tokens
+    assert tokens_of(text) == expected["text"]  # a text-only request: mlx-vlm's (and mlx-lm's) text
+    assert tokens_of(turns) == expected["turns"]  # an image in an earlier turn and two in the last
+
+
+@pytest.mark.anyio
+async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(served: Server) -> None:
+    bodies = [
+        chat("qwen3_vl", image_parts(png(64, 64, seed=21)), max_tokens=10),
+        chat("qwen3_vl", "Tell me something.", max_tokens=10),
+        chat("qwen3_vl", image_parts(png(48, 64, seed=22), text="What is it?"), max_tokens=10),
+        chat("qwen3_vl", image_parts(png(32, 32, seed=23), png(64, 32, seed=24), text="Compare."), max_tokens=10),
+    ]
+    solo, together = await solo_and_together(served.url, bodies)
+    assert together == solo
