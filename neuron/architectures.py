@@ -72,7 +72,10 @@ TABLE: dict[str, Support] = {
     "phi3": Support(KV, "neuron", pp=True),
     "granite": Support(KV, "neuron", pp=True),
     "olmo2": Support(KV, "neuron", pp=True),
-    "qwen3_5": Support(STATE, "mlx-lm", pp=True),
+    # Qwen3.5/3.6, natively multimodal: a hybrid language model (gated delta and full attention layers, the latter
+    # with a partial M-RoPE, rank/mrope.py), and its MoE form.
+    "qwen3_5": Support(STATE, "mlx-lm", pp=True, images=True),
+    "qwen3_5_moe": Support(STATE, "mlx-lm", pp=True, images=True),
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
     "gemma3_text": Support(WINDOW, "neuron", pp=True),

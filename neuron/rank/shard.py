@@ -47,7 +47,7 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
         raise ModelError(f"architecture {arch!r} has no tensor-parallel shard() in mlx-lm; serve it with --tp 1")
     text = text_config(config)
     vocab = text.get("vocab_size")
-    split_head = arch == "qwen3_5" and not text.get("tie_word_embeddings", False)
+    split_head = arch in ("qwen3_5", "qwen3_5_moe") and not text.get("tie_word_embeddings", False)
     if split_head and isinstance(vocab, int) and vocab % world_size:  # its shard() splits the head by rows
         raise ModelError(
             f"{arch!r} splits its vocabulary of {vocab} over the ranks, and {world_size} does not divide it; "
