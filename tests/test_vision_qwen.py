@@ -126,7 +126,8 @@ def expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
 
 @pytest.fixture(
     scope="module",
-    params=[(), ("--tp", "2", "--prefill-chunk", "7"), ("--pp", "2", "--prefill-chunk", "5")],
+    # TP=2 runs each decode step ahead of its plan, as on a GPU, where the model's caches allow it.
+    params=[(), ("--tp", "2", "--prefill-chunk", "7", "--run-ahead", "on"), ("--pp", "2", "--prefill-chunk", "5")],
     ids=["tp1", "tp2-chunked", "pp2-chunked"],
 )
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
@@ -146,6 +147,20 @@ def test_greedy_output_equals_mlx_vlm_with_images_and_without(
     assert image["usage"]["prompt_tokens"] > 20  # the image's tokens count as prompt tokens
     assert tokens_of(text) == expected["text"]  # a text-only request: mlx-vlm's (and mlx-lm's) text
     assert tokens_of(turns) == expected["turns"]  # an image in an earlier turn and two in the last
+
+
+def test_drafts_after_an_image_are_verified_at_its_positions(
+    served: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    """A predicted output drafts the reply: every draft token fed after the image at the lagging positions."""
+    support = architectures.supports({"model_type": name(served)})
+    assert support is not None
+    prediction = {"type": "content", "content": "".join(expected["image"])}
+    body = {**chat(name(served), image_parts(picture)), "prediction": prediction}
+    reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert tokens_of(reply) == expected["image"]
+    accepted = reply["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
+    assert accepted > 0 if support.speculation else accepted == 0  # qwen3_5's state caches cannot be cut: none
 
 
 @pytest.mark.anyio
