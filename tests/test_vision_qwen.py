@@ -173,3 +173,22 @@ async def test_batched_with_image_and_text_requests_each_equals_its_solo_output(
     ]
     solo, together = await solo_and_together(served.url, bodies)
     assert together == solo
+
+
+def test_a_rank_that_cannot_follow_a_plan_with_positions_runs_it_on_throwaway_caches(vlm: Path) -> None:
+    """The desync path with M-RoPE: a chunk's positions that start past a fresh cache, and decode rows that lag,
+    still run every pass on throwaway caches; the rank says why, and serves on."""
+    from neuron.rank.rank import Rank, RankError
+    from neuron.rpc import Decode, Prefill, StepPlan
+
+    rank = Rank(0, 1)
+    rank.load(str(vlm), [])
+    rows = [[5, 6, 6, 7, 8, 9], [5, 6, 7, 7, 8, 9], [5, 6, 7, 8, 8, 9]]
+    plan = StepPlan(
+        prefill=[Prefill(2, 5, [10, 11, 12, 13, 14, 15], False, positions=rows)],
+        decode=[Decode(3, 7, 0, rope_delta=-3)],
+    )
+    with pytest.raises(RankError, match="desync"):
+        rank.step(plan)
+    logits = rank.step(StepPlan(prefill=[Prefill(1, 0, [10, 11, 12, 13, 14, 15], True, positions=rows)]))
+    assert logits is not None and 1 in logits

@@ -61,5 +61,5 @@ def load(model_path: str, layers: list[int], rank: int, world_size: int, group: 
     else:
         runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
     runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
-    runner.rope = mrope.attach(config, model, layers[0] if layers else 0)
+    runner.rope = mrope.attach(config, model, rank, layers[0] if layers else 0)
     return Share(model, runner, vocab_size, together, parameters)

@@ -19,6 +19,7 @@ reach the ranks that need them in the same sum.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -66,8 +67,9 @@ class Positions:
             self.shift = None
 
     def rotate(self, inner: nn.Module, x: mx.array, offset: Any) -> mx.array:
-        if self.placed is not None and isinstance(offset, int):
-            at = offset - self.start
+        at = offset - self.start if isinstance(offset, int) else -1
+        # Outside the chunk's positions only in a shadow step (fresh caches, its numbers thrown away).
+        if self.placed is not None and 0 <= at <= self.placed.shape[-1] - x.shape[-2]:
             cos, sin = self.rotary(x, self.placed[:, :, at : at + x.shape[-2]])
             return _rotated(x, cos, sin)
         if self.shift is not None:
@@ -171,13 +173,20 @@ def deepstack_layers(config: dict[str, Any]) -> int:
     return len(config.get("vision_config", {}).get("deepstack_visual_indexes") or [])
 
 
-def attach(config: dict[str, Any], model: nn.Module, first_layer: int = 0) -> Positions | None:
+def attach(config: dict[str, Any], model: nn.Module, rank: int, first_layer: int = 0) -> Positions | None:
     """Wrap the rotary module of every attention layer this rank holds, and make the first layers add deepstack
     features (those of them this rank holds: ``first_layer`` is its stage's first). None where the model has no
     M-RoPE."""
     section = mrope_section(config)
     if section is None:
         return None
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        raise RankError(
+            f"rank {rank} ({socket.gethostname()}): {config.get('model_type')!r} rotates by mlx-vlm's multimodal "
+            "positions on every rank: pip install 'neuron[vision]' on every host"
+        ) from None
     layers = backbone(model).layers
     attentions = [a for layer in layers if (a := _attention(layer)) is not None]
     if not attentions:
@@ -188,8 +197,9 @@ def attach(config: dict[str, Any], model: nn.Module, first_layer: int = 0) -> Po
     deep = deepstack_layers(config)
     if 0 < first_layer < deep:
         raise RankError(
-            f"the first {deep} layers take the images' deepstack features, which only the first pipeline stage "
-            f"has, and this stage starts at layer {first_layer}: serve it with fewer --pp stages, or with --tp"
+            f"rank {rank}: the first {deep} layers take the images' deepstack features, which only the first "
+            f"pipeline stage has, and this stage starts at layer {first_layer}: serve it with fewer --pp stages, "
+            "or with --tp"
         )
     positions = Positions(dims, base, section)
     for attention in attentions:
