@@ -122,7 +122,14 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
         for seq in rows:
             drafts[seq.no] = drafts[seq.no][:cut]
     return [
-        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop, seq.rope.delta if seq.rope else 0)  # type: ignore[arg-type]
+        Decode(
+            seq.no,
+            seq.next_token,  # type: ignore[arg-type]
+            seq.micro_batch,
+            drafts[seq.no],
+            seq.drop,
+            rope_delta=seq.rope.delta if seq.rope else 0,
+        )
         for seq in running
     ]
 
