@@ -117,8 +117,10 @@ def picture() -> bytes:
 def expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     turns = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in TURNS]
+    longer = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT + " In detail."}]}]
     return {
         "image": mlx_vlm_tokens(vlm, user, [picture]),
+        "longer": mlx_vlm_tokens(vlm, longer, [picture], max_tokens=4),
         "text": mlx_vlm_tokens(vlm, [{"role": "user", "content": PROMPT}], []),
         "turns": mlx_vlm_tokens(vlm, turns, TURN_PICTURES),
     }
@@ -149,18 +151,25 @@ def test_greedy_output_equals_mlx_vlm_with_images_and_without(
     assert tokens_of(turns) == expected["turns"]  # an image in an earlier turn and two in the last
 
 
-def test_drafts_after_an_image_are_verified_at_its_positions(
+def test_drafts_and_a_restored_prefix_after_an_image_keep_its_positions(
     served: Server, picture: bytes, expected: dict[str, list[str]]
 ) -> None:
-    """A predicted output drafts the reply: every draft token fed after the image at the lagging positions."""
+    """A predicted output drafts the reply: every draft token fed after the image at the lagging positions; and
+    the same image and a longer text restore the first prompt's cache, the positions going on from there."""
     support = architectures.supports({"model_type": name(served)})
     assert support is not None
     prediction = {"type": "content", "content": "".join(expected["image"])}
     body = {**chat(name(served), image_parts(picture)), "prediction": prediction}
-    reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=120).json()
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        reply = client.post("/v1/chat/completions", json=body).json()
+        longer = chat(name(served), image_parts(picture, text=PROMPT + " In detail."), max_tokens=4)
+        extended = client.post("/v1/chat/completions", json=longer).json()
     assert tokens_of(reply) == expected["image"]
     accepted = reply["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
     assert accepted > 0 if support.speculation else accepted == 0  # qwen3_5's state caches cannot be cut: none
+    if support.cuttable:  # a restored beginning past the image (a snapshot restores only a whole saved prompt)
+        assert extended["usage"]["prompt_tokens_details"]["cached_tokens"] > 20
+    assert tokens_of(extended) == expected["longer"]
 
 
 @pytest.mark.anyio
