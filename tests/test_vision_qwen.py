@@ -79,6 +79,20 @@ def test_a_chunk_carries_positions_only_where_they_are_not_plain() -> None:
 
 
 @pytest.mark.unit
+def test_the_plan_carries_each_chunks_positions_and_the_decode_rows_lag() -> None:
+    from test_scheduler import admitted, request, run, scheduler
+
+    s = scheduler(prefill_chunk=4)
+    seq = request(8)
+    seq.rope = rope_index(seq.prompt, [(2, (1, 2, 2))])  # a 2 x 2 image at 2..5
+    admitted(s, seq)
+    first, second = run(s).prefill[0], run(s).prefill[0]
+    assert first.positions == [[0, 1, 2, 2], [0, 1, 2, 2], [0, 1, 2, 3]]
+    assert second.positions == [[2, 2, 4, 5], [3, 3, 4, 5], [2, 3, 4, 5]]
+    assert [row.rope_delta for row in run(s).decode] == [-2]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def test_the_table_says_the_qwen_vision_language_models_take_images(arch: str) -> None:
     support = architectures.supports({"model_type": arch})
