@@ -74,6 +74,9 @@ TABLE: dict[str, Support] = {
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
     "gemma3_text": Support(WINDOW, "neuron", pp=True),
+    # Gemma 3's vision-language model: its gemma3_text language model split by neuron's plan, the vision tower
+    # whole on rank 0.
+    "gemma3": Support(WINDOW, "neuron", pp=True, images=True),
     "gemma4_text": Support(WINDOW, "neuron", pp=True),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.

@@ -22,7 +22,7 @@ from neuron.engine.vision import PromptImage, keyed, runs
 from neuron.rpc import ImageRun
 from testkit.origin import origin
 from testkit.server import Server, serving
-from testkit.vision import make_tiny_mistral3, png
+from testkit.vision import as_mlx_vlm, make_tiny_mistral3, mlx_vlm_tokens, png
 
 PROMPT = "Describe this."
 
@@ -168,24 +168,6 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def picture() -> bytes:
     return png(64, 48, seed=1)
-
-
-def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes], max_tokens: int = 12) -> list[str]:
-    """mlx-vlm's own greedy generation for a chat (image parts as ``{"type": "image"}``) rendered by the model's
-    template, each token as its text (one character each in the tiny vocabulary)."""
-    from mlx_vlm import generate, load
-    from PIL import Image
-
-    model, processor = load(str(model_path))
-    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [Image.open(io.BytesIO(p)) for p in pictures] or None
-    result = generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
-    ids = [t for t in result.token_ids if t != model.config.eos_token_id]
-    return [processor.tokenizer.decode([t]) for t in ids]
-
-
-def as_mlx_vlm(content: list[dict]) -> list[dict]:
-    return [{"type": "image"} if p["type"] == "image_url" else p for p in content]
 
 
 # A conversation with an image in an earlier turn and two in the last.
@@ -420,13 +402,12 @@ def gradient(side: int) -> bytes:
 
 @pytest.mark.anyio
 async def test_large_images_are_read_off_the_event_loop(served: Server) -> None:
-    """While a request's large images are decoded and processed (seconds), every other request is answered: the
+    """While a request's large image is decoded and processed (a second or more), every other request is answered: the
     longest wait between two health checks is a small part of the image request's time, where a blocked event
     loop would answer none of them until the images were done."""
     if len(served.args) > 2:
         pytest.skip("shown at TP=1")
-    big = gradient(4096)
-    body = chat(image_parts(big, gradient(4095)), max_tokens=1)
+    body = chat(image_parts(gradient(4096)), max_tokens=1)
     gaps: list[float] = []
     async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
         done = anyio.Event()

@@ -189,6 +189,8 @@ class Stage:
         """This stage's layers over ``tokens``: embedded here on rank 0 (``embeddings`` where images replace some),
         received from the stage before elsewhere."""
         if self.rank == 0 and embeddings is not None:
+            if self.own_call is not None:
+                return self.own_call(self.inner, tokens, cache, None, embeddings)
             return self.inner(tokens, cache=cache, input_embeddings=embeddings)
         if self.rank == 0:
             return (

@@ -29,15 +29,23 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-# A stage's layers over tokens (rank 0: embedded here) or the hidden states received from the stage before.
-StageCall = Callable[[nn.Module, mx.array, Sequence[Any], mx.array | None], mx.array]
+# A stage's layers over tokens (rank 0: embedded here, or given their input embeddings, where images replace
+# some) or the hidden states received from the stage before.
+StageCall = Callable[..., mx.array]
 
 
-def _gemma3(inner: nn.Module, tokens: mx.array, cache: Sequence[Any], received: mx.array | None) -> mx.array:
-    """``Gemma3Model.__call__`` for a stage: the embedding scaled on the first stage alone, each layer given the
-    mask of its own kind, made from the stage's first cache of that kind."""
+def _gemma3(
+    inner: nn.Module,
+    tokens: mx.array,
+    cache: Sequence[Any],
+    received: mx.array | None,
+    embeddings: mx.array | None = None,
+) -> mx.array:
+    """``Gemma3Model.__call__`` for a stage: the embedding (or the given input embeddings, as the model's own call
+    takes them) scaled on the first stage alone, each layer given the mask of its own kind, made from the stage's
+    first cache of that kind."""
     if received is None:
-        h = inner.embed_tokens(tokens)
+        h = inner.embed_tokens(tokens) if embeddings is None else embeddings
         h *= mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
     else:
         h = received
@@ -137,6 +145,7 @@ def _gemma3_caches(inner: nn.Module) -> Callable[[], list[Any]]:
 
 _CALLS: dict[str, tuple[StageCall, Callable[[nn.Module], Callable[[], list[Any]]]]] = {
     "gemma3_text": (_gemma3, _gemma3_caches),
+    "gemma3": (_gemma3, _gemma3_caches),  # the vision-language model: its language model's stage
     "gemma4_text": (_gemma4, _gemma4_caches),
 }
 
