@@ -171,13 +171,15 @@ def _save(
     if embed_scale is not None:
         embed = model.language_model.model.embed_tokens
         embed.weight = embed.weight * (embed_scale / scale)
-    if (projector := getattr(model.multi_modal_projector, "mm_input_projection_weight", None)) is not None:
+    projector = model.get("multi_modal_projector")
+    if projector is not None and "mm_input_projection_weight" in projector:
         # Gemma 3's projection starts as ones: over the vision tower's layer-normed (zero-mean) features, every
         # image would project to zeros.
-        model.multi_modal_projector.mm_input_projection_weight = mx.random.normal(projector.shape) * scale / 8
+        weight = projector.mm_input_projection_weight
+        projector.mm_input_projection_weight = mx.random.normal(weight.shape) * scale / 8
     weights = dict(tree_flatten(model.parameters()))
     if tied:
-        del weights["language_model.lm_head.weight"]
+        weights.pop("language_model.lm_head.weight", None)
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config))
 
@@ -247,6 +249,69 @@ def make_tiny_gemma3(
     (folder / "processor_config.json").write_text(
         json.dumps({"image_seq_length": 4, "processor_class": "Gemma3Processor"})
     )
+    return folder
+
+
+def make_tiny_gemma4(folder: Path, seed: int = 0, hidden: int = 256, layers: int = 4, window: int = 24) -> Path:
+    """A Gemma 4 (its vision tower and projector, a Gemma 4 language model with per-layer inputs, sliding-window
+    layers alternating with global ones, its last layer reading an earlier one's keys and values) of random
+    weights. An image is 4 soft tokens between its begin and end markers; its chat template writes the image
+    token, which the processor expands."""
+    folder.mkdir(parents=True)
+    markers = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA_SPECIALS, strict=True))
+    template = GEMMA_TEMPLATE.replace("<start_of_image>", "<image_soft_token>")
+    vocab = _tokenizer(folder, template, GEMMA_SPECIALS, extra_special_tokens=markers)
+    kinds = ["sliding_attention", "full_attention"] * (layers // 2)
+    config = {
+        "model_type": "gemma4",
+        "image_token_id": vocab["<image_soft_token>"],
+        "boi_token_id": vocab["<start_of_image>"],
+        "eoi_token_id": vocab["<end_of_image>"],
+        "eos_token_id": vocab["<|im_end|>"],
+        "vocab_size": len(vocab),
+        "hidden_size": hidden,
+        "vision_soft_tokens_per_image": 4,
+        "text_config": {
+            "model_type": "gemma4_text",
+            **_language_shape(hidden, layers, len(vocab)),
+            "global_head_dim": 64,
+            "num_global_key_value_heads": 2,
+            "num_kv_shared_layers": 1,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": len(vocab),
+            "use_double_wide_mlp": False,
+            "final_logit_softcapping": 30.0,
+            "sliding_window": window,
+            "sliding_window_pattern": 2,
+            "layer_types": kinds,
+            # Said out loud, as Gemma 4's configs say it: mlx-vlm's and mlx-lm's defaults differ.
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"},
+            },
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+        },
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "global_head_dim": 32,
+            "patch_size": 8,
+            "pooling_kernel_size": 2,
+            "position_embedding_size": 64,
+            "default_output_length": 4,
+        },
+    }
+    _save(folder, config, seed, scale=0.5, tied=True)
+    # Normalized to [-1, 1]: the tower's patches then differ from picture to picture, and so does the output.
+    image = {"patch_size": 8, "max_soft_tokens": 9, "pooling_kernel_size": 2, "image_mean": [0.5] * 3}
+    image["image_std"] = [0.5] * 3
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": image}))
     return folder
 
 

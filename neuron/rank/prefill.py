@@ -71,10 +71,11 @@ def feed_prompts(
         if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
             logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
         else:
-            embeddings = (
-                runner.images.embeddings(chunk.tokens, chunk.images) if chunk.images and runner.images else None
-            )
-            logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache, embeddings)
+            fed, embeddings = chunk.tokens, None
+            if chunk.images and runner.images:
+                embeddings = runner.images.embeddings(chunk.tokens, chunk.images)
+                fed = runner.images.tokens(chunk.tokens, chunk.images)
+            logits = _forward_prompt(runner, fed, chunk.last, state.cache, embeddings)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last
