@@ -8,7 +8,10 @@ holds up the event loop. The schema sits beside each reader. No MLX.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -89,19 +92,25 @@ def chat_text(value: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 T = TypeVar("T")
-# Images read and chats encoded with images at once, each a worker thread: a burst of photos takes this many of
-# the two or so cores a small host has, and queues the rest, rather than every thread anyio would lend.
+# Images read and chats encoded with images at once: a burst of photos takes this many of the two or so cores a
+# small host has, and queues the rest.
 IMAGE_THREADS = 2
-_limiter: anyio.CapacityLimiter | None = None
+_threads: ThreadPoolExecutor | None = None
 
 
 async def off_loop(work: Callable[..., T], *args: Any) -> T:
-    """``work(*args)`` on one of ``IMAGE_THREADS`` worker threads: decoding a photo and running a processor over
-    it take up to seconds, which the event loop, answering every other request meanwhile, must not wait out."""
-    global _limiter
-    if _limiter is None:
-        _limiter = anyio.CapacityLimiter(IMAGE_THREADS)
-    return await anyio.to_thread.run_sync(work, *args, limiter=_limiter)
+    """``work(*args)`` on one of ``IMAGE_THREADS`` threads kept for it: decoding a photo and running a processor
+    over it take up to seconds, which the event loop, answering every other request meanwhile, must not wait out.
+    The threads live as long as the server, not a worker pool's few idle seconds: mlx-vlm's processors make MLX
+    arrays, and MLX keeps a stream per thread (FACTS: use MLX on threads of your own). Waited for even when the
+    request is cancelled, as ``anyio.to_thread`` waits: its work never outlives its caller."""
+    global _threads
+    if _threads is None:
+        _threads = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="neuron-images")
+    done = asyncio.get_running_loop().run_in_executor(_threads, partial(work, *args))
+    with anyio.CancelScope(shield=True):
+        result = await done
+    return result
 
 
 async def read_images(messages: list[dict[str, Any]]) -> None:
