@@ -79,6 +79,10 @@ TABLE: dict[str, Support] = {
     "qwen3_next": Support(STATE, "neuron", pp=True),
     "gpt_oss": Support(WINDOW, "mlx-lm", pp=True),
     "gemma3_text": Support(WINDOW, "neuron", pp=True),
+    # Gemma 3's vision-language model: its gemma3_text language model split by neuron's plan, the vision tower
+    # whole on rank 0.
+    "gemma3": Support(WINDOW, "neuron", pp=True, images=True),
+    "gemma4": Support(WINDOW, "neuron", pp=True, images=True),  # Gemma 4's, likewise
     "gemma4_text": Support(WINDOW, "neuron", pp=True),
 }
 # Architectures whose code reads ``layer_types`` for sliding layers the way mlx-lm's llama.py does.
@@ -106,7 +110,7 @@ def kept_together(config: dict[str, Any]) -> list[tuple[int, int]]:
     their kind (sliding or full), as mlx-lm's ``Gemma4TextModel`` wires them."""
     text = config.get("text_config", config)
     shared = int(text.get("num_kv_shared_layers") or 0)
-    if architecture(config) != "gemma4_text" or not shared:
+    if architecture(config) not in ("gemma4_text", "gemma4") or not shared:
         return []
     layers = int(text["num_hidden_layers"])
     types = text.get("layer_types")
@@ -126,8 +130,9 @@ def supports(config: dict[str, Any]) -> Support | None:
     support = TABLE[arch]
     if arch in _LAYER_TYPED and windowed(config):
         return Support(WINDOW, support.tp, pp=support.pp, images=support.images)
-    if arch == "gemma4_text" and config.get("text_config", config).get("enable_moe_block"):
-        return Support(WINDOW, None, pp=True)  # neuron's plan splits attention and the MLP, not its experts
+    if arch in ("gemma4_text", "gemma4") and config.get("text_config", config).get("enable_moe_block"):
+        # neuron's plan splits attention and the MLP, not its experts
+        return Support(WINDOW, None, pp=True, images=support.images)
     return support
 
 

@@ -1,7 +1,11 @@
-"""Images a request carries: read from a ``data:`` URL, checked, decoded once, digested.
+"""Images a request carries: named by a ``data:`` URL (or an ``http(s)`` one, where the server fetches them),
+checked, decoded once, digested.
 
-No MLX here: the HTTP layer calls ``picture`` while it parses a request, so
-every refusal (a payload that is no image, a format Pillow does not decode, a
+No MLX here. The HTTP layer reads a request in two moves: while it parses the
+body, ``part`` checks what is cheap to check (the URL's kind, the payload's
+size) and leaves a ``Source`` in the part; before the request queues, each
+source is read and decoded (``read``) on a worker thread, off the event loop.
+Every refusal (a payload that is no image, a format Pillow does not decode, a
 picture too large, too many of them) is a 400 naming the part, before anything
 queues. A picture's size is read from its header and checked before a single
 pixel is decoded: a decompression bomb (a few KB of PNG that would decode to
@@ -25,7 +29,6 @@ from typing import Any
 
 from neuron.settings import ImageLimits
 
-MAX_BYTES = 20 * 1024 * 1024  # one image's encoded bytes (its base64 is a third longer)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # The server's --max-images and --max-image-pixels, set once at startup (``neuron serve``), before any request is read.
 LIMITS = ImageLimits()
@@ -40,6 +43,18 @@ class ImageError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Source:
+    """An image a request names, not read yet: its URL (checked for its kind and size) and the part it came in."""
+
+    url: str
+    where: str  # the part, as a request names it (``messages[0].content[1].image_url.url``)
+
+    @property
+    def remote(self) -> bool:
+        return not self.url[:5].lower().startswith("data:")
+
+
+@dataclass(frozen=True, slots=True)
 class Picture:
     """A decoded image: RGB, its first frame where it has several."""
 
@@ -51,9 +66,10 @@ class Picture:
 
 def part(value: Any, where: str) -> dict[str, Any]:
     """OpenAI's ``image_url`` part's object (``{"url": ..., "detail": ...}``) as a chat template's image part:
-    ``{"type": "image", "picture": Picture}`` (templates render ``{"type": "image"}``)."""
+    ``{"type": "image", "picture": Source}`` (templates render ``{"type": "image"}``), its URL checked; ``read``
+    turns the source into a ``Picture``."""
     url = value.get("url") if isinstance(value, dict) else value
-    return {"type": "image", "picture": from_url(url, f"{where}.image_url.url")}
+    return {"type": "image", "picture": checked(url, f"{where}.image_url.url")}
 
 
 def from_responses(part: Any) -> dict[str, Any] | None:
@@ -83,15 +99,24 @@ def joined(parts: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
     return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
-def pictures(messages: list[dict[str, Any]]) -> list[Picture]:
-    """Every image of a chat, in the order its template renders them."""
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every image part of a chat, in the order its template renders them."""
     return [
-        p["picture"]
+        p
         for m in messages
         if isinstance(m.get("content"), list)
         for p in m["content"]
         if isinstance(p, dict) and p.get("type") == "image"
     ]
+
+
+def pictures(messages: list[dict[str, Any]]) -> list[Picture]:
+    """Every image of a chat, read (``read``), in the order its template renders them."""
+    out = [p["picture"] for p in image_parts(messages)]
+    unread = [p for p in out if not isinstance(p, Picture)]
+    if unread:
+        raise RuntimeError(f"{unread[0]} was not read before its chat was encoded")
+    return out
 
 
 def first_image(messages: list[dict[str, Any]]) -> str:
@@ -106,24 +131,28 @@ def first_image(messages: list[dict[str, Any]]) -> str:
 
 def check_count(messages: list[dict[str, Any]], where: str = "messages", most: int | None = None) -> None:
     most = LIMITS.max_images if most is None else most
-    if (seen := len(pictures(messages))) > most:
+    if (seen := len(image_parts(messages))) > most:
         raise ImageError(
             f"`{where}` carries {seen} images; this server takes at most {most} a request (--max-images): send fewer",
             where,
         )
 
 
-def from_url(url: Any, where: str) -> Picture:
-    """The picture an ``image_url``'s ``url`` names: a ``data:`` URL (base64) only."""
+def checked(url: Any, where: str) -> Source:
+    """The source an ``image_url``'s ``url`` names, checked without reading it: a ``data:`` URL (base64) of at
+    most --max-image-bytes, or an ``http(s)`` URL where the server fetches them (--image-urls)."""
     if not isinstance(url, str):
         raise ImageError(f"`{where}` must be a string: a data: URL of a base64 image", where)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        raise ImageError(
-            f"`{where}`: this server does not fetch image URLs (a server-side request forgery risk); send the image "
-            "inline as a data: URL, data:image/png;base64,...",
-            where,
-        )
+        if not LIMITS.image_urls:
+            raise ImageError(
+                f"`{where}`: this server does not fetch image URLs (a server-side request forgery risk; its "
+                "operator may allow them with --image-urls); send the image inline as a data: URL, "
+                "data:image/png;base64,...",
+                where,
+            )
+        return Source(url, where)
     if scheme != "data":
         shown = f"a {scheme}: URL" if scheme else "no URL"
         raise ImageError(
@@ -132,14 +161,39 @@ def from_url(url: Any, where: str) -> Picture:
     header, _, payload = url.partition(",")
     if not header.lower().endswith(";base64"):
         raise ImageError(f"`{where}`: the data: URL must be base64 (data:image/png;base64,...)", where)
-    return from_base64(payload, where)
+    if len(payload) > LIMITS.max_image_bytes * 4 // 3 + 4:
+        raise too_large(where)
+    return Source(url, where)
+
+
+def too_large(where: str) -> ImageError:
+    most = LIMITS.max_image_bytes
+    return ImageError(
+        f"`{where}`: an image may take at most {most:,} bytes (--max-image-bytes); send a smaller one", where
+    )
+
+
+def read(source: Source, fetched: bytes | None = None) -> Picture:
+    """The picture a source names: its ``data:`` URL's bytes, or the bytes ``fetched`` from its ``http(s)`` URL,
+    decoded. Seconds for a large photo: called off the event loop."""
+    if fetched is not None:
+        return decode(fetched, source.where)
+    return from_base64(source.url.partition(",")[2], source.where)
+
+
+def from_url(url: Any, where: str) -> Picture:
+    """The picture a ``data:`` URL holds, checked and decoded."""
+    source = checked(url, where)
+    if source.remote:
+        raise ImageError(f"`{where}`: an http(s) URL is fetched, not read in place", where)
+    return read(source)
 
 
 def from_base64(payload: Any, where: str) -> Picture:
     if not isinstance(payload, str):
         raise ImageError(f"`{where}` must be a base64 string", where)
-    if len(payload) > MAX_BYTES * 4 // 3 + 4:
-        raise ImageError(f"`{where}`: an image may take at most {MAX_BYTES // 2**20} MiB; send a smaller one", where)
+    if len(payload) > LIMITS.max_image_bytes * 4 // 3 + 4:
+        raise too_large(where)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:

@@ -326,6 +326,32 @@ class ImageLimits:
         at_least=1,
         why="4096 x 4096, generous for documents and screenshots; one such RGB picture is 50 MB decoded",
     )
+    max_image_bytes: int = setting(
+        20 * 1024 * 1024,
+        "bytes per image as sent (before base64) or fetched; larger get 400",
+        at_least=1,
+        why="20 MiB, as OpenAI takes; a phone's photo is a few MiB as JPEG",
+    )
+    image_urls: bool = setting(
+        False,
+        "fetch the http(s) image URLs a request names (else only inline data: URLs are read)",
+        why="fetching a URL a client names is a server-side request forgery risk: the server reaches what the "
+        "client may not",
+    )
+    image_urls_private: bool = setting(
+        False,
+        "with --image-urls, fetch from private, loopback and link-local addresses too",
+        why="a URL naming the server's own network (127.0.0.1, 10.0.0.0/8, 169.254.169.254) is refused",
+    )
+    image_fetch_timeout: float = setting(
+        10.0, "seconds to fetch one image URL, its redirects included; slower get 400", positive=True
+    )
+    max_image_body_bytes: int = setting(
+        64 * 1024 * 1024,
+        "bytes of a request body to a route that takes images, where the model takes them; larger get 413",
+        at_least=1,
+        why="64 MiB: a few photos in base64; every other body stays at most 4 MiB",
+    )
 
 
 @dataclass(frozen=True, slots=True)

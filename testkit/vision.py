@@ -29,10 +29,25 @@ MISTRAL3_TEMPLATE = (
 )
 
 
-def _tokenizer(folder: Path, template: str, image_specials: list[str] = IMAGE_SPECIALS) -> dict[str, int]:
+# Gemma 3's and Gemma 4's: the chat template writes the begin-of-image marker, which the processor expands into it,
+# the image's soft tokens (their features' places) and the end-of-image marker.
+GEMMA_SPECIALS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'text' %}{{ p['text'] }}{% elif p['type'] in ('image', 'image_url') %}<start_of_image>"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(
+    folder: Path, template: str, image_specials: list[str] = IMAGE_SPECIALS, **extra: object
+) -> dict[str, int]:
     """Printable ASCII, space and newline, a token each (no merges), the text model's specials and the image
     markers; returns the vocabulary. Every token is a whole character, so a reply's text and its logprobs'
-    tokens name the token ids exactly (a lone byte of a longer character would decode to U+FFFD)."""
+    tokens name the token ids exactly (a lone byte of a longer character would decode to U+FFFD). ``extra``:
+    more of tokenizer_config.json."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     specials = SPECIALS + image_specials
@@ -48,9 +63,24 @@ def _tokenizer(folder: Path, template: str, image_specials: list[str] = IMAGE_SP
         "eos_token": "<|im_end|>",
         "bos_token": None,
         "chat_template": template,
+        **extra,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return vocab
+
+
+def _language_shape(hidden: int, layers: int, vocab: int) -> dict[str, int]:
+    """A tiny language model's shape: 4 query heads of 64 over 2 key/value heads, so that TP=2 splits them."""
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+    }
 
 
 def make_tiny_mistral3(
@@ -68,10 +98,6 @@ def make_tiny_mistral3(
     Patches of ``patch`` pixels merged 2 by 2: at the defaults an image of ``longest_edge`` pixels a side becomes
     (edge/16)² image tokens (16), plus a break per row.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_vlm.utils import get_model_and_args
-
     folder.mkdir(parents=True)
     vocab = _tokenizer(folder, MISTRAL3_TEMPLATE)
     config = {
@@ -84,15 +110,8 @@ def make_tiny_mistral3(
         "eos_token_id": vocab["<|im_end|>"],
         "text_config": {
             "model_type": "mistral",
-            "hidden_size": hidden,
-            "num_hidden_layers": layers,
-            "intermediate_size": hidden * 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
+            **_language_shape(hidden, layers, len(vocab)),
             "rms_norm_eps": 1e-5,
-            "vocab_size": len(vocab),
-            "max_position_embeddings": 4096,
             "rope_theta": 10000.0,
             "tie_word_embeddings": False,
         },
@@ -109,16 +128,7 @@ def make_tiny_mistral3(
             "rope_theta": 10000.0,
         },
     }
-    module, _ = get_model_and_args(config)
-    model_config = module.ModelConfig.from_dict(config)
-    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
-    mx.random.seed(seed)
-    model = module.Model(model_config)
-    # As testkit.models does: larger matrices make greedy decoding wander, so a comparison means something.
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (folder / "config.json").write_text(json.dumps(config))
+    _save(folder, config, seed)
     (folder / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -138,6 +148,170 @@ def make_tiny_mistral3(
     (folder / "processor_config.json").write_text(
         json.dumps({"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
     )
+    return folder
+
+
+def _save(
+    folder: Path, config: dict, seed: int, scale: float = 4.0, embed_scale: float | None = None, tied: bool = False
+) -> None:
+    """mlx-vlm's model of ``config``, random, saved with its config; its matrices scaled by ``scale``, its token
+    embedding by ``embed_scale`` where given; ``tied``: no head saved (the embedding is the head)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_vlm.utils import get_model_and_args
+
+    module, _ = get_model_and_args(config)
+    model_config = module.ModelConfig.from_dict(config)
+    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
+    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    # As testkit.models does: larger matrices make greedy decoding wander, so a comparison means something.
+    model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    if embed_scale is not None:
+        embed = model.language_model.model.embed_tokens
+        embed.weight = embed.weight * (embed_scale / scale)
+    projector = model.get("multi_modal_projector")
+    if projector is not None and "mm_input_projection_weight" in projector:
+        # Gemma 3's projection starts as ones: over the vision tower's layer-normed (zero-mean) features, every
+        # image would project to zeros.
+        weight = projector.mm_input_projection_weight
+        projector.mm_input_projection_weight = mx.random.normal(weight.shape) * scale / 8
+    weights = dict(tree_flatten(model.parameters()))
+    if tied:
+        weights.pop("language_model.lm_head.weight", None)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+EMBED_SCALE = 0.25
+
+
+def make_tiny_gemma3(
+    folder: Path, seed: int = 0, hidden: int = 256, layers: int = 4, window: int = 24, image_size: int = 32
+) -> Path:
+    """A Gemma 3 (SigLIP vision tower, pooled projector, Gemma 3 language model with sliding-window layers
+    alternating with global ones) of random weights. An image is 4 soft tokens between its begin and end markers,
+    and the window is short enough that a chat with an image passes it."""
+    folder.mkdir(parents=True)
+    markers = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA_SPECIALS, strict=True))
+    vocab = _tokenizer(folder, GEMMA_TEMPLATE, GEMMA_SPECIALS, extra_special_tokens=markers)
+    config = {
+        "model_type": "gemma3",
+        "image_token_index": vocab["<image_soft_token>"],
+        "boi_token_index": vocab["<start_of_image>"],
+        "eoi_token_index": vocab["<end_of_image>"],
+        "mm_tokens_per_image": 4,
+        "eos_token_id": vocab["<|im_end|>"],
+        "vocab_size": len(vocab),
+        "hidden_size": hidden,
+        "text_config": {
+            "model_type": "gemma3_text",
+            **_language_shape(hidden, layers, len(vocab)),
+            "query_pre_attn_scalar": 64,
+            "rms_norm_eps": 1e-6,
+            "sliding_window": window,
+            "sliding_window_pattern": 2,
+            "mm_tokens_per_image": 4,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "patch_size": 8,
+            "image_size": image_size,
+            "layer_norm_eps": 1e-6,
+        },
+    }
+    # A smaller token embedding than the other matrices: Gemma scales it up by the square root of the hidden size,
+    # and at the others' scale it outweighs the layers, so that greedy decoding repeats one token. Tied, as Gemma's
+    # checkpoints are (mlx-vlm's gemma3 ties them whatever the checkpoint holds).
+    _save(folder, config, seed, embed_scale=EMBED_SCALE, tied=True)
+    (folder / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "size": {"height": image_size, "width": image_size},
+                "do_resize": True,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_convert_rgb": True,
+                "do_pan_and_scan": False,
+                "resample": 2,
+            }
+        )
+    )
+    (folder / "processor_config.json").write_text(
+        json.dumps({"image_seq_length": 4, "processor_class": "Gemma3Processor"})
+    )
+    return folder
+
+
+def make_tiny_gemma4(folder: Path, seed: int = 0, hidden: int = 256, layers: int = 4, window: int = 24) -> Path:
+    """A Gemma 4 (its vision tower and projector, a Gemma 4 language model with per-layer inputs, sliding-window
+    layers alternating with global ones, its last layer reading an earlier one's keys and values) of random
+    weights. An image is 4 soft tokens between its begin and end markers; its chat template writes the image
+    token, which the processor expands."""
+    folder.mkdir(parents=True)
+    markers = dict(zip(("boi_token", "eoi_token", "image_token"), GEMMA_SPECIALS, strict=True))
+    template = GEMMA_TEMPLATE.replace("<start_of_image>", "<image_soft_token>")
+    vocab = _tokenizer(folder, template, GEMMA_SPECIALS, extra_special_tokens=markers)
+    kinds = ["sliding_attention", "full_attention"] * (layers // 2)
+    config = {
+        "model_type": "gemma4",
+        "image_token_id": vocab["<image_soft_token>"],
+        "boi_token_id": vocab["<start_of_image>"],
+        "eoi_token_id": vocab["<end_of_image>"],
+        "eos_token_id": vocab["<|im_end|>"],
+        "vocab_size": len(vocab),
+        "hidden_size": hidden,
+        "vision_soft_tokens_per_image": 4,
+        "text_config": {
+            "model_type": "gemma4_text",
+            **_language_shape(hidden, layers, len(vocab)),
+            "global_head_dim": 64,
+            "num_global_key_value_heads": 2,
+            "num_kv_shared_layers": 1,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": len(vocab),
+            "use_double_wide_mlp": False,
+            "final_logit_softcapping": 30.0,
+            "sliding_window": window,
+            "sliding_window_pattern": 2,
+            "layer_types": kinds,
+            # Said out loud, as Gemma 4's configs say it: mlx-vlm's and mlx-lm's defaults differ.
+            "rope_parameters": {
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                "sliding_attention": {"partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "default"},
+            },
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+        },
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "global_head_dim": 32,
+            "patch_size": 8,
+            "pooling_kernel_size": 2,
+            "position_embedding_size": 64,
+            "default_output_length": 4,
+        },
+    }
+    _save(folder, config, seed, scale=0.5, tied=True)
+    # Normalized to [-1, 1]: the tower's patches then differ from picture to picture, and so does the output.
+    image = {"patch_size": 8, "max_soft_tokens": 9, "pooling_kernel_size": 2, "image_mean": [0.5] * 3}
+    image["image_std"] = [0.5] * 3
+    (folder / "processor_config.json").write_text(json.dumps({"image_processor": image}))
     return folder
 
 
@@ -281,3 +455,23 @@ def make_tiny_qwen3_vl(
         )
     )
     return folder
+
+
+def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes], max_tokens: int = 12) -> list[str]:
+    """mlx-vlm's own greedy generation for a chat (image parts as ``{"type": "image"}``) rendered by the model's
+    template, each token as its text (one character each in the tiny vocabulary)."""
+    from mlx_vlm import generate, load
+    from PIL import Image
+
+    model, processor = load(str(model_path))
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [Image.open(io.BytesIO(p)) for p in pictures] or None
+    result = generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
+    eos = model.config.eos_token_id
+    ids = [t for t in result.token_ids if t not in (eos if isinstance(eos, list) else [eos])]
+    return [processor.tokenizer.decode([t]) for t in ids]
+
+
+def as_mlx_vlm(content: list[dict]) -> list[dict]:
+    """A chat message's parts as mlx-vlm's templates take them: each ``image_url`` part a ``{"type": "image"}``."""
+    return [{"type": "image"} if p["type"] == "image_url" else p for p in content]

@@ -48,6 +48,7 @@ class StandInEngine:
         self.intake = Intake(limits, CONTEXT, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer)
         self.health = Health()
         self.accepting = True
+        self.vision = text.vision is not None
         self.refuse: Exception | None = None  # raised by the next submit, after intake's checks
         self.submitted: list[Sequence] = []
         self.cancelled: list[Sequence] = []

@@ -20,8 +20,9 @@ import pytest
 from neuron import images
 from neuron.engine.vision import PromptImage, keyed, runs
 from neuron.rpc import ImageRun
+from testkit.origin import origin
 from testkit.server import Server, serving
-from testkit.vision import make_tiny_mistral3, png
+from testkit.vision import as_mlx_vlm, make_tiny_mistral3, mlx_vlm_tokens, png
 
 PROMPT = "Describe this."
 
@@ -167,24 +168,6 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def picture() -> bytes:
     return png(64, 48, seed=1)
-
-
-def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes], max_tokens: int = 12) -> list[str]:
-    """mlx-vlm's own greedy generation for a chat (image parts as ``{"type": "image"}``) rendered by the model's
-    template, each token as its text (one character each in the tiny vocabulary)."""
-    from mlx_vlm import generate, load
-    from PIL import Image
-
-    model, processor = load(str(model_path))
-    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [Image.open(io.BytesIO(p)) for p in pictures] or None
-    result = generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
-    ids = [t for t in result.token_ids if t != model.config.eos_token_id]
-    return [processor.tokenizer.decode([t]) for t in ids]
-
-
-def as_mlx_vlm(content: list[dict]) -> list[dict]:
-    return [{"type": "image"} if p["type"] == "image_url" else p for p in content]
 
 
 # A conversation with an image in an earlier turn and two in the last.
@@ -358,8 +341,11 @@ def test_hostile_images_get_a_4xx_in_bounded_time_and_the_server_stays_up(
 
 @pytest.fixture(scope="module")
 def chunked(tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
-    """Prompts fed 7 tokens a step, so that images are cut across steps; the image caps set low."""
+    """Prompts fed 7 tokens a step, so that images are cut across steps; the image caps set low; image URLs
+    fetched."""
     args = ("--prefill-chunk", "7", "--max-images", "3", "--max-image-pixels", "3100", "--tp", "2")
+    # Image URLs fetched, from this host's own test server too.
+    args += ("--image-urls", "--image-urls-private")
     with serving(tmp_path_factory, "--model", str(vlm), *args) as server:
         yield server
 
@@ -390,3 +376,93 @@ def test_prompt_logprobs_with_images_are_refused_not_computed_without_them(serve
     body = {**chat(image_parts(picture), max_tokens=2), "prompt_logprobs": 1}
     reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs", reply.text
+
+
+def test_an_image_url_is_fetched_where_the_server_allows_it(
+    chunked: Server, picture: bytes, expected: dict[str, list[str]]
+) -> None:
+    with origin({"/a.png": picture}) as url, httpx.Client(base_url=chunked.url, timeout=120) as client:
+        fetched = client.post("/v1/chat/completions", json=chat(_url_parts(f"{url}/a.png")))
+        redirected = client.post("/v1/chat/completions", json=chat(_url_parts(f"{url}/redirect")))
+        missing = client.post("/v1/chat/completions", json=chat(_url_parts(f"{url}/missing")))
+    assert tokens_of(fetched.json()) == tokens_of(redirected.json()) == expected["image"]
+    assert missing.status_code == 400 and "answered HTTP 404" in missing.json()["error"]["message"]
+    assert missing.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+
+
+def _url_parts(url: str) -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]
+
+
+def gradient(side: int) -> bytes:
+    """A large picture that compresses to little: decoding and processing it take about a second."""
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, side, dtype=np.uint8)
+    pixels = np.stack([np.tile(ramp, (side, 1)), np.tile(ramp[:, None], (1, side)), np.zeros((side, side), np.uint8)])
+    out = io.BytesIO()
+    Image.fromarray(pixels.transpose(1, 2, 0)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.anyio
+async def test_large_images_are_read_off_the_event_loop(served: Server) -> None:
+    """While a request's large image is decoded and processed (a second or more), every other request is answered: the
+    longest wait between two health checks is a small part of the image request's time, where a blocked event
+    loop would answer none of them until the images were done."""
+    if len(served.args) > 2:
+        pytest.skip("shown at TP=1")
+    body = chat(image_parts(gradient(4096)), max_tokens=1)
+    gaps: list[float] = []
+    async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+        done = anyio.Event()
+        took: list[float] = []
+
+        async def with_images() -> None:
+            started = time.monotonic()
+            reply = await client.post("/v1/chat/completions", json=body)
+            took.append(time.monotonic() - started)
+            assert reply.status_code == 200, reply.text
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(with_images)
+            last = time.monotonic()
+            with anyio.fail_after(120):
+                while not done.is_set():
+                    assert (await client.get("/health")).status_code == 200
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+    assert len(gaps) >= 3 and max(gaps) < took[0] / 3, (max(gaps), took, len(gaps))
+
+
+def _sized_request(url: str, length: int) -> int:
+    """The status a chat request declaring a body of ``length`` bytes gets, sent before its body."""
+    import socket
+    from urllib.parse import urlsplit
+
+    at = urlsplit(url)
+    with socket.create_connection((at.hostname, at.port), timeout=30) as conn:
+        conn.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {at.netloc}\r\ncontent-type: application/json\r\n"
+            f"content-length: {length}\r\n\r\n".encode()
+        )
+        return int(conn.recv(1024).split(b" ", 2)[1])
+
+
+def test_a_photo_over_4_mib_is_taken_and_a_body_over_the_image_limit_is_a_413(
+    served: Server, text_only: Server
+) -> None:
+    if len(served.args) > 2:
+        pytest.skip("shown at TP=1")
+    photo = png(1200, 1200, seed=9)  # noise: 4.3 MB as PNG, 5.8 MB in base64
+    body = chat(image_parts(photo), max_tokens=2)
+    with httpx.Client(timeout=120) as client:
+        taken = client.post(f"{served.url}/v1/chat/completions", json=body)
+        text = client.post(f"{text_only.url}/v1/chat/completions", json={**body, "model": "qwen3"})
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["usage"]["prompt_tokens"] > 15
+    # A text-only model's bodies stay at most 4 MiB.
+    assert text.status_code == 413 and "4,194,304 bytes" in text.json()["error"]["message"]
+    assert _sized_request(served.url, 64 * 2**20 + 1) == 413  # --max-image-body-bytes' default

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_vision import as_mlx_vlm, mlx_vlm_tokens, solo_and_together, tokens_of
+from test_vision import solo_and_together, tokens_of
 
 from neuron import architectures
 from neuron.engine.vision import Rope, rope_index
 from testkit.server import Server, serving
-from testkit.vision import make_tiny_qwen3_vl, png
+from testkit.vision import as_mlx_vlm, make_tiny_qwen3_vl, mlx_vlm_tokens, png
 
 PROMPT = "Describe this."
 

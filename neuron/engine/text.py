@@ -61,14 +61,13 @@ class Text:
         if not self.tokenizer.chat_template:
             raise RequestError(f"{self.model_name} has no chat template; use completions instead", "messages")
         extra = {"tools": tools} if tools else {}
-        pictures = images.pictures(messages)
-        if pictures and self.vision is None:
+        if images.image_parts(messages) and self.vision is None:
             raise RequestError(
                 f"{self.model_name} reads text only: remove the image parts, or serve a vision-language model",
                 images.first_image(messages),
             )
         try:
-            if pictures:
+            if pictures := images.pictures(messages):
                 assert self.vision is not None
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
                 return self.vision.encode(text, pictures)

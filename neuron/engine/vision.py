@@ -122,10 +122,9 @@ class Vision:
             raise ModelError("the model's config.json names no image_token_index or image_token_id")
         self.image_token = token
         # What a chat template writes for an image, which the processor expands: Gemma 3's begin-of-image marker,
-        # else the image token itself (Mistral 3's [IMG]).
-        self.placeholder: str = (
-            getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or "<image>"
-        )
+        # else the image token itself (Mistral 3's [IMG], Gemma 4's image token).
+        marker = "boi_token" if config.get("model_type") == "gemma3" else "image_token"
+        self.placeholder: str = getattr(processor, marker, None) or "<image>"
         # Qwen3-VL's multimodal rotary positions: an image's tokens take their grid's coordinates.
         text = config.get("text_config", config)
         scaling = text.get("rope_scaling") or text.get("rope_parameters") or {}
@@ -188,5 +187,8 @@ class Vision:
             )
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise RequestError(f"the model's processor refused the images: {e}", "messages") from e
+        ids = [int(t) for t in np.array(out["input_ids"])[0]]
+        if len(pictures) != 1:  # only the ids: pictures of several sizes come as a list of arrays of several shapes
+            return {"input_ids": ids, "arrays": {}}
         arrays = {k: np.array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask") and v is not None}
-        return {"input_ids": [int(t) for t in np.array(out["input_ids"])[0]], "arrays": arrays}
+        return {"input_ids": ids, "arrays": arrays}

@@ -148,9 +148,17 @@ def _language_model(model: nn.Module, group: mx.distributed.Group) -> None:
     model.language_model.shard(group)
 
 
+def _gemma_language_model(model: nn.Module, group: mx.distributed.Group) -> None:
+    """gemma3's and gemma4's vision-language models: the language model split as gemma3_text's and
+    gemma4_text's (the vision tower, as above)."""
+    _gemma(model.language_model, group)
+
+
 PLANS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
     "mistral3": _language_model,
     "qwen3_vl": _language_model,
+    "gemma3": _gemma_language_model,
+    "gemma4": _gemma_language_model,
     "granite": _granite,
     "phi3": _phi3,
     "olmo2": _olmo2,

@@ -72,12 +72,13 @@ def feed_prompts(
         if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
             logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
         else:
-            embeddings, deepstack = None, None
+            fed, embeddings, deepstack = chunk.tokens, None, None
             if chunk.images and runner.images:
                 embeddings = runner.images.embeddings(chunk.tokens, chunk.images)
+                fed = runner.images.tokens(chunk.tokens, chunk.images)
                 deepstack, runner.images.deepstack = runner.images.deepstack, None
             with placed(runner.rope, chunk.position, chunk.positions, deepstack):
-                logits = _forward_prompt(runner, chunk.tokens, chunk.last, state.cache, embeddings)
+                logits = _forward_prompt(runner, fed, chunk.last, state.cache, embeddings)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last

@@ -183,7 +183,8 @@ class Stage:
             self.project = head if head is not None else self.inner.embed_tokens.as_linear
             if scaling := getattr(model, "logits_scaling", None):  # granite divides its logits, after the head
                 self.project = partial(_scaled, self.project, scaling)
-            if cap := getattr(model, "final_logit_softcapping", None):  # gemma4 caps its logits, after the head
+            language = model.get("language_model", model)  # a vision-language model's (gemma4's)
+            if cap := getattr(language, "final_logit_softcapping", None):  # gemma4 caps its logits, after the head
                 self.project = partial(_capped, self.project, cap)
         self.inner.norm = nn.Identity()
         self.own_call = staged.own_call(model, self.inner)  # where the model's own call cannot run a stage
@@ -201,6 +202,8 @@ class Stage:
         """This stage's layers over ``tokens``: embedded here on rank 0 (``embeddings`` where images replace some),
         received from the stage before elsewhere."""
         if self.rank == 0 and embeddings is not None:
+            if self.own_call is not None:
+                return self.own_call(self.inner, tokens, cache, None, embeddings)
             return self.inner(tokens, cache=cache, input_embeddings=embeddings)
         if self.rank == 0:
             return (
@@ -211,7 +214,7 @@ class Stage:
         rows, length = tokens.shape
         received = mx.distributed.recv((rows, length, self.hidden), self.dtype, self.rank - 1, group=self.group)
         if self.own_call is not None:
-            return self.own_call(self.inner, tokens, cache, received)
+            return self.own_call(self.inner, tokens, cache, received, embeddings)
         if self.takes_embeddings:
             return self.inner(tokens, cache=cache, input_embeddings=received)
         self.inner.embed_tokens.received.append(received)

@@ -29,15 +29,19 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-# A stage's layers over tokens (rank 0: embedded here) or the hidden states received from the stage before.
-StageCall = Callable[[nn.Module, mx.array, Sequence[Any], mx.array | None], mx.array]
+# A stage's layers over tokens (rank 0: embedded here, or given their input embeddings, where images replace
+# some) or the hidden states received from the stage before.
+StageCall = Callable[..., mx.array]
+Held = mx.array | None
+Caches = Sequence[Any]
 
 
-def _gemma3(inner: nn.Module, tokens: mx.array, cache: Sequence[Any], received: mx.array | None) -> mx.array:
-    """``Gemma3Model.__call__`` for a stage: the embedding scaled on the first stage alone, each layer given the
-    mask of its own kind, made from the stage's first cache of that kind."""
+def _gemma3(inner: nn.Module, tokens: mx.array, cache: Caches, received: Held, embeddings: Held = None) -> mx.array:
+    """``Gemma3Model.__call__`` for a stage: the embedding (or the given input embeddings, as the model's own call
+    takes them) scaled on the first stage alone, each layer given the mask of its own kind, made from the stage's
+    first cache of that kind."""
     if received is None:
-        h = inner.embed_tokens(tokens)
+        h = inner.embed_tokens(tokens) if embeddings is None else embeddings
         h *= mx.array(inner.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
     else:
         h = received
@@ -51,13 +55,16 @@ def _gemma3(inner: nn.Module, tokens: mx.array, cache: Sequence[Any], received: 
     return inner.norm(h)
 
 
-def _gemma4(inner: nn.Module, tokens: mx.array, cache: Sequence[Any], received: mx.array | None) -> mx.array:
-    """``Gemma4TextModel.__call__`` for a stage: the embedding scaled on the first stage alone, the per-layer
-    inputs of the stage's layers computed from the tokens here, and each layer without keys and values of its own
-    given those of the stage's last earlier layer of its kind (the leader kept that layer in this stage)."""
+def _gemma4(inner: nn.Module, tokens: mx.array, cache: Caches, received: Held, embeddings: Held = None) -> mx.array:
+    """``Gemma4TextModel.__call__`` for a stage: the embedding (or the given input embeddings, where images
+    replace some: every stage gets them, ``rank.vision``) scaled, the per-layer inputs of the stage's layers
+    computed from it and the tokens here, and each layer without keys and values of its own given those of the
+    stage's last earlier layer of its kind (the leader kept that layer in this stage)."""
     layers = inner.layers
     width = inner.hidden_size_per_layer_input
-    embedded = inner.embed_tokens(tokens) * inner.embed_scale if received is None or width else None
+    if embeddings is None and (received is None or width):
+        embeddings = inner.embed_tokens(tokens)
+    embedded = embeddings * inner.embed_scale if embeddings is not None else None
     h = received if received is not None else embedded
     per_layer: list[mx.array | None] = [None] * len(layers)
     if width:
@@ -137,7 +144,9 @@ def _gemma3_caches(inner: nn.Module) -> Callable[[], list[Any]]:
 
 _CALLS: dict[str, tuple[StageCall, Callable[[nn.Module], Callable[[], list[Any]]]]] = {
     "gemma3_text": (_gemma3, _gemma3_caches),
+    "gemma3": (_gemma3, _gemma3_caches),  # the vision-language model: its language model's stage
     "gemma4_text": (_gemma4, _gemma4_caches),
+    "gemma4": (_gemma4, _gemma4_caches),
 }
 
 

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from neuron import metrics
+from neuron import images, metrics
 from neuron.engine.sequence import Sequence
 from neuron.server.common import limits
 from neuron.server.common.errors import ApiError, not_ready, openai_body, within_limits
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("neuron.server")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_BODY_BYTES = 4 * 1024 * 1024  # any body but one carrying images (--max-image-body-bytes)
 OFF_LOOP_BYTES = 64 * 1024
 T = TypeVar("T")
 ErrorBody = Callable[[ApiError], dict[str, Any]]
@@ -119,16 +119,24 @@ class Endpoint:
     strict_json: bool = False  # a body not sent as application/json is refused (415) before it is read
     generates: bool = False  # its refusals count as rejected requests in the metrics
     error_body: ErrorBody = openai_body  # the family's error shape
+    images: bool = False  # its body may carry images: it may be as large as --max-image-body-bytes
 
     def route(self) -> Route:
         async def run(request: Request) -> Response:
             state: ServerState = request.app.state.neuron
             if self.keyed:
                 authorize(request, state)
-            body = await read_json(request) if self.method == "POST" else None
+            body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
             return await self.handler(Call(request, state, body))
 
         return Route(self.path, run, methods=[self.method])
+
+    def body_limit(self, state: ServerState) -> tuple[int, str]:
+        """The most bytes its body may take, and the setting that says so: a route that takes images, while the
+        model may take them (it is still loading, or it does), takes photos in base64."""
+        if self.images and (state.engine is None or state.engine.vision):
+            return images.LIMITS.max_image_body_bytes, " (--max-image-body-bytes): send smaller images"
+        return MAX_BODY_BYTES, ""
 
 
 def authorize(request: Request, state: ServerState) -> None:
@@ -149,23 +157,28 @@ def authorize(request: Request, state: ServerState) -> None:
         raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 
-async def read_json(request: Request) -> Any:
+async def read_json(request: Request, limit: tuple[int, str] = (MAX_BODY_BYTES, "")) -> Any:
+    most, setting = limit
+    too_large = ApiError(413, f"the body is over {most:,} bytes{setting}", code="body_too_large")
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-        raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+    if length is not None and (not length.isdigit() or int(length) > most):
+        raise too_large
     body = bytearray()
     async for part in request.stream():
         body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="body_too_large")
+        if len(body) > most:
+            raise too_large
+    if len(body) > OFF_LOOP_BYTES:  # a few MiB of values take a few hundred ms to read and walk: not on the loop
+        return await anyio.to_thread.run_sync(_parsed, body)
+    return _parsed(body)
+
+
+def _parsed(body: bytearray) -> Any:
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from e
-    if len(body) > OFF_LOOP_BYTES:  # a few MiB of values take a few hundred ms to walk: not on the event loop
-        await anyio.to_thread.run_sync(within_limits, limits.check_body, value)
-    else:
-        within_limits(limits.check_body, value)
+    within_limits(limits.check_body, value)
     return value
 
 

@@ -110,7 +110,7 @@ async def detokenize_tokens(call: Call) -> Response:
     return OrjsonResponse(detokenize(engine.text, call.body, call.model_id, engine.vocab_size))
 
 
-ENDPOINTS = (Endpoint("/tokenize", tokenize_text), Endpoint("/detokenize", detokenize_tokens))
+ENDPOINTS = (Endpoint("/tokenize", tokenize_text, images=True), Endpoint("/detokenize", detokenize_tokens))
 
 
 # The OpenAPI pieces of these routes, beside the checks they describe.

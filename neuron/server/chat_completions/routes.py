@@ -30,7 +30,7 @@ async def create(call: Call) -> Response:
     return await call.answer(seqs, lambda: choices.collect(seqs, replies_, readers, splits))
 
 
-ENDPOINTS = (Endpoint("/v1/chat/completions", create, strict_json=True, generates=True),)
+ENDPOINTS = (Endpoint("/v1/chat/completions", create, strict_json=True, generates=True, images=True),)
 
 
 def openapi(spec: Spec) -> OpenApi:

@@ -1,13 +1,20 @@
 """A message's content parts turned into what the model reads, for every family: OpenAI's chat parts, the
 Responses API's parts and Anthropic's content blocks. Each part is text or an image: the Responses API's
 ``input_image`` and Anthropic's ``image`` blocks become a chat's ``image_url`` part, and a chat's ``image_url`` is
-read, checked and decoded here (``neuron.images``), so a bad image is a 400 naming its part before anything queues.
-The schema sits beside each reader. No MLX, no HTTP.
+checked here as the body is parsed and read (fetched, decoded) by ``read_images`` before the request queues, on
+a worker thread (``off_loop``): a bad image is a 400 naming its part before anything queues, and a large photo never
+holds up the event loop. The schema sits beside each reader. No MLX.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
 
 from neuron import images
 from neuron.server.common.errors import bad
@@ -82,6 +89,46 @@ def chat_text(value: Any, where: str) -> str | list[dict[str, Any]]:
             raise bad(f"{where}[{i}]", f"`{where}[{i}]` is a {named!r} part; this model reads text parts only")
         parts.append(part["text"])
     return images.joined(parts)
+
+
+T = TypeVar("T")
+# Images read and chats encoded with images at once: a burst of photos takes this many of the two or so cores a
+# small host has, and queues the rest.
+IMAGE_THREADS = 2
+_threads: ThreadPoolExecutor | None = None
+
+
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on one of ``IMAGE_THREADS`` threads kept for it: decoding a photo and running a processor
+    over it take up to seconds, which the event loop, answering every other request meanwhile, must not wait out.
+    The threads live as long as the server, not a worker pool's few idle seconds: mlx-vlm's processors make MLX
+    arrays, and MLX keeps a stream per thread (FACTS: use MLX on threads of your own). Waited for even when the
+    request is cancelled, as ``anyio.to_thread`` waits: its work never outlives its caller."""
+    global _threads
+    if _threads is None:
+        _threads = ThreadPoolExecutor(IMAGE_THREADS, thread_name_prefix="neuron-images")
+    done = asyncio.get_running_loop().run_in_executor(_threads, partial(work, *args))
+    with anyio.CancelScope(shield=True):
+        result = await done
+    return result
+
+
+async def read_images(messages: list[dict[str, Any]]) -> None:
+    """Each image part's source (``images.Source``) read in place as its ``images.Picture``: fetched where it is
+    an http(s) URL (``fetch``), decoded off the event loop; a refusal is a 400 naming the part."""
+    for part in images.image_parts(messages):
+        source = part["picture"]
+        if not isinstance(source, images.Source):
+            continue
+        try:
+            fetched = None
+            if source.remote:
+                from neuron.server.common import fetch  # httpx: an install that takes images (neuron[vision])
+
+                fetched = await fetch.image(source.url, source.where)
+            part["picture"] = await off_loop(images.read, source, fetched)
+        except images.ImageError as e:
+            raise bad(e.param, str(e)) from e
 
 
 def check_images(messages: list[dict[str, Any]]) -> None:

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from neuron import images
 from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
-from neuron.server.common import harmony, reasoning, tools
+from neuron.server.common import content, harmony, reasoning, tools
 from neuron.server.common.errors import ApiError, refused
 from neuron.server.common.generation import Generation
 
@@ -35,7 +36,7 @@ async def submit(engine: Engine, gen: Generation, request_id: str) -> list[Seque
     seqs: list[Sequence] = []
     try:
         if chat:
-            prompts = [chat_prompt(engine, gen)]
+            prompts = [await chat_prompt_with_images(engine, gen)]
             gen.params = reasoning.chat_params(text.tokenizer, gen.params)
         else:
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
@@ -73,6 +74,16 @@ def chat_prompt(engine: Engine, gen: Generation) -> list[int]:
         gen.reasoning, text.tokenizer.chat_template, reasoning.Thinking.of(text.tokenizer)
     )
     return reasoning.encode_chat(text, messages, specs, kwargs)
+
+
+async def chat_prompt_with_images(engine: Engine, gen: Generation) -> list[int]:
+    """``chat_prompt``, where the chat carries images once they are read (fetched, decoded) and with the model's
+    processor run over them on a worker thread: a large photo takes seconds the event loop must not wait out. A
+    text-only model refuses the images unread."""
+    if engine.text.vision is None or not images.image_parts(gen.messages):
+        return chat_prompt(engine, gen)
+    await content.read_images(gen.messages)
+    return await content.off_loop(chat_prompt, engine, gen)
 
 
 async def _constrained(engine: Engine, gen: Generation, prompt: list[int]) -> SamplingParams:

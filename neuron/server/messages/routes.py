@@ -14,7 +14,7 @@ from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.generation import Generation
 from neuron.server.common.schema import OpenApi, Spec, integer, post, replies_with
-from neuron.server.common.submit import chat_prompt, request_error, submit
+from neuron.server.common.submit import chat_prompt_with_images, request_error, submit
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 from neuron.server.messages import parse, render, schema
 
@@ -42,15 +42,15 @@ async def create(call: Call) -> Response:
 async def count_tokens(call: Call) -> Response:
     gen = _chat(call.body, call.model_id, counting=True)
     try:
-        prompt = chat_prompt(call.engine, gen)
+        prompt = await chat_prompt_with_images(call.engine, gen)
     except RequestError as e:
         raise request_error(e, chat=True) from e
     return OrjsonResponse({"input_tokens": len(prompt)})
 
 
 ENDPOINTS = (
-    Endpoint("/v1/messages", create, strict_json=True, generates=True, error_body=render.error_body),
-    Endpoint("/v1/messages/count_tokens", count_tokens, error_body=render.error_body),
+    Endpoint("/v1/messages", create, strict_json=True, generates=True, error_body=render.error_body, images=True),
+    Endpoint("/v1/messages/count_tokens", count_tokens, error_body=render.error_body, images=True),
 )
 
 

@@ -37,7 +37,7 @@ async def create(call: Call) -> Response:
     return await call.answer(seqs, lambda: render.collect(seq, replies_, reader))
 
 
-ENDPOINTS = (Endpoint("/v1/responses", create, strict_json=True, generates=True),)
+ENDPOINTS = (Endpoint("/v1/responses", create, strict_json=True, generates=True, images=True),)
 
 
 def openapi(spec: Spec) -> OpenApi:
