@@ -57,7 +57,7 @@ def plan_step(
         if start == 0:
             produced = None if seq.lost is None else tuple(seq.output)
             recent: tuple[int, ...] = ()
-            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images))) is not None:
+            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images), seq.adapter)) is not None:
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
                 start = hit.tokens  # restored, not computed: outside the budget
                 recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
@@ -69,7 +69,9 @@ def plan_step(
         for copy in copies:
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
         runs = vision.runs(seq.images, start, end) if seq.images else []
-        prefill.append(Prefill(seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs))
+        fed = tokens[start:end]
+        copied = [c.no for c in copies]
+        prefill.append(Prefill(seq.no, start, fed, last, copied, scores, images=runs, adapter=seq.adapter))
         budget -= take
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
@@ -79,7 +81,8 @@ def plan_step(
     for chunk in prefill:
         if chunk.pool or not chunk.last or prefix is None:
             continue
-        if stored := prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
+        seq = by_no[chunk.seq]
+        if stored := prefix.store(vision.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(Evict(entry) for entry in stored.evicted)
     return Step(plan, starts)
@@ -117,7 +120,7 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
         for seq in rows:
             drafts[seq.no] = drafts[seq.no][:cut]
     return [
-        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop)  # type: ignore[arg-type]
+        Decode(seq.no, seq.next_token, seq.micro_batch, drafts[seq.no], seq.drop, seq.adapter)  # type: ignore[arg-type]
         for seq in running
     ]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -187,6 +187,7 @@ class Prefill:
     # and every rank drops it at once (it never joins the batch, and no plan names it again).
     pool: str = ""
     images: list[ImageRun] = field(default_factory=list)  # where image features replace token embeddings
+    adapter: int = 0  # the LoRA adapter its forwards apply (``LoadAdapter``'s number); 0: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +208,7 @@ class Decode:
     # Tokens this row was fed in the previous step that were not accepted (a rejected draft, the padding):
     # every rank drops them from the end of the row's KV cache before this step's forward.
     drop: int = 0
+    adapter: int = 0  # the LoRA adapter applied to this row (``LoadAdapter``'s number); 0: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +284,27 @@ class GenerateStep:
     op: ClassVar[str] = "generate_step"
     id: int
     plan: StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class LoadAdapter:
+    """Load the LoRA adapter in the folder ``path`` as number ``adapter`` (the leader numbers them, never reusing
+    one): this rank's slice of its matrices (``rank.lora``). Plans then name it on the rows it applies to."""
+
+    op: ClassVar[str] = "load_adapter"
+    id: int
+    adapter: int
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadAdapter:
+    """Drop LoRA adapter ``adapter``; no plan names it any more."""
+
+    op: ClassVar[str] = "unload_adapter"
+    id: int
+    adapter: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +390,21 @@ class GenerateStepOk:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterLoaded:
+    """``projections``: how many of this rank's projections the adapter adapts (none on a stage it skips)."""
+
+    op: ClassVar[str] = "adapter_loaded"
+    id: int
+    projections: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterUnloaded:
+    op: ClassVar[str] = "adapter_unloaded"
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheCleared:
     op: ClassVar[str] = "kv_cache_cleared"
     id: int
@@ -388,9 +426,31 @@ class Error:
     message: str
 
 
-Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Shutdown
+Request = (
+    Ping
+    | Listen
+    | Probe
+    | Init
+    | CheckModel
+    | LoadShard
+    | LoadAdapter
+    | UnloadAdapter
+    | GenerateStep
+    | ClearKvCache
+    | Shutdown
+)
 Reply = (
-    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Bye
+    Pong
+    | Listening
+    | Probed
+    | InitOk
+    | ModelChecked
+    | LoadShardOk
+    | AdapterLoaded
+    | AdapterUnloaded
+    | GenerateStepOk
+    | KvCacheCleared
+    | Bye
 ) | Error
 
 REQUESTS: tuple[type[Request], ...] = (
@@ -400,6 +460,8 @@ REQUESTS: tuple[type[Request], ...] = (
     Init,
     CheckModel,
     LoadShard,
+    LoadAdapter,
+    UnloadAdapter,
     GenerateStep,
     ClearKvCache,
     Shutdown,
@@ -411,6 +473,8 @@ REPLIES: tuple[type[Reply], ...] = (
     InitOk,
     ModelChecked,
     LoadShardOk,
+    AdapterLoaded,
+    AdapterUnloaded,
     GenerateStepOk,
     KvCacheCleared,
     Bye,
@@ -425,6 +489,8 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     Init: InitOk,
     CheckModel: ModelChecked,
     LoadShard: LoadShardOk,
+    LoadAdapter: AdapterLoaded,
+    UnloadAdapter: AdapterUnloaded,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
     Shutdown: Bye,
@@ -449,12 +515,16 @@ __all__ = [
     "Ping",
     "Init",
     "LoadShard",
+    "LoadAdapter",
+    "UnloadAdapter",
     "GenerateStep",
     "ClearKvCache",
     "Shutdown",
     "Pong",
     "InitOk",
     "LoadShardOk",
+    "AdapterLoaded",
+    "AdapterUnloaded",
     "GenerateStepOk",
     "KvCacheCleared",
     "Bye",

@@ -102,12 +102,12 @@ def detokenize(text: Any, body: Any, served_model: str, vocab_size: int) -> dict
 
 async def tokenize_text(call: Call) -> Response:
     engine = call.engine
-    return OrjsonResponse(tokenize(engine.text, call.body, call.model_id, engine.context_length))
+    return OrjsonResponse(tokenize(engine.text, call.body, call.served, engine.context_length))
 
 
 async def detokenize_tokens(call: Call) -> Response:
     engine = call.engine
-    return OrjsonResponse(detokenize(engine.text, call.body, call.model_id, engine.vocab_size))
+    return OrjsonResponse(detokenize(engine.text, call.body, call.served, engine.vocab_size))
 
 
 ENDPOINTS = (Endpoint("/tokenize", tokenize_text), Endpoint("/detokenize", detokenize_tokens))
