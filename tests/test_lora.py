@@ -219,6 +219,9 @@ def test_the_admin_routes_load_and_unload_adapters_behind_the_key(server: Server
     assert taken.status_code == 400 and "loaded already" in taken.text
     assert httpx.post(load, json=body, headers=_auth()).status_code == 200
     assert _complete(server, "c")["choices"][0]["text"] == _complete(server, "a")["choices"][0]["text"]
+    chat = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
+    asked = chat["requestBody"]["content"]["application/json"]["schema"]["properties"]["model"]
+    assert asked["enum"] == ["llama", "a", "b", "c"]
     assert httpx.post(unload, json={"lora_name": "c"}, headers=_auth()).status_code == 200
     ids = [card["id"] for card in httpx.get(f"{server.url}/v1/models", headers=_auth()).json()["data"]]
     assert ids == ["llama", "a", "b"]
