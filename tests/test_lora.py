@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -241,3 +243,23 @@ def test_a_bad_adapter_at_start_ends_the_server_with_the_reason(
     assert done.returncode == 1 and "trained for another base model" in done.stderr, done.stderr[-2000:]
     done = run_neuron("serve", "--model", model, "--port", "0", "--adapter", "x")
     assert done.returncode == 2 and "is not NAME=PATH" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_adapter_named_on_the_hub_is_fetched_into_the_cache(adapters: dict[str, Path], tmp_path: Path) -> None:
+    """Its config and weights only (not the README beside them), then from the cache alone when offline."""
+    from test_hub import hub_env
+
+    from testkit.hub import LocalHub
+
+    code = "from neuron.adapters import find; s = find('sql', 'org/sql-lora'); print(s.format, s.rank, s.path)"
+    with LocalHub() as hub:
+        files = {p.name: p.read_bytes() for p in adapters["b"].iterdir()} | {"README.md": b"# a LoRA"}
+        hub.add("org/sql-lora", files)
+        online = hub_env(hub, tmp_path)
+        fetched = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=online)
+        assert fetched.returncode == 0, fetched.stderr[-2000:]
+        assert sorted(hub.fetched("org/sql-lora")) == ["adapter_config.json", "adapter_model.safetensors"]
+    offline = hub_env(None, tmp_path, HF_HUB_OFFLINE="1")
+    cached = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=offline)
+    assert cached.returncode == 0 and cached.stdout == fetched.stdout, cached.stderr[-2000:]
+    assert fetched.stdout.startswith("peft 4 ") and str(tmp_path) in fetched.stdout

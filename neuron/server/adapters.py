@@ -9,6 +9,8 @@ from __future__ import annotations
 from starlette.responses import PlainTextResponse, Response
 
 from neuron.adapters import AdapterError
+from neuron.engine.sequence import Unavailable
+from neuron.server.common.errors import refused
 from neuron.server.common.fields import an_object, bad, known
 from neuron.server.common.schema import OpenApi, Spec, post, replies
 from neuron.server.http import Call, Endpoint
@@ -32,6 +34,8 @@ async def load_lora_adapter(call: Call) -> Response:
         await engine.adapters.load(name, path)
     except AdapterError as e:
         raise bad("lora_path", str(e)) from None
+    except Unavailable as e:
+        raise refused(e) from e
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -43,6 +47,8 @@ async def unload_lora_adapter(call: Call) -> Response:
         await call.engine.adapters.unload(name)
     except AdapterError as e:
         raise bad("lora_name", str(e)) from None
+    except Unavailable as e:
+        raise refused(e) from e
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
