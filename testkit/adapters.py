@@ -31,10 +31,8 @@ def make_adapter(
     params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
     linear_to_lora_layers(model, layers, params)
     mx.random.seed(seed)
-    weights = {
-        name: mx.random.normal(w.shape) * (0.05 if name.endswith("lora_a") else 0.5)
-        for name, w in tree_flatten(model.trainable_parameters())
-    }
+    trainable: list[tuple[str, mx.array]] = tree_flatten(model.trainable_parameters())  # type: ignore[assignment]
+    weights = {name: mx.random.normal(w.shape) * (0.05 if name.endswith("lora_a") else 0.5) for name, w in trainable}
     folder.mkdir(parents=True)
     if not peft:
         mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
@@ -63,7 +61,7 @@ def reference(model_path: Path, adapter: Path | None, prompt: list[int], max_tok
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load
 
-    model, _ = load(str(model_path), adapter_path=str(adapter) if adapter else None)
+    model = load(str(model_path), adapter_path=str(adapter) if adapter else None)[0]
     out: list[int] = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
         out.append(int(token))

@@ -18,6 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from neuron.adapters import AdapterError, find
 from neuron.rank import ahead, backends, caches, group, rollback
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
@@ -76,8 +77,6 @@ class Rank:
     def load_adapter(self, number: int, name: str, path: str) -> int:
         """Load the LoRA adapter at ``path`` as ``number`` (``rank.lora``): this rank's slice of it. Returns how
         many of this rank's projections it adapts."""
-        from neuron.adapters import AdapterError, find
-
         if self.adapters is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_shard before load_adapter")
         self.settle()  # a step run ahead was built with the projections as they are
