@@ -51,12 +51,16 @@ class Selection:
     """The adapters of the forward being built, each with the rows it applies to; shared by every wrapper."""
 
     def __init__(self) -> None:
-        self.active: list[tuple[int, mx.array]] = []  # (adapter, a boolean mask over the rows)
+        # (adapter, a boolean mask over the rows; None where every row is the adapter's: no mask to apply)
+        self.active: list[tuple[int, mx.array | None]] = []
 
     def use(self, adapters: Sequence[int] | None) -> None:
         """Each row's adapter (0: the base) for the forwards built from now; None or all 0: no adapter."""
         if not adapters or not any(adapters):
             self.active = []
+            return
+        if len(set(adapters)) == 1:
+            self.active = [(adapters[0], None)]
             return
         rows = mx.array(list(adapters))
         self.active = [(a, rows == a) for a in sorted(set(adapters) - {0})]
@@ -79,7 +83,8 @@ class Lora(nn.Module):
                 continue
             a, b, scale = pair
             delta = (scale * ((x @ a) @ b)).astype(x.dtype)
-            delta = mx.where(mask.reshape(-1, *([1] * (x.ndim - 1))), delta, 0)
+            if mask is not None:
+                delta = mx.where(mask.reshape(-1, *([1] * (x.ndim - 1))), delta, 0)
             total = delta if total is None else total + delta
         return total
 
