@@ -69,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str) -> None:
         group.add_argument(
             s.flag,
             type=s.type,
+            action="append" if s.spec.repeatable else "store",
             default=None,
             choices=s.choices or None,
             help=s.help_for(command) + (f"; one of {', '.join(s.choices)}" if s.choices else ""),
@@ -107,7 +108,7 @@ def resolve(args: argparse.Namespace, command: str) -> list[str]:
         # Every layer is checked, not only the one that wins: a bad line in the file is a bug even when overridden.
         layers = []
         if (cli := getattr(args, name, None)) is not None:
-            layers.append(s.parse(cli, s.flag))
+            layers.append(s.parse(",".join(cli) if isinstance(cli, list) else cli, s.flag))
         if layered and s.env in os.environ:
             layers.append(s.parse(os.environ[s.env], s.env, text=True))
         if name in file:

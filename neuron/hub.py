@@ -213,6 +213,23 @@ def fetch(name: HubName, download: Download | None = None) -> Path:
         raise _explain(e, name) from None
 
 
+def fetch_adapter(name: HubName) -> Path:
+    """A LoRA adapter's repository (its ``adapter_config.json`` and safetensors, ``neuron.adapters``): fetched
+    into the cache, or taken from it under ``HF_HUB_OFFLINE=1`` or when the Hub cannot be reached."""
+    import httpx2
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = ["adapter_config.json", "adapters.safetensors", "adapter_model.safetensors"]
+    try:
+        return Path(snapshot_download(name.repo, revision=name.revision, allow_patterns=patterns,
+                                      local_files_only=offline()))  # fmt: skip
+    except LocalEntryNotFoundError:
+        raise _not_cached(name) from None
+    except (OSError, ValueError, httpx2.HTTPError) as e:
+        raise _explain(e, name) from None
+
+
 def _api() -> HfApi:
     from huggingface_hub import HfApi
 

@@ -63,6 +63,7 @@ import structlog
 import uvicorn
 
 from neuron import metrics, systemd
+from neuron.adapters import AdapterError, parse_list
 from neuron.engine.engine import Engine
 from neuron.launch.checks import Unreachable
 from neuron.pool import Deadlines, Layout
@@ -295,6 +296,14 @@ async def _fetch(options: ServeOptions, state: ServerState) -> Path:
     return resolve(str(local))  # a GGUF file is converted here, on this thread as before the port opened
 
 
+def _adapters(options: ServeOptions) -> list[tuple[str, str]]:
+    """``--adapter``'s pairs (name, folder or Hub name); a name the base model goes by is refused."""
+    pairs = parse_list(options.serving.adapter)
+    if clash := next((name for name, _ in pairs if name == options.model_id), None):
+        raise AdapterError(f"--adapter {clash}: the base model is served as {clash!r}; give the adapter another name")
+    return pairs
+
+
 async def run_leader(options: ServeOptions) -> Restart | None:
     """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
     restarted = _restarted()
@@ -359,7 +368,12 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                 try:
                     model_path = options.model_path or await _fetch(options, state)
                     engine_context = Engine.open(
-                        model_path, options.layout, options.deadlines, options.limits, options.model
+                        model_path,
+                        options.layout,
+                        options.deadlines,
+                        options.limits,
+                        options.model,
+                        _adapters(options),
                     )
                     async with engine_context as engine:
                         state.engine = engine

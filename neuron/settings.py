@@ -45,6 +45,16 @@ def _absolute_paths(v: str) -> str | None:
     )
 
 
+def _adapter_list(v: str) -> str | None:
+    from neuron.adapters import AdapterError, parse_list
+
+    try:
+        parse_list(v)
+    except AdapterError as e:
+        return f"is not a list of NAME=PATH: {e}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Spec:
     """What ``setting()`` says about a field beyond its name, type and default."""
@@ -59,6 +69,7 @@ class Spec:
     unset: str = ""  # what None means, for a setting whose default is None
     why: str = ""  # why the default is what it is, said after it
     per_command: tuple[tuple[str, Any], ...] = ()  # a command whose default differs, and that default
+    repeatable: bool = False  # the flag may be given more than once: its values are joined with commas
 
 
 def setting(
@@ -74,10 +85,11 @@ def setting(
     unset: str = "",
     why: str = "",
     per_command: dict[str, Any] | None = None,
+    repeatable: bool = False,
 ) -> Any:
     """A settings field: ``default`` is its default, everywhere."""
     spec = Spec(help, commands, choices, at_least, at_most, positive, check, unset, why,
-                tuple((per_command or {}).items()))  # fmt: skip
+                tuple((per_command or {}).items()), repeatable)  # fmt: skip
     return field(default=default, metadata={"setting": spec})
 
 
@@ -276,6 +288,14 @@ class Serving:
     host: str = setting("127.0.0.1", "address to listen on", why="loopback only")
     port: int = setting(8000, "TCP port; 0 picks a free one", at_least=0, at_most=65535)
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1", check=_not_blank, unset="no key")
+    adapter: str | None = setting(
+        None,
+        "a LoRA adapter served as a model of its own, NAME=PATH (a folder in mlx-lm's or PEFT's format, or a Hub "
+        "name); repeat the flag, or separate them with commas, for several",
+        check=_adapter_list,
+        unset="none",
+        repeatable=True,
+    )
     drain_timeout: float = setting(
         30.0, "seconds SIGTERM lets running requests finish before ending them with an error", at_least=0
     )

@@ -104,6 +104,13 @@ class Worker:
                     "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
                 )
                 return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
+            case rpc.LoadAdapter(id=id, adapter=adapter, name=name, path=path):
+                projections = self._joined().load_adapter(adapter, name, path)
+                self.log.info("adapter loaded", adapter=name, number=adapter, projections=projections)
+                return rpc.AdapterLoaded(id=id, projections=projections)
+            case rpc.UnloadAdapter(id=id, adapter=adapter):
+                self._joined().unload_adapter(adapter)
+                return rpc.AdapterUnloaded(id=id)
             case rpc.GenerateStep(id=id, plan=plan):
                 from neuron.rank.step import run  # loaded with the rank, in ``_init``
 
@@ -167,7 +174,7 @@ class Worker:
     def failure_kind(self, request: rpc.Request, error: Exception) -> ErrorKind:
         if isinstance(request, rpc.Listen | rpc.Probe | rpc.Init):
             return ErrorKind.INIT_FAILED
-        if isinstance(request, rpc.CheckModel | rpc.LoadShard):
+        if isinstance(request, rpc.CheckModel | rpc.LoadShard | rpc.LoadAdapter | rpc.UnloadAdapter):
             return ErrorKind.LOAD_FAILED
         if isinstance(error, self.in_step):
             return ErrorKind.BAD_STATE

@@ -184,6 +184,66 @@ async def unsplittable(model: str, world_size: int) -> dict[str, Any]:
     return {"error": error, "spawned": len(pool.workers), "seconds": time.monotonic() - started}
 
 
+async def adapters(
+    model: str, world_size: int, stages: int, paths: dict[str, str], bad: dict[str, str], count: int
+) -> dict[str, Any]:
+    """LoRA adapters (``paths``: name -> folder, numbered 1.. in order) on every rank: each one's greedy tokens alone,
+    then every adapter and the base (0) as rows of one batch, each prompt fed in one step with the others'; then the
+    model loaded again (the adapters with it) and the first adapter alone again; and why each of ``bad`` is
+    refused."""
+    async with Pool(model, Layout.local(world_size, stages)) as pool:
+        await pool.load()
+        numbers = list(range(len(paths) + 1))
+        projections = {}
+        for number, (name, path) in enumerate(paths.items(), start=1):
+            projections[name] = await pool.load_adapter(number, name, path)
+        alone = {n: await adapted(pool, PROMPT, count, n) for n in numbers}
+        together = await batched(pool, PROMPT, count, numbers)
+        await pool.load()
+        reloaded = await adapted(pool, PROMPT, count, 1)
+        refused = {}
+        for number, (name, path) in enumerate(bad.items(), start=len(paths) + 1):
+            try:
+                await pool.load_adapter(number, name, path)
+                refused[name] = ""
+            except PoolError as e:
+                refused[name] = str(e)
+        after_refusals = await adapted(pool, PROMPT, count, 1)
+        return {
+            "projections": projections,
+            "layers": pool.layers,
+            "alone": alone,
+            "together": together,
+            "reloaded": reloaded,
+            "refused": refused,
+            "after_refusals": after_refusals,
+        }
+
+
+async def adapted(pool: Pool, prompt: list[int], count: int, adapter: int) -> list[int]:
+    """``greedy``, with LoRA adapter ``adapter`` (0: the base model)."""
+    await pool.clear_kv_cache()
+    plan = StepPlan(prefill=[Prefill(1, 0, prompt, True, adapter=adapter)])
+    tokens = [(await pool.step(Step(plan, {1: Start(SamplingParams())})))[1].token]
+    while len(tokens) < count:
+        tokens.append((await pool.step(Step(StepPlan(decode=[Decode(1, tokens[-1], 0, adapter=adapter)]))))[1].token)
+    return tokens
+
+
+async def batched(pool: Pool, prompt: list[int], count: int, adapters: list[int]) -> dict[int, list[int]]:
+    """One sequence per adapter in ``adapters``, numbered as they are, fed together and decoded as one batch."""
+    await pool.clear_kv_cache()
+    plan = StepPlan(prefill=[Prefill(n + 1, 0, prompt, True, adapter=n) for n in adapters])
+    sampled = await pool.step(Step(plan, {n + 1: Start(SamplingParams()) for n in adapters}))
+    tokens = {n: [sampled[n + 1].token] for n in adapters}
+    while len(tokens[adapters[0]]) < count:
+        rows = [Decode(n + 1, tokens[n][-1], 0, adapter=n) for n in adapters]
+        sampled = await pool.step(Step(StepPlan(decode=rows)))
+        for n in adapters:
+            tokens[n].append(sampled[n + 1].token)
+    return tokens
+
+
 async def hold(model: str, world_size: int) -> None:
     """Print the worker pids, then wait on stdin until killed."""
     async with Pool(model, Layout.local(world_size)) as pool:
@@ -201,6 +261,7 @@ SCENARIOS = {
         one_rank_disagrees,
         kill_mid_step,
         unsplittable,
+        adapters,
         hold,
     )
 }

@@ -65,6 +65,7 @@ FAMILIES = (
     "embeddings",
     "tokenize",
     "models",
+    "adapters",
     "health",
     "status",
     "page",

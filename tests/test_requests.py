@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -52,8 +53,11 @@ class StandInEngine:
         self.refuse: Exception | None = None  # raised by the next submit, after intake's checks
         self.submitted: list[Sequence] = []
         self.cancelled: list[Sequence] = []
+        self.adapters = SimpleNamespace(names=[])  # no LoRA adapter served
 
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str, n: int = 1) -> Sequence:
+    def submit(
+        self, prompt: list[int], params: SamplingParams, request_id: str, n: int = 1, adapter: str | None = None
+    ) -> Sequence:
         seqs = self.intake.sequences(prompt, params, request_id, n)
         self.submitted += seqs
         if self.refuse is not None:

@@ -39,6 +39,7 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
+from neuron.engine.adapters import Adapters
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -102,6 +103,8 @@ class Engine(Recovering):
         self.intake = Intake(
             self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
         )
+        # The LoRA adapters served, by name; one that requests queued or running use stays.
+        self.adapters = Adapters(pool, lambda: (*self.scheduler.waiting, *self.scheduler.batch))
         self._accepting = True
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
@@ -121,9 +124,11 @@ class Engine(Recovering):
         deadlines: Deadlines | None = None,
         limits: Scheduling | None = None,
         model: str | None = None,
+        adapters: list[tuple[str, str]] | None = None,
     ) -> AsyncIterator[Engine]:
-        """Spawn the ranks (one, on this host, without a ``layout``), load the model, probe it, and run the step
-        loop until the block exits. ``model`` is what ``--model`` said, for hosts that resolve it themselves."""
+        """Spawn the ranks (one, on this host, without a ``layout``), load the model and its LoRA ``adapters``
+        (name, folder or Hub name), probe it, and run the step loop until the block exits. ``model`` is what
+        ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
         async with Pool(model_path, layout, deadlines, model) as pool:
@@ -131,6 +136,8 @@ class Engine(Recovering):
                 await pool.load()
                 advance()
             engine = cls(pool, text, config, limits)
+            for name, where in adapters or []:
+                await engine.adapters.load(name, where)
             if not await engine._probe():
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
             async with anyio.create_task_group() as tg:
@@ -166,19 +173,28 @@ class Engine(Recovering):
         return 0.0 if self._busy_since is None else time.monotonic() - self._busy_since
 
     def submit(
-        self, prompt: list[int], params: SamplingParams | None = None, request_id: str | None = None, n: int = 1
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        n: int = 1,
+        adapter: str | None = None,
     ) -> Sequence:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
         With ``n`` > 1, ``seq.copies`` are the other n - 1 choices: the prompt is computed once, and they start
-        from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request).
+        from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request). ``adapter``:
+        the LoRA adapter to generate with, by name (None: the base model).
 
         The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
         a finished sequence ignores it, a queued one leaves the queue at once, and a
         running one is dropped at the next step boundary.
         """
         self._check_open()
+        number = self.adapters.number(adapter)
         seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
+        for seq in seqs:
+            seq.adapter = number
         self._queue(seqs[0])
         return seqs[0]
 

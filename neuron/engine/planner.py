@@ -57,7 +57,7 @@ def plan_step(
         if start == 0:
             produced = None if seq.lost is None else tuple(seq.output)
             recent: tuple[int, ...] = ()
-            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images))) is not None:
+            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images), seq.adapter)) is not None:
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
                 start = hit.tokens  # restored, not computed: outside the budget
                 recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
@@ -70,10 +70,10 @@ def plan_step(
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
         runs = vision.runs(seq.images, start, end) if seq.images else []
         positions = seq.rope.chunk(start, end) if seq.rope else []
+        fed = tokens[start:end]
+        copied = [c.no for c in copies]
         prefill.append(
-            Prefill(
-                seq.no, start, tokens[start:end], last, [c.no for c in copies], scores, images=runs, positions=positions
-            )
+            Prefill(seq.no, start, fed, last, copied, scores, images=runs, positions=positions, adapter=seq.adapter)
         )
         budget -= take
     decode = _decode(running, micro_batches, cost)
@@ -84,7 +84,8 @@ def plan_step(
     for chunk in prefill:
         if chunk.pool or not chunk.last or prefix is None:
             continue
-        if stored := prefix.store(vision.keyed(by_no[chunk.seq].tokens, by_no[chunk.seq].images)):
+        seq = by_no[chunk.seq]
+        if stored := prefix.store(vision.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(Evict(entry) for entry in stored.evicted)
     return Step(plan, starts)
@@ -128,6 +129,7 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
             seq.micro_batch,
             drafts[seq.no],
             seq.drop,
+            adapter=seq.adapter,
             rope_delta=seq.rope.delta if seq.rope else 0,
         )
         for seq in running

@@ -11,7 +11,9 @@ reached is the longest cached prefix, exact token for token. An entry is one
 saved prompt; a lookup may restore only the first n tokens of one, or, where
 the model's caches cannot be cut back (``exact``: a sliding window, a
 linear-attention state), only a whole one: the entry's end must be a beginning
-of the prompt, as the previous turn's prompt is of a chat's next one. Sizes
+of the prompt, as the previous turn's prompt is of a chat's next one. Each LoRA
+adapter has a trie of its own (the base model's is adapter 0's): the same tokens
+leave other keys and values under another adapter, so no entry is shared. Sizes
 come from ``bytes_per_token`` and ``bytes_per_entry`` (the leader computes
 them from the model's shape and each rank's share), so the budget holds on
 every rank without any measuring.
@@ -52,8 +54,9 @@ class PrefixIndex:
         self.exact = exact  # restore whole entries only
         self.bytes = 0
         self.evictions = 0
-        self._root = _Node()
+        self._roots: dict[int, _Node] = {}  # by LoRA adapter (0: the base model)
         self._entries: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, least recently used first
+        self._adapter: dict[int, int] = {}  # id -> the adapter whose trie holds it
         self._pinned: set[int] = set()  # restored in the plan being run: never evicted under it
         self._next = 1
 
@@ -62,10 +65,10 @@ class PrefixIndex:
         """Each entry's id and length, as every rank must hold them."""
         return {entry: len(tokens) for entry, tokens in self._entries.items()}
 
-    def lookup(self, prompt: list[int]) -> Hit | None:
-        """The longest cached prefix of ``prompt`` that leaves at least one token to feed (``exact``: the longest
-        whole entry); pinned until ``unpin``, and made most recently used."""
-        node, depth, hit = self._root, 0, None
+    def lookup(self, prompt: list[int], adapter: int = 0) -> Hit | None:
+        """The longest cached prefix of ``prompt`` under LoRA ``adapter`` that leaves at least one token to feed
+        (``exact``: the longest whole entry); pinned until ``unpin``, and made most recently used."""
+        node, depth, hit = self._roots.get(adapter, _Node()), 0, None
         for token in prompt[:-1]:  # the last token is always fed: its logits are the first sample
             child = node.children.get(token)
             if child is None:
@@ -85,13 +88,14 @@ class PrefixIndex:
         """The plan that restored the pinned entries has run."""
         self._pinned.clear()
 
-    def store(self, prompt: list[int]) -> Stored | None:
-        """Make ``prompt`` an entry, evicting the least recently used to stay within the budget; None when it
-        is cached already, or cannot fit even alone (an entry over the budget must not flush everything)."""
+    def store(self, prompt: list[int], adapter: int = 0) -> Stored | None:
+        """Make ``prompt`` (fed under LoRA ``adapter``) an entry, evicting the least recently used to stay within
+        the budget; None when it is cached already, or cannot fit even alone (an entry over the budget must not
+        flush everything)."""
         size = self._size(len(prompt))
         if size > self.budget:
             return None
-        node, covered = self._root, []
+        node, covered = self._roots.setdefault(adapter, _Node()), []
         for token in prompt:
             node = node.children.get(token)  # type: ignore[assignment]
             if node is None:
@@ -118,18 +122,20 @@ class PrefixIndex:
             self._remove(entry)
         entry = self._next
         self._next += 1
-        self._insert(entry, prompt)
+        self._insert(entry, prompt, adapter)
         return Stored(entry, evicted)
 
     def clear(self) -> None:
         """Every rank's entries were cleared (a failed step, a desync, a probe)."""
-        self._root = _Node()
+        self._roots.clear()
+        self._adapter.clear()
         self._entries.clear()
         self._pinned.clear()
         self.bytes = 0
 
-    def _insert(self, entry: int, prompt: list[int]) -> None:
-        node = self._root
+    def _insert(self, entry: int, prompt: list[int], adapter: int) -> None:
+        node = self._roots.setdefault(adapter, _Node())
+        self._adapter[entry] = adapter
         for token in prompt:
             node = node.children.setdefault(token, _Node())
             node.through.add(entry)
@@ -141,7 +147,7 @@ class PrefixIndex:
         tokens = self._entries.pop(entry)
         self.bytes -= self._size(len(tokens))
         self.evictions += 1
-        node = self._root
+        node = self._roots[self._adapter.pop(entry)]
         for token in tokens:
             child = node.children[token]
             child.through.discard(entry)

@@ -195,6 +195,7 @@ class Sequence:
     replay: list[int] | None = None
     losses: int = 0
     alone: bool = False  # fed on its own since a loss, even as one of n choices: its original's cache is gone
+    adapter: int = 0  # the LoRA adapter it is generated with (the engine's number for it); 0: the base model
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)
 

@@ -15,6 +15,7 @@ from neuron.launch.push import PushCut, Pushed, push
 from neuron.launch.stages import plan_stages, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest
+from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.shard import ShareSource
@@ -24,7 +25,7 @@ log = structlog.get_logger("neuron.pool")
 
 
 class Loading(Ranks):
-    """The ranks, and the model loaded onto them."""
+    """The ranks, and the model loaded onto them, with its LoRA adapters."""
 
     async def load(self) -> dict[int, Loaded]:
         """Check every host holds the same model (or send one that does not the share its rank loads, with
@@ -56,6 +57,8 @@ class Loading(Ranks):
             self.deadlines.load,
         )
         self.loaded = True
+        for number, (name, path) in sorted(self.adapters.items()):
+            await self._load_adapter(number, name, path)
         loaded = {
             0: replies[0],
             **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in self.workers},
@@ -68,6 +71,40 @@ class Loading(Ranks):
             ms=ms_since(started),
         )
         return loaded
+
+    async def load_adapter(self, number: int, name: str, path: str) -> list[int]:
+        """Load the LoRA adapter in ``path`` as ``number`` on every rank, each its slice (``rank.lora``); returns
+        how many projections it adapts on each rank. Refused (``PoolError``, the group still in step) with each
+        failing rank's reason, and then dropped wherever it loaded."""
+        try:
+            projections = await self._load_adapter(number, name, path)
+        except PoolError as e:
+            if not e.broken:
+                await self.unload_adapter(number)
+            raise
+        self.adapters[number] = (name, path)
+        return projections
+
+    async def _load_adapter(self, number: int, name: str, path: str) -> list[int]:
+        replies = await self._fan_out(
+            "load_adapter",
+            lambda _, id: rpc.LoadAdapter(id=id, adapter=number, name=name, path=path),
+            lambda rank: rank.load_adapter(number, name, path),
+            self.deadlines.load,
+        )
+        projections = [replies[0], *(replies[w.rank].projections for w in self.workers)]
+        log.info("adapter loaded", adapter=name, number=number, path=path, projections_per_rank=projections)
+        return projections
+
+    async def unload_adapter(self, number: int) -> None:
+        """Drop adapter ``number`` on every rank."""
+        self.adapters.pop(number, None)
+        await self._fan_out(
+            "unload_adapter",
+            lambda _, id: rpc.UnloadAdapter(id=id, adapter=number),
+            lambda rank: rank.unload_adapter(number),
+            self.deadlines.control,
+        )
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
         """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with

@@ -74,6 +74,8 @@ class Ranks:
         self.deadlines = deadlines or Deadlines()
         self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
         self.loaded = False
+        # The LoRA adapters every rank holds, by number: (name, folder); a load (a recovery's too) loads them again.
+        self.adapters: dict[int, tuple[str, str]] = {}
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)

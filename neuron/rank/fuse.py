@@ -60,6 +60,8 @@ class _Pending:
 class FusedLead(nn.Module):
     """The first projection of a group: computes every member's product at once and keeps the others' parts."""
 
+    sharded = False  # fused from projections whose outputs are split over the group (a LoRA slices B so)
+
     def __init__(self, weight: mx.array, bias: mx.array | None, rows: list[int], pending: _Pending) -> None:
         super().__init__()
         self._fused_weight = weight
@@ -83,6 +85,8 @@ class FusedLead(nn.Module):
 
 class FusedFollower(nn.Module):
     """A later projection of a group: its part of the lead's product when called on the lead's input."""
+
+    sharded = False
 
     def __init__(self, weight: mx.array, bias: mx.array | None, index: int, pending: _Pending) -> None:
         super().__init__()
@@ -139,6 +143,7 @@ def fuse_group(owner: nn.Module, names: tuple[str, ...]) -> bool:
     # separate arrays the model held (their memory is freed as the old modules go).
     mx.eval([m.parameters() for m in members])
     for name, member in zip(names, members, strict=True):
+        member.sharded = type(linears[0]) is AllToShardedLinear
         owner[name] = member
     return True
 

@@ -32,6 +32,7 @@ class Share:
     vocab_size: int
     prompts_together: bool  # new prompts fed as one left-padded batch: where every cache can be cut
     parameters: int
+    layers: int  # the whole model's, of which a stage holds some
 
 
 def load(model_path: str, layers: list[int], rank: int, world_size: int, group: mx.distributed.Group | None) -> Share:
@@ -62,4 +63,4 @@ def load(model_path: str, layers: list[int], rank: int, world_size: int, group: 
         runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
     runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
     runner.rope = mrope.attach(config, model, rank, layers[0] if layers else 0)
-    return Share(model, runner, vocab_size, together, parameters)
+    return Share(model, runner, vocab_size, together, parameters, int(text_config(config)["num_hidden_layers"]))

@@ -52,7 +52,9 @@ def feed_prompts(
     out: dict[int, mx.array] = {}
     fresh = [chunk for chunk in chunks if _batched(chunk, together)]
     if fresh:
-        logits, batched = _forward_new_prompts(runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh])
+        logits, batched = _forward_new_prompts(
+            runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh], [chunk.adapter for chunk in fresh]
+        )
         for i, chunk in enumerate(fresh):
             if not shadow:
                 own = [layer.extract(i) for layer in batched]
@@ -70,7 +72,7 @@ def feed_prompts(
             state = seqs[chunk.seq]
         assert state.cache is not None
         if chunk.scores:  # every position's logits, for rank 0 to score the prompt with
-            logits = runner.scores(mx.array(chunk.tokens)[None], state.cache)
+            logits = runner.scores(mx.array(chunk.tokens)[None], state.cache, [chunk.adapter])
         else:
             fed, embeddings, deepstack = chunk.tokens, None, None
             if chunk.images and runner.images:
@@ -78,7 +80,7 @@ def feed_prompts(
                 fed = runner.images.tokens(chunk.tokens, chunk.images)
                 deepstack, runner.images.deepstack = runner.images.deepstack, None
             with placed(runner.rope, chunk.position, chunk.positions, deepstack):
-                logits = _forward_prompt(runner, fed, chunk.last, state.cache, embeddings)
+                logits = _forward_prompt(runner, fed, chunk.last, state.cache, embeddings, chunk.adapter)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last
@@ -107,16 +109,17 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
 
 
 def _forward_new_prompts(
-    runner: Sharded | Stage, layers: int, prompts: list[list[int]]
+    runner: Sharded | Stage, layers: int, prompts: list[list[int]], adapters: list[int]
 ) -> tuple[mx.array | None, list[BatchKVCache]]:
-    """All but each prompt's last token, left-padded into one batch; then the last tokens together."""
+    """All but each prompt's last token, left-padded into one batch; then the last tokens together. ``adapters``:
+    each prompt's LoRA adapter."""
     bodies = [tokens[:-1] for tokens in prompts]
     width = max(len(body) for body in bodies)
     batched = [BatchKVCache([width - len(body) for body in bodies]) for _ in range(layers)]
     if width:
-        runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), batched)
+        runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), batched, adapters=adapters)
     final = mx.array([tokens[-1:] for tokens in prompts])
-    return runner.logits([(final, batched)])[0], batched
+    return runner.logits([(final, batched)], adapters=[adapters])[0], batched
 
 
 def _forward_prompt(
@@ -125,14 +128,15 @@ def _forward_prompt(
     last: bool,
     cache: list[caches.Layer],
     embeddings: mx.array | None = None,
+    adapter: int = 0,
 ) -> mx.array | None:
     """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
     to the vocabulary is computed for one position only (never an image's: ``engine.vision`` refuses a prompt
     that ends in one)."""
     body = tokens[:-1] if last else tokens
     if body:
-        runner.feed(mx.array(body)[None], cache, None if embeddings is None else embeddings[:, : len(body)])
+        runner.feed(mx.array(body)[None], cache, None if embeddings is None else embeddings[:, : len(body)], [adapter])
     if not last:
         return None
-    logits = runner.logits([(mx.array(tokens[-1:])[None], cache)])[0]
+    logits = runner.logits([(mx.array(tokens[-1:])[None], cache)], adapters=[[adapter]])[0]
     return None if logits is None else logits[0]

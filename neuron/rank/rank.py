@@ -18,6 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
+from neuron.adapters import AdapterError, find
 from neuron.rank import ahead, backends, caches, group, rollback
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
@@ -26,6 +27,7 @@ from neuron.rank.entries import Entries
 from neuron.rank.errors import GroupError, RankError
 from neuron.rank.fingerprint import fingerprint
 from neuron.rank.load import Loaded, load
+from neuron.rank.lora import Adapters
 from neuron.rank.prefill import SeqState, feed_prompts
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
@@ -49,6 +51,7 @@ class Rank:
         self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
+        self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.lora``), once a model is
 
     def init_group(self, backend: str, env: dict[str, str]) -> float:
         """Join the group (``rank.group``) and return the sanity all-reduce of 1.0 from every rank."""
@@ -67,7 +70,29 @@ class Rank:
         share = load(model_path, layers, self.rank, self.world_size, self.group)
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
         self.prompts_together = share.prompts_together
+        split = self.group if not layers else None  # a stage holds whole layers: its adapters too
+        self.adapters = Adapters(share.model, split, layers[0] if layers else 0, share.layers, share.runner.selection)
         return Loaded(share.parameters, time.perf_counter() - start)
+
+    def load_adapter(self, number: int, name: str, path: str) -> int:
+        """Load the LoRA adapter at ``path`` as ``number`` (``rank.lora``): this rank's slice of it. Returns how
+        many of this rank's projections it adapts."""
+        if self.adapters is None:
+            raise RankError(f"rank {self.rank}: no model loaded; send load_shard before load_adapter")
+        self.settle()  # a step run ahead was built with the projections as they are
+        try:
+            spec = find(name, path)
+        except AdapterError as e:
+            raise RankError(f"rank {self.rank}: {e}") from None
+        try:
+            return self.adapters.load(number, spec)
+        except RankError as e:
+            raise RankError(f"rank {self.rank}: {e}") from None
+
+    def unload_adapter(self, number: int) -> None:
+        if self.adapters is not None:
+            self.settle()
+            self.adapters.unload(number)
 
     # The step.
 
@@ -134,8 +159,12 @@ class Rank:
         if self.group is not None:  # rank 0's tokens on every rank's device, never through the host
             tokens = mx.distributed.all_sum(tokens, group=self.group)
         lags = {row.seq: row.rope_delta for row in plan.decode}
+        adapter = {row.seq: row.adapter for row in plan.decode}
         (logits,) = self.runner.logits(
-            [(tokens.reshape(-1, 1), rows.cache)], lazy=True, lags=[[lags.get(seq, 0) for seq in rows.ids]]
+            [(tokens.reshape(-1, 1), rows.cache)],
+            lazy=True,
+            lags=[[lags.get(seq, 0) for seq in rows.ids]],
+            adapters=[[adapter.get(seq, 0) for seq in rows.ids]],
         )
         queued = tokens if logits is None else logits
         if ahead.EVALUATES_ASYNC:
@@ -201,6 +230,7 @@ class Rank:
         by_seq = {row.seq: row for row in rows}
         micro_batches = sorted(widths)
         passes, lags = [], []
+        adapters = []
         for micro_batch in micro_batches:
             batch = self.batch.micro_batches[micro_batch]
             lags.append([by_seq[seq].rope_delta for seq in batch.ids])
@@ -211,9 +241,10 @@ class Rank:
                 state.position += len(fed_row) - by_seq[seq].drop
                 state.last = fed_row[-1]
             passes.append((mx.array(tokens), batch.cache))
+            adapters.append([by_seq[seq].adapter for seq in batch.ids])
         every = any(row.draft for row in rows)
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
-        logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags)
+        logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags, adapters=adapters)
         out: dict[int, mx.array] = {}
         for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
             if batch_logits is not None:
@@ -238,6 +269,7 @@ class Rank:
         self.clear_kv_cache()
         self.model = None
         self.runner = None
+        self.adapters = None
         backends.clear_cache()
 
     def leave_group(self) -> None:

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.gemma4_text import logit_softcap
 
 from neuron.rank import caches, staged
+from neuron.rank.lora import Selection
 from neuron.rank.mrope import shifted
 from neuron.rank.shard import VocabShard, backbone, head_gathers
 
@@ -38,6 +39,7 @@ FORWARD_TOKENS = 512
 Cache = Sequence[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
 Lags = Sequence[Sequence[int]] | None  # each pass's rows' M-RoPE position deltas (``rank.mrope``)
+Adapters = Sequence[int] | None  # each row's LoRA adapter (0: the base), for ``Selection.use``; None: the base's
 
 
 def _eval_with(cache: Cache, *arrays: mx.array) -> None:
@@ -54,13 +56,17 @@ class Sharded:
         self.model = model
         self.head = head
         self.rank = rank
+        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
         # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
         self.worker_trunk = model if head_gathers(model) else backbone(model)
 
-    def feed(self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None) -> None:
+    def feed(
+        self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None, adapters: Adapters = None
+    ) -> None:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
-        the tokens' input embeddings, where images replace some (``rank.vision``)."""
+        the tokens' input embeddings, where images replace some (``rank.vision``); ``adapters``: each row's."""
+        self.selection.use(adapters)
         trunk = backbone(self.model)
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
@@ -69,8 +75,9 @@ class Sharded:
             else:
                 _eval_with(cache, trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece]))
 
-    def scores(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+    def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
+        self.selection.use(adapters)
         trunk, out = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = tokens[:, start : start + FORWARD_TOKENS]
@@ -89,6 +96,7 @@ class Sharded:
         """Like ``feed``, and rank 0 gets the final hidden states (the final norm's output, whole on every rank
         once each layer's all-reduce has joined the slices): every position's, (rows, positions, hidden), or with
         ``every`` false the last one's, (rows, 1, hidden). Embeddings are pooled from them; no head runs."""
+        self.selection.use(None)  # the base model's: no adapter serves embeddings
         trunk, out = backbone(self.model), []
         length = tokens.shape[1]
         for start in range(0, length, FORWARD_TOKENS):
@@ -100,20 +108,27 @@ class Sharded:
         return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
     def logits(
-        self, passes: Sequence[Pass], every: bool = False, lazy: bool = False, lags: Lags = None
+        self,
+        passes: Sequence[Pass],
+        every: bool = False,
+        lazy: bool = False,
+        lags: Lags = None,
+        adapters: Sequence[Adapters] | None = None,
     ) -> list[mx.array | None]:
         """Each pass's last-position logits on rank 0 (None on the other ranks); with ``every``, those of every
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
         for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
         is queued (``mx.async_eval``), so that its collectives run as soon as rank 0's do. ``lags``: each pass's
-        rows' M-RoPE position deltas (``rank.mrope``)."""
+        rows' M-RoPE position deltas (``rank.mrope``); ``adapters``: each pass's rows' adapters."""
+        every_pass = adapters or [None] * len(passes)
         out = []
-        for i, (tokens, cache) in enumerate(passes):
+        for i, ((tokens, cache), rows) in enumerate(zip(passes, every_pass, strict=True)):
             with shifted(self.rope, lags[i] if lags else None):
-                out.append(self._logits(tokens, cache, every, lazy))
+                out.append(self._logits(tokens, cache, every, lazy, rows))
         return out
 
-    def _logits(self, tokens: mx.array, cache: Cache, every: bool, lazy: bool) -> mx.array | None:
+    def _logits(self, tokens: mx.array, cache: Cache, every: bool, lazy: bool, adapters: Adapters) -> mx.array | None:
+        self.selection.use(adapters)
         wanted = slice(None) if every else -1
         if self.head is not None:  # every rank projects onto its rows of the vocabulary
             hidden = backbone(self.model)(tokens, cache=cache)[:, wanted, :]
@@ -172,6 +187,7 @@ class Stage:
         self.rank = rank
         self.stages = stages
         self.group = group
+        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
         first = self.inner.layers[0]
         norm = first.input_layernorm if "input_layernorm" in first else first.post_attention_layernorm  # olmo2
         self.dtype, self.hidden = norm.weight.dtype, norm.weight.shape[0]
@@ -220,7 +236,10 @@ class Stage:
         self.inner.embed_tokens.received.append(received)
         return self.inner(tokens, cache=cache)
 
-    def feed(self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None) -> None:
+    def feed(
+        self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None, adapters: Adapters = None
+    ) -> None:
+        self.selection.use(adapters)
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
             hidden = self._through(tokens[:, piece], cache, None if embeddings is None else embeddings[:, piece])
@@ -228,8 +247,9 @@ class Stage:
                 hidden = mx.distributed.send(hidden, self.rank + 1, group=self.group)
             _eval_with(cache, hidden)
 
-    def scores(self, tokens: mx.array, cache: Cache) -> mx.array | None:
+    def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and the last stage sends every position back: rank 0 gets their logits."""
+        self.selection.use(adapters)
         out = []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = tokens[:, start : start + FORWARD_TOKENS]
@@ -246,6 +266,7 @@ class Stage:
     def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
         """Like ``feed``, and the last stage sends the final hidden states back, of every position or (``every``
         false) of the last: rank 0 applies the final norm and gets them, as ``Sharded.states`` gives them."""
+        self.selection.use(None)
         out = []
         length = tokens.shape[1]
         for start in range(0, length, FORWARD_TOKENS):
@@ -265,17 +286,23 @@ class Stage:
         return mx.concatenate(out, axis=1) if self.rank == 0 else None
 
     def logits(
-        self, passes: Sequence[Pass], every: bool = False, lazy: bool = False, lags: Lags = None
+        self,
+        passes: Sequence[Pass],
+        every: bool = False,
+        lazy: bool = False,
+        lags: Lags = None,
+        adapters: Sequence[Adapters] | None = None,
     ) -> list[mx.array | None]:
         """Every pass through every stage; rank 0 gets each pass's last-position logits (``every``: all of them).
-        Always evaluated (``lazy`` is for one rank alone): the passes cross ranks.
+        Always evaluated (``lazy`` is for one rank alone): the passes cross ranks. ``adapters``: each pass's rows'.
 
         Each stage sends a pass on as soon as it is done with it, and rank 0 reads
         the results back only after sending every pass: with several passes (the
         plan's micro-batches), stage 1 works on the first while rank 0 works on
         the second, instead of each stage waiting for the whole batch.
         """
-        for i, (tokens, cache) in enumerate(passes):
+        for i, ((tokens, cache), rows) in enumerate(zip(passes, adapters or [None] * len(passes), strict=True)):
+            self.selection.use(rows)
             with shifted(self.rope, lags[i] if lags else None):
                 hidden = self._through(tokens, cache)
             if self.last:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -190,6 +190,7 @@ class Prefill:
     # M-RoPE (Qwen3-VL): the chunk's tokens' positions, three rows (time, row, column) of ``len(tokens)``, where
     # they are not ``position + i`` (an image's tokens, and every token after one); empty: the plain ones.
     positions: list[list[int]] = field(default_factory=list)
+    adapter: int = 0  # the LoRA adapter its forwards apply (``LoadAdapter``'s number); 0: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +214,7 @@ class Decode:
     # M-RoPE: how far the row's positions lag its cache's length (a prompt's images advanced them by less than
     # their tokens); 0 for text.
     rope_delta: int = 0
+    adapter: int = 0  # the LoRA adapter applied to this row (``LoadAdapter``'s number); 0: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +290,27 @@ class GenerateStep:
     op: ClassVar[str] = "generate_step"
     id: int
     plan: StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class LoadAdapter:
+    """Load the LoRA adapter in the folder ``path`` as number ``adapter`` (the leader numbers them, never reusing
+    one): this rank's slice of its matrices (``rank.lora``). Plans then name it on the rows it applies to."""
+
+    op: ClassVar[str] = "load_adapter"
+    id: int
+    adapter: int
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadAdapter:
+    """Drop LoRA adapter ``adapter``; no plan names it any more."""
+
+    op: ClassVar[str] = "unload_adapter"
+    id: int
+    adapter: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,6 +396,21 @@ class GenerateStepOk:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterLoaded:
+    """``projections``: how many of this rank's projections the adapter adapts (none on a stage it skips)."""
+
+    op: ClassVar[str] = "adapter_loaded"
+    id: int
+    projections: int
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterUnloaded:
+    op: ClassVar[str] = "adapter_unloaded"
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheCleared:
     op: ClassVar[str] = "kv_cache_cleared"
     id: int
@@ -394,9 +432,31 @@ class Error:
     message: str
 
 
-Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Shutdown
+Request = (
+    Ping
+    | Listen
+    | Probe
+    | Init
+    | CheckModel
+    | LoadShard
+    | LoadAdapter
+    | UnloadAdapter
+    | GenerateStep
+    | ClearKvCache
+    | Shutdown
+)
 Reply = (
-    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Bye
+    Pong
+    | Listening
+    | Probed
+    | InitOk
+    | ModelChecked
+    | LoadShardOk
+    | AdapterLoaded
+    | AdapterUnloaded
+    | GenerateStepOk
+    | KvCacheCleared
+    | Bye
 ) | Error
 
 REQUESTS: tuple[type[Request], ...] = (
@@ -406,6 +466,8 @@ REQUESTS: tuple[type[Request], ...] = (
     Init,
     CheckModel,
     LoadShard,
+    LoadAdapter,
+    UnloadAdapter,
     GenerateStep,
     ClearKvCache,
     Shutdown,
@@ -417,6 +479,8 @@ REPLIES: tuple[type[Reply], ...] = (
     InitOk,
     ModelChecked,
     LoadShardOk,
+    AdapterLoaded,
+    AdapterUnloaded,
     GenerateStepOk,
     KvCacheCleared,
     Bye,
@@ -431,6 +495,8 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     Init: InitOk,
     CheckModel: ModelChecked,
     LoadShard: LoadShardOk,
+    LoadAdapter: AdapterLoaded,
+    UnloadAdapter: AdapterUnloaded,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
     Shutdown: Bye,
@@ -455,12 +521,16 @@ __all__ = [
     "Ping",
     "Init",
     "LoadShard",
+    "LoadAdapter",
+    "UnloadAdapter",
     "GenerateStep",
     "ClearKvCache",
     "Shutdown",
     "Pong",
     "InitOk",
     "LoadShardOk",
+    "AdapterLoaded",
+    "AdapterUnloaded",
     "GenerateStepOk",
     "KvCacheCleared",
     "Bye",

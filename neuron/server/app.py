@@ -1,11 +1,12 @@
 """The HTTP application: every family's routes put together on Starlette, behind the guard and CORS. No MLX.
 
-The routes (15, and the page's 2): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the
-model list (``models``), and one family per API: ``chat_completions``, ``completions``, ``responses``,
-``messages`` (Anthropic's, with ``count_tokens``), ``embeddings`` and ``tokenize`` (with ``/detokenize``); the
-cluster's ``status``, and the ``page`` for people at ``/`` that shows it beside a chat. Each family holds its body's
-checks, its replies and its part of the OpenAPI document; what they share is ``common/``, and the request's
-skeleton (key, body, errors, disconnects, server-sent events) is ``http``.
+The routes (17, and the page's 2): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the
+model list (``models``), vLLM's routes that load and unload LoRA adapters (``adapters``), and one family per API:
+``chat_completions``, ``completions``, ``responses``, ``messages`` (Anthropic's, with ``count_tokens``),
+``embeddings`` and ``tokenize`` (with ``/detokenize``); the cluster's ``status``, and the ``page`` for people at
+``/`` that shows it beside a chat. Each family holds its body's checks, its replies and its part of the OpenAPI
+document; what they share is ``common/``, and the request's skeleton (key, body, errors, disconnects, server-sent
+events) is ``http``.
 
 Why Starlette and not FastAPI: every refusal must be OpenAI's (or Anthropic's) error body naming the field.
 FastAPI's pydantic validation answers 422 in its own shape, which we would have to undo; Starlette is the
@@ -20,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from neuron.server import embeddings, health, models, openapi, status, tokenize
+from neuron.server import adapters, embeddings, health, models, openapi, status, tokenize
 from neuron.server.chat_completions import routes as chat_completions
 from neuron.server.common.schema import Schema, Spec
 from neuron.server.completions import routes as completions
@@ -32,7 +33,18 @@ from neuron.server.responses import routes as responses
 
 __all__ = ["ServerState", "build_app"]
 
-FAMILIES = (health, models, status, chat_completions, completions, responses, messages, embeddings, tokenize)
+FAMILIES = (
+    health,
+    models,
+    adapters,
+    status,
+    chat_completions,
+    completions,
+    responses,
+    messages,
+    embeddings,
+    tokenize,
+)
 
 
 def endpoints(with_page: bool = True) -> list[Endpoint]:

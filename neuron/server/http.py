@@ -28,6 +28,7 @@ from neuron import images, metrics
 from neuron.engine.sequence import Sequence
 from neuron.server.common import limits
 from neuron.server.common.errors import ApiError, not_ready, openai_body, within_limits
+from neuron.server.common.fields import Served
 from neuron.server.common.submit import cancel
 from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
 
@@ -74,6 +75,12 @@ class Call:
     @property
     def model_id(self) -> str:
         return self.state.model_id
+
+    @property
+    def served(self) -> Served:
+        """The base model's id, with the LoRA adapters a generation may name instead (``fields.served``)."""
+        engine = self.state.engine
+        return Served(self.state.model_id, tuple(engine.adapters.names) if engine is not None else ())
 
     @property
     def engine(self) -> Engine:

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` and ``/v1/models/{model}``: the one model served, as OpenAI lists models. No MLX."""
+"""``GET /v1/models`` and ``/v1/models/{model}``: the model served, as OpenAI lists models, and each LoRA adapter
+served beside it as a model of its own, its ``parent`` the base (as vLLM lists them). No MLX."""
 
 from __future__ import annotations
 
@@ -11,19 +12,21 @@ from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
 
-def _card(call: Call) -> dict[str, Any]:
-    return {"id": call.model_id, "object": "model", "created": call.state.started, "owned_by": "neuron"}
+def _card(call: Call, adapter: str | None = None) -> dict[str, Any]:
+    card = {"id": adapter or call.model_id, "object": "model", "created": call.state.started, "owned_by": "neuron"}
+    return card | {"parent": call.model_id} if adapter else card
 
 
 async def list_models(call: Call) -> Response:
-    return OrjsonResponse({"object": "list", "data": [_card(call)]})
+    adapters = call.served.adapters
+    return OrjsonResponse({"object": "list", "data": [_card(call), *(_card(call, name) for name in adapters)]})
 
 
 async def get_model(call: Call) -> Response:
     asked = call.request.path_params["model"]
-    if asked != call.model_id:
+    if asked != call.model_id and asked not in call.served.adapters:
         raise ApiError(404, f"the model `{asked}` does not exist", code="model_not_found")
-    return OrjsonResponse(_card(call))
+    return OrjsonResponse(_card(call, None if asked == call.model_id else asked))
 
 
 ENDPOINTS = (
@@ -37,10 +40,11 @@ def openapi(spec: Spec) -> OpenApi:
         "type": "object",
         "required": ["id", "object", "created", "owned_by"],
         "properties": {
-            "id": {"const": spec.model_id},
+            "id": {"type": "string", "description": f"`{spec.model_id}`, or a LoRA adapter's name"},
             "object": {"const": "model"},
             "created": {"type": "integer"},
             "owned_by": {"type": "string"},
+            "parent": {"const": spec.model_id, "description": "a LoRA adapter's base model"},
         },
     }
     listing = {
@@ -49,7 +53,7 @@ def openapi(spec: Spec) -> OpenApi:
         "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": ref("Model")}},
     }
     paths = {
-        "/v1/models": get("the served model", replies(401, ok=ref("ModelList")), **spec.secured),
+        "/v1/models": get("the served model and its LoRA adapters", replies(401, ok=ref("ModelList")), **spec.secured),
         "/v1/models/{model}": get(
             "one model",
             replies(401, 404, ok=ref("Model")),

@@ -44,7 +44,7 @@ def spec(call: Call) -> Spec:
     if engine is None:
         return Spec(state.model_id, keyed=state.api_key is not None)
     return Spec(
-        state.model_id,
+        call.served,  # with the LoRA adapters a request's ``model`` may name
         vocab_size=engine.vocab_size,
         context=engine.context_length,
         keyed=state.api_key is not None,

@@ -16,7 +16,7 @@ from neuron.server.common import fields, harmony, reasoning, tools
 from neuron.server.common.chat import messages, messages_schema
 from neuron.server.common.errors import bad
 from neuron.server.common.reasoning import TEMPLATE_KWARGS
-from neuron.server.common.schema import OpenApi, Schema, Spec, or_null, post, ref, replies_with, token_ids
+from neuron.server.common.schema import OpenApi, Schema, Spec, or_null, post, ref, replies_with, served_names, token_ids
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
 PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
@@ -102,12 +102,12 @@ def detokenize(text: Any, body: Any, served_model: str, vocab_size: int) -> dict
 
 async def tokenize_text(call: Call) -> Response:
     engine = call.engine
-    return OrjsonResponse(tokenize(engine.text, call.body, call.model_id, engine.context_length))
+    return OrjsonResponse(tokenize(engine.text, call.body, call.served, engine.context_length))
 
 
 async def detokenize_tokens(call: Call) -> Response:
     engine = call.engine
-    return OrjsonResponse(detokenize(engine.text, call.body, call.model_id, engine.vocab_size))
+    return OrjsonResponse(detokenize(engine.text, call.body, call.served, engine.vocab_size))
 
 
 ENDPOINTS = (Endpoint("/tokenize", tokenize_text, images=True), Endpoint("/detokenize", detokenize_tokens))
@@ -138,7 +138,7 @@ def openapi(spec: Spec) -> OpenApi:
 
 def tokenize_request(model_id: str, chat_messages: Schema, tools: Schema) -> Schema:
     common = {
-        "model": or_null({"type": "string", "enum": [model_id]}),
+        "model": or_null({"type": "string", "enum": served_names(model_id)}),
         "add_special_tokens": or_null({"type": "boolean"}),
         "return_token_strs": or_null({"type": "boolean"}),
     }
@@ -181,7 +181,7 @@ def detokenize_request(model_id: str, vocab_size: int | None) -> Schema:
         "type": "object",
         "required": ["tokens"],
         "properties": {
-            "model": or_null({"type": "string", "enum": [model_id]}),
+            "model": or_null({"type": "string", "enum": served_names(model_id)}),
             "tokens": {"type": "array", "items": token_ids(vocab_size)},
         },
         "additionalProperties": False,

@@ -17,7 +17,7 @@ from neuron.server.http import Call, Endpoint
 
 
 async def create(call: Call) -> Response:
-    gen = chat.parse(call.body, call.model_id)
+    gen = chat.parse(call.body, call.served)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = call.engine
     seqs = await submit(engine, gen, request_id)

@@ -17,13 +17,13 @@ from neuron.server.common.generation import (
     requires,
     sampling_properties,
 )
-from neuron.server.common.schema import Schema, Spec, integer, or_null, ranged
+from neuron.server.common.schema import Schema, Spec, integer, or_null, ranged, served_names
 
 
 def request(spec: Spec) -> Schema:
     limit = max_tokens(CHAT_MAX_TOKENS)
     properties: Schema = {
-        "model": {"type": "string", "enum": [spec.model_id]},
+        "model": {"type": "string", "enum": served_names(spec.model_id)},
         **sampling_properties(spec.vocab_size, spec.max_n),
         "messages": messages_schema(spec.context),
         "max_tokens": limit,

@@ -20,7 +20,7 @@ from neuron.server.common import tools
 from neuron.server.common.errors import failure_error, no_answer
 from neuron.server.common.generation import Generation
 from neuron.server.common.reasoning import ReasoningSplit
-from neuron.server.common.schema import Schema
+from neuron.server.common.schema import Schema, served_names
 from neuron.server.common.tools import ToolStream
 from neuron.server.keepalive import sse
 
@@ -271,7 +271,7 @@ def envelope(model_id: str, kind: str, choice: Schema) -> Schema:
             "id": {"type": "string"},
             "object": {"const": kind},
             "created": {"type": "integer"},
-            "model": {"const": model_id},
+            "model": {"enum": served_names(model_id)},
             "choices": {"type": "array", "minItems": 1, "items": choice},
             "usage": {"$ref": "#/components/schemas/Usage"},
         },

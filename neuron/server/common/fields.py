@@ -69,10 +69,25 @@ def known(body: dict[str, Any], fields: frozenset[str]) -> None:
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
 
 
+class Served(str):
+    """The base model's id, as routes pass it on, with the LoRA adapters served beside it: a request's ``model``
+    may name either (``served``)."""
+
+    adapters: tuple[str, ...] = ()
+
+    def __new__(cls, base: str, adapters: tuple[str, ...] = ()) -> Served:
+        served = super().__new__(cls, base)
+        served.adapters = adapters
+        return served
+
+
 def served(model: Any, served_model: str) -> None:
-    """``model`` (when given) is the one served; 404 otherwise, as OpenAI answers an unknown model."""
-    if model is not None and model != served_model:
-        message = f"the model `{model}` does not exist; this server serves `{served_model}`"
+    """``model`` (when given) is the one served, or one of its LoRA adapters; 404 otherwise, as OpenAI answers an
+    unknown model."""
+    adapters = served_model.adapters if isinstance(served_model, Served) else ()
+    if model is not None and model != served_model and model not in adapters:
+        also = f" and its adapters {', '.join(adapters)}" if adapters else ""
+        message = f"the model `{model}` does not exist; this server serves `{served_model}`{also}"
         raise ApiError(404, message, param="model", code="model_not_found")
 
 

@@ -77,6 +77,7 @@ class Generation:
 
     chat: bool
     model: str
+    adapter: str | None = None  # the LoRA adapter ``model`` names; None: the base model
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: each text or token ids
     n: int = 1  # choices per prompt
@@ -109,6 +110,7 @@ def begin(
             raise bad(name, f"unrecognized request argument `{name}`", "unknown_parameter")
     within_limits(limits.check_metadata, body.get("metadata"))
     gen = Generation(chat=chat, model=model(body, served_model), n=integer(body, "n", 1))
+    gen.adapter = gen.model if gen.model != served_model else None
     if gen.n < 1:
         raise bad("n", f"`n` must be at least 1, got {gen.n}")
     return gen

@@ -10,7 +10,7 @@ from typing import Any
 
 from neuron.models import Embedding
 from neuron.sampling_params import RANGES
-from neuron.server.common.fields import INT64
+from neuron.server.common.fields import INT64, Served
 
 Schema = dict[str, Any]
 OpenApi = tuple[Schema, Schema]  # a family's paths and its components' schemas
@@ -32,6 +32,11 @@ class Spec:
     @property
     def secured(self) -> Schema:
         return {"security": [{"bearer": []}]} if self.keyed else {}
+
+
+def served_names(model_id: str) -> list[str]:
+    """What a request's ``model`` may name: the base model, or a LoRA adapter served beside it (``fields.Served``)."""
+    return [model_id, *(model_id.adapters if isinstance(model_id, Served) else ())]
 
 
 def or_null(schema: Schema) -> Schema:

@@ -18,7 +18,7 @@ from neuron.server.http import Call, Endpoint
 
 
 async def create(call: Call) -> Response:
-    gen = parse.parse(call.body, call.model_id)
+    gen = parse.parse(call.body, call.served)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     engine = call.engine
     seqs = await submit(engine, gen, request_id)

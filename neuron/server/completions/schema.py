@@ -14,7 +14,7 @@ from neuron.server.common.generation import (
     requires,
     sampling_properties,
 )
-from neuron.server.common.schema import Schema, Spec, integer, or_null, token_ids
+from neuron.server.common.schema import Schema, Spec, integer, or_null, served_names, token_ids
 from neuron.server.completions.parse import COMPLETION_UNSUPPORTED, DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 
 
@@ -26,7 +26,7 @@ def request(spec: Spec) -> Schema:
     note = f"at most {context - 1} tokens" if context else "shorter than the model's context"
     text = {"type": "string", "minLength": 1}
     properties: Schema = {
-        "model": {"type": "string", "enum": [spec.model_id]},
+        "model": {"type": "string", "enum": served_names(spec.model_id)},
         **sampling_properties(spec.vocab_size, spec.max_n),
         "prompt": {
             "anyOf": [text, tokens, {"type": "array", "minItems": 1, "items": {"anyOf": [text, tokens]}}],

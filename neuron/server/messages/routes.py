@@ -27,7 +27,7 @@ def _chat(body: Any, served_model: str, counting: bool = False) -> Generation:
 
 
 async def create(call: Call) -> Response:
-    gen = _chat(call.body, call.model_id)
+    gen = _chat(call.body, call.served)
     request_id = f"msg_{uuid.uuid4().hex}"
     engine = call.engine
     seqs = await submit(engine, gen, request_id)
@@ -40,7 +40,7 @@ async def create(call: Call) -> Response:
 
 
 async def count_tokens(call: Call) -> Response:
-    gen = _chat(call.body, call.model_id, counting=True)
+    gen = _chat(call.body, call.served, counting=True)
     try:
         prompt = await chat_prompt_with_images(call.engine, gen)
     except RequestError as e:

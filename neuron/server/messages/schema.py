@@ -8,7 +8,7 @@ from neuron.sampling_params import MAX_STOPS
 from neuron.server.common.content import ANTHROPIC_IMAGE as IMAGE
 from neuron.server.common.content import ANTHROPIC_TEXT as TEXT
 from neuron.server.common.generation import CHAT_MAX_TOKENS
-from neuron.server.common.schema import Schema, integer, or_null, ranged
+from neuron.server.common.schema import Schema, integer, or_null, ranged, served_names
 from neuron.server.common.tools import NAME
 from neuron.server.messages.parse import IGNORED_HERE, TOOL_IGNORED
 from neuron.server.messages.render import STOP_REASONS
@@ -97,7 +97,7 @@ def messages_request(model_id: str, counting: bool = False) -> Schema:
         "enforced",
     }
     properties: Schema = {
-        "model": {"type": "string", "enum": [model_id]},
+        "model": {"type": "string", "enum": served_names(model_id)},
         "system": or_null(TEXTS),
         "messages": {"type": "array", "minItems": 1, "items": message},
         "tools": or_null({"type": "array", "items": tool}),
@@ -188,7 +188,7 @@ def message_reply(model_id: str) -> Schema:
             "id": {"type": "string"},
             "type": {"const": "message"},
             "role": {"const": "assistant"},
-            "model": {"const": model_id},
+            "model": {"enum": served_names(model_id)},
             "content": {"type": "array", "items": block},
             "stop_reason": {"enum": list(STOP_REASONS)},
             "stop_sequence": {"type": ["string", "null"]},

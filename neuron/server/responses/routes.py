@@ -18,7 +18,7 @@ from neuron.server.responses import parse, render, schema
 
 async def create(call: Call) -> Response:
     try:
-        gen = chat.parse(parse.to_chat(call.body), call.model_id)
+        gen = chat.parse(parse.to_chat(call.body), call.served)
     except ApiError as e:
         raise parse.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"

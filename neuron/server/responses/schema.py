@@ -12,6 +12,7 @@ from neuron.server.common.content import RESPONSES_PART
 from neuron.server.common.fields import IGNORED, INT64
 from neuron.server.common.generation import CHAT_MAX_TOKENS
 from neuron.server.common.reasoning import EFFORTS
+from neuron.server.common.schema import served_names
 from neuron.server.common.tools import FUNCTION, request_rules
 from neuron.server.responses.parse import ROLES
 
@@ -62,7 +63,7 @@ def request(model_id: str, reasons: bool = True) -> dict[str, Any]:
     structured = {"properties": {"format": {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}}}
     rules = request_rules("text", {"type": "object", "required": ["format"], **structured})
     properties = {
-        "model": {"type": "string", "enum": [model_id]},
+        "model": {"type": "string", "enum": served_names(model_id)},
         "input": {
             "anyOf": [
                 {"type": "string"},
@@ -117,7 +118,7 @@ def reply(model_id: str) -> dict[str, Any]:
             "object": {"const": "response"},
             "created_at": {"type": "integer"},
             "status": {"enum": ["completed", "incomplete"]},
-            "model": {"const": model_id},
+            "model": {"enum": served_names(model_id)},
             "output": {
                 "type": "array",
                 "items": {"type": "object", "required": ["type"], "properties": {"type": {"enum": OUTPUT_TYPES}}},
