@@ -1,4 +1,4 @@
-"""Draft tokens without a draft model: prompt lookup, and the request's ``prediction``.
+"""Draft tokens: prompt lookup, the request's ``prediction``, and how many a draft model proposes.
 
 No MLX here: the scheduler asks each running sequence's ``Proposer`` for the
 tokens likely to follow, every rank verifies them in the step's one batched
@@ -10,6 +10,11 @@ predicted outputs) while the output so far matches it; otherwise the tokens
 that followed the last occurrence of the output's last n-gram in the
 output itself, the prediction or the prompt, in that order (prompt lookup). Code edits,
 quoting and extraction repeat their input, and there most drafts are kept.
+
+With a draft model (``--draft-model``) a sequence's proposer only says how many tokens it wants
+(``DRAFTED`` placeholders): the batch's rule cuts them as it cuts any draft, and the engine has rank 0's draft
+model fill them in just before the step (``Pool.draft``). A request that sends a ``prediction`` keeps
+its prediction and prompt lookup: the client says what the reply will be.
 
 Adaptive k: a draft costs forward work whether kept or not. Each sequence's
 k grows while whole drafts are kept and halves when under half of it is; after
@@ -42,6 +47,9 @@ WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on lon
 # a coin for prompt lookup; high for a prediction the output has matched so far, since the client says the reply
 # will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
 LOOKUP_PRIOR = 0.5
+# A draft model made to agree with its target: most of its tokens are kept until the evidence says otherwise.
+MODEL_PRIOR = 0.7
+DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
 PREDICTION_PRIOR = 0.9
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
 
@@ -64,11 +72,12 @@ class Proposer:
     withheld: list[int] = field(default_factory=list)  # a draft the rule cut whole, checked against the output
     withheld_at: int = 0
     following_withheld: bool = False  # whether it came from the prediction
+    model: bool = False  # the draft model proposes (``DRAFTED``), not prompt lookup
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that each token of the last draft is kept, given those before it were."""
-        return self.prediction_rate if self.following else self.lookup_rate
+        return self.prediction_rate if self.following else self.lookup_rate  # a model's rate is lookup_rate
 
     def propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
         """Up to k tokens to follow the prompt and ``output`` (the completion so far, up to the token about to be
@@ -84,6 +93,8 @@ class Proposer:
         if self.resting:  # before the context is built: a resting sequence costs its step next to nothing
             self.resting -= 1
             return []
+        if self.model:
+            return [DRAFTED] * k
         context = prompt + output
         done = len(output)
         self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)
@@ -104,7 +115,7 @@ class Proposer:
         samples one token, and the geometric model needs nothing more. Greedy, this is the verifier's own verdict;
         sampled, the token is a draw from the distribution the verifier would have drawn from.
         """
-        if self.withheld and len(output) > self.withheld_at:
+        if self.withheld and len(output) > self.withheld_at and not self.model:  # no model draft was drawn
             self._observe(output[self.withheld_at] == self.withheld[0], self.following_withheld)
         self.withheld = []
 

@@ -39,6 +39,7 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
+from neuron.engine.drafts import DRAFTED
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -49,11 +50,11 @@ from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import progress, trace
-from neuron.models import ModelError, embedding, read_config, text_config
+from neuron.models import ModelError, embedding, read_config, resolve, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
-from neuron.step import Start, Step
+from neuron.step import DraftRow, Start, Step
 
 log = structlog.get_logger("neuron.engine")
 
@@ -126,7 +127,9 @@ class Engine(Recovering):
         loop until the block exits. ``model`` is what ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
+        draft = await _draft_model(config, text, limits or Scheduling())
         async with Pool(model_path, layout, deadlines, model) as pool:
+            pool.draft_path = draft
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
@@ -268,6 +271,7 @@ class Engine(Recovering):
         plan = step.plan
         self._in_flight = step
         try:
+            await self._draft(plan)
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
@@ -299,6 +303,21 @@ class Engine(Recovering):
         )
         for delivery in deliveries:
             self.output.deliver(delivery)
+
+    async def _draft(self, plan: StepPlan) -> None:
+        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0."""
+        wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
+        if not wanted:
+            return
+        by_no = {seq.no: seq for seq in self.scheduler.running}
+        rows = [
+            DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
+            for row in wanted
+        ]
+        proposed = await self.pool.draft(rows)
+        for i, row in enumerate(plan.decode):
+            if row.draft and row.draft[0] == DRAFTED:
+                plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
@@ -339,3 +358,35 @@ class Engine(Recovering):
         log.warning("not ready", reason=str(error), broken=error.broken)
         if error.broken and not self._resumes:
             self.lost.set()
+
+
+async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -> Path | None:
+    """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
+    None without one, or where this model speculates not at all. Says in the log what a model's own
+    multi-token-prediction heads are used for: nothing yet."""
+    heads = mtp_heads(text_config(config))
+    if heads:
+        log.info(
+            f"the model ships {heads} multi-token-prediction layer(s); neuron does not run them as a draft: "
+            + ("the draft model proposes instead" if limits.draft_model else "pass --draft-model to draft with a model")
+        )
+    if limits.draft_model is None:
+        return None
+    if architectures.limits_for(config, limits)[0].speculate == "off":
+        log.info("the draft model is not loaded: this server does not speculate", draft_model=limits.draft_model)
+        return None
+    path = await anyio.to_thread.run_sync(resolve, limits.draft_model)
+    if heads := mtp_heads(text_config(read_config(path))):
+        log.info(f"the draft model ships {heads} multi-token-prediction layer(s); neuron does not run them")
+    if problem := text.differs(Text.load(path)):
+        raise ModelError(
+            f"--draft-model {limits.draft_model}: its tokenizer is not the model's ({problem}); pick a draft model "
+            "of the same family, trained with the same tokenizer"
+        )
+    return path
+
+
+def mtp_heads(model: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a model's config declares (DeepSeek V3 and GLM-4.5's
+    ``num_nextn_predict_layers``, Qwen3-Next's ``mtp_num_hidden_layers``)."""
+    return int(model.get("num_nextn_predict_layers") or model.get("mtp_num_hidden_layers") or 0)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from neuron.engine.drafts import MAX_K, Proposer
+from neuron.engine.drafts import MAX_K, MODEL_PRIOR, Proposer
 from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.sampling_params import SamplingParams
@@ -99,9 +99,12 @@ class Intake:
 
     def _proposer(self, params: SamplingParams) -> Proposer | None:
         """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
-        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""
+        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time,
+        so a constrained row decodes without drafts, from a draft model too)."""
         if self.limits.speculate == "off" or params.num_draft_tokens == 0 or params.constraint is not None:
             return None
         text = params.prediction
         prediction = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if self.limits.draft_model is not None and not prediction:
+            return Proposer(limit=params.num_draft_tokens or MAX_K, lookup_rate=MODEL_PRIOR, model=True)
         return Proposer(prediction, params.num_draft_tokens or MAX_K)

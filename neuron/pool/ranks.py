@@ -74,6 +74,7 @@ class Ranks:
         self.deadlines = deadlines or Deadlines()
         self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
         self.loaded = False
+        self.draft_path: Path | None = None  # the draft model (--draft-model), loaded whole on rank 0 with the model
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)
