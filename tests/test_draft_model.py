@@ -23,7 +23,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_all_same
-from conftest import Server, run_neuron, serving
+from conftest import SPLITS, Server, run_neuron, serving
 
 from neuron.engine.drafts import DRAFTED, Proposer
 from neuron.engine.text import Text
@@ -147,11 +147,7 @@ def damped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _pair(tmp_path_factory.mktemp("damped"), 0.3)
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
-    ids=["tp1", "tp2", "pp2"],
-)
+@pytest.fixture(scope="module", params=list(SPLITS.values()), ids=list(SPLITS))
 def drafted(
     request: pytest.FixtureRequest, damped: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
