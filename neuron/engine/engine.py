@@ -272,6 +272,7 @@ class Engine(Recovering):
         self._in_flight = step
         try:
             await self._draft(plan)
+            drafted = time.perf_counter()
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
@@ -298,6 +299,7 @@ class Engine(Recovering):
             rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
             ms=round(ms, 2),
+            draft_ms=round((drafted - started) * 1000, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
         )
