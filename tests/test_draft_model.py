@@ -25,7 +25,7 @@ import pytest
 from closeness import TOP, Scored, assert_all_same
 from conftest import SPLITS, Server, run_neuron, serving
 
-from neuron.engine.drafts import DRAFTED, Proposer
+from neuron.engine.drafts import DRAFTED, MODEL_FLOOR, MODEL_PRIOR, DraftRate, Proposer
 from neuron.engine.text import Text
 from neuron.rank.rejection import Rejection
 from neuron.rank.sampler import Sampler
@@ -121,6 +121,19 @@ def test_a_model_proposer_asks_for_k_placeholders_and_learns_from_verified_draft
         proposer.propose([1, 2], [3], room=10)
         proposer.update(3, 0)
     assert proposer.propose([1, 2], [3], room=10) == []
+
+
+@pytest.mark.unit
+def test_the_servers_draft_rate_is_the_next_sequences_prior_with_a_floor() -> None:
+    shared = DraftRate()
+    first = Proposer(lookup_rate=shared.prior(), model=True, shared=shared)
+    first.propose([1], [2], room=10)
+    first.update(4, 4)  # kept whole: the server's rate rises
+    assert shared.prior() > MODEL_PRIOR
+    for _ in range(40):  # a useless draft: nothing kept, over and over
+        first.propose([1], [2], room=10)
+        first.update(1, 0)
+    assert shared.rate < MODEL_FLOOR and shared.prior() == MODEL_FLOOR
 
 
 @pytest.mark.unit

@@ -48,10 +48,24 @@ WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on lon
 # will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
 LOOKUP_PRIOR = 0.5
 # A draft model made to agree with its target: most of its tokens are kept until the evidence says otherwise.
+# Then a new sequence starts from the draft's rate over the server's recent sequences (``DraftRate``), not under
+# MODEL_FLOOR: low enough that a useless draft is not tried again by every request where a draft's width costs
+# (a CPU), high enough that it is where a width is nearly free (a GPU), so the rate can recover.
 MODEL_PRIOR = 0.7
+MODEL_FLOOR = 0.2
 DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
 PREDICTION_PRIOR = 0.9
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
+
+
+@dataclass(slots=True)
+class DraftRate:
+    """The draft model's per-token acceptance over the server's recent sequences (one per server)."""
+
+    rate: float = MODEL_PRIOR
+
+    def prior(self) -> float:
+        return max(MODEL_FLOOR, self.rate)
 
 
 @dataclass(slots=True)
@@ -73,6 +87,7 @@ class Proposer:
     withheld_at: int = 0
     following_withheld: bool = False  # whether it came from the prediction
     model: bool = False  # the draft model proposes (``DRAFTED``), not prompt lookup
+    shared: DraftRate | None = None  # the server's draft-model rate, which this sequence's verdicts move too
 
     @property
     def acceptance(self) -> float:
@@ -124,6 +139,8 @@ class Proposer:
             self.prediction_rate += SMOOTHING * (kept - self.prediction_rate)
         else:
             self.lookup_rate += SMOOTHING * (kept - self.lookup_rate)
+        if self.shared is not None:
+            self.shared.rate += SMOOTHING * (kept - self.shared.rate)
 
     def update(self, proposed: int, accepted: int) -> None:
         """A draft of ``proposed`` tokens (the last draft, as the batch's rule cut it) was verified and ``accepted``

@@ -317,9 +317,10 @@ class Samplers:
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
                 sampler = self._by_seq[row.seq]
                 drafted = proposed.get(row.seq)
-                if drafted is not None and drafted.q is not None and Rejection.applies(sampler):
+                q = drafted.q if drafted is not None and drafted.tokens[: len(row.draft)] == row.draft else None
+                if q is not None and Rejection.applies(sampler):
                     # A sampled draft: rejection sampling against the distributions it was drawn from.
-                    runs[row.seq] = Rejection.draw(sampler, rows, row.draft, drafted.q[: len(row.draft)])
+                    runs[row.seq] = Rejection.draw(sampler, rows, row.draft, q[: len(row.draft)])
                 else:
                     runs[row.seq] = Run.draw(sampler, rows, row.draft)
         return draw_all(self._by_seq, logits), runs
