@@ -126,11 +126,9 @@ class Drafter:
             seed = row.params.seed
             key = mx.random.key(seed ^ 0x5EED if seed is not None else secrets.randbits(63))
             h = self._held[row.seq] = _Held(make_prompt_cache(self.model), [], key)
-        same = 0
-        for a, b in zip(h.tokens, row.context[:-1], strict=False):
-            if a != b:
-                break
-            same += 1
+        same = min(len(h.tokens), len(row.context) - 1)
+        if h.tokens[:same] != row.context[:same]:  # compared in C first: a rejected draft differs only at the end
+            same = next(i for i, (a, b) in enumerate(zip(h.tokens, row.context, strict=False)) if a != b)
         if cut := len(h.tokens) - same:
             for layer in h.cache:
                 layer.trim(cut)
