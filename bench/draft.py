@@ -2,7 +2,7 @@
 one run, on one server per case (each request sent with ``num_draft_tokens: 0`` and without, alternating).
 
 Run: .venv/bin/python bench/draft.py [--cases exact random smollm2] [--tp 1 2] [--sizes 1 4] [--max-tokens 96]
-     [--rounds 3] [--smol-layers 6] [--hidden 1024 --layers 8 --heads 16 --intermediate 2816]
+     [--rounds 3] [--smol-layers 6 24] [--hidden 1024 --layers 8 --heads 16 --intermediate 2816]
 
 No real small/large pair installs here, so the pairs are built:
 
@@ -12,8 +12,8 @@ No real small/large pair installs here, so the pairs are built:
   target's. The mechanism's best case, at each ``--tp``.
 - random: the same target, and a random one-layer qwen3 of the same width as the draft: next to nothing is kept,
   so this is what a useless draft costs (adaptive k must keep it small). TP=1.
-- smollm2: the embedded SmolLM2-135M-Instruct, and a draft cut from its own first ``--smol-layers`` layers (no
-  training: its last hidden state goes straight to the head), greedy chat on real prompts. TP=1 (9 heads).
+- smollm2: the embedded SmolLM2-135M-Instruct, and drafts cut from its own first ``--smol-layers`` layers (no
+  training: their last hidden state goes straight to the head), greedy chat on real prompts. TP=1 (9 heads).
 
 Greedy; tokens per second are completion tokens over the batch's wall time (batch: that many requests at once),
 each prompt sent once before so that both find it in the prefix cache, and one batch of each kind run first,
@@ -126,7 +126,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="batch sizes")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--smol-layers", type=int, default=6, help="SmolLM2's first layers the draft keeps")
+    parser.add_argument(
+        "--smol-layers", type=int, nargs="+", default=[6, 24], help="SmolLM2's first layers a draft keeps"
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-draft-"))
     try:
@@ -143,7 +145,9 @@ def main() -> None:
                 measure("random", target, random, 1, args, chat=False)
         if "smollm2" in args.cases:
             smol = resolve(None)
-            measure("smollm2", smol, cut_layers(smol, scratch / "smol-draft", args.smol_layers), 1, args, chat=True)
+            for layers in args.smol_layers:
+                draft = cut_layers(smol, scratch / f"smol-draft-{layers}", layers)
+                measure(f"smollm2, {layers} of 30 layers", smol, draft, 1, args, chat=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
