@@ -18,7 +18,9 @@ No real small/large pair installs here, so the pairs are built:
 Greedy; tokens per second are completion tokens over the batch's wall time (batch: that many requests at once),
 each prompt sent once before so that both find it in the prefix cache, and one batch of each kind run first,
 unmeasured, so that the server's step-time model has timed its steps. Medians over ``--rounds`` off/on pairs, and
-the spread of the pairs' ratios. Acceptance: draft tokens kept over draft tokens verified.
+the spread of the pairs' ratios. Acceptance: draft tokens kept over draft tokens verified; verified/token: draft
+tokens verified per token asked for (the extra rows the target computed: what a draft costs, free of the load's
+noise).
 """
 
 from __future__ import annotations
@@ -93,18 +95,21 @@ def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namesp
         for size in args.sizes:
             for i in range(size):  # every prompt into the prefix cache first, so that both runs skip its prefill
                 one(server.url, model, i, False, 1, chat)
-            offs, ons, ratios, kept, verified, same = [], [], [], 0, 0, True
+            offs, ons, ratios, kept, verified, tokens, same = [], [], [], 0, 0, 0, True
             for _ in range(args.rounds):  # off and on alternate, so that a slow spell lands on both
                 off, _, _, text_off = batch(server.url, model, size, False, args.max_tokens, chat)
                 on, k, v, text_on = batch(server.url, model, size, True, args.max_tokens, chat)
                 offs.append(off)
                 ons.append(on)
                 ratios.append(on / off)
-                kept, verified = kept + k, verified + v
+                kept, verified, tokens = kept + k, verified + v, tokens + size * args.max_tokens
                 same = same and text_on == text_off
             spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if args.rounds > 1 else "-"
             acceptance = f"{kept / verified:.0%}" if verified else "none verified"
+            # Draft tokens verified per token asked for: the extra rows the draft made the target compute, whatever
+            # the machine's load did to the timings.
             row = f"{median(offs):.1f} | {median(ons):.1f} | {median(ratios):.2f}x | {spread} | {acceptance}"
+            row += f" | {verified / tokens:.2f}"
             print(f"| {case} | {tp} | {size} | {row} | {'yes' if same else 'NO'} |")
             sys.stdout.flush()
     finally:
@@ -132,8 +137,10 @@ def main() -> None:
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-draft-"))
     try:
-        print("| case | TP | batch | tok/s off | tok/s on | speedup | spread | acceptance | same text |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(
+            "| case | TP | batch | tok/s off | tok/s on | speedup | spread | acceptance | verified/token | same text |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
         if {"exact", "random"} & set(args.cases):
             target = quiet_layers(generated_model(args, scratch / "target"), 1, 0.0)
             exact = cut_layers(target, scratch / "exact-draft", 1)
