@@ -47,6 +47,7 @@ WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on lon
 # a coin for prompt lookup; high for a prediction the output has matched so far, since the client says the reply
 # will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
 LOOKUP_PRIOR = 0.5
+PREDICTION_PRIOR = 0.9
 # A draft model made to agree with its target: most of its tokens are kept until the evidence says otherwise.
 # Then a new sequence starts from the draft's rate over the server's recent sequences (``DraftRate``), not under
 # MODEL_FLOOR: low enough that a useless draft is not tried again by every request where a draft's width costs
@@ -54,7 +55,6 @@ LOOKUP_PRIOR = 0.5
 MODEL_PRIOR = 0.7
 MODEL_FLOOR = 0.2
 DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
-PREDICTION_PRIOR = 0.9
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
 
 
