@@ -53,7 +53,7 @@ PREDICTION_PRIOR = 0.9
 # MODEL_FLOOR: low enough that a useless draft is not tried again by every request where a draft's width costs
 # (a CPU), high enough that it is where a width is nearly free (a GPU), so the rate can recover.
 MODEL_PRIOR = 0.7
-MODEL_FLOOR = 0.2
+MODEL_FLOOR = 0.1
 DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
 
