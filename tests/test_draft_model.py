@@ -157,7 +157,7 @@ def test_a_tokenizer_that_maps_a_token_elsewhere_is_told_apart(tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def damped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return _pair(tmp_path_factory.mktemp("damped"), 0.3)
+    return _pair(tmp_path_factory.mktemp("damped"), 0.1)
 
 
 @pytest.fixture(scope="module", params=list(SPLITS.values()), ids=list(SPLITS))
@@ -259,7 +259,7 @@ def test_sampled_output_follows_the_same_distribution_with_and_without_the_draft
         pytest.skip("the distribution is the verifier's, on rank 0: one split shows it")
     with_draft, (kept, thrown) = _samples(drafted, True, 40)
     without, _ = _samples(drafted, False, 40)
-    assert kept > 0 and thrown > 0  # both of the rule's branches were taken
+    assert kept > 0 and thrown > 0, (kept, thrown)  # both of the rule's branches were taken
     stat, df = _homogeneity(with_draft, without)
     assert df >= 2 and stat < _critical(df), (stat, df, with_draft, without)
 
