@@ -408,6 +408,13 @@ class Scheduling:
         "verified in the batched step; off: none",
         choices=("ngram", "off"),
     )
+    draft_model: str | None = setting(
+        None,
+        "draft model folder or Hub name (its tokenizer must be the model's): it runs whole on rank 0 and proposes "
+        "each decoding row's draft tokens in place of prompt lookup; --speculate off turns it off",
+        check=_not_blank,
+        unset="none: drafts from prompt lookup only",
+    )
     # Where MLX evaluates asynchronously (GPUs) running ahead hides the host's part of a step; its CPU backend
     # evaluates in the caller, so there it would only waste a forward where a plan changes (BENCHMARKS.md).
     run_ahead: str = setting(

@@ -37,3 +37,15 @@ class Start:
 class Step:
     plan: StepPlan  # the same for every rank: it fixes every tensor shape and collective
     starts: dict[int, Start] = field(default_factory=dict)  # rank 0 only: sequence number -> how it is sampled
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRow:
+    """A decoding row the draft model (``--draft-model``) proposes ``k`` tokens for, before the step that verifies
+    them: ``context`` is everything the target's cache holds once that step has fed the row's token (its prompt and
+    its output, that token last). Rank 0 alone reads it (``rank.drafter``)."""
+
+    seq: int
+    context: list[int]
+    k: int
+    params: SamplingParams

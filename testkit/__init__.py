@@ -4,7 +4,16 @@ Not part of the installed package (``pyproject.toml`` packages ``neuron*`` only)
 repository root (pytest's ``pythonpath``); a benchmark puts the root on ``sys.path`` as it does to import ``neuron``.
 """
 
-from testkit.models import CHAT_TEMPLATE, SPECIALS, TOOLS_TEMPLATE, make_tiny_model, tokenizer_files, with_template
+from testkit.models import (
+    CHAT_TEMPLATE,
+    SPECIALS,
+    TOOLS_TEMPLATE,
+    cut_layers,
+    make_tiny_model,
+    quiet_layers,
+    tokenizer_files,
+    with_template,
+)
 from testkit.server import ROOT, Server, neuron_command, run_neuron, serving, sse_events, wait_until
 from testkit.system import DatagramSink, alive, tcp_sockets
 
@@ -16,8 +25,10 @@ __all__ = [
     "DatagramSink",
     "Server",
     "alive",
+    "cut_layers",
     "make_tiny_model",
     "neuron_command",
+    "quiet_layers",
     "run_neuron",
     "serving",
     "sse_events",

@@ -99,3 +99,47 @@ def make_tiny_model(
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def cut_layers(model: Path, folder: Path, layers: int) -> Path:
+    """A copy of ``model`` with only its first ``layers`` layers (its embedding, final norm and head kept): a draft
+    model cut from the model itself, whose tokenizer is the model's."""
+    import mlx.core as mx
+
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    config = json.loads((model / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    weights: dict[str, mx.array] = {}
+    for file in sorted(model.glob("*.safetensors")):
+        for name, value in mx.load(str(file)).items():  # type: ignore[union-attr]
+            index = _layer_of(name)
+            if index is None or index < layers:
+                weights[name] = value
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+def quiet_layers(model: Path, first: int, factor: float) -> Path:
+    """Scale the output projections (attention's and the MLP's) of layers ``first``.. of ``model`` by ``factor``,
+    in place: with 0 those layers add nothing to the residual stream, so the model computes what its first
+    ``first`` layers compute, and a draft cut to them (``cut_layers``) agrees with it exactly; a small factor makes
+    them agree mostly."""
+    import mlx.core as mx
+
+    for file in sorted(model.glob("*.safetensors")):
+        weights = dict(mx.load(str(file)).items())  # type: ignore[union-attr]
+        for name, value in weights.items():
+            index = _layer_of(name)
+            if index is not None and index >= first and name.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[name] = value * factor
+        mx.save_safetensors(str(file), weights)
+    return model
+
+
+def _layer_of(name: str) -> int | None:
+    """The layer a weight's name puts it in (``model.layers.3.mlp...``), or None outside the layers."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "layers" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None

@@ -134,11 +134,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("--tp", "1"), ("--tp", "2"), ("--pp", "2", "--micro-batches", "2")],
-    ids=["tp1", "tp2", "pp2"],
-)
+# One rank; every layer sliced over two; two pipeline stages, whose decode runs in two micro-batches.
+SPLITS = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "pp2": ("--pp", "2", "--micro-batches", "2")}
+
+
+@pytest.fixture(scope="module", params=list(SPLITS.values()), ids=list(SPLITS))
 def split_qwen3(
     request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:

@@ -1,4 +1,4 @@
-"""Draft tokens without a draft model: prompt lookup, and the request's ``prediction``.
+"""Draft tokens: prompt lookup, the request's ``prediction``, and how many a draft model proposes.
 
 No MLX here: the scheduler asks each running sequence's ``Proposer`` for the
 tokens likely to follow, every rank verifies them in the step's one batched
@@ -10,6 +10,11 @@ predicted outputs) while the output so far matches it; otherwise the tokens
 that followed the last occurrence of the output's last n-gram in the
 output itself, the prediction or the prompt, in that order (prompt lookup). Code edits,
 quoting and extraction repeat their input, and there most drafts are kept.
+
+With a draft model (``--draft-model``) a sequence's proposer only says how many tokens it wants
+(``DRAFTED`` placeholders): the batch's rule cuts them as it cuts any draft, and the engine has rank 0's draft
+model fill them in just before the step (``Pool.draft``). A request that sends a ``prediction`` keeps
+its prediction and prompt lookup: the client says what the reply will be.
 
 Adaptive k: a draft costs forward work whether kept or not. Each sequence's
 k grows while whole drafts are kept and halves when under half of it is; after
@@ -43,7 +48,24 @@ WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on lon
 # will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
 LOOKUP_PRIOR = 0.5
 PREDICTION_PRIOR = 0.9
+# A draft model made to agree with its target: most of its tokens are kept until the evidence says otherwise.
+# Then a new sequence starts from the draft's rate over the server's recent sequences (``DraftRate``), not under
+# MODEL_FLOOR: low enough that a useless draft is not tried again by every request where a draft's width costs
+# (a CPU), high enough that it is where a width is nearly free (a GPU), so the rate can recover.
+MODEL_PRIOR = 0.7
+MODEL_FLOOR = 0.1
+DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
+
+
+@dataclass(slots=True)
+class DraftRate:
+    """The draft model's per-token acceptance over the server's recent sequences (one per server)."""
+
+    rate: float = MODEL_PRIOR
+
+    def prior(self) -> float:
+        return max(MODEL_FLOOR, self.rate)
 
 
 @dataclass(slots=True)
@@ -64,11 +86,13 @@ class Proposer:
     withheld: list[int] = field(default_factory=list)  # a draft the rule cut whole, checked against the output
     withheld_at: int = 0
     following_withheld: bool = False  # whether it came from the prediction
+    model: bool = False  # the draft model proposes (``DRAFTED``), not prompt lookup
+    shared: DraftRate | None = None  # the server's draft-model rate, which this sequence's verdicts move too
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that each token of the last draft is kept, given those before it were."""
-        return self.prediction_rate if self.following else self.lookup_rate
+        return self.prediction_rate if self.following else self.lookup_rate  # a model's rate is lookup_rate
 
     def propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
         """Up to k tokens to follow the prompt and ``output`` (the completion so far, up to the token about to be
@@ -84,6 +108,8 @@ class Proposer:
         if self.resting:  # before the context is built: a resting sequence costs its step next to nothing
             self.resting -= 1
             return []
+        if self.model:
+            return [DRAFTED] * k
         context = prompt + output
         done = len(output)
         self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)
@@ -104,7 +130,7 @@ class Proposer:
         samples one token, and the geometric model needs nothing more. Greedy, this is the verifier's own verdict;
         sampled, the token is a draw from the distribution the verifier would have drawn from.
         """
-        if self.withheld and len(output) > self.withheld_at:
+        if self.withheld and len(output) > self.withheld_at and not self.model:  # no model draft was drawn
             self._observe(output[self.withheld_at] == self.withheld[0], self.following_withheld)
         self.withheld = []
 
@@ -113,6 +139,8 @@ class Proposer:
             self.prediction_rate += SMOOTHING * (kept - self.prediction_rate)
         else:
             self.lookup_rate += SMOOTHING * (kept - self.lookup_rate)
+        if self.shared is not None:
+            self.shared.rate += SMOOTHING * (kept - self.shared.rate)
 
     def update(self, proposed: int, accepted: int) -> None:
         """A draft of ``proposed`` tokens (the last draft, as the batch's rule cut it) was verified and ``accepted``

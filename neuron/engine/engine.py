@@ -40,6 +40,7 @@ import structlog
 
 from neuron import architectures, device, metrics
 from neuron.engine.adapters import Adapters
+from neuron.engine.drafts import DRAFTED
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -50,11 +51,11 @@ from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import progress, trace
-from neuron.models import ModelError, embedding, read_config, text_config
+from neuron.models import ModelError, embedding, read_config, resolve, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError
-from neuron.rpc import Prefill, StepPlan
+from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
-from neuron.step import Start, Step
+from neuron.step import DraftRow, Step
 
 log = structlog.get_logger("neuron.engine")
 
@@ -131,7 +132,9 @@ class Engine(Recovering):
         ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
+        draft = await _draft_model(config, text, limits or Scheduling())
         async with Pool(model_path, layout, deadlines, model) as pool:
+            pool.draft_path = draft
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
@@ -284,6 +287,8 @@ class Engine(Recovering):
         plan = step.plan
         self._in_flight = step
         try:
+            await self._draft(plan)
+            drafted = time.perf_counter()
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
@@ -310,11 +315,27 @@ class Engine(Recovering):
             rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
             ms=round(ms, 2),
+            draft_ms=round((drafted - started) * 1000, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
         )
         for delivery in deliveries:
             self.output.deliver(delivery)
+
+    async def _draft(self, plan: StepPlan) -> None:
+        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0."""
+        wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
+        if not wanted:
+            return
+        by_no = {seq.no: seq for seq in self.scheduler.running}
+        rows = [
+            DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
+            for row in wanted
+        ]
+        proposed = await self.pool.draft(rows)
+        for i, row in enumerate(plan.decode):
+            if row.draft and row.draft[0] == DRAFTED:
+                plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
@@ -334,24 +355,34 @@ class Engine(Recovering):
         except PoolError as e:
             self._unready(e)
 
-    async def _probe(self) -> bool:
-        """One token through every rank, from an empty cache (prefix cache included) and back to one."""
-        if self.prefix is not None:
-            self.prefix.clear()
-        try:
-            await self.pool.clear_kv_cache()
-            await self.pool.step(Step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {0: Start(SamplingParams())}))
-            await self.pool.clear_kv_cache()
-        except PoolError as e:
-            self._unready(e)
-            return False
-        if not self.health.ready:
-            log.info("ready", world_size=self.pool.world_size)
-        self.health = Health(True, "ready")
-        return True
 
-    def _unready(self, error: PoolError) -> None:
-        self.health = Health(False, str(error))
-        log.warning("not ready", reason=str(error), broken=error.broken)
-        if error.broken and not self._resumes:
-            self.lost.set()
+async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -> Path | None:
+    """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
+    None without one, or where this model speculates not at all. Says in the log what a model's own
+    multi-token-prediction heads are used for: nothing yet."""
+    heads = mtp_heads(text_config(config))
+    if heads:
+        log.info(
+            f"the model ships {heads} multi-token-prediction layer(s); neuron does not run them as a draft: "
+            + ("the draft model proposes instead" if limits.draft_model else "pass --draft-model to draft with a model")
+        )
+    if limits.draft_model is None:
+        return None
+    if architectures.limits_for(config, limits)[0].speculate == "off":
+        log.info("the draft model is not loaded: this server does not speculate", draft_model=limits.draft_model)
+        return None
+    path = await anyio.to_thread.run_sync(resolve, limits.draft_model)
+    if heads := mtp_heads(text_config(read_config(path))):
+        log.info(f"the draft model ships {heads} multi-token-prediction layer(s); neuron does not run them")
+    if problem := text.differs(Text.load(path)):
+        raise ModelError(
+            f"--draft-model {limits.draft_model}: its tokenizer is not the model's ({problem}); pick a draft model "
+            "of the same family, trained with the same tokenizer"
+        )
+    return path
+
+
+def mtp_heads(model: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a model's config declares (DeepSeek V3 and GLM-4.5's
+    ``num_nextn_predict_layers``, Qwen3-Next's ``mtp_num_hidden_layers``)."""
+    return int(model.get("num_nextn_predict_layers") or model.get("mtp_num_hidden_layers") or 0)

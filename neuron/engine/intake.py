@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from neuron.engine.drafts import MAX_K, Proposer
+from neuron.engine.drafts import MAX_K, DraftRate, Proposer
 from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ class Intake:
     eos_token_ids: frozenset[int]
     tokenizer: Any  # the model's tokenizer: encodes a request's ``prediction``
     numbers: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
+    draft_rate: DraftRate = dataclasses.field(default_factory=DraftRate)  # the draft model's, over recent sequences
 
     def sequences(self, prompt: list[int], params: SamplingParams, request_id: str, n: int) -> list[Sequence]:
         """The ``n`` choices of one request, the first holding the others as ``copies``; raises ``RequestError``.
@@ -100,9 +101,13 @@ class Intake:
 
     def _proposer(self, params: SamplingParams) -> Proposer | None:
         """The sequence's draft source, or None where it does not speculate: the server's ``--speculate off``, the
-        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time)."""
+        request's ``num_draft_tokens`` of 0, or an output constraint (rank 0's masks advance one token at a time,
+        so a constrained row decodes without drafts, from a draft model too)."""
         if self.limits.speculate == "off" or params.num_draft_tokens == 0 or params.constraint is not None:
             return None
         text = params.prediction
         prediction = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+        if self.limits.draft_model is not None and not prediction:
+            limit = params.num_draft_tokens or MAX_K
+            return Proposer(limit=limit, lookup_rate=self.draft_rate.prior(), model=True, shared=self.draft_rate)
         return Proposer(prediction, params.num_draft_tokens or MAX_K)

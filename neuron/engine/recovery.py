@@ -1,4 +1,5 @@
-"""The engine's half that outlives a lost group: pause the batch, recover the pool in this process, resume.
+"""The engine's half that outlives a lost group (pause the batch, recover the pool in this process, resume),
+and the probe that says the pool is ready.
 
 A rank died, hung or was cut off: nothing fails at first. The batch goes back
 to the queue (``Scheduler.pause``), the pool replaces every worker and rank 0's
@@ -22,10 +23,13 @@ import structlog
 
 from neuron.engine import resume
 from neuron.engine.output import Output
+from neuron.engine.prefix import PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.log import ms_since
 from neuron.pool import Pool, PoolError, Unrecoverable
-from neuron.step import Step
+from neuron.rpc import Prefill, StepPlan
+from neuron.sampling_params import SamplingParams
+from neuron.step import Start, Step
 
 log = structlog.get_logger("neuron.engine")
 
@@ -49,6 +53,7 @@ class Recovering:
     lost: anyio.Event
     recoveries: int
     events: deque[dict[str, Any]]  # the latest losses and recoveries, as the status route shows them
+    prefix: PrefixIndex | None
     _in_flight: Step | None
     _wakeup: anyio.Event
     _busy_since: float | None
@@ -60,10 +65,6 @@ class Recovering:
 
         @property
         def _resumes(self) -> bool: ...
-
-        async def _probe(self) -> bool: ...
-
-        def _unready(self, error: PoolError) -> None: ...
 
         def _fail_all(self, kind: str, message: str) -> None: ...
 
@@ -151,3 +152,27 @@ class Recovering:
             self._pause(error, self._in_flight)
         else:
             self._fail_all("unavailable", str(error))
+
+    # Health.
+
+    async def _probe(self) -> bool:
+        """One token through every rank, from an empty cache (prefix cache included) and back to one."""
+        if self.prefix is not None:
+            self.prefix.clear()
+        try:
+            await self.pool.clear_kv_cache()
+            await self.pool.step(Step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {0: Start(SamplingParams())}))
+            await self.pool.clear_kv_cache()
+        except PoolError as e:
+            self._unready(e)
+            return False
+        if not self.health.ready:
+            log.info("ready", world_size=self.pool.world_size)
+        self.health = Health(True, "ready")
+        return True
+
+    def _unready(self, error: PoolError) -> None:
+        self.health = Health(False, str(error))
+        log.warning("not ready", reason=str(error), broken=error.broken)
+        if error.broken and not self._resumes:
+            self.lost.set()

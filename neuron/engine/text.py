@@ -36,6 +36,18 @@ class Text:
         tokenizer = load_tokenizer(model_path, {"trust_remote_code": False})
         return cls(tokenizer, model_path.name, Vision.load(model_path) if model_path.is_dir() else None)
 
+    def differs(self, other: Text) -> str | None:
+        """How ``other``'s tokenizer reads text differently from this one, or None where the two map every token
+        to the same id (a draft model's must: its tokens are verified as the model's)."""
+        mine, theirs = self.tokenizer._tokenizer.get_vocab(), other.tokenizer._tokenizer.get_vocab()
+        if mine == theirs:
+            return None
+        for token in sorted(mine.keys() ^ theirs.keys())[:1]:
+            where, which = ("the model's", "the draft's") if token in mine else ("the draft's", "the model's")
+            return f"token {token!r} is in {where} vocabulary but not in {which} ({len(mine)} and {len(theirs)} tokens)"
+        token = next(t for t in sorted(mine) if mine[t] != theirs[t])
+        return f"token {token!r} has id {mine[token]} in the model's vocabulary but {theirs[token]} in the draft's"
+
     @property
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)

@@ -17,6 +17,7 @@ from neuron.log import ms_since
 from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest
 from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
+from neuron.rank.drafter import Drafter
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.shard import ShareSource
 from neuron.shares import Plan, sha256_of, share_key
@@ -56,6 +57,8 @@ class Loading(Ranks):
             lambda rank: rank.load(self.model_path, layers[0]),
             self.deadlines.load,
         )
+        if self.draft_path is not None:
+            await self._load_draft(self.draft_path)
         self.loaded = True
         for number, (name, path) in sorted(self.adapters.items()):
             await self._load_adapter(number, name, path)
@@ -105,6 +108,20 @@ class Loading(Ranks):
             lambda rank: rank.unload_adapter(number),
             self.deadlines.control,
         )
+
+    async def _load_draft(self, path: Path) -> None:
+        """The draft model, whole on rank 0 (``rank.drafter``), checked to cut back as speculation needs."""
+        started = time.perf_counter()
+        samplers = self._rank0.samplers
+
+        def load_draft(rank: Rank) -> None:
+            samplers.drafter = Drafter.load(str(path), rank.vocab_size)
+
+        try:
+            await self._rank0.call(load_draft, self.deadlines.load)
+        except Exception as e:  # any reason is the operator's to read, as a failed step's
+            raise PoolError("load_draft", {0: f"{path}: {e}"}, broken=False, hosts=self.hosts) from e
+        log.info("draft model loaded", model=str(path), ms=ms_since(started))
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
         """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with

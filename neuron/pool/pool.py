@@ -46,7 +46,7 @@ from neuron.rank.rank import Rank
 from neuron.rank.shard import check_splittable
 from neuron.rank.step import Stepped, run
 from neuron.sampling_params import Sampled
-from neuron.step import Step
+from neuron.step import DraftRow, Step
 
 log = structlog.get_logger("neuron.pool")
 
@@ -137,6 +137,15 @@ class Pool(Loading):
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
         return mine.sampled
+
+    async def draft(self, rows: list[DraftRow]) -> dict[int, list[int]]:
+        """The draft model's tokens for ``rows``, proposed on rank 0's thread (``rank.drafter``), which keeps their
+        distributions for the step that verifies them: call it right before that step."""
+        samplers = self._rank0.samplers
+        try:
+            return await self._rank0.call(lambda _: samplers.propose(rows), self.deadlines.step)
+        except Exception as e:  # any reason is the operator's to read, as a failed step's
+            raise PoolError("draft", {0: f"{type(e).__name__}: {e}"}, broken=False, hosts=self.hosts) from e
 
     async def clear_kv_cache(self, prefixes: bool = True) -> None:
         """Drop every sequence on every rank; with ``prefixes``, every prefix-cache entry too."""

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
+from neuron.rank.rejection import Rejection
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
-from neuron.step import Step
+from neuron.step import DraftRow, Step
+
+if TYPE_CHECKING:
+    from neuron.rank.drafter import Drafter, Proposal
 
 
 # mlx types ``tolist`` as any scalar at any depth and ``item`` as possibly complex; these say what a real array of a
@@ -149,6 +153,43 @@ class Sampler:
 
     def draw(self, logits: mx.array, allowed: mx.array | None = None) -> Draw:
         """The token drawn from ``logits`` (one row), lazily: nothing is computed until ``read``."""
+        p = self.params
+        if p.temperature == 0.0:
+            token = mx.argmax(self._adjusted(logits, allowed)[0])
+        else:
+            weights = self.weights(logits, allowed)
+            token = mx.random.categorical(weights, key=self.split())
+        if p.logprobs is None:
+            # No logprob asked for, none computed: a log-sum-exp over the vocabulary is a pass over it per row.
+            return Draw(self, token)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else None
+        return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
+
+    def weights(self, logits: mx.array, allowed: mx.array | None = None) -> mx.array:
+        """The unnormalised log-probabilities a sampled row's token is drawn from (one row, temperature > 0):
+        the penalties, the filters and the temperature applied, as ``draw`` draws. Speculation's rejection
+        sampling (``rank.rejection``) needs the distribution itself, not only a draw from it."""
+        p = self.params
+        filtered = self._adjusted(logits, allowed)
+        filtered = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
+        if p.top_p < 1.0:
+            filtered = apply_top_p(filtered, p.top_p)
+        if p.min_p > 0.0:
+            filtered = apply_min_p(filtered, p.min_p)
+        if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token
+            filtered = apply_top_k(filtered, p.top_k)
+        return filtered[0] * (1.0 / p.temperature)
+
+    def split(self) -> mx.array:
+        """A key for one position's draw; the sampler's own key moves on (split once per position)."""
+        if self._key is None:
+            self._key = self._start()
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def _adjusted(self, logits: mx.array, allowed: mx.array | None) -> mx.array:
+        """``logits`` (one row) as (1, vocab), the penalties and the masks applied."""
         if self._key is None:
             self._key = self._start()
         p = self.params
@@ -163,24 +204,7 @@ class Sampler:
             allowed = mx.array(held) if allowed is None else allowed & mx.array(held)
         if allowed is not None:
             adjusted = _mask(adjusted, allowed)
-        if p.temperature == 0.0:
-            token = mx.argmax(adjusted[0])
-        else:
-            filtered = adjusted - mx.logsumexp(adjusted, axis=-1, keepdims=True)
-            if p.top_p < 1.0:
-                filtered = apply_top_p(filtered, p.top_p)
-            if p.min_p > 0.0:
-                filtered = apply_min_p(filtered, p.min_p)
-            if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token
-                filtered = apply_top_k(filtered, p.top_k)
-            self._key, key = mx.random.split(self._key)
-            token = mx.random.categorical(filtered[0] * (1.0 / p.temperature), key=key)
-        if p.logprobs is None:
-            # No logprob asked for, none computed: a log-sum-exp over the vocabulary is a pass over it per row.
-            return Draw(self, token)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        top = mx.argpartition(-logprobs, p.logprobs - 1)[: p.logprobs] if p.logprobs else None
-        return Draw(self, token, logprobs[token], top, None if top is None else logprobs[top])
+        return adjusted
 
 
 def rewound(seed: int, draws: int) -> mx.array:
@@ -208,7 +232,7 @@ class Draw:
         return [a for a in (self.token, self.chosen, self.top, self.top_logprobs) if a is not None]
 
 
-def read(draws: dict[int, Draw], runs: dict[int, Run] | None = None) -> dict[int, Sampled]:
+def read(draws: dict[int, Draw], runs: Mapping[int, Run | Rejection] | None = None) -> dict[int, Sampled]:
     """Each draw's token (and logprobs), and the tokens each drafted row keeps, on the host: the one place a step
     waits for the device."""
     runs = runs or {}
@@ -238,10 +262,20 @@ def _on_host(d: Draw) -> Sampled:
 
 
 class Samplers:
-    """Rank 0's samplers, one per sequence, from the step that starts it until it leaves."""
+    """Rank 0's samplers, one per sequence, from the step that starts it until it leaves; and the draft model's
+    proposals (``--draft-model``), which their rows are verified against."""
 
     def __init__(self) -> None:
         self._by_seq: dict[int, Sampler] = {}
+        self.drafter: Drafter | None = None
+        self._proposed: dict[int, Proposal] = {}  # the draft model's, for the next step
+
+    def propose(self, rows: list[DraftRow]) -> dict[int, list[int]]:
+        """The draft model's tokens for each row (``rank.drafter``); its distributions are kept for the step."""
+        if self.drafter is None:
+            raise RuntimeError("rank 0 has no draft model: the plan asked for drafts it cannot make")
+        self._proposed = self.drafter.propose(rows)
+        return {seq: proposal.tokens for seq, proposal in self._proposed.items()}
 
     def __len__(self) -> int:
         return len(self._by_seq)
@@ -250,7 +284,7 @@ class Samplers:
         """``draw`` then ``read``: the step's tokens on the host."""
         return read(*self.draw(step, logits))
 
-    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Run]]:
+    def draw(self, step: Step, logits: dict[int, mx.array]) -> tuple[dict[int, Draw], dict[int, Run | Rejection]]:
         """Follow ``step`` (who leaves, who starts and how, what each prompt was fed), then draw a token from the
         logits of every sequence that has some, lazily; rows with a draft draw every position they were fed (``Run``).
 
@@ -259,6 +293,9 @@ class Samplers:
         plan = step.plan
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
+        if self.drafter is not None:
+            self.drafter.drop(plan.leave)
+        proposed, self._proposed = self._proposed, {}
         for seq, start in step.starts.items():
             self._by_seq[seq] = Sampler(start.params, start.produced)
             self._by_seq[seq].feed(list(start.recent))
@@ -275,14 +312,24 @@ class Samplers:
                 if chunk.last:
                     logits[chunk.seq] = rows[-1]
                     logits.update(dict.fromkeys(chunk.copies, rows[-1]))
-        runs = {}
+        runs: dict[int, Run | Rejection] = {}
         for row in plan.decode:  # rows with a draft have one row of logits per position fed
             if row.draft and (rows := logits.pop(row.seq, None)) is not None:
-                runs[row.seq] = Run.draw(self._by_seq[row.seq], rows, row.draft)
+                sampler = self._by_seq[row.seq]
+                drafted = proposed.get(row.seq)
+                q = drafted.q if drafted is not None and drafted.tokens[: len(row.draft)] == row.draft else None
+                if q is not None and Rejection.applies(sampler):
+                    # A sampled draft: rejection sampling against the distributions it was drawn from.
+                    runs[row.seq] = Rejection.draw(sampler, rows, row.draft, q[: len(row.draft)])
+                else:
+                    runs[row.seq] = Run.draw(sampler, rows, row.draft)
         return draw_all(self._by_seq, logits), runs
 
     def clear(self) -> None:
         self._by_seq.clear()
+        self._proposed = {}
+        if self.drafter is not None:
+            self.drafter.clear()
 
 
 @dataclasses.dataclass(slots=True)

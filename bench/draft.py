@@ -1,0 +1,163 @@
+"""Speculative decoding with a draft model (``--draft-model``): decode speed with the draft against without it, in
+one run, on one server per case (each request sent with ``num_draft_tokens: 0`` and without, alternating).
+
+Run: .venv/bin/python bench/draft.py [--cases exact random smollm2] [--tp 1 2] [--sizes 1 4] [--max-tokens 96]
+     [--rounds 3] [--smol-layers 6 24] [--hidden 1024 --layers 8 --heads 16 --intermediate 2816]
+
+No real small/large pair installs here, so the pairs are built:
+
+- exact: a generated qwen3 (the shape flags; bench/generated.py) whose layers after the first add nothing (their
+  output projections zeroed: testkit.quiet_layers), and a draft cut to its first layer (testkit.cut_layers): the
+  draft computes what the target computes, every draft is kept, and a draft step costs about one layer of the
+  target's. The mechanism's best case, at each ``--tp``.
+- random: the same target, and a random one-layer qwen3 of the same width as the draft: next to nothing is kept,
+  so this is what a useless draft costs (adaptive k must keep it small). TP=1.
+- smollm2: the embedded SmolLM2-135M-Instruct, and drafts cut from its own first ``--smol-layers`` layers (no
+  training: their last hidden state goes straight to the head), greedy chat on real prompts. TP=1 (9 heads).
+
+Greedy; tokens per second are completion tokens over the batch's wall time (batch: that many requests at once),
+each prompt sent once before so that both find it in the prefix cache, and one batch of each kind run first,
+unmeasured, so that the server's step-time model has timed its steps. Medians over ``--rounds`` off/on pairs, and
+the spread of the pairs' ratios. Acceptance: draft tokens kept over draft tokens verified; verified/token: draft
+tokens verified per token asked for (the extra rows the target computed: what a draft costs, free of the load's
+noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from statistics import median
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+CHATS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a bicycle works, step by step.",
+    "List five tips for staying productive when working from home.",
+    "Describe the water cycle to a ten-year-old.",
+]
+
+
+def one(url: str, model: str, i: int, drafts: bool, max_tokens: int, chat: bool) -> dict:
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0.0}
+    if chat:
+        body["messages"] = [{"role": "user", "content": CHATS[i % len(CHATS)]}]
+    else:
+        body["prompt"] = f"request {i}: hello world, "
+    if not drafts:
+        body["num_draft_tokens"] = 0
+    response = httpx.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=900)
+    response.raise_for_status()
+    return response.json()
+
+
+def text_of(reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def batch(url: str, model: str, size: int, drafts: bool, max_tokens: int, chat: bool) -> tuple[float, int, int, list]:
+    """Tokens per second, draft tokens kept and verified, and the replies' texts."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(size) as pool:
+        replies = list(pool.map(lambda i: one(url, model, i, drafts, max_tokens, chat), range(size)))
+    seconds = time.perf_counter() - started
+    tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    details = [r["usage"].get("completion_tokens_details") or {} for r in replies]
+    kept = sum(d.get("accepted_prediction_tokens", 0) for d in details)
+    verified = kept + sum(d.get("rejected_prediction_tokens", 0) for d in details)
+    return tokens / seconds, kept, verified, [text_of(r) for r in replies]
+
+
+def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namespace, chat: bool) -> None:
+    from neuron.models import model_id
+    from testkit import Server
+
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-draft-{os.getpid()}.log"
+    server = Server("--model", str(target), "--draft-model", str(draft), "--tp", str(tp), log_path=log)
+    model = model_id(str(target))
+    try:
+        server.start()
+        # Warm: the step-time model that prices a draft's width (engine.drafts.StepCost) starts from a prior and
+        # learns this server's costs from the steps it times, as a serving server has long before any one request.
+        for drafts in (False, True):
+            batch(server.url, model, max(args.sizes), drafts, args.max_tokens, chat)
+        for size in args.sizes:
+            for i in range(size):  # every prompt into the prefix cache first, so that both runs skip its prefill
+                one(server.url, model, i, False, 1, chat)
+            offs, ons, ratios, kept, verified, tokens, same = [], [], [], 0, 0, 0, True
+            for _ in range(args.rounds):  # off and on alternate, so that a slow spell lands on both
+                off, _, _, text_off = batch(server.url, model, size, False, args.max_tokens, chat)
+                on, k, v, text_on = batch(server.url, model, size, True, args.max_tokens, chat)
+                offs.append(off)
+                ons.append(on)
+                ratios.append(on / off)
+                kept, verified, tokens = kept + k, verified + v, tokens + size * args.max_tokens
+                same = same and text_on == text_off
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if args.rounds > 1 else "-"
+            acceptance = f"{kept / verified:.0%}" if verified else "none verified"
+            # Draft tokens verified per token asked for: the extra rows the draft made the target compute, whatever
+            # the machine's load did to the timings.
+            row = f"{median(offs):.1f} | {median(ons):.1f} | {median(ratios):.2f}x | {spread} | {acceptance}"
+            row += f" | {verified / tokens:.2f}"
+            print(f"| {case} | {tp} | {size} | {row} | {'yes' if same else 'NO'} |")
+            sys.stdout.flush()
+    finally:
+        server.stop()
+        log.unlink(missing_ok=True)
+
+
+def main() -> None:
+    from generated import add_shape_flags, generated_model
+
+    from neuron.models import resolve
+    from testkit import cut_layers, make_tiny_model, quiet_layers
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="+", default=["exact", "random", "smollm2"])
+    add_shape_flags(parser)
+    parser.set_defaults(hidden=1024, layers=8, heads=16, intermediate=2816)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes of the exact case")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="batch sizes")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--smol-layers", type=int, nargs="+", default=[6, 24], help="SmolLM2's first layers a draft keeps"
+    )
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-draft-"))
+    try:
+        print(
+            "| case | TP | batch | tok/s off | tok/s on | speedup | spread | acceptance | verified/token | same text |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        if {"exact", "random"} & set(args.cases):
+            target = quiet_layers(generated_model(args, scratch / "target"), 1, 0.0)
+            exact = cut_layers(target, scratch / "exact-draft", 1)
+            for tp in args.tp if "exact" in args.cases else []:
+                measure("exact", target, exact, tp, args, chat=False)
+            if "random" in args.cases:
+                shape = {"hidden": args.hidden, "heads": args.heads, "intermediate": args.intermediate}
+                random = make_tiny_model(scratch / "random-draft", "qwen3", seed=1, layers=1, **shape)
+                measure("random", target, random, 1, args, chat=False)
+        if "smollm2" in args.cases:
+            smol = resolve(None)
+            for layers in args.smol_layers:
+                draft = cut_layers(smol, scratch / f"smol-draft-{layers}", layers)
+                measure(f"smollm2, {layers} of 30 layers", smol, draft, 1, args, chat=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
