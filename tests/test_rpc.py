@@ -84,7 +84,7 @@ def _step_line(**fields: object) -> bytes:
         "prefill": [chunk],
         "decode": [{"seq": 2, "token": 1, "micro_batch": 0, "draft": [4, 5], "drop": 1}],
         "restore": [{"seq": 1, "entry": 3, "tokens": 2}],
-        "save": [{"seq": 1, "entry": 4}],
+        "save": [{"seq": 1, "entry": 4, "tokens": 0}],
         "evict": [{"entry": 3}],
         "ahead": False,
     }

@@ -27,11 +27,14 @@ def plan_step(
     run_ahead: bool,
     prefix: PrefixIndex | None,
     cost: StepCost,
+    keeping: Rows[Sequence] = (),
 ) -> Step | None:
-    """The next step: who leaves, which prompt chunks are fed, every running sequence's next input, and how
-    each sequence it starts is sampled. ``budget``: prompt tokens fed per step. None when nothing is admitted."""
+    """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go), which prompt
+    chunks are fed, every running sequence's next input, and how each sequence it starts is sampled. ``budget``:
+    prompt tokens fed per step. None when nothing is admitted and nothing is saved."""
     if not filling and not running:
-        return None
+        saves, evicts = _keep(keeping, prefix)
+        return Step(StepPlan(leave=list(leaving), save=saves, evict=evicts), {}) if saves else None
     prefill: list[Prefill] = []
     restore: list[Restore] = []
     starts: dict[int, Start] = {}
@@ -73,8 +76,9 @@ def plan_step(
         budget -= take
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
-    plan = StepPlan(leave=list(leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
     # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
+    saves, evicts = _keep(keeping, prefix)
+    plan = StepPlan(list(leaving), prefill, decode, restore, saves, evicts, ahead)
     by_no = {seq.no: seq for seq in filling}
     for chunk in prefill:
         if chunk.pool or not chunk.last or prefix is None:
@@ -83,6 +87,23 @@ def plan_step(
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(Evict(entry) for entry in stored.evicted)
     return Step(plan, starts)
+
+
+def _keep(keeping: Rows[Sequence], prefix: PrefixIndex | None) -> tuple[list[Save], list[Evict]]:
+    """Each leaving sequence's prompt and the output it was fed, as entries: a chat's next turn resends them, and
+    restores them where the template writes the reply back as it was generated."""
+    saves: list[Save] = []
+    evicts: list[Evict] = []
+    if prefix is None:
+        return saves, evicts
+    for seq in keeping:
+        if seq.pooling is not None or seq.held <= len(seq.prompt):
+            continue  # nothing past its prompt, which was saved when it was fed
+        tokens = min(seq.held, len(seq.prompt) + len(seq.output))
+        if stored := prefix.store([*vision.keyed(seq.prompt, seq.images), *seq.output][:tokens]):
+            saves.append(Save(seq.no, stored.entry, tokens))
+            evicts.extend(Evict(entry) for entry in stored.evicted)
+    return saves, evicts
 
 
 def _steady(

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from neuron.rank import caches
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
+    from neuron.rank.batch import Batch
     from neuron.rank.prefill import SeqState
 
 KeysValues = tuple[mx.array, mx.array]  # a plain layer's keys and values, [1, kv heads here, tokens, head dim]
@@ -80,10 +81,42 @@ class Entries:
             if evict.entry not in self._held:
                 return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
         ending = {chunk.seq for chunk in plan.prefill if chunk.last}
+        leaving = set(plan.leave)
         for save in plan.save:
-            if save.entry in self._held or save.seq not in ending:
+            if save.entry in self._held or save.seq not in (leaving if save.tokens else ending):
                 return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
         return None
+
+    def disagreement_leaving(self, plan: StepPlan, seqs: Mapping[int, SeqState], batch: Batch) -> str | None:
+        """Why this rank cannot keep the plan's leaving sequences it saves, or None."""
+        for save in plan.save:
+            if not save.tokens:
+                continue
+            state = seqs.get(save.seq)
+            if state is None or not batch.holds(save.seq) or state.position < save.tokens:
+                return f"sequence {save.seq} cannot be saved with {save.tokens} tokens: this rank does not hold them"
+            rows = next(g for g in batch.micro_batches.values() if save.seq in g.ids)
+            if not all(type(layer) is BatchKVCache for layer in rows.cache):
+                return f"sequence {save.seq} cannot be saved as it leaves: its caches cannot be cut to {save.tokens}"
+        return None
+
+    def save_leaving(self, plan: StepPlan, batch: Batch) -> None:
+        """Before the plan's leaving sequences are dropped: keep the first ``tokens`` of each one it saves (its
+        prompt and the output it was fed; a rejected draft's tail, not yet dropped, lies past them)."""
+        for save in plan.save:
+            if not save.tokens:
+                continue
+            rows = next(g for g in batch.micro_batches.values() if save.seq in g.ids)
+            row = rows.ids.index(save.seq)
+            layers: list[KeysValues | caches.Layer] = []
+            for layer in rows.cache:
+                start = int(layer.left_padding[row].item())
+                end = start + save.tokens
+                keys, values = layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
+                layers.append((mx.contiguous(keys), mx.contiguous(values)))
+            mx.eval(layers)
+            self._held[save.entry] = _Entry(save.tokens, layers)
+            self._fold(save.entry)
 
     def evict_and_save(self, plan: StepPlan, seqs: Mapping[int, SeqState]) -> None:
         """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (from ``seqs``,
@@ -92,6 +125,8 @@ class Entries:
             self._fold(evict.entry)
             del self._held[evict.entry]
         for save in plan.save:
+            if save.tokens:  # kept as it left (``save_leaving``)
+                continue
             state = seqs[save.seq]
             assert state.cache is not None
             self._held[save.entry] = _kept(state.cache, state.position)

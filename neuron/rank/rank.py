@@ -97,6 +97,7 @@ class Rank:
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
+        self.entries.save_leaving(plan, self.batch)
         self._leave(plan.leave)
         for restore in plan.restore:
             cache = self.entries.restore(restore.entry, restore.tokens)

@@ -220,10 +220,13 @@ class Restore:
 
 @dataclass(frozen=True, slots=True)
 class Save:
-    """Keep ``seq``'s KV cache, its whole prompt (fed by this step), as prefix-cache entry ``entry``."""
+    """Keep ``seq``'s KV cache as prefix-cache entry ``entry``: its whole prompt, fed by this step; or, with
+    ``tokens``, the first ``tokens`` of a sequence that leaves in this step (its prompt and the output it was fed,
+    which a chat's next turn resends), kept before it is dropped."""
 
     seq: int
     entry: int
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +240,12 @@ class Evict:
 class StepPlan:
     """Everything one batched step changes, the same for every rank.
 
-    In this order: the sequences in ``leave`` are dropped; each ``restore``
-    starts a sequence from a prefix-cache entry; sequences listed in ``decode``
+    In this order: each ``save`` of a leaving sequence keeps it; the sequences
+    in ``leave`` are dropped; each ``restore`` starts a sequence from a
+    prefix-cache entry; sequences listed in ``decode``
     whose prompt ended in an earlier step join the batch, after those already
     in it; each ``prefill`` chunk is fed; the entries in ``evict`` are dropped
-    and each ``save`` keeps a prompt just fed as a new entry; then the batch
+    and each other ``save`` keeps a prompt just fed as a new entry; then the batch
     decodes one token per sequence, in ``decode`` order. The plan alone fixes
     every tensor shape, so every rank issues the same collectives even when its
     own state disagrees.
