@@ -39,6 +39,7 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
+from neuron.engine.disk import PrefixDisk
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
@@ -98,6 +99,11 @@ class Engine(Recovering):
         exact = support is not None and not support.cuttable
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
+        folder = self.limits.prefix_cache_dir
+        # Snapshots of windows and states are not written: only models whose caches can be cut get a disk tier.
+        tier = folder is not None and budget > 0 and not exact
+        self.disk = PrefixDisk(Path(folder), self.limits.prefix_cache_dir_bytes) if folder and tier else None
+        self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
             self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
@@ -133,14 +139,21 @@ class Engine(Recovering):
             engine = cls(pool, text, config, limits)
             if not await engine._probe():
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._loop)
-                tg.start_soon(pool.watch, engine._on_lost)
-                try:
-                    yield engine
-                finally:
-                    engine.abort("the server is shutting down")
-                    tg.cancel_scope.cancel()
+            if engine.disk is not None and engine.prefix is not None:
+                await engine.disk.restore(pool, engine.prefix)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(engine._loop)
+                    tg.start_soon(pool.watch, engine._on_lost)
+                    try:
+                        yield engine
+                    finally:
+                        engine.abort("the server is shutting down")
+                        tg.cancel_scope.cancel()
+            finally:
+                if engine.disk is not None and engine.prefix is not None:
+                    with anyio.CancelScope(shield=True):
+                        await engine.disk.spill_all(pool, engine.prefix)
 
     # What the caller sees.
 
@@ -284,6 +297,8 @@ class Engine(Recovering):
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
+        if self.disk is not None:
+            self.disk.written(step.spilled)
         deliveries = self.scheduler.update(step, sampled, ms)
         self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost

@@ -98,6 +98,7 @@ class Scheduler:
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
         self.stopping: list[Sequence] = []  # ended by the output path (a stop string): they leave at ``schedule``
         self.keeping: list[Sequence] = []  # leaving while decoding: the next plan saves each to the prefix cache
+        self.spill = False  # whether entries evicted from memory are written to disk (``--prefix-cache-dir``)
         self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
 
     @property
@@ -164,6 +165,7 @@ class Scheduler:
             prefix=self.prefix,
             cost=self.cost,
             keeping=self.keeping,
+            spill=self.spill,
         )
         self.keeping.clear()
         clear = step is None and bool(self.leaving)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from neuron.rank import caches
+from neuron.rank.disk import Disk, DiskError, log
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class _Entry:
 class Entries:
     def __init__(self) -> None:
         self._held: dict[int, _Entry] = {}
+        self.disk: Disk | None = None  # where spilled entries go (``OpenPrefixDisk``); None: they are dropped
         # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
         # listing a full cache's entries each time would cost the step more the more the cache holds.
         self._digest = 0
@@ -123,7 +125,9 @@ class Entries:
         the rank's sequences, their prompts just fed)."""
         for evict in plan.evict:
             self._fold(evict.entry)
-            del self._held[evict.entry]
+            gone = self._held.pop(evict.entry)
+            if evict.key and self.disk is not None and gone.cuttable:
+                self.disk.spill(evict.key, gone.tokens, [layer for layer in gone.layers if isinstance(layer, tuple)])
         for save in plan.save:
             if save.tokens:  # kept as it left (``save_leaving``)
                 continue
@@ -150,6 +154,22 @@ class Entries:
     def clear(self) -> None:
         self._held.clear()
         self._digest = 0
+
+    def load(self, entries: dict[str, int]) -> list[str]:
+        """Load the files ``entries`` names (key -> entry id) as entries; returns the keys that failed, each
+        warned of and not loaded."""
+        assert self.disk is not None
+        failed = []
+        for key, entry in entries.items():
+            try:
+                tokens, layers = self.disk.load(key)
+            except (DiskError, OSError) as e:
+                log.warning("prefix cache file skipped", key=key, reason=str(e))
+                failed.append(key)
+                continue
+            self._held[entry] = _Entry(tokens, list(layers))
+            self._fold(entry)
+        return failed
 
 
 def _kept(cache: list[caches.Layer], tokens: int) -> _Entry:

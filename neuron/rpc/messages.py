@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
+FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -231,9 +232,11 @@ class Save:
 
 @dataclass(frozen=True, slots=True)
 class Evict:
-    """Drop prefix-cache entry ``entry``."""
+    """Drop prefix-cache entry ``entry``; with a ``key``, written to the rank's prefix-cache folder first, under
+    that name (``OpenPrefixDisk``)."""
 
     entry: int
+    key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,6 +298,36 @@ class ClearKvCache:
     op: ClassVar[str] = "clear_kv_cache"
     id: int
     prefixes: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPrefixDisk:
+    """Keep the prefix-cache entries the plans spill (``Evict.key``) as files in ``folder``, at most ``budget``
+    bytes of this rank's; ``stamp`` names the model and the layout, and only files of the same stamp are loaded.
+    The reply lists the files this rank could load: each key and its length."""
+
+    op: ClassVar[str] = "open_prefix_disk"
+    id: int
+    folder: str
+    budget: int
+    stamp: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPrefixes:
+    """Load the files ``entries`` names (key -> the entry id each becomes); the reply names those that failed."""
+
+    op: ClassVar[str] = "load_prefixes"
+    id: int
+    entries: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPrefixDisk:
+    """Wait for this rank's spilled entries to be written (before a shutdown)."""
+
+    op: ClassVar[str] = "flush_prefix_disk"
+    id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,6 +410,27 @@ class KvCacheCleared:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixDiskOpened:
+    op: ClassVar[str] = "prefix_disk_opened"
+    id: int
+    saved: dict[str, int]  # key -> tokens, each file this rank may load
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixesLoaded:
+    op: ClassVar[str] = "prefixes_loaded"
+    id: int
+    failed: list[str]  # keys whose files were corrupted, truncated or missing here: not loaded
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixDiskFlushed:
+    op: ClassVar[str] = "prefix_disk_flushed"
+    id: int
+    written: bool  # False: the deadline passed first
+
+
+@dataclass(frozen=True, slots=True)
 class Bye:
     op: ClassVar[str] = "bye"
     id: int
@@ -392,9 +446,33 @@ class Error:
     message: str
 
 
-Request = Ping | Listen | Probe | Init | CheckModel | LoadShard | GenerateStep | ClearKvCache | Shutdown
+Request = (
+    Ping
+    | Listen
+    | Probe
+    | Init
+    | CheckModel
+    | LoadShard
+    | GenerateStep
+    | ClearKvCache
+    | OpenPrefixDisk
+    | LoadPrefixes
+    | FlushPrefixDisk
+    | Shutdown
+)
 Reply = (
-    Pong | Listening | Probed | InitOk | ModelChecked | LoadShardOk | GenerateStepOk | KvCacheCleared | Bye
+    Pong
+    | Listening
+    | Probed
+    | InitOk
+    | ModelChecked
+    | LoadShardOk
+    | GenerateStepOk
+    | KvCacheCleared
+    | PrefixDiskOpened
+    | PrefixesLoaded
+    | PrefixDiskFlushed
+    | Bye
 ) | Error
 
 REQUESTS: tuple[type[Request], ...] = (
@@ -406,6 +484,9 @@ REQUESTS: tuple[type[Request], ...] = (
     LoadShard,
     GenerateStep,
     ClearKvCache,
+    OpenPrefixDisk,
+    LoadPrefixes,
+    FlushPrefixDisk,
     Shutdown,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -417,6 +498,9 @@ REPLIES: tuple[type[Reply], ...] = (
     LoadShardOk,
     GenerateStepOk,
     KvCacheCleared,
+    PrefixDiskOpened,
+    PrefixesLoaded,
+    PrefixDiskFlushed,
     Bye,
     Error,
 )
@@ -431,6 +515,9 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     LoadShard: LoadShardOk,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
+    OpenPrefixDisk: PrefixDiskOpened,
+    LoadPrefixes: PrefixesLoaded,
+    FlushPrefixDisk: PrefixDiskFlushed,
     Shutdown: Bye,
 }
 
@@ -455,15 +542,22 @@ __all__ = [
     "LoadShard",
     "GenerateStep",
     "ClearKvCache",
+    "OpenPrefixDisk",
+    "LoadPrefixes",
+    "FlushPrefixDisk",
     "Shutdown",
     "Pong",
     "InitOk",
     "LoadShardOk",
     "GenerateStepOk",
     "KvCacheCleared",
+    "PrefixDiskOpened",
+    "PrefixesLoaded",
+    "PrefixDiskFlushed",
     "Bye",
     "Error",
     "PROTOCOL_VERSION",
+    "FLUSH_S",
     "MAX_LINE_BYTES",
     "Request",
     "Reply",
