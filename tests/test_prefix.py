@@ -217,3 +217,24 @@ def test_a_leaving_rows_first_tokens_are_kept_past_its_padding_and_before_a_reje
     assert restored.keys[0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]  # row 0, after its 2 padding positions
     too_long = StepPlan(leave=[7], save=[Save(7, 2, 5)])
     assert "does not hold them" in (entries.disagreement_leaving(too_long, seqs, batch) or "")
+
+
+def test_with_a_disk_tier_an_entry_made_room_for_is_spilled_and_a_covered_one_just_goes() -> None:
+    from neuron.engine.prefix import disk_key
+
+    s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=8, bytes_per_token=1))
+    s.spill = True
+    first = request([10, 11, 12, 13])
+    first.max_tokens = 1
+    s.add(first)
+    step = s.schedule().step
+    assert step is not None and step.plan.save == [Save(first.no, 1)]
+    s.update(step, {first.no: Sampled(7, NOT_ASKED)}, 1.0)  # its one token: it ends, nothing past its prompt fed
+    s.schedule()
+    second = request([20, 21, 22, 23, 24, 25])  # needs the room the first holds
+    second.max_tokens = 1
+    s.add(second)
+    step = s.schedule().step
+    assert step is not None
+    assert step.plan.evict == [Evict(1, disk_key([10, 11, 12, 13]))]
+    assert step.spilled == {disk_key([10, 11, 12, 13]): [10, 11, 12, 13]}
