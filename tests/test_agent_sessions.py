@@ -53,7 +53,7 @@ def test_an_agent_session_reuses_its_prompts_and_replies(plain: Server, api: str
 
 
 def test_a_new_date_leaves_only_what_precedes_it_reusable(plain: Server) -> None:
-    dates = ["24 Nov 2026"] * 4 + ["25 Nov 2026"]
+    dates = ["30 Dec 1999"] * 4 + ["31 Dec 1999"]  # never today: other sessions wrote today's
     session = replay(plain.url, Session("openai", "agent", dates=dates), TURNS)
     _check(session)
     # The date is in the system header: a new one leaves only the tokens before it reusable.
