@@ -402,6 +402,15 @@ class Scheduling:
         "later prompts that start the same way; 0 turns the prefix cache off",
         at_least=0,
     )
+    prefix_cache_dir: str | None = setting(
+        None,
+        "a folder where each rank writes the prefix-cache entries evicted from memory, and all of them at "
+        "shutdown; a restarted server with the same model and layout restores them instead of computing them",
+        unset="memory only",
+    )
+    prefix_cache_dir_bytes: int = setting(
+        16 << 30, "bytes of prefix-cache files each rank keeps in --prefix-cache-dir; the oldest go first", at_least=1
+    )
     speculate: str = setting(
         "ngram",
         "speculative decoding without a draft model: draft tokens from prompt lookup and requests' `prediction`, "

@@ -37,6 +37,8 @@ class Start:
 class Step:
     plan: StepPlan  # the same for every rank: it fixes every tensor shape and collective
     starts: dict[int, Start] = field(default_factory=dict)  # rank 0 only: sequence number -> how it is sampled
+    # The leader only: each entry the plan spills to disk (``Evict.key``) -> its tokens, for the leader's manifest.
+    spilled: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,12 @@ class Worker:
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)
                 return rpc.KvCacheCleared(id=id)
+            case rpc.OpenPrefixDisk(id=id, folder=folder, budget=budget, stamp=stamp):
+                return rpc.PrefixDiskOpened(id=id, saved=self._joined().open_disk(folder, budget, stamp))
+            case rpc.LoadPrefixes(id=id, entries=entries):
+                return rpc.PrefixesLoaded(id=id, failed=self._joined().entries.load(entries))
+            case rpc.FlushPrefixDisk(id=id):
+                return rpc.PrefixDiskFlushed(id=id, written=self._joined().flush_disk(rpc.FLUSH_S))
             case rpc.Shutdown(id=id):
                 return rpc.Bye(id=id)
         raise AssertionError(f"unhandled request {request!r}")

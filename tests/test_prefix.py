@@ -9,11 +9,12 @@ import itertools
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
+from neuron.rank.batch import Batch, MicroBatch
 from neuron.rank.entries import Entries
 from neuron.rank.prefill import SeqState
 from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
@@ -159,3 +160,81 @@ def test_a_ranks_entries_state_tells_apart_holdings_of_the_same_count() -> None:
     emptied = held((1, 3), (2, 4))
     emptied.evict_and_save(StepPlan(evict=[Evict(1), Evict(2)]), {})
     assert emptied.state() == Entries().state()
+
+
+def test_a_finished_reply_is_saved_with_its_prompt_as_it_leaves_and_the_next_turn_restores_through_it() -> None:
+    """A chat's next turn resends the reply: the plan in which a sequence leaves saves its prompt and the output it
+    was fed (the last token sampled is never fed), even with nothing else to run; the next turn restores it all."""
+    s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    first = request([10, 11, 12])
+    first.max_tokens = 3
+    s.add(first)
+    for token in (20, 21, 22):  # the prompt's step samples 20; two decode steps feed 20 and 21 and sample 21, 22
+        step = s.schedule().step
+        assert step is not None
+        s.update(step, {first.no: Sampled(token, NOT_ASKED)}, 1.0)
+    assert first.output == [20, 21, 22] and first.held == 5
+    step = s.schedule().step
+    assert step is not None, "the leaving sequence's save is a plan of its own"
+    plan = step.plan
+    assert plan.leave == [first.no] and not plan.prefill and not plan.decode
+    assert plan.save == [Save(first.no, 2, 5)] and plan.evict == [Evict(1)]  # it covers the prompt's entry
+    s.update(step, {}, 1.0)
+    assert s.schedule().step is None
+
+    second = request([10, 11, 12, 20, 21, 22, 2, 30])  # the reply as the template writes it back, then a new turn
+    s.add(second)
+    step = s.schedule().step
+    assert step is not None and step.plan.restore == [Restore(second.no, 2, 5)]
+
+
+def test_a_reply_ended_by_its_end_of_sequence_token_keeps_every_output_token() -> None:
+    s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
+    seq = request([10, 11, 12])
+    s.add(seq)
+    for token in (20, 2):  # the end-of-sequence token is sampled after 20 is fed
+        step = s.schedule().step
+        assert step is not None
+        s.update(step, {seq.no: Sampled(token, NOT_ASKED)}, 1.0)
+    step = s.schedule().step
+    assert step is not None and step.plan.save == [Save(seq.no, 2, 4)]
+
+
+def test_a_leaving_rows_first_tokens_are_kept_past_its_padding_and_before_a_rejected_tail() -> None:
+    """On a rank: the row's tokens sit after its left padding in the batched cache, and a rejected draft's tail
+    (dropped only by the next decode, which a leaving row has none of) lies after them."""
+    layer = BatchKVCache([2, 0])
+    values = mx.arange(2 * 1 * 6 * 1, dtype=mx.float32).reshape(2, 1, 6, 1)
+    layer.update_and_fetch(values, values)
+    batch = Batch()
+    batch.micro_batches[0] = MicroBatch([7, 8], [layer])
+    entries = Entries()
+    plan = StepPlan(leave=[7], save=[Save(7, 1, 3)])
+    seqs = {7: SeqState(4, 0, None, True), 8: SeqState(6, 0, None, True)}
+    assert entries.disagreement(plan) is None and entries.disagreement_leaving(plan, seqs, batch) is None
+    entries.save_leaving(plan, batch)
+    (restored,) = entries.restore(1, 3)
+    assert restored.keys[0, 0, :, 0].tolist() == [2.0, 3.0, 4.0]  # row 0, after its 2 padding positions
+    too_long = StepPlan(leave=[7], save=[Save(7, 2, 5)])
+    assert "does not hold them" in (entries.disagreement_leaving(too_long, seqs, batch) or "")
+
+
+def test_with_a_disk_tier_an_entry_made_room_for_is_spilled_and_a_covered_one_just_goes() -> None:
+    from neuron.engine.prefix import disk_key
+
+    s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=8, bytes_per_token=1))
+    s.spill = True
+    first = request([10, 11, 12, 13])
+    first.max_tokens = 1
+    s.add(first)
+    step = s.schedule().step
+    assert step is not None and step.plan.save == [Save(first.no, 1)]
+    s.update(step, {first.no: Sampled(7, NOT_ASKED)}, 1.0)  # its one token: it ends, nothing past its prompt fed
+    s.schedule()
+    second = request([20, 21, 22, 23, 24, 25])  # needs the room the first holds
+    second.max_tokens = 1
+    s.add(second)
+    step = s.schedule().step
+    assert step is not None
+    assert step.plan.evict == [Evict(1, disk_key([10, 11, 12, 13]))]
+    assert step.spilled == {disk_key([10, 11, 12, 13]): [10, 11, 12, 13]}

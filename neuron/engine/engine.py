@@ -40,6 +40,7 @@ import structlog
 
 from neuron import architectures, device, metrics
 from neuron.engine.adapters import Adapters
+from neuron.engine.disk import PrefixDisk
 from neuron.engine.drafts import DRAFTED
 from neuron.engine.intake import Intake
 from neuron.engine.output import Output
@@ -100,6 +101,11 @@ class Engine(Recovering):
         exact = support is not None and not support.cuttable
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
+        folder = self.limits.prefix_cache_dir
+        # Snapshots of windows and states are not written: only models whose caches can be cut get a disk tier.
+        tier = folder is not None and budget > 0 and not exact
+        self.disk = PrefixDisk(Path(folder), self.limits.prefix_cache_dir_bytes) if folder and tier else None
+        self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
             self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
@@ -143,14 +149,21 @@ class Engine(Recovering):
                 await engine.adapters.load(name, where)
             if not await engine._probe():
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(engine._loop)
-                tg.start_soon(pool.watch, engine._on_lost)
-                try:
-                    yield engine
-                finally:
-                    engine.abort("the server is shutting down")
-                    tg.cancel_scope.cancel()
+            if engine.disk is not None and engine.prefix is not None:
+                await engine.disk.restore(pool, engine.prefix)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(engine._loop)
+                    tg.start_soon(pool.watch, engine._on_lost)
+                    try:
+                        yield engine
+                    finally:
+                        engine.abort("the server is shutting down")
+                        tg.cancel_scope.cancel()
+            finally:
+                if engine.disk is not None and engine.prefix is not None:
+                    with anyio.CancelScope(shield=True):
+                        await engine.disk.spill_all(pool, engine.prefix)
 
     # What the caller sees.
 
@@ -305,6 +318,8 @@ class Engine(Recovering):
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
+        if self.disk is not None:
+            self.disk.written(step.spilled)
         deliveries = self.scheduler.update(step, sampled, ms)
         self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost
@@ -340,20 +355,6 @@ class Engine(Recovering):
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
-
-    # Health.
-
-    async def _clear_cache(self, prefixes: bool) -> None:
-        """Free every rank's sequences; with ``prefixes`` (after a failure) the prefix cache too, on the leader
-        as on every rank, so that both sides agree on it again."""
-        if self.pool.broken is not None:
-            return
-        if prefixes and self.prefix is not None:
-            self.prefix.clear()
-        try:
-            await self.pool.clear_kv_cache(prefixes)
-        except PoolError as e:
-            self._unready(e)
 
 
 async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -> Path | None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence as Rows
 
 from neuron.engine import vision
 from neuron.engine.drafts import StepCost, width
-from neuron.engine.prefix import PrefixIndex
+from neuron.engine.prefix import PrefixIndex, Stored, disk_key
 from neuron.engine.sequence import Sequence
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import PENALTY_WINDOW
@@ -27,11 +27,17 @@ def plan_step(
     run_ahead: bool,
     prefix: PrefixIndex | None,
     cost: StepCost,
+    keeping: Rows[Sequence] = (),
+    spill: bool = False,
 ) -> Step | None:
-    """The next step: who leaves, which prompt chunks are fed, every running sequence's next input, and how
-    each sequence it starts is sampled. ``budget``: prompt tokens fed per step. None when nothing is admitted."""
+    """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go), which prompt
+    chunks are fed, every running sequence's next input, and how each sequence it starts is sampled. ``budget``:
+    prompt tokens fed per step; ``spill``: entries evicted to make room are written to disk. None when nothing is
+    admitted and nothing is saved."""
+    spilled: dict[str, list[int]] = {}
     if not filling and not running:
-        return None
+        saves, evicts = _keep(keeping, prefix, spill, spilled)
+        return Step(StepPlan(leave=list(leaving), save=saves, evict=evicts), {}, spilled) if saves else None
     prefill: list[Prefill] = []
     restore: list[Restore] = []
     starts: dict[int, Start] = {}
@@ -78,8 +84,9 @@ def plan_step(
         budget -= take
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
-    plan = StepPlan(leave=list(leaving), prefill=prefill, decode=decode, restore=restore, ahead=ahead)
     # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
+    saves, evicts = _keep(keeping, prefix, spill, spilled)
+    plan = StepPlan(list(leaving), prefill, decode, restore, saves, evicts, ahead)
     by_no = {seq.no: seq for seq in filling}
     for chunk in prefill:
         if chunk.pool or not chunk.last or prefix is None:
@@ -87,8 +94,42 @@ def plan_step(
         seq = by_no[chunk.seq]
         if stored := prefix.store(vision.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
-            plan.evict.extend(Evict(entry) for entry in stored.evicted)
-    return Step(plan, starts)
+            plan.evict.extend(_evicts(stored, spill, spilled))
+    return Step(plan, starts, spilled)
+
+
+def _keep(
+    keeping: Rows[Sequence], prefix: PrefixIndex | None, spill: bool, spilled: dict[str, list[int]]
+) -> tuple[list[Save], list[Evict]]:
+    """Each leaving sequence's prompt and the output it was fed, as entries: a chat's next turn resends them, and
+    restores them where the template writes the reply back as it was generated."""
+    saves: list[Save] = []
+    evicts: list[Evict] = []
+    if prefix is None:
+        return saves, evicts
+    for seq in keeping:
+        if seq.pooling is not None or seq.held <= len(seq.prompt):
+            continue  # nothing past its prompt, which was saved when it was fed
+        tokens = min(seq.held, len(seq.prompt) + len(seq.output))
+        if stored := prefix.store([*vision.keyed(seq.prompt, seq.images), *seq.output][:tokens]):
+            saves.append(Save(seq.no, stored.entry, tokens))
+            evicts.extend(_evicts(stored, spill, spilled))
+    return saves, evicts
+
+
+def _evicts(stored: Stored, spill: bool, spilled: dict[str, list[int]]) -> list[Evict]:
+    """The plan's evictions for ``stored``: with ``spill``, each entry made room for goes to disk (its tokens to
+    ``spilled``); an entry a longer one covers just goes."""
+    out = []
+    for entry in stored.evicted:
+        tokens = stored.spilled.get(entry) if spill else None
+        if tokens is None:
+            out.append(Evict(entry))
+            continue
+        key = disk_key(tokens)
+        spilled[key] = tokens
+        out.append(Evict(entry, key))
+    return out
 
 
 def _steady(

@@ -23,6 +23,8 @@ Pure Python, no MLX: the scheduler consults it, and it is tested directly.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,6 +46,12 @@ class Hit:
 class Stored:
     entry: int  # the new entry's id
     evicted: list[int]  # entries dropped to make room for it, or covered by it
+    spilled: dict[int, list[int]] = field(default_factory=dict)  # of those, the ones made room for: their tokens
+
+
+def disk_key(tokens: list[int]) -> str:
+    """The name an entry of these tokens has on disk, the same on every rank and after a restart."""
+    return hashlib.sha256(array("q", tokens).tobytes()).hexdigest()[:32]
 
 
 class PrefixIndex:
@@ -118,12 +126,29 @@ class PrefixIndex:
                 freed += self._size(len(tokens))
         if self.bytes - freed + size > self.budget:
             return None
+        # Written to disk (``engine.disk``): the base model's alone, as the files name no adapter.
+        spilled = {e: self._entries[e] for e in evicted if e not in covered and self._adapter.get(e, 0) == 0}
         for entry in evicted:
             self._remove(entry)
         entry = self._next
         self._next += 1
         self._insert(entry, prompt, adapter)
-        return Stored(entry, evicted)
+        return Stored(entry, evicted, spilled)
+
+    def add(self, tokens: list[int]) -> int | None:
+        """Make ``tokens`` an entry of the base model where it fits beside the others without evicting any (an
+        entry read back from disk); its id, or None."""
+        if self.bytes + self._size(len(tokens)) > self.budget or len(tokens) < 2:
+            return None
+        entry = self._next
+        self._next += 1
+        self._insert(entry, tokens, 0)
+        return entry
+
+    def held(self) -> dict[int, list[int]]:
+        """Every base-model entry's tokens, least recently used first (what the disk tier may keep: its files name
+        no LoRA adapter, so an adapter's entries are never written)."""
+        return {entry: tokens for entry, tokens in self._entries.items() if self._adapter.get(entry, 0) == 0}
 
     def clear(self) -> None:
         """Every rank's entries were cleared (a failed step, a desync, a probe)."""

@@ -155,6 +155,18 @@ class Recovering:
 
     # Health.
 
+    async def _clear_cache(self, prefixes: bool) -> None:
+        """Free every rank's sequences; with ``prefixes`` (after a failure) the prefix cache too, on the leader
+        as on every rank, so that both sides agree on it again."""
+        if self.pool.broken is not None:
+            return
+        if prefixes and self.prefix is not None:
+            self.prefix.clear()
+        try:
+            await self.pool.clear_kv_cache(prefixes)
+        except PoolError as e:
+            self._unready(e)
+
     async def _probe(self) -> bool:
         """One token through every rank, from an empty cache (prefix cache included) and back to one."""
         if self.prefix is not None:

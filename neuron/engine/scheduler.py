@@ -97,6 +97,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # decoding, in batch order
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
         self.stopping: list[Sequence] = []  # ended by the output path (a stop string): they leave at ``schedule``
+        self.keeping: list[Sequence] = []  # leaving while decoding: the next plan saves each to the prefix cache
+        self.spill = False  # whether entries evicted from memory are written to disk (``--prefix-cache-dir``)
         self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
 
     @property
@@ -162,7 +164,10 @@ class Scheduler:
             run_ahead=limits.run_ahead == "on",
             prefix=self.prefix,
             cost=self.cost,
+            keeping=self.keeping,
+            spill=self.spill,
         )
+        self.keeping.clear()
         clear = step is None and bool(self.leaving)
         if clear:  # nothing left to run: clearing every rank's sequences at once drops them all
             self.leaving.clear()
@@ -201,7 +206,7 @@ class Scheduler:
                 out.append(Delivery(seq, sampled[seq.no], "stop", first=True, kept=False))
             elif chunk.last:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
-                    copy.fed = len(copy.tokens)
+                    copy.fed = copy.held = len(copy.tokens)
                     self.filling.remove(copy)
                     copy.micro_batch = self._emptiest_micro_batch()
                     copy.status = Status.RUNNING
@@ -214,6 +219,7 @@ class Scheduler:
             if (seq := by_no.get(row.seq)) is None:
                 continue
             run = [sampled[row.seq], *sampled[row.seq].more]  # the token, then those a kept draft adds
+            seq.held += len(run)  # the token fed, and each draft token the sampler agreed with
             for one in run:
                 out.append(self._outcome(seq, one, first=False))
                 if out[-1].finish is not None:
@@ -281,6 +287,8 @@ class Scheduler:
                 place.remove(seq)
                 if seq.fed:
                     self.leaving.append(seq.no)
+                if place is self.running and self.prefix is not None and not self.prefix.exact:
+                    self.keeping.append(seq)
 
     # A lost group, and a shutdown.
 
@@ -312,6 +320,7 @@ class Scheduler:
         self.running.clear()
         self.leaving.clear()
         self.stopping.clear()
+        self.keeping.clear()
         self.waiting.extendleft(reversed(paused))
         if self.prefix is not None:
             self.prefix.unpin()
@@ -331,6 +340,7 @@ class Scheduler:
         self.running.clear()
         self.leaving.clear()
         self.stopping.clear()
+        self.keeping.clear()
         if self.prefix is not None:
             self.prefix.unpin()
         return unfinished

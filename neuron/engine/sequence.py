@@ -161,6 +161,7 @@ class Sequence:
     stop: StopText
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
+    held: int = 0  # tokens every rank's cache holds for it that it keeps: its prompt, then the output fed
     next_token: int | None = None  # sampled, to be fed in the next step
     micro_batch: int = 0  # the micro-batch it decodes in, from the step its prompt ends
     completion_tokens: int = 0

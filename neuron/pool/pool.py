@@ -160,6 +160,37 @@ class Pool(Loading):
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
 
+    async def open_prefix_disk(self, folder: str, budget: int, stamp: str) -> dict[int, dict[str, int]]:
+        """Have every rank spill prefix-cache entries to ``folder`` (``rpc.OpenPrefixDisk``); returns, per rank,
+        the files there it may load: key -> tokens."""
+        opened = await self._fan_out(
+            "open_prefix_disk",
+            lambda _, id: rpc.OpenPrefixDisk(id=id, folder=folder, budget=budget, stamp=stamp),
+            lambda rank: rpc.PrefixDiskOpened(id=0, saved=rank.open_disk(folder, budget, stamp)),
+            self.deadlines.load,
+        )
+        return {rank: reply.saved for rank, reply in opened.items()}
+
+    async def load_prefixes(self, entries: dict[str, int]) -> set[str]:
+        """Every rank loads the files ``entries`` names (key -> entry id); returns the keys some rank could not."""
+        loaded = await self._fan_out(
+            "load_prefixes",
+            lambda _, id: rpc.LoadPrefixes(id=id, entries=entries),
+            lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.entries.load(entries)),
+            self.deadlines.load,
+        )
+        return {key for reply in loaded.values() for key in reply.failed}
+
+    async def flush_prefix_disk(self) -> bool:
+        """Wait for every rank's spilled entries to be written; True if all were in time."""
+        flushed = await self._fan_out(
+            "flush_prefix_disk",
+            lambda _, id: rpc.FlushPrefixDisk(id=id),
+            lambda rank: rpc.PrefixDiskFlushed(id=0, written=rank.flush_disk(rpc.FLUSH_S)),
+            self.deadlines.control,
+        )
+        return all(reply.written for reply in flushed.values())
+
     async def recover(self) -> None:
         """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
         start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank

@@ -24,7 +24,12 @@ def disagreement(plan: StepPlan, seqs: dict[int, SeqState], batch: Batch, entrie
     for seq in plan.leave:
         if seq not in seqs:
             return f"sequence {seq} cannot leave: this rank does not hold it"
-    return entries.disagreement(plan) or _prompts(plan, seqs) or _rows(plan, seqs, batch)
+    return (
+        entries.disagreement(plan)
+        or entries.disagreement_leaving(plan, seqs, batch)
+        or _prompts(plan, seqs)
+        or _rows(plan, seqs, batch)
+    )
 
 
 def _prompts(plan: StepPlan, seqs: dict[int, SeqState]) -> str | None:

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from neuron.rank import caches
+from neuron.rank.disk import Disk, DiskError, log
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
+    from neuron.rank.batch import Batch
     from neuron.rank.prefill import SeqState
 
 KeysValues = tuple[mx.array, mx.array]  # a plain layer's keys and values, [1, kv heads here, tokens, head dim]
@@ -44,6 +46,7 @@ class _Entry:
 class Entries:
     def __init__(self) -> None:
         self._held: dict[int, _Entry] = {}
+        self.disk: Disk | None = None  # where spilled entries go (``OpenPrefixDisk``); None: they are dropped
         # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
         # listing a full cache's entries each time would cost the step more the more the cache holds.
         self._digest = 0
@@ -80,18 +83,54 @@ class Entries:
             if evict.entry not in self._held:
                 return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
         ending = {chunk.seq for chunk in plan.prefill if chunk.last}
+        leaving = set(plan.leave)
         for save in plan.save:
-            if save.entry in self._held or save.seq not in ending:
+            if save.entry in self._held or save.seq not in (leaving if save.tokens else ending):
                 return f"prefix entry {save.entry} cannot be saved from sequence {save.seq} here"
         return None
+
+    def disagreement_leaving(self, plan: StepPlan, seqs: Mapping[int, SeqState], batch: Batch) -> str | None:
+        """Why this rank cannot keep the plan's leaving sequences it saves, or None."""
+        for save in plan.save:
+            if not save.tokens:
+                continue
+            state = seqs.get(save.seq)
+            if state is None or not batch.holds(save.seq) or state.position < save.tokens:
+                return f"sequence {save.seq} cannot be saved with {save.tokens} tokens: this rank does not hold them"
+            rows = next(g for g in batch.micro_batches.values() if save.seq in g.ids)
+            if not all(type(layer) is BatchKVCache for layer in rows.cache):
+                return f"sequence {save.seq} cannot be saved as it leaves: its caches cannot be cut to {save.tokens}"
+        return None
+
+    def save_leaving(self, plan: StepPlan, batch: Batch) -> None:
+        """Before the plan's leaving sequences are dropped: keep the first ``tokens`` of each one it saves (its
+        prompt and the output it was fed; a rejected draft's tail, not yet dropped, lies past them)."""
+        for save in plan.save:
+            if not save.tokens:
+                continue
+            rows = next(g for g in batch.micro_batches.values() if save.seq in g.ids)
+            row = rows.ids.index(save.seq)
+            layers: list[KeysValues | caches.Layer] = []
+            for layer in rows.cache:
+                start = int(layer.left_padding[row].item())
+                end = start + save.tokens
+                keys, values = layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
+                layers.append((mx.contiguous(keys), mx.contiguous(values)))
+            mx.eval(layers)
+            self._held[save.entry] = _Entry(save.tokens, layers)
+            self._fold(save.entry)
 
     def evict_and_save(self, plan: StepPlan, seqs: Mapping[int, SeqState]) -> None:
         """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (from ``seqs``,
         the rank's sequences, their prompts just fed)."""
         for evict in plan.evict:
             self._fold(evict.entry)
-            del self._held[evict.entry]
+            gone = self._held.pop(evict.entry)
+            if evict.key and self.disk is not None and gone.cuttable:
+                self.disk.spill(evict.key, gone.tokens, [layer for layer in gone.layers if isinstance(layer, tuple)])
         for save in plan.save:
+            if save.tokens:  # kept as it left (``save_leaving``)
+                continue
             state = seqs[save.seq]
             assert state.cache is not None
             self._held[save.entry] = _kept(state.cache, state.position)
@@ -115,6 +154,22 @@ class Entries:
     def clear(self) -> None:
         self._held.clear()
         self._digest = 0
+
+    def load(self, entries: dict[str, int]) -> list[str]:
+        """Load the files ``entries`` names (key -> entry id) as entries; returns the keys that failed, each
+        warned of and not loaded."""
+        assert self.disk is not None
+        failed = []
+        for key, entry in entries.items():
+            try:
+                tokens, layers = self.disk.load(key)
+            except (DiskError, OSError) as e:
+                log.warning("prefix cache file skipped", key=key, reason=str(e))
+                failed.append(key)
+                continue
+            self._held[entry] = _Entry(tokens, list(layers))
+            self._fold(entry)
+        return failed
 
 
 def _kept(cache: list[caches.Layer], tokens: int) -> _Entry:

@@ -14,6 +14,7 @@ holds, and a fingerprint of that state travels back with every step.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +23,7 @@ from neuron.adapters import AdapterError, find
 from neuron.rank import ahead, backends, caches, group, rollback
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
+from neuron.rank.disk import Disk
 from neuron.rank.embed import embed_inputs
 from neuron.rank.entries import Entries
 from neuron.rank.errors import GroupError, RankError
@@ -122,6 +124,7 @@ class Rank:
         if problem := disagreement(plan, self.seqs, self.batch, self.entries):
             self._shadow_step(plan)
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
+        self.entries.save_leaving(plan, self.batch)
         self._leave(plan.leave)
         for restore in plan.restore:
             cache = self.entries.restore(restore.entry, restore.tokens)
@@ -264,6 +267,16 @@ class Rank:
         self.batch.clear()
         if prefixes:
             self.entries.clear()
+
+    def open_disk(self, folder: str, budget: int, stamp: str) -> dict[str, int]:
+        """Spill entries to ``folder`` from now on (``rank.disk``); returns the files there this rank may load."""
+        if self.entries.disk is not None:
+            self.entries.disk.close(0.0)
+        self.entries.disk = Disk(Path(folder), budget, stamp, self.rank)
+        return self.entries.disk.scan()
+
+    def flush_disk(self, timeout: float) -> bool:
+        return self.entries.disk is None or self.entries.disk.flush(timeout)
 
     def unload(self) -> None:
         self.clear_kv_cache()

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
+FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
 # (a 32k-token prompt is about 250 KB). Anything longer is a bug or an attack,
@@ -228,28 +229,34 @@ class Restore:
 
 @dataclass(frozen=True, slots=True)
 class Save:
-    """Keep ``seq``'s KV cache, its whole prompt (fed by this step), as prefix-cache entry ``entry``."""
+    """Keep ``seq``'s KV cache as prefix-cache entry ``entry``: its whole prompt, fed by this step; or, with
+    ``tokens``, the first ``tokens`` of a sequence that leaves in this step (its prompt and the output it was fed,
+    which a chat's next turn resends), kept before it is dropped."""
 
     seq: int
     entry: int
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Evict:
-    """Drop prefix-cache entry ``entry``."""
+    """Drop prefix-cache entry ``entry``; with a ``key``, written to the rank's prefix-cache folder first, under
+    that name (``OpenPrefixDisk``)."""
 
     entry: int
+    key: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     """Everything one batched step changes, the same for every rank.
 
-    In this order: the sequences in ``leave`` are dropped; each ``restore``
-    starts a sequence from a prefix-cache entry; sequences listed in ``decode``
+    In this order: each ``save`` of a leaving sequence keeps it; the sequences
+    in ``leave`` are dropped; each ``restore`` starts a sequence from a
+    prefix-cache entry; sequences listed in ``decode``
     whose prompt ended in an earlier step join the batch, after those already
     in it; each ``prefill`` chunk is fed; the entries in ``evict`` are dropped
-    and each ``save`` keeps a prompt just fed as a new entry; then the batch
+    and each other ``save`` keeps a prompt just fed as a new entry; then the batch
     decodes one token per sequence, in ``decode`` order. The plan alone fixes
     every tensor shape, so every rank issues the same collectives even when its
     own state disagrees.
@@ -320,6 +327,36 @@ class ClearKvCache:
     op: ClassVar[str] = "clear_kv_cache"
     id: int
     prefixes: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPrefixDisk:
+    """Keep the prefix-cache entries the plans spill (``Evict.key``) as files in ``folder``, at most ``budget``
+    bytes of this rank's; ``stamp`` names the model and the layout, and only files of the same stamp are loaded.
+    The reply lists the files this rank could load: each key and its length."""
+
+    op: ClassVar[str] = "open_prefix_disk"
+    id: int
+    folder: str
+    budget: int
+    stamp: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPrefixes:
+    """Load the files ``entries`` names (key -> the entry id each becomes); the reply names those that failed."""
+
+    op: ClassVar[str] = "load_prefixes"
+    id: int
+    entries: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPrefixDisk:
+    """Wait for this rank's spilled entries to be written (before a shutdown)."""
+
+    op: ClassVar[str] = "flush_prefix_disk"
+    id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +454,27 @@ class KvCacheCleared:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixDiskOpened:
+    op: ClassVar[str] = "prefix_disk_opened"
+    id: int
+    saved: dict[str, int]  # key -> tokens, each file this rank may load
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixesLoaded:
+    op: ClassVar[str] = "prefixes_loaded"
+    id: int
+    failed: list[str]  # keys whose files were corrupted, truncated or missing here: not loaded
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixDiskFlushed:
+    op: ClassVar[str] = "prefix_disk_flushed"
+    id: int
+    written: bool  # False: the deadline passed first
+
+
+@dataclass(frozen=True, slots=True)
 class Bye:
     op: ClassVar[str] = "bye"
     id: int
@@ -443,6 +501,9 @@ Request = (
     | UnloadAdapter
     | GenerateStep
     | ClearKvCache
+    | OpenPrefixDisk
+    | LoadPrefixes
+    | FlushPrefixDisk
     | Shutdown
 )
 Reply = (
@@ -456,6 +517,9 @@ Reply = (
     | AdapterUnloaded
     | GenerateStepOk
     | KvCacheCleared
+    | PrefixDiskOpened
+    | PrefixesLoaded
+    | PrefixDiskFlushed
     | Bye
 ) | Error
 
@@ -470,6 +534,9 @@ REQUESTS: tuple[type[Request], ...] = (
     UnloadAdapter,
     GenerateStep,
     ClearKvCache,
+    OpenPrefixDisk,
+    LoadPrefixes,
+    FlushPrefixDisk,
     Shutdown,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -483,6 +550,9 @@ REPLIES: tuple[type[Reply], ...] = (
     AdapterUnloaded,
     GenerateStepOk,
     KvCacheCleared,
+    PrefixDiskOpened,
+    PrefixesLoaded,
+    PrefixDiskFlushed,
     Bye,
     Error,
 )
@@ -499,6 +569,9 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     UnloadAdapter: AdapterUnloaded,
     GenerateStep: GenerateStepOk,
     ClearKvCache: KvCacheCleared,
+    OpenPrefixDisk: PrefixDiskOpened,
+    LoadPrefixes: PrefixesLoaded,
+    FlushPrefixDisk: PrefixDiskFlushed,
     Shutdown: Bye,
 }
 
@@ -525,6 +598,9 @@ __all__ = [
     "UnloadAdapter",
     "GenerateStep",
     "ClearKvCache",
+    "OpenPrefixDisk",
+    "LoadPrefixes",
+    "FlushPrefixDisk",
     "Shutdown",
     "Pong",
     "InitOk",
@@ -533,9 +609,13 @@ __all__ = [
     "AdapterUnloaded",
     "GenerateStepOk",
     "KvCacheCleared",
+    "PrefixDiskOpened",
+    "PrefixesLoaded",
+    "PrefixDiskFlushed",
     "Bye",
     "Error",
     "PROTOCOL_VERSION",
+    "FLUSH_S",
     "MAX_LINE_BYTES",
     "Request",
     "Reply",

@@ -1,0 +1,114 @@
+"""The prefix cache's second tier, as the leader runs it: which entries go to disk, and which come back when a
+server starts with ``--prefix-cache-dir``.
+
+Each rank writes its own shard of a spilled entry (``neuron.rank.disk``: its heads, or its stage's layers); the
+leader writes a manifest beside rank 0's file, ``KEY.tokens``: the entry's token ids, which no rank knows. On a
+start with the same model and layout, every rank lists the files it may load, the leader keeps the keys every rank
+has (a manifest too), the newest first, as many as the memory budget holds, and every rank loads them; a key that
+any rank fails to load (corrupted, truncated, missing there) is left out and the rest are loaded again, so the
+ranks always hold the same entries. Entries come back at the start only: one evicted while serving is read again
+after the next restart.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from pathlib import Path
+
+import structlog
+
+from neuron.engine.prefix import PrefixIndex, disk_key
+from neuron.models import digest_files, model_digest
+from neuron.pool import Pool, PoolError
+from neuron.rpc import Evict, StepPlan
+from neuron.step import Step
+
+log = structlog.get_logger("neuron.engine")
+
+LOAD_TRIES = 3  # rounds of loading, each without the keys some rank failed on in the last
+
+
+class PrefixDisk:
+    """The leader's side: manifests written off the step loop, and the start's and the shutdown's exchanges."""
+
+    def __init__(self, folder: Path, budget: int) -> None:
+        self.folder = folder
+        self.budget = budget
+        folder.mkdir(parents=True, exist_ok=True)
+        self._queue: queue.Queue[dict[str, list[int]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._write_all, name="neuron-kv-manifests", daemon=True)
+        self._thread.start()
+
+    def written(self, spilled: dict[str, list[int]]) -> None:
+        """Entries a step spilled: their manifests are written by a thread of their own."""
+        if spilled:
+            self._queue.put(spilled)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10.0)
+
+    async def restore(self, pool: Pool, prefix: PrefixIndex) -> int:
+        """Open every rank's folder and load what all of them hold; returns the tokens restored."""
+        stamp = f"{model_digest(digest_files(pool.model_path))}/world {pool.world_size}/layers {pool.layers}"
+        saved = await pool.open_prefix_disk(str(self.folder), self.budget, stamp)
+        common = set.intersection(*(set(keys.items()) for keys in saved.values()))
+        manifests = self._manifests()
+        candidates = [(key, manifests[key]) for key, tokens in common if len(manifests.get(key, ())) == tokens]
+        candidates.sort(key=lambda kv: -(self.folder / f"{kv[0]}.tokens").stat().st_mtime)
+        for _ in range(LOAD_TRIES):
+            chosen = {key: entry for key, tokens in candidates if (entry := prefix.add(tokens)) is not None}
+            failed = await pool.load_prefixes(chosen) if chosen else set()
+            if not failed:
+                restored = sum(len(tokens) for key, tokens in candidates if key in chosen)
+                log.info("prefix cache restored from disk", entries=len(chosen), tokens=restored, stamp=stamp)
+                return restored
+            prefix.clear()
+            await pool.clear_kv_cache(prefixes=True)
+            candidates = [(key, tokens) for key, tokens in candidates if key not in failed]
+        return 0
+
+    async def spill_all(self, pool: Pool, prefix: PrefixIndex) -> None:
+        """At shutdown: every entry to disk, and wait for the ranks' writers."""
+        held = prefix.held()
+        if held and pool.broken is None:
+            spilled = {disk_key(tokens): tokens for tokens in held.values()}
+            plan = StepPlan(evict=[Evict(entry, disk_key(tokens)) for entry, tokens in held.items()])
+            try:
+                await pool.step(Step(plan, {}, spilled))
+                prefix.clear()
+                self.written(spilled)
+                if not await pool.flush_prefix_disk():
+                    log.warning("prefix cache: not every entry was written to disk before the deadline")
+            except PoolError as e:
+                log.warning("prefix cache: entries not written to disk", reason=str(e))
+        self.close()
+
+    def _manifests(self) -> dict[str, list[int]]:
+        out = {}
+        for path in self.folder.glob("*.tokens"):
+            key = path.stem
+            try:
+                tokens = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                log.warning("prefix cache manifest skipped", path=str(path), reason=str(e))
+                continue
+            if not (self.folder / f"{key}.r0.kv").exists():
+                path.unlink(missing_ok=True)  # its entry's files went over the budget
+            elif isinstance(tokens, list) and all(type(t) is int for t in tokens) and disk_key(tokens) == key:
+                out[key] = tokens
+            else:
+                log.warning("prefix cache manifest skipped", path=str(path), reason="its tokens do not match its name")
+        return out
+
+    def _write_all(self) -> None:
+        while (spilled := self._queue.get()) is not None:
+            for key, tokens in spilled.items():
+                try:
+                    partial = self.folder / f"{key}.tokens.partial"
+                    partial.write_text(json.dumps(tokens))
+                    partial.replace(self.folder / f"{key}.tokens")
+                except OSError as e:
+                    log.warning("prefix cache manifest not written", key=key, reason=str(e))

@@ -1,0 +1,119 @@
+"""The prefix cache's disk tier (``--prefix-cache-dir``): each rank's files checked directly (unit: a real writer
+thread, real files, no process), then a real server at TP=2 restarted on its folder: the same prompt is restored
+instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import pytest
+from closeness import TOP, Scored, assert_same
+from conftest import Server, serving
+
+from neuron.rank.disk import MAGIC, Disk, DiskError
+
+STAMP = "model/world 2/layers []"
+
+
+def _layers(tokens: int, dtype: mx.Dtype = mx.float32) -> list[tuple[mx.array, mx.array]]:
+    keys = mx.arange(2 * tokens * 4, dtype=mx.float32).reshape(1, 2, tokens, 4).astype(dtype)
+    return [(keys, keys + 1), (keys * 2, keys - 1)]
+
+
+def _written(folder: Path, key: str = "k1", tokens: int = 5, dtype: mx.Dtype = mx.float32, rank: int = 1) -> Disk:
+    disk = Disk(folder, 1 << 20, STAMP, rank)
+    disk.spill(key, tokens, _layers(tokens, dtype))
+    assert disk.flush(10.0)
+    return disk
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_a_spilled_entry_reads_back_as_it_was(tmp_path: Path, dtype: mx.Dtype) -> None:
+    disk = _written(tmp_path, dtype=dtype)
+    assert disk.scan() == {"k1": 5} and (tmp_path / "k1.r1.kv").exists()
+    tokens, layers = disk.load("k1")
+    assert tokens == 5
+    for (keys, values), (want_keys, want_values) in zip(layers, _layers(5, dtype), strict=True):
+        assert keys.dtype == dtype and mx.array_equal(keys, want_keys) and mx.array_equal(values, want_values)
+    disk.close(1.0)
+
+
+@pytest.mark.unit
+def test_a_corrupted_truncated_or_foreign_file_is_skipped_and_never_loaded(tmp_path: Path) -> None:
+    disk = _written(tmp_path)
+    path = tmp_path / "k1.r1.kv"
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]))  # one bit of the keys and values flipped
+    with pytest.raises(DiskError, match="checksum"):
+        disk.load("k1")
+    path.write_bytes(whole[: len(whole) // 2])  # truncated
+    with pytest.raises(DiskError, match=r"checksum|truncated"):
+        disk.load("k1")
+    path.write_bytes(whole)
+    assert disk.load("k1")[0] == 5
+    assert Disk(tmp_path, 1 << 20, "another model/world 2/layers []", 1).scan() == {}  # another model or layout
+    assert Disk(tmp_path, 1 << 20, STAMP, 0).scan() == {}  # rank 0 does not read rank 1's files
+    (tmp_path / "k2.r1.kv").write_bytes(b"not a neuron file")
+    (tmp_path / "k3.r1.kv").write_bytes(MAGIC + (5).to_bytes(8, "little") + b"{bad}")
+    assert disk.scan() == {"k1": 5}  # both skipped
+    disk.close(1.0)
+
+
+@pytest.mark.unit
+def test_the_oldest_files_go_past_the_byte_budget(tmp_path: Path) -> None:
+    size = len((_written(tmp_path / "one").path("k1")).read_bytes())
+    disk = Disk(tmp_path, 2 * size, STAMP, 1)
+    for key in ("a", "b", "c"):
+        disk.spill(key, 5, _layers(5))
+        assert disk.flush(10.0)
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == ["b.r1.kv", "c.r1.kv"]
+    disk.close(1.0)
+
+
+PROMPT = "The keeper climbs the stairs at dusk and lights the lamp. " * 20
+
+
+def _ask(server: Server) -> tuple[Scored, int]:
+    body = {"model": "qwen3", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corrupted_file(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv")
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
+    with serving(tmp_path_factory, *args) as server:
+        fresh, cached = _ask(server)  # computed: nothing on disk yet
+        assert cached == 0
+    files = sorted(p.name for p in folder.glob("*.kv"))
+    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads
+    assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
+
+    with serving(tmp_path_factory, *args) as server:
+        restored, cached = _ask(server)
+        prompt_tokens = len(PROMPT)  # one token a byte
+        assert cached == prompt_tokens - 1  # all but the last, which is always fed: none computed again
+        assert server.find_log("prefill done", cached_tokens=cached) is not None
+    assert_same(fresh, restored, "restored from disk")
+
+    corrupted = tmp_path_factory.mktemp("kv-corrupted")
+    shutil.copytree(folder, corrupted, dirs_exist_ok=True)
+    target = corrupted / files[1]
+    data = bytearray(target.read_bytes())
+    data[-100] ^= 0xFF
+    target.write_bytes(bytes(data))
+    args = (*args[:-1], str(corrupted))
+    with serving(tmp_path_factory, *args) as server:
+        again, cached = _ask(server)
+        assert cached == 0  # rank 1's file failed its checksum: the entry is loaded on no rank
+        skipped = server.find_log("prefix cache file skipped")
+        assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
+    assert_same(fresh, again, "computed again")
