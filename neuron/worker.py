@@ -23,6 +23,7 @@ import structlog
 from neuron import cpu, device, models, rpc, shares
 from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
+from neuron.launch.holder import hold, release
 from neuron.launch.hosts import describe_host
 from neuron.launch.watchdog import start_sentinel
 from neuron.rpc import ErrorKind
@@ -170,7 +171,10 @@ class Worker:
             path.write_text(content)
             env = {**env, variable: str(path)}
         self.state = Rank(self.rank, self.world_size)
-        return self.state.init_group(backend, env)
+        total = self.state.init_group(backend, env)
+        if backend == "ring":  # its connections outlive it, answered, should it die (``launch.holder``)
+            hold(files["MLX_HOSTFILE"])
+        return total
 
     def _joined(self) -> Rank:
         if self.state is None:
@@ -198,32 +202,35 @@ def run_worker(rank: int, world_size: int) -> int:
     level, fmt = SETTINGS["log_level"], SETTINGS["log_format"]
     logging_setup.configure(os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), rank=rank)
     worker = Worker(rank, world_size)
-    while True:
-        request: rpc.Request | None = None
-        try:
-            line = read_line(stdin)
-            if line is None:
-                worker.log.info("stdin closed; the leader is gone, exiting")
+    try:
+        while True:
+            request: rpc.Request | None = None
+            try:
+                line = read_line(stdin)
+                if line is None:
+                    worker.log.info("stdin closed; the leader is gone, exiting")
+                    return 0
+                request = rpc.decode_request(line)
+                reply = worker.handle(request)
+            except rpc.ProtocolError as e:
+                worker.log.warning("bad request", kind=e.kind.value, error=e.message)
+                reply = rpc.Error(id=e.request_id, kind=e.kind, message=f"rank {rank}: {e.message}")
+            except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
+                assert request is not None
+                kind = worker.failure_kind(request, e)
+                worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
+                message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
+                reply = rpc.Error(id=request.id, kind=kind, message=message)
+            try:
+                protocol_out.write(rpc.encode(reply))
+                protocol_out.flush()
+            except BrokenPipeError:
+                worker.log.info("stdout closed; the leader is gone, exiting")
                 return 0
-            request = rpc.decode_request(line)
-            reply = worker.handle(request)
-        except rpc.ProtocolError as e:
-            worker.log.warning("bad request", kind=e.kind.value, error=e.message)
-            reply = rpc.Error(id=e.request_id, kind=e.kind, message=f"rank {rank}: {e.message}")
-        except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
-            assert request is not None
-            kind = worker.failure_kind(request, e)
-            worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
-            message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
-            reply = rpc.Error(id=request.id, kind=kind, message=message)
-        try:
-            protocol_out.write(rpc.encode(reply))
-            protocol_out.flush()
-        except BrokenPipeError:
-            worker.log.info("stdout closed; the leader is gone, exiting")
-            return 0
-        if isinstance(request, rpc.Shutdown):
-            worker.log.info("shutdown requested; bye")
-            return 0
-        if worker.state is not None:
-            worker.state.settle()
+            if isinstance(request, rpc.Shutdown):
+                worker.log.info("shutdown requested; bye")
+                return 0
+            if worker.state is not None:
+                worker.state.settle()
+    finally:
+        release()  # leaving in order: its connections' holder leaves too, answering nothing

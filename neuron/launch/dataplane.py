@@ -128,7 +128,7 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
     return unreachable
 
 
-def _group_sockets(addresses: list[list[str]], connected: bool = False) -> list[int]:
+def group_sockets(addresses: list[list[str]], connected: bool = False) -> list[int]:
     """This process's descriptors of sockets bound to or connected to one of a group's ``addresses``; with
     ``connected``, of connections alone (no listener)."""
     wanted = {split_address(a) for rank in addresses for a in rank}
@@ -168,7 +168,7 @@ def cut(addresses: list[list[str]]) -> int:
     no timeout of MLX ends; a socket shut down under it makes the collective fail. The descriptors stay MLX's (it
     closes them with the group): only the connections end."""
     count = 0
-    for fd in _group_sockets(addresses):
+    for fd in group_sockets(addresses):
         with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as sock:
             sock.shutdown(socket.SHUT_RDWR)
             count += 1
@@ -195,7 +195,7 @@ class Sink:
     def replace(self, addresses: list[list[str]]) -> int:
         """Put the sink under every socket of this process on the group's ``addresses``; returns how many."""
         count = 0
-        for fd in _group_sockets(addresses, connected=True):
+        for fd in group_sockets(addresses, connected=True):
             mine, theirs = socket.socketpair()
             mine.setblocking(False)
             theirs.setblocking(False)

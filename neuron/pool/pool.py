@@ -272,9 +272,16 @@ class Pool(Loading):
         self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
         try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
             await self._rank0.call(lambda _: group.leave(), LEAVE_S)
+            await self._rank0.call(lambda _: backends.evaluates(), LEAVE_S)
         except NoClearBackends as e:
             self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e
+        except TimeoutError as e:  # at once, rather than after a group that could never form
+            self.unrecoverable = (
+                f"rank 0's fresh thread could not evaluate within {LEAVE_S:g} s beside the one left inside the lost "
+                f"{self.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
+            )
+            raise Unrecoverable(self.unrecoverable) from e
 
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process, and on every SSH tunnel connection of ``--data-plane ssh``; the moment

@@ -64,6 +64,12 @@ def stream_left_wedged() -> None:
     _wedged_stream = True
 
 
+def evaluates() -> None:
+    """Evaluate one sum on this thread's stream: what a thread started beside one left wedged cannot do where MLX's
+    scheduler, which counts every stream's queued work, has every evaluation wait for one of the wedged ones."""
+    mx.eval(mx.array(1.0) + 1)
+
+
 def clear_cache() -> None:
     """Give MLX's cached buffers back to the system (``mx.clear_cache``), unless a thread was left wedged inside
     MLX: ``clear_cache`` first waits for every CPU stream, and a wedged thread's stream never finishes. The cache

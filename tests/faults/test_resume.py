@@ -110,19 +110,15 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
         assert server.stop() == 0, server.stderr()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 40, blocked on MLX: beside a rank-0 thread wedged in the ring, a fresh one may wait behind its "
-    "queued work, and recovery may then neither resume nor restart within --resume-timeout (3 times in 4 under load)",
-)
-def test_rank0_wedged_inside_a_lost_groups_collective_is_left_behind_within_the_bound(
+def test_rank0_inside_a_lost_groups_collective_is_freed_or_left_behind_within_the_bound(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Rank 0 waits, past its peer's death, on a collective queued before the loss (``WEDGE_ENV``): no socket cut
-    frees it. ``LEAVE_S`` after the cut a fresh rank-0 thread takes its place (counted in /metrics). Then either
-    every stream resumes in this process, or, where MLX's scheduler keeps the fresh thread waiting behind the
-    wedged one's queued work, the leader restarts at once, counted with its cause, and every stream ends with an
-    error that says so."""
+    """Rank 1 dies with its connections' holder (``WEDGE_ENV``), and rank 0 queues a collective after the ring's
+    socket threads failed (as a step run ahead does): where that socket's thread has ended, no socket cut frees
+    it, and ``LEAVE_S`` after the cut a fresh rank-0 thread takes its place (counted in /metrics); where it has
+    not, the sink frees it. Then either every stream resumes in this process, or, where MLX's scheduler keeps the
+    fresh thread waiting behind the wedged one's queued work, the leader restarts at once (a probe within
+    ``LEAVE_S`` finds it), counted with its cause, and every stream ends with an error that says so."""
     wedge = tmp_path / "wedge"
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3")
     server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={WEDGE_ENV: str(wedge)}).start()
@@ -133,18 +129,19 @@ def test_rank0_wedged_inside_a_lost_groups_collective_is_left_behind_within_the_
         for rank in (0, 1):
             Path(f"{wedge}.{rank}").touch()
         join(streams)
-        left = server.wait_log("rank 0's thread left behind", timeout=30)
         cut = server.find_log("data plane cut")
-        assert cut is not None and left["left_behind"] == 1 and "in step" in left["stuck_in"], left
-        freed = _seconds(left["timestamp"]) - _seconds(cut["timestamp"])
-        assert LEAVE_S - 0.5 < freed < LEAVE_S + 5, freed  # left behind after LEAVE_S, not sooner, not much later
-        restarted = server.find_log("group lost; restarting the leader")
-        if restarted is None:
+        assert cut is not None
+        if (left := server.find_log("rank 0's thread left behind")) is not None:
+            assert left["left_behind"] == 1 and "in step" in left["stuck_in"], left
+            freed = _seconds(left["timestamp"]) - _seconds(cut["timestamp"])
+            assert LEAVE_S - 0.5 < freed < LEAVE_S + 5, freed  # left behind after LEAVE_S, not sooner, nor later
+        if all(s.error is None for s in streams):
             for s, expected in zip(streams, undisturbed, strict=True):
                 assert s.error is None and s.text == expected, (s.base, s.error)
             assert server.find_log("recovered", in_process=True) is not None
-            assert server.metrics()[("neuron_rank0_threads_abandoned_total", ())] == 1
+            assert server.metrics()[("neuron_rank0_threads_abandoned_total", ())] == (left is not None)
         else:
+            restarted = server.wait_log("group lost; restarting the leader", timeout=30)
             assert restarted["why"] == "unrecoverable" and "wedged" in restarted["cause"] + str(
                 server.find_log("recovery failed; restarting the leader")
             ), restarted
