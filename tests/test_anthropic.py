@@ -42,6 +42,8 @@ def raw_events(server: Server, body: dict[str, Any]) -> list[tuple[str, dict[str
         text = response.read().decode()
     events = []
     for block in text.strip().split("\n\n"):
+        if block.startswith(":"):  # a keep-alive comment: sent after 2 s without an event (a slow prefill, under load)
+            continue
         name, data = block.split("\n")
         events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     assert all(name == data["type"] for name, data in events)
