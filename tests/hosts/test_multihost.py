@@ -201,7 +201,7 @@ RESUMING = resume.shorter(120)  # the four resume requests: long enough that a f
 @pytest.fixture(scope="module")
 def undisturbed(cluster: Server) -> list[str]:
     """What the four resume requests give on the cluster before any fault."""
-    return [resume.reference(cluster.url, base) for base in RESUMING]
+    return resume.references(cluster.url, RESUMING)
 
 
 def test_a_cut_ssh_session_and_every_stream_goes_on(bed: Namespaces, cluster: Server, undisturbed: list[str]) -> None:
@@ -269,7 +269,7 @@ def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goe
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane-resume.json")
     args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
     with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
-        undisturbed = [resume.reference(server.url, base) for base in RESUMING]
+        undisturbed = resume.references(server.url, RESUMING)
 
         def session(tunnel: bool) -> int:
             (pid,) = [p for p in children(server.process.pid, "ssh") if (b"ControlMaster=yes" in _cmdline(p)) == tunnel]
