@@ -3,7 +3,9 @@
 Imports stay light until the command is known: on the Linux CPU backend a worker
 must pin itself to its cores before MLX starts any thread, and the leader may
 re-execute itself with OpenBLAS preloaded, which only works before MLX is loaded;
-on a GPU backend (``device.py``) none of that runs.
+on a GPU backend (``device.py``) none of that runs. A command that runs MLX
+re-executes before even the settings are imported (``cpu.reexec_early``): the
+process that is replaced should have loaded nothing it throws away.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from neuron import __version__, catalog, config
+from neuron import __version__, cpu
 
 if TYPE_CHECKING:
     from neuron.leader import Restart
@@ -25,6 +27,8 @@ EXIT_FAILURE = 1
 
 
 def _parser() -> argparse.ArgumentParser:
+    from neuron import catalog, config
+
     parser = argparse.ArgumentParser(prog="neuron", description="Tensor-parallel LLM inference on MLX.")
     parser.add_argument("--version", action="version", version=f"neuron {__version__}")
     # The worker's entry point: spawned by the leader, never typed by a person.
@@ -56,12 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     from neuron import descriptors
 
     descriptors.raise_soft_limit()
+    if argv is None:  # the process's own command line, which a re-execution repeats
+        cpu.reexec_early(sys.argv[1:])
+    from neuron import catalog, config
+
     parser = _parser()
     args = parser.parse_args(argv)
     if args.worker:
         if args.rank is None or args.world_size is None or not 0 < args.rank < args.world_size:
             parser.error("--worker needs --rank R and --world-size N with 0 < R < N")
-        from neuron import cpu
         from neuron.worker import run_worker
 
         try:
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         parser.error("; ".join(problems))
 
-    from neuron import cpu, device
+    from neuron import device
 
     try:
         cpu.reexec_with_blas()
@@ -158,7 +165,7 @@ def _layout(args: argparse.Namespace) -> Layout:
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from neuron import cpu, device
+    from neuron import config, device
     from neuron import log as logging_setup
 
     # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
@@ -221,7 +228,7 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
 
 
 async def _serve(args: argparse.Namespace) -> Restart | None:
-    from neuron import images
+    from neuron import config, images
     from neuron.hub import parse
     from neuron.leader import ServeOptions, run_leader
     from neuron.models import model_id, resolve

@@ -168,6 +168,18 @@ def reexec_with_blas() -> None:
     reexec(env)
 
 
+def reexec_early(argv: list[str]) -> None:
+    """``reexec_with_blas`` at once for a command that runs MLX (serve, generate, a worker), before the command
+    line is parsed: parsing imports the settings and the logging, which the replaced process would import for
+    nothing. A problem (``NEURON_BLAS`` naming nothing usable) is left for the CLI to say once the arguments are
+    checked: it meets it again there."""
+    if "--worker" in argv or argv[:1] in (["serve"], ["generate"]):
+        try:
+            reexec_with_blas()
+        except BlasError:
+            pass
+
+
 def blas_in_use() -> str:
     """Which BLAS serves MLX in this process, and how one-row products go, for the startup log; call it after
     MLX is imported."""

@@ -117,6 +117,14 @@ def thinking_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
 
 
 @pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The embedded SmolLM2 served with the defaults on one rank, for the whole session: the slowest of the served
+    models to start, and structured output and agents' tools ask the same server the same way."""
+    with serving(tmp_path_factory) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}

@@ -55,11 +55,11 @@ LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref
     ids=["contains", "if", "bounds", "type", "deep", "huge-enum", "ref-loop", "self-ref"],
 )
 def test_what_cannot_be_enforced_is_refused_quickly_saying_why(grammars: Grammars, schema: dict, says: str) -> None:
-    started = time.monotonic()
+    started = time.process_time()  # the work, which a loaded machine's wall clock would stretch
     with pytest.raises(GrammarError, match=None) as e:
         grammars.compile(schema)
     assert says in str(e.value)
-    assert time.monotonic() - started < 5.0
+    assert time.process_time() - started < 5.0
 
 
 def test_a_recursive_schema_with_a_base_case_compiles(grammars: Grammars) -> None:

@@ -138,9 +138,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory) as server:
-        yield server
+def smol(smollm2_server: Server) -> Server:
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

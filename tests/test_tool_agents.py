@@ -26,9 +26,8 @@ CALL = {"max_tokens": 300, "parallel_tool_calls": False}
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tmp_path_factory) as server:
-        yield server
+def smol(smollm2_server: Server) -> Server:
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

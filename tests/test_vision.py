@@ -108,11 +108,11 @@ def test_the_digest_is_of_the_pixels_and_one_pixel_changes_it() -> None:
     ids=["50000x50000-header", "compressed-bomb", "truncated-jpeg", "not-an-image"],
 )
 def test_hostile_payloads_are_refused_before_decoding_naming_the_part(payload: bytes, says: str) -> None:
-    started = time.monotonic()
+    started = time.process_time()  # the work, which a loaded machine's wall clock would stretch
     with pytest.raises(images.ImageError, match=says) as refused:
         images.from_url(data_url(payload), "messages[0].content[1].image_url.url")
     assert refused.value.param == "messages[0].content[1].image_url.url"
-    assert time.monotonic() - started < 2
+    assert time.process_time() - started < 2
 
 
 @pytest.mark.unit

@@ -201,7 +201,7 @@ RESUMING = resume.shorter(120)  # the four resume requests: long enough that a f
 @pytest.fixture(scope="module")
 def undisturbed(cluster: Server) -> list[str]:
     """What the four resume requests give on the cluster before any fault."""
-    return [resume.reference(cluster.url, base) for base in RESUMING]
+    return resume.references(cluster.url, RESUMING)
 
 
 def test_a_cut_ssh_session_and_every_stream_goes_on(bed: Namespaces, cluster: Server, undisturbed: list[str]) -> None:
@@ -269,7 +269,7 @@ def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goe
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane-resume.json")
     args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
     with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
-        undisturbed = [resume.reference(server.url, base) for base in RESUMING]
+        undisturbed = resume.references(server.url, RESUMING)
 
         def session(tunnel: bool) -> int:
             (pid,) = [p for p in children(server.process.pid, "ssh") if (b"ControlMaster=yes" in _cmdline(p)) == tunnel]
@@ -295,18 +295,22 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-# Refusals: each answered within 10 s, naming the rank and the host, with nothing left running anywhere.
+# Refusals: each answered within REFUSED_S, naming the rank and the host, with nothing left running anywhere.
 # They use hosts 1 and 2: host 0 serves the cluster above until the module ends.
+# The bound is under the 31 s a rank that joined the ring would wait for a peer that never comes: a refusal comes
+# from the handshake, before any join. What it leaves is two interpreters' start-ups (the leader's, and a worker's
+# over SSH), which this 2-core machine's load stretched past 10 s (at a load of 15 to 19).
+REFUSED_S = 25
 
 
 def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str) -> str:
     server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "refused.log")
     started = time.monotonic()
     try:
-        assert server.process.wait(timeout=10) == 1, server.stderr()[-3000:]
+        assert server.process.wait(timeout=REFUSED_S) == 1, server.stderr()[-3000:]
     finally:
         server.stop()
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < REFUSED_S
     for words in expected:
         assert words in server.stderr(), server.stderr()[-3000:]
     last = server.stderr().strip().splitlines()[-1]
@@ -346,10 +350,11 @@ def test_a_host_missing_the_model_is_refused(bed: Namespaces, tiny_models: dict[
 def _waiting(
     bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str, env: dict[str, str] | None = None
 ) -> Server:
-    """A server that cannot reach a host: within 10 s it says so in its log and on /ready, with no worker left."""
+    """A server that cannot reach a host: within REFUSED_S it says so in its log and on /ready, with no worker
+    left."""
     server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "waiting.log", env=env)
     try:
-        entry = server.wait_log("host unreachable; trying again", timeout=10)
+        entry = server.wait_log("host unreachable; trying again", timeout=REFUSED_S)
         for words in expected:
             assert words in entry["error"], entry
         server.port = server.wait_log("listening")["port"]
