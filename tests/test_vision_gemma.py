@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_vision import solo_and_together
 
 from testkit.server import Server, serving
 from testkit.vision import as_mlx_vlm, make_tiny_gemma3, make_tiny_gemma4, mlx_vlm_tokens, png
@@ -60,7 +61,12 @@ def expected(vlm: Path) -> dict[str, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[(), ("--tp", "2"), ("--pp", "2")], ids=["tp1", "tp2", "pp2"])
+# Under TP and PP the prompts go in chunks that cut the images, as a long image prompt's do.
+@pytest.fixture(
+    scope="module",
+    params=[(), ("--tp", "2", "--prefill-chunk", "7"), ("--pp", "2", "--prefill-chunk", "5")],
+    ids=["tp1", "tp2", "pp2"],
+)
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vlm: Path) -> Iterator[Server]:
     with serving(tmp_path_factory, "--model", str(vlm), *request.param) as server:
         yield server
@@ -80,3 +86,22 @@ def test_greedy_output_equals_mlx_vlm_with_images_and_without(
                 assert reply.json()["usage"]["prompt_tokens"] > 24
     assert got == expected
     assert len(set(expected["image"])) > 3 and expected["image"] != expected["text"]  # the tokens mean something
+
+
+@pytest.mark.anyio
+async def test_batched_image_and_text_chats_each_equal_their_solo_output_and_a_next_turn_hits_the_cache(
+    served: Server, vlm: Path
+) -> None:
+    bodies = [
+        {"model": vlm.name, "messages": messages, "max_tokens": 8, "temperature": 0, "logprobs": True}
+        for messages, _ in CHATS.values()
+    ]
+    solo, together = await solo_and_together(served.url, [*bodies, bodies[0]])
+    assert together == solo
+    # The next turn after an image: its prompt extends the first's, which the cache holds whole (a sliding
+    # window's cache is restored whole or not at all, so the very same prompt again would restore nothing).
+    first = bodies[0]["messages"]
+    follow = [*first, {"role": "assistant", "content": "A picture."}, {"role": "user", "content": "More?"}]
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        reply = client.post("/v1/chat/completions", json={**bodies[0], "messages": follow}).json()
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 24, reply["usage"]  # past the image
