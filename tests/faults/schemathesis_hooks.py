@@ -7,7 +7,8 @@ schema sent in ``response_format`` or a tool's parameters (``unsupported_schema`
 whether ``tool_choice`` names one of the ``tools`` (``tool_not_found``), whether ``min_tokens`` is
 at most ``max_tokens`` (``min_tokens_above_max_tokens``), and whether an image part holds an image that decodes,
 within the limits, for a model that takes images (a request holding one may be refused; tests/test_vision.py
-checks those refusals one by one). A schema-valid body may answer 400 only with one of those codes.
+checks those refusals one by one), and whether the LoRA admin routes' folder or adapter is there (tests/test_lora.py
+checks those). A schema-valid body may answer 400 only with one of those codes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min
 # server/common/submit.py, server/common/tools.py).
 MESSAGES = ("but the context holds", "the schema cannot be enforced", "must name one of the tools given")
 IMAGE_PARTS = ("image_url", "input_image", "image")  # chat's, the Responses API's and Anthropic's
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # they name a folder, or an adapter held
 
 
 def _holds_an_image(value: Any) -> bool:
@@ -39,6 +41,8 @@ def valid_requests_are_served(
         return
     body = response.json()
     error = body.get("error", {})
+    if case.path in ADMIN_ROUTES and error.get("param") in ("lora_path", "lora_name"):
+        return
     if body.get("type") == "error" and any(m in error.get("message", "") for m in MESSAGES):
         return
     if error.get("code") not in CODES:
