@@ -25,10 +25,9 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
-import threading
 
 from neuron.launch.dataplane import group_sockets
+from neuron.launch.watchdog import companion
 
 # Seconds a holder keeps answering after its worker is gone: past the leader's leaving a lost group, which it does
 # within seconds of noticing the loss.
@@ -70,19 +69,8 @@ def hold(hostfile: str) -> int:
     fds = group_sockets(json.loads(hostfile), connected=True)
     if not fds:
         return 0
-    read_end, write_end = os.pipe()  # the worker holds the only write end: its exit wakes the holder
-    try:
-        holder = subprocess.Popen(
-            [sys.executable, "-S", "-c", HOLDER, str(read_end), str(HOLD_S), *map(str, fds)],
-            stdin=subprocess.DEVNULL,  # never the protocol's pipes: they must close with the worker
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(read_end, *fds),
-        )
-    finally:
-        os.close(read_end)
+    write_end, holder = companion(HOLDER, str(HOLD_S), *map(str, fds), pass_fds=tuple(fds))
     _keep[write_end] = holder
-    threading.Thread(target=holder.wait, name="neuron-holder-reaper", daemon=True).start()
     return len(fds)
 
 

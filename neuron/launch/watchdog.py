@@ -24,12 +24,13 @@ import threading
 # Seconds a worker whose leader is gone gets to leave by itself before its sentinel kills it.
 GRACE_S = 1.0
 
-# The sentinel's program: stdin is the worker's; argv: the worker's pid, the pipe's read end, the grace in seconds.
+# The sentinel's program: stdin is the worker's; argv: the pipe's read end (``companion``), the worker's pid, the grace
+# in seconds.
 # Kept free of imports beyond the standard library's smallest (it runs with ``-S``), and of the words a process
 # listing looks for to find workers.
 SENTINEL = """
 import os, select, signal, sys
-worker, life, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+life, worker, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 gone = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 poller = select.poll()
 poller.register(0, gone)
@@ -53,20 +54,32 @@ def start_sentinel(grace: float = GRACE_S) -> subprocess.Popen[bytes] | None:
 
     if not hasattr(select, "poll") or os.isatty(0):
         return None
-    read_end, write_end = os.pipe()  # the worker holds the only write end: its exit ends the sentinel
+    # stdin inherited: the stdin it watches
+    write_end, sentinel = companion(SENTINEL, str(os.getpid()), str(grace), stdin=None)
+    _keep[write_end] = sentinel
+    return sentinel
+
+
+def companion(
+    program: str, *args: str, pass_fds: tuple[int, ...] = (), stdin: int | None = subprocess.DEVNULL
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """Start ``program`` beside this worker (``python -S -c``, reaped by a thread of its own), with the read end of
+    a pipe whose only writer is this process as its first argument, then ``args``: the pipe's write end and the
+    process. The caller keeps the write end open for its life: its exit is the companion's end of file. Never the
+    protocol's stdout, nor stderr: they must close with the worker."""
+    read_end, write_end = os.pipe()
     try:
-        sentinel = subprocess.Popen(
-            [sys.executable, "-S", "-c", SENTINEL, str(os.getpid()), str(read_end), str(grace)],
-            stdin=None,  # inherited: the stdin it watches
-            stdout=subprocess.DEVNULL,  # never the protocol's stdout, nor stderr: they must close with the worker
+        child = subprocess.Popen(
+            [sys.executable, "-S", "-c", program, str(read_end), *args],
+            stdin=stdin,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            pass_fds=(read_end,),
+            pass_fds=(read_end, *pass_fds),
         )
     finally:
         os.close(read_end)
-    _keep[write_end] = sentinel
-    threading.Thread(target=sentinel.wait, name="neuron-sentinel-reaper", daemon=True).start()
-    return sentinel
+    threading.Thread(target=child.wait, name="neuron-companion-reaper", daemon=True).start()
+    return write_end, child
 
 
 _keep: dict[int, subprocess.Popen[bytes]] = {}  # the pipe's write end, open for the life of this process
