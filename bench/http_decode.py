@@ -1,14 +1,15 @@
 """Decode speed of one streaming HTTP client against raw mlx-lm, on the same model, in the same run.
 
 Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,32,5888] [--tokens 128] [--rounds 5]
-         [--serve '--run-ahead off' ...]
+         [--serve '--run-ahead off' ...] [--checkout DIR ...]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
 BLAS neuron uses (OpenBLAS preloaded when present). The contenders are neuron's
 engine in a process of its own (what ``neuron generate`` runs, less the process
 start) and a real ``neuron serve`` answering a streamed ``/v1/completions``
 request. All three alternate, round by round, so that the machine's noise hits
-them alike.
+them alike. ``--checkout`` adds a ``neuron serve`` run from another checkout of
+neuron (``git archive COMMIT | tar -x -C DIR``), to compare two commits in one run.
 Decode rate is (tokens - 1) / (time from first to last token): prefill excluded.
 CPU ms/token is the process's user+system time per token: on a machine shared with other work it moves less
 than wall time, and for a tiny model it is mostly host time.
@@ -133,6 +134,12 @@ def main() -> None:
         metavar="FLAGS",
         help="a neuron serve to measure beside the default one, by its extra flags ('--run-ahead off'); repeatable",
     )
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        metavar="DIR",
+        help="a neuron serve run from another checkout of neuron, beside this one's; repeatable",
+    )
     args = parser.parse_args()
     if args.baseline:
         baseline_child(args.baseline[0], int(args.baseline[1]))
@@ -156,6 +163,10 @@ def main() -> None:
     servers = {
         name: Server(*common, *flags, log_path=scratch / f"log{i}") for i, (name, flags) in enumerate(variants.items())
     }
+    for i, checkout in enumerate(args.checkout or []):
+        # PYTHONSAFEPATH: ``python -m neuron`` must not import this checkout from its working directory.
+        env = {"PYTHONPATH": str(Path(checkout).resolve()), "PYTHONSAFEPATH": "1"}
+        servers[f"from {checkout}"] = Server(*common, log_path=scratch / f"checkout{i}", env=env)
     children = {
         "mlx_lm": _persistent("--baseline", path, args.tokens),
         "engine": _persistent("--engine", path, args.tokens),

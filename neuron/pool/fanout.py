@@ -23,7 +23,7 @@ import structlog
 from neuron import rpc
 from neuron.log import ms_since
 from neuron.pool.link import Link
-from neuron.pool.rank0 import Abandoned, Rank0Thread
+from neuron.pool.rank0 import Abandoned, Alarm, Rank0Thread
 from neuron.rank.rank import Rank, RankError
 from neuron.rpc import ErrorKind
 from neuron.settings import default
@@ -93,13 +93,15 @@ class FanOut:
         self.broken: PoolError | None = None
         self.last_reply = 0.0  # when the latest worker reply arrived (for the drain timing)
         self.timing = Timing(0.0, 0.0, 0.0, 0.0)
-        self._lock = anyio.Lock()
-        self._lost = anyio.Event()  # set when a worker is lost mid-operation
+        # Taken without yielding to the event loop when free (as it is, but for a recovery racing a step): the
+        # step's plan reaches rank 0 before the streams of the step before run.
+        self._lock = anyio.Lock(fast_acquire=True)
+        self._lost = Alarm()  # set when a worker is lost mid-operation
 
     def renew(self) -> None:
         """Trust the group again: a recovery has replaced every worker and rank 0's group."""
         self.broken = None
-        self._lost = anyio.Event()
+        self._lost = Alarm()
 
     def lose(self) -> None:
         """A worker exited: rank 0 stops waiting inside the operation in flight, if any."""
@@ -133,7 +135,7 @@ class FanOut:
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
             started = rank0_done = self.last_reply = time.perf_counter()
             log.debug("fan-out", op=op, sent=len(sent), failed=len(failures), ms=round((started - began) * 1000, 2))
-            lost = self._lost = anyio.Event()
+            lost = self._lost = Alarm()
 
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
                 nonlocal rank0_done
@@ -164,14 +166,19 @@ class FanOut:
                 else:
                     results[worker.rank] = reply
 
+            # Rank 0 is skipped when a send failed: its collectives would wait for a worker that never got the
+            # request. Its job is queued before anything yields (``Rank0Thread.call``).
+            rank0 = on_rank0 if not failures else None
             with anyio.CancelScope(shield=True):
-                async with anyio.create_task_group() as tg:
-                    for worker, request in sent:
-                        tg.start_soon(drain, worker, request)
-                    # Rank 0 is skipped when a send failed: its collectives would wait
-                    # for a worker that never got the request.
-                    if on_rank0 is not None and not failures:
-                        tg.start_soon(run_rank0, on_rank0)
+                if not sent:
+                    if rank0 is not None:
+                        await run_rank0(rank0)
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for worker, request in sent:
+                            tg.start_soon(drain, worker, request)
+                        if rank0 is not None:
+                            await run_rank0(rank0)
             log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
             ended = time.perf_counter()
             drained = max(0.0, self.last_reply - rank0_done) if sent else 0.0

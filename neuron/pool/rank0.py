@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
-import anyio.lowlevel
 
 from neuron import cpu
 from neuron.rank.rank import Rank
@@ -72,18 +71,22 @@ class Rank0Thread:
         self._abandoned.set()
         self._jobs.put(None)
 
-    async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: anyio.Event | None = None) -> T:
+    async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: Alarm | None = None) -> T:
         """Run ``fn(rank)`` on the rank-0 thread and return its result.
 
-        Shielded: a cancelled caller still waits for the job, so a step is never
-        torn. The wait ends early only with an error: ``TimeoutError`` after
-        ``deadline`` seconds, or ``Abandoned`` once ``abandon`` is set (a peer
-        died, and rank 0 may wait inside a collective for it forever). Either
-        way the job itself runs on; nothing can interrupt MLX.
+        The job is queued before this first yields to the event loop, so that rank 0
+        starts at once, and the event loop's other work (the previous step's streams)
+        runs beside it. Shielded: a cancelled caller still waits for the job, so a
+        step is never torn. The wait ends early only with an error: ``TimeoutError``
+        after ``deadline`` seconds, or ``Abandoned`` once ``abandon`` is set (a peer
+        died, and rank 0 may wait inside a collective for it forever). Either way the
+        job itself runs on; nothing can interrupt MLX.
         """
-        done = anyio.Event()
+        loop = asyncio.get_running_loop()
+        # One future, resolved by whichever comes first: the job's end (from rank 0's thread) or ``abandon``. No
+        # task per wait and no round trip that blocks rank 0's thread until the event loop has run.
+        woken: asyncio.Future[None] = loop.create_future()
         outcome: dict[str, Any] = {}
-        signal = _signaller(done)
 
         def job() -> None:
             if self._abandoned.is_set():
@@ -94,25 +97,18 @@ class Rank0Thread:
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises
                 outcome["error"] = e
             try:
-                signal()
+                loop.call_soon_threadsafe(_wake, woken)
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
             if self.rank is not None and not self._abandoned.is_set():
                 self.rank.settle()  # a step run ahead, computed while the event loop handles this one's reply
 
         self._jobs.put(job)
+        if abandon is not None:
+            abandon.wakes(woken)
         with anyio.CancelScope(shield=True), anyio.move_on_after(deadline) as timer:
-            async with anyio.create_task_group() as tg:
-
-                async def on_abandon() -> None:
-                    if abandon is not None:
-                        await abandon.wait()
-                        tg.cancel_scope.cancel()
-
-                tg.start_soon(on_abandon)
-                await done.wait()
-                tg.cancel_scope.cancel()
-        if not done.is_set():
+            await woken
+        if "value" not in outcome and "error" not in outcome:
             if timer.cancelled_caught:
                 raise TimeoutError(f"no result within {deadline:g} s")
             raise Abandoned("abandoned: a peer failed while rank 0 was inside the step")
@@ -130,17 +126,33 @@ class Rank0Thread:
         await anyio.to_thread.run_sync(self._thread.join, deadline)
 
 
-def _signaller(done: anyio.Event) -> Callable[[], None]:
-    """How rank 0's thread tells the event loop a job is done. On asyncio, without waiting for the loop to run it:
-    ``anyio.from_thread.run_sync`` blocks this thread until the loop has set the event, and every step would pay
-    that round trip into a loop busy with the previous step's replies."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # another backend (trio): its own way back, waiting
-        token = anyio.lowlevel.current_token()
-        return lambda: anyio.from_thread.run_sync(done.set, token=token)
+def _wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():  # a deadline or an alarm may have ended the wait first
+        woken.set_result(None)
 
-    def signal() -> None:
-        loop.call_soon_threadsafe(done.set)
 
-    return signal
+class Alarm:
+    """Set, on the event loop's thread, when rank 0 must stop waiting for its job (a worker was lost mid-step):
+    the ``Rank0Thread.call`` watching it ends at once with ``Abandoned``."""
+
+    __slots__ = ("_set", "_woken")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._woken: list[asyncio.Future[None]] = []
+
+    def set(self) -> None:
+        self._set = True
+        for woken in self._woken:
+            _wake(woken)
+        self._woken.clear()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wakes(self, woken: asyncio.Future[None]) -> None:
+        """Resolve ``woken`` when this is set (at once, if it is)."""
+        if self._set:
+            _wake(woken)
+        else:
+            self._woken.append(woken)

@@ -50,8 +50,10 @@ async def pump(events: AsyncIterator[bytes], send: Callable[[bytes], Awaitable[N
             wake = anyio.Event()  # before taking what is pending: an event added from now on sets the new one
             if not pending and not ended:
                 await send(KEEP_ALIVE)
-            while pending:
-                await send(pending.popleft())
+            if pending:  # what came while the last write waited for the client goes out as one write
+                data = b"".join(pending)
+                pending.clear()
+                await send(data)
             if ended:
                 break
     if failed:
