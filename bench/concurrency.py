@@ -1,7 +1,7 @@
 """Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams:
 ``neuron serve`` against ``mlx_lm.server`` on the same model folder, started by this script in the same run.
 
-Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1]
+Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1] [--checkout DIR]
 
 Each level sends that many streamed, greedy ``/v1/completions`` requests at
 once (different prompts), and measures the round's wall time, every stream's
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from http_decode import blas_env
 from streaming import stream_completion
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,11 +90,7 @@ def _wait_http(url: str, alive: Callable[[], bool], timeout: float = 300) -> Non
 def start_mlx_lm_server(path: Path) -> tuple[subprocess.Popen, str]:
     """``mlx_lm.server`` on the model folder ``path``, with the BLAS neuron uses, on a free port; returns the
     process and its URL once it answers."""
-    from neuron import cpu
-
-    env = dict(os.environ)
-    if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
-        env["LD_PRELOAD"] = str(lib)
+    env = blas_env()
     port = _free_port()
     mlx = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--port", str(port), "--log-level", "WARNING"],
@@ -116,6 +113,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--checkout", metavar="DIR", help="also a neuron serve run from another checkout of neuron (an earlier commit)"
+    )
     args = parser.parse_args()
 
     from neuron.models import model_id, resolve
@@ -124,11 +124,17 @@ def main() -> None:
     path = resolve(args.model)
     neuron_id = model_id(args.model)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
-    neuron = Server(*(["--model", args.model] if args.model else []), "--tp", str(args.tp), log_path=log)
+    flags = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp)]
+    neuron = Server(*flags, log_path=log)
+    # PYTHONSAFEPATH: ``python -m neuron`` must not import this checkout from its working directory.
+    env = {"PYTHONPATH": str(Path(args.checkout or ".").resolve()), "PYTHONSAFEPATH": "1"}
+    other = Server(*flags, log_path=log.with_suffix(".checkout.log"), env=env) if args.checkout else None
     mlx, mlx_url = start_mlx_lm_server(path)
     try:
         neuron.start()
         servers = {"mlx_lm.server": (mlx_url, str(path)), "neuron serve": (neuron.url, neuron_id)}
+        if other is not None:
+            servers[f"neuron serve from {args.checkout}"] = (other.start().url, neuron_id)
         for url, model in servers.values():
             level(url, model, 2, 8)  # warm up
         figures: dict[tuple[str, int], list[dict]] = {}
@@ -141,6 +147,9 @@ def main() -> None:
         mlx.wait(timeout=60)
         neuron.stop()
         log.unlink(missing_ok=True)
+        if other is not None:
+            other.stop()
+            log.with_suffix(".checkout.log").unlink(missing_ok=True)
 
     def median(name: str, concurrency: int, key: str) -> float:
         return statistics.median(r[key] for r in figures[(name, concurrency)])

@@ -4,7 +4,8 @@ Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,3
          [--serve '--run-ahead off' ...] [--checkout DIR ...]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
-BLAS neuron uses (OpenBLAS preloaded when present). The contenders are neuron's
+BLAS neuron uses (OpenBLAS preloaded when present, behind neuron's one-row
+interposer where it builds). The contenders are neuron's
 engine in a process of its own (what ``neuron generate`` runs, less the process
 start) and a real ``neuron serve`` answering a streamed ``/v1/completions``
 request. All three alternate, round by round, so that the machine's noise hits
@@ -83,13 +84,14 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _blas_env() -> dict[str, str]:
+def blas_env() -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     from neuron import cpu
 
     env = dict(os.environ)
     if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
-        env["LD_PRELOAD"] = str(lib)
+        # What neuron preloads: one-row products by sgemv where it can, then the library.
+        env["LD_PRELOAD"] = ":".join(cpu.preload_for(lib)[0])
     return env
 
 
@@ -101,18 +103,18 @@ def http_round(url: str, model_id: str, tokens: int, pid: int) -> dict:
     return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0], "cpu_seconds": cpu}
 
 
-def _persistent(flag: str, path: Path, tokens: int) -> subprocess.Popen[str]:
+def persistent(flag: str, path: Path, tokens: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, __file__, flag, str(path), str(tokens)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=_blas_env(),
+        env=blas_env(),
         cwd=ROOT,
     )
 
 
-def _round(child: subprocess.Popen[str]) -> dict:
+def take_round(child: subprocess.Popen[str]) -> dict:
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write("go\n")
     child.stdin.flush()
@@ -168,15 +170,15 @@ def main() -> None:
         env = {"PYTHONPATH": str(Path(checkout).resolve()), "PYTHONSAFEPATH": "1"}
         servers[f"from {checkout}"] = Server(*common, log_path=scratch / f"checkout{i}", env=env)
     children = {
-        "mlx_lm": _persistent("--baseline", path, args.tokens),
-        "engine": _persistent("--engine", path, args.tokens),
+        "mlx_lm": persistent("--baseline", path, args.tokens),
+        "engine": persistent("--engine", path, args.tokens),
     }
     try:
         for server in servers.values():
             server.start()
         results: dict[str, list[dict]] = {"mlx_lm": [], "engine": [], **{f"http{name}": [] for name in servers}}
         for warmup in (True,) + (False,) * args.rounds:
-            measured = {name: _round(child) for name, child in children.items()}
+            measured = {name: take_round(child) for name, child in children.items()}
             for name, server in servers.items():
                 measured[f"http{name}"] = http_round(server.url, served_id, args.tokens, server.process.pid)
             if not warmup:

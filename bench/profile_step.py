@@ -67,15 +67,18 @@ LEADER_RULES: list[Rule] = [
 ]
 RANK_RULES: list[Rule] = [
     ("Rank0Thread._run (", "rank 0: waiting for a job"),
-    ("Rank.settle", "rank: forward run ahead (settle)"),
+    ("Rank.settle", "rank: forward run ahead, evaluated (settle)"),
     ("_signaller", "rank 0: waking the event loop"),
     ("call_soon_threadsafe", "rank 0: waking the event loop"),
-    ("read (neuron/rank/sampler.py", "rank: forward evaluated, tokens read"),
-    ("neuron/rank/sampler.py", "rank 0: sampling (graph)"),
-    ("neuron/rank/fingerprint.py", "rank: fingerprint"),
-    ("neuron/rank/", "rank: step (graph built)"),
-    ("mlx_lm/", "rank: step (graph built)"),
-    ("mlx/", "rank: step (graph built)"),
+    # Where a step waits on the device: rank 0's one read alone (TP=1), or the runner's evaluation with its
+    # collectives (TP>1); the innermost Python frame of a long native call.
+    ("read (neuron/rank/sampler.py", "rank: forward evaluated (tokens read)"),
+    ("Sharded._logits (", "rank: forward evaluated (tokens read)"),
+    ("_eval_with (", "rank: forward evaluated (tokens read)"),
+    ("neuron/rank/sampler.py", "rank: step on the host (plan, graph, sampling)"),
+    ("neuron/rank/", "rank: step on the host (plan, graph, sampling)"),
+    ("mlx_lm/", "rank: step on the host (plan, graph, sampling)"),
+    ("mlx/", "rank: step on the host (plan, graph, sampling)"),
     ("neuron/rpc/", "worker: reading the plan, writing the reply"),
     ("neuron/worker.py", "worker: waiting for a plan"),
     ("", "other"),
@@ -90,8 +93,9 @@ def piece(frames: list[str], rules: list[Rule]) -> str:
     return rules[-1][1]
 
 
-def parse(raw: Path) -> dict[str, Counter[str]]:
-    """py-spy's raw (collapsed) output: samples by thread name, then by piece."""
+def parse(raw: Path, leader: bool) -> dict[str, Counter[str]]:
+    """py-spy's raw (collapsed) output: samples by thread name, then by piece; threads that ran nothing known (a
+    reaper, a waiter on a child process) are left out."""
     threads: dict[str, Counter[str]] = {}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -99,9 +103,9 @@ def parse(raw: Path) -> dict[str, Counter[str]]:
         if not frames or not count.isdigit():
             continue
         thread = frames[0].split(": ", 1)[-1]  # "thread (123): MainThread"
-        rules = LEADER_RULES if thread == "MainThread" and "neuron/worker.py" not in stack else RANK_RULES
+        rules = LEADER_RULES if leader and thread == "MainThread" else RANK_RULES
         threads.setdefault(thread, Counter())[piece(frames[1:], rules)] += int(count)
-    return threads
+    return {thread: pieces for thread, pieces in threads.items() if set(pieces) != {"other"}}
 
 
 def _worker_pids(leader: int) -> list[int]:
@@ -223,7 +227,7 @@ def profile(
     steps = steps1 - steps0
     threads = {}
     for name, raw in raws.items():
-        for thread, pieces in parse(raw).items():
+        for thread, pieces in parse(raw, name == "leader").items():
             if sum(pieces.values()) >= 0.2 * rate * seconds:  # the threads that ran throughout, not helpers
                 threads[f"{name} {thread}"] = pieces
     return {
@@ -274,6 +278,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--rate", type=int, default=500, help="samples per second per process")
+    parser.add_argument("--keep", metavar="DIR", help="keep py-spy's raw output (and the servers' logs) in DIR")
     parser.add_argument("--checkout", metavar="DIR", help="profile the neuron serve of another checkout")
     parser.add_argument("--serve", default="", metavar="FLAGS", help="extra flags for neuron serve ('--run-ahead on')")
     args = parser.parse_args()
@@ -282,6 +287,7 @@ def main() -> None:
     from testkit import make_tiny_model
 
     scratch = Path(tempfile.mkdtemp())
+    kept = Path(args.keep) if args.keep else None
     try:
         model = args.model
         if model is None:
@@ -300,6 +306,10 @@ def main() -> None:
         print(f"samples/s; load before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}; µs per step\n")
         table(results)
     finally:
+        if kept is not None:
+            kept.mkdir(parents=True, exist_ok=True)
+            for found in [*scratch.glob("*.raw"), *scratch.glob("*.log")]:
+                shutil.copy(found, kept / found.name)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -28,6 +28,8 @@ from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
 
+pytestmark = pytest.mark.gpu  # where the device computes apart from the host: bench/gpu_table.py runs them there
+
 PROMPTS = {1: [5, 17, 99, 42, 7, 120], 2: [8, 3, 77, 64], 3: [33, 34, 35]}
 
 

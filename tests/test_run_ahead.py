@@ -16,6 +16,8 @@ import httpx
 import pytest
 from conftest import serving
 
+pytestmark = pytest.mark.gpu  # where the device computes apart from the host: bench/gpu_table.py runs them there
+
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again and again."
 REQUESTS: list[dict[str, Any]] = [
     {"prompt": "hello", "max_tokens": 24},
