@@ -1,7 +1,8 @@
 """Aggregate decode throughput and time to first token at 1, 2, 4 and 8 concurrent streams:
 ``neuron serve`` against ``mlx_lm.server`` on the same model folder, started by this script in the same run.
 
-Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1] [--checkout DIR]
+Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1] [--serve FLAGS]
+         [--checkout DIR]
 
 Each level sends that many streamed, greedy ``/v1/completions`` requests at
 once (different prompts), and measures the round's wall time, every stream's
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--serve", default="", metavar="FLAGS", help="extra flags for neuron serve ('--run-ahead on')")
     parser.add_argument(
         "--checkout", metavar="DIR", help="also a neuron serve run from another checkout of neuron (an earlier commit)"
     )
@@ -124,7 +126,7 @@ def main() -> None:
     path = resolve(args.model)
     neuron_id = model_id(args.model)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
-    flags = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp)]
+    flags = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp), *args.serve.split()]
     neuron = Server(*flags, log_path=log)
     # PYTHONSAFEPATH: ``python -m neuron`` must not import this checkout from its working directory.
     env = {"PYTHONPATH": str(Path(args.checkout or ".").resolve()), "PYTHONSAFEPATH": "1"}
@@ -155,7 +157,10 @@ def main() -> None:
         return statistics.median(r[key] for r in figures[(name, concurrency)])
 
     single = median("neuron serve", 1, "tok_s")
-    print(f"model {path.name}, neuron TP={args.tp}, {args.tokens} tokens per stream, median of {args.rounds} rounds\n")
+    print(
+        f"model {path.name}, neuron TP={args.tp} {args.serve}, {args.tokens} tokens per stream, "
+        f"median of {args.rounds} rounds\n"
+    )
     print("| streams | server | aggregate tok/s | TTFT p50 (ms) | vs mlx_lm.server | vs neuron at 1 stream |")
     print("|---|---|---|---|---|---|")
     for concurrency in LEVELS:
