@@ -2,7 +2,7 @@
 ``neuron serve`` against ``mlx_lm.server`` on the same model folder, started by this script in the same run.
 
 Run: .venv/bin/python bench/concurrency.py [--model FOLDER] [--tokens 64] [--rounds 2] [--tp 1] [--serve FLAGS]
-         [--checkout DIR]
+         [--also FLAGS ...] [--checkout DIR]
 
 Each level sends that many streamed, greedy ``/v1/completions`` requests at
 once (different prompts), and measures the round's wall time, every stream's
@@ -118,6 +118,9 @@ def main() -> None:
     parser.add_argument(
         "--checkout", metavar="DIR", help="also a neuron serve run from another checkout of neuron (an earlier commit)"
     )
+    parser.add_argument(
+        "--also", action="append", default=[], metavar="FLAGS", help="also a neuron serve with these flags; repeatable"
+    )
     args = parser.parse_args()
 
     from neuron.models import model_id, resolve
@@ -125,18 +128,21 @@ def main() -> None:
 
     path = resolve(args.model)
     neuron_id = model_id(args.model)
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}.log"
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-{os.getpid()}"
     flags = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp), *args.serve.split()]
-    neuron = Server(*flags, log_path=log)
-    # PYTHONSAFEPATH: ``python -m neuron`` must not import this checkout from its working directory.
-    env = {"PYTHONPATH": str(Path(args.checkout or ".").resolve()), "PYTHONSAFEPATH": "1"}
-    other = Server(*flags, log_path=log.with_suffix(".checkout.log"), env=env) if args.checkout else None
+    neurons = {"neuron serve": Server(*flags, log_path=log.with_suffix(".log"))}
+    for i, extra in enumerate(args.also):
+        neurons[f"neuron serve {extra}"] = Server(*flags, *extra.split(), log_path=log.with_suffix(f".{i}.log"))
+    if args.checkout:
+        # PYTHONSAFEPATH: ``python -m neuron`` must not import this checkout from its working directory.
+        env = {"PYTHONPATH": str(Path(args.checkout).resolve()), "PYTHONSAFEPATH": "1"}
+        checkout_log = log.with_suffix(".checkout.log")
+        neurons[f"neuron serve from {args.checkout}"] = Server(*flags, log_path=checkout_log, env=env)
     mlx, mlx_url = start_mlx_lm_server(path)
     try:
-        neuron.start()
-        servers = {"mlx_lm.server": (mlx_url, str(path)), "neuron serve": (neuron.url, neuron_id)}
-        if other is not None:
-            servers[f"neuron serve from {args.checkout}"] = (other.start().url, neuron_id)
+        servers = {"mlx_lm.server": (mlx_url, str(path))}
+        for name, server in neurons.items():
+            servers[name] = (server.start().url, neuron_id)
         for url, model in servers.values():
             level(url, model, 2, 8)  # warm up
         figures: dict[tuple[str, int], list[dict]] = {}
@@ -147,11 +153,9 @@ def main() -> None:
     finally:
         mlx.terminate()
         mlx.wait(timeout=60)
-        neuron.stop()
-        log.unlink(missing_ok=True)
-        if other is not None:
-            other.stop()
-            log.with_suffix(".checkout.log").unlink(missing_ok=True)
+        for server in neurons.values():
+            server.stop()
+            server.log_path.unlink(missing_ok=True)
 
     def median(name: str, concurrency: int, key: str) -> float:
         return statistics.median(r[key] for r in figures[(name, concurrency)])

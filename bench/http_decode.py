@@ -14,7 +14,8 @@ neuron (``git archive COMMIT | tar -x -C DIR``), to compare two commits in one r
 Decode rate is (tokens - 1) / (time from first to last token): prefill excluded.
 CPU ms/token is the process's user+system time per token: on a machine shared with other work it moves less
 than wall time, and for a tiny model it is mostly host time.
-Prints a markdown table; the ratio is what to trust, not the absolute rates.
+Prints a markdown table; the ratio is what to trust, not the absolute rates. "Round by round" is the
+lowest and highest of each round's rate over mlx-lm's in the same round.
 """
 
 from __future__ import annotations
@@ -203,8 +204,8 @@ def main() -> None:
     cpus = {name: statistics.median(cpu_ms(r) for r in rs) for name, rs in results.items()}
     base = rates["mlx_lm"]
     print(f"model {path.name}, TP={args.tp}, {args.tokens} tokens, median of {args.rounds} alternating rounds\n")
-    print("| path | decode tok/s (median) | tokens/round | vs mlx_lm | CPU ms/token | CPU vs mlx_lm |")
-    print("|---|---|---|---|---|---|")
+    print("| path | decode tok/s (median) | tokens/round | vs mlx_lm | round by round | CPU ms/token | CPU vs mlx_lm |")
+    print("|---|---|---|---|---|---|---|")
     names = {
         "mlx_lm": "mlx_lm.stream_generate",
         "engine": "neuron's engine, TP=1 (what `neuron generate` runs)",
@@ -214,7 +215,10 @@ def main() -> None:
         },
     }
     for name, label in names.items():
-        row = f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x "
+        # Each round against mlx-lm's of the same round: the spread that the machine's drift leaves.
+        ratios = sorted(rate(r) / rate(b) for r, b in zip(results[name], results["mlx_lm"], strict=True))
+        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
+        row = f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x | {spread} "
         print(row + f"| {cpus[name]:.2f} | {cpus[name] / cpus['mlx_lm']:.2f}x |")
 
 
