@@ -5,6 +5,7 @@ group. No process, no model; test_pool.py shows the same rules with real workers
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -191,3 +192,40 @@ async def test_a_worker_that_does_not_answer_properly_breaks_the_group_naming_it
     with pytest.raises(PoolError) as caught:
         await fan("generate_step", clear, rank0_ok, 0.5)
     assert caught.value.broken and says in caught.value.failures[1], caught.value.failures
+
+
+async def test_rank0s_job_is_queued_before_the_event_loop_runs_anything_else(rank0: Rank0Thread) -> None:
+    """Rank 0 starts its part at once: the streams of the step before, which are ready on the event loop, run
+    beside it and never in front of it."""
+    queued: list[object] = []
+    jobs = rank0._jobs
+    put = jobs.put
+
+    class Watched:
+        def put(self, job: object) -> None:
+            queued.append(job)
+            put(job)  # type: ignore[arg-type]
+
+        def get(self) -> object:
+            return jobs.get()
+
+    rank0._jobs = Watched()  # type: ignore[assignment]
+    seen: list[int] = []
+    fan, _ = fan_out(rank0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: _note(seen, queued))  # ready now: it runs at the caller's first yield
+        assert await fan("generate_step", clear, rank0_ok, DEADLINE) == {0: "rank 0 done"}
+    assert seen == [1]
+
+
+async def _note(seen: list[int], queued: list[object]) -> None:
+    seen.append(len(queued))
+
+
+async def test_rank0_stuck_past_the_deadline_breaks_the_group(rank0: Rank0Thread) -> None:
+    release = threading.Event()
+    fan, _ = fan_out(rank0)
+    with anyio.fail_after(DEADLINE), pytest.raises(PoolError) as caught:
+        await fan("generate_step", clear, lambda rank: release.wait(DEADLINE), 0.2)
+    release.set()
+    assert caught.value.broken and "rank 0 is stuck" in caught.value.failures[0], caught.value.failures
