@@ -1,6 +1,7 @@
 """The prefix cache's disk tier (``--prefix-cache-dir``): each rank's files checked directly (unit: a real writer
-thread, real files, no process), then a real server at TP=2 restarted on its folder: the same prompt is restored
-instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning.
+thread, real files, no process), then a real server at TP=2 and at PP=2 restarted on its folder: the same prompt is
+restored instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning; a
+sliding-window model writes nothing and says why.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
+from tiny_archs import make_arch_model
 
 from neuron.rank.disk import MAGIC, Disk, DiskError
 
@@ -117,3 +119,30 @@ def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corr
         skipped = server.find_log("prefix cache file skipped")
         assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
     assert_same(fresh, again, "computed again")
+
+
+def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv-pp")
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder))
+    with serving(tmp_path_factory, *args) as server:
+        fresh, cached = _ask(server)
+        assert cached == 0
+    files = sorted(p.name for p in folder.glob("*.kv"))
+    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each stage wrote its own layers
+    with serving(tmp_path_factory, *args) as server:
+        restored, cached = _ask(server)
+        assert cached == len(PROMPT) - 1
+    assert_same(fresh, restored, "restored from disk at PP=2")
+
+
+def test_a_sliding_window_model_writes_nothing_and_says_why(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = make_arch_model(tmp_path_factory.mktemp("gemma") / "gemma3", "gemma3_text")
+    folder = tmp_path_factory.mktemp("kv-window")
+    with serving(tmp_path_factory, "--model", str(model), "--prefix-cache-dir", str(folder)) as server:
+        body = {"model": "gemma3", "prompt": PROMPT, "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        off = server.find_log("prefix cache disk tier off: nothing is written to --prefix-cache-dir")
+        assert off is not None and "sliding window" in off["reason"], server.stderr()
+    assert list(folder.iterdir()) == []

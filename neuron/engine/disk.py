@@ -41,6 +41,24 @@ class PrefixDisk:
         self._thread = threading.Thread(target=self._write_all, name="neuron-kv-manifests", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def opened(cls, folder: str, budget: int, memory: int, exact: bool) -> PrefixDisk | None:
+        """The disk tier in ``folder``, or None with a warning that says why there is none: no prefix cache in
+        memory (``memory`` bytes), or a model whose entries are snapshots (``exact``: a sliding window or a
+        linear-attention state, restored whole from memory only)."""
+        if memory and not exact:
+            return cls(Path(folder), budget)
+        reason = (
+            "--prefix-cache-bytes is 0: there is no prefix cache to spill"
+            if not memory
+            else "this model keeps a sliding window or a linear-attention state: its cache entries are snapshots, "
+            "restored whole from memory and not written to disk; drop --prefix-cache-dir"
+        )
+        log.warning(
+            "prefix cache disk tier off: nothing is written to --prefix-cache-dir", folder=folder, reason=reason
+        )
+        return None
+
     def written(self, spilled: dict[str, list[int]]) -> None:
         """Entries a step spilled: their manifests are written by a thread of their own."""
         if spilled:

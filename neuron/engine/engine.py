@@ -102,9 +102,7 @@ class Engine(Recovering):
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         folder = self.limits.prefix_cache_dir
-        # Snapshots of windows and states are not written: only models whose caches can be cut get a disk tier.
-        tier = folder is not None and budget > 0 and not exact
-        self.disk = PrefixDisk(Path(folder), self.limits.prefix_cache_dir_bytes) if folder and tier else None
+        self.disk = PrefixDisk.opened(folder, self.limits.prefix_cache_dir_bytes, budget, exact) if folder else None
         self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
