@@ -87,24 +87,29 @@ def _ask(server: Server) -> tuple[Scored, int]:
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _restarted(factory: pytest.TempPathFactory, args: tuple[str, ...], folder: Path) -> tuple[Scored, list[str]]:
+    """The prompt asked of a server on ``folder`` (computed), then of a fresh one on it (restored, with the same
+    greedy tokens); the computed run, and the files each rank wrote (one each, its own share)."""
+    with serving(factory, *args) as server:
+        fresh, cached = _ask(server)  # computed: nothing on disk yet
+        assert cached == 0
+    files = sorted(p.name for p in folder.glob("*.kv"))
+    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads or layers
+    assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
+    with serving(factory, *args) as server:
+        restored, cached = _ask(server)
+        assert cached == len(PROMPT) - 1  # one token a byte; all but the last, which is always fed
+        assert server.find_log("prefill done", cached_tokens=cached) is not None
+    assert_same(fresh, restored, f"restored from disk ({' '.join(args[2:4])})")
+    return fresh, files
+
+
 def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corrupted_file(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     folder = tmp_path_factory.mktemp("kv")
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
-    with serving(tmp_path_factory, *args) as server:
-        fresh, cached = _ask(server)  # computed: nothing on disk yet
-        assert cached == 0
-    files = sorted(p.name for p in folder.glob("*.kv"))
-    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads
-    assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
-
-    with serving(tmp_path_factory, *args) as server:
-        restored, cached = _ask(server)
-        prompt_tokens = len(PROMPT)  # one token a byte
-        assert cached == prompt_tokens - 1  # all but the last, which is always fed: none computed again
-        assert server.find_log("prefill done", cached_tokens=cached) is not None
-    assert_same(fresh, restored, "restored from disk")
+    fresh, files = _restarted(tmp_path_factory, args, folder)
 
     corrupted = tmp_path_factory.mktemp("kv-corrupted")
     shutil.copytree(folder, corrupted, dirs_exist_ok=True)
@@ -125,16 +130,9 @@ def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     folder = tmp_path_factory.mktemp("kv-pp")
-    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder))
-    with serving(tmp_path_factory, *args) as server:
-        fresh, cached = _ask(server)
-        assert cached == 0
-    files = sorted(p.name for p in folder.glob("*.kv"))
-    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each stage wrote its own layers
-    with serving(tmp_path_factory, *args) as server:
-        restored, cached = _ask(server)
-        assert cached == len(PROMPT) - 1
-    assert_same(fresh, restored, "restored from disk at PP=2")
+    _restarted(
+        tmp_path_factory, ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder)), folder
+    )
 
 
 def test_a_sliding_window_model_writes_nothing_and_says_why(tmp_path_factory: pytest.TempPathFactory) -> None:
