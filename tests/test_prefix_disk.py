@@ -80,8 +80,8 @@ def test_the_oldest_files_go_past_the_byte_budget(tmp_path: Path) -> None:
 PROMPT = "The keeper climbs the stairs at dusk and lights the lamp. " * 20
 
 
-def _ask(server: Server) -> tuple[Scored, int]:
-    body = {"model": "qwen3", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
+def _ask(server: Server, prompt: str = PROMPT) -> tuple[Scored, int]:
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
     reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -144,3 +144,43 @@ def test_a_sliding_window_model_writes_nothing_and_says_why(tmp_path_factory: py
         off = server.find_log("prefix cache disk tier off: nothing is written to --prefix-cache-dir")
         assert off is not None and "sliding window" in off["reason"], server.stderr()
     assert list(folder.iterdir()) == []
+
+
+OTHER = "A ferry crosses the bay twice a day and waits at the pier for the mail. " * 16
+
+
+def _tokens_file(folder: Path, seen: set[str]) -> Path:
+    """Rank 1's one file in ``folder`` not in ``seen`` (added to it)."""
+    (new,) = {p.name for p in folder.glob("*.r1.kv")} - seen
+    seen.add(new)
+    return folder / new
+
+
+def test_an_entry_spilled_while_serving_is_read_back_before_its_prompt_is_computed(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv-serving")
+    # Memory holds one of the two prompts (2 KiB a token on each rank): each evicts the other to disk.
+    model = str(tiny_models["qwen3"])
+    args = ("--model", model, "--tp", "2", "--prefix-cache-dir", str(folder), "--prefix-cache-bytes", "3000000")
+    seen: set[str] = set()
+    with serving(tmp_path_factory, *args) as server:
+        first, _ = _ask(server)
+        other, _ = _ask(server, OTHER)  # the first prompt's entry goes to disk
+        _tokens_file(folder, seen)
+        again, cached = _ask(server)
+        assert cached == len(PROMPT) - 1, server.stderr()  # read back from disk, not computed
+        assert server.find_log("prefix cache entry read back from disk") is not None
+        assert_same(first, again, "read back from disk while serving")
+        # The other prompt's entry went to disk in turn; a flipped bit in rank 1's file: rank 0 loads it, rank 1
+        # does not, and both drop it again; the prompt is computed.
+        target = _tokens_file(folder, seen)
+        data = bytearray(target.read_bytes())
+        data[-100] ^= 0xFF
+        target.write_bytes(bytes(data))
+        computed, cached = _ask(server, OTHER)
+        assert cached == 0
+        skipped = server.find_log("prefix cache file skipped")
+        assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
+        assert_same(other, computed, "computed after a corrupted file")
+        assert _ask(server)[1] == len(PROMPT) - 1  # the ranks agree still: the first prompt is read back again

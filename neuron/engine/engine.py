@@ -276,6 +276,8 @@ class Engine(Recovering):
                 await anyio.sleep(REPROBE_S)
                 self._probe_failed = False
                 continue
+            if self.disk is not None and self.prefix is not None and scheduler.waiting:
+                await self.disk.reload(self.pool, self.prefix, scheduler.admissible())
             turn = scheduler.schedule()
             for seq, steps_after in turn.cancelled:
                 self.output.cancelled(seq, steps_after)
