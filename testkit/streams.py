@@ -113,6 +113,8 @@ def measure(
         ):
             r.raise_for_status()
             for event in sse_events(r):
+                if isinstance(event, dict) and "error" in event:
+                    raise AssertionError(f"the long prompt failed: {event['error']}")
                 if isinstance(event, dict) and event["choices"]:
                     break
             end = time.monotonic()
