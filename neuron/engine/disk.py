@@ -38,24 +38,25 @@ LOAD_TRIES = 3  # rounds of loading, each without the keys some rank failed on i
 class PrefixDisk:
     """The leader's side: manifests written off the step loop, and the start's and the shutdown's exchanges."""
 
-    def __init__(self, folder: Path, budget: int) -> None:
+    def __init__(self, folder: Path, budget: int, sizes: tuple[int, int] = (0, 0)) -> None:
         self.folder = folder
         self.budget = budget
         folder.mkdir(parents=True, exist_ok=True)
-        # Every entry on disk, as a trie of its own (the bytes it holds do not matter here), and each one's key.
-        self._known = PrefixIndex(1 << 62, 0)
+        # Every entry on disk, as a trie of its own within the same byte budget as each rank's files (``sizes``: an
+        # entry's bytes per token and its fixed bytes on the rank holding the largest share), and each one's key.
+        self._known = PrefixIndex(budget, *sizes)
         self._keys: dict[int, str] = {}
         self._queue: queue.Queue[dict[str, list[int]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_all, name="neuron-kv-manifests", daemon=True)
         self._thread.start()
 
     @classmethod
-    def opened(cls, folder: str, budget: int, memory: int, exact: bool) -> PrefixDisk | None:
+    def opened(cls, folder: str, budget: int, memory: int, exact: bool, sizes: tuple[int, int]) -> PrefixDisk | None:
         """The disk tier in ``folder``, or None with a warning that says why there is none: no prefix cache in
         memory (``memory`` bytes), or a model whose entries are snapshots (``exact``: a sliding window or a
         linear-attention state, restored whole from memory only)."""
         if memory and not exact:
-            return cls(Path(folder), budget)
+            return cls(Path(folder), budget, sizes)
         reason = (
             "--prefix-cache-bytes is 0: there is no prefix cache to spill"
             if not memory
@@ -78,7 +79,7 @@ class PrefixDisk:
         stored = self._known.store(tokens)
         if stored is not None:
             self._keys[stored.entry] = key
-            for entry in stored.evicted:  # a shorter entry a longer one covers
+            for entry in stored.evicted:  # a shorter entry a longer one covers, or the oldest past the budget
                 self._keys.pop(entry, None)
 
     async def reload(self, pool: Pool, prefix: PrefixIndex, admitting: list[Sequence]) -> None:

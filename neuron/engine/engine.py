@@ -102,7 +102,10 @@ class Engine(Recovering):
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         folder = self.limits.prefix_cache_dir
-        self.disk = PrefixDisk.opened(folder, self.limits.prefix_cache_dir_bytes, budget, exact) if folder else None
+        sizes = pool.cache_bytes
+        self.disk = (
+            PrefixDisk.opened(folder, self.limits.prefix_cache_dir_bytes, budget, exact, sizes) if folder else None
+        )
         self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
