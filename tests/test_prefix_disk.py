@@ -184,3 +184,15 @@ def test_an_entry_spilled_while_serving_is_read_back_before_its_prompt_is_comput
         assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
         assert_same(other, computed, "computed after a corrupted file")
         assert _ask(server)[1] == len(PROMPT) - 1  # the ranks agree still: the first prompt is read back again
+
+
+@pytest.mark.unit
+def test_the_leaders_index_of_entries_on_disk_keeps_within_the_byte_budget(tmp_path: Path) -> None:
+    from neuron.engine.disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, budget=10, sizes=(1, 0))  # as the ranks' files: 1 byte a token here
+    disk.written({"a": [1, 2, 3, 4, 5, 6]})
+    disk.written({"b": [7, 8, 9, 10, 11, 12]})  # past the budget: the older goes, as the ranks' oldest file does
+    disk.written({"c": [7, 8, 9]})  # covered by b: b serves it
+    assert disk._keys == {2: "b"} and disk._known.reach([1, 2, 3, 4]) == 0 and disk._known.reach([7, 8, 9, 0]) == 3
+    disk.close()
