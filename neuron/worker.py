@@ -123,8 +123,8 @@ class Worker:
                 return rpc.KvCacheCleared(id=id)
             case rpc.OpenPrefixDisk(id=id, folder=folder, budget=budget, stamp=stamp):
                 return rpc.PrefixDiskOpened(id=id, saved=self._joined().open_disk(folder, budget, stamp))
-            case rpc.LoadPrefixes(id=id, entries=entries):
-                return rpc.PrefixesLoaded(id=id, failed=self._joined().entries.load(entries))
+            case rpc.LoadPrefixes(id=id, entries=entries, drop=drop):
+                return rpc.PrefixesLoaded(id=id, failed=self._joined().entries.load(entries, drop))
             case rpc.FlushPrefixDisk(id=id):
                 return rpc.PrefixDiskFlushed(id=id, written=self._joined().flush_disk(rpc.FLUSH_S))
             case rpc.Shutdown(id=id):

@@ -120,6 +120,7 @@ class Turn:
     cached_tokens: int
     reusable: int  # of the prompt: what a cache of everything computed before could serve
     seconds: float  # to the whole reply
+    first: float  # to the first generated token's event (streamed sessions); the whole reply otherwise
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Session:
     model: str
     dates: list[str] = field(default_factory=list)  # one per turn: the template's date; empty: the server's today
     thinking: bool = False
+    stream: bool = False  # requests streamed, so that each turn's time to its first token is measured
     chat: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": SYSTEM}])
     messages: list[dict[str, Any]] = field(default_factory=list)  # Anthropic's form (the system apart)
     computed: list[list[int]] = field(default_factory=list)  # each earlier prompt, followed by what it generated
@@ -156,12 +158,14 @@ def replay(url: str, session: Session, turns: int = len(SCRIPT)) -> Session:
             prompt = _tokenize(http, session, i)
             started = time.perf_counter()
             call = None if kind in ("user", "reply") else kind
-            usage, generated = (_openai if session.api == "openai" else _anthropic)(url, session, call, i)
+            clock = _Clock(started)
+            usage, generated = (_openai if session.api == "openai" else _anthropic)(url, session, call, i, clock)
             seconds = time.perf_counter() - started
             if usage[0] != len(prompt):
                 raise AssertionError(f"turn {i}: /tokenize gave {len(prompt)} tokens, the request {usage[0]}")
             reusable = max((_common(prompt, seen) for seen in session.computed), default=0)
-            session.turns.append(Turn(usage[0], usage[1], min(reusable, len(prompt) - 1), seconds))
+            first = clock.first if clock.first is not None else seconds
+            session.turns.append(Turn(usage[0], usage[1], min(reusable, len(prompt) - 1), seconds, first))
             session.computed.append(prompt + _encode(http, session, generated))
             if call is not None:
                 _result(session, RESULT)
@@ -173,6 +177,18 @@ def share(sessions: list[Session]) -> float:
     later = [turn for s in sessions for turn in s.turns[1:]]
     reusable = sum(t.reusable for t in later)
     return sum(min(t.cached_tokens, t.reusable) for t in later) / reusable if reusable else 1.0
+
+
+class _Clock:
+    """When a streamed reply's first generated token arrived, in seconds since ``started``."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first: float | None = None
+
+    def tick(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter() - self.started
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -214,38 +230,70 @@ def _encode(http: httpx.Client, session: Session, text: str) -> list[int]:
     return list(reply.json()["tokens"])
 
 
-def _openai(url: str, session: Session, call: str | None, turn: int) -> tuple[tuple[int, int], str]:
+def _openai(url: str, session: Session, call: str | None, turn: int, clock: _Clock) -> tuple[tuple[int, int], str]:
     """One Chat request; (prompt, cached) tokens and the text the model generated. The reply joins the history."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     choice = {"type": "function", "function": {"name": call}} if call else "auto"
     reply_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": REPLY}}
-    reply = client.chat.completions.create(
+    request: dict[str, Any] = dict(
         model=session.model,
-        messages=session.chat,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=choice,  # type: ignore[arg-type]
+        messages=session.chat,
+        tools=TOOLS,
+        tool_choice=choice,
         max_tokens=200,
-        response_format=openai.NOT_GIVEN if call else reply_format,  # type: ignore[arg-type]
+        response_format=openai.NOT_GIVEN if call else reply_format,
         logit_bias={str(THINK_END): 8} if session.thinks(turn) else openai.NOT_GIVEN,
         temperature=0.0,
         extra_body={"chat_template_kwargs": session.template_kwargs(turn)},
     )
-    message = reply.choices[0].message
-    usage = reply.usage
+    if session.stream:
+        usage, content, thinking, calls = _openai_streamed(client, request, clock)
+    else:
+        reply = client.chat.completions.create(**request)
+        message = reply.choices[0].message
+        usage, content = reply.usage, message.content or ""
+        thinking = getattr(message, "reasoning_content", None) or ""
+        calls = [
+            {"id": c.id, "type": "function", "function": c.function.model_dump()} for c in message.tool_calls or []
+        ]
     assert usage is not None and usage.prompt_tokens_details is not None
     counts = (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0)
     if call:
-        assert message.tool_calls, f"turn {turn}: the forced call to {call} did not come: {reply}"
-        function = message.tool_calls[0].function  # type: ignore[union-attr]
-        entry = {"id": message.tool_calls[0].id, "type": "function", "function": function.model_dump()}
-        session.chat.append({"role": "assistant", "content": "", "tool_calls": [entry]})
-        return counts, function.arguments
-    thinking = getattr(message, "reasoning_content", None) or ""
-    session.chat.append({"role": "assistant", "content": message.content or ""})
-    return counts, (thinking + THINK[1] if session.thinks(turn) else "") + (message.content or "")
+        assert calls, f"turn {turn}: the forced call to {call} did not come: {content!r}"
+        session.chat.append({"role": "assistant", "content": "", "tool_calls": calls[:1]})
+        return counts, calls[0]["function"]["arguments"]
+    session.chat.append({"role": "assistant", "content": content})
+    return counts, (thinking + THINK[1] if session.thinks(turn) else "") + content
 
 
-def _anthropic(url: str, session: Session, call: str | None, turn: int) -> tuple[tuple[int, int], str]:
+def _openai_streamed(
+    client: openai.OpenAI, request: dict[str, Any], clock: _Clock
+) -> tuple[Any, str, str, list[dict[str, Any]]]:
+    """A streamed Chat request's usage, text, thinking and tool calls, put back together from its chunks."""
+    content, thinking = [], []
+    calls: dict[int, dict[str, Any]] = {}
+    usage = None
+    for chunk in client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            reasoning = getattr(delta, "reasoning_content", None)
+            if delta.content or reasoning or delta.tool_calls:
+                clock.tick()
+            content.append(delta.content or "")
+            thinking.append(reasoning or "")
+            for part in delta.tool_calls or []:
+                entry = calls.setdefault(
+                    part.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                entry["id"] = part.id or entry["id"]
+                if part.function is not None:
+                    entry["function"]["name"] += part.function.name or ""
+                    entry["function"]["arguments"] += part.function.arguments or ""
+    return usage, "".join(content), "".join(thinking), [calls[i] for i in sorted(calls)]
+
+
+def _anthropic(url: str, session: Session, call: str | None, turn: int, clock: _Clock) -> tuple[tuple[int, int], str]:
     """One Messages request; as ``_openai``, in Anthropic's form (thinking blocks are sent back, as clients do)."""
     client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
     tools = [
@@ -255,16 +303,24 @@ def _anthropic(url: str, session: Session, call: str | None, turn: int) -> tuple
     reply_format = {"type": "json_schema", "schema": REPLY}
     if session.dates:
         raise ValueError("Messages requests set no template variables: replay dated sessions in the OpenAI form")
-    reply = client.messages.create(
+    request: dict[str, Any] = dict(
         model=session.model,
         system=SYSTEM,
-        messages=session.messages,  # type: ignore[arg-type]
-        tools=tools,  # type: ignore[arg-type]
+        messages=session.messages,
+        tools=tools,
         tool_choice={"type": "tool", "name": call} if call else {"type": "auto"},
         max_tokens=200,
         thinking={"type": "enabled", "budget_tokens": 1024} if session.thinks(turn) else {"type": "disabled"},
         extra_body={"temperature": 0.0, **({} if call else {"output_config": {"format": reply_format}})},
     )
+    if session.stream:
+        with client.messages.stream(**request) as events:
+            for event in events:
+                if event.type in ("content_block_start", "content_block_delta"):
+                    clock.tick()
+            reply = events.get_final_message()
+    else:
+        reply = client.messages.create(**request)
     usage = reply.usage
     counts = (usage.input_tokens + (usage.cache_read_input_tokens or 0), usage.cache_read_input_tokens or 0)
     blocks = [block.model_dump(exclude_none=True) for block in reply.content]

@@ -238,3 +238,22 @@ def test_with_a_disk_tier_an_entry_made_room_for_is_spilled_and_a_covered_one_ju
     assert step is not None
     assert step.plan.evict == [Evict(1, disk_key([10, 11, 12, 13]))]
     assert step.spilled == {disk_key([10, 11, 12, 13]): [10, 11, 12, 13]}
+
+
+def test_an_entry_read_back_while_serving_makes_room_that_the_next_plan_evicts_to_disk() -> None:
+    from neuron.engine.prefix import disk_key
+
+    index = PrefixIndex(budget=8, bytes_per_token=1)
+    held = index.store([10, 11, 12, 13, 14])
+    assert held is not None
+    assert index.reach([10, 11, 12, 99]) == 3 and index.reach([20, 21]) == 0
+    back = index.reload([20, 21, 22, 23, 24])  # needs the room the first holds
+    assert back is not None and back.evicted == [held.entry] and index.deferred == [back]
+    assert index.reach([20, 21, 22, 23, 24, 25]) == 5
+    s = Scheduler(Scheduling(), {2}, index)
+    s.spill = True
+    step = s.schedule().step  # nothing runs: the plan only evicts, to disk
+    assert step is not None and step.plan.evict == [Evict(held.entry, disk_key([10, 11, 12, 13, 14]))]
+    assert step.spilled == {disk_key([10, 11, 12, 13, 14]): [10, 11, 12, 13, 14]} and index.deferred == []
+    index.forget(back.entry)  # its file failed on some rank: no rank holds it
+    assert index.reach([20, 21, 22, 23, 24, 25]) == 0 and index.bytes == 0

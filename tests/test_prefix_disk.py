@@ -1,6 +1,7 @@
 """The prefix cache's disk tier (``--prefix-cache-dir``): each rank's files checked directly (unit: a real writer
-thread, real files, no process), then a real server at TP=2 restarted on its folder: the same prompt is restored
-instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning.
+thread, real files, no process), then a real server at TP=2 and at PP=2 restarted on its folder: the same prompt is
+restored instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning; a
+sliding-window model writes nothing and says why.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
+from tiny_archs import make_arch_model
 
 from neuron.rank.disk import MAGIC, Disk, DiskError
 
@@ -78,11 +80,28 @@ def test_the_oldest_files_go_past_the_byte_budget(tmp_path: Path) -> None:
 PROMPT = "The keeper climbs the stairs at dusk and lights the lamp. " * 20
 
 
-def _ask(server: Server) -> tuple[Scored, int]:
-    body = {"model": "qwen3", "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
+def _ask(server: Server, prompt: str = PROMPT) -> tuple[Scored, int]:
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
     reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _restarted(factory: pytest.TempPathFactory, args: tuple[str, ...], folder: Path) -> tuple[Scored, list[str]]:
+    """The prompt asked of a server on ``folder`` (computed), then of a fresh one on it (restored, with the same
+    greedy tokens); the computed run, and the files each rank wrote (one each, its own share)."""
+    with serving(factory, *args) as server:
+        fresh, cached = _ask(server)  # computed: nothing on disk yet
+        assert cached == 0
+    files = sorted(p.name for p in folder.glob("*.kv"))
+    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads or layers
+    assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
+    with serving(factory, *args) as server:
+        restored, cached = _ask(server)
+        assert cached == len(PROMPT) - 1  # one token a byte; all but the last, which is always fed
+        assert server.find_log("prefill done", cached_tokens=cached) is not None
+    assert_same(fresh, restored, f"restored from disk ({' '.join(args[2:4])})")
+    return fresh, files
 
 
 def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corrupted_file(
@@ -90,19 +109,7 @@ def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corr
 ) -> None:
     folder = tmp_path_factory.mktemp("kv")
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
-    with serving(tmp_path_factory, *args) as server:
-        fresh, cached = _ask(server)  # computed: nothing on disk yet
-        assert cached == 0
-    files = sorted(p.name for p in folder.glob("*.kv"))
-    assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads
-    assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
-
-    with serving(tmp_path_factory, *args) as server:
-        restored, cached = _ask(server)
-        prompt_tokens = len(PROMPT)  # one token a byte
-        assert cached == prompt_tokens - 1  # all but the last, which is always fed: none computed again
-        assert server.find_log("prefill done", cached_tokens=cached) is not None
-    assert_same(fresh, restored, "restored from disk")
+    fresh, files = _restarted(tmp_path_factory, args, folder)
 
     corrupted = tmp_path_factory.mktemp("kv-corrupted")
     shutil.copytree(folder, corrupted, dirs_exist_ok=True)
@@ -117,3 +124,75 @@ def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corr
         skipped = server.find_log("prefix cache file skipped")
         assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
     assert_same(fresh, again, "computed again")
+
+
+def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv-pp")
+    _restarted(
+        tmp_path_factory, ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder)), folder
+    )
+
+
+def test_a_sliding_window_model_writes_nothing_and_says_why(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = make_arch_model(tmp_path_factory.mktemp("gemma") / "gemma3", "gemma3_text")
+    folder = tmp_path_factory.mktemp("kv-window")
+    with serving(tmp_path_factory, "--model", str(model), "--prefix-cache-dir", str(folder)) as server:
+        body = {"model": "gemma3", "prompt": PROMPT, "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
+        off = server.find_log("prefix cache disk tier off: nothing is written to --prefix-cache-dir")
+        assert off is not None and "sliding window" in off["reason"], server.stderr()
+    assert list(folder.iterdir()) == []
+
+
+OTHER = "A ferry crosses the bay twice a day and waits at the pier for the mail. " * 16
+
+
+def _tokens_file(folder: Path, seen: set[str]) -> Path:
+    """Rank 1's one file in ``folder`` not in ``seen`` (added to it)."""
+    (new,) = {p.name for p in folder.glob("*.r1.kv")} - seen
+    seen.add(new)
+    return folder / new
+
+
+def test_an_entry_spilled_while_serving_is_read_back_before_its_prompt_is_computed(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv-serving")
+    # Memory holds one of the two prompts (2 KiB a token on each rank): each evicts the other to disk.
+    model = str(tiny_models["qwen3"])
+    args = ("--model", model, "--tp", "2", "--prefix-cache-dir", str(folder), "--prefix-cache-bytes", "3000000")
+    seen: set[str] = set()
+    with serving(tmp_path_factory, *args) as server:
+        first, _ = _ask(server)
+        other, _ = _ask(server, OTHER)  # the first prompt's entry goes to disk
+        _tokens_file(folder, seen)
+        again, cached = _ask(server)
+        assert cached == len(PROMPT) - 1, server.stderr()  # read back from disk, not computed
+        assert server.find_log("prefix cache entry read back from disk") is not None
+        assert_same(first, again, "read back from disk while serving")
+        # The other prompt's entry went to disk in turn; a flipped bit in rank 1's file: rank 0 loads it, rank 1
+        # does not, and both drop it again; the prompt is computed.
+        target = _tokens_file(folder, seen)
+        data = bytearray(target.read_bytes())
+        data[-100] ^= 0xFF
+        target.write_bytes(bytes(data))
+        computed, cached = _ask(server, OTHER)
+        assert cached == 0
+        skipped = server.find_log("prefix cache file skipped")
+        assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
+        assert_same(other, computed, "computed after a corrupted file")
+        assert _ask(server)[1] == len(PROMPT) - 1  # the ranks agree still: the first prompt is read back again
+
+
+@pytest.mark.unit
+def test_the_leaders_index_of_entries_on_disk_keeps_within_the_byte_budget(tmp_path: Path) -> None:
+    from neuron.engine.disk import PrefixDisk
+
+    disk = PrefixDisk(tmp_path, budget=10, sizes=(1, 0))  # as the ranks' files: 1 byte a token here
+    disk.written({"a": [1, 2, 3, 4, 5, 6]})
+    disk.written({"b": [7, 8, 9, 10, 11, 12]})  # past the budget: the older goes, as the ranks' oldest file does
+    disk.written({"c": [7, 8, 9]})  # covered by b: b serves it
+    assert disk._keys == {2: "b"} and disk._known.reach([1, 2, 3, 4]) == 0 and disk._known.reach([7, 8, 9, 0]) == 3
+    disk.close()

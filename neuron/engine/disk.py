@@ -6,8 +6,12 @@ leader writes a manifest beside rank 0's file, ``KEY.tokens``: the entry's token
 start with the same model and layout, every rank lists the files it may load, the leader keeps the keys every rank
 has (a manifest too), the newest first, as many as the memory budget holds, and every rank loads them; a key that
 any rank fails to load (corrupted, truncated, missing there) is left out and the rest are loaded again, so the
-ranks always hold the same entries. Entries come back at the start only: one evicted while serving is read again
-after the next restart.
+ranks always hold the same entries.
+
+While serving, the leader remembers every entry on disk (those found at the start, those spilled since) in an index
+of its own. Before a request is admitted, when the disk holds more of its prompt than memory does, every rank
+loads that entry again (it displaces the least recently used, evicted by the next plan, to disk in turn); a file
+that some rank fails to load is dropped on every rank and forgotten, and the prompt is computed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import structlog
 
 from neuron.engine.prefix import PrefixIndex, disk_key
+from neuron.engine.sequence import Sequence
 from neuron.models import digest_files, model_digest
 from neuron.pool import Pool, PoolError
 from neuron.rpc import Evict, StepPlan
@@ -33,18 +38,73 @@ LOAD_TRIES = 3  # rounds of loading, each without the keys some rank failed on i
 class PrefixDisk:
     """The leader's side: manifests written off the step loop, and the start's and the shutdown's exchanges."""
 
-    def __init__(self, folder: Path, budget: int) -> None:
+    def __init__(self, folder: Path, budget: int, sizes: tuple[int, int] = (0, 0)) -> None:
         self.folder = folder
         self.budget = budget
         folder.mkdir(parents=True, exist_ok=True)
+        # Every entry on disk, as a trie of its own within the same byte budget as each rank's files (``sizes``: an
+        # entry's bytes per token and its fixed bytes on the rank holding the largest share), and each one's key.
+        self._known = PrefixIndex(budget, *sizes)
+        self._keys: dict[int, str] = {}
         self._queue: queue.Queue[dict[str, list[int]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_all, name="neuron-kv-manifests", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def opened(cls, folder: str, budget: int, memory: int, exact: bool, sizes: tuple[int, int]) -> PrefixDisk | None:
+        """The disk tier in ``folder``, or None with a warning that says why there is none: no prefix cache in
+        memory (``memory`` bytes), or a model whose entries are snapshots (``exact``: a sliding window or a
+        linear-attention state, restored whole from memory only)."""
+        if memory and not exact:
+            return cls(Path(folder), budget, sizes)
+        reason = (
+            "--prefix-cache-bytes is 0: there is no prefix cache to spill"
+            if not memory
+            else "this model keeps a sliding window or a linear-attention state: its cache entries are snapshots, "
+            "restored whole from memory and not written to disk; drop --prefix-cache-dir"
+        )
+        log.warning(
+            "prefix cache disk tier off: nothing is written to --prefix-cache-dir", folder=folder, reason=reason
+        )
+        return None
 
     def written(self, spilled: dict[str, list[int]]) -> None:
         """Entries a step spilled: their manifests are written by a thread of their own."""
         if spilled:
             self._queue.put(spilled)
+            for key, tokens in spilled.items():
+                self._know(key, tokens)
+
+    def _know(self, key: str, tokens: list[int]) -> None:
+        stored = self._known.store(tokens)
+        if stored is not None:
+            self._keys[stored.entry] = key
+            for entry in stored.evicted:  # a shorter entry a longer one covers, or the oldest past the budget
+                self._keys.pop(entry, None)
+
+    async def reload(self, pool: Pool, prefix: PrefixIndex, admitting: list[Sequence]) -> None:
+        """Before ``admitting`` are admitted: load each one's longest entry on disk where it holds more of the
+        prompt than memory does (the base model's text prompts only: the files name no adapter, no image)."""
+        for seq in admitting:
+            if seq.fed or seq.images or seq.adapter or seq.pooling is not None or seq.params.prompt_logprobs:
+                continue
+            hit = self._known.lookup(seq.tokens)
+            self._known.unpin()
+            if hit is None or hit.tokens <= prefix.reach(seq.tokens):
+                continue
+            key = self._keys[hit.entry]
+            tokens = self._known.tokens(hit.entry)
+            stored = prefix.reload(tokens)
+            if stored is None:
+                continue
+            await pool.flush_prefix_disk()  # a file spilled a moment ago may still be being written
+            if await pool.load_prefixes({key: stored.entry}):
+                await pool.load_prefixes({}, drop=[stored.entry])
+                prefix.forget(stored.entry)
+                self._known.forget(hit.entry)
+                del self._keys[hit.entry]
+                continue
+            log.info("prefix cache entry read back from disk", key=key, tokens=len(tokens))
 
     def close(self) -> None:
         self._queue.put(None)
@@ -58,6 +118,8 @@ class PrefixDisk:
         manifests = self._manifests()
         candidates = [(key, manifests[key]) for key, tokens in common if len(manifests.get(key, ())) == tokens]
         candidates.sort(key=lambda kv: -(self.folder / f"{kv[0]}.tokens").stat().st_mtime)
+        for key, tokens in reversed(candidates):
+            self._know(key, tokens)
         for _ in range(LOAD_TRIES):
             chosen = {key: entry for key, tokens in candidates if (entry := prefix.add(tokens)) is not None}
             failed = await pool.load_prefixes(chosen) if chosen else set()

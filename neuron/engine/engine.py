@@ -102,9 +102,10 @@ class Engine(Recovering):
         self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
         folder = self.limits.prefix_cache_dir
-        # Snapshots of windows and states are not written: only models whose caches can be cut get a disk tier.
-        tier = folder is not None and budget > 0 and not exact
-        self.disk = PrefixDisk(Path(folder), self.limits.prefix_cache_dir_bytes) if folder and tier else None
+        sizes = pool.cache_bytes
+        self.disk = (
+            PrefixDisk.opened(folder, self.limits.prefix_cache_dir_bytes, budget, exact, sizes) if folder else None
+        )
         self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
         self.intake = Intake(
@@ -278,6 +279,8 @@ class Engine(Recovering):
                 await anyio.sleep(REPROBE_S)
                 self._probe_failed = False
                 continue
+            if self.disk is not None and self.prefix is not None and scheduler.waiting:
+                await self.disk.reload(self.pool, self.prefix, scheduler.admissible())
             turn = scheduler.schedule()
             for seq, steps_after in turn.cancelled:
                 self.output.cancelled(seq, steps_after)

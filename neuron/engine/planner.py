@@ -37,7 +37,8 @@ def plan_step(
     spilled: dict[str, list[int]] = {}
     if not filling and not running:
         saves, evicts = _keep(keeping, prefix, spill, spilled)
-        return Step(StepPlan(leave=list(leaving), save=saves, evict=evicts), {}, spilled) if saves else None
+        plan = StepPlan(leave=list(leaving), save=saves, evict=evicts)
+        return Step(plan, {}, spilled) if saves or evicts else None
     prefill: list[Prefill] = []
     restore: list[Restore] = []
     starts: dict[int, Start] = {}
@@ -102,11 +103,15 @@ def _keep(
     keeping: Rows[Sequence], prefix: PrefixIndex | None, spill: bool, spilled: dict[str, list[int]]
 ) -> tuple[list[Save], list[Evict]]:
     """Each leaving sequence's prompt and the output it was fed, as entries: a chat's next turn resends them, and
-    restores them where the template writes the reply back as it was generated."""
+    restores them where the template writes the reply back as it was generated. First, the evictions that entries
+    read back from disk deferred (``PrefixIndex.reload``)."""
     saves: list[Save] = []
     evicts: list[Evict] = []
     if prefix is None:
         return saves, evicts
+    for deferred in prefix.deferred:
+        evicts.extend(_evicts(deferred, spill, spilled))
+    prefix.deferred.clear()
     for seq in keeping:
         if seq.pooling is not None or seq.held <= len(seq.prompt):
             continue  # nothing past its prompt, which was saved when it was fed

@@ -67,6 +67,9 @@ class PrefixIndex:
         self._adapter: dict[int, int] = {}  # id -> the adapter whose trie holds it
         self._pinned: set[int] = set()  # restored in the plan being run: never evicted under it
         self._next = 1
+        # Entries read back from disk while serving (``reload``) made room by evicting others: every rank still
+        # holds those until the next plan evicts them.
+        self.deferred: list[Stored] = []
 
     @property
     def entries(self) -> dict[int, int]:
@@ -76,6 +79,19 @@ class PrefixIndex:
     def lookup(self, prompt: list[int], adapter: int = 0) -> Hit | None:
         """The longest cached prefix of ``prompt`` under LoRA ``adapter`` that leaves at least one token to feed
         (``exact``: the longest whole entry); pinned until ``unpin``, and made most recently used."""
+        hit = self._deepest(prompt, adapter)
+        if hit is None:
+            return None
+        self._entries.move_to_end(hit.entry)
+        self._pinned.add(hit.entry)
+        return hit
+
+    def reach(self, prompt: list[int], adapter: int = 0) -> int:
+        """How many of ``prompt``'s tokens a lookup would restore now; nothing is pinned or made recently used."""
+        hit = self._deepest(prompt, adapter)
+        return 0 if hit is None else hit.tokens
+
+    def _deepest(self, prompt: list[int], adapter: int) -> Hit | None:
         node, depth, hit = self._roots.get(adapter, _Node()), 0, None
         for token in prompt[:-1]:  # the last token is always fed: its logits are the first sample
             child = node.children.get(token)
@@ -86,10 +102,6 @@ class PrefixIndex:
                 hit = Hit(next(iter(node.through)), depth)
             elif node.ends is not None:
                 hit = Hit(node.ends, depth)
-        if hit is None:
-            return None
-        self._entries.move_to_end(hit.entry)
-        self._pinned.add(hit.entry)
         return hit
 
     def unpin(self) -> None:
@@ -145,6 +157,23 @@ class PrefixIndex:
         self._insert(entry, tokens, 0)
         return entry
 
+    def reload(self, tokens: list[int]) -> Stored | None:
+        """Make ``tokens`` (an entry of the base model read back from disk while serving) an entry, evicting the
+        least recently used to stay within the budget; those evictions wait in ``deferred`` for the next plan.
+        None when it cannot fit."""
+        stored = self.store(tokens)
+        if stored is not None:
+            self.deferred.append(stored)
+        return stored
+
+    def tokens(self, entry: int) -> list[int]:
+        return self._entries[entry]
+
+    def forget(self, entry: int) -> None:
+        """An entry ``reload`` made that no rank holds after all (some rank failed to read its file)."""
+        self._remove(entry)
+        self.evictions -= 1
+
     def held(self) -> dict[int, list[int]]:
         """Every base-model entry's tokens, least recently used first (what the disk tier may keep: its files name
         no LoRA adapter, so an adapter's entries are never written)."""
@@ -156,6 +185,7 @@ class PrefixIndex:
         self._adapter.clear()
         self._entries.clear()
         self._pinned.clear()
+        self.deferred.clear()
         self.bytes = 0
 
     def _insert(self, entry: int, prompt: list[int], adapter: int) -> None:

@@ -232,6 +232,20 @@ class Scheduler:
                 self._remove(delivery.seq, _ENDS[delivery.finish])
         return out
 
+    def admissible(self) -> list[Sequence]:
+        """The waiting requests the next ``schedule`` admits, in arrival order: while the batch has places."""
+        out = []
+        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
+        blocked = False
+        for seq in self.waiting:
+            if seq.pooling is None:
+                blocked = blocked or places + seq.n > self.limits.max_batch
+                if blocked:
+                    continue
+                places += seq.n
+            out.append(seq)
+        return out
+
     def _admit(self) -> list[Sequence]:
         """Move waiting requests into the batch, in arrival order, while it has places; returns them.
 
@@ -239,14 +253,7 @@ class Scheduler:
         is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
         """
         admitted: list[Sequence] = []
-        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
-        blocked = False
-        for seq in list(self.waiting):
-            if seq.pooling is None:
-                blocked = blocked or places + seq.n > self.limits.max_batch
-                if blocked:
-                    continue
-                places += seq.n
+        for seq in self.admissible():
             self.waiting.remove(seq)
             members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
             for member in members:

@@ -171,12 +171,14 @@ class Pool(Loading):
         )
         return {rank: reply.saved for rank, reply in opened.items()}
 
-    async def load_prefixes(self, entries: dict[str, int]) -> set[str]:
-        """Every rank loads the files ``entries`` names (key -> entry id); returns the keys some rank could not."""
+    async def load_prefixes(self, entries: dict[str, int], drop: list[int] | None = None) -> set[str]:
+        """Every rank drops the entries ``drop`` names where it holds them, then loads the files ``entries`` names
+        (key -> entry id); returns the keys some rank could not load."""
+        dropped = drop or []
         loaded = await self._fan_out(
             "load_prefixes",
-            lambda _, id: rpc.LoadPrefixes(id=id, entries=entries),
-            lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.entries.load(entries)),
+            lambda _, id: rpc.LoadPrefixes(id=id, entries=entries, drop=dropped),
+            lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.entries.load(entries, dropped)),
             self.deadlines.load,
         )
         return {key for reply in loaded.values() for key in reply.failed}

@@ -15,7 +15,7 @@ then restores only at an entry's end: ``PrefixIndex(exact=True)``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -155,9 +155,16 @@ class Entries:
         self._held.clear()
         self._digest = 0
 
-    def load(self, entries: dict[str, int]) -> list[str]:
-        """Load the files ``entries`` names (key -> entry id) as entries; returns the keys that failed, each
-        warned of and not loaded."""
+    def load(self, entries: dict[str, int], drop: Collection[int] = ()) -> list[str]:
+        """Drop the entries ``drop`` names where held (another rank failed to load them), then load the files
+        ``entries`` names (key -> entry id) as entries; returns the keys that failed, each warned of and not
+        loaded."""
+        for entry in drop:
+            if entry in self._held:
+                self._fold(entry)
+                del self._held[entry]
+        if not entries:
+            return []
         assert self.disk is not None
         failed = []
         for key, entry in entries.items():

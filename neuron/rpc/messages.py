@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
@@ -344,11 +344,13 @@ class OpenPrefixDisk:
 
 @dataclass(frozen=True, slots=True)
 class LoadPrefixes:
-    """Load the files ``entries`` names (key -> the entry id each becomes); the reply names those that failed."""
+    """Drop the entries ``drop`` names where held (those another rank failed to load), then load the files
+    ``entries`` names (key -> the entry id each becomes); the reply names those that failed."""
 
     op: ClassVar[str] = "load_prefixes"
     id: int
     entries: dict[str, int]
+    drop: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,57 @@
+"""Long prompts don't stall other streams (issue 46): while a prompt of the whole context prefills, three decoding
+streams keep getting tokens, because each step feeds at most ``--prefill-chunk`` prompt tokens beside every running
+stream's next token; and a prompt longer than ``--max-context`` is refused before any work is done.
+
+One server for the module: the tiny qwen3 with a context twice the server's ``--max-context``, prompts fed 64
+tokens a step, so that the long prompt takes 32 steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import Server, serving
+
+from testkit import make_tiny_model
+from testkit.streams import measure
+
+CONTEXT = 2048  # --max-context
+CHUNK = 64  # --prefill-chunk
+LONG = [(7 * i) % 200 + 40 for i in range(CONTEXT - 1)]  # the longest prompt the context takes
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = make_tiny_model(tmp_path_factory.mktemp("long") / "qwen3", "qwen3", seed=11)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2 * CONTEXT}))
+    args = ("--max-context", str(CONTEXT), "--prefill-chunk", str(CHUNK), "--prefix-cache-bytes", "0")
+    with serving(tmp_path_factory, "--model", str(model), *args) as server:
+        yield server
+
+
+def test_decoding_streams_keep_getting_tokens_while_the_whole_context_prefills(server: Server) -> None:
+    window = measure(server.url, "qwen3", streams=3, long_prompt=LONG)
+    steps = -(-len(LONG) // CHUNK)
+    got = [s.between(window.start, window.end) for s in window.streams]
+    # Every prefill step decodes every stream: about ``steps`` tokens each. A prompt fed whole would leave one or
+    # two; a quarter leaves room for a loaded machine's late arrivals.
+    assert all(n >= steps // 4 for n in got), f"tokens each stream got while {steps} chunks were fed: {got}"
+
+
+@pytest.mark.parametrize("tokens", [CONTEXT, CONTEXT + 1])
+def test_a_prompt_the_context_cannot_hold_is_refused_before_any_work(server: Server, tokens: int) -> None:
+    def work() -> tuple[float, float]:
+        metrics = server.metrics()
+        return metrics[("neuron_prompt_tokens_total", ())], metrics[("neuron_prefill_tokens_total", ())]
+
+    before = work()
+    body = {"model": "qwen3", "prompt": [40] * tokens, "max_tokens": 1}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded" and f"the context holds {CONTEXT}" in error["message"]
+    assert work() == before  # nothing admitted, nothing fed
