@@ -254,7 +254,7 @@ class TestTheSshDataPlane:
     """One server over the SSH data plane: first what it listens on and what crosses the bridge, then the faults it
     must resume through."""
 
-    def test_it_listens_on_loopback_and_crosses_the_bridge_only_inside_ssh(
+    def test_the_ssh_data_plane_listens_on_loopback_and_crosses_the_bridge_only_inside_ssh(
         self, bed: Namespaces, ssh_plane: Server, reference: str
     ) -> None:
         """The same tokens as TP=1; every ring listener on its host's loopback, the tunnels' ends too; between the
@@ -282,7 +282,9 @@ class TestTheSshDataPlane:
         assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
         assert len(children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
 
-    def test_a_killed_tunnel_or_session_and_every_stream_goes_on(self, bed: Namespaces, ssh_plane: Server) -> None:
+    def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goes_on(
+        self, bed: Namespaces, ssh_plane: Server
+    ) -> None:
         """The tunnel connection killed is a lost link, noticed at once (``ssh tunnel lost``, no step deadline),
         and the streams resume in this process over fresh tunnels; then the worker's own session cut, and they
         resume again."""
