@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -124,10 +124,38 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]
         yield server
 
 
+# The embedded SmolLM2, found with no --model, asked one question on one rank. test_cli checks the answer; the
+# pipeline and multi-host tests hold their splits to the same words. One run for the session.
+PARIS = ("--chat", "--max-tokens", "24", "What is the capital of France?")
+
+
+@pytest.fixture(scope="session")
+def smollm2_paris() -> subprocess.CompletedProcess[str]:
+    done = run_neuron("generate", *PARIS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_alone(tiny_models: dict[str, Path]) -> Callable[[str], str]:
+    """What ``neuron generate --max-tokens 24 hello`` prints on one rank, by tiny model: each run once for the
+    session (the multi-host and push tests hold their splits to it)."""
+    texts: dict[str, str] = {}
+
+    def text(arch: str) -> str:
+        if arch not in texts:
+            done = run_neuron("generate", "--model", str(tiny_models[arch]), "--max-tokens", "24", "hello")
+            assert done.returncode == 0, done.stderr[-3000:]
+            texts[arch] = done.stdout
+        return texts[arch]
+
+    return text
 
 
 @pytest.fixture(scope="session")
@@ -160,7 +188,7 @@ def split_qwen3(
 # The tiers. ``unit`` is the fast one: no model, no subprocess. Everything else is end to end unless it names its
 # own slower tier; plain ``pytest`` runs every tier.
 TIERS = ("unit", "e2e", "hosts", "packaging", "soak")
-MODEL_FIXTURES = frozenset({"tiny_models", "smollm2", "split_qwen3"})
+MODEL_FIXTURES = frozenset({"tiny_models", "tiny_alone", "smollm2", "smollm2_paris", "split_qwen3"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,10 +8,11 @@ server, and by tests/hosts across hosts.
 from __future__ import annotations
 
 import itertools
+import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import make_tiny_model, run_neuron
+from conftest import PARIS, make_tiny_model, run_neuron
 from test_pool import scenario
 
 from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
@@ -66,12 +67,13 @@ def test_an_uneven_split_and_one_by_free_memory_give_the_same_tokens(
     assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == reference["qwen3"]["tokens"]
 
 
-def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(smollm2: Path) -> None:
-    question = ("generate", "--chat", "--max-tokens", "24", "What is the capital of France?")
-    alone = run_neuron(*question)
-    assert alone.returncode == 0 and "Paris" in alone.stdout, alone.stderr[-2000:]
+def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(
+    smollm2_paris: subprocess.CompletedProcess[str],
+) -> None:
+    alone = smollm2_paris  # one rank
+    assert "Paris" in alone.stdout, alone.stdout
     for split in (("--pp", "3"), ("--pp", "2", "--pp-layers", "5,25")):
-        staged = run_neuron(*question, *split)
+        staged = run_neuron("generate", *PARIS, *split)
         assert staged.returncode == 0, staged.stderr[-2000:]
         assert staged.stdout == alone.stdout, split
 

@@ -23,24 +23,36 @@ from testkit.faults import ENTRY, SLOW_JOIN_ENV
 from testkit.recovery import COMPLETIONS, GREEDY, kill_trial, ready, worker_pid
 
 
-@pytest.fixture
-def tp2(tiny_models: dict[str, Path], tmp_path: Path) -> Iterator[Server]:
+@pytest.fixture(scope="module")
+def tp2(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One server for the module: each test leaves it recovered and ready (each waits for that), and counts only
+    the recoveries it caused."""
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3", "--resume-timeout", "0")
-    server = Server(*args, log_path=tmp_path / "log")
+    server = Server(*args, log_path=tmp_path_factory.mktemp("recovery") / "log")
     yield server.start()
     assert server.stop() == 0, server.stderr()
 
 
+def _logged(server: Server, event: str) -> list[dict]:
+    """The server's log entries of ``event``; the shared server holds the module's earlier tests' too."""
+    return [e for e in server.logs() if e.get("event") == event]
+
+
+def _recovered(server: Server) -> list[dict]:
+    return _logged(server, "recovered")
+
+
 def test_sigkill_a_worker_mid_stream_then_recover(tp2: Server) -> None:
     reference = httpx.post(f"{tp2.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
+    before = len(_recovered(tp2))
     rng = random.Random(6)
     for _ in range(3):
         kill_trial(tp2, reference, rng, signal.SIGKILL, end_within=2.0)
-    causes = [e["cause"] for e in tp2.logs() if e.get("event") == "recovered"]
+    recovered = _recovered(tp2)[before:]
+    causes = [e["cause"] for e in recovered]
     assert len(causes) == 3 and all("SIGKILL" in c for c in causes), causes
-    assert [e["restarts"] for e in tp2.logs() if e.get("event") == "recovered"] == [1, 2, 3]
-    metrics = httpx.get(f"{tp2.url}/metrics").text
-    assert "neuron_worker_restarts_total 3.0" in metrics
+    assert [e["restarts"] for e in recovered] == [before + 1, before + 2, before + 3]
+    assert tp2.metrics()[("neuron_worker_restarts_total", ())] == before + 3
 
 
 def test_sigstop_a_worker_the_step_deadline_fires_then_recover(tp2: Server) -> None:
@@ -51,17 +63,19 @@ def test_sigstop_a_worker_the_step_deadline_fires_then_recover(tp2: Server) -> N
 
 
 def test_a_worker_dying_between_requests_turns_ready_off_at_once(tp2: Server) -> None:
+    before = len(_recovered(tp2))
     victim = worker_pid(tp2)
     os.kill(victim, signal.SIGKILL)
     lost = tp2.wait_log("worker lost", timeout=10, pid=victim)
     assert lost["rank"] == 1 and "SIGKILL" in lost["status"]
     wait_until(lambda: ready(tp2), 90, "ready again")
-    assert tp2.find_log("recovered") is not None
+    assert len(_recovered(tp2)) == before + 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])  # noticed by the process watch, or the deadline
 def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server, sig: signal.Signals) -> None:
     victim = worker_pid(tp2)
+    prefills = len(_logged(tp2, "prefill done"))
     replies: list[httpx.Response] = []
     client = threading.Thread(
         target=lambda: replies.append(
@@ -69,7 +83,7 @@ def test_a_non_streaming_request_gets_503_with_retry_after(tp2: Server, sig: sig
         )
     )
     client.start()
-    wait_until(lambda: tp2.find_log("prefill done") is not None, 30, "the request running")
+    wait_until(lambda: len(_logged(tp2, "prefill done")) > prefills, 30, "the request running")
     os.kill(victim, sig)
     client.join(timeout=30)
     assert replies and replies[0].status_code == 503, replies

@@ -16,12 +16,12 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Server, alive, run_neuron, serving, tcp_sockets, wait_until
+from conftest import PARIS, Server, alive, run_neuron, serving, tcp_sockets, wait_until
 from test_logging import Journal
 from test_systemd import FakeSystemd
 
@@ -59,19 +59,23 @@ def generate(*args: str) -> str:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_across_two_hosts_equals_tp1(bed: Namespaces, tiny_models: dict[str, Path], arch: str) -> None:
+def test_tp2_across_two_hosts_equals_tp1(
+    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str], arch: str
+) -> None:
     model = str(tiny_models[arch])
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], f"tp2-{arch}.json")
-    assert generate("--model", model, *hosts_args(bed, hostfile), PROMPT) == generate("--model", model, PROMPT)
+    assert generate("--model", model, *hosts_args(bed, hostfile), PROMPT) == tiny_alone(arch)
     nothing_left(bed)
 
 
-def test_pipeline_stages_across_hosts_equal_tp1(bed: Namespaces, tiny_models: dict[str, Path]) -> None:
+def test_pipeline_stages_across_hosts_equal_tp1(
+    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
+) -> None:
     """Each host holds its own run of layers; the hidden states cross the links, the last back to the leader."""
     model = str(tiny_models["qwen3"])
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "pp3.json")
     across = generate("--model", model, "--pp", "3", *hosts_args(bed, hostfile), PROMPT)
-    assert across == generate("--model", model, PROMPT)
+    assert across == tiny_alone("qwen3")
     two = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
     assert generate("--model", model, "--pp", "2", *hosts_args(bed, two), PROMPT) == across
     nothing_left(bed)
@@ -94,13 +98,16 @@ def test_a_remote_workers_log_reaches_the_journal_with_its_rank_and_host(
     assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
 
 
-def test_smollm2_tp3_and_pp3_across_three_hosts_equal_tp1(bed: Namespaces, smollm2: Path) -> None:
-    question = ("--chat", "What is the capital of France?")
+def test_smollm2_tp3_and_pp3_across_three_hosts_equal_tp1(
+    bed: Namespaces, smollm2_paris: subprocess.CompletedProcess[str]
+) -> None:
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "tp3.json")
-    # No --model: each host finds the embedded SmolLM2 and converts it itself.
-    across = generate(*hosts_args(bed, hostfile), *question)
-    assert across == generate(*question) and "Paris" in across
-    assert generate(*hosts_args(bed, hostfile), "--pp", "3", *question) == across  # 30 layers in three stages
+    # No --model: each host finds the embedded SmolLM2 and converts it itself. One rank's answer: conftest's.
+    across = run_neuron("generate", *hosts_args(bed, hostfile), *PARIS)
+    assert across.returncode == 0, across.stderr[-3000:]
+    assert across.stdout == smollm2_paris.stdout and "Paris" in across.stdout
+    staged = run_neuron("generate", *hosts_args(bed, hostfile), "--pp", "3", *PARIS)  # 30 layers in three stages
+    assert staged.returncode == 0 and staged.stdout == across.stdout, staged.stderr[-3000:]
     nothing_left(bed)
 
 
@@ -117,9 +124,10 @@ def cluster(
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> str:
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"])) as alone:
-        return complete(alone)
+def reference(tiny_alone: Callable[[str], str]) -> str:
+    """GREEDY's completion on one rank: what ``neuron generate`` prints, less the newline it ends with (the same
+    tokens; tests/hosts/test_push.py holds a server to it too)."""
+    return tiny_alone("qwen3").removesuffix("\n")
 
 
 def complete(server: Server) -> str:
@@ -156,39 +164,6 @@ def _ss(*args: str, namespace: str | None = None) -> list[tuple[str, int, str, i
         (ip, _, port), (peer, _, peer_port) = fields[-2].rpartition(":"), fields[-1].rpartition(":")
         out.append((ip.strip("[]"), int(port), peer.strip("[]"), int(peer_port) if peer_port != "*" else 0, process))
     return out
-
-
-def test_the_ssh_data_plane_listens_on_loopback_and_crosses_the_bridge_only_inside_ssh(
-    bed: Namespaces, tiny_models: dict[str, Path], reference: str, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """``--data-plane ssh``: the same tokens as TP=1; every ring listener on its host's loopback, the tunnels'
-    ends too; between the hosts nothing but SSH (port 22); no tunnel left once the server is gone."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
-    args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", *hosts_args(bed, hostfile))
-    with serving(tmp_path_factory, *args) as server:
-        assert complete(server) == reference
-        assert server.find_log("ssh tunnels open", links=["0->1", "1->0"]) is not None
-        (worker,) = bed.workers(1)
-        # On host 1: loopback only, but for the test bed's own sshd on its address (its config names it).
-        host = bed.namespaces[1]
-        for ip, port, _, _, process in _ss("-l", namespace=host):
-            assert ip == "127.0.0.1" or ((ip, port) == (bed.ip(1), 22) and "sshd" in process), (ip, port, process)
-        connected = _ss("state", "established", namespace=host)
-        crossing = [s for s in connected if s[0] == bed.ip(1)]
-        assert crossing and all(port == 22 for _, port, _, _, _ in crossing), crossing
-        ring = [s for s in connected if f"pid={worker}," in s[4]]
-        assert ring and all(ip == peer == "127.0.0.1" for ip, _, peer, _, _ in ring), ring  # to sshd's tunnel ends
-        # On the leader's host: its own sockets and its ssh processes' (the workers' and the tunnel's).
-        leader = [server.process.pid, *children(server.process.pid, "ssh")]
-        for pid in leader:
-            for ip, port, state in tcp_sockets(pid):
-                assert ip == "127.0.0.1" or (ip == bed.leader_ip and state == "ESTABLISHED"), (pid, ip, port, state)
-        mine = [s for s in _ss("state", "established") if any(f"pid={pid}," in s[4] for pid in leader)]
-        peers = {(ip, port) for _, _, ip, port, _ in mine}
-        assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
-        assert len(children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
-    nothing_left(bed, (1,))
-    wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
 
 
 def _restarts(server: Server) -> float:
@@ -260,16 +235,62 @@ def test_a_link_down_mid_step_and_every_stream_goes_on_once_it_is_back(
     wait_until(lambda: not alive(old), 30, "the stranded worker to exit once its link is back")
 
 
-def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goes_on(
+@pytest.fixture(scope="class")
+def ssh_plane(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """``--data-plane ssh``: the tunnel connection killed is a lost link, noticed at once (``ssh tunnel lost``, no
-    step deadline), and the streams resume in this process over fresh tunnels; then the worker's own session cut,
-    and they resume again."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane-resume.json")
+) -> Iterator[Server]:
+    """``--data-plane ssh`` with rank 1 on host 1, for the class below; ended with it, before the refusals that
+    need host 1 empty."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
     args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
     with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
+        yield server
+    # No tunnel left once the server is gone.
+    nothing_left(bed, (1,))
+    wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
+
+
+class TestTheSshDataPlane:
+    """One server over the SSH data plane: first what it listens on and what crosses the bridge, then the faults it
+    must resume through."""
+
+    def test_the_ssh_data_plane_listens_on_loopback_and_crosses_the_bridge_only_inside_ssh(
+        self, bed: Namespaces, ssh_plane: Server, reference: str
+    ) -> None:
+        """The same tokens as TP=1; every ring listener on its host's loopback, the tunnels' ends too; between the
+        hosts nothing but SSH (port 22)."""
+        server = ssh_plane
+        assert complete(server) == reference
+        assert server.find_log("ssh tunnels open", links=["0->1", "1->0"]) is not None
+        (worker,) = bed.workers(1)
+        # On host 1: loopback only, but for the test bed's own sshd on its address (its config names it).
+        host = bed.namespaces[1]
+        for ip, port, _, _, process in _ss("-l", namespace=host):
+            assert ip == "127.0.0.1" or ((ip, port) == (bed.ip(1), 22) and "sshd" in process), (ip, port, process)
+        connected = _ss("state", "established", namespace=host)
+        crossing = [s for s in connected if s[0] == bed.ip(1)]
+        assert crossing and all(port == 22 for _, port, _, _, _ in crossing), crossing
+        ring = [s for s in connected if f"pid={worker}," in s[4]]
+        assert ring and all(ip == peer == "127.0.0.1" for ip, _, peer, _, _ in ring), ring  # to sshd's tunnel ends
+        # On the leader's host: its own sockets and its ssh processes' (the workers' and the tunnel's).
+        leader = [server.process.pid, *children(server.process.pid, "ssh")]
+        for pid in leader:
+            for ip, port, state in tcp_sockets(pid):
+                assert ip == "127.0.0.1" or (ip == bed.leader_ip and state == "ESTABLISHED"), (pid, ip, port, state)
+        mine = [s for s in _ss("state", "established") if any(f"pid={pid}," in s[4] for pid in leader)]
+        peers = {(ip, port) for _, _, ip, port, _ in mine}
+        assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
+        assert len(children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
+
+    def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goes_on(
+        self, bed: Namespaces, ssh_plane: Server
+    ) -> None:
+        """The tunnel connection killed is a lost link, noticed at once (``ssh tunnel lost``, no step deadline),
+        and the streams resume in this process over fresh tunnels; then the worker's own session cut, and they
+        resume again."""
+        server = ssh_plane
         undisturbed = resume.references(server.url, RESUMING)
+        restarts = _restarts(server)
 
         def session(tunnel: bool) -> int:
             (pid,) = [p for p in children(server.process.pid, "ssh") if (b"ControlMaster=yes" in _cmdline(p)) == tunnel]
@@ -283,9 +304,7 @@ def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goe
         broken = [str(e["failures"]) for e in server.logs() if e.get("event") == "pool broken"]
         assert broken and not any("deadline" in b or "stuck" in b for b in broken), broken  # no deadline needed
         resume.disturb(server, undisturbed, resume.kill(session(tunnel=False), signal.SIGKILL), bases=RESUMING)
-        assert _restarts(server) == 2 and server.find_log("restarting") is None
-    nothing_left(bed, (1,))
-    wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
+        assert _restarts(server) == restarts + 2 and server.find_log("restarting") is None
 
 
 def _cmdline(pid: int) -> bytes:

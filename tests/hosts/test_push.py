@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -37,10 +37,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
 
 
 @pytest.fixture(scope="module")
-def reference(bed: Namespaces, tiny_models: dict[str, Path]) -> str:
-    """The model's greedy text on one rank."""
-    text, _ = generate(bed, "--model", str(tiny_models["qwen3"]))
-    return text
+def reference(tiny_alone: Callable[[str], str]) -> str:
+    """The model's greedy text on one rank (``generate`` below asks for as many tokens)."""
+    return tiny_alone("qwen3")
 
 
 def empty_host(bed: Namespaces, host: int, cache: Path, model: str = "/nowhere/qwen3", **env: str) -> dict:
