@@ -35,12 +35,19 @@ SYSLOG_IDENTIFIER = "neuron"
 PRIORITIES = {"critical": 2, "error": 3, "exception": 3, "warning": 4, "info": 6, "debug": 7, "trace": 7}
 
 _tracing = False
+_debugging = False
 _configured = ("warning", "json")
 
 
 def configured() -> tuple[str, str]:
     """This process's log level and format (``auto`` resolved), as a worker should be told them."""
     return _configured
+
+
+def debugging() -> bool:
+    """Whether debug events are written: a per-step caller checks this before building one, as even a dropped
+    event costs structlog a logger bound per call."""
+    return _debugging
 
 
 def configure(level: str, fmt: str, **bound: object) -> str:
@@ -50,10 +57,11 @@ def configure(level: str, fmt: str, **bound: object) -> str:
     stderr is the journal (``$JOURNAL_STREAM``, as systemd sets it), console on
     a terminal, JSON otherwise. ``trace`` is below ``debug``: one event per step.
     """
-    global _tracing, _configured
+    global _tracing, _debugging, _configured
     if fmt == "auto":
         fmt = "journal" if stderr_is_journal() else "console" if sys.stderr.isatty() else "json"
     _tracing = level == "trace"
+    _debugging = level.lower() in ("trace", "debug")
     _configured = (level, fmt)
     processors: list[Any] = [
         structlog.contextvars.merge_contextvars,

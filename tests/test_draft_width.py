@@ -7,17 +7,21 @@ sequence's acceptance estimate, and the scheduler's plans that apply them. Milli
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from neuron.engine.drafts import (
+    COST_WINDOW,
     LOOKUP_PRIOR,
     MAX_K,
+    MIN_SAMPLES,
     PREDICTION_PRIOR,
     PRIOR_FIXED_MS,
     PRIOR_ROW_MS,
     Proposer,
     StepCost,
+    WindowMedians,
     expected_kept,
     width,
 )
@@ -111,6 +115,23 @@ def test_a_row_count_timed_enough_is_priced_at_its_own_median_not_the_line() -> 
     assert width(row, cost) == 1  # timed, two rows cost 45 ms: 1.45 tokens in 45 ms lose to 1 in 27
     assert width([(4, 0.9)], cost) == 5  # a draft kept at 90% still pays for the jump
     assert cost.ms(5, share=0.5) == pytest.approx(0.5 * cost.fixed_ms + 5 * cost.row_ms)  # micro-batches: the line
+
+
+def test_the_window_medians_kept_in_place_are_those_rebuilt_from_the_window() -> None:
+    """Row counts that come, go and come back, times that tie: each step's medians, and their order, match a
+    rebuild over the last ``COST_WINDOW`` steps."""
+    rng = random.Random(7)
+    window = WindowMedians(COST_WINDOW)
+    steps: list[tuple[int, float]] = []
+    for i in range(2000):
+        counts = (1, 2) if i % 500 < 250 else (1, 2, 4, 8, 16)
+        step = (rng.choice(counts), float(rng.randint(10, 30)))
+        steps.append(step)
+        rebuilt: dict[int, list[float]] = {}
+        for r, t in steps[-COST_WINDOW:]:
+            rebuilt.setdefault(r, []).append(t)
+        want = [(r, sorted(ts)[len(ts) // 2], len(ts)) for r, ts in rebuilt.items() if len(ts) >= MIN_SAMPLES]
+        assert window.add(*step) == want
 
 
 def _sequence(prompt: list[int], max_tokens: int = 100) -> Sequence:

@@ -32,6 +32,7 @@ it weighs them with, which the engine refines from the steps it times.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -202,6 +203,39 @@ MIN_SAMPLES = 3  # steps timed at a row count before its median counts
 MIN_SPAN = 4  # rows between the fewest and the most fed before the slope is fitted rather than assumed
 
 
+class WindowMedians:
+    """The last ``size`` (rows, ms) steps, kept sorted by row count so that each step updates the medians in
+    place: ``StepCost.observe`` runs on the engine loop every step, where rebuilding them over the window showed
+    in the profile (BENCHMARKS.md, issue 49)."""
+
+    def __init__(self, size: int) -> None:
+        self.steps: deque[tuple[int, float]] = deque()
+        self.size = size
+        self.by_rows: dict[int, list[float]] = {}  # row count -> its times in the window, sorted
+
+    def add(self, rows: int, ms: float) -> list[tuple[int, float, int]]:
+        """Adds a step (dropping the oldest past ``size``); returns (rows, median ms, steps) for each row count
+        timed at least ``MIN_SAMPLES`` times, in the order the row counts first appear in the window."""
+        self.steps.append((rows, ms))
+        bisect.insort(self.by_rows.setdefault(rows, []), ms)
+        if len(self.steps) > self.size:
+            old_rows, old_ms = self.steps.popleft()
+            times = self.by_rows[old_rows]
+            del times[bisect.bisect_left(times, old_ms)]
+            if not times:
+                del self.by_rows[old_rows]
+        order: Iterable[int] = self.by_rows
+        if len(self.by_rows) > 1:  # the order a rebuild from the window gives, so that the fit's sums match it
+            first: dict[int, None] = {}
+            for r, _ in self.steps:
+                if r not in first:
+                    first[r] = None
+                    if len(first) == len(self.by_rows):
+                        break
+            order = first
+        return [(r, ts[len(ts) // 2], len(ts)) for r in order if len(ts := self.by_rows[r]) >= MIN_SAMPLES]
+
+
 @dataclass(slots=True)
 class StepCost:
     """A decode step's time: ``fixed_ms + row_ms * rows``, rows being the tokens fed across the batch (B x W).
@@ -220,7 +254,7 @@ class StepCost:
 
     fixed_ms: float = PRIOR_FIXED_MS
     row_ms: float = PRIOR_ROW_MS
-    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    window: WindowMedians = field(default_factory=lambda: WindowMedians(COST_WINDOW))
     measured: dict[int, float] = field(default_factory=dict)  # row count -> median ms, where timed enough
 
     def ms(self, rows: int, share: float = 1.0) -> float:
@@ -234,11 +268,7 @@ class StepCost:
         """A decode step fed ``rows`` tokens and took ``ms``."""
         if rows <= 0 or ms <= 0:
             return
-        self.steps.append((rows, ms))
-        by_rows: dict[int, list[float]] = {}
-        for r, t in self.steps:
-            by_rows.setdefault(r, []).append(t)
-        points = [(r, sorted(ts)[len(ts) // 2], len(ts)) for r, ts in by_rows.items() if len(ts) >= MIN_SAMPLES]
+        points = self.window.add(rows, ms)
         self.measured = {r: t for r, t, _ in points}
         if not points:
             return

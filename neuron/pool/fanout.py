@@ -21,7 +21,7 @@ import anyio
 import structlog
 
 from neuron import rpc
-from neuron.log import ms_since
+from neuron.log import debugging, ms_since
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Abandoned, Alarm, Rank0Thread
 from neuron.rank.rank import Rank, RankError
@@ -125,6 +125,7 @@ class FanOut:
             raise self.broken
         async with self._lock:
             began = time.perf_counter()
+            debug = debugging()
             results: dict[int, Any] = {}
             failures: dict[int, _RankFailure] = {}
             sent: list[tuple[Link, rpc.Request]] = []
@@ -134,7 +135,8 @@ class FanOut:
                 except Exception as e:  # noqa: BLE001 - recorded per rank
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
             started = rank0_done = self.last_reply = time.perf_counter()
-            log.debug("fan-out", op=op, sent=len(sent), failed=len(failures), ms=round((started - began) * 1000, 2))
+            if debug:
+                log.debug("fan-out", op=op, sent=len(sent), failed=len(failures), ms=round((started - began) * 1000, 2))
             lost = self._lost = Alarm()
 
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
@@ -142,7 +144,8 @@ class FanOut:
                 try:
                     results[0] = await self.rank0.call(fn, deadline, abandon=lost)
                     rank0_done = time.perf_counter()
-                    log.debug("rank 0 forward", op=op, ms=ms_since(started))
+                    if debug:
+                        log.debug("rank 0 forward", op=op, ms=ms_since(started))
                 except Abandoned as e:
                     failures[0] = _RankFailure(str(e), breaks=True)
                 except TimeoutError as e:
@@ -179,7 +182,8 @@ class FanOut:
                             tg.start_soon(drain, worker, request)
                         if rank0 is not None:
                             await run_rank0(rank0)
-            log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
+            if debug:
+                log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
             ended = time.perf_counter()
             drained = max(0.0, self.last_reply - rank0_done) if sent else 0.0
             self.timing = Timing(started - began, rank0_done - started, drained, ended - began)

@@ -50,14 +50,17 @@ class Batch:
             micro_batch.ids = [micro_batch.ids[i] for i in keep]
             for layer in micro_batch.cache:
                 layer.filter(keep)
+            caches.alone(micro_batch.cache, len(keep) == 1)  # the filter shifted the padding rows shared away
 
     def join(self, micro_batch: int, seqs: list[int], own: list[list[caches.Layer]]) -> None:
         """Append ``seqs`` (with their own caches, one per layer) to ``micro_batch``, after its rows."""
         merged = caches.merge(own)
         if micro_batch not in self.micro_batches:
             self.micro_batches[micro_batch] = MicroBatch(list(seqs), merged)
+            caches.alone(merged, len(seqs) == 1)
             return
         existing = self.micro_batches[micro_batch]
+        caches.alone(existing.cache, False)
         for layer, new in zip(existing.cache, merged, strict=True):
             layer.extend(new)
         existing.ids += seqs

@@ -12,11 +12,13 @@ which models have only those).
 from __future__ import annotations
 
 import copy
+import functools
+import weakref
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 Layer = Any  # one layer's cache: any of mlx-lm's kinds, alone or batched
 
@@ -59,3 +61,29 @@ def arrays(layer: Layer) -> list[mx.array]:
         held: list[mx.array | None] = list(layer.cache)  # mlx-lm types the slots as None until filled
         return [a for a in held if a is not None]
     return [a for a in (layer.keys, layer.values) if a is not None]
+
+
+def alone(cache: list[Layer], one_row: bool) -> None:
+    """Mark a micro-batch's caches as holding one row with no left padding (``one_row``), or no longer.
+
+    A batched cache masks every step for its rows' left padding; one row of one token with none needs no mask,
+    as a plain cache has none, and building it and attending through it costs a tiny model's step a few percent
+    (BENCHMARKS.md, issue 49). mlx-lm's merge of one cache and its filter down to one row both leave no padding,
+    and dropping a draft's tail from one row trims without padding, so the mark holds until rows join.
+    """
+    for layer in cache:
+        if type(layer) is not BatchKVCache:
+            continue
+        if one_row:
+            # weak: a cycle would keep the cache alive until the collector ran
+            layer.make_mask = functools.partial(_unpadded_mask, weakref.ref(layer))  # type: ignore[method-assign]
+        else:
+            layer.__dict__.pop("make_mask", None)
+
+
+def _unpadded_mask(layer: weakref.ref[BatchKVCache], N: int, return_array: bool = False, **kwargs: Any) -> Any:
+    if N == 1 and not return_array and kwargs.get("window_size") is None:
+        return None
+    cache = layer()
+    assert cache is not None
+    return BatchKVCache.make_mask(cache, N, return_array=return_array, **kwargs)
