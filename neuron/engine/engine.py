@@ -39,6 +39,7 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
+from neuron.architectures import mtp_heads
 from neuron.engine.adapters import Adapters
 from neuron.engine.disk import PrefixDisk
 from neuron.engine.drafts import DRAFTED
@@ -138,9 +139,12 @@ class Engine(Recovering):
         ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
-        draft = await _draft_model(config, text, limits or Scheduling())
+        limits = limits or Scheduling()
+        stages = layout.stages if layout is not None else 1
+        draft = await _draft_model(config, text, limits, stages, model or model_path.name)
         async with Pool(model_path, layout, deadlines, model) as pool:
             pool.draft_path = draft
+            pool.mtp = limits.speculate == "mtp"
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
@@ -357,15 +361,25 @@ class Engine(Recovering):
             self.output.failed(seq, kind, message)
 
 
-async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -> Path | None:
+async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, stages: int, name: str) -> Path | None:
     """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
-    None without one, or where this model speculates not at all. Says in the log what a model's own
-    multi-token-prediction heads are used for: nothing yet."""
-    heads = mtp_heads(text_config(config))
+    None without one, or where this model speculates not at all. With ``--speculate mtp`` the model's own
+    multi-token-prediction layers draft instead (rank/mtp.py), refused here, before anything loads, where they
+    cannot."""
+    heads = mtp_heads(config)
+    if limits.speculate == "mtp":
+        if limits.draft_model is not None:
+            raise ModelError(
+                f"--speculate mtp drafts with {name}'s own prediction layers and --draft-model with another model; "
+                "pass one of them"
+            )
+        if problem := architectures.mtp_refusal(config, name, stages):
+            raise ModelError(f"--speculate mtp: {problem}")
+        return None
     if heads:
         log.info(
-            f"the model ships {heads} multi-token-prediction layer(s); neuron does not run them as a draft: "
-            + ("the draft model proposes instead" if limits.draft_model else "pass --draft-model to draft with a model")
+            f"the model ships {heads} multi-token-prediction layer(s), which draft with --speculate mtp"
+            + (": the draft model proposes instead" if limits.draft_model else "")
         )
     if limits.draft_model is None:
         return None
@@ -373,7 +387,7 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -
         log.info("the draft model is not loaded: this server does not speculate", draft_model=limits.draft_model)
         return None
     path = await anyio.to_thread.run_sync(resolve, limits.draft_model)
-    if heads := mtp_heads(text_config(read_config(path))):
+    if heads := mtp_heads(read_config(path)):
         log.info(f"the draft model ships {heads} multi-token-prediction layer(s); neuron does not run them")
     if problem := text.differs(Text.load(path)):
         raise ModelError(
@@ -381,9 +395,3 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -
             "of the same family, trained with the same tokenizer"
         )
     return path
-
-
-def mtp_heads(model: dict[str, Any]) -> int:
-    """The multi-token-prediction layers a model's config declares (DeepSeek V3 and GLM-4.5's
-    ``num_nextn_predict_layers``, Qwen3-Next's ``mtp_num_hidden_layers``)."""
-    return int(model.get("num_nextn_predict_layers") or model.get("mtp_num_hidden_layers") or 0)
