@@ -30,19 +30,21 @@ DAMPING = 0.01
 
 
 def _with_mtp(model: Path, seed: int = 1, exact: bool = False) -> Path:
-    """Give ``model`` (a tiny glm4_moe) a prediction layer as GLM-4.5's checkpoint holds it: layer
+    """Give ``model`` (a tiny glm4_moe or deepseek_v3) a prediction layer as their checkpoints hold it: layer
     ``num_hidden_layers``, random; with ``exact``, one that computes what the model computes once every layer's
     output projections are zeroed (``quiet_layers(model, 0, 0.0)``)."""
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import glm4_moe
+    import importlib
 
-    from neuron.rank.mtp import MtpLayer
+    from mlx.utils import tree_flatten, tree_map
+
+    from neuron.rank.mtp import BLOCKS, MtpLayer
 
     config = json.loads((model / "config.json").read_text())
     layers, dims = config["num_hidden_layers"], config["hidden_size"]
-    args = glm4_moe.ModelArgs.from_dict(config)
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
-    layer = MtpLayer(dims, config["rms_norm_eps"], glm4_moe.DecoderLayer(args, layers))
+    layer = MtpLayer(dims, config["rms_norm_eps"], getattr(module, BLOCKS[config["model_type"]])(args, layers))
     layer.update(tree_map(lambda p: p * 4.0 if p.ndim >= 2 else p, layer.parameters()))
     weights = dict(mx.load(str(model / "model.safetensors")).items())  # type: ignore[union-attr]
     mine = dict(tree_flatten(layer.parameters()))
@@ -112,8 +114,9 @@ async def test_greedy_with_the_models_own_prediction_layer_is_decoding_without_i
     await drafts_change_nothing(mtp_server, "m", PROMPTS, MAX_TOKENS)
 
 
-def test_a_prediction_layer_the_model_agrees_with_is_kept(tmp_path_factory: pytest.TempPathFactory) -> None:
-    model = make_arch_model(tmp_path_factory.mktemp("exact") / "m", "glm4_moe")
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_a_prediction_layer_the_model_agrees_with_is_kept(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = make_arch_model(tmp_path_factory.mktemp("exact") / "m", arch)
     model = _with_mtp(quiet_layers(model, 0, 0.0), exact=True)
     with serving(tmp_path_factory, "--model", str(model), "--speculate", "mtp", "--tp", "2") as server:
         plain = _complete(server, PROMPTS[2], 30, num_draft_tokens=0)
