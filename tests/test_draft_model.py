@@ -215,12 +215,14 @@ def test_a_constrained_row_decodes_without_drafts(drafted: Server) -> None:
 
 
 def _samples(server: Server, drafts: bool, requests: int) -> tuple[Counter[str], tuple[int, int]]:
-    """``requests`` x 8 seeded samples of 3 tokens (top-2 at temperature 1), counted by their text."""
+    """``requests`` seeded samples of 3 tokens (top-2 at temperature 1), counted by their text. One at a time:
+    the batch's rule prices the draft's own steps, and for this tiny pair a draft step costs nearly a target
+    step at batch 8 (where it rightly drafts nothing: BENCHMARKS.md), a fraction of one at batch 1."""
     out: Counter[str] = Counter()
     replies = []
     for i in range(requests):
         extra = {} if drafts else {"num_draft_tokens": 0}
-        body = {"temperature": 1.0, "top_k": 2, "n": 8, "seed": 1000 + 8 * i + (0 if drafts else 500_000), **extra}
+        body = {"temperature": 1.0, "top_k": 2, "seed": 1000 + i + (0 if drafts else 500_000), **extra}
         reply = _complete(server, "hello", 3, **body)
         replies.append(reply)
         out.update(choice["text"] for choice in reply["choices"])
@@ -232,8 +234,8 @@ def test_sampled_output_follows_the_same_distribution_with_and_without_the_draft
 ) -> None:
     if "tp1" not in request.node.name:
         pytest.skip("the distribution is the verifier's, on rank 0: one split shows it")
-    with_draft, (kept, thrown) = _samples(drafted, True, 40)
-    without, _ = _samples(drafted, False, 40)
+    with_draft, (kept, thrown) = _samples(drafted, True, 120)
+    without, _ = _samples(drafted, False, 120)
     assert kept > 0 and thrown > 0, (kept, thrown)  # both of the rule's branches were taken
     stat, df = _homogeneity(with_draft, without)
     assert df >= 2 and stat < _critical(df), (stat, df, with_draft, without)

@@ -304,7 +304,7 @@ class Engine(Recovering):
         plan = step.plan
         self._in_flight = step
         try:
-            await self._draft(plan)
+            draft_steps = await self._draft(plan)
             drafted = time.perf_counter()
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
@@ -321,12 +321,14 @@ class Engine(Recovering):
         finally:
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
+        draft_ms = (drafted - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         if self.disk is not None:
             self.disk.written(step.spilled)
-        deliveries = self.scheduler.update(step, sampled, ms)
-        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost
+        cost.observe_draft(draft_steps, draft_ms)  # priced apart from the step's own time (``drafts.width``)
+        deliveries = self.scheduler.update(step, sampled, ms - draft_ms)
+        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         trace(
             log,
             "step",
@@ -334,18 +336,20 @@ class Engine(Recovering):
             rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
             ms=round(ms, 2),
-            draft_ms=round((drafted - started) * 1000, 2),
+            draft_ms=round(draft_ms, 2),
+            draft_step_ms=round(cost.draft_step_ms, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
         )
         for delivery in deliveries:
             self.output.deliver(delivery)
 
-    async def _draft(self, plan: StepPlan) -> None:
-        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0."""
+    async def _draft(self, plan: StepPlan) -> int:
+        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0;
+        returns how many it proposed one after another (the longest draft)."""
         wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
         if not wanted:
-            return
+            return 0
         by_no = {seq.no: seq for seq in self.scheduler.running}
         rows = [
             DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
@@ -355,6 +359,7 @@ class Engine(Recovering):
         for i, row in enumerate(plan.decode):
             if row.draft and row.draft[0] == DRAFTED:
                 plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
+        return max(len(row.draft) for row in wanted)
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
