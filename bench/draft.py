@@ -20,7 +20,9 @@ each prompt sent once before so that both find it in the prefix cache, and one b
 unmeasured, so that the server's step-time model has timed its steps. Medians over ``--rounds`` off/on pairs, and
 the spread of the pairs' ratios. Acceptance: draft tokens kept over draft tokens verified; verified/token: draft
 tokens verified per token asked for (the extra rows the target computed: what a draft costs, free of the load's
-noise).
+noise). CPU per token, on/off: the server's processes' CPU time per token with the draft over without it (median
+over the rounds, and the range): what the draft costs the machine, which other processes' load leaves alone (the
+wall time they stretch).
 """
 
 from __future__ import annotations
@@ -66,17 +68,41 @@ def text_of(reply: dict) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def batch(url: str, model: str, size: int, drafts: bool, max_tokens: int, chat: bool) -> tuple[float, int, int, list]:
-    """Tokens per second, draft tokens kept and verified, and the replies' texts."""
-    started = time.perf_counter()
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) the server's processes have used so far: ``pid`` and every descendant alive."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        no = int(stat.parent.name)
+        parents[no] = int(fields[1])
+        times[no] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        no = todo.pop()
+        total += times.get(no, 0.0)
+        todo += [child for child, parent in parents.items() if parent == no]
+    return total
+
+
+def batch(
+    url: str, model: str, size: int, drafts: bool, max_tokens: int, chat: bool, pid: int = 0
+) -> tuple[float, int, int, list, float]:
+    """Tokens per second, draft tokens kept and verified, the replies' texts, and the server's CPU milliseconds
+    per token (where ``pid`` is given): what the machine's load leaves alone, unlike the wall time."""
+    started, cpu = time.perf_counter(), cpu_seconds(pid) if pid else 0.0
     with ThreadPoolExecutor(size) as pool:
         replies = list(pool.map(lambda i: one(url, model, i, drafts, max_tokens, chat), range(size)))
     seconds = time.perf_counter() - started
     tokens = sum(r["usage"]["completion_tokens"] for r in replies)
+    cpu_ms = (cpu_seconds(pid) - cpu) * 1000 / tokens if pid else 0.0
     details = [r["usage"].get("completion_tokens_details") or {} for r in replies]
     kept = sum(d.get("accepted_prediction_tokens", 0) for d in details)
     verified = kept + sum(d.get("rejected_prediction_tokens", 0) for d in details)
-    return tokens / seconds, kept, verified, [text_of(r) for r in replies]
+    return tokens / seconds, kept, verified, [text_of(r) for r in replies], cpu_ms
 
 
 def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namespace, chat: bool) -> None:
@@ -96,12 +122,15 @@ def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namesp
             for i in range(size):  # every prompt into the prefix cache first, so that both runs skip its prefill
                 one(server.url, model, i, False, 1, chat)
             offs, ons, ratios, kept, verified, tokens, same = [], [], [], 0, 0, 0, True
+            cpu_ratios = []
+            pid = server.process.pid
             for _ in range(args.rounds):  # off and on alternate, so that a slow spell lands on both
-                off, _, _, text_off = batch(server.url, model, size, False, args.max_tokens, chat)
-                on, k, v, text_on = batch(server.url, model, size, True, args.max_tokens, chat)
+                off, _, _, text_off, cpu_off = batch(server.url, model, size, False, args.max_tokens, chat, pid)
+                on, k, v, text_on, cpu_on = batch(server.url, model, size, True, args.max_tokens, chat, pid)
                 offs.append(off)
                 ons.append(on)
                 ratios.append(on / off)
+                cpu_ratios.append(cpu_on / cpu_off)
                 kept, verified, tokens = kept + k, verified + v, tokens + size * args.max_tokens
                 same = same and text_on == text_off
             spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if args.rounds > 1 else "-"
@@ -109,7 +138,9 @@ def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namesp
             # Draft tokens verified per token asked for: the extra rows the draft made the target compute, whatever
             # the machine's load did to the timings.
             row = f"{median(offs):.1f} | {median(ons):.1f} | {median(ratios):.2f}x | {spread} | {acceptance}"
-            row += f" | {verified / tokens:.2f}"
+            row += (
+                f" | {verified / tokens:.2f} | {median(cpu_ratios):.2f}x ({min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})"
+            )
             print(f"| {case} | {tp} | {size} | {row} | {'yes' if same else 'NO'} |")
             sys.stdout.flush()
     finally:
@@ -138,9 +169,10 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="neuron-bench-draft-"))
     try:
         print(
-            "| case | TP | batch | tok/s off | tok/s on | speedup | spread | acceptance | verified/token | same text |"
+            "| case | TP | batch | tok/s off | tok/s on | speedup | spread | acceptance | verified/token "
+            "| CPU per token, on/off | same text |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         if {"exact", "random"} & set(args.cases):
             target = quiet_layers(generated_model(args, scratch / "target"), 1, 0.0)
             exact = cut_layers(target, scratch / "exact-draft", 1)
