@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model (``--draft-model``): decode speed with the draft against without it, in
 one run, on one server per case (each request sent with ``num_draft_tokens: 0`` and without, alternating).
 
-Run: .venv/bin/python bench/draft.py [--cases exact random smollm2] [--tp 1 2] [--sizes 1 4] [--max-tokens 96]
+Run: .venv/bin/python bench/draft.py [--cases exact random mtp smollm2] [--tp 1 2] [--sizes 1 4] [--max-tokens 96]
      [--rounds 3] [--smol-layers 6 24] [--hidden 1024 --layers 8 --heads 16 --intermediate 2816]
 
 No real small/large pair installs here, so the pairs are built:
@@ -12,6 +12,9 @@ No real small/large pair installs here, so the pairs are built:
   target's. The mechanism's best case, at each ``--tp``.
 - random: the same target, and a random one-layer qwen3 of the same width as the draft: next to nothing is kept,
   so this is what a useless draft costs (adaptive k must keep it small). TP=1.
+- mtp: a generated GLM-4.5-shaped MoE (glm4_moe, the shape flags) whose layers all add nothing, and a prediction
+  layer of its own that computes what it computes (testkit.add_prediction_layer), served with --speculate mtp: every
+  draft is kept, and a draft token costs one MoE layer of the model's, its head and the draft's fixed cost.
 - smollm2: the embedded SmolLM2-135M-Instruct, and drafts cut from its own first ``--smol-layers`` layers (no
   training: their last hidden state goes straight to the head), greedy chat on real prompts. TP=1 (9 heads).
 
@@ -42,6 +45,22 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+# GLM-4.5's own fields (glm4_moe), scaled down: 4 routed experts of a quarter of the MLP's width, 2 per token.
+GLM = {
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 704,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": True,
+    "attention_bias": False,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": None,
+}
 CHATS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a bicycle works, step by step.",
@@ -105,12 +124,14 @@ def batch(
     return tokens / seconds, kept, verified, [text_of(r) for r in replies], cpu_ms
 
 
-def measure(case: str, target: Path, draft: Path, tp: int, args: argparse.Namespace, chat: bool) -> None:
+def measure(case: str, target: Path, draft: Path | None, tp: int, args: argparse.Namespace, chat: bool) -> None:
+    """One case's rows; ``draft`` None: the model's own prediction layer drafts (``--speculate mtp``)."""
     from neuron.models import model_id
     from testkit import Server
 
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-draft-{os.getpid()}.log"
-    server = Server("--model", str(target), "--draft-model", str(draft), "--tp", str(tp), log_path=log)
+    drafting = ("--speculate", "mtp") if draft is None else ("--draft-model", str(draft))
+    server = Server("--model", str(target), *drafting, "--tp", str(tp), log_path=log)
     model = model_id(str(target))
     try:
         server.start()
@@ -152,13 +173,13 @@ def main() -> None:
     from generated import add_shape_flags, generated_model
 
     from neuron.models import resolve
-    from testkit import cut_layers, make_tiny_model, quiet_layers
+    from testkit import add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=["exact", "random", "smollm2"])
     add_shape_flags(parser)
     parser.set_defaults(hidden=1024, layers=8, heads=16, intermediate=2816)
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes of the exact case")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes of the exact and mtp cases")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="batch sizes")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
@@ -182,6 +203,12 @@ def main() -> None:
                 shape = {"hidden": args.hidden, "heads": args.heads, "intermediate": args.intermediate}
                 random = make_tiny_model(scratch / "random-draft", "qwen3", seed=1, layers=1, **shape)
                 measure("random", target, random, 1, args, chat=False)
+        if "mtp" in args.cases:  # a GLM-4.5-shaped MoE, its layers adding nothing, and an exact prediction layer
+            shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads}
+            glm = make_tiny_model(scratch / "glm", "glm4_moe", intermediate=args.intermediate, extra=GLM, **shape)
+            glm = add_prediction_layer(quiet_layers(glm, 0, 0.0), exact=True)
+            for tp in args.tp:
+                measure("mtp, exact", glm, None, tp, args, chat=False)
         if "smollm2" in args.cases:
             smol = resolve(None)
             for layers in args.smol_layers:

@@ -9,7 +9,6 @@ that its drafts are kept. A model without such a layer, or served in stages, is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,43 +26,11 @@ from neuron.rank.mtp import MtpDrafter, MtpLayer, _pairs
 from neuron.rank.prefill import Seen, SeqState
 from neuron.sampling_params import SamplingParams
 from neuron.step import DraftRow
-from testkit import make_tiny_model, quiet_layers
+from testkit import add_prediction_layer, make_tiny_model, quiet_layers
 
 PROMPTS = ["hello", "one two three four one two", "The quick brown fox jumps", "def add(a, b):\n"]
 MAX_TOKENS = [20, 27, 16, 24]
 DAMPING = 0.01
-
-
-def _with_mtp(model: Path, seed: int = 1, exact: bool = False) -> Path:
-    """Give ``model`` (a tiny glm4_moe or deepseek_v3) a prediction layer as their checkpoints hold it: layer
-    ``num_hidden_layers``, random; with ``exact``, one that computes what the model computes once every layer's
-    output projections are zeroed (``quiet_layers(model, 0, 0.0)``)."""
-    import importlib
-
-    from mlx.utils import tree_flatten, tree_map
-
-    from neuron.rank.mtp import BLOCKS, MtpLayer
-
-    config = json.loads((model / "config.json").read_text())
-    layers, dims = config["num_hidden_layers"], config["hidden_size"]
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    args = module.ModelArgs.from_dict(config)
-    mx.random.seed(seed)
-    layer = MtpLayer(dims, config["rms_norm_eps"], getattr(module, BLOCKS[config["model_type"]])(args, layers))
-    layer.update(tree_map(lambda p: p * 4.0 if p.ndim >= 2 else p, layer.parameters()))
-    weights = dict(mx.load(str(model / "model.safetensors")).items())  # type: ignore[union-attr]
-    mine = dict(tree_flatten(layer.parameters()))
-    if exact:
-        mine["eh_proj.weight"] = mx.concatenate([mx.eye(dims), mx.zeros((dims, dims))], axis=1)
-        mine = {
-            k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in mine.items()
-        }
-        mine["shared_head.norm.weight"] = weights["model.norm.weight"]
-    for name, value in mine.items():
-        weights[f"model.layers.{layers}.{name.removeprefix('block.')}"] = value
-    mx.save_safetensors(str(model / "model.safetensors"), weights)
-    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    return model
 
 
 def _complete(server: Server, prompt: str, max_tokens: int, **extra: object) -> dict:
@@ -168,7 +135,7 @@ def test_mtp_is_refused_with_the_reason_where_it_cannot_draft() -> None:
 def glm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The model's layers damped: its prediction layer, exact for the undamped model, agrees with it often, not always.
     model = make_arch_model(tmp_path_factory.mktemp("glm") / "m", "glm4_moe")
-    return _with_mtp(quiet_layers(model, 0, DAMPING), exact=True)
+    return add_prediction_layer(quiet_layers(model, 0, DAMPING), exact=True)
 
 
 @pytest.fixture(scope="module", params=[("--tp", "1"), ("--tp", "2")], ids=["tp1", "tp2"])
@@ -187,7 +154,7 @@ async def test_greedy_with_the_models_own_prediction_layer_is_decoding_without_i
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
 def test_a_prediction_layer_the_model_agrees_with_is_kept(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     model = make_arch_model(tmp_path_factory.mktemp("exact") / "m", arch)
-    model = _with_mtp(quiet_layers(model, 0, 0.0), exact=True)
+    model = add_prediction_layer(quiet_layers(model, 0, 0.0), exact=True)
     with serving(tmp_path_factory, "--model", str(model), "--speculate", "mtp", "--tp", "2") as server:
         plain = _complete(server, PROMPTS[2], 30, num_draft_tokens=0)
         with_draft = _complete(server, PROMPTS[2], 30)
