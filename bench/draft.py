@@ -45,22 +45,6 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-# GLM-4.5's own fields (glm4_moe), scaled down: 4 routed experts of a quarter of the MLP's width, 2 per token.
-GLM = {
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 704,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "n_group": 1,
-    "topk_group": 1,
-    "routed_scaling_factor": 1.0,
-    "first_k_dense_replace": 1,
-    "use_qk_norm": True,
-    "attention_bias": False,
-    "partial_rotary_factor": 0.5,
-    "rope_scaling": None,
-}
 CHATS = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a bicycle works, step by step.",
@@ -173,7 +157,7 @@ def main() -> None:
     from generated import add_shape_flags, generated_model
 
     from neuron.models import resolve
-    from testkit import add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
+    from testkit import GLM4_MOE, add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=["exact", "random", "smollm2"])
@@ -205,7 +189,11 @@ def main() -> None:
                 measure("random", target, random, 1, args, chat=False)
         if "mtp" in args.cases:  # a GLM-4.5-shaped MoE, its layers adding nothing, and an exact prediction layer
             shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads}
-            glm = make_tiny_model(scratch / "glm", "glm4_moe", intermediate=args.intermediate, extra=GLM, **shape)
+            moe = {"num_experts_per_tok": 2, "moe_intermediate_size": args.intermediate // 4, "norm_topk_prob": True}
+            glm_fields = {**GLM4_MOE, **moe}
+            glm = make_tiny_model(
+                scratch / "glm", "glm4_moe", intermediate=args.intermediate, extra=glm_fields, **shape
+            )
             glm = add_prediction_layer(quiet_layers(glm, 0, 0.0), exact=True)
             for tp in args.tp:
                 measure("mtp, exact", glm, None, tp, args, chat=False)

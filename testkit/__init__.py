@@ -6,6 +6,7 @@ repository root (pytest's ``pythonpath``); a benchmark puts the root on ``sys.pa
 
 from testkit.models import (
     CHAT_TEMPLATE,
+    GLM4_MOE,
     SPECIALS,
     TOOLS_TEMPLATE,
     add_prediction_layer,
@@ -20,6 +21,7 @@ from testkit.system import DatagramSink, alive, tcp_sockets
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "GLM4_MOE",
     "ROOT",
     "SPECIALS",
     "TOOLS_TEMPLATE",

@@ -26,6 +26,21 @@ TOOLS_TEMPLATE = (
 )
 
 
+# GLM-4.5's own config fields (glm4_moe), for a tiny one: 4 routed experts and a shared one, the first layer dense.
+GLM4_MOE = {
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": True,
+    "attention_bias": False,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": None,
+}
+
+
 def with_template(model: Path, folder: Path, template: str) -> Path:
     """A copy of ``model`` whose tokenizer has another chat template."""
     shutil.copytree(model, folder)
