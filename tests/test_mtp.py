@@ -9,6 +9,7 @@ that its drafts are kept. A model without such a layer, or served in stages, is 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,3 +171,9 @@ def test_a_model_without_prediction_layers_is_refused(tmp_path: Path, glm: Path)
     assert "--speculate mtp" in done.stderr and "ships no multi-token-prediction layers" in done.stderr, done.stderr
     staged = run_neuron("serve", "--model", str(glm), "--speculate", "mtp", "--pp", "2", "--port", "0", timeout=120)
     assert staged.returncode != 0 and "serve it with --tp" in staged.stderr, staged.stderr[-2000:]
+    # Declared, but dropped from the weights (as mlx-lm's conversions drop it): refused once the model loads.
+    converted = make_arch_model(tmp_path / "converted", "glm4_moe")
+    config = json.loads((converted / "config.json").read_text())
+    (converted / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    done = run_neuron("serve", "--model", str(converted), "--speculate", "mtp", "--port", "0", timeout=120)
+    assert done.returncode != 0 and "a conversion dropped them" in done.stderr, done.stderr[-2000:]

@@ -136,7 +136,7 @@ class Loading(Ranks):
         try:
             await self._rank0.call(load_mtp, self.deadlines.load)
         except Exception as e:  # any reason is the operator's to read, as a failed step's
-            raise PoolError("load_mtp", {0: f"{self.model_path}: {e}"}, broken=False, hosts=self.hosts) from e
+            raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=self.hosts) from e
         log.info("the model's multi-token-prediction layer drafts", model=self.model_path)
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
