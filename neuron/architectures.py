@@ -179,6 +179,46 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
     return replace(limits, speculate="off"), [note]  # type: ignore[type-var]
 
 
+# Architectures whose multi-token-prediction layers neuron runs as the draft (``--speculate mtp``, rank/mtp.py):
+# DeepSeek V3's layout (GLM-4.5 ships the same), one decoder layer of the model's own kind after its last.
+MTP = frozenset({"deepseek_v3", "glm4_moe"})
+
+
+def mtp_heads(config: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a model's config declares (DeepSeek V3 and GLM-4.5's
+    ``num_nextn_predict_layers``, Qwen3-Next and Qwen3.5's ``mtp_num_hidden_layers``)."""
+    text = config.get("text_config", config)
+    return int(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0)
+
+
+def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
+    """Why ``--speculate mtp`` cannot draft with this model's own prediction heads, or None where it can."""
+    arch = architecture(config)
+    support = supports(config)
+    heads = mtp_heads(config)
+    if support is not None and not support.speculation:
+        return (
+            f"{name} ({arch}) ships {heads} multi-token-prediction layer(s), but its caches ({support.caches}) "
+            "cannot be cut back to drop a rejected draft, so it does not speculate at all; use --speculate off"
+        )
+    if not heads:
+        return (
+            f"{name} ({arch}) ships no multi-token-prediction layers (its config declares no "
+            "num_nextn_predict_layers or mtp_num_hidden_layers); use --draft-model or --speculate ngram"
+        )
+    if arch not in MTP:
+        return (
+            f"{name} ({arch}) declares {heads} multi-token-prediction layer(s), but neuron runs those of "
+            f"{', '.join(sorted(MTP))} only; use --draft-model or --speculate ngram"
+        )
+    if stages > 1:
+        return (
+            "--speculate mtp drafts on rank 0 from the model's final hidden states, which a pipeline leaves on its "
+            "last stage; serve it with --tp, or use --speculate ngram with --pp"
+        )
+    return None
+
+
 def markdown() -> str:
     """The docs' table of architectures, one row each."""
     rows = [

@@ -413,9 +413,10 @@ class Scheduling:
     )
     speculate: str = setting(
         "ngram",
-        "speculative decoding without a draft model: draft tokens from prompt lookup and requests' `prediction`, "
-        "verified in the batched step; off: none",
-        choices=("ngram", "off"),
+        "where speculative decoding's draft tokens come from, verified in the batched step: ngram, prompt lookup and "
+        "requests' `prediction` (or --draft-model's); mtp, the model's own multi-token-prediction layers (vLLM's "
+        "method name; DeepSeek V3 and GLM-4.5, refused with the reason elsewhere); off: none",
+        choices=("ngram", "mtp", "off"),
     )
     draft_model: str | None = setting(
         None,

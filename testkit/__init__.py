@@ -6,8 +6,10 @@ repository root (pytest's ``pythonpath``); a benchmark puts the root on ``sys.pa
 
 from testkit.models import (
     CHAT_TEMPLATE,
+    GLM4_MOE,
     SPECIALS,
     TOOLS_TEMPLATE,
+    add_prediction_layer,
     cut_layers,
     make_tiny_model,
     quiet_layers,
@@ -19,11 +21,13 @@ from testkit.system import DatagramSink, alive, tcp_sockets
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "GLM4_MOE",
     "ROOT",
     "SPECIALS",
     "TOOLS_TEMPLATE",
     "DatagramSink",
     "Server",
+    "add_prediction_layer",
     "alive",
     "cut_layers",
     "make_tiny_model",

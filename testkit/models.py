@@ -26,6 +26,21 @@ TOOLS_TEMPLATE = (
 )
 
 
+# GLM-4.5's own config fields (glm4_moe), for a tiny one: 4 routed experts and a shared one, the first layer dense.
+GLM4_MOE = {
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": True,
+    "attention_bias": False,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": None,
+}
+
+
 def with_template(model: Path, folder: Path, template: str) -> Path:
     """A copy of ``model`` whose tokenizer has another chat template."""
     shutil.copytree(model, folder)
@@ -67,8 +82,10 @@ def make_tiny_model(
     heads: int = 4,
     intermediate: int | None = None,
     vocab: int | None = None,
+    extra: dict | None = None,
 ) -> Path:
-    """A random-weight model with a real tokenizer; the defaults are the tests' tiny one (the benchmarks grow it)."""
+    """A random-weight model with a real tokenizer; the defaults are the tests' tiny one (the benchmarks grow it).
+    ``extra``: the architecture's own config fields."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
@@ -89,6 +106,7 @@ def make_tiny_model(
         "rope_theta": 10000.0,
         "tie_word_embeddings": model_type == "qwen3",
         "eos_token_id": 2,
+        **(extra or {}),
     }
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
@@ -133,6 +151,41 @@ def quiet_layers(model: Path, first: int, factor: float) -> Path:
             if index is not None and index >= first and name.endswith(("o_proj.weight", "down_proj.weight")):
                 weights[name] = value * factor
         mx.save_safetensors(str(file), weights)
+    return model
+
+
+def add_prediction_layer(model: Path, seed: int = 1, exact: bool = False) -> Path:
+    """Give ``model`` (a glm4_moe or deepseek_v3) a multi-token-prediction layer as their checkpoints hold it, in
+    place: layer ``num_hidden_layers``, random; with ``exact``, one that computes what the model computes once every
+    layer's output projections are zeroed (``quiet_layers(model, 0, 0.0)``): the model's next token is then a
+    function of the current token's embedding, which the layer reproduces through an ``eh_proj`` that passes the
+    embedding and a decoder layer that adds nothing, its final norm the model's."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    from neuron.rank.mtp import BLOCKS, MtpLayer
+
+    config = json.loads((model / "config.json").read_text())
+    layers, dims = config["num_hidden_layers"], config["hidden_size"]
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    args = module.ModelArgs.from_dict(config)
+    mx.random.seed(seed)
+    layer = MtpLayer(dims, config["rms_norm_eps"], getattr(module, BLOCKS[config["model_type"]])(args, layers))
+    layer.update(tree_map(lambda p: p * 4.0 if p.ndim >= 2 else p, layer.parameters()))
+    weights = dict(mx.load(str(model / "model.safetensors")).items())  # type: ignore[union-attr]
+    mine = dict(tree_flatten(layer.parameters()))
+    if exact:
+        mine["eh_proj.weight"] = mx.concatenate([mx.eye(dims), mx.zeros((dims, dims))], axis=1)
+        mine = {
+            k: mx.zeros_like(v) if k.endswith(("o_proj.weight", "down_proj.weight")) else v for k, v in mine.items()
+        }
+        mine["shared_head.norm.weight"] = weights["model.norm.weight"]
+    for name, value in mine.items():
+        weights[f"model.layers.{layers}.{name.removeprefix('block.')}"] = value
+    mx.save_safetensors(str(model / "model.safetensors"), weights)
+    (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return model
 
 

@@ -18,12 +18,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import anyio
 import httpx
 import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_all_same
 from conftest import SPLITS, Server, run_neuron, serving
+from drafting import complete, drafts_change_nothing, spoken
 
 from neuron.engine.drafts import DRAFTED, MODEL_FLOOR, MODEL_PRIOR, DraftRate, Proposer
 from neuron.engine.text import Text
@@ -171,37 +171,12 @@ def drafted(
 
 
 def _complete(server: Server, prompt: str, max_tokens: int, **extra: object) -> dict:
-    body = {"model": "target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def _spoken(replies: list[dict]) -> tuple[int, int]:
-    """Draft tokens kept and thrown away, over the replies."""
-    details = [r["usage"]["completion_tokens_details"] for r in replies]
-    return sum(d["accepted_prediction_tokens"] for d in details), sum(d["rejected_prediction_tokens"] for d in details)
+    return complete(server, "target", prompt, max_tokens, **extra)
 
 
 @pytest.mark.anyio
 async def test_greedy_with_a_draft_model_is_decoding_without_one(drafted: Server) -> None:
-    pairs = list(zip(PROMPTS, MAX_TOKENS, strict=True))
-    plain = [_complete(drafted, p, n, num_draft_tokens=0, logprobs=TOP) for p, n in pairs]
-    alone = [_complete(drafted, p, n, logprobs=TOP) for p, n in pairs]
-    together: list[dict] = [{}] * len(pairs)
-
-    async def one(i: int) -> None:
-        together[i] = await anyio.to_thread.run_sync(lambda: _complete(drafted, *pairs[i], logprobs=TOP))
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(pairs)):
-            tg.start_soon(one, i)
-    scored = [[Scored.of(r["choices"][0]) for r in replies] for replies in (plain, alone, together)]
-    assert_all_same(scored[0], scored[1], "drafted alone")
-    assert_all_same(scored[0], scored[2], "drafted together")
-    kept, thrown = _spoken(alone + together)
-    assert kept > 0 and thrown > 0  # drafts were kept, and rejected ones rolled back
-    assert _spoken(plain) == (0, 0)
+    await drafts_change_nothing(drafted, "target", PROMPTS, MAX_TOKENS)
 
 
 def test_penalties_and_stops_with_a_draft_model(drafted: Server) -> None:
@@ -236,20 +211,22 @@ def test_a_constrained_row_decodes_without_drafts(drafted: Server) -> None:
         assert response.status_code == 200, response.text
         replies.append(response.json())
     assert replies[1]["choices"][0]["message"] == replies[0]["choices"][0]["message"]
-    assert _spoken(replies) == (0, 0)
+    assert spoken(replies) == (0, 0)
 
 
 def _samples(server: Server, drafts: bool, requests: int) -> tuple[Counter[str], tuple[int, int]]:
-    """``requests`` x 8 seeded samples of 3 tokens (top-2 at temperature 1), counted by their text."""
+    """``requests`` seeded samples of 3 tokens (top-2 at temperature 1), counted by their text. One at a time:
+    the batch's rule prices the draft's own steps, and for this tiny pair a draft step costs nearly a target
+    step at batch 8 (where it rightly drafts nothing: BENCHMARKS.md), a fraction of one at batch 1."""
     out: Counter[str] = Counter()
     replies = []
     for i in range(requests):
         extra = {} if drafts else {"num_draft_tokens": 0}
-        body = {"temperature": 1.0, "top_k": 2, "n": 8, "seed": 1000 + 8 * i + (0 if drafts else 500_000), **extra}
+        body = {"temperature": 1.0, "top_k": 2, "seed": 1000 + i + (0 if drafts else 500_000), **extra}
         reply = _complete(server, "hello", 3, **body)
         replies.append(reply)
         out.update(choice["text"] for choice in reply["choices"])
-    return out, _spoken(replies)
+    return out, spoken(replies)
 
 
 def test_sampled_output_follows_the_same_distribution_with_and_without_the_draft(
@@ -257,8 +234,8 @@ def test_sampled_output_follows_the_same_distribution_with_and_without_the_draft
 ) -> None:
     if "tp1" not in request.node.name:
         pytest.skip("the distribution is the verifier's, on rank 0: one split shows it")
-    with_draft, (kept, thrown) = _samples(drafted, True, 40)
-    without, _ = _samples(drafted, False, 40)
+    with_draft, (kept, thrown) = _samples(drafted, True, 120)
+    without, _ = _samples(drafted, False, 120)
     assert kept > 0 and thrown > 0, (kept, thrown)  # both of the rule's branches were taken
     stat, df = _homogeneity(with_draft, without)
     assert df >= 2 and stat < _critical(df), (stat, df, with_draft, without)
@@ -277,7 +254,7 @@ def test_a_draft_the_target_agrees_with_is_kept_whole(
         plain = _complete(server, PROMPTS[0], 40, num_draft_tokens=0)
         with_draft = _complete(server, PROMPTS[0], 40)
     assert with_draft["choices"][0]["text"] == plain["choices"][0]["text"]
-    kept, thrown = _spoken([with_draft])
+    kept, thrown = spoken([with_draft])
     assert thrown == 0 and kept >= 30, (kept, thrown)
 
 

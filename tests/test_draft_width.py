@@ -199,3 +199,22 @@ def test_the_estimate_follows_verified_tokens_and_a_matching_prediction_starts_h
     predicted = Proposer(prediction=[5, 6, 7, 8])
     assert predicted.propose([1], [5], room=10) == [6, 7, 8]
     assert predicted.acceptance == PREDICTION_PRIOR
+
+
+def test_a_draft_models_own_steps_are_priced_so_a_slow_or_useless_one_drafts_nothing() -> None:
+    """Each draft token a model proposes is one of its steps before the target's: a width of W costs W - 1 of
+    them. A free draft at the floor's acceptance may still be tried at batch 1 (a width costs little there); one
+    whose step costs a tenth of the target's is not, and a good draft pays for even a slow one's steps."""
+    gpu = StepCost(fixed_ms=50.0, row_ms=0.5)  # wide rows nearly free: only the draft's own steps can cost
+    assert width([(MAX_K, 0.1)], gpu, modelled=MAX_K) > 1  # not timed yet: drafted
+    gpu.observe_draft(4, 20.0)  # 5 ms a draft token, a tenth of a step
+    assert gpu.draft_step_ms == 0.0  # one draft timed: its first, which fed the draft its prompt, may mislead
+    gpu.observe_draft(4, 20.0)
+    gpu.observe_draft(4, 400.0)  # a draft that caught up on a long prompt: the median ignores it
+    assert gpu.draft_step_ms == 5.0
+    assert width([(MAX_K, 0.1)], gpu, modelled=MAX_K) == 1
+    assert width([(MAX_K, 0.1)], gpu) > 1  # the same drafts from prompt lookup cost no steps of their own
+    assert width([(MAX_K, 0.9)], gpu, modelled=MAX_K) == 1 + MAX_K
+    slow = StepCost(fixed_ms=50.0, row_ms=0.5, draft_step_ms=25.0)  # half a target step a draft token
+    assert width([(MAX_K, 0.5)], slow, modelled=MAX_K) == 1
+    assert width([(MAX_K, 0.95)], slow, modelled=MAX_K) > 1

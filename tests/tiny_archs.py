@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from testkit import GLM4_MOE
+
 WINDOW = 8  # sliding windows shorter than the tests' prompts: the rotating caches wrap
 TWO_KINDS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -56,19 +58,7 @@ EXTRA: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
     },
-    "glm4_moe": {
-        **_MOE,
-        "n_group": 1,
-        "topk_group": 1,
-        "n_shared_experts": 1,
-        "n_routed_experts": 4,
-        "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 1,
-        "use_qk_norm": True,
-        "attention_bias": False,
-        "partial_rotary_factor": 0.5,
-        "rope_scaling": None,
-    },
+    "glm4_moe": {**_MOE, **GLM4_MOE},
     "phi3": {},
     "granite": {
         "logits_scaling": 2.0,

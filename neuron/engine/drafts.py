@@ -27,7 +27,10 @@ to its width, and where the forward is compute-bound (a CPU at batch 8) every
 extra row of width costs nearly as much as a plain step's row. So each
 micro-batch gets one width W, chosen to maximise expected tokens per unit of
 step time, and every draft is cut to W - 1. ``StepCost`` is the step-time model
-it weighs them with, which the engine refines from the steps it times.
+it weighs them with, which the engine refines from the steps it times. A draft model's
+proposals cost steps of its own before the target's, one per draft token: the engine
+times them apart (``StepCost.observe_draft``) and the rule adds W - 1 of them, so a
+slow or useless draft model is cut to nothing rather than slowing every step.
 """
 
 from __future__ import annotations
@@ -256,6 +259,12 @@ class StepCost:
     row_ms: float = PRIOR_ROW_MS
     window: WindowMedians = field(default_factory=lambda: WindowMedians(COST_WINDOW))
     measured: dict[int, float] = field(default_factory=dict)  # row count -> median ms, where timed enough
+    # A draft model's (or prediction layer's) time per draft token it proposes, the batch's rows together: its k
+    # steps run one after another before the step, so a width of W costs W - 1 of them on top of the step's time.
+    # The median over the last COST_WINDOW drafts, from MIN_SAMPLES on (0 before: nothing is known to be slow
+    # yet); the median, since a sequence's first draft also feeds the draft its prompt.
+    draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    draft_step_ms: float = 0.0
 
     def ms(self, rows: int, share: float = 1.0) -> float:
         """A step of ``rows`` tokens; with ``share`` < 1, a pipeline micro-batch's part (``share`` of the fixed
@@ -263,6 +272,14 @@ class StepCost:
         if share == 1.0 and rows in self.measured:
             return self.measured[rows]
         return share * self.fixed_ms + self.row_ms * rows
+
+    def observe_draft(self, steps: int, ms: float) -> None:
+        """A draft model proposed ``steps`` tokens for each drafting row, in ``ms``."""
+        if steps <= 0 or ms <= 0:
+            return
+        self.draft_times.append(ms / steps)
+        if len(self.draft_times) >= MIN_SAMPLES:
+            self.draft_step_ms = sorted(self.draft_times)[len(self.draft_times) // 2]
 
     def observe(self, rows: int, ms: float) -> None:
         """A decode step fed ``rows`` tokens and took ``ms``."""
@@ -288,13 +305,15 @@ class StepCost:
         self.row_ms = ratio * self.fixed_ms
 
 
-def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0) -> int:
+def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0, modelled: int = 0) -> int:
     """The micro-batch's width: how many tokens each row is fed (1: no drafts), its drafts to be cut to width - 1.
 
     ``rows``: each row's draft length and acceptance estimate. A row yields its token and the draft tokens it
     keeps; the micro-batch costs ``share`` of the step's fixed time (its part of it: 1 / micro-batches) and its
-    B x W rows. The width with the most expected tokens per millisecond wins; the narrower on a tie, so that
-    drafts nobody expects to keep cost nothing.
+    B x W rows, and where a draft model proposes (``modelled``: the longest of its drafts here) its steps too,
+    one per draft token up to W - 1, at ``cost.draft_step_ms`` each (``share`` of them: the model drafts for
+    every micro-batch at once). The width with the most expected tokens per millisecond wins; the narrower on a
+    tie, so that drafts nobody expects to keep cost nothing.
     """
     rows = list(rows)
     if not rows:
@@ -302,7 +321,8 @@ def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0)
     best, best_rate = 1, 0.0
     for w in range(1, 2 + min(MAX_K, max(d for d, _ in rows))):
         tokens = len(rows) + sum(expected_kept(min(d, w - 1), p) for d, p in rows)
-        rate = tokens / cost.ms(len(rows) * w, share)
+        drafting = share * cost.draft_step_ms * min(modelled, w - 1)
+        rate = tokens / (cost.ms(len(rows) * w, share) + drafting)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = w, rate
     return best

@@ -39,6 +39,7 @@ import anyio
 import structlog
 
 from neuron import architectures, device, metrics
+from neuron.architectures import mtp_heads
 from neuron.engine.adapters import Adapters
 from neuron.engine.disk import PrefixDisk
 from neuron.engine.drafts import DRAFTED
@@ -139,9 +140,12 @@ class Engine(Recovering):
         ``--model`` said, for hosts that resolve it themselves."""
         config = read_config(model_path)
         text = Text.load(model_path)
-        draft = await _draft_model(config, text, limits or Scheduling())
+        limits = limits or Scheduling()
+        stages = layout.stages if layout is not None else 1
+        draft = await _draft_model(config, text, limits, stages, model or model_path.name)
         async with Pool(model_path, layout, deadlines, model) as pool:
             pool.draft_path = draft
+            pool.mtp = limits.speculate == "mtp"
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
@@ -303,7 +307,7 @@ class Engine(Recovering):
         plan = step.plan
         self._in_flight = step
         try:
-            await self._draft(plan)
+            draft_steps = await self._draft(plan)
             drafted = time.perf_counter()
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
@@ -320,12 +324,14 @@ class Engine(Recovering):
         finally:
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
+        draft_ms = (drafted - started) * 1000
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         if self.disk is not None:
             self.disk.written(step.spilled)
-        deliveries = self.scheduler.update(step, sampled, ms)
-        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         cost = self.scheduler.cost
+        cost.observe_draft(draft_steps, draft_ms)  # priced apart from the step's own time (``drafts.width``)
+        deliveries = self.scheduler.update(step, sampled, ms - draft_ms)
+        self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         trace(
             log,
             "step",
@@ -333,18 +339,20 @@ class Engine(Recovering):
             rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
             ms=round(ms, 2),
-            draft_ms=round((drafted - started) * 1000, 2),
+            draft_ms=round(draft_ms, 2),
+            draft_step_ms=round(cost.draft_step_ms, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
         )
         for delivery in deliveries:
             self.output.deliver(delivery)
 
-    async def _draft(self, plan: StepPlan) -> None:
-        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0."""
+    async def _draft(self, plan: StepPlan) -> int:
+        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0;
+        returns how many it proposed one after another (the longest draft)."""
         wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
         if not wanted:
-            return
+            return 0
         by_no = {seq.no: seq for seq in self.scheduler.running}
         rows = [
             DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
@@ -354,21 +362,32 @@ class Engine(Recovering):
         for i, row in enumerate(plan.decode):
             if row.draft and row.draft[0] == DRAFTED:
                 plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
+        return max(len(row.draft) for row in wanted)
 
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
 
 
-async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -> Path | None:
+async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, stages: int, name: str) -> Path | None:
     """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
-    None without one, or where this model speculates not at all. Says in the log what a model's own
-    multi-token-prediction heads are used for: nothing yet."""
-    heads = mtp_heads(text_config(config))
+    None without one, or where this model speculates not at all. With ``--speculate mtp`` the model's own
+    multi-token-prediction layers draft instead (rank/mtp.py), refused here, before anything loads, where they
+    cannot."""
+    heads = mtp_heads(config)
+    if limits.speculate == "mtp":
+        if limits.draft_model is not None:
+            raise ModelError(
+                f"--speculate mtp drafts with {name}'s own prediction layers and --draft-model with another model; "
+                "pass one of them"
+            )
+        if problem := architectures.mtp_refusal(config, name, stages):
+            raise ModelError(f"--speculate mtp: {problem}")
+        return None
     if heads:
         log.info(
-            f"the model ships {heads} multi-token-prediction layer(s); neuron does not run them as a draft: "
-            + ("the draft model proposes instead" if limits.draft_model else "pass --draft-model to draft with a model")
+            f"the model ships {heads} multi-token-prediction layer(s), which draft with --speculate mtp"
+            + (": the draft model proposes instead" if limits.draft_model else "")
         )
     if limits.draft_model is None:
         return None
@@ -376,7 +395,7 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -
         log.info("the draft model is not loaded: this server does not speculate", draft_model=limits.draft_model)
         return None
     path = await anyio.to_thread.run_sync(resolve, limits.draft_model)
-    if heads := mtp_heads(text_config(read_config(path))):
+    if heads := mtp_heads(read_config(path)):
         log.info(f"the draft model ships {heads} multi-token-prediction layer(s); neuron does not run them")
     if problem := text.differs(Text.load(path)):
         raise ModelError(
@@ -384,9 +403,3 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling) -
             "of the same family, trained with the same tokenizer"
         )
     return path
-
-
-def mtp_heads(model: dict[str, Any]) -> int:
-    """The multi-token-prediction layers a model's config declares (DeepSeek V3 and GLM-4.5's
-    ``num_nextn_predict_layers``, Qwen3-Next's ``mtp_num_hidden_layers``)."""
-    return int(model.get("num_nextn_predict_layers") or model.get("mtp_num_hidden_layers") or 0)

@@ -107,7 +107,7 @@ class Intake:
             return None
         text = params.prediction
         prediction = list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
-        if self.limits.draft_model is not None and not prediction:
+        if (self.limits.draft_model is not None or self.limits.speculate == "mtp") and not prediction:
             limit = params.num_draft_tokens or MAX_K
             return Proposer(limit=limit, lookup_rate=self.draft_rate.prior(), model=True, shared=self.draft_rate)
         return Proposer(prediction, params.num_draft_tokens or MAX_K)

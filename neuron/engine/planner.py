@@ -165,7 +165,8 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
     for micro_batch in range(micro_batches):
         rows = [seq for seq in running if seq.micro_batch == micro_batch]
         estimates = [(len(drafts[seq.no]), seq.proposer.acceptance if seq.proposer else 0.0) for seq in rows]
-        cut = width(estimates, cost, share) - 1
+        modelled = max((len(drafts[seq.no]) for seq in rows if seq.proposer and seq.proposer.model), default=0)
+        cut = width(estimates, cost, share, modelled) - 1
         for seq in rows:
             drafts[seq.no] = drafts[seq.no][:cut]
     return [

@@ -18,6 +18,7 @@ from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_diges
 from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
 from neuron.rank.drafter import Drafter
+from neuron.rank.mtp import MtpDrafter
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.shard import ShareSource
 from neuron.shares import Plan, sha256_of, share_key
@@ -59,6 +60,8 @@ class Loading(Ranks):
         )
         if self.draft_path is not None:
             await self._load_draft(self.draft_path)
+        if self.mtp:
+            await self._load_mtp()
         self.loaded = True
         for number, (name, path) in sorted(self.adapters.items()):
             await self._load_adapter(number, name, path)
@@ -122,6 +125,19 @@ class Loading(Ranks):
         except Exception as e:  # any reason is the operator's to read, as a failed step's
             raise PoolError("load_draft", {0: f"{path}: {e}"}, broken=False, hosts=self.hosts) from e
         log.info("draft model loaded", model=str(path), ms=ms_since(started))
+
+    async def _load_mtp(self) -> None:
+        """The model's own prediction layer, whole on rank 0 (``rank.mtp``), which drafts from now on."""
+        samplers = self._rank0.samplers
+
+        def load_mtp(rank: Rank) -> None:
+            samplers.drafter = MtpDrafter.load(self.model_path, rank)
+
+        try:
+            await self._rank0.call(load_mtp, self.deadlines.load)
+        except Exception as e:  # any reason is the operator's to read, as a failed step's
+            raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=self.hosts) from e
+        log.info("the model's multi-token-prediction layer drafts", model=self.model_path)
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
         """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with

@@ -20,8 +20,9 @@ rejection sampling needs (``rank.rejection``).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +35,7 @@ from neuron.rank.runner import FORWARD_TOKENS
 from neuron.rank.shard import load_shard
 from neuron.step import DraftRow
 
+H = TypeVar("H")
 MAX_BATCHED = 8  # tokens a row may lack and still be fed batched with the others, each lacking as many
 
 
@@ -50,11 +52,28 @@ class _Held:
     key: mx.array | None = None
 
 
-class Drafter:
+class PerSequence(Generic[H]):
+    """What a drafter holds for each sequence, dropped as the sequence leaves."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, H] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def drop(self, seqs: list[int]) -> None:
+        for seq in seqs:
+            self._held.pop(seq, None)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+class Drafter(PerSequence[_Held]):
     def __init__(self, model: nn.Module, vocab_size: int) -> None:
+        super().__init__()
         self.model = model
         self.vocab_size = vocab_size  # the target's: draft ids past it are never proposed
-        self._held: dict[int, _Held] = {}
 
     @classmethod
     def load(cls, path: str, vocab_size: int) -> Drafter:
@@ -67,16 +86,6 @@ class Drafter:
                 "or a state, which cannot drop a rejected draft; pick a draft with plain attention"
             )
         return cls(model, vocab_size)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def drop(self, seqs: list[int]) -> None:
-        for seq in seqs:
-            self._held.pop(seq, None)
-
-    def clear(self) -> None:
-        self._held.clear()
 
     def propose(self, rows: list[DraftRow]) -> dict[int, Proposal]:
         """``k`` tokens for each row, drawn by the draft model in one batched pass per token."""
@@ -101,7 +110,7 @@ class Drafter:
         tokens, qs = [], []
         logits = self.model(mx.array(missing), cache=cache)[:, -1, :]
         for j in range(steps):
-            drawn, q = self._draw(logits, rows, held)
+            drawn, q = draw(logits[:, : self.vocab_size], rows, held)
             tokens.append(drawn)
             qs.append(q)
             if j + 1 < steps:
@@ -123,9 +132,7 @@ class Drafter:
         least the context's last token to feed (its logits draw the first draft token)."""
         h = self._held.get(row.seq)
         if h is None:
-            seed = row.params.seed
-            key = mx.random.key(seed ^ 0x5EED if seed is not None else secrets.randbits(63))
-            h = self._held[row.seq] = _Held(make_prompt_cache(self.model), [], key)
+            h = self._held[row.seq] = _Held(make_prompt_cache(self.model), [], new_key(row))
         same = min(len(h.tokens), len(row.context) - 1)
         if h.tokens[:same] != row.context[:same]:  # compared in C first: a rejected draft differs only at the end
             same = next(i for i, (a, b) in enumerate(zip(h.tokens, row.context, strict=False)) if a != b)
@@ -141,28 +148,40 @@ class Drafter:
             mx.eval([a for c in h.cache for a in (c.keys, c.values)])
         h.tokens = h.tokens + tokens
 
-    def _draw(self, logits: mx.array, rows: list[DraftRow], held: list[_Held]) -> tuple[mx.array, mx.array | None]:
-        """Each row's next draft token, and (where any row samples) each row's distribution it came from."""
-        logits = logits[:, : self.vocab_size].astype(mx.float32)
-        if all(row.params.temperature == 0.0 for row in rows):
-            return mx.argmax(logits, axis=-1), None
-        tokens, qs = [], []
-        for i, (row, h) in enumerate(zip(rows, held, strict=True)):
-            p = row.params
-            if p.temperature == 0.0:
-                tokens.append(mx.argmax(logits[i]))
-                qs.append(mx.zeros((logits.shape[-1],)))
-                continue
-            filtered = logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1, keepdims=True)
-            if p.top_p < 1.0:
-                filtered = apply_top_p(filtered, p.top_p)
-            if p.min_p > 0.0:
-                filtered = apply_min_p(filtered, p.min_p)
-            if 0 < p.top_k < filtered.shape[-1]:
-                filtered = apply_top_k(filtered, p.top_k)
-            weights = filtered[0] * (1.0 / p.temperature)
-            assert h.key is not None
-            h.key, key = mx.random.split(h.key)
-            tokens.append(mx.random.categorical(weights, key=key))
-            qs.append(mx.softmax(weights))
-        return mx.stack(tokens), mx.stack(qs)
+
+class _Keyed(Protocol):
+    key: mx.array | None
+
+
+def draw(logits: mx.array, rows: list[DraftRow], held: Sequence[_Keyed]) -> tuple[mx.array, mx.array | None]:
+    """Each row's next draft token from its ``logits`` (rows, vocabulary), and (where any row samples) each row's
+    distribution it came from; a sampled row draws with its ``held`` key, which moves on."""
+    logits = logits.astype(mx.float32)
+    if all(row.params.temperature == 0.0 for row in rows):
+        return mx.argmax(logits, axis=-1), None
+    tokens, qs = [], []
+    for i, (row, h) in enumerate(zip(rows, held, strict=True)):
+        p = row.params
+        if p.temperature == 0.0:
+            tokens.append(mx.argmax(logits[i]))
+            qs.append(mx.zeros((logits.shape[-1],)))
+            continue
+        filtered = logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1, keepdims=True)
+        if p.top_p < 1.0:
+            filtered = apply_top_p(filtered, p.top_p)
+        if p.min_p > 0.0:
+            filtered = apply_min_p(filtered, p.min_p)
+        if 0 < p.top_k < filtered.shape[-1]:
+            filtered = apply_top_k(filtered, p.top_k)
+        weights = filtered[0] * (1.0 / p.temperature)
+        assert h.key is not None
+        h.key, key = mx.random.split(h.key)
+        tokens.append(mx.random.categorical(weights, key=key))
+        qs.append(mx.softmax(weights))
+    return mx.stack(tokens), mx.stack(qs)
+
+
+def new_key(row: DraftRow) -> mx.array:
+    """A sequence's draft key: from its seed, where the request gave one, so that a seeded request repeats."""
+    seed = row.params.seed
+    return mx.random.key(seed ^ 0x5EED if seed is not None else secrets.randbits(63))

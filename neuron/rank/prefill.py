@@ -9,7 +9,7 @@ functions fill: ``seqs``, one ``SeqState`` per sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +20,15 @@ from neuron.rank.mrope import placed
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill
 
+MAX_SEEN = 256  # steps' hidden states a sequence keeps for its next draft: one resting that long starts afresh
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    at: int  # the position of the first token fed
+    tokens: list[int]
+    hidden: mx.array  # (positions, hidden size)
+
 
 @dataclass(slots=True)
 class SeqState:
@@ -28,6 +37,18 @@ class SeqState:
     cache: list[caches.Layer] | None = None  # its own, while the prompt is fed; None once in the batch
     prompt_done: bool = False
     pooled: mx.array | None = None  # an embedding input's final hidden states summed so far (rank 0, MEAN)
+    # Rank 0, drafting with the model's prediction layers (rank.mtp): what each step since the last draft fed and
+    # the final hidden states it computed there, oldest first, until the drafter takes them.
+    seen: list[Seen] = field(default_factory=list)
+
+    def saw(self, hidden: mx.array | None, tokens: list[int], at: int) -> None:
+        """A step fed ``tokens`` from position ``at`` and computed ``hidden`` (positions, hidden size) at them;
+        None: it kept none, and what came before no longer joins what comes after."""
+        if hidden is None:
+            self.seen.clear()
+            return
+        self.seen.append(Seen(at, tokens, hidden))
+        del self.seen[:-MAX_SEEN]
 
 
 def feed_prompts(
@@ -61,6 +82,8 @@ def feed_prompts(
                 seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
             if chunk.last and logits is not None:
                 out[chunk.seq] = logits[i]
+                if runner.kept_states and not shadow:
+                    seqs[chunk.seq].saw(runner.kept_states[0][i], chunk.tokens[-1:], len(chunk.tokens) - 1)
     for chunk in chunks:
         if _batched(chunk, together):
             continue
@@ -86,6 +109,8 @@ def feed_prompts(
         state.prompt_done = chunk.last
         if logits is not None:
             out[chunk.seq] = logits
+            hidden = runner.kept_states[0][0] if runner.kept_states and not chunk.scores else None
+            state.saw(hidden, chunk.tokens[-1:], state.position - 1)
     for chunk in chunks:
         if chunk.copies and not shadow:
             _copy(seqs, chunk.seq, chunk.copies)
@@ -106,6 +131,7 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
     assert state.cache is not None
     for no in copies:
         seqs[no] = SeqState(state.position, state.last, caches.twin(state.cache), True)
+        seqs[no].seen = list(state.seen)
 
 
 def _forward_new_prompts(

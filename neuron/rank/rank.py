@@ -201,6 +201,7 @@ class Rank:
             state = self.seqs[row.seq]
             state.position += 1
             state.last = row.token
+            state.saw(None, [], state.position)  # its hidden states were not kept: the next draft waits for a step's
         if queued.logits is None:  # not rank 0: its share of the forward is queued already
             return {}
         logits = queued.staying(plan.leave)
@@ -249,10 +250,15 @@ class Rank:
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
         logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags, adapters=adapters)
         out: dict[int, mx.array] = {}
-        for micro_batch, batch_logits in zip(micro_batches, logits, strict=True):
+        hidden: list[mx.array | None] = [*self.runner.kept_states] or [None] * len(micro_batches)
+        for micro_batch, batch_logits, batch_hidden in zip(micro_batches, logits, hidden, strict=True):
             if batch_logits is not None:
                 for i, seq in enumerate(self.batch.micro_batches[micro_batch].ids):
                     row = by_seq[seq]
+                    if batch_hidden is not None:
+                        state = self.seqs[seq]
+                        at = state.position - widths[micro_batch]
+                        state.saw(batch_hidden[i, : len(row.draft) + 1], [row.token, *row.draft], at)
                     if every:
                         out[seq] = batch_logits[i, : len(row.draft) + 1] if row.draft else batch_logits[i, 0]
                     else:

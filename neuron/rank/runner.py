@@ -56,6 +56,10 @@ class Sharded:
         self.model = model
         self.head = head
         self.rank = rank
+        # Rank 0 keeps the final hidden states of the positions it gets logits for, one array per pass of the last
+        # ``logits`` call, (rows, positions, hidden): the model's own prediction layers draft from them (rank.mtp).
+        self.keep_states = False
+        self.kept_states: list[mx.array] = []
         self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
         # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
@@ -122,6 +126,7 @@ class Sharded:
         rows' M-RoPE position deltas (``rank.mrope``); ``adapters``: each pass's rows' adapters."""
         every_pass = adapters or [None] * len(passes)
         out = []
+        self.kept_states = []
         for i, ((tokens, cache), rows) in enumerate(zip(passes, every_pass, strict=True)):
             with shifted(self.rope, lags[i] if lags else None):
                 out.append(self._logits(tokens, cache, every, lazy, rows))
@@ -137,6 +142,12 @@ class Sharded:
                 logits = self.head(hidden.reshape(rows * width, -1)).reshape(rows, width, -1)
             else:
                 logits = self.head(hidden)
+            if self.keep_states and self.rank == 0:
+                self.kept_states.append(hidden if every else hidden[:, None])
+        elif self.rank == 0 and self.keep_states:  # the head applied as the model's call applies it (rank.mtp)
+            hidden = backbone(self.model)(tokens, cache=cache)[:, wanted, :]
+            logits = self.model.lm_head(hidden)
+            self.kept_states.append(hidden if every else hidden[:, None])
         elif self.rank == 0:
             logits = self.model(tokens, cache=cache)[:, wanted, :]
         else:  # the whole head is rank 0's alone
@@ -183,6 +194,7 @@ class Stage:
     rope: Positions | None = None  # a model with multimodal rotary positions: on every stage
 
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
+        self.kept_states: list[mx.array] = []  # never kept: a pipeline does not draft from them (rank.mtp)
         self.inner = backbone(model)
         self.rank = rank
         self.stages = stages

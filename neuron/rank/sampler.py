@@ -30,6 +30,7 @@ from neuron.step import DraftRow, Step
 
 if TYPE_CHECKING:
     from neuron.rank.drafter import Drafter, Proposal
+    from neuron.rank.mtp import MtpDrafter
 
 
 # mlx types ``tolist`` as any scalar at any depth and ``item`` as possibly complex; these say what a real array of a
@@ -267,7 +268,7 @@ class Samplers:
 
     def __init__(self) -> None:
         self._by_seq: dict[int, Sampler] = {}
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | MtpDrafter | None = None  # a draft model's, or the model's own prediction layer
         self._proposed: dict[int, Proposal] = {}  # the draft model's, for the next step
 
     def propose(self, rows: list[DraftRow]) -> dict[int, list[int]]:

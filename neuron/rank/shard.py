@@ -177,7 +177,8 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
     tensors go in where the same cut of the whole model put its own."""
     path = Path(model_path)
     if not shares.is_share(path):
-        model, config = load_model(path, lazy=True)
+        model, config = load_model(path, lazy=True, get_model_classes=_without_prediction_layers)
+        model.__class__ = model.__class__.__mro__[1]  # the model's own class again
         take_share(model, config, group, layers, rank)
         return model
     model, config, pushed = _skeleton(path)
@@ -186,6 +187,23 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
         raise ModelError(f"{path} is a share without {missing[0]} ({len(missing)} tensors missing): push it again")
     model.load_weights([(now, pushed[whole]) for now, whole in names.items()], strict=True)
     return model
+
+
+def _without_prediction_layers(config: dict) -> tuple[type[nn.Module], type]:
+    """mlx-lm's classes, whose sanitize first drops the multi-token-prediction layers, numbered after the last:
+    mlx-lm's deepseek_v3 drops DeepSeek V3's own (layer 61) alone, and a model of another depth would not load
+    (rank.mtp loads them for --speculate mtp)."""
+    model_class, args_class = _get_classes(config)
+    first = int(text_config(config).get("num_hidden_layers") or 0)
+    extra = tuple(f"model.layers.{first + i}." for i in range(architectures.mtp_heads(config)))
+
+    class Model(model_class):  # type: ignore[valid-type, misc]
+        def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+            weights = {k: v for k, v in weights.items() if not (extra and k.startswith(extra))}
+            return super().sanitize(weights) if hasattr(model_class, "sanitize") else weights
+
+    Model.__name__ = model_class.__name__
+    return Model, args_class
 
 
 def _skeleton(path: Path) -> tuple[nn.Module, dict, dict[str, mx.array]]:

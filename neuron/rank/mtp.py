@@ -1,0 +1,225 @@
+"""The model's own multi-token-prediction layer as the draft (``--speculate mtp``), whole on rank 0.
+
+DeepSeek V3 ships one (GLM-4.5 too, in the same layout): after its last layer, layer ``num_hidden_layers`` holds
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and one decoder layer of the model's own kind. Its
+embedding and head are the model's (the DeepSeek-V3 report: the module shares them; the checkpoint's copies are
+not loaded twice). mlx-lm's ``sanitize`` drops the layer; this loads it beside the model, on rank 0 alone.
+
+At position i it reads the model's final hidden state h_i (after the final norm) and the next token x_{i+1}:
+
+    g_i = block(eh_proj([enorm(embed(x_{i+1})), hnorm(h_i)]))   (attending over its own earlier positions)
+    logits_i = head(shared_head.norm(g_i))                     (a guess at x_{i+2})
+
+as vLLM's ``deepseek_mtp.py`` computes it, the embedding at position 0 zeroed. For k > 1 the one layer runs again
+on its own output g in place of h (vLLM's recursion): the later draft tokens rest on the layer's guesses.
+
+Where the hidden states come from: rank 0's runner keeps those of the positions it gets logits for
+(``runner.Sharded.keep_states``): a prompt's last token, and every position a decode step feeds, draft included;
+each sequence's state collects them (``prefill.SeqState.seen``). A sequence's layer cache is fed the positions the
+target kept, in order, each with the target's hidden state; the positions a proposal adds are cut back after it,
+since the target's states replace the layer's own guesses there. So the layer attends over a sequence from its
+prompt's last token on, not over the prompt (keeping every prompt position's hidden state on rank 0 would), and
+where a step kept no hidden states (a step run ahead) it starts afresh: the drafts are worse, never wrong, since
+the target verifies them. Rotary positions in its cache count from where it started: attention sees the same
+offsets between positions. Under TP rank 0's hidden states are whole once each layer's all-reduce has joined the
+slices; a pipeline's are on its last stage, and ``--speculate mtp`` refuses --pp (``architectures.mtp_refusal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from neuron.architectures import MTP
+from neuron.models import read_config, text_config
+from neuron.rank.drafter import PerSequence, Proposal, draw, new_key
+from neuron.rank.errors import RankError
+from neuron.rank.runner import Sharded
+from neuron.rank.shard import backbone
+from neuron.step import DraftRow
+
+if TYPE_CHECKING:
+    from neuron.rank.prefill import Seen, SeqState
+    from neuron.rank.rank import Rank
+
+# Each architecture's decoder layer class in mlx-lm, built as the layer at index num_hidden_layers.
+BLOCKS = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer"}
+SHARED = ("embed_tokens.", "shared_head.head.")  # the model's own, not loaded again
+OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, dims: int, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dims, eps=eps)
+
+
+class MtpLayer(nn.Module):
+    def __init__(self, dims: int, eps: float, block: nn.Module) -> None:
+        super().__init__()
+        self.enorm = nn.RMSNorm(dims, eps=eps)
+        self.hnorm = nn.RMSNorm(dims, eps=eps)
+        self.eh_proj = nn.Linear(2 * dims, dims, bias=False)
+        self.block = block
+        self.shared_head = _SharedHead(dims, eps)
+
+    def __call__(self, embedded: mx.array, hidden: mx.array, cache: KVCache) -> mx.array:
+        """g for each position (1, positions, dims), from the next tokens' embeddings and the hidden states."""
+        x = self.eh_proj(mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1))
+        return self.block(x, create_attention_mask(x, cache, return_array=True), cache)
+
+
+@dataclass(slots=True)
+class _Held:
+    cache: KVCache
+    end: int  # the position after the last one its cache holds
+    key: mx.array | None
+
+
+class MtpDrafter(PerSequence[_Held]):
+    """Rank 0's drafts from the model's prediction layer, one sequence at a time, each with its layer cache."""
+
+    def __init__(
+        self, layer: MtpLayer, embed: nn.Module, head: nn.Module, seqs: dict[int, SeqState], vocab_size: int
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.embed = embed
+        self.head = head
+        self.seqs = seqs  # the rank's sequences, whose ``seen`` the target's steps fill
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def load(cls, path: str, rank: Rank) -> MtpDrafter:
+        """The prediction layer of the model at ``path``, which ``rank`` (rank 0) has loaded; from now on rank 0's
+        runner keeps the hidden states it drafts from."""
+        config = text_config(read_config(path))
+        arch, layers = str(config.get("model_type")), int(config["num_hidden_layers"])
+        model, runner = rank.model, rank.runner
+        if arch not in MTP or model is None:
+            raise RankError(f"rank 0: neuron runs the prediction layers of {', '.join(sorted(MTP))} only, not {arch}")
+        if not isinstance(runner, Sharded):
+            raise RankError("rank 0: --speculate mtp needs the model's final hidden states on rank 0: not in stages")
+        prefix = f"model.layers.{layers}."
+        weights = _read(Path(path), prefix)
+        if not weights:
+            raise RankError(
+                f"rank 0: {path} declares multi-token-prediction layers but its weights hold no {prefix}*: a "
+                "conversion dropped them (mlx-lm's convert does); serve the original checkpoint, or --speculate ngram"
+            )
+        args = model.args
+        # mlx-lm's own sanitize stacks the layer's experts (and splits MLA's kv_b_proj) when told it is a model layer
+        sanitized = type(model).sanitize(  # type: ignore[attr-defined]
+            SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=layers + 1)), weights
+        )
+        local: dict[str, mx.array] = {}
+        for name, value in sanitized.items():
+            name = name.removeprefix(prefix)
+            if not name.startswith(SHARED):
+                local[name if name.startswith(OWN) else f"block.{name}"] = value
+        block = getattr(importlib.import_module(f"mlx_lm.models.{arch}"), BLOCKS[arch])(args, layers)
+        layer = MtpLayer(args.hidden_size, args.rms_norm_eps, block)
+        if quantization := read_config(path).get("quantization"):
+            nn.quantize(
+                layer,
+                group_size=quantization["group_size"],
+                bits=quantization["bits"],
+                class_predicate=lambda p, _: f"{p}.scales" in local,
+            )
+        try:
+            layer.load_weights(list(local.items()), strict=True)
+        except ValueError as e:
+            raise RankError(f"rank 0: the prediction layer in {path} does not fit its config: {e}") from e
+        mx.eval(layer.parameters())
+        trunk = backbone(model)
+        head = getattr(model, "lm_head", None) or trunk.embed_tokens.as_linear
+        runner.keep_states = True
+        return cls(layer, trunk.embed_tokens, head, rank.seqs, rank.vocab_size)
+
+    def propose(self, rows: list[DraftRow]) -> dict[int, Proposal]:
+        """``k`` tokens for each row whose latest hidden states rank 0 holds; none for the others."""
+        out = {}
+        for row in rows:
+            state = self.seqs.get(row.seq)
+            if row.k <= 0 or state is None:
+                continue
+            seen, state.seen = state.seen, []
+            if (pairs := _pairs(seen, row.context)) is None:
+                continue
+            at, hidden, following = pairs
+            h = self._held.get(row.seq)
+            if h is None or not (h.end - h.cache.offset <= at <= h.end):  # it cannot continue there: afresh
+                h = self._held[row.seq] = _Held(KVCache(), at, h.key if h is not None else new_key(row))
+            if cut := h.end - at:
+                h.cache.trim(cut)
+            out[row.seq] = self._draft(row, h, at, hidden, following)
+            h.end = len(row.context) - 1
+        return out
+
+    def _draft(self, row: DraftRow, h: _Held, at: int, hidden: mx.array, following: list[int]) -> Proposal:
+        embedded = self.embed(mx.array(following))[None]
+        if at == 0:  # vLLM's: nothing precedes position 0, its embedding is zeroed
+            embedded = mx.concatenate([mx.zeros_like(embedded[:, :1]), embedded[:, 1:]], axis=1)
+        g = self.layer(embedded, hidden[None], h.cache)[:, -1:]
+        tokens, qs = [], []
+        for j in range(row.k):
+            logits = self.head(self.layer.shared_head.norm(g))[:, -1, : self.vocab_size]
+            token, q = draw(logits, [row], [h])
+            tokens.append(token)
+            if q is not None:
+                qs.append(q[0])
+            if j + 1 < row.k:
+                g = self.layer(self.embed(token[:, None]), g, h.cache)
+        drafted = mx.concatenate(tokens)
+        mx.eval(drafted, qs, h.cache.keys, h.cache.values)
+        if row.k > 1:  # the positions the layer guessed at: the target's own states replace them next time
+            h.cache.trim(row.k - 1)
+        return Proposal(drafted.tolist(), mx.stack(qs) if qs and row.params.temperature > 0.0 else None)  # type: ignore[arg-type]
+
+
+def _pairs(seen: list[Seen], context: list[int]) -> tuple[int, mx.array, list[int]] | None:
+    """From the steps' records, the positions the target kept up to the context's last fed one (len - 2), joined:
+    the first position, their hidden states (positions, dims) and the tokens after each. None where the last of
+    them is not there (no hidden states kept since)."""
+    last = len(context) - 2  # the position whose logits drew the context's last token
+    start, states = -1, list[mx.array]()
+    for record in seen:
+        kept = 0
+        while (
+            kept < len(record.tokens) and record.at + kept <= last and record.tokens[kept] == context[record.at + kept]
+        ):
+            kept += 1
+        if not kept:
+            continue
+        if start < 0 or record.at != start + sum(s.shape[0] for s in states):
+            start, states = record.at, []  # a gap, or an overlap: what came before does not join
+        states.append(record.hidden[:kept])
+    length = sum(s.shape[0] for s in states)
+    if start < 0 or start + length - 1 != last:
+        return None
+    return start, mx.concatenate(states), context[start + 1 : last + 2]
+
+
+def _read(folder: Path, prefix: str) -> dict[str, Any]:
+    """The weights under ``prefix``, from the safetensors files that hold them (the index says which, where
+    there is one)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = {file for name, file in json.loads(index.read_text())["weight_map"].items() if name.startswith(prefix)}
+        files = [folder / name for name in sorted(names)]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    out: dict[str, Any] = {}
+    for file in files:
+        out.update((k, v) for k, v in mx.load(str(file)).items() if k.startswith(prefix))  # type: ignore[union-attr]
+    return out
