@@ -307,7 +307,7 @@ class Engine(Recovering):
         plan = step.plan
         self._in_flight = step
         try:
-            draft_steps = await self._draft(plan)
+            draft_steps = await _propose(self.pool, self.scheduler.running, plan)
             drafted = time.perf_counter()
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
@@ -347,26 +347,27 @@ class Engine(Recovering):
         for delivery in deliveries:
             self.output.deliver(delivery)
 
-    async def _draft(self, plan: StepPlan) -> int:
-        """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0;
-        returns how many it proposed one after another (the longest draft)."""
-        wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
-        if not wanted:
-            return 0
-        by_no = {seq.no: seq for seq in self.scheduler.running}
-        rows = [
-            DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
-            for row in wanted
-        ]
-        proposed = await self.pool.draft(rows)
-        for i, row in enumerate(plan.decode):
-            if row.draft and row.draft[0] == DRAFTED:
-                plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
-        return max(len(row.draft) for row in wanted)
-
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
+
+
+async def _propose(pool: Pool, running: list[Sequence], plan: StepPlan) -> int:
+    """Fill in the draft model's tokens (``DRAFTED`` in the plan: ``engine.drafts``), proposed on rank 0;
+    returns how many it proposed one after another (the longest draft)."""
+    wanted = [row for row in plan.decode if row.draft and row.draft[0] == DRAFTED]
+    if not wanted:
+        return 0
+    by_no = {seq.no: seq for seq in running}
+    rows = [
+        DraftRow(row.seq, [*by_no[row.seq].prompt, *by_no[row.seq].output], len(row.draft), by_no[row.seq].params)
+        for row in wanted
+    ]
+    proposed = await pool.draft(rows)
+    for i, row in enumerate(plan.decode):
+        if row.draft and row.draft[0] == DRAFTED:
+            plan.decode[i] = dataclasses.replace(row, draft=proposed.get(row.seq, [])[: len(row.draft)])
+    return max(len(row.draft) for row in wanted)
 
 
 async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, stages: int, name: str) -> Path | None:
