@@ -56,6 +56,7 @@ from neuron.models import ModelError, embedding, read_config, resolve, text_conf
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
+from neuron.settings import KV_GROUP_SIZE
 from neuron.step import DraftRow, Step
 
 log = structlog.get_logger("neuron.engine")
@@ -139,8 +140,14 @@ class Engine(Recovering):
         config = read_config(model_path)
         text = Text.load(model_path)
         draft = await _draft_model(config, text, limits or Scheduling())
+        kv_bits = (limits or Scheduling()).kv_bits
+        try:
+            architectures.check_kv_bits(config, kv_bits, KV_GROUP_SIZE)
+        except architectures.Unsupported as e:
+            raise ModelError(str(e)) from None
         async with Pool(model_path, layout, deadlines, model) as pool:
             pool.draft_path = draft
+            pool.kv_bits = kv_bits
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()

@@ -77,6 +77,7 @@ class Ranks:
         # The LoRA adapters every rank holds, by number: (name, folder); a load (a recovery's too) loads them again.
         self.adapters: dict[int, tuple[str, str]] = {}
         self.draft_path: Path | None = None  # the draft model (--draft-model), loaded whole on rank 0 with the model
+        self.kv_bits: int | None = None  # every rank's KV cache quantized to these bits (--kv-bits); None: not
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)
