@@ -12,6 +12,7 @@ import anyio
 import httpx
 import mlx.core as mx
 import pytest
+from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
@@ -204,3 +205,83 @@ async def test_greedy_output_with_a_quantized_kv_cache_stays_close_to_unquantize
             rate = agreement(smollm2_server, server, histories)
         print(f"kv bits {bits}: greedy agreement over {AGREEMENT_TOKENS} tokens {rate:.3f}")
         assert rate >= floor, f"--kv-bits {bits}: agreement {rate:.3f} under {floor}"
+
+
+# The tiny qwen3 (tests/conftest.py). Repetitive prompts, so that prompt lookup drafts; some longer than the
+# prefill chunk (16 tokens), so that they are fed over several steps.
+PROMPTS = [
+    "one two three four one two three four one two three four one two",
+    "hello",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "def add(a, b):\n    return a + b\n\ndef add(",
+]
+MAX_TOKENS = [33, 25, 40, 29]
+SPLITS = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "pp2": ("--pp", "2", "--micro-batches", "2")}
+
+
+def _complete(server: Server, prompt: str, max_tokens: int, **extra: object) -> dict:
+    body = {"model": "qwen3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": TOP}
+    reply = httpx.post(f"{server.url}/v1/completions", json={**body, **extra}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+async def _together(server: Server) -> list[dict]:
+    out: list[dict] = [{} for _ in PROMPTS]
+
+    def one(i: int) -> None:
+        out[i] = _complete(server, PROMPTS[i], MAX_TOKENS[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(PROMPTS)):
+            tg.start_soon(anyio.to_thread.run_sync, one, i)
+    return out
+
+
+def _scored(replies: list[dict]) -> list[Scored]:
+    return [Scored.of(r["choices"][0]) for r in replies]
+
+
+@pytest.mark.anyio
+async def test_quantized_caches_give_the_same_tokens_batched_drafted_restored_and_split(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """At TP=1, TP=2 and PP=2 with 4-bit caches: the prompts fed together (new prompts in one padded batch, long
+    ones in chunks) and decoded together with drafts give what each gives alone without drafts, restored from the
+    prefix cache the first round saved; and TP=2 and PP=2 give what TP=1 gives."""
+    runs: dict[str, list[Scored]] = {}
+    for name, split in SPLITS.items():
+        args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", "--kv-bits", "4", *split)
+        with serving(tmp_path_factory, *args) as server:
+            together = await _together(server)
+            alone = [_complete(server, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
+        assert sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together) > 0
+        assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in together)
+        restored = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in alone]
+        assert restored == [r["usage"]["prompt_tokens"] - 1 for r in alone], restored  # all but the last token
+        runs[name] = _scored(together)
+        for i, (want, got) in enumerate(zip(_scored(alone), runs[name], strict=True)):
+            assert_same(want, got, f"{name}: prompt {i} together and drafted, against alone and restored")
+    for name in ("tp2", "pp2"):
+        for i, (want, got) in enumerate(zip(runs["tp1"], runs[name], strict=True)):
+            assert_same(want, got, f"prompt {i}: {name} against tp1")
+
+
+def test_a_restarted_server_restores_quantized_entries_from_disk_and_skips_files_of_other_bits(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    folder = tmp_path_factory.mktemp("kv")
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
+    with serving(tmp_path_factory, *args, "--kv-bits", "8") as server:
+        fresh = _complete(server, PROMPTS[2], 12)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert sorted(p.name.split(".")[1] for p in folder.glob("*.kv")) == ["r0", "r1"]
+    with serving(tmp_path_factory, *args, "--kv-bits", "8") as server:
+        restored = _complete(server, PROMPTS[2], 12)
+    assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == restored["usage"]["prompt_tokens"] - 1
+    assert_same(Scored.of(fresh["choices"][0]), Scored.of(restored["choices"][0]), "restored from disk")
+    with serving(tmp_path_factory, *args, "--kv-bits", "4") as server:
+        other = _complete(server, PROMPTS[2], 12)
+        skipped = server.find_log("prefix cache file skipped")
+        assert skipped is not None and "8 bits (--kv-bits), and this server keeps 4 bits" in skipped["reason"]
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
