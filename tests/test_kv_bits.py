@@ -23,6 +23,7 @@ from neuron.models import KV_GROUP_SIZE
 from neuron.rank import caches, rollback
 from neuron.rank.disk import Disk, DiskError
 from neuron.rank.quantized import BatchQuantizedKVCache
+from testkit import agreement
 
 HEADS, DIM = 2, 64
 
@@ -137,73 +138,22 @@ def test_bad_bits_and_models_whose_caches_cannot_be_quantized_are_refused() -> N
         architectures.check_kv_bits({**llama, "head_dim": 40}, 8, KV_GROUP_SIZE)
 
 
-# End to end. Chat questions for the embedded SmolLM2.
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a binary search does.",
-    "List three uses for a paper clip.",
-    "Why is the sky blue?",
-    "Give me a short recipe for pancakes.",
-]
-AGREEMENT_TOKENS = 64
-# Of the unquantized model's 64 greedy tokens after each question, the share that the model with a quantized cache
-# also ranks first given the same history (teacher-forced: one early near tie does not decide the other 63), as
-# measured on the CPU (docs/caching.md and BENCHMARKS.md give the figures and the command); the floors are a
-# little under them, for devices whose kernels round differently.
+# Of the unquantized embedded SmolLM2's 64 greedy tokens after each of testkit.agreement's questions, the share that
+# the model with a quantized cache also ranks first given the same history (teacher-forced: one early near tie does
+# not decide the other 63), as measured on the CPU (docs/caching.md and BENCHMARKS.md give the figures and the
+# command); the floors are a little under them, for devices whose kernels round differently.
 AGREEMENT_FLOOR = {8: 0.97, 4: 0.75}
 
 
-def _post(server: Server, path: str, body: dict) -> dict:
-    reply = httpx.post(f"{server.url}{path}", json={"model": "SmolLM2-135M-Instruct", **body}, timeout=300)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-async def _greedy(server: Server) -> list[list[int]]:
-    """Each question's chat prompt followed by the unquantized model's greedy answer, in tokens (asked together)."""
-    out: list[list[int]] = [[] for _ in QUESTIONS]
-
-    def one(i: int) -> None:
-        prompt = _post(server, "/tokenize", {"messages": [{"role": "user", "content": QUESTIONS[i]}]})["tokens"]
-        body = {"prompt": prompt, "max_tokens": AGREEMENT_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        answer = _post(server, "/v1/completions", body)["choices"][0]["text"]
-        tokens = _post(server, "/tokenize", {"prompt": answer, "add_special_tokens": False})["tokens"]
-        out[i] = prompt + tokens[:AGREEMENT_TOKENS]
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(QUESTIONS)):
-            tg.start_soon(anyio.to_thread.run_sync, one, i)
-    return out
-
-
-def _firsts(server: Server, tokens: list[int]) -> list[str]:
-    """The token the server's model ranks first at each of the last AGREEMENT_TOKENS positions of ``tokens``."""
-    body = {"prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0.0}
-    tops = _post(server, "/v1/completions", body)["choices"][0]["logprobs"]["top_logprobs"]
-    return [max(top, key=top.get) for top in tops[-AGREEMENT_TOKENS:]]
-
-
-def agreement(reference: Server, other: Server, histories: list[list[int]]) -> float:
-    """The share of positions, over every history, where ``other`` ranks first what ``reference`` does."""
-    same = total = 0
-    for tokens in histories:
-        want, got = _firsts(reference, tokens), _firsts(other, tokens)
-        same += sum(a == b for a, b in zip(want, got, strict=True))
-        total += len(want)
-    return same / total
-
-
-@pytest.mark.anyio
-async def test_greedy_output_with_a_quantized_kv_cache_stays_close_to_unquantized_on_smollm2(
+def test_greedy_output_with_a_quantized_kv_cache_stays_close_to_unquantized_on_smollm2(
     smollm2_server: Server, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    histories = await _greedy(smollm2_server)
-    assert all(len(h) > AGREEMENT_TOKENS for h in histories)
+    every = agreement.histories(smollm2_server, agreement.QUESTIONS)
+    assert all(len(h) > agreement.TOKENS for h in every)
     for bits, floor in AGREEMENT_FLOOR.items():
         with serving(tmp_path_factory, "--kv-bits", str(bits)) as server:
-            rate = agreement(smollm2_server, server, histories)
-        print(f"kv bits {bits}: greedy agreement over {AGREEMENT_TOKENS} tokens {rate:.3f}")
+            rate = agreement.agreement(smollm2_server, server, every)
+        print(f"kv bits {bits}: greedy agreement over {agreement.TOKENS} tokens {rate:.3f}")
         assert rate >= floor, f"--kv-bits {bits}: agreement {rate:.3f} under {floor}"
 
 
