@@ -13,9 +13,10 @@ import httpx
 import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_same
-from conftest import Server, serving
+from conftest import Server, run_neuron, serving
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
+from tiny_archs import make_arch_model
 
 from neuron import architectures, config
 from neuron.cli import _parser
@@ -235,3 +236,17 @@ def test_a_restarted_server_restores_quantized_entries_from_disk_and_skips_files
         skipped = server.find_log("prefix cache file skipped")
         assert skipped is not None and "8 bits (--kv-bits), and this server keeps 4 bits" in skipped["reason"]
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_generate_takes_kv_bits_and_refuses_bad_bits_and_a_model_whose_caches_cannot_be_quantized(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    made = run_neuron("generate", "--model", str(tiny_models["qwen3"]), "--kv-bits", "4", "--max-tokens", "8", "hi")
+    assert made.returncode == 0 and "8 tokens" in made.stderr, made.stderr
+    bad = run_neuron("generate", "--kv-bits", "3", "hi")
+    assert bad.returncode == 2 and "--kv-bits must be 8 or 4" in bad.stderr, bad.stderr
+    windowed = make_arch_model(tmp_path / "gemma3", "gemma3_text")
+    refused = run_neuron("generate", "--model", str(windowed), "--kv-bits", "8", "hi")
+    assert refused.returncode != 0, refused.stderr
+    assert "--kv-bits 8: 'gemma3_text' cannot keep a quantized KV cache" in refused.stderr, refused.stderr
+    assert "serve it without --kv-bits" in refused.stderr
