@@ -78,11 +78,15 @@ def firsts(server: Server, history: list[int], tokens: int = TOKENS) -> list[str
     return [max(top, key=top.get) for top in tops[-tokens:]]
 
 
-def agreement(reference: Server, other: Server, every: list[list[int]], tokens: int = TOKENS) -> float:
-    """The share of positions, over every history, where ``other`` ranks first what ``reference`` does."""
+def agreement(
+    reference: Server | list[list[str]], other: Server, every: list[list[int]], tokens: int = TOKENS
+) -> float:
+    """The share of positions, over every history, where ``other`` ranks first what ``reference`` does (a server,
+    or its ``firsts`` of every history, computed once for several others)."""
+    wanted = reference if isinstance(reference, list) else [firsts(reference, h, tokens) for h in every]
     same = total = 0
-    for history in every:
-        want, got = firsts(reference, history, tokens), firsts(other, history, tokens)
+    for want, history in zip(wanted, every, strict=True):
+        got = firsts(other, history, tokens)
         same += sum(a == b for a, b in zip(want, got, strict=True))
         total += len(want)
     return same / total
