@@ -156,6 +156,32 @@ def check(config: dict[str, Any], world_size: int, stages: int) -> Support | Non
     return support
 
 
+def check_kv_bits(config: dict[str, Any], bits: int | None, group_size: int) -> None:
+    """Refuse a quantized KV cache (``--kv-bits``) for a model that cannot hold one. mlx-lm quantizes only plain
+    key/value caches (its ``RotatingKVCache.to_quantized`` is not implemented, and a linear-attention state is no
+    key/value cache); latent attention (deepseek_v3) multiplies its cached latent directly, which a quantized cache
+    does not hold; and mlx-lm's quantized attention needs each head's width to be whole groups."""
+    if bits is None:
+        return
+    support = supports(config)
+    arch = architecture(config)
+    text = config.get("text_config", config)
+    why = ""
+    if support is not None and not support.cuttable:
+        why = f"its caches are {support.caches} ones, and mlx-lm quantizes plain key/value caches only"
+    elif text.get("kv_lora_rank"):
+        why = "its latent attention reads the cached latent unquantized"
+    else:
+        heads = text.get("num_attention_heads") or 1
+        head_dim = int(text.get("head_dim") or text.get("hidden_size", 0) // heads)
+        if head_dim % group_size:
+            why = f"its heads are {head_dim} wide, not a multiple of the quantization group of {group_size}"
+    if why:
+        raise Unsupported(
+            f"--kv-bits {bits}: {arch!r} cannot keep a quantized KV cache: {why}; serve it without --kv-bits"
+        )
+
+
 class _Limits(Protocol):
     @property
     def speculate(self) -> str: ...

@@ -33,7 +33,7 @@ async def generate(args: argparse.Namespace, layout: Layout) -> None:
     path = resolve(args.model)
     deadlines = Deadlines(step=args.step_timeout)
     # One prompt per process: nothing to share in a prefix cache; the other scheduling settings are serve's.
-    limits = Scheduling(prefix_cache_bytes=0)
+    limits = Scheduling(prefix_cache_bytes=0, kv_bits=args.kv_bits)
     # On a terminal the engine's load shows a progress bar (log.progress) until it is done.
     async with Engine.open(path, layout, deadlines, limits, model=args.model) as engine:
         if args.chat:

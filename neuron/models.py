@@ -267,14 +267,19 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
 
 
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+KV_GROUP_SIZE = 64  # values sharing one scale and bias in a quantized KV cache (--kv-bits): mlx-lm's default
 
 
-def cache_bytes(model_path: str | Path, stages: list[tuple[int, int]], world_size: int) -> tuple[int, int]:
+def cache_bytes(
+    model_path: str | Path, stages: list[tuple[int, int]], world_size: int, kv_bits: int | None = None
+) -> tuple[int, int]:
     """What a prompt's caches hold on the rank holding the largest share, from the config and the safetensors
     headers alone: bytes per token, and bytes whatever the length (a sliding window's full buffer, which it holds
     from a prompt's end on; a linear-attention layer's state). Over the largest pipeline stage's layers
     (``stages``, each rank's ``[first, end)``), or, without stages, over every layer's 1 / ``world_size`` of the
-    heads (tensor parallelism splits them evenly)."""
+    heads (tensor parallelism splits them evenly). ``kv_bits``: keys and values quantized to these bits
+    (``--kv-bits``, only models of plain key/value caches), each group of ``KV_GROUP_SIZE`` with a scale and a
+    bias in the activations' dtype."""
     model = text_config(read_config(model_path))
     dtype = 4
     for weights in sorted(Path(model_path).glob("model*.safetensors")):
@@ -287,7 +292,7 @@ def cache_bytes(model_path: str | Path, stages: list[tuple[int, int]], world_siz
             break
     share = 1 if stages else world_size
     kinds = _layer_kinds(model)
-    per_layer = [_layer_bytes(model, kind, dtype, share) for kind in kinds]
+    per_layer = [_layer_bytes(model, kind, dtype, share, kv_bits) for kind in kinds]
     ranges = stages or [(0, len(kinds))]
     return (
         max(sum(per_layer[i][0] for i in range(first, end)) for first, end in ranges),
@@ -313,7 +318,9 @@ def _layer_kinds(model: dict[str, Any]) -> list[str]:
     return kinds[: layers - shared] + ["none"] * shared
 
 
-def _layer_bytes(model: dict[str, Any], kind: str, dtype: int, share: int) -> tuple[int, int]:
+def _layer_bytes(
+    model: dict[str, Any], kind: str, dtype: int, share: int, kv_bits: int | None = None
+) -> tuple[int, int]:
     """One layer's bytes per token and bytes whatever the length, on a rank holding 1 / ``share`` of its heads."""
     if kind == "none":
         return 0, 0
@@ -329,5 +336,7 @@ def _layer_bytes(model: dict[str, Any], kind: str, dtype: int, share: int) -> tu
     if kind == "full" and model.get("global_head_dim"):  # gemma4's full-attention layers
         kv_heads = int(model.get("num_global_key_value_heads") or kv_heads)
         head_dim = int(model["global_head_dim"])
+    if kv_bits is not None:  # packed values, and a scale and a bias per group (mlx-lm's QuantizedKVCache)
+        return 2 * kv_heads // share * (head_dim * kv_bits // 8 + head_dim // KV_GROUP_SIZE * 2 * dtype), 0
     token = 2 * kv_heads // share * head_dim * dtype
     return (token, 0) if kind == "full" else (0, token * int(model["sliding_window"]))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, get_type_hints
 
-from neuron.models import POOLING_TYPES
+from neuron.models import KV_GROUP_SIZE, POOLING_TYPES
 from neuron.sampling_params import SamplingParams
 
 SERVE = ("serve",)
@@ -53,6 +53,17 @@ def _adapter_list(v: str) -> str | None:
     except AdapterError as e:
         return f"is not a list of NAME=PATH: {e}"
     return None
+
+
+KV_BITS = (8, 4)
+
+
+def _kv_bits(v: int) -> str | None:
+    return (
+        None
+        if v in KV_BITS
+        else f"must be 8 or 4 (bits per cached key and value), got {v}; leave it unset to keep it unquantized"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +421,15 @@ class Scheduling:
     )
     prefix_cache_dir_bytes: int = setting(
         16 << 30, "bytes of prefix-cache files each rank keeps in --prefix-cache-dir; the oldest go first", at_least=1
+    )
+    kv_bits: int | None = setting(
+        None,
+        "store the KV cache quantized to this many bits (8 or 4; mlx-lm's quantized cache, groups of "
+        f"{KV_GROUP_SIZE} values), from a prompt's first token on; the prefix cache and --prefix-cache-dir hold it "
+        "so too. Models whose caches are not all plain key/value ones are refused",
+        commands=BOTH,
+        check=_kv_bits,
+        unset="unquantized, in the activations' dtype",
     )
     speculate: str = setting(
         "ngram",

@@ -99,8 +99,8 @@ class Worker:
                 files = models.digest_files(path)
                 same = share.split("/")[0] == models.model_digest(files)
                 return rpc.ModelChecked(id=id, path=str(path), files=files, share="" if same else self._held(share))
-            case rpc.LoadShard(id=id, model_path=path, layers=layers):
-                loaded = self._joined().load(path, layers)
+            case rpc.LoadShard(id=id, model_path=path, layers=layers, kv_bits=kv_bits):
+                loaded = self._joined().load(path, layers, kv_bits)
                 self.log.info(
                     "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
                 )

@@ -182,9 +182,9 @@ def _faulty_ranks(rank: ModuleType) -> None:
                     time.sleep(float(seconds))
             return super().init_group(backend, env)
 
-        def load(self, model_path: str, layers: list[int]) -> Any:
+        def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Any:
             self.steps_sent = 0
-            return super().load(model_path, layers)
+            return super().load(model_path, layers, kv_bits)
 
         def step(self, plan: StepPlan) -> Any:
             self.steps_sent += 1

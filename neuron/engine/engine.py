@@ -57,6 +57,7 @@ from neuron.models import ModelError, embedding, read_config, resolve, text_conf
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
+from neuron.settings import KV_GROUP_SIZE
 from neuron.step import DraftRow, Step
 
 log = structlog.get_logger("neuron.engine")
@@ -146,6 +147,7 @@ class Engine(Recovering):
         async with Pool(model_path, layout, deadlines, model) as pool:
             pool.draft_path = draft
             pool.mtp = limits.speculate == "mtp"
+            pool.kv_bits = limits.kv_bits
             with progress(f"loading {model_path.name} on {pool.world_size} rank(s)", 1) as advance:
                 await pool.load()
                 advance()
@@ -374,7 +376,11 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, s
     """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
     None without one, or where this model speculates not at all. With ``--speculate mtp`` the model's own
     multi-token-prediction layers draft instead (rank/mtp.py), refused here, before anything loads, where they
-    cannot."""
+    cannot; as is a ``--kv-bits`` the model's caches cannot take."""
+    try:
+        architectures.check_kv_bits(config, limits.kv_bits, KV_GROUP_SIZE)
+    except architectures.Unsupported as e:
+        raise ModelError(str(e)) from None
     heads = mtp_heads(config)
     if limits.speculate == "mtp":
         if limits.draft_model is not None:

@@ -54,8 +54,8 @@ class Loading(Ranks):
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
         replies = await self._fan_out(
             "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank]),
-            lambda rank: rank.load(self.model_path, layers[0]),
+            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank], kv_bits=self.kv_bits),
+            lambda rank: rank.load(self.model_path, layers[0], self.kv_bits),
             self.deadlines.load,
         )
         if self.draft_path is not None:
@@ -175,7 +175,7 @@ class Loading(Ranks):
         """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
         computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
         alike)."""
-        return cache_bytes(self.model_path, self.layers, self.world_size)
+        return cache_bytes(self.model_path, self.layers, self.world_size, self.kv_bits)
 
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""

@@ -78,6 +78,7 @@ class Ranks:
         self.adapters: dict[int, tuple[str, str]] = {}
         self.draft_path: Path | None = None  # the draft model (--draft-model), loaded whole on rank 0 with the model
         self.mtp = False  # the model's own prediction layers draft (--speculate mtp), loaded on rank 0 with the model
+        self.kv_bits: int | None = None  # every rank's KV cache quantized to these bits (--kv-bits); None: not
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)

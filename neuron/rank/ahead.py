@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.rank import caches
 from neuron.rank.sampler import ints
 from neuron.rpc import StepPlan
 
@@ -74,7 +75,7 @@ class Ahead:
 def can_undo(cache: list[BatchKVCache]) -> bool:
     """Whether a step run ahead could be taken back: plain keys and values trim; a sliding window that has
     wrapped, or a linear-attention state, cannot drop a token (those models do not run ahead)."""
-    return all(type(layer) is BatchKVCache for layer in cache)
+    return caches.cuttable(cache)
 
 
 def undo(cache: list[BatchKVCache]) -> None:

@@ -6,7 +6,8 @@ mlx-lm gives each kind its batched form and the operations batching needs
 this module only picks them by kind, so the rest of ``tp`` never asks which
 kind a layer holds. What differs is whether a cache can be cut back to an
 earlier length: only plain key/value caches can (``neuron.architectures`` says
-which models have only those).
+which models have only those), quantized (``--kv-bits``, ``rank.quantized``)
+or not.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+
+from neuron.rank import quantized
+from neuron.rank.quantized import BatchQuantizedKVCache
 
 Layer = Any  # one layer's cache: any of mlx-lm's kinds, alone or batched
 
@@ -30,7 +34,27 @@ def fresh(model: nn.Module) -> list[Layer]:
 
 def merge(caches: list[list[Layer]]) -> list[Layer]:
     """The batched caches of several sequences (each a list of per-layer caches), rows in the given order."""
-    return [caches[0][i].merge([cache[i] for cache in caches]) for i in range(len(caches[0]))]
+    out = []
+    for i, layer in enumerate(caches[0]):
+        kind = BatchQuantizedKVCache if isinstance(layer, QuantizedKVCache) else layer
+        out.append(kind.merge([cache[i] for cache in caches]))
+    return out
+
+
+def padded_batch(fresh_caches: list[Layer], padding: list[int]) -> list[BatchKVCache]:
+    """Empty batched caches for new prompts left-padded by ``padding``, quantized where ``fresh_caches`` (a fresh
+    sequence's) are; the model keeps plain key/value caches only."""
+    return [
+        BatchQuantizedKVCache(padding, layer.group_size, layer.bits)
+        if isinstance(layer, QuantizedKVCache)
+        else BatchKVCache(padding)
+        for layer in fresh_caches
+    ]
+
+
+def cuttable(cache: list[Layer]) -> bool:
+    """Whether every layer of a batch can drop its last tokens: plain key/value layers, quantized or not."""
+    return all(isinstance(layer, BatchKVCache) for layer in cache)
 
 
 def empty_batch(model: nn.Module, rows: int) -> list[Layer]:
@@ -40,7 +64,7 @@ def empty_batch(model: nn.Module, rows: int) -> list[Layer]:
 
 def twin(cache: list[Layer]) -> list[Layer]:
     """A copy of one sequence's caches with arrays of its own: the copy's writes must not reach the original."""
-    out = []
+    out: list[Layer] = []
     for layer in cache:
         if type(layer) is KVCache:
             copied = KVCache()
@@ -48,6 +72,12 @@ def twin(cache: list[Layer]) -> list[Layer]:
                 copied.keys, copied.values = mx.array(layer.keys), mx.array(layer.values)
             copied.offset = layer.offset
             out.append(copied)
+        elif isinstance(layer, QuantizedKVCache):
+            twin_layer = QuantizedKVCache(layer.group_size, layer.bits)
+            if layer.keys is not None:
+                twin_layer.keys, twin_layer.values = quantized.copied(layer.keys), quantized.copied(layer.values)
+            twin_layer.offset = layer.offset
+            out.append(twin_layer)
         else:
             out.append(copy.deepcopy(layer))  # what mlx-lm's BatchGenerator does to split a batch
     return out
@@ -60,6 +90,9 @@ def arrays(layer: Layer) -> list[mx.array]:
     if isinstance(layer, ArraysCache):
         held: list[mx.array | None] = list(layer.cache)  # mlx-lm types the slots as None until filled
         return [a for a in held if a is not None]
+    if isinstance(layer, (QuantizedKVCache, BatchQuantizedKVCache)):
+        keys, values = layer.state[:2]  # each (packed, scales, biases), or None before the first write
+        return [] if keys is None else [*keys, *values]
     return [a for a in (layer.keys, layer.values) if a is not None]
 
 

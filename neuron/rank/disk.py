@@ -6,9 +6,10 @@ the entry's arrays (computed already, never written to again) to the writer, whi
 ``PENDING_BYTES`` waiting to be written, a spill is skipped with a warning rather than queued or waited for.
 
 A file is ``MAGIC``, the length of a JSON header, the header, then each array's bytes. The header carries the
-stamp (the model's digest and the layout, from the leader), the rank, the entry's key and length, each array's
-shape and dtype, and the sha256 of the bytes after it. A file whose stamp, rank or key is not this rank's, or whose
-bytes do not match its checksum (corrupted, truncated), is skipped with a warning and never loaded. Past the byte
+stamp (the model's digest and the layout, from the leader), the rank, the bits its keys and values were quantized to
+(``--kv-bits``; null: not), the entry's key and length, each array's shape and dtype, and the sha256 of the bytes
+after it. A file whose stamp, rank, bits or key is not this rank's, or whose bytes do not match its checksum
+(corrupted, truncated), is skipped with a warning and never loaded. Past the byte
 budget the oldest files go.
 """
 
@@ -33,9 +34,10 @@ MAGIC = b"NEURON-KV 1\n"
 PENDING_BYTES = 1 << 30  # bytes handed to the writer and not yet written, at most
 # The dtypes numpy has no type for travel as same-sized unsigned integers.
 _AS_BITS = {mx.bfloat16: mx.uint16}
-_DTYPES = {str(t): t for t in (mx.float32, mx.float16, mx.bfloat16)}
+_DTYPES = {str(t): t for t in (mx.float32, mx.float16, mx.bfloat16, mx.uint32)}
 
-KeysValues = tuple[mx.array, mx.array]
+Stored = mx.array | tuple[mx.array, mx.array, mx.array]  # keys or values: plain, or quantized (``rank.quantized``)
+KeysValues = tuple[Stored, Stored]  # a plain layer's, each [1, kv heads here, tokens, head dim or its packing]
 
 
 class DiskError(ValueError):
@@ -43,13 +45,14 @@ class DiskError(ValueError):
 
 
 class Disk:
-    def __init__(self, folder: Path, budget: int, stamp: str, rank: int) -> None:
+    def __init__(self, folder: Path, budget: int, stamp: str, rank: int, kv_bits: int | None = None) -> None:
         self.folder = folder
         self.budget = budget
         self.stamp = stamp
         self.rank = rank
+        self.kv_bits = kv_bits
         folder.mkdir(parents=True, exist_ok=True)
-        self._queue: queue.Queue[tuple[str, int, list[KeysValues], list[str], int] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, int, list[mx.array], list[str], int] | None] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self.skipped = 0  # spills given up because the writer was behind
@@ -64,7 +67,7 @@ class Disk:
         out = {}
         for path in sorted(self.folder.glob(f"*.r{self.rank}.kv")):
             try:
-                header, _ = _header(path, self.stamp, self.rank)
+                header, _ = _header(path, self.stamp, self.rank, self.kv_bits)
             except (DiskError, OSError) as e:
                 log.warning("prefix cache file skipped", path=str(path), reason=str(e))
                 continue
@@ -75,7 +78,7 @@ class Disk:
         """The entry saved under ``key``: its length and each layer's keys and values; ``DiskError`` when its file
         must not be loaded."""
         path = self.path(key)
-        header, offset = _header(path, self.stamp, self.rank)
+        header, offset = _header(path, self.stamp, self.rank, self.kv_bits)
         if header["key"] != key:
             raise DiskError(f"{path} holds entry {header['key']}, not {key}")
         data = path.read_bytes()[offset:]
@@ -94,14 +97,16 @@ class Disk:
             array = mx.array(raw.reshape(shape))
             arrays.append(array.view(kind) if bits is not kind else array)
             at += size
-        if at != len(data) or len(arrays) % 2:
+        per_layer = 2 if self.kv_bits is None else 6  # keys and values, or each's packed values, scales and biases
+        if at != len(data) or len(arrays) % per_layer:
             raise DiskError(f"{path}: its header does not describe its bytes")
         mx.eval(arrays)
-        return int(header["tokens"]), [(arrays[i], arrays[i + 1]) for i in range(0, len(arrays), 2)]
+        return int(header["tokens"]), [_layer(arrays[i : i + per_layer]) for i in range(0, len(arrays), per_layer)]
 
     def spill(self, key: str, tokens: int, layers: list[KeysValues]) -> None:
         """Hand an entry to the writer; skipped, with a warning, while the writer is too far behind."""
-        as_bits = [a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a for layer in layers for a in layer]
+        flat = [a for layer in layers for held in layer for a in (held if isinstance(held, tuple) else (held,))]
+        as_bits = [a.view(_AS_BITS[a.dtype]) if a.dtype in _AS_BITS else a for a in flat]
         mx.eval(as_bits)  # the views are built on this thread, whose stream MLX owns; the writer only reads bytes
         size = sum(a.nbytes for a in as_bits)
         with self._lock:
@@ -110,9 +115,7 @@ class Disk:
                 log.warning("prefix cache spill skipped: the disk writer is behind", key=key, bytes=size)
                 return
             self._pending += size
-        dtypes = [str(a.dtype) for layer in layers for a in layer]
-        pairs = [(as_bits[i], as_bits[i + 1]) for i in range(0, len(as_bits), 2)]
-        self._queue.put((key, tokens, pairs, dtypes, size))
+        self._queue.put((key, tokens, as_bits, [str(a.dtype) for a in flat], size))
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s for every spill handed over to be written; True if all were."""
@@ -136,8 +139,7 @@ class Disk:
                 with self._lock:
                     self._pending -= size
 
-    def _write(self, key: str, tokens: int, layers: list[KeysValues], dtypes: list[str]) -> None:
-        arrays = [a for layer in layers for a in layer]
+    def _write(self, key: str, tokens: int, arrays: list[mx.array], dtypes: list[str]) -> None:
         chunks = [memoryview(np.ascontiguousarray(np.asarray(a)).reshape(-1).view(np.uint8).data) for a in arrays]
         digest = hashlib.sha256()
         for chunk in chunks:
@@ -145,6 +147,7 @@ class Disk:
         header: dict[str, Any] = {
             "stamp": self.stamp,
             "rank": self.rank,
+            "kv_bits": self.kv_bits,
             "key": key,
             "tokens": tokens,
             "arrays": [[list(a.shape), dtype] for a, dtype in zip(arrays, dtypes, strict=True)],
@@ -175,8 +178,15 @@ class Disk:
         self._thread.join(timeout=1.0)
 
 
-def _header(path: Path, stamp: str, rank: int) -> tuple[dict[str, Any], int]:
-    """A file's header, checked against this rank's stamp, and where its arrays start."""
+def _layer(arrays: list[mx.array]) -> KeysValues:
+    """One layer's keys and values from its arrays as written: two, or three each where quantized."""
+    if len(arrays) == 2:
+        return arrays[0], arrays[1]
+    return (arrays[0], arrays[1], arrays[2]), (arrays[3], arrays[4], arrays[5])
+
+
+def _header(path: Path, stamp: str, rank: int, kv_bits: int | None) -> tuple[dict[str, Any], int]:
+    """A file's header, checked against this rank's stamp and KV bits, and where its arrays start."""
     with path.open("rb") as f:
         if f.read(len(MAGIC)) != MAGIC:
             raise DiskError(f"{path} is not a neuron prefix-cache file")
@@ -191,4 +201,7 @@ def _header(path: Path, stamp: str, rank: int) -> tuple[dict[str, Any], int]:
         raise DiskError(f"{path} has a damaged header")
     if header["stamp"] != stamp or header["rank"] != rank:
         raise DiskError(f"{path} was written for another model or layout ({header['stamp']}, rank {header['rank']})")
+    if header.get("kv_bits") != kv_bits:  # a file from before the field held unquantized keys and values
+        written, serving = (f"{bits} bits" if bits else "unquantized" for bits in (header.get("kv_bits"), kv_bits))
+        raise DiskError(f"{path} holds a KV cache of {written} (--kv-bits), and this server keeps {serving}")
     return header, len(MAGIC) + 8 + length

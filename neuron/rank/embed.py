@@ -21,7 +21,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rank import caches
 from neuron.rank.prefill import SeqState
@@ -47,7 +46,7 @@ def embed_inputs(
     out: dict[int, mx.array] = {}
     whole = [chunk for chunk in chunks if chunk.position == 0 and chunk.last and together]
     for group in _groups(whole):
-        out.update(_embed_together(runner, len(caches.fresh(model)), group))
+        out.update(_embed_together(runner, caches.fresh(model), group))
     for chunk in chunks:
         if chunk.position == 0 and chunk.last and together:
             continue
@@ -98,11 +97,12 @@ def _groups(whole: list[Prefill]) -> list[list[Prefill]]:
     return [group for group in groups if group]
 
 
-def _embed_together(runner: Sharded | Stage, layers: int, group: list[Prefill]) -> dict[int, mx.array]:
-    """One forward over inputs left-padded to the longest; rank 0 pools each over its own positions."""
+def _embed_together(runner: Sharded | Stage, fresh: list[caches.Layer], group: list[Prefill]) -> dict[int, mx.array]:
+    """One forward over inputs left-padded to the longest, in caches of ``fresh``'s kinds (quantized with
+    ``--kv-bits``, as an input fed alone); rank 0 pools each over its own positions."""
     width = max(len(chunk.tokens) for chunk in group)
     pads = [width - len(chunk.tokens) for chunk in group]
-    batched = [BatchKVCache(pads) for _ in range(layers)]
+    batched = caches.padded_batch(fresh, pads)
     tokens = mx.array([[0] * pad + chunk.tokens for pad, chunk in zip(pads, group, strict=True)])
     mean = group[0].pool == "MEAN"
     states = runner.states(tokens, batched, every=mean)

@@ -6,7 +6,8 @@ slice of the key/value heads, or its pipeline stage's layers), and handles it
 the same way either way. ``state`` goes into the rank's fingerprint, so a rank
 whose entries differ from rank 0's is a desync on that very step.
 
-A plain key/value layer is kept as its keys and values, and restores any first
+A plain key/value layer is kept as its keys and values (each quantized, as
+packed values, scales and biases, with ``--kv-bits``), and restores any first
 part of them. Any other layer (a sliding window's rotating cache, a
 linear-attention state) is kept whole as it stood at the prompt's end: a
 snapshot, which restores that one boundary and no other (the leader's index
@@ -20,17 +21,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from neuron.models import KV_GROUP_SIZE
 from neuron.rank import caches
-from neuron.rank.disk import Disk, DiskError, log
+from neuron.rank.disk import Disk, DiskError, KeysValues, Stored, log
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
     from neuron.rank.batch import Batch
     from neuron.rank.prefill import SeqState
-
-KeysValues = tuple[mx.array, mx.array]  # a plain layer's keys and values, [1, kv heads here, tokens, head dim]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +47,7 @@ class Entries:
     def __init__(self) -> None:
         self._held: dict[int, _Entry] = {}
         self.disk: Disk | None = None  # where spilled entries go (``OpenPrefixDisk``); None: they are dropped
+        self.kv_bits: int | None = None  # the bits plain layers are quantized to (``--kv-bits``); None: not
         # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
         # listing a full cache's entries each time would cost the step more the more the cache holds.
         self._digest = 0
@@ -98,7 +99,7 @@ class Entries:
             if state is None or not batch.holds(save.seq) or state.position < save.tokens:
                 return f"sequence {save.seq} cannot be saved with {save.tokens} tokens: this rank does not hold them"
             rows = next(g for g in batch.micro_batches.values() if save.seq in g.ids)
-            if not all(type(layer) is BatchKVCache for layer in rows.cache):
+            if not caches.cuttable(rows.cache):
                 return f"sequence {save.seq} cannot be saved as it leaves: its caches cannot be cut to {save.tokens}"
         return None
 
@@ -114,8 +115,7 @@ class Entries:
             for layer in rows.cache:
                 start = int(layer.left_padding[row].item())
                 end = start + save.tokens
-                keys, values = layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
-                layers.append((mx.contiguous(keys), mx.contiguous(values)))
+                layers.append((_cut(layer.keys, row, start, end), _cut(layer.values, row, start, end)))
             mx.eval(layers)
             self._held[save.entry] = _Entry(save.tokens, layers)
             self._fold(save.entry)
@@ -143,8 +143,21 @@ class Entries:
         for layer in self._held[entry].layers:
             if isinstance(layer, tuple):
                 keys, values = layer
-                cache = KVCache()
                 # The cache's next update sees a full buffer and concatenates into a new one, never writing here.
+                if isinstance(keys, tuple):
+                    assert self.kv_bits is not None and isinstance(values, tuple)
+                    quantized = QuantizedKVCache(KV_GROUP_SIZE, self.kv_bits)
+                    quantized.state = (
+                        _first(keys, tokens),
+                        _first(values, tokens),
+                        tokens,
+                        KV_GROUP_SIZE,
+                        self.kv_bits,
+                    )
+                    restored.append(quantized)
+                    continue
+                assert not isinstance(values, tuple)
+                cache = KVCache()
                 cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
                 restored.append(cache)
             else:
@@ -184,11 +197,23 @@ def _kept(cache: list[caches.Layer], tokens: int) -> _Entry:
     slack), any other whole, with arrays of its own (the sequence goes on writing into its own)."""
     layers: list[KeysValues | caches.Layer] = []
     for layer in cache:
-        if type(layer) is KVCache:
-            keys, values = layer.keys, layer.values
-            assert keys is not None and values is not None
-            layers.append((mx.contiguous(keys[..., : layer.offset, :]), mx.contiguous(values[..., : layer.offset, :])))
+        if type(layer) in (KVCache, QuantizedKVCache):
+            assert layer.keys is not None and layer.values is not None
+            layers.append((_cut(layer.keys, 0, 0, layer.offset), _cut(layer.values, 0, 0, layer.offset)))
         else:
             layers.extend(caches.twin([layer]))
     mx.eval([layer if isinstance(layer, tuple) else caches.arrays(layer) for layer in layers])
     return _Entry(tokens, layers)
+
+
+def _cut(held: Stored, row: int, start: int, end: int) -> Stored:
+    """Row ``row``'s positions ``[start, end)`` of keys or values, plain or quantized, in arrays of their own."""
+    if isinstance(held, tuple):
+        a, b, c = (mx.contiguous(x[row : row + 1, :, start:end]) for x in held)
+        return a, b, c
+    return mx.contiguous(held[row : row + 1, :, start:end])
+
+
+def _first(held: tuple[mx.array, mx.array, mx.array], tokens: int) -> tuple[mx.array, mx.array, mx.array]:
+    a, b, c = (x[..., :tokens, :] for x in held)
+    return a, b, c

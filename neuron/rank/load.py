@@ -10,9 +10,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
-from neuron.models import read_config, text_config
+from neuron.models import KV_GROUP_SIZE, read_config, text_config
 from neuron.rank import mrope, vision
 from neuron.rank.errors import RankError
+from neuron.rank.quantized import quantize_caches
 from neuron.rank.runner import Sharded, Stage
 from neuron.rank.shard import load_shard, load_stage, parameter_count, shard_head
 
@@ -35,9 +36,16 @@ class Share:
     layers: int  # the whole model's, of which a stage holds some
 
 
-def load(model_path: str, layers: list[int], rank: int, world_size: int, group: mx.distributed.Group | None) -> Share:
+def load(
+    model_path: str,
+    layers: list[int],
+    rank: int,
+    world_size: int,
+    group: mx.distributed.Group | None,
+    kv_bits: int | None = None,
+) -> Share:
     """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
-    a pipeline stage of whole layers."""
+    a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given."""
     config = read_config(model_path)  # the leader checked it can be split (rank.shard.check_splittable)
     vocab_size = text_config(config)["vocab_size"]
     if layers:
@@ -63,4 +71,10 @@ def load(model_path: str, layers: list[int], rank: int, world_size: int, group: 
         runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
     runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
     runner.rope = mrope.attach(config, model, rank, layers[0] if layers else 0)
+    if kv_bits is not None:
+        try:
+            architectures.check_kv_bits(config, kv_bits, KV_GROUP_SIZE)  # the leader checked; a worker's own model
+        except architectures.Unsupported as e:
+            raise RankError(f"rank {rank}: {e}") from None
+        quantize_caches(model, KV_GROUP_SIZE, kv_bits)
     return Share(model, runner, vocab_size, together, parameters, int(text_config(config)["num_hidden_layers"]))

@@ -74,7 +74,7 @@ def feed_prompts(
     fresh = [chunk for chunk in chunks if _batched(chunk, together)]
     if fresh:
         logits, batched = _forward_new_prompts(
-            runner, len(caches.fresh(model)), [chunk.tokens for chunk in fresh], [chunk.adapter for chunk in fresh]
+            runner, caches.fresh(model), [chunk.tokens for chunk in fresh], [chunk.adapter for chunk in fresh]
         )
         for i, chunk in enumerate(fresh):
             if not shadow:
@@ -135,13 +135,13 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
 
 
 def _forward_new_prompts(
-    runner: Sharded | Stage, layers: int, prompts: list[list[int]], adapters: list[int]
+    runner: Sharded | Stage, fresh: list[caches.Layer], prompts: list[list[int]], adapters: list[int]
 ) -> tuple[mx.array | None, list[BatchKVCache]]:
-    """All but each prompt's last token, left-padded into one batch; then the last tokens together. ``adapters``:
-    each prompt's LoRA adapter."""
+    """All but each prompt's last token, left-padded into one batch of caches of ``fresh``'s kinds (a new
+    sequence's); then the last tokens together. ``adapters``: each prompt's LoRA adapter."""
     bodies = [tokens[:-1] for tokens in prompts]
     width = max(len(body) for body in bodies)
-    batched = [BatchKVCache([width - len(body) for body in bodies]) for _ in range(layers)]
+    batched = caches.padded_batch(fresh, [width - len(body) for body in bodies])
     if width:
         runner.feed(mx.array([[0] * (width - len(body)) + body for body in bodies]), batched, adapters=adapters)
     final = mx.array([tokens[-1:] for tokens in prompts])

@@ -62,14 +62,15 @@ class Rank:
         self.group, total = group.join(self.rank, self.world_size, backend, env)
         return total
 
-    def load(self, model_path: str, layers: list[int]) -> Loaded:
+    def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Loaded:
         """This rank's share of the model (``rank.load``): a slice of every layer, or (``layers`` = [first, end))
-        a pipeline stage of whole layers."""
+        a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` (``--kv-bits``) where given."""
         if self.world_size > 1 and self.group is None:
             raise RankError(f"rank {self.rank}: load_shard before init; send init first")
         start = time.perf_counter()
         self.unload()
-        share = load(model_path, layers, self.rank, self.world_size, self.group)
+        share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits)
+        self.entries.kv_bits = kv_bits
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
         self.prompts_together = share.prompts_together
         split = self.group if not layers else None  # a stage holds whole layers: its adapters too
@@ -278,7 +279,7 @@ class Rank:
         """Spill entries to ``folder`` from now on (``rank.disk``); returns the files there this rank may load."""
         if self.entries.disk is not None:
             self.entries.disk.close(0.0)
-        self.entries.disk = Disk(Path(folder), budget, stamp, self.rank)
+        self.entries.disk = Disk(Path(folder), budget, stamp, self.rank, self.entries.kv_bits)
         return self.entries.disk.scan()
 
     def flush_disk(self, timeout: float) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.rank import caches
+
 
 def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     """Drop ``drops[i]`` tokens from the end of row i in every layer: the rows drop different amounts.
@@ -23,7 +25,7 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     mlx-lm's element-wise ``dynamic_roll``, which cost more than a whole plain
     step (BENCHMARKS.md, "Speculative decoding", the realignment fix).
     """
-    if any(drops) and not all(type(layer) is BatchKVCache for layer in cache):
+    if any(drops) and not caches.cuttable(cache):
         raise ValueError(
             "rejected draft tokens cannot be dropped from a sliding window's or a linear-attention state's cache; "
             "serve this model with speculation off (neuron.architectures.limits_for turns it off)"
@@ -40,8 +42,12 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     live = cache[0]._idx
     sources: dict[tuple[int, ...], mx.array] = {}
     for layer in cache:
-        layer.keys = _rolled(layer.keys, shift, live, sources)
-        layer.values = _rolled(layer.values, shift, live, sources)
+        if isinstance(layer.keys, tuple):  # quantized (``rank.quantized``): packed values, scales, biases alike
+            layer.keys = tuple(_rolled(x, shift, live, sources) for x in layer.keys)
+            layer.values = tuple(_rolled(x, shift, live, sources) for x in layer.values)
+        else:
+            layer.keys = _rolled(layer.keys, shift, live, sources)
+            layer.values = _rolled(layer.values, shift, live, sources)
         layer.offset = layer.offset - shift
         layer.left_padding = layer.left_padding + shift
 

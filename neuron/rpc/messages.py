@@ -144,12 +144,13 @@ class CheckModel:
 @dataclass(frozen=True, slots=True)
 class LoadShard:
     """Load this rank's share: a slice of every layer (``layers`` empty), or layers ``[first, end)`` whole, a
-    pipeline stage."""
+    pipeline stage. ``kv_bits``: its KV caches quantized to these bits (``--kv-bits``); None: not."""
 
     op: ClassVar[str] = "load_shard"
     id: int
     model_path: str
     layers: list[int]
+    kv_bits: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
