@@ -159,10 +159,13 @@ def test_greedy_output_with_a_quantized_kv_cache_stays_close_to_unquantized_on_s
         every = agreement.histories(smollm2_server, agreement.QUESTIONS)
         assert all(len(h) > agreement.TOKENS for h in every)
         wanted = [agreement.firsts(smollm2_server, h) for h in every]
+        rates: dict[int, float] = {}
         for bits, floor in AGREEMENT_FLOOR.items():
-            rate = agreement.agreement(wanted, servers[bits].start(), every)
+            rate = rates[bits] = agreement.agreement(wanted, servers[bits].start(), every)
             print(f"kv bits {bits}: greedy agreement over {agreement.TOKENS} tokens {rate:.3f}")
             assert rate >= floor, f"--kv-bits {bits}: agreement {rate:.3f} under {floor}"
+        # Served caches that were not quantized at all would agree everywhere: at 4 bits this model's do not.
+        assert rates[4] < 1, "--kv-bits 4: every token agreed, as if the ranks kept unquantized caches"
 
 
 # The tiny qwen3 (tests/conftest.py). Repetitive prompts, so that prompt lookup drafts; some longer than the
