@@ -1,11 +1,12 @@
 """The prefix cache's disk tier (``--prefix-cache-dir``): each rank's files checked directly (unit: a real writer
 thread, real files, no process), then a real server at TP=2 and at PP=2 restarted on its folder: the same prompt is
-restored instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning; a
-sliding-window model writes nothing and says why.
+restored instead of computed, with the same greedy tokens, and a corrupted file is skipped with a warning; so are a
+sliding-window model's and a linear-attention model's snapshots, where a prompt begins with a whole saved one.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
 from tiny_archs import make_arch_model
+
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
 from neuron.rank.disk import MAGIC, Disk, DiskError
 
@@ -62,7 +65,50 @@ def test_a_corrupted_truncated_or_foreign_file_is_skipped_and_never_loaded(tmp_p
     assert Disk(tmp_path, 1 << 20, STAMP, 0).scan() == {}  # rank 0 does not read rank 1's files
     (tmp_path / "k2.r1.kv").write_bytes(b"not a neuron file")
     (tmp_path / "k3.r1.kv").write_bytes(MAGIC + (5).to_bytes(8, "little") + b"{bad}")
-    assert disk.scan() == {"k1": 5}  # both skipped
+    (tmp_path / "k4.r1.kv").write_bytes(b"NEURON-KV 1\n" + whole[len(MAGIC) :])  # the format before snapshots
+    assert disk.scan() == {"k1": 5}  # all three skipped
+    with pytest.raises(DiskError, match="format 1 of neuron's prefix-cache files; this one reads 2"):
+        Disk(tmp_path, 1 << 20, STAMP, 1).load("k4")
+    disk.close(1.0)
+
+
+def _snapshot(tokens: int) -> list[object]:
+    """A sliding-window model's and a linear-attention model's layers as an entry keeps them: a rotating cache fed
+    past its window (its buffer wrapped), a state of two arrays, and a plain layer's keys and values."""
+    mx.random.seed(0)
+    window = RotatingKVCache(max_size=4)
+    for _ in range(tokens):  # one token at a time: the buffer fills, then is written over from its start
+        window.update_and_fetch(mx.random.normal((1, 2, 1, 8)).astype(mx.bfloat16), mx.random.normal((1, 2, 1, 8)))
+    state = ArraysCache(size=2)
+    state[0], state[1] = mx.random.normal((1, 3, 16)).astype(mx.bfloat16), mx.random.normal((1, 2, 4, 4))
+    return [window, state, _layers(tokens)[0]]
+
+
+@pytest.mark.unit
+def test_a_snapshot_entry_reads_back_as_mlx_lms_caches_and_a_changed_scalar_fails_its_checksum(tmp_path: Path) -> None:
+    disk = Disk(tmp_path, 1 << 20, STAMP, 1)
+    disk.spill("snap", 7, _snapshot(7))
+    assert disk.flush(10.0) and disk.scan() == {"snap": 7}
+    tokens, (window, state, (keys, values)) = disk.load("snap")
+    want_window, want_state, (want_keys, want_values) = _snapshot(7)
+    assert tokens == 7 and type(window) is RotatingKVCache and type(state) is ArraysCache
+    assert (window.offset, window.keep, window.max_size, window._idx) == (7, 0, 4, 3)
+    assert window.keys.dtype == mx.bfloat16 and mx.array_equal(window.keys, want_window.keys)
+    assert mx.array_equal(window.values, want_window.values)
+    assert state.left_padding is None and state.lengths is None
+    assert all(mx.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(state.cache, want_state.cache, strict=True))
+    assert mx.array_equal(keys, want_keys) and mx.array_equal(values, want_values)
+    # The next token attends as it would have: the window goes on wrapping where it left off.
+    step = mx.ones((1, 2, 1, 8))
+    for got, want in zip(window.update_and_fetch(step, step), want_window.update_and_fetch(step, step), strict=True):
+        assert mx.array_equal(got, want)
+    # The header is under the checksum too: a rotating cache's write position changed by one digit is never loaded.
+    path = tmp_path / "snap.r1.kv"
+    whole = path.read_bytes()
+    assert b'"0.5": 3' in whole
+    path.write_bytes(whole.replace(b'"0.5": 3', b'"0.5": 2'))
+    with pytest.raises(DiskError, match="checksum"):
+        disk.load("snap")
     disk.close(1.0)
 
 
@@ -80,8 +126,8 @@ def test_the_oldest_files_go_past_the_byte_budget(tmp_path: Path) -> None:
 PROMPT = "The keeper climbs the stairs at dusk and lights the lamp. " * 20
 
 
-def _ask(server: Server, prompt: str = PROMPT) -> tuple[Scored, int]:
-    body = {"model": "qwen3", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
+def _ask(server: Server, prompt: str = PROMPT, model: str = "qwen3") -> tuple[Scored, int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": TOP}
     reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -135,15 +181,54 @@ def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
     )
 
 
-def test_a_sliding_window_model_writes_nothing_and_says_why(tmp_path_factory: pytest.TempPathFactory) -> None:
-    model = make_arch_model(tmp_path_factory.mktemp("gemma") / "gemma3", "gemma3_text")
-    folder = tmp_path_factory.mktemp("kv-window")
-    with serving(tmp_path_factory, "--model", str(model), "--prefix-cache-dir", str(folder)) as server:
-        body = {"model": "gemma3", "prompt": PROMPT, "max_tokens": 2}
-        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).status_code == 200
-        off = server.find_log("prefix cache disk tier off: nothing is written to --prefix-cache-dir")
-        assert off is not None and "sliding window" in off["reason"], server.stderr()
-    assert list(folder.iterdir()) == []
+# A saved prompt, and a longer one beginning with it: a model whose entries are snapshots restores only a whole one.
+SHORT = "The keeper climbs the stairs at dusk and lights the lamp. " * 2
+LONG = SHORT + "Ships pass."
+ELSE = "A ferry crosses the bay twice a day."
+
+
+def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, corrupt: bool) -> None:
+    """A model whose entries are snapshots (a sliding window, a linear-attention state), restarted on its folder:
+    the longer prompt is computed first, then the shorter (and, where ``corrupt``, another, whose rank-1 file is
+    then damaged); after the restart the longer prompt restores the shorter one from disk and gives the tokens its
+    fresh prefill gave, and the damaged entry is skipped with a warning and computed."""
+    model = make_arch_model(factory.mktemp(arch) / arch, arch)
+    folder = factory.mktemp(f"kv-{arch}")
+    args = ("--model", str(model), "--tp", str(tp), "--prefix-cache-dir", str(folder))
+    with serving(factory, *args) as server:
+        fresh, cached = _ask(server, LONG, arch)
+        assert cached == 0 and _ask(server, SHORT, arch)[1] == 0  # the longer entry cannot be cut back to the shorter
+        if corrupt:
+            _ask(server, ELSE, arch)
+    keys = {len(json.loads(p.read_text())): p.name.split(".")[0] for p in folder.glob("*.tokens")}  # by length
+    asked = (SHORT, LONG, ELSE) if corrupt else (SHORT, LONG)
+    assert sorted(keys) == sorted(len(prompt) for prompt in asked), list(folder.iterdir())
+    for key in keys.values():  # each rank wrote its own share of every entry
+        assert sorted(p.name for p in folder.glob(f"{key}.r*.kv")) == [f"{key}.r{rank}.kv" for rank in range(tp)]
+    if corrupt:
+        target = folder / f"{keys[len(ELSE)]}.r{tp - 1}.kv"
+        data = bytearray(target.read_bytes())
+        data[-10] ^= 0xFF
+        target.write_bytes(bytes(data))
+    with serving(factory, *args) as server:
+        restored, cached = _ask(server, LONG, arch)
+        assert cached == len(SHORT), server.stderr()  # the whole saved prompt, restored from disk
+        assert server.find_log("prefill done", cached_tokens=cached) is not None
+        if corrupt:
+            assert _ask(server, ELSE + " Again.", arch)[1] == 0  # its file failed its checksum on a rank: loaded on none
+            skipped = server.find_log("prefix cache file skipped")
+            assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
+    assert_same(fresh, restored, f"{arch} at TP={tp}, restored from disk against a fresh prefill")
+
+
+def test_a_sliding_window_models_entries_are_restored_from_disk(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _snapshots_restored(tmp_path_factory, "gpt_oss", 1, corrupt=False)
+
+
+def test_a_linear_attention_models_entries_are_restored_from_disk_on_each_rank_and_a_corrupted_one_skipped(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _snapshots_restored(tmp_path_factory, "qwen3_next", 2, corrupt=True)
 
 
 OTHER = "A ferry crosses the bay twice a day and waits at the pier for the mail. " * 16

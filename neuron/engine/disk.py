@@ -38,13 +38,14 @@ LOAD_TRIES = 3  # rounds of loading, each without the keys some rank failed on i
 class PrefixDisk:
     """The leader's side: manifests written off the step loop, and the start's and the shutdown's exchanges."""
 
-    def __init__(self, folder: Path, budget: int, sizes: tuple[int, int] = (0, 0)) -> None:
+    def __init__(self, folder: Path, budget: int, sizes: tuple[int, int] = (0, 0), exact: bool = False) -> None:
         self.folder = folder
         self.budget = budget
         folder.mkdir(parents=True, exist_ok=True)
         # Every entry on disk, as a trie of its own within the same byte budget as each rank's files (``sizes``: an
-        # entry's bytes per token and its fixed bytes on the rank holding the largest share), and each one's key.
-        self._known = PrefixIndex(budget, *sizes)
+        # entry's bytes per token and its fixed bytes on the rank holding the largest share), and each one's key;
+        # ``exact`` as the memory's index: snapshots (a sliding window, a linear-attention state) restore whole.
+        self._known = PrefixIndex(budget, *sizes, exact=exact)
         self._keys: dict[int, str] = {}
         self._queue: queue.Queue[dict[str, list[int]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._write_all, name="neuron-kv-manifests", daemon=True)
@@ -52,19 +53,15 @@ class PrefixDisk:
 
     @classmethod
     def opened(cls, folder: str, budget: int, memory: int, exact: bool, sizes: tuple[int, int]) -> PrefixDisk | None:
-        """The disk tier in ``folder``, or None with a warning that says why there is none: no prefix cache in
-        memory (``memory`` bytes), or a model whose entries are snapshots (``exact``: a sliding window or a
-        linear-attention state, restored whole from memory only)."""
-        if memory and not exact:
-            return cls(Path(folder), budget, sizes)
-        reason = (
-            "--prefix-cache-bytes is 0: there is no prefix cache to spill"
-            if not memory
-            else "this model keeps a sliding window or a linear-attention state: its cache entries are snapshots, "
-            "restored whole from memory and not written to disk; drop --prefix-cache-dir"
-        )
+        """The disk tier in ``folder``, or None with a warning where there is no prefix cache in memory (``memory``
+        bytes) to spill. ``exact``: the model's entries are snapshots (a sliding window or a linear-attention
+        state), restored whole, from disk as from memory."""
+        if memory:
+            return cls(Path(folder), budget, sizes, exact)
         log.warning(
-            "prefix cache disk tier off: nothing is written to --prefix-cache-dir", folder=folder, reason=reason
+            "prefix cache disk tier off: nothing is written to --prefix-cache-dir",
+            folder=folder,
+            reason="--prefix-cache-bytes is 0: there is no prefix cache to spill",
         )
         return None
 

@@ -11,7 +11,8 @@ packed values, scales and biases, with ``--kv-bits``), and restores any first
 part of them. Any other layer (a sliding window's rotating cache, a
 linear-attention state) is kept whole as it stood at the prompt's end: a
 snapshot, which restores that one boundary and no other (the leader's index
-then restores only at an entry's end: ``PrefixIndex(exact=True)``).
+then restores only at an entry's end: ``PrefixIndex(exact=True)``). Either
+kind goes to disk and comes back alike (``rank.disk``).
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ class Entries:
         for evict in plan.evict:
             self._fold(evict.entry)
             gone = self._held.pop(evict.entry)
-            if evict.key and self.disk is not None and gone.cuttable:
-                self.disk.spill(evict.key, gone.tokens, [layer for layer in gone.layers if isinstance(layer, tuple)])
+            if evict.key and self.disk is not None:
+                self.disk.spill(evict.key, gone.tokens, gone.layers)
         for save in plan.save:
             if save.tokens:  # kept as it left (``save_leaving``)
                 continue
@@ -187,7 +188,7 @@ class Entries:
                 log.warning("prefix cache file skipped", key=key, reason=str(e))
                 failed.append(key)
                 continue
-            self._held[entry] = _Entry(tokens, list(layers))
+            self._held[entry] = _Entry(tokens, layers)
             self._fold(entry)
         return failed
 
