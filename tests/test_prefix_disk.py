@@ -15,9 +15,8 @@ import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
-from tiny_archs import make_arch_model
-
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+from tiny_archs import make_arch_model
 
 from neuron.rank.disk import MAGIC, Disk, DiskError
 
@@ -67,7 +66,7 @@ def test_a_corrupted_truncated_or_foreign_file_is_skipped_and_never_loaded(tmp_p
     (tmp_path / "k3.r1.kv").write_bytes(MAGIC + (5).to_bytes(8, "little") + b"{bad}")
     (tmp_path / "k4.r1.kv").write_bytes(b"NEURON-KV 1\n" + whole[len(MAGIC) :])  # the format before snapshots
     assert disk.scan() == {"k1": 5}  # all three skipped
-    with pytest.raises(DiskError, match="format 1 of neuron's prefix-cache files; this one reads 2"):
+    with pytest.raises(DiskError, match="format 1 of neuron's prefix-cache files, not this neuron's 2"):
         Disk(tmp_path, 1 << 20, STAMP, 1).load("k4")
     disk.close(1.0)
 
@@ -184,24 +183,38 @@ def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
 # A saved prompt, and a longer one beginning with it: a model whose entries are snapshots restores only a whole one.
 SHORT = "The keeper climbs the stairs at dusk and lights the lamp. " * 2
 LONG = SHORT + "Ships pass."
+LONGEST = LONG + " Gulls cry."
 ELSE = "A ferry crosses the bay twice a day."
 
 
-def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, corrupt: bool) -> None:
+def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, read_back: bool, corrupt: bool) -> None:
     """A model whose entries are snapshots (a sliding window, a linear-attention state), restarted on its folder:
-    the longer prompt is computed first, then the shorter (and, where ``corrupt``, another, whose rank-1 file is
-    then damaged); after the restart the longer prompt restores the shorter one from disk and gives the tokens its
-    fresh prefill gave, and the damaged entry is skipped with a warning and computed."""
+    the longer prompt is computed, then the shorter; after the restart the longer prompt restores the shorter one
+    from disk and gives the tokens its fresh prefill gave.
+
+    ``read_back``: memory holds one entry, and the longest prompt, computed first, then asked again once the
+    others have pushed every entry but another prompt's to disk, reads the longer one back while serving (not the
+    shorter: an entry is read back only where it holds more of a prompt than memory does, and the longest one
+    there is read). ``corrupt``: another prompt's rank-1 file is damaged before the restart, and is skipped with
+    a warning and computed."""
     model = make_arch_model(factory.mktemp(arch) / arch, arch)
     folder = factory.mktemp(f"kv-{arch}")
     args = ("--model", str(model), "--tp", str(tp), "--prefix-cache-dir", str(folder))
-    with serving(factory, *args) as server:
+    # One entry at a time, the longest too: gpt_oss's entries hold 1 KiB a token and 8 KiB of windows.
+    one_entry = ("--prefix-cache-bytes", str(len(LONGEST) * 1024 + 8192))
+    with serving(factory, *args, *(one_entry if read_back else ())) as server:
+        longest = _ask(server, LONGEST, arch)[0] if read_back else None
         fresh, cached = _ask(server, LONG, arch)
-        assert cached == 0 and _ask(server, SHORT, arch)[1] == 0  # the longer entry cannot be cut back to the shorter
-        if corrupt:
+        assert cached == 0 and _ask(server, SHORT, arch)[1] == 0  # a longer entry cannot be cut back
+        if corrupt or read_back:
             _ask(server, ELSE, arch)
+        if longest is not None:
+            again, cached = _ask(server, LONGEST, arch)
+            assert cached == len(LONG), server.stderr()
+            assert server.find_log("prefix cache entry read back from disk", tokens=cached) is not None
+            assert_same(longest, again, f"{arch}: read back from disk while serving, against a fresh prefill")
     keys = {len(json.loads(p.read_text())): p.name.split(".")[0] for p in folder.glob("*.tokens")}  # by length
-    asked = (SHORT, LONG, ELSE) if corrupt else (SHORT, LONG)
+    asked = (SHORT, LONG, *((LONGEST,) if read_back else ()), *((ELSE,) if corrupt or read_back else ()))
     assert sorted(keys) == sorted(len(prompt) for prompt in asked), list(folder.iterdir())
     for key in keys.values():  # each rank wrote its own share of every entry
         assert sorted(p.name for p in folder.glob(f"{key}.r*.kv")) == [f"{key}.r{rank}.kv" for rank in range(tp)]
@@ -215,20 +228,23 @@ def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, cor
         assert cached == len(SHORT), server.stderr()  # the whole saved prompt, restored from disk
         assert server.find_log("prefill done", cached_tokens=cached) is not None
         if corrupt:
-            assert _ask(server, ELSE + " Again.", arch)[1] == 0  # its file failed its checksum on a rank: loaded on none
+            # Its file failed its checksum on one rank: it is loaded on none.
+            assert _ask(server, ELSE + " Again.", arch)[1] == 0
             skipped = server.find_log("prefix cache file skipped")
             assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
-    assert_same(fresh, restored, f"{arch} at TP={tp}, restored from disk against a fresh prefill")
+    assert_same(fresh, restored, f"{arch} at TP={tp}: restored from disk after a restart, against a fresh prefill")
 
 
-def test_a_sliding_window_models_entries_are_restored_from_disk(tmp_path_factory: pytest.TempPathFactory) -> None:
-    _snapshots_restored(tmp_path_factory, "gpt_oss", 1, corrupt=False)
+def test_a_sliding_window_models_entries_are_restored_and_read_back_from_disk(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    _snapshots_restored(tmp_path_factory, "gpt_oss", 1, read_back=True, corrupt=False)
 
 
 def test_a_linear_attention_models_entries_are_restored_from_disk_on_each_rank_and_a_corrupted_one_skipped(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    _snapshots_restored(tmp_path_factory, "qwen3_next", 2, corrupt=True)
+    _snapshots_restored(tmp_path_factory, "qwen3_next", 2, read_back=False, corrupt=True)
 
 
 OTHER = "A ferry crosses the bay twice a day and waits at the pier for the mail. " * 16
@@ -281,3 +297,8 @@ def test_the_leaders_index_of_entries_on_disk_keeps_within_the_byte_budget(tmp_p
     disk.written({"c": [7, 8, 9]})  # covered by b: b serves it
     assert disk._keys == {2: "b"} and disk._known.reach([1, 2, 3, 4]) == 0 and disk._known.reach([7, 8, 9, 0]) == 3
     disk.close()
+    # Snapshots (a sliding window, a linear-attention state) are read back whole, as memory restores them.
+    snapshots = PrefixDisk(tmp_path, budget=10, sizes=(1, 0), exact=True)
+    snapshots.written({"a": [1, 2, 3, 4, 5, 6]})
+    assert snapshots._known.reach([1, 2, 3, 4, 0]) == 0 and snapshots._known.reach([1, 2, 3, 4, 5, 6, 0]) == 6
+    snapshots.close()

@@ -47,8 +47,7 @@ PENDING_BYTES = 1 << 30  # bytes handed to the writer and not yet written, at mo
 # The dtypes numpy has no type for travel as same-sized unsigned integers.
 _AS_BITS = {mx.bfloat16: mx.uint16}
 _DTYPES = {
-    str(t): t
-    for t in (mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32, mx.int64, mx.uint8, mx.int8, mx.bool_)
+    str(t): t for t in (mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int32, mx.int64, mx.uint8, mx.int8, mx.bool_)
 }
 KEYS_VALUES = "keys/values"  # a plain layer's kept keys and values: no mlx-lm cache, the tuple itself
 # The caches a snapshot may hold, by the name a file gives them: mlx-lm's one-sequence kinds (a file names only
@@ -207,7 +206,8 @@ def _flat(layers: list[Layer]) -> tuple[list[str], list[tuple[str, Any]]]:
         if kind != KEYS_VALUES and KINDS.get(kind) is not type(layer):
             raise DiskError(f"a layer's cache is a {kind}, which no prefix-cache file holds")
         kinds.append(kind)
-    leaves = tree_flatten([layer if isinstance(layer, tuple) else layer.state for layer in layers])
+    leaves: list[tuple[str, Any]] = []
+    tree_flatten([layer if isinstance(layer, tuple) else layer.state for layer in layers], destination=leaves)
     for where, value in leaves:
         if not isinstance(value, (mx.array, *_SCALARS)):
             raise DiskError(f"a layer's state holds a {type(value).__name__} at {where}, which no file holds")
@@ -270,7 +270,8 @@ def _header(path: Path, stamp: str, rank: int, kv_bits: int | None) -> tuple[dic
         if magic != MAGIC:
             if magic.startswith(_NAME):
                 written = magic.removeprefix(_NAME).strip().decode(errors="replace")
-                raise DiskError(f"{path} is in format {written} of neuron's prefix-cache files; this one reads {FORMAT}")
+                theirs = f"format {written} of neuron's prefix-cache files, not this neuron's {FORMAT}"
+                raise DiskError(f"{path} is in {theirs}")
             raise DiskError(f"{path} is not a neuron prefix-cache file")
         length = int.from_bytes(f.read(8), "little")
         if not 0 < length < 1 << 24:
