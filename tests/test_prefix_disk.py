@@ -18,6 +18,7 @@ from conftest import Server, serving
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from tiny_archs import make_arch_model
 
+from neuron.models import cache_bytes
 from neuron.rank.disk import MAGIC, Disk, DiskError
 
 STAMP = "model/world 2/layers []"
@@ -187,10 +188,13 @@ LONGEST = LONG + " Gulls cry."
 ELSE = "A ferry crosses the bay twice a day."
 
 
-def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, read_back: bool, corrupt: bool) -> None:
+def _snapshots_restored(
+    factory: pytest.TempPathFactory, arch: str, layout: tuple[str, ...], read_back: bool, corrupt: bool
+) -> None:
     """A model whose entries are snapshots (a sliding window, a linear-attention state), restarted on its folder:
     the longer prompt is computed, then the shorter; after the restart the longer prompt restores the shorter one
-    from disk and gives the tokens its fresh prefill gave.
+    from disk and gives the tokens its fresh prefill gave. ``layout``: two ranks, each writing its own file (its
+    heads at ``--tp 2``, its stage's layers at ``--pp 2``).
 
     ``read_back``: memory holds one entry, and the longest prompt, computed first, then asked again once the
     others have pushed every entry but another prompt's to disk, reads the longer one back while serving (not the
@@ -199,9 +203,9 @@ def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, rea
     a warning and computed."""
     model = make_arch_model(factory.mktemp(arch) / arch, arch)
     folder = factory.mktemp(f"kv-{arch}")
-    args = ("--model", str(model), "--tp", str(tp), "--prefix-cache-dir", str(folder))
-    # One entry at a time, the longest too: gpt_oss's entries hold 1 KiB a token and 8 KiB of windows.
-    one_entry = ("--prefix-cache-bytes", str(len(LONGEST) * 1024 + 8192))
+    args = ("--model", str(model), *layout, "--prefix-cache-dir", str(folder))
+    per_token, per_entry = cache_bytes(model, [(0, 2), (2, 4)] if "--pp" in layout else [], 2)
+    one_entry = ("--prefix-cache-bytes", str(len(LONGEST) * per_token + per_entry))  # the longest, and one only
     with serving(factory, *args, *(one_entry if read_back else ())) as server:
         longest = _ask(server, LONGEST, arch)[0] if read_back else None
         fresh, cached = _ask(server, LONG, arch)
@@ -217,9 +221,9 @@ def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, rea
     asked = (SHORT, LONG, *((LONGEST,) if read_back else ()), *((ELSE,) if corrupt or read_back else ()))
     assert sorted(keys) == sorted(len(prompt) for prompt in asked), list(folder.iterdir())
     for key in keys.values():  # each rank wrote its own share of every entry
-        assert sorted(p.name for p in folder.glob(f"{key}.r*.kv")) == [f"{key}.r{rank}.kv" for rank in range(tp)]
+        assert sorted(p.name for p in folder.glob(f"{key}.r*.kv")) == [f"{key}.r0.kv", f"{key}.r1.kv"]
     if corrupt:
-        target = folder / f"{keys[len(ELSE)]}.r{tp - 1}.kv"
+        target = folder / f"{keys[len(ELSE)]}.r1.kv"
         data = bytearray(target.read_bytes())
         data[-10] ^= 0xFF
         target.write_bytes(bytes(data))
@@ -232,19 +236,19 @@ def _snapshots_restored(factory: pytest.TempPathFactory, arch: str, tp: int, rea
             assert _ask(server, ELSE + " Again.", arch)[1] == 0
             skipped = server.find_log("prefix cache file skipped")
             assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
-    assert_same(fresh, restored, f"{arch} at TP={tp}: restored from disk after a restart, against a fresh prefill")
+    assert_same(fresh, restored, f"{arch} ({' '.join(layout)}): restored from disk after a restart, not computed")
 
 
-def test_a_sliding_window_models_entries_are_restored_and_read_back_from_disk(
+def test_a_sliding_window_models_entries_are_restored_and_read_back_from_disk_by_each_stage(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    _snapshots_restored(tmp_path_factory, "gpt_oss", 1, read_back=True, corrupt=False)
+    _snapshots_restored(tmp_path_factory, "gpt_oss", ("--pp", "2", "--pp-layers", "2,2"), read_back=True, corrupt=False)
 
 
 def test_a_linear_attention_models_entries_are_restored_from_disk_on_each_rank_and_a_corrupted_one_skipped(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    _snapshots_restored(tmp_path_factory, "qwen3_next", 2, read_back=False, corrupt=True)
+    _snapshots_restored(tmp_path_factory, "qwen3_next", ("--tp", "2"), read_back=False, corrupt=True)
 
 
 OTHER = "A ferry crosses the bay twice a day and waits at the pier for the mail. " * 16
