@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 MAX_K = 8  # draft tokens per step at most
@@ -203,6 +203,7 @@ PRIOR_FIXED_MS = 43.5
 PRIOR_ROW_MS = 6.5
 COST_WINDOW = 64  # decode steps the fit looks back on: recent enough to follow the batch's size
 MIN_SAMPLES = 3  # steps timed at a row count before its median counts
+PROMPT_WINDOW = 5  # steps feeding a prompt that its token's cost is the median of
 MIN_SPAN = 4  # rows between the fewest and the most fed before the slope is fitted rather than assumed
 
 
@@ -253,6 +254,10 @@ class StepCost:
     A row count timed ``MIN_SAMPLES`` times is priced at its own median, not the line's: the cost is no line
     where one row goes to a cheaper kernel (``neuron/native/gemv.c``: one-row products by sgemv, two rows and
     more by sgemm: BENCHMARKS.md, "Decode toward the bandwidth"), and a draft must pay for that step.
+
+    A step that feeds a prompt prices its prompt tokens from the same times (``observe_prompt``): what the line
+    says its decode rows cost, the rest is the prompt's. The scheduler sizes a prompt's chunk by it
+    (``scheduler.prefill_budget``).
     """
 
     fixed_ms: float = PRIOR_FIXED_MS
@@ -265,6 +270,12 @@ class StepCost:
     # yet); the median, since a sequence's first draft also feeds the draft its prompt.
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     draft_step_ms: float = 0.0
+    # What each prompt token fed adds to a step, beside its decode rows (priced by the line above): the median over
+    # the last PROMPT_WINDOW steps that fed a prompt, from MIN_SAMPLES on (None before: nothing measured yet). A
+    # short window, since a token costs more the deeper into its prompt it sits, and the prompt's next chunk is
+    # priced by its last ones.
+    prompt_times: deque[float] = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
+    prompt_token_ms: float | None = None
 
     def ms(self, rows: int, share: float = 1.0) -> float:
         """A step of ``rows`` tokens; with ``share`` < 1, a pipeline micro-batch's part (``share`` of the fixed
@@ -279,7 +290,19 @@ class StepCost:
             return
         self.draft_times.append(ms / steps)
         if len(self.draft_times) >= MIN_SAMPLES:
-            self.draft_step_ms = sorted(self.draft_times)[len(self.draft_times) // 2]
+            self.draft_step_ms = _median(self.draft_times)
+
+    def observe_prompt(self, tokens: int, rows: int, ms: float) -> None:
+        """A step fed ``tokens`` prompt tokens beside ``rows`` decode tokens, and took ``ms``: what the decode rows
+        cost by the line (its fixed time with none), the prompt tokens cost the rest. Until decode steps are timed
+        the line is the prior's, which may be far off on this machine (far more than a small model's whole step):
+        then the whole step is the prompt's, which prices a token high, the side a chunk is safe on."""
+        if tokens <= 0 or ms <= 0:
+            return
+        decode = self.ms(rows) if self.measured else 0.0
+        self.prompt_times.append(max(0.0, ms - decode) / tokens)
+        if len(self.prompt_times) >= MIN_SAMPLES:
+            self.prompt_token_ms = _median(self.prompt_times)
 
     def observe(self, rows: int, ms: float) -> None:
         """A decode step fed ``rows`` tokens and took ``ms``."""
@@ -303,6 +326,10 @@ class StepCost:
         ratio = PRIOR_ROW_MS / PRIOR_FIXED_MS
         self.fixed_ms = mean_t / (1 + ratio * mean_r)
         self.row_ms = ratio * self.fixed_ms
+
+
+def _median(times: Collection[float]) -> float:
+    return sorted(times)[len(times) // 2]
 
 
 def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0, modelled: int = 0) -> int:

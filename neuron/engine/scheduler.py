@@ -11,9 +11,10 @@ without a process.
 
 Continuous batching: up to ``max_batch`` sequences share each step. A waiting
 request is admitted when a place frees; its prompt is fed in chunks, at most
-``prefill_chunk`` tokens per step across all prompts being fed, so a long
-prompt never stalls the running sequences for long; once fed, it decodes one
-token per step with the others. A sequence that ends or is cancelled leaves
+``prefill_chunk`` tokens per step across all prompts being fed, and while
+others decode only as many as keep the step within ``itl_target_ms``
+(``prefill_budget``), so a long prompt never stalls the running sequences for
+long; once fed, it decodes one token per step with the others. A sequence that ends or is cancelled leaves
 at the next step boundary: the next plan tells every rank to drop it.
 
 Prefix cache: when a prompt is first fed, the scheduler asks the prefix index
@@ -35,7 +36,7 @@ from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Lost, Overloaded, Sequence, Status
 from neuron.sampling_params import Sampled
-from neuron.settings import Scheduling  # its fields are settings of ``serve``, declared there once
+from neuron.settings import MIN_PREFILL_CHUNK, Scheduling  # its fields are settings of ``serve``, declared there once
 from neuron.step import Step
 
 
@@ -79,6 +80,32 @@ class Paused(NamedTuple):
     paused: list[Sequence]  # back in the queue, to be fed again
     given_up: list[Sequence]  # blamed for too many losses
     cancelled: list[tuple[Sequence, int]]  # their callers had gone: they just leave
+
+
+def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int) -> int:
+    """The prompt tokens the next step feeds, across all prompts being fed, beside ``decoding`` running sequences.
+
+    With none decoding there is no stream's latency to protect: ``prefill_chunk``. Otherwise as many as the
+    step's time after its decode rows leaves room for under ``itl_target_ms``, each priced at what a prompt token
+    cost the last steps that fed one (``StepCost.observe_prompt``), within ``MIN_PREFILL_CHUNK`` and
+    ``prefill_chunk``: the floor keeps a prompt moving where the decode rows alone fill the target. Until a prompt
+    token's cost is measured, the floor: a chunk too small costs the prompt a few steps, one too large would
+    stall every stream for as long as it takes.
+    """
+    cap = limits.prefill_chunk
+    if not decoding or not limits.itl_target_ms:
+        return cap
+    per_token = cost.prompt_token_ms
+    if per_token is None:
+        return min(cap, MIN_PREFILL_CHUNK)
+    room = limits.itl_target_ms - cost.ms(decoding)
+    if room <= 0:
+        fits = 0
+    elif per_token * cap <= room:
+        fits = cap
+    else:
+        fits = int(room / per_token)
+    return min(cap, max(MIN_PREFILL_CHUNK, fits))
 
 
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
@@ -158,7 +185,7 @@ class Scheduler:
             self.running,
             self.waiting,
             self.leaving,
-            budget=limits.prefill_chunk,
+            budget=prefill_budget(limits, self.cost, len(self.running)),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
             run_ahead=limits.run_ahead == "on",
@@ -190,6 +217,8 @@ class Scheduler:
             self.prefix.unpin()
         if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
             self.cost.observe(plan.rows_fed, ms)
+        elif plan.prefill and not plan.restore and not any(chunk.images for chunk in plan.prefill):
+            self.cost.observe_prompt(plan.prefill_tokens, plan.rows_fed, ms)  # an image's encoder would blur it
         by_no = {seq.no: seq for seq in self.batch}
         for restore in plan.restore:
             if (seq := by_no.get(restore.seq)) is not None:
