@@ -346,7 +346,8 @@ class Engine(Recovering):
             draft_step_ms=round(cost.draft_step_ms, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
-            prompt_token_ms=None if cost.prompt_token_ms is None else round(cost.prompt_token_ms, 3),
+            token_ms=None if cost.token_ms is None else round(cost.token_ms, 3),
+            pair_ms=round(cost.pair_ms, 6),
         )
         for delivery in deliveries:
             self.output.deliver(delivery)

@@ -26,12 +26,13 @@ the same way, a chat's next turn among them, skips that part.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from neuron.engine.drafts import StepCost
+from neuron.engine.drafts import StepCost, attended
 from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Lost, Overloaded, Sequence, Status
@@ -82,30 +83,25 @@ class Paused(NamedTuple):
     cancelled: list[tuple[Sequence, int]]  # their callers had gone: they just leave
 
 
-def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int) -> int:
-    """The prompt tokens the next step feeds, across all prompts being fed, beside ``decoding`` running sequences.
+def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int = 0) -> int:
+    """The prompt tokens the next step feeds, across all prompts being fed, beside ``decoding`` running sequences,
+    the prompts fed from ``depth`` on (the deepest).
 
     With none decoding there is no stream's latency to protect: ``prefill_chunk``. Otherwise as many as the
-    step's time after its decode rows leaves room for under ``itl_target_ms``, each priced at what a prompt token
-    cost the last steps that fed one (``StepCost.observe_prompt``), within ``MIN_PREFILL_CHUNK`` and
-    ``prefill_chunk``: the floor keeps a prompt moving where the decode rows alone fill the target. Until a prompt
-    token's cost is measured, the floor: a chunk too small costs the prompt a few steps, one too large would
-    stall every stream for as long as it takes.
+    step's time after its decode rows leaves room for under ``itl_target_ms``, priced by what the last steps'
+    prompt tokens cost (``StepCost.observe_prompt``), within ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``: the
+    floor keeps a prompt moving where the decode rows alone fill the target. A chunk at most doubles the largest
+    one priced, since a price fitted on small chunks says little of one many times their size. Until a prompt
+    token is priced (a cold start), the floor: a chunk too small costs the prompt a few steps, one too large
+    would stall every stream for as long as it takes.
     """
     cap = limits.prefill_chunk
     if not decoding or not limits.itl_target_ms:
         return cap
-    per_token = cost.prompt_token_ms
-    if per_token is None:
+    if cost.token_ms is None:
         return min(cap, MIN_PREFILL_CHUNK)
-    room = limits.itl_target_ms - cost.ms(decoding)
-    if room <= 0:
-        fits = 0
-    elif per_token * cap <= room:
-        fits = cap
-    else:
-        fits = int(room / per_token)
-    return min(cap, max(MIN_PREFILL_CHUNK, fits))
+    fits = cost.prompt_fits(limits.itl_target_ms - cost.ms(decoding), depth)
+    return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
 
 
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
@@ -180,12 +176,13 @@ class Scheduler:
         self.stopping.clear()
         admitted = self._admit()
         limits = self.limits
+        depth = max((seq.fed for seq in self.filling), default=0)  # the deepest prompt being fed
         step = plan_step(
             self.filling,
             self.running,
             self.waiting,
             self.leaving,
-            budget=prefill_budget(limits, self.cost, len(self.running)),
+            budget=prefill_budget(limits, self.cost, len(self.running), depth),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
             run_ahead=limits.run_ahead == "on",
@@ -218,7 +215,8 @@ class Scheduler:
         if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
             self.cost.observe(plan.rows_fed, ms)
         elif plan.prefill and not plan.restore and not any(chunk.images for chunk in plan.prefill):
-            self.cost.observe_prompt(plan.prefill_tokens, plan.rows_fed, ms)  # an image's encoder would blur it
+            pairs = sum(attended(chunk.position, len(chunk.tokens)) for chunk in plan.prefill)
+            self.cost.observe_prompt(plan.prefill_tokens, pairs, plan.rows_fed, ms)  # an image's encoder would blur it
         by_no = {seq.no: seq for seq in self.batch}
         for restore in plan.restore:
             if (seq := by_no.get(restore.seq)) is not None:
