@@ -178,4 +178,4 @@ def test_a_chunk_with_an_image_does_not_price_a_prompt_token() -> None:
     s.update(replace(step, plan=with_image), {}, 500.0)  # the encoder's time is no prompt token's
     assert list(s.cost.prompt_steps) == []
     s.update(next_step(s), {}, 500.0)
-    assert list(s.cost.prompt_steps) == [(4, attended(4, 4), 500.0)]  # no decode step timed: the whole step  # no decode step timed yet: the whole step is the prompt's
+    assert list(s.cost.prompt_steps) == [(4, attended(4, 4), 500.0)]  # no decode step timed: the step's all
