@@ -403,10 +403,9 @@ class Scheduling:
     )
     itl_target_ms: float = setting(
         200.0,
-        "inter-token latency the running streams are kept within while prompts are fed beside them: each step "
-        f"feeds as many prompt tokens (up to --prefill-chunk, at least {MIN_PREFILL_CHUNK}) as fit in this time after "
-        "the decode "
-        "rows, priced from the steps timed; 0 always feeds --prefill-chunk",
+        "inter-token latency the running streams are kept at while prompts are fed beside them: each step feeds "
+        f"as many prompt tokens (up to --prefill-chunk, at least {MIN_PREFILL_CHUNK}) as fit in this time after the "
+        "decode rows, priced from the steps timed; 0 always feeds --prefill-chunk",
         at_least=0,
         why="5 tokens a second keeps a stream ahead of its reader",
     )

@@ -179,3 +179,17 @@ def test_a_chunk_with_an_image_does_not_price_a_prompt_token() -> None:
     assert list(s.cost.prompt_steps) == []
     s.update(next_step(s), {}, 500.0)
     assert list(s.cost.prompt_steps) == [(4, attended(4, 4), 500.0)]  # no decode step timed: the step's all
+
+
+def test_a_prompt_not_yet_started_is_priced_as_fed_from_its_end() -> None:
+    # It may restore a cached beginning of any length, found only as its plan is built: its first chunk errs small.
+    s = scheduler(prefill_chunk=8192, itl_target_ms=200.0)
+    stream = request(4, max_tokens=1000)
+    admitted(s, stream)
+    run_timed(s, Machine(fixed_ms=40.0, row_ms=5.0, token_ms=1.0))
+    s.cost = measured(fixed_ms=40.0, row_ms=5.0, token_ms=0.5, pair_ms=0.001, chunk=64)
+    long = request(6000, max_tokens=1)
+    admitted(s, long)
+    plan, budget, _ = run_timed(s, Machine(fixed_ms=40.0, row_ms=5.0, token_ms=0.5, pair_ms=0.001))
+    assert plan.decode and budget == prefill_budget(s.limits, s.cost, 1, depth=6000)
+    assert budget < prefill_budget(s.limits, s.cost, 1, depth=budget)  # once started, priced where it stands

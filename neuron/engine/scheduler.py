@@ -14,8 +14,9 @@ request is admitted when a place frees; its prompt is fed in chunks, at most
 ``prefill_chunk`` tokens per step across all prompts being fed, and while
 others decode only as many as keep the step within ``itl_target_ms``
 (``prefill_budget``), so a long prompt never stalls the running sequences for
-long; once fed, it decodes one token per step with the others. A sequence that ends or is cancelled leaves
-at the next step boundary: the next plan tells every rank to drop it.
+long; once fed, it decodes one token per step with the others. A sequence
+that ends or is cancelled leaves at the next step boundary: the next plan
+tells every rank to drop it.
 
 Prefix cache: when a prompt is first fed, the scheduler asks the prefix index
 for its longest cached beginning, and the plan restores it instead of feeding
@@ -176,7 +177,9 @@ class Scheduler:
         self.stopping.clear()
         admitted = self._admit()
         limits = self.limits
-        depth = max((seq.fed for seq in self.filling), default=0)  # the deepest prompt being fed
+        # The deepest position a prompt is fed from. One not yet started may restore a cached beginning of any
+        # length (the plan looks it up): priced as fed from its end, its first chunk errs small.
+        depth = max((seq.fed or len(seq.tokens) for seq in self.filling), default=0)
         step = plan_step(
             self.filling,
             self.running,
