@@ -31,6 +31,9 @@ it weighs them with, which the engine refines from the steps it times. A draft m
 proposals cost steps of its own before the target's, one per draft token: the engine
 times them apart (``StepCost.observe_draft``) and the rule adds W - 1 of them, so a
 slow or useless draft model is cut to nothing rather than slowing every step.
+
+The same step times price a prompt's tokens (``StepCost.observe_prompt``): the scheduler sizes a prompt's chunk
+beside decoding streams by them (``scheduler.prefill_budget``).
 """
 
 from __future__ import annotations
