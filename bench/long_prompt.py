@@ -1,13 +1,17 @@
 """Inter-token latency of decoding streams while a prompt of the model's whole context prefills, against the same
-streams alone, for several ``--prefill-chunk`` sizes, in one run.
+streams alone: with the chunk sized automatically to ``--itl-target-ms``, and with fixed ``--prefill-chunk`` sizes,
+in one run.
 
-Run: .venv/bin/python bench/long_prompt.py [--chunks 128 512 2048] [--streams 3] [--model FOLDER] [--context N]
+Run: .venv/bin/python bench/long_prompt.py [--targets 200 1000] [--chunks 64 256 1024] [--streams 3]
+     [--model FOLDER] [--context N]
 
-For each chunk size a fresh ``neuron serve`` (TP=1, the prefix cache off so the prompt is computed) runs
-``--streams`` streams that generate past end-of-sequence (testkit.streams), first alone for a window of 60 tokens
-each, then while a prompt of ``context - 1`` tokens is sent, timed to its first token. The gaps between each
-stream's tokens within those windows give p50 and p99. The model is the embedded SmolLM2-135M unless ``--model``
-names a folder; ``--context`` (default: the model's) is the server's ``--max-context``.
+Each row is a fresh ``neuron serve`` (TP=1, the prefix cache off so the prompt is computed). An automatic row
+serves ``--itl-target-ms T`` with ``--prefill-chunk`` at the whole context (the target alone sizes the chunks); a
+fixed row serves ``--prefill-chunk C`` with ``--itl-target-ms 0``. ``--streams`` streams that generate past
+end-of-sequence (testkit.streams) run first alone for a window of 60 tokens each, then while a prompt of
+``context - 1`` tokens is sent, timed to its first token. The gaps between each stream's tokens that overlap those
+windows give p50 and p99. The model is the embedded SmolLM2-135M unless ``--model`` names a folder; ``--context``
+(default: the model's) is the server's ``--max-context``.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ from testkit import Server  # noqa: E402
 from testkit.streams import Window, measure  # noqa: E402
 
 
-def run(model: Path, chunk: int, context: int, streams: int) -> tuple[Window, Window]:
+def run(model: Path, chunking: tuple[str, ...], context: int, streams: int) -> tuple[Window, Window]:
     log = Path(tempfile.gettempdir()) / f"neuron-bench-long-{os.getpid()}.log"
-    args = ("--max-context", str(context), "--prefill-chunk", str(chunk), "--prefix-cache-bytes", "0")
-    server = Server("--model", str(model), *args, log_path=log)
+    server = Server("--model", str(model), "--max-context", str(context), *chunking, "--prefix-cache-bytes", "0",
+                    log_path=log)  # fmt: skip
     name = model.name
     try:
         server.start()
@@ -45,7 +49,8 @@ def run(model: Path, chunk: int, context: int, streams: int) -> tuple[Window, Wi
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--chunks", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--targets", type=float, nargs="*", default=[200.0, 1000.0], help="--itl-target-ms rows")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[64, 256, 1024], help="fixed --prefill-chunk rows")
     parser.add_argument("--streams", type=int, default=3)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--context", type=int)
@@ -57,17 +62,22 @@ def main() -> None:
     context = args.context or json.loads((args.model / "config.json").read_text())["max_position_embeddings"]
     print(f"{args.streams} decoding streams, a prompt of {context - 1} tokens, model {args.model.name}, one run\n")
     print(
-        "| --prefill-chunk | ITL p50 ms alone | ITL p99 ms alone | ITL p50 ms during | ITL p99 ms during "
-        "| p99 during / alone | tokens per stream during | long prompt's TTFT s |"
+        "| chunk | target ms | ITL p50 ms alone | ITL p99 ms alone | ITL p50 ms during | ITL p99 ms during "
+        "| p99 during / alone | p99 during / target | tokens per stream during | long prompt's TTFT s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for chunk in args.chunks:
-        alone, during = run(args.model, chunk, context, args.streams)
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(f"auto (cap {context})", t, ("--prefill-chunk", str(context), "--itl-target-ms", f"{t:g}"))
+            for t in args.targets]  # fmt: skip
+    rows += [(f"fixed {c}", 0.0, ("--prefill-chunk", str(c), "--itl-target-ms", "0")) for c in args.chunks]
+    for label, target, chunking in rows:
+        alone, during = run(args.model, chunking, context, args.streams)
         got = min(s.between(during.start, during.end) for s in during.streams)
+        p99 = 1000 * during.percentile(99)
         print(
-            f"| {chunk} | {1000 * alone.percentile(50):.0f} | {1000 * alone.percentile(99):.0f} "
-            f"| {1000 * during.percentile(50):.0f} | {1000 * during.percentile(99):.0f} "
-            f"| {during.percentile(99) / alone.percentile(99):.1f} | {got} | {during.end - during.start:.1f} |",
+            f"| {label} | {f'{target:g}' if target else '-'} | {1000 * alone.percentile(50):.0f} "
+            f"| {1000 * alone.percentile(99):.0f} | {1000 * during.percentile(50):.0f} | {p99:.0f} "
+            f"| {during.percentile(99) / alone.percentile(99):.1f} | {f'{p99 / target:.1f}' if target else '-'} "
+            f"| {got} | {during.end - during.start:.1f} |",
             flush=True,
         )
 

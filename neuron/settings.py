@@ -56,6 +56,9 @@ def _adapter_list(v: str) -> str | None:
 
 
 KV_BITS = (8, 4)
+# The fewest prompt tokens a step feeds beside decoding streams, so that a prompt still moves where a decode step
+# alone takes --itl-target-ms or longer.
+MIN_PREFILL_CHUNK = 16
 
 
 def _kv_bits(v: int) -> str | None:
@@ -394,8 +397,17 @@ class Scheduling:
     max_waiting: int = setting(64, "requests queued beyond the batch; more get 429", at_least=0)
     prefill_chunk: int = setting(
         512,
-        "prompt tokens fed per step, across all prompts being fed, so long prompts do not stall running streams",
+        "prompt tokens fed per step at most, across all prompts being fed, so long prompts do not stall running "
+        "streams; while streams decode, --itl-target-ms sizes the chunk under it",
         at_least=1,
+    )
+    itl_target_ms: float = setting(
+        200.0,
+        "inter-token latency the running streams are kept at while prompts are fed beside them: each step feeds "
+        f"as many prompt tokens (up to --prefill-chunk, at least {MIN_PREFILL_CHUNK}) as fit in this time after the "
+        "decode rows, priced from the steps timed; 0 always feeds --prefill-chunk",
+        at_least=0,
+        why="5 tokens a second keeps a stream ahead of its reader",
     )
     max_context: int | None = setting(
         None, "tokens per request, prompt and completion", at_least=1, unset="the model's context"

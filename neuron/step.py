@@ -39,6 +39,7 @@ class Step:
     starts: dict[int, Start] = field(default_factory=dict)  # rank 0 only: sequence number -> how it is sampled
     # The leader only: each entry the plan spills to disk (``Evict.key``) -> its tokens, for the leader's manifest.
     spilled: dict[str, list[int]] = field(default_factory=dict)
+    budget: int = 0  # the leader only: the prompt tokens the scheduler let this step feed (``prefill_budget``)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,9 @@ class Stream:
         return sum(start <= t <= end for t in self.arrivals)
 
     def gaps(self, start: float, end: float) -> list[float]:
-        """Seconds between consecutive tokens, for each token that arrived within [start, end]."""
-        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False) if start <= b <= end]
+        """Seconds between consecutive tokens, for each gap that overlaps [start, end]: a stream's token of the step
+        that ends a window can arrive just after the window's own token, and its wait counts."""
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False) if a <= end and b >= start]
 
 
 @dataclass
@@ -62,12 +63,14 @@ def _decode(url: str, model: str, prompt: list[int], max_tokens: int, stream: St
         with httpx.Client(base_url=url, timeout=600) as http, http.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
             for event in sse_events(r):
-                if stop.is_set() or event == "[DONE]":
-                    return  # leaving closes the connection: the server cancels the stream
+                if event == "[DONE]":
+                    return
                 assert isinstance(event, dict)
                 now = time.monotonic()
                 for choice in event["choices"]:
                     stream.arrivals.extend([now] * len((choice.get("logprobs") or {}).get("tokens") or []))
+                if stop.is_set():  # after the token that ends the window's last gap is counted
+                    return  # leaving closes the connection: the server cancels the stream
     except BaseException as error:  # noqa: BLE001 - handed to the caller, who fails with it
         stream.error = error
 

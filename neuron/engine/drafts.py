@@ -31,11 +31,15 @@ it weighs them with, which the engine refines from the steps it times. A draft m
 proposals cost steps of its own before the target's, one per draft token: the engine
 times them apart (``StepCost.observe_draft``) and the rule adds W - 1 of them, so a
 slow or useless draft model is cut to nothing rather than slowing every step.
+
+The same step times price a prompt's tokens (``StepCost.observe_prompt``): the scheduler sizes a prompt's chunk
+beside decoding streams by them (``scheduler.prefill_budget``).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -203,6 +207,7 @@ PRIOR_FIXED_MS = 43.5
 PRIOR_ROW_MS = 6.5
 COST_WINDOW = 64  # decode steps the fit looks back on: recent enough to follow the batch's size
 MIN_SAMPLES = 3  # steps timed at a row count before its median counts
+PROMPT_WINDOW = 8  # steps feeding a prompt that its tokens' cost is fitted over
 MIN_SPAN = 4  # rows between the fewest and the most fed before the slope is fitted rather than assumed
 
 
@@ -253,6 +258,10 @@ class StepCost:
     A row count timed ``MIN_SAMPLES`` times is priced at its own median, not the line's: the cost is no line
     where one row goes to a cheaper kernel (``neuron/native/gemv.c``: one-row products by sgemv, two rows and
     more by sgemm: BENCHMARKS.md, "Decode toward the bandwidth"), and a draft must pay for that step.
+
+    A step that feeds a prompt prices its prompt tokens from the same times (``observe_prompt``): what the line
+    says its decode rows cost, the rest is the prompt's. The scheduler sizes a prompt's chunk by it
+    (``scheduler.prefill_budget``).
     """
 
     fixed_ms: float = PRIOR_FIXED_MS
@@ -265,6 +274,14 @@ class StepCost:
     # yet); the median, since a sequence's first draft also feeds the draft its prompt.
     draft_times: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     draft_step_ms: float = 0.0
+    # What the prompt tokens a step feeds add to it, beside its decode rows (priced by the line above):
+    # ``token_ms`` a token, and ``pair_ms`` for each earlier token of its prompt it attends to, since a token costs
+    # more the deeper into its prompt it sits. Fitted over the last PROMPT_WINDOW steps that fed a prompt, from
+    # MIN_SAMPLES on (None before: nothing measured yet).
+    prompt_steps: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=PROMPT_WINDOW))
+    token_ms: float | None = None
+    pair_ms: float = 0.0
+    lined: bool = False  # whether the window's steps were priced past a timed decode line (else charged whole)
 
     def ms(self, rows: int, share: float = 1.0) -> float:
         """A step of ``rows`` tokens; with ``share`` < 1, a pipeline micro-batch's part (``share`` of the fixed
@@ -280,6 +297,52 @@ class StepCost:
         self.draft_times.append(ms / steps)
         if len(self.draft_times) >= MIN_SAMPLES:
             self.draft_step_ms = sorted(self.draft_times)[len(self.draft_times) // 2]
+
+    def observe_prompt(self, tokens: int, pairs: float, rows: int, ms: float) -> None:
+        """A step fed ``tokens`` prompt tokens, attending to ``pairs`` (token, earlier token) pairs of their prompts
+        (``attended``), beside ``rows`` decode tokens, and took ``ms``: what the decode rows cost by the line (its
+        fixed time with none), the prompt tokens cost the rest. Until decode steps are timed the line is the
+        prior's, which may be far off on this machine (far more than a small model's whole step): then the whole
+        step is the prompt's, which prices its tokens high, the side a chunk is safe on."""
+        if tokens <= 0 or ms <= 0:
+            return
+        decode = self.ms(rows) if self.measured else 0.0
+        if self.measured and self.prompt_steps and not self.lined:  # the steps charged whole would skew the fit
+            self.prompt_steps.clear()
+        self.lined = bool(self.measured)
+        self.prompt_steps.append((tokens, pairs, max(0.0, ms - decode)))
+        if len(self.prompt_steps) < MIN_SAMPLES:
+            return
+        # Least squares through the origin, ms = token_ms * tokens + pair_ms * pairs, neither negative: a step that
+        # waited on another process prices tokens high, and the next chunk is smaller, the safe side.
+        steps = self.prompt_steps
+        tt = sum(n * n for n, _, _ in steps)
+        tp = sum(n * p for n, p, _ in steps)
+        pp = sum(p * p for _, p, _ in steps)
+        ty = sum(n * y for n, _, y in steps)
+        py = sum(p * y for _, p, y in steps)
+        det = tt * pp - tp * tp
+        token_ms = (ty * pp - py * tp) / det if det > 1e-9 * tt * pp else -1.0
+        pair_ms = (py * tt - ty * tp) / det if det > 1e-9 * tt * pp else -1.0
+        if token_ms < 0 or pair_ms < 0:  # too few depths to tell the two apart, or noise: a token's price alone
+            token_ms, pair_ms = ty / tt, 0.0
+        self.token_ms, self.pair_ms = token_ms, pair_ms
+
+    @property
+    def largest_chunk(self) -> int:
+        """The most prompt tokens a step of the window fed: the chunk's price is known up to there."""
+        return max((n for n, _, _ in self.prompt_steps), default=0)
+
+    def prompt_fits(self, ms: float, depth: int) -> float:
+        """How many prompt tokens fit in ``ms``, fed from ``depth`` on (each attends to those before it); inf where
+        they cost nothing measurable. Only once ``token_ms`` is known."""
+        a, b = self.token_ms or 0.0, self.pair_ms
+        if ms <= 0:
+            return 0.0
+        if b <= 0:  # a n + b attended(depth, n) <= ms, solved for n
+            return ms / a if a > 0 else math.inf
+        slope = a + b * depth
+        return (math.sqrt(slope * slope + 2 * b * ms) - slope) / b
 
     def observe(self, rows: int, ms: float) -> None:
         """A decode step fed ``rows`` tokens and took ``ms``."""
@@ -303,6 +366,12 @@ class StepCost:
         ratio = PRIOR_ROW_MS / PRIOR_FIXED_MS
         self.fixed_ms = mean_t / (1 + ratio * mean_r)
         self.row_ms = ratio * self.fixed_ms
+
+
+def attended(position: int, tokens: int) -> float:
+    """About how many (token, earlier token) pairs of its prompt a chunk of ``tokens`` fed at ``position`` attends
+    to: what makes a token dearer the deeper into its prompt it sits."""
+    return tokens * (position + tokens / 2)
 
 
 def width(rows: Iterable[tuple[int, float]], cost: StepCost, share: float = 1.0, modelled: int = 0) -> int:

@@ -340,11 +340,14 @@ class Engine(Recovering):
             decode_rows=len(plan.decode),
             rows_fed=plan.rows_fed,
             prefill_tokens=plan.prefill_tokens,
+            budget=step.budget,
             ms=round(ms, 2),
             draft_ms=round(draft_ms, 2),
             draft_step_ms=round(cost.draft_step_ms, 2),
             fixed_ms=round(cost.fixed_ms, 2),
             row_ms=round(cost.row_ms, 3),
+            token_ms=None if cost.token_ms is None else round(cost.token_ms, 3),
+            pair_ms=round(cost.pair_ms, 6),
         )
         for delivery in deliveries:
             self.output.deliver(delivery)

@@ -32,9 +32,10 @@ def plan_step(
 ) -> Step | None:
     """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go), which prompt
     chunks are fed, every running sequence's next input, and how each sequence it starts is sampled. ``budget``:
-    prompt tokens fed per step; ``spill``: entries evicted to make room are written to disk. None when nothing is
-    admitted and nothing is saved."""
+    the prompt tokens this step may feed (the scheduler's ``prefill_budget``); ``spill``: entries evicted to make
+    room are written to disk. None when nothing is admitted and nothing is saved."""
     spilled: dict[str, list[int]] = {}
+    allowed = budget
     if not filling and not running:
         saves, evicts = _keep(keeping, prefix, spill, spilled)
         plan = StepPlan(leave=list(leaving), save=saves, evict=evicts)
@@ -96,7 +97,7 @@ def plan_step(
         if stored := prefix.store(vision.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(_evicts(stored, spill, spilled))
-    return Step(plan, starts, spilled)
+    return Step(plan, starts, spilled, allowed)
 
 
 def _keep(

@@ -11,10 +11,12 @@ without a process.
 
 Continuous batching: up to ``max_batch`` sequences share each step. A waiting
 request is admitted when a place frees; its prompt is fed in chunks, at most
-``prefill_chunk`` tokens per step across all prompts being fed, so a long
-prompt never stalls the running sequences for long; once fed, it decodes one
-token per step with the others. A sequence that ends or is cancelled leaves
-at the next step boundary: the next plan tells every rank to drop it.
+``prefill_chunk`` tokens per step across all prompts being fed, and while
+others decode only as many as keep the step within ``itl_target_ms``
+(``prefill_budget``), so a long prompt never stalls the running sequences for
+long; once fed, it decodes one token per step with the others. A sequence
+that ends or is cancelled leaves at the next step boundary: the next plan
+tells every rank to drop it.
 
 Prefix cache: when a prompt is first fed, the scheduler asks the prefix index
 for its longest cached beginning, and the plan restores it instead of feeding
@@ -25,17 +27,18 @@ the same way, a chat's next turn among them, skips that part.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from neuron.engine.drafts import StepCost
+from neuron.engine.drafts import StepCost, attended
 from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.sequence import Lost, Overloaded, Sequence, Status
 from neuron.sampling_params import Sampled
-from neuron.settings import Scheduling  # its fields are settings of ``serve``, declared there once
+from neuron.settings import MIN_PREFILL_CHUNK, Scheduling  # its fields are settings of ``serve``, declared there once
 from neuron.step import Step
 
 
@@ -79,6 +82,27 @@ class Paused(NamedTuple):
     paused: list[Sequence]  # back in the queue, to be fed again
     given_up: list[Sequence]  # blamed for too many losses
     cancelled: list[tuple[Sequence, int]]  # their callers had gone: they just leave
+
+
+def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int = 0) -> int:
+    """The prompt tokens the next step feeds, across all prompts being fed, beside ``decoding`` running sequences,
+    the prompts fed from ``depth`` on (the deepest).
+
+    With none decoding there is no stream's latency to protect: ``prefill_chunk``. Otherwise as many as the
+    step's time after its decode rows leaves room for under ``itl_target_ms``, priced by what the last steps'
+    prompt tokens cost (``StepCost.observe_prompt``), within ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``: the
+    floor keeps a prompt moving where the decode rows alone fill the target. A chunk at most doubles the largest
+    one priced, since a price fitted on small chunks says little of one many times their size. Until a prompt
+    token is priced (a cold start), the floor: a chunk too small costs the prompt a few steps, one too large
+    would stall every stream for as long as it takes.
+    """
+    cap = limits.prefill_chunk
+    if not decoding or not limits.itl_target_ms:
+        return cap
+    if cost.token_ms is None:
+        return min(cap, MIN_PREFILL_CHUNK)
+    fits = cost.prompt_fits(limits.itl_target_ms - cost.ms(decoding), depth)
+    return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
 
 
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
@@ -153,12 +177,15 @@ class Scheduler:
         self.stopping.clear()
         admitted = self._admit()
         limits = self.limits
+        # The deepest position a prompt is fed from. One not yet started may restore a cached beginning of any
+        # length (the plan looks it up): priced as fed from its end, its first chunk errs small.
+        depth = max((seq.fed or len(seq.tokens) for seq in self.filling), default=0)
         step = plan_step(
             self.filling,
             self.running,
             self.waiting,
             self.leaving,
-            budget=limits.prefill_chunk,
+            budget=prefill_budget(limits, self.cost, len(self.running), depth),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
             run_ahead=limits.run_ahead == "on",
@@ -190,6 +217,9 @@ class Scheduler:
             self.prefix.unpin()
         if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
             self.cost.observe(plan.rows_fed, ms)
+        elif plan.prefill and not plan.restore and not any(chunk.images for chunk in plan.prefill):
+            pairs = sum(attended(chunk.position, len(chunk.tokens)) for chunk in plan.prefill)
+            self.cost.observe_prompt(plan.prefill_tokens, pairs, plan.rows_fed, ms)  # an image's encoder would blur it
         by_no = {seq.no: seq for seq in self.batch}
         for restore in plan.restore:
             if (seq := by_no.get(restore.seq)) is not None:
