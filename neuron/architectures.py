@@ -11,7 +11,9 @@ prompt and a rejected draft is trimmed away. A sliding window's cache has
 forgotten what fell out of the window, and a linear-attention layer keeps one
 state for the whole past: neither can be cut back, so such a model's prefix
 entries are snapshots restored only whole, at the end of the prompt they saved
-(a chat's next turn starts there), and it runs without drafting (see
+(a chat's next turn starts there). A linear-attention layer keeps its state
+after each position a verify step feeds (``rank.states``), so a rejected draft
+is dropped there too; a sliding window's model runs without drafting (see
 ``Support`` and ``limits_for``).
 """
 
@@ -47,7 +49,9 @@ class Support:
 
     @property
     def speculation(self) -> bool:
-        return self.cuttable
+        """Whether a rejected draft can be dropped: cut from key/value caches, or a linear-attention state taken
+        back to the last position kept (``rank.states``); a wrapped sliding window has lost what it would need."""
+        return self.caches != WINDOW
 
     @property
     def run_ahead(self) -> bool:
@@ -192,8 +196,8 @@ Settings = TypeVar("Settings", bound=_Limits)  # the engine's Scheduling (a froz
 
 def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list[str]]:
     """``limits`` with what this model cannot do turned off, and a line saying why for each, for the startup log:
-    drafting needs rejected tokens cut from every layer's cache (BENCHMARKS.md, "Speculation where caches cannot be
-    cut", measured what undoing them instead would cost)."""
+    drafting needs rejected tokens dropped from every layer's cache, which a sliding window cannot (BENCHMARKS.md,
+    "Speculation where caches cannot be cut", measured what undoing them instead would cost)."""
     support = supports(config)
     if support is None or support.speculation or limits.speculate == "off":
         return limits, []

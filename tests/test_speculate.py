@@ -205,3 +205,42 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
         ):
             for row, start in enumerate(visible):
                 assert mx.array_equal(x[row, :, start:], y[row, :, start:]).item()
+
+
+def test_a_linear_attention_batch_drops_different_tails_as_if_fed_only_what_it_kept() -> None:
+    """A tiny Qwen3-Next's batch (gated delta states and key/value layers) fed a 4-token verify step, each row then
+    dropping a different tail (``rank.states``, ``drop_tail``), computes the next step as each row alone would have,
+    fed one token at a time only what it kept."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+    from tiny_archs import config
+
+    from neuron.rank import caches, states
+    from neuron.rank.rollback import drop_tail
+
+    cfg = config("qwen3_next", 64)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(5)
+    model = model_class(args_class.from_dict(cfg))
+    states.hook(model)
+    prompts = mx.random.randint(0, 64, (3, 6))
+    fed = mx.random.randint(0, 64, (3, 4))
+    after = mx.random.randint(0, 64, (3, 1))
+    drops = [0, 2, 3]
+    own = [caches.fresh(model) for _ in range(3)]
+    for row, cache in enumerate(own):
+        model(prompts[row : row + 1], cache=cache)
+    batch = caches.merge(own)
+    states.arm(batch, True)
+    model(fed, cache=batch)
+    states.disarm(batch)
+    drop_tail(batch, drops)
+    states.arm(batch, False)
+    ours = model(after, cache=batch)[:, -1]
+    for row, drop in enumerate(drops):
+        alone = caches.fresh(model)
+        model(prompts[row : row + 1], cache=alone)
+        for t in range(4 - drop):
+            model(fed[row : row + 1, t : t + 1], cache=alone)
+        expected = model(after[row : row + 1], cache=alone)[0, -1]
+        assert mx.allclose(ours[row], expected, atol=1e-4).item(), (row, mx.abs(ours[row] - expected).max())
