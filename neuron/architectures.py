@@ -210,8 +210,9 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
 
 
 # Architectures whose multi-token-prediction layers neuron runs as the draft (``--speculate mtp``, rank/mtp.py):
-# DeepSeek V3's layout (GLM-4.5 ships the same), one decoder layer of the model's own kind after its last.
-MTP = frozenset({"deepseek_v3", "glm4_moe"})
+# DeepSeek V3's layout (GLM-4.5 ships the same), one decoder layer of the model's own kind after its last, and
+# Qwen3-Next's (``mtp.*``).
+MTP = frozenset({"deepseek_v3", "glm4_moe", "qwen3_next"})
 
 
 def mtp_heads(config: dict[str, Any]) -> int:
@@ -229,7 +230,7 @@ def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
     if support is not None and not support.speculation:
         return (
             f"{name} ({arch}) ships {heads} multi-token-prediction layer(s), but its caches ({support.caches}) "
-            "cannot be cut back to drop a rejected draft, so it does not speculate at all; use --speculate off"
+            "cannot drop a rejected draft, so it does not speculate at all; use --speculate off"
         )
     if not heads:
         return (

@@ -135,7 +135,7 @@ def _recording(update: Any) -> Any:
         width = q.shape[1]
         if cache is None or width == 1:
             return update(q, k, v, a, b, A_log, dt_bias, state, mask, **kw)
-        ys, states = [], []
+        ys, states = [], list[mx.array]()
         for t in range(width):
             one = slice(t, t + 1)
             at = None if mask is None else mask[:, one]
@@ -143,7 +143,7 @@ def _recording(update: Any) -> Any:
             ys.append(y)
             states.append(state)
         cache.states = mx.stack(states, axis=1)
-        return mx.concatenate(ys, axis=1), state
+        return mx.concatenate(ys, axis=1), states[-1]
 
     gated_delta_update.recording = True  # type: ignore[attr-defined]
     return gated_delta_update
@@ -157,8 +157,9 @@ def hook(model: nn.Module) -> int:
         owner = sys.modules.get(type(module).__module__)
         if not isinstance(conv, nn.Conv1d) or owner is None or not hasattr(owner, "gated_delta_update"):
             continue
-        if not getattr(owner.gated_delta_update, "recording", False):
-            owner.gated_delta_update = _recording(owner.gated_delta_update)
+        update = getattr(owner, "gated_delta_update")  # noqa: B009 - mypy does not know the module
+        if not getattr(update, "recording", False):
+            setattr(owner, "gated_delta_update", _recording(update))  # noqa: B010
         conv.__class__ = _RecordingConv1d
         hooked += 1
     return hooked
