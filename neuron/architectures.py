@@ -222,8 +222,9 @@ def mtp_heads(config: dict[str, Any]) -> int:
     return int(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0)
 
 
-def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
-    """Why ``--speculate mtp`` cannot draft with this model's own prediction heads, or None where it can."""
+def mtp_refusal(config: dict[str, Any], name: str) -> str | None:
+    """Why ``--speculate mtp`` cannot draft with this model's own prediction heads, or None where it can (in
+    stages too: rank 0 receives the final hidden states from the last stage for its head, ``runner.Stage``)."""
     arch = architecture(config)
     support = supports(config)
     heads = mtp_heads(config)
@@ -241,11 +242,6 @@ def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
         return (
             f"{name} ({arch}) declares {heads} multi-token-prediction layer(s), but neuron runs those of "
             f"{', '.join(sorted(MTP))} only; use --draft-model or --speculate ngram"
-        )
-    if stages > 1:
-        return (
-            "--speculate mtp drafts on rank 0 from the model's final hidden states, which a pipeline leaves on its "
-            "last stage; serve it with --tp, or use --speculate ngram with --pp"
         )
     return None
 

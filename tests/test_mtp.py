@@ -123,15 +123,14 @@ def test_the_layer_drafts_what_it_computes_afresh_over_the_positions_the_target_
 @pytest.mark.unit
 def test_mtp_is_refused_with_the_reason_where_it_cannot_draft() -> None:
     glm = {"model_type": "glm4_moe", "num_nextn_predict_layers": 1}
-    assert architectures.mtp_refusal(glm, "glm", 1) is None
-    assert "ships no multi-token-prediction" in (architectures.mtp_refusal({"model_type": "qwen3"}, "q", 1) or "")
+    assert architectures.mtp_refusal(glm, "glm") is None
+    assert "ships no multi-token-prediction" in (architectures.mtp_refusal({"model_type": "qwen3"}, "q") or "")
     next_ = {"model_type": "qwen3_next", "mtp_num_hidden_layers": 1}
-    assert architectures.mtp_refusal(next_, "n", 1) is None  # its linear-attention states drop a rejected draft
+    assert architectures.mtp_refusal(next_, "n") is None  # its linear-attention states drop a rejected draft
     windowed = {"model_type": "gpt_oss", "num_nextn_predict_layers": 1}
-    assert "cannot drop a rejected draft" in (architectures.mtp_refusal(windowed, "g", 1) or "")
-    assert "--tp" in (architectures.mtp_refusal(glm, "glm", 2) or "")
+    assert "cannot drop a rejected draft" in (architectures.mtp_refusal(windowed, "g") or "")
     other = {"model_type": "llama", "num_nextn_predict_layers": 1}
-    assert "runs those of deepseek_v3, glm4_moe, qwen3_next only" in (architectures.mtp_refusal(other, "l", 1) or "")
+    assert "runs those of deepseek_v3, glm4_moe, qwen3_next only" in (architectures.mtp_refusal(other, "l") or "")
 
 
 @pytest.fixture(scope="module")
@@ -149,26 +148,25 @@ def damped(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     return model
 
 
-@pytest.fixture(scope="module")
-def glm(damped: Callable[[str], Path]) -> Path:
-    return damped("glm4_moe")
-
-
 # Qwen3-Next's linear-attention states take back a rejected draft (rank.states), rows of a batch keeping different
 # counts; its TP split is neuron's own plan.
 @pytest.fixture(
     scope="module",
-    params=[("glm4_moe", "1"), ("glm4_moe", "2"), ("qwen3_next", "1"), ("qwen3_next", "2")],
-    ids=["glm-tp1", "glm-tp2", "next-tp1", "next-tp2"],
+    params=[
+        ("glm4_moe", "--tp", "1"),
+        ("glm4_moe", "--tp", "2"),
+        ("qwen3_next", "--tp", "1"),
+        ("qwen3_next", "--tp", "2"),
+        ("deepseek_v3", "--pp", "2"),  # rank 0 drafts from the hidden states the last stage sends it
+    ],
+    ids=["glm-tp1", "glm-tp2", "next-tp1", "next-tp2", "deepseek-pp2"],
 )
 def mtp_server(
     request: pytest.FixtureRequest, damped: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    arch, tp = request.param
+    arch, *split = request.param
     model = damped(arch)
-    with serving(
-        tmp_path_factory, "--model", str(model), "--speculate", "mtp", "--prefill-chunk", "16", "--tp", tp
-    ) as s:
+    with serving(tmp_path_factory, "--model", str(model), "--speculate", "mtp", "--prefill-chunk", "16", *split) as s:
         yield s
 
 
@@ -189,13 +187,11 @@ def test_a_prediction_layer_the_model_agrees_with_is_kept(arch: str, tmp_path_fa
     assert kept >= 20 and thrown <= 2, (kept, thrown)
 
 
-def test_a_model_without_prediction_layers_is_refused(tmp_path: Path, glm: Path) -> None:
+def test_a_model_without_prediction_layers_is_refused(tmp_path: Path) -> None:
     plain = make_tiny_model(tmp_path / "plain", "qwen3")
     done = run_neuron("serve", "--model", str(plain), "--speculate", "mtp", "--port", "0", timeout=120)
     assert done.returncode != 0
     assert "--speculate mtp" in done.stderr and "ships no multi-token-prediction layers" in done.stderr, done.stderr
-    staged = run_neuron("serve", "--model", str(glm), "--speculate", "mtp", "--pp", "2", "--port", "0", timeout=120)
-    assert staged.returncode != 0 and "serve it with --tp" in staged.stderr, staged.stderr[-2000:]
     # Declared, but dropped from the weights (as mlx-lm's conversions drop it): refused once the model loads.
     converted = make_arch_model(tmp_path / "converted", "glm4_moe")
     config = json.loads((converted / "config.json").read_text())

@@ -53,7 +53,7 @@ from neuron.architectures import MTP
 from neuron.models import read_config, text_config
 from neuron.rank.drafter import PerSequence, Proposal, draw, new_key
 from neuron.rank.errors import RankError
-from neuron.rank.runner import Sharded
+from neuron.rank.runner import Stage
 from neuron.rank.shard import backbone
 from neuron.step import DraftRow
 
@@ -152,14 +152,17 @@ class MtpDrafter(PerSequence[_Held]):
         model, runner = rank.model, rank.runner
         if arch not in MTP or model is None:
             raise RankError(f"rank 0: neuron runs the prediction layers of {', '.join(sorted(MTP))} only, not {arch}")
-        if not isinstance(runner, Sharded):
-            raise RankError("rank 0: --speculate mtp needs the model's final hidden states on rank 0: not in stages")
+        if runner is None:
+            raise RankError("rank 0: no model loaded; load the model before its prediction layer")
         quantization = read_config(path).get("quantization")
         loaded = _load_next if arch == "qwen3_next" else _load_deepseek
         layer = loaded(Path(path), model, layers, quantization)
         mx.eval(layer.parameters())
         trunk = backbone(model)
         head = getattr(model, "lm_head", None) or trunk.embed_tokens.as_linear
+        if isinstance(runner, Stage):  # rank 0 holds the embedding and the head of a pipeline (runner.Stage)
+            assert runner.project is not None
+            head = runner.project
         runner.keep_states = True
         return cls(layer, trunk.embed_tokens, head, rank.seqs, rank.vocab_size)
 

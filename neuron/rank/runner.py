@@ -194,7 +194,10 @@ class Stage:
     rope: Positions | None = None  # a model with multimodal rotary positions: on every stage
 
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
-        self.kept_states: list[mx.array] = []  # never kept: a pipeline does not draft from them (rank.mtp)
+        # Rank 0 keeps the final hidden states it receives from the last stage (the final norm's output), as
+        # ``Sharded`` keeps them, where the model's own prediction layers draft (rank.mtp).
+        self.keep_states = False
+        self.kept_states: list[mx.array] = []
         self.inner = backbone(model)
         self.rank = rank
         self.stages = stages
@@ -326,12 +329,16 @@ class Stage:
             return [None] * len(passes)
         assert self.norm is not None and self.project is not None
         out: list[mx.array | None] = []
+        self.kept_states = []
         for tokens, _ in passes:
             width = tokens.shape[1] if every else 1
             hidden = mx.distributed.recv(
                 (tokens.shape[0], width, self.hidden), self.dtype, self.stages - 1, group=self.group
             )
-            logits = self.project(self.norm(hidden))
+            hidden = self.norm(hidden)
+            if self.keep_states:
+                self.kept_states.append(hidden)
+            logits = self.project(hidden)
             logits = logits if every else logits[:, -1, :]
             mx.eval(logits)
             out.append(logits)
