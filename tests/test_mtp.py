@@ -198,3 +198,36 @@ def test_a_model_without_prediction_layers_is_refused(tmp_path: Path) -> None:
     (converted / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     done = run_neuron("serve", "--model", str(converted), "--speculate", "mtp", "--port", "0", timeout=120)
     assert done.returncode != 0 and "a conversion dropped them" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_layer_is_given_the_whole_prompts_hidden_states() -> None:
+    """Rank 0 keeps the final hidden state of every prompt position it feeds (as vLLM fills its MTP layer's cache
+    over the whole prompt), not only the last one's: new prompts fed together, left-padded, and a prompt fed in
+    chunks, each joined up to its last position, equal to the model's own over the whole prompt."""
+    from mlx_lm.utils import _get_classes
+    from tiny_archs import config
+
+    from neuron.rank.prefill import feed_prompts
+    from neuron.rank.runner import Sharded
+    from neuron.rank.shard import backbone
+    from neuron.rpc import Prefill
+
+    cfg = config("glm4_moe", 64)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(6)
+    model = model_class(args_class.from_dict(cfg))
+    runner = Sharded(model, None, 0)
+    runner.keep_states = True
+    prompts = {1: [3, 14, 15, 9, 26, 5, 35], 2: [8, 9, 7], 3: [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]}
+    seqs: dict[int, SeqState] = {}
+    feed_prompts(runner, model, seqs, [Prefill(s, 0, prompts[s], True) for s in (1, 2)])
+    chunks = [Prefill(3, 0, prompts[3][:4], False), Prefill(3, 4, prompts[3][4:], True)]
+    for chunk in chunks:
+        feed_prompts(runner, model, seqs, [chunk], together=False)
+    for seq, prompt in prompts.items():
+        pairs = _pairs(seqs[seq].seen, [*prompt, 0])
+        assert pairs is not None
+        at, hidden, following = pairs
+        assert at == 0 and following == [*prompt[1:], 0], seq
+        expected = backbone(model)(mx.array(prompt)[None])[0]
+        assert mx.allclose(hidden, expected, atol=1e-4).item(), (seq, mx.abs(hidden - expected).max())

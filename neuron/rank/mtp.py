@@ -22,16 +22,18 @@ checkpoints). As vLLM's ``qwen3_next_mtp.py`` computes it:
 
 with nothing zeroed, and the recursion runs on g (the normed output).
 
-Where the hidden states come from: rank 0's runner keeps those of the positions it gets logits for
-(``runner.Sharded.keep_states``): a prompt's last token, and every position a decode step feeds, draft included;
-each sequence's state collects them (``prefill.SeqState.seen``). A sequence's layer cache is fed the positions the
-target kept, in order, each with the target's hidden state; the positions a proposal adds are cut back after it,
-since the target's states replace the layer's own guesses there. So the layer attends over a sequence from its
-prompt's last token on, not over the prompt (keeping every prompt position's hidden state on rank 0 would), and
-where a step kept no hidden states (a step run ahead) it starts afresh: the drafts are worse, never wrong, since
-the target verifies them. Rotary positions in its cache count from where it started: attention sees the same
-offsets between positions. Under TP rank 0's hidden states are whole once each layer's all-reduce has joined the
-slices; a pipeline's are on its last stage, and ``--speculate mtp`` refuses --pp (``architectures.mtp_refusal``).
+Where the hidden states come from: rank 0's runner keeps those of every position it feeds
+(``runner.Sharded.keep_states``, ``fed_states``): a prompt's, its layers computed them anyway, and every position
+a decode step feeds, draft included; each sequence's state collects them (``prefill.SeqState.seen``). A
+sequence's layer cache is fed the positions the target kept, in order, each with the target's hidden state (the
+whole prompt in the first pass, as vLLM fills its MTP layer's cache); the positions a proposal adds are cut back
+after it, since the target's states replace the layer's own guesses there. Where a step kept no hidden states (a
+step run ahead, a prompt restored from the prefix cache up to where it was fed) the layer starts afresh from the
+next one that did: the drafts are worse, never wrong, since the target verifies them. Rotary positions in its
+cache count from where it started: attention sees the same offsets between positions. Under TP rank 0's hidden
+states are whole once each layer's all-reduce has joined the slices. In a pipeline rank 0 receives the last
+stage's for its head (``runner.Stage``) and keeps them alike, but only of the positions it projects: a prompt's
+body stays on the last stage, and the layer starts at the prompt's last token there.
 """
 
 from __future__ import annotations

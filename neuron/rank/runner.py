@@ -60,6 +60,9 @@ class Sharded:
         # ``logits`` call, (rows, positions, hidden): the model's own prediction layers draft from them (rank.mtp).
         self.keep_states = False
         self.kept_states: list[mx.array] = []
+        # And those of every position the last ``feed`` fed, (rows, positions, hidden): a prompt's, which the
+        # prediction layer attends over too. Its layers computed them anyway: keeping them costs their memory only.
+        self.fed_states: mx.array | None = None
         self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
         # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
@@ -71,13 +74,17 @@ class Sharded:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
         the tokens' input embeddings, where images replace some (``rank.vision``); ``adapters``: each row's."""
         self.selection.use(adapters)
-        trunk = backbone(self.model)
+        trunk, kept = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
             if embeddings is None:
-                _eval_with(cache, trunk(tokens[:, piece], cache=cache))
+                hidden = trunk(tokens[:, piece], cache=cache)
             else:
-                _eval_with(cache, trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece]))
+                hidden = trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece])
+            _eval_with(cache, hidden)
+            if self.keep_states and self.rank == 0:
+                kept.append(hidden)
+        self.fed_states = mx.concatenate(kept, axis=1) if kept else None
 
     def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
@@ -198,6 +205,7 @@ class Stage:
         # ``Sharded`` keeps them, where the model's own prediction layers draft (rank.mtp).
         self.keep_states = False
         self.kept_states: list[mx.array] = []
+        self.fed_states: mx.array | None = None  # never: the last stage sends back only what rank 0 projects
         self.inner = backbone(model)
         self.rank = rank
         self.stages = stages
