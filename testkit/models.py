@@ -41,6 +41,20 @@ GLM4_MOE = {
 }
 
 
+# Qwen3-Next's own config fields (qwen3_next) that do not scale with its width, for a generated one: a full
+# attention layer every fourth, the others gated delta nets; 4 routed experts, 2 per token, and a shared one.
+QWEN3_NEXT = {
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+}
+
+
 def with_template(model: Path, folder: Path, template: str) -> Path:
     """A copy of ``model`` whose tokenizer has another chat template."""
     shutil.copytree(model, folder)
