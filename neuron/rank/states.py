@@ -38,7 +38,9 @@ class Recording(ArraysCache):
     def __init__(self, size: int, left_padding: list[int] | None = None) -> None:
         super().__init__(size, left_padding)
         self.inputs: mx.array | None = None  # (rows, kernel - 1 + width, channels): the convolution's whole input
-        self.states: mx.array | None = None  # (rows, width, heads, value dim, key dim): the state after each position
+        # The state after each position, (rows, heads, value dim, key dim) each: apart, so that taking a row's back
+        # copies that row's alone
+        self.states: list[mx.array] | None = None
         self.armed = False
 
     def __getitem__(self, idx: int) -> Any:
@@ -53,7 +55,8 @@ class Recording(ArraysCache):
     def filter(self, batch_indices: Any) -> None:
         super().filter(batch_indices)
         if self.inputs is not None and self.states is not None:
-            self.inputs, self.states = self.inputs[batch_indices], self.states[batch_indices]
+            self.inputs = self.inputs[batch_indices]
+            self.states = [state[batch_indices] for state in self.states]
 
     def extend(self, other: ArraysCache) -> None:
         """Rows join (their prompts done, nothing to drop): their records are their states as they are."""
@@ -63,12 +66,11 @@ class Recording(ArraysCache):
         if inputs is None or states is None or other[0] is None or other[1] is None:
             self.inputs = self.states = None
             return
-        width = states.shape[1]
+        width = len(states)
         joining = other[0].shape[0]
         padded = mx.concatenate([mx.zeros((joining, width, inputs.shape[2]), inputs.dtype), other[0]], axis=1)
         self.inputs = mx.concatenate([inputs, padded])
-        repeated = mx.repeat(other[1][:, None], width, axis=1)
-        self.states = mx.concatenate([states, repeated.astype(states.dtype)])
+        self.states = [mx.concatenate([state, other[1].astype(state.dtype)]) for state in states]
 
     def drop(self, drops: list[int]) -> None:
         """Row i takes back what it held before its last ``drops[i]`` positions of the last step."""
@@ -79,10 +81,9 @@ class Recording(ArraysCache):
                 "a linear-attention layer's cache cannot drop tokens: the step that fed them kept no states per "
                 "position (a step of one token each); clear_kv_cache to resynchronize"
             )
-        width = self.states.shape[1]
+        width = len(self.states)
+        self[1] = mx.stack([self.states[width - 1 - drop][row] for row, drop in enumerate(drops)])
         kept = width - mx.array(drops)
-        rows = self.states.shape[0]
-        self[1] = self.states[mx.arange(rows), kept - 1]
         window = self[0].shape[1]
         positions = kept[:, None] + mx.arange(window)
         self[0] = mx.take_along_axis(self.inputs, positions[..., None], axis=1)
@@ -142,7 +143,7 @@ def _recording(update: Any) -> Any:
             y, state = update(q[:, one], k[:, one], v[:, one], a[:, one], b[:, one], A_log, dt_bias, state, at, **kw)
             ys.append(y)
             states.append(state)
-        cache.states = mx.stack(states, axis=1)
+        cache.states = states
         return mx.concatenate(ys, axis=1), states[-1]
 
     gated_delta_update.recording = True  # type: ignore[attr-defined]
