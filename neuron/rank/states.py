@@ -10,13 +10,14 @@ cannot be cut").
 
 Where the states come from, without a copy of mlx-lm's layer code: the batched caches of decoding rows are
 ``Recording`` caches, armed (``arm``) while a step that feeds several positions is built, and the layer's first
-read of an armed cache marks it as the one being run. Two hooks then
-see what mlx-lm's call computes: the convolution (its module's class swapped for ``_RecordingConv1d``) keeps its
-whole input, whose windows are every position's convolution state; and ``gated_delta_update`` (replaced in the
-model's module, a pass-through elsewhere) runs the recurrence one position at a time for a step that feeds
-several, keeping each position's state. On the CPU mlx-lm's recurrence is that same loop, so the states and the
-outputs are the ones it computes (the GPU's kernel runs once per position there). MLX arrays are values: keeping
-them costs no copy, only their memory until the next step.
+read of an armed cache marks it as the one being run. Two hooks then see what mlx-lm's call computes: the
+convolution (its module's class swapped for ``_RecordingConv1d``) keeps its whole input, whose windows are every
+position's convolution state; and ``gated_delta_update`` (replaced in the model's module, a pass-through
+elsewhere) runs the recurrence one position at a time for a step that feeds several, keeping each position's
+state. Where mlx-lm runs no Metal kernel (the CPU, CUDA) its recurrence is that same loop, so the states and the
+outputs are the ones it computes; on a Mac's GPU its kernel runs once per position there. MLX arrays are values:
+keeping them costs no copy, only their memory until the next step (the verify's width times a state per layer
+and row).
 """
 
 from __future__ import annotations
