@@ -3,6 +3,7 @@ one run, on one server per case (each request sent with ``num_draft_tokens: 0`` 
 
 Run: .venv/bin/python bench/draft.py [--cases exact random mtp smollm2] [--tp 1 2] [--sizes 1 4] [--max-tokens 96]
      [--rounds 3] [--smol-layers 6 24] [--hidden 1024 --layers 8 --heads 16 --intermediate 2816]
+     [--mtp-archs glm4_moe qwen3_next] [--mtp-damping 0.0 0.05]
 
 No real small/large pair installs here, so the pairs are built:
 
@@ -14,7 +15,10 @@ No real small/large pair installs here, so the pairs are built:
   so this is what a useless draft costs (adaptive k must keep it small). TP=1.
 - mtp: a generated GLM-4.5-shaped MoE (glm4_moe, the shape flags) whose layers all add nothing, and a prediction
   layer of its own that computes what it computes (testkit.add_prediction_layer), served with --speculate mtp: every
-  draft is kept, and a draft token costs one MoE layer of the model's, its head and the draft's fixed cost.
+  draft is kept, and a draft token costs one MoE layer of the model's, its head and the draft's fixed cost. The same
+  for a generated Qwen3-Next (qwen3_next: three gated delta layers in four, whose states a rejected draft takes
+  back, rank.states). With a ``--mtp-damping`` above 0 the layers add that much of their output: the layer agrees
+  often, not always, and rejected drafts are dropped (the linear-attention states' cost shows there).
 - smollm2: the embedded SmolLM2-135M-Instruct, and drafts cut from its own first ``--smol-layers`` layers (no
   training: their last hidden state goes straight to the head), greedy chat on real prompts. TP=1 (9 heads).
 
@@ -153,11 +157,38 @@ def measure(case: str, target: Path, draft: Path | None, tp: int, args: argparse
         log.unlink(missing_ok=True)
 
 
+def shape_of(args: argparse.Namespace) -> dict:
+    return {"hidden": args.hidden, "layers": args.layers, "heads": args.heads}
+
+
+def _glm_fields(args: argparse.Namespace) -> dict:
+    from testkit import GLM4_MOE
+
+    return {
+        **GLM4_MOE,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": args.intermediate // 4,
+        "norm_topk_prob": True,
+    }
+
+
+def _next_fields(args: argparse.Namespace) -> dict:
+    from testkit import QWEN3_NEXT
+
+    linear = {"linear_num_value_heads": args.heads, "linear_num_key_heads": args.heads // 2}
+    linear |= {"linear_key_head_dim": 64, "linear_value_head_dim": 64}
+    moe = {"moe_intermediate_size": args.intermediate // 4, "shared_expert_intermediate_size": args.intermediate // 4}
+    return {**QWEN3_NEXT, **linear, **moe}
+
+
+MTP_FIELDS = {"glm4_moe": _glm_fields, "qwen3_next": _next_fields}  # each generated model's own config fields
+
+
 def main() -> None:
     from generated import add_shape_flags, generated_model
 
     from neuron.models import resolve
-    from testkit import GLM4_MOE, add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
+    from testkit import add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=["exact", "random", "smollm2"])
@@ -167,6 +198,10 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="batch sizes")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mtp-archs", nargs="+", default=["glm4_moe", "qwen3_next"], choices=sorted(MTP_FIELDS))
+    parser.add_argument(
+        "--mtp-damping", type=float, nargs="+", default=[0.0], help="what the mtp case's layers add (0: nothing)"
+    )
     parser.add_argument(
         "--smol-layers", type=int, nargs="+", default=[6, 24], help="SmolLM2's first layers a draft keeps"
     )
@@ -187,16 +222,16 @@ def main() -> None:
                 shape = {"hidden": args.hidden, "heads": args.heads, "intermediate": args.intermediate}
                 random = make_tiny_model(scratch / "random-draft", "qwen3", seed=1, layers=1, **shape)
                 measure("random", target, random, 1, args, chat=False)
-        if "mtp" in args.cases:  # a GLM-4.5-shaped MoE, its layers adding nothing, and an exact prediction layer
-            shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads}
-            moe = {"num_experts_per_tok": 2, "moe_intermediate_size": args.intermediate // 4, "norm_topk_prob": True}
-            glm_fields = {**GLM4_MOE, **moe}
-            glm = make_tiny_model(
-                scratch / "glm", "glm4_moe", intermediate=args.intermediate, extra=glm_fields, **shape
-            )
-            glm = add_prediction_layer(quiet_layers(glm, 0, 0.0), exact=True)
-            for tp in args.tp:
-                measure("mtp, exact", glm, None, tp, args, chat=False)
+        if "mtp" in args.cases:  # an MoE whose layers add nothing (or little), and an exact prediction layer
+            for arch in args.mtp_archs:
+                for damping in args.mtp_damping:
+                    folder = scratch / f"{arch}-{damping}"
+                    model = make_tiny_model(
+                        folder, arch, intermediate=args.intermediate, extra=MTP_FIELDS[arch](args), **shape_of(args)
+                    )
+                    model = add_prediction_layer(quiet_layers(model, 0, damping), exact=True)
+                    for tp in args.tp:
+                        measure(f"mtp, {arch}, layers x{damping:g}", model, None, tp, args, chat=False)
         if "smollm2" in args.cases:
             smol = resolve(None)
             for layers in args.smol_layers:

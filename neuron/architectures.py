@@ -11,7 +11,9 @@ prompt and a rejected draft is trimmed away. A sliding window's cache has
 forgotten what fell out of the window, and a linear-attention layer keeps one
 state for the whole past: neither can be cut back, so such a model's prefix
 entries are snapshots restored only whole, at the end of the prompt they saved
-(a chat's next turn starts there), and it runs without drafting (see
+(a chat's next turn starts there). A linear-attention layer keeps its state
+after each position a verify step feeds (``rank.states``), so a rejected draft
+is dropped there too; a sliding window's model runs without drafting (see
 ``Support`` and ``limits_for``).
 """
 
@@ -47,7 +49,9 @@ class Support:
 
     @property
     def speculation(self) -> bool:
-        return self.cuttable
+        """Whether a rejected draft can be dropped: cut from key/value caches, or a linear-attention state taken
+        back to the last position kept (``rank.states``); a wrapped sliding window has lost what it would need."""
+        return self.caches != WINDOW
 
     @property
     def run_ahead(self) -> bool:
@@ -192,8 +196,8 @@ Settings = TypeVar("Settings", bound=_Limits)  # the engine's Scheduling (a froz
 
 def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list[str]]:
     """``limits`` with what this model cannot do turned off, and a line saying why for each, for the startup log:
-    drafting needs rejected tokens cut from every layer's cache (BENCHMARKS.md, "Speculation where caches cannot be
-    cut", measured what undoing them instead would cost)."""
+    drafting needs rejected tokens dropped from every layer's cache, which a sliding window cannot (BENCHMARKS.md,
+    "Speculation where caches cannot be cut", measured what undoing them instead would cost)."""
     support = supports(config)
     if support is None or support.speculation or limits.speculate == "off":
         return limits, []
@@ -206,8 +210,9 @@ def limits_for(config: dict[str, Any], limits: Settings) -> tuple[Settings, list
 
 
 # Architectures whose multi-token-prediction layers neuron runs as the draft (``--speculate mtp``, rank/mtp.py):
-# DeepSeek V3's layout (GLM-4.5 ships the same), one decoder layer of the model's own kind after its last.
-MTP = frozenset({"deepseek_v3", "glm4_moe"})
+# DeepSeek V3's layout (GLM-4.5 ships the same), one decoder layer of the model's own kind after its last, and
+# Qwen3-Next's (``mtp.*``).
+MTP = frozenset({"deepseek_v3", "glm4_moe", "qwen3_next"})
 
 
 def mtp_heads(config: dict[str, Any]) -> int:
@@ -217,15 +222,16 @@ def mtp_heads(config: dict[str, Any]) -> int:
     return int(text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0)
 
 
-def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
-    """Why ``--speculate mtp`` cannot draft with this model's own prediction heads, or None where it can."""
+def mtp_refusal(config: dict[str, Any], name: str) -> str | None:
+    """Why ``--speculate mtp`` cannot draft with this model's own prediction heads, or None where it can (in
+    stages too: rank 0 receives the final hidden states from the last stage for its head, ``runner.Stage``)."""
     arch = architecture(config)
     support = supports(config)
     heads = mtp_heads(config)
     if support is not None and not support.speculation:
         return (
             f"{name} ({arch}) ships {heads} multi-token-prediction layer(s), but its caches ({support.caches}) "
-            "cannot be cut back to drop a rejected draft, so it does not speculate at all; use --speculate off"
+            "cannot drop a rejected draft, so it does not speculate at all; use --speculate off"
         )
     if not heads:
         return (
@@ -236,11 +242,6 @@ def mtp_refusal(config: dict[str, Any], name: str, stages: int) -> str | None:
         return (
             f"{name} ({arch}) declares {heads} multi-token-prediction layer(s), but neuron runs those of "
             f"{', '.join(sorted(MTP))} only; use --draft-model or --speculate ngram"
-        )
-    if stages > 1:
-        return (
-            "--speculate mtp drafts on rank 0 from the model's final hidden states, which a pipeline leaves on its "
-            "last stage; serve it with --tp, or use --speculate ngram with --pp"
         )
     return None
 

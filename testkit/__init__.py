@@ -7,6 +7,7 @@ repository root (pytest's ``pythonpath``); a benchmark puts the root on ``sys.pa
 from testkit.models import (
     CHAT_TEMPLATE,
     GLM4_MOE,
+    QWEN3_NEXT,
     SPECIALS,
     TOOLS_TEMPLATE,
     add_prediction_layer,
@@ -22,6 +23,7 @@ from testkit.system import DatagramSink, alive, tcp_sockets
 __all__ = [
     "CHAT_TEMPLATE",
     "GLM4_MOE",
+    "QWEN3_NEXT",
     "ROOT",
     "SPECIALS",
     "TOOLS_TEMPLATE",

@@ -41,6 +41,20 @@ GLM4_MOE = {
 }
 
 
+# Qwen3-Next's own config fields (qwen3_next) that do not scale with its width, for a generated one: a full
+# attention layer every fourth, the others gated delta nets; 4 routed experts, 2 per token, and a shared one.
+QWEN3_NEXT = {
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+}
+
+
 def with_template(model: Path, folder: Path, template: str) -> Path:
     """A copy of ``model`` whose tokenizer has another chat template."""
     shutil.copytree(model, folder)
@@ -137,29 +151,33 @@ def cut_layers(model: Path, folder: Path, layers: int) -> Path:
     return folder
 
 
+QUIETED = ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")  # what each layer adds through
+
+
 def quiet_layers(model: Path, first: int, factor: float) -> Path:
     """Scale the output projections (attention's and the MLP's) of layers ``first``.. of ``model`` by ``factor``,
     in place: with 0 those layers add nothing to the residual stream, so the model computes what its first
     ``first`` layers compute, and a draft cut to them (``cut_layers``) agrees with it exactly; a small factor makes
-    them agree mostly."""
+    them agree mostly. A linear-attention layer's output projection is ``out_proj``."""
     import mlx.core as mx
 
     for file in sorted(model.glob("*.safetensors")):
         weights = dict(mx.load(str(file)).items())  # type: ignore[union-attr]
         for name, value in weights.items():
             index = _layer_of(name)
-            if index is not None and index >= first and name.endswith(("o_proj.weight", "down_proj.weight")):
+            if index is not None and index >= first and name.endswith(QUIETED):
                 weights[name] = value * factor
         mx.save_safetensors(str(file), weights)
     return model
 
 
 def add_prediction_layer(model: Path, seed: int = 1, exact: bool = False) -> Path:
-    """Give ``model`` (a glm4_moe or deepseek_v3) a multi-token-prediction layer as their checkpoints hold it, in
-    place: layer ``num_hidden_layers``, random; with ``exact``, one that computes what the model computes once every
-    layer's output projections are zeroed (``quiet_layers(model, 0, 0.0)``): the model's next token is then a
-    function of the current token's embedding, which the layer reproduces through an ``eh_proj`` that passes the
-    embedding and a decoder layer that adds nothing, its final norm the model's."""
+    """Give ``model`` (a glm4_moe, deepseek_v3 or qwen3_next) a multi-token-prediction layer as their checkpoints
+    hold it, in place: layer ``num_hidden_layers`` (Qwen3-Next's ``mtp.*``), random; with ``exact``, one that
+    computes what the model computes once every layer's output projections are zeroed (``quiet_layers(model, 0,
+    0.0)``): the model's next token is then a function of the current token's embedding, which the layer reproduces
+    through an ``eh_proj`` (``fc``) that passes the embedding and a decoder layer that adds nothing, its final norm
+    the model's."""
     import importlib
 
     import mlx.core as mx
@@ -168,6 +186,8 @@ def add_prediction_layer(model: Path, seed: int = 1, exact: bool = False) -> Pat
     from neuron.rank.mtp import BLOCKS, MtpLayer
 
     config = json.loads((model / "config.json").read_text())
+    if config["model_type"] == "qwen3_next":
+        return _add_next_prediction_layer(model, config, seed, exact)
     layers, dims = config["num_hidden_layers"], config["hidden_size"]
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     args = module.ModelArgs.from_dict(config)
@@ -186,6 +206,39 @@ def add_prediction_layer(model: Path, seed: int = 1, exact: bool = False) -> Pat
         weights[f"model.layers.{layers}.{name.removeprefix('block.')}"] = value
     mx.save_safetensors(str(model / "model.safetensors"), weights)
     (model / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    return model
+
+
+def _add_next_prediction_layer(model: Path, config: dict, seed: int, exact: bool) -> Path:
+    """Qwen3-Next's, written as its Hugging Face checkpoints hold it: ``mtp.*``, the experts one by one and the
+    norms zero-centred (the loader adds the 1 back, as mlx-lm's sanitize does for the model's)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import qwen3_next
+
+    from neuron.rank.mtp import NextMtpLayer
+
+    args = qwen3_next.ModelArgs.from_dict(config)
+    layers, dims = config["num_hidden_layers"], config["hidden_size"]
+    at = layers + (-(layers + 1)) % args.full_attention_interval
+    mx.random.seed(seed)
+    layer = NextMtpLayer(dims, config["rms_norm_eps"], qwen3_next.Qwen3NextDecoderLayer(args, at))
+    layer.update(tree_map(lambda p: p * 4.0 if p.ndim >= 2 else p, layer.parameters()))
+    weights = dict(mx.load(str(model / "model.safetensors")).items())  # type: ignore[union-attr]
+    mine = dict(tree_flatten(layer.parameters()))
+    if exact:
+        mine["fc.weight"] = mx.concatenate([mx.eye(dims), mx.zeros((dims, dims))], axis=1)
+        mine = {k: mx.zeros_like(v) if k.endswith(QUIETED) else v for k, v in mine.items()}
+        mine["norm.weight"] = weights["model.norm.weight"]
+    for name, value in mine.items():
+        if ".switch_mlp." in name:  # stacked (experts, out, in): one per expert, as the checkpoint has them
+            for e in range(value.shape[0]):
+                weights[f"mtp.{name.replace('.switch_mlp.', f'.experts.{e}.')}"] = value[e]
+            continue
+        norm = value.ndim == 1 and name.endswith("norm.weight")
+        weights[f"mtp.{name}"] = value - 1.0 if norm else value
+    mx.save_safetensors(str(model / "model.safetensors"), weights)
+    (model / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     return model
 
 

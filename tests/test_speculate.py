@@ -205,3 +205,53 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
         ):
             for row, start in enumerate(visible):
                 assert mx.array_equal(x[row, :, start:], y[row, :, start:]).item()
+
+
+def test_a_linear_attention_batch_drops_different_tails_as_if_fed_only_what_it_kept() -> None:
+    """A tiny Qwen3-Next's batch (gated delta states and key/value layers) fed a 4-token verify step, each row then
+    dropping a different tail (``rank.states``, ``drop_tail``), computes the next step as each row alone would have,
+    fed one token at a time only what it kept; also where a row leaves and another joins between the two steps."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+    from tiny_archs import config
+
+    from neuron.rank import caches, states
+    from neuron.rank.rollback import drop_tail
+
+    cfg = config("qwen3_next", 64)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(5)
+    model = model_class(args_class.from_dict(cfg))
+    states.hook(model)
+    prompts = mx.random.randint(0, 64, (4, 6))
+    fed = mx.random.randint(0, 64, (4, 4))
+    after = mx.random.randint(0, 64, (4, 1))
+    own = [caches.fresh(model) for _ in range(4)]
+    for row, cache in enumerate(own):
+        model(prompts[row : row + 1], cache=cache)
+
+    def alone(row: int, kept: int) -> mx.array:
+        cache = caches.fresh(model)
+        model(prompts[row : row + 1], cache=cache)
+        for t in range(kept):
+            model(fed[row : row + 1, t : t + 1], cache=cache)
+        return model(after[row : row + 1], cache=cache)[0, -1]
+
+    # (rows verified together, the row that leaves after, each staying row's drop): row 3 joins after, dropping none
+    for rows, leaving, drops in (([0, 1, 2], None, [0, 2, 3]), ([0, 1, 2], 1, [3, 0])):
+        batch = caches.merge([caches.twin(own[row]) for row in rows])
+        states.arm(batch, True)
+        model(fed[mx.array(rows)], cache=batch)
+        states.disarm(batch)
+        staying = [i for i, row in enumerate(rows) if row != leaving]
+        for layer in batch:
+            layer.filter(staying)
+        for layer, joining in zip(batch, caches.merge([caches.twin(own[3])]), strict=True):
+            layer.extend(joining)
+        drop_tail(batch, [*drops, 0])
+        states.arm(batch, False)
+        now = [rows[i] for i in staying] + [3]
+        ours = model(after[mx.array(now)], cache=batch)[:, -1]
+        for i, row in enumerate(now):
+            expected = alone(row, 4 - drops[i]) if row != 3 else alone(3, 0)
+            assert mx.allclose(ours[i], expected, atol=1e-4).item(), (row, mx.abs(ours[i] - expected).max())

@@ -142,8 +142,7 @@ class Engine(Recovering):
         config = read_config(model_path)
         text = Text.load(model_path)
         limits = limits or Scheduling()
-        stages = layout.stages if layout is not None else 1
-        draft = await _draft_model(config, text, limits, stages, model or model_path.name)
+        draft = await _draft_model(config, text, limits, model or model_path.name)
         async with Pool(model_path, layout, deadlines, model) as pool:
             pool.draft_path = draft
             pool.mtp = limits.speculate == "mtp"
@@ -375,7 +374,7 @@ async def _propose(pool: Pool, running: list[Sequence], plan: StepPlan) -> int:
     return max(len(row.draft) for row in wanted)
 
 
-async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, stages: int, name: str) -> Path | None:
+async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, name: str) -> Path | None:
     """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
     None without one, or where this model speculates not at all. With ``--speculate mtp`` the model's own
     multi-token-prediction layers draft instead (rank/mtp.py), refused here, before anything loads, where they
@@ -391,7 +390,7 @@ async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, s
                 f"--speculate mtp drafts with {name}'s own prediction layers and --draft-model with another model; "
                 "pass one of them"
             )
-        if problem := architectures.mtp_refusal(config, name, stages):
+        if problem := architectures.mtp_refusal(config, name):
             raise ModelError(f"--speculate mtp: {problem}")
         return None
     if heads:

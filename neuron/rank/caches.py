@@ -23,6 +23,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, Q
 
 from neuron.rank import quantized
 from neuron.rank.quantized import BatchQuantizedKVCache
+from neuron.rank.states import Recording
 
 Layer = Any  # one layer's cache: any of mlx-lm's kinds, alone or batched
 
@@ -37,6 +38,8 @@ def merge(caches: list[list[Layer]]) -> list[Layer]:
     out = []
     for i, layer in enumerate(caches[0]):
         kind = BatchQuantizedKVCache if isinstance(layer, QuantizedKVCache) else layer
+        if type(layer) is ArraysCache:  # a batch's linear-attention states drop a rejected draft (rank.states)
+            kind = Recording
         out.append(kind.merge([cache[i] for cache in caches]))
     return out
 
@@ -53,8 +56,15 @@ def padded_batch(fresh_caches: list[Layer], padding: list[int]) -> list[BatchKVC
 
 
 def cuttable(cache: list[Layer]) -> bool:
-    """Whether every layer of a batch can drop its last tokens: plain key/value layers, quantized or not."""
+    """Whether every layer of a batch can be cut back to any earlier length: plain key/value layers, quantized or
+    not."""
     return all(isinstance(layer, BatchKVCache) for layer in cache)
+
+
+def droppable(cache: list[Layer]) -> bool:
+    """Whether every layer of a batch can drop what its last step fed past what it kept: the layers that can be
+    cut, and linear-attention states that kept each position's (``rank.states``)."""
+    return all(isinstance(layer, (BatchKVCache, Recording)) for layer in cache)
 
 
 def empty_batch(model: nn.Module, rows: int) -> list[Layer]:

@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron import architectures
 from neuron.models import KV_GROUP_SIZE, read_config, text_config
-from neuron.rank import mrope, vision
+from neuron.rank import mrope, states, vision
 from neuron.rank.errors import RankError
 from neuron.rank.quantized import quantize_caches
 from neuron.rank.runner import Sharded, Stage
@@ -62,6 +62,8 @@ def load(
         )
     support = architectures.supports(config)
     together = support is None or support.cuttable  # from the whole model: a stage may hold none
+    if support is not None and support.caches == architectures.STATE:
+        states.hook(model)  # its gated delta layers keep each position's state where drafts need it
     parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
     runner: Sharded | Stage
     if layers:

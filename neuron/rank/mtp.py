@@ -13,16 +13,27 @@ At position i it reads the model's final hidden state h_i (after the final norm)
 as vLLM's ``deepseek_mtp.py`` computes it, the embedding at position 0 zeroed. For k > 1 the one layer runs again
 on its own output g in place of h (vLLM's recursion): the later draft tokens rest on the layer's guesses.
 
-Where the hidden states come from: rank 0's runner keeps those of the positions it gets logits for
-(``runner.Sharded.keep_states``): a prompt's last token, and every position a decode step feeds, draft included;
-each sequence's state collects them (``prefill.SeqState.seen``). A sequence's layer cache is fed the positions the
-target kept, in order, each with the target's hidden state; the positions a proposal adds are cut back after it,
-since the target's states replace the layer's own guesses there. So the layer attends over a sequence from its
-prompt's last token on, not over the prompt (keeping every prompt position's hidden state on rank 0 would), and
-where a step kept no hidden states (a step run ahead) it starts afresh: the drafts are worse, never wrong, since
-the target verifies them. Rotary positions in its cache count from where it started: attention sees the same
-offsets between positions. Under TP rank 0's hidden states are whole once each layer's all-reduce has joined the
-slices; a pipeline's are on its last stage, and ``--speculate mtp`` refuses --pp (``architectures.mtp_refusal``).
+Qwen3-Next ships its own under ``mtp.``: ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``fc``, one
+full-attention decoder layer ``layers.0`` and ``norm`` (its norms zero-centred, as the model's are in its
+checkpoints). As vLLM's ``qwen3_next_mtp.py`` computes it:
+
+    g_i = norm(layers.0(fc([pre_fc_norm_embedding(embed(x_{i+1})), pre_fc_norm_hidden(h_i)])))
+    logits_i = head(g_i)
+
+with nothing zeroed, and the recursion runs on g (the normed output).
+
+Where the hidden states come from: rank 0's runner keeps those of every position it feeds
+(``runner.Sharded.keep_states``, ``fed_states``): a prompt's, its layers computed them anyway, and every position
+a decode step feeds, draft included; each sequence's state collects them (``prefill.SeqState.seen``). A
+sequence's layer cache is fed the positions the target kept, in order, each with the target's hidden state (the
+whole prompt in the first pass, as vLLM fills its MTP layer's cache); the positions a proposal adds are cut back
+after it, since the target's states replace the layer's own guesses there. Where a step kept no hidden states (a
+step run ahead, a prompt restored from the prefix cache up to where it was fed) the layer starts afresh from the
+next one that did: the drafts are worse, never wrong, since the target verifies them. Rotary positions in its
+cache count from where it started: attention sees the same offsets between positions. Under TP rank 0's hidden
+states are whole once each layer's all-reduce has joined the slices. In a pipeline rank 0 receives the last
+stage's for its head (``runner.Stage``) and keeps them alike, but only of the positions it projects: a prompt's
+body stays on the last stage, and the layer starts at the prompt's last token there.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ from neuron.architectures import MTP
 from neuron.models import read_config, text_config
 from neuron.rank.drafter import PerSequence, Proposal, draw, new_key
 from neuron.rank.errors import RankError
-from neuron.rank.runner import Sharded
+from neuron.rank.runner import Stage
 from neuron.rank.shard import backbone
 from neuron.step import DraftRow
 
@@ -53,9 +64,10 @@ if TYPE_CHECKING:
     from neuron.rank.rank import Rank
 
 # Each architecture's decoder layer class in mlx-lm, built as the layer at index num_hidden_layers.
-BLOCKS = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer"}
+BLOCKS = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer", "qwen3_next": "Qwen3NextDecoderLayer"}
 SHARED = ("embed_tokens.", "shared_head.head.")  # the model's own, not loaded again
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+NEXT_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")  # Qwen3-Next's own
 
 
 class _SharedHead(nn.Module):
@@ -65,6 +77,10 @@ class _SharedHead(nn.Module):
 
 
 class MtpLayer(nn.Module):
+    """DeepSeek V3's layout (GLM-4.5's too)."""
+
+    zero_first = True  # vLLM's: nothing precedes position 0, its embedding is zeroed
+
     def __init__(self, dims: int, eps: float, block: nn.Module) -> None:
         super().__init__()
         self.enorm = nn.RMSNorm(dims, eps=eps)
@@ -78,6 +94,31 @@ class MtpLayer(nn.Module):
         x = self.eh_proj(mx.concatenate([self.enorm(embedded), self.hnorm(hidden)], axis=-1))
         return self.block(x, create_attention_mask(x, cache, return_array=True), cache)
 
+    def final(self, g: mx.array) -> mx.array:
+        """What the head reads."""
+        return self.shared_head.norm(g)
+
+
+class NextMtpLayer(nn.Module):
+    """Qwen3-Next's layout."""
+
+    zero_first = False
+
+    def __init__(self, dims: int, eps: float, block: nn.Module) -> None:
+        super().__init__()
+        self.pre_fc_norm_embedding = nn.RMSNorm(dims, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(dims, eps=eps)
+        self.fc = nn.Linear(2 * dims, dims, bias=False)
+        self.layers = [block]
+        self.norm = nn.RMSNorm(dims, eps=eps)
+
+    def __call__(self, embedded: mx.array, hidden: mx.array, cache: KVCache) -> mx.array:
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        return self.norm(self.layers[0](x, create_attention_mask(x, cache, return_array=True), cache))
+
+    def final(self, g: mx.array) -> mx.array:
+        return g
+
 
 @dataclass(slots=True)
 class _Held:
@@ -90,10 +131,15 @@ class MtpDrafter(PerSequence[_Held]):
     """Rank 0's drafts from the model's prediction layer, one sequence at a time, each with its layer cache."""
 
     def __init__(
-        self, layer: MtpLayer, embed: nn.Module, head: nn.Module, seqs: dict[int, SeqState], vocab_size: int
+        self,
+        layer: MtpLayer | NextMtpLayer,
+        embed: nn.Module,
+        head: nn.Module,
+        seqs: dict[int, SeqState],
+        vocab_size: int,
     ) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer: MtpLayer | NextMtpLayer = layer
         self.embed = embed
         self.head = head
         self.seqs = seqs  # the rank's sequences, whose ``seen`` the target's steps fill
@@ -108,41 +154,17 @@ class MtpDrafter(PerSequence[_Held]):
         model, runner = rank.model, rank.runner
         if arch not in MTP or model is None:
             raise RankError(f"rank 0: neuron runs the prediction layers of {', '.join(sorted(MTP))} only, not {arch}")
-        if not isinstance(runner, Sharded):
-            raise RankError("rank 0: --speculate mtp needs the model's final hidden states on rank 0: not in stages")
-        prefix = f"model.layers.{layers}."
-        weights = _read(Path(path), prefix)
-        if not weights:
-            raise RankError(
-                f"rank 0: {path} declares multi-token-prediction layers but its weights hold no {prefix}*: a "
-                "conversion dropped them (mlx-lm's convert does); serve the original checkpoint, or --speculate ngram"
-            )
-        args = model.args
-        # mlx-lm's own sanitize stacks the layer's experts (and splits MLA's kv_b_proj) when told it is a model layer
-        sanitized = type(model).sanitize(  # type: ignore[attr-defined]
-            SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=layers + 1)), weights
-        )
-        local: dict[str, mx.array] = {}
-        for name, value in sanitized.items():
-            name = name.removeprefix(prefix)
-            if not name.startswith(SHARED):
-                local[name if name.startswith(OWN) else f"block.{name}"] = value
-        block = getattr(importlib.import_module(f"mlx_lm.models.{arch}"), BLOCKS[arch])(args, layers)
-        layer = MtpLayer(args.hidden_size, args.rms_norm_eps, block)
-        if quantization := read_config(path).get("quantization"):
-            nn.quantize(
-                layer,
-                group_size=quantization["group_size"],
-                bits=quantization["bits"],
-                class_predicate=lambda p, _: f"{p}.scales" in local,
-            )
-        try:
-            layer.load_weights(list(local.items()), strict=True)
-        except ValueError as e:
-            raise RankError(f"rank 0: the prediction layer in {path} does not fit its config: {e}") from e
+        if runner is None:
+            raise RankError("rank 0: no model loaded; load the model before its prediction layer")
+        quantization = read_config(path).get("quantization")
+        loaded = _load_next if arch == "qwen3_next" else _load_deepseek
+        layer = loaded(Path(path), model, layers, quantization)
         mx.eval(layer.parameters())
         trunk = backbone(model)
         head = getattr(model, "lm_head", None) or trunk.embed_tokens.as_linear
+        if isinstance(runner, Stage):  # rank 0 holds the embedding and the head of a pipeline (runner.Stage)
+            assert runner.project is not None
+            head = runner.project
         runner.keep_states = True
         return cls(layer, trunk.embed_tokens, head, rank.seqs, rank.vocab_size)
 
@@ -168,12 +190,12 @@ class MtpDrafter(PerSequence[_Held]):
 
     def _draft(self, row: DraftRow, h: _Held, at: int, hidden: mx.array, following: list[int]) -> Proposal:
         embedded = self.embed(mx.array(following))[None]
-        if at == 0:  # vLLM's: nothing precedes position 0, its embedding is zeroed
+        if at == 0 and self.layer.zero_first:
             embedded = mx.concatenate([mx.zeros_like(embedded[:, :1]), embedded[:, 1:]], axis=1)
         g = self.layer(embedded, hidden[None], h.cache)[:, -1:]
         tokens, qs = [], []
         for j in range(row.k):
-            logits = self.head(self.layer.shared_head.norm(g))[:, -1, : self.vocab_size]
+            logits = self.head(self.layer.final(g))[:, -1, : self.vocab_size]
             token, q = draw(logits, [row], [h])
             tokens.append(token)
             if q is not None:
@@ -185,6 +207,75 @@ class MtpDrafter(PerSequence[_Held]):
         if row.k > 1:  # the positions the layer guessed at: the target's own states replace them next time
             h.cache.trim(row.k - 1)
         return Proposal(drafted.tolist(), mx.stack(qs) if qs and row.params.temperature > 0.0 else None)  # type: ignore[arg-type]
+
+
+def _load_deepseek(path: Path, model: nn.Module, layers: int, quantization: dict[str, Any] | None) -> MtpLayer:
+    """DeepSeek V3's layer (GLM-4.5's): the checkpoint's layer ``layers``."""
+    prefix = f"model.layers.{layers}."
+    weights = _read(path, prefix)
+    if not weights:
+        raise RankError(_dropped(path, prefix))
+    args = model.args
+    # mlx-lm's own sanitize stacks the layer's experts (and splits MLA's kv_b_proj) when told it is a model layer
+    sanitized = type(model).sanitize(  # type: ignore[attr-defined]
+        SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=layers + 1)), weights
+    )
+    local: dict[str, mx.array] = {}
+    for name, value in sanitized.items():
+        name = name.removeprefix(prefix)
+        if not name.startswith(SHARED):
+            local[name if name.startswith(OWN) else f"block.{name}"] = value
+    arch = str(args.model_type)
+    block = getattr(importlib.import_module(f"mlx_lm.models.{arch}"), BLOCKS[arch])(args, layers)
+    return _filled(MtpLayer(args.hidden_size, args.rms_norm_eps, block), local, path, quantization)
+
+
+def _load_next(path: Path, model: nn.Module, layers: int, quantization: dict[str, Any] | None) -> NextMtpLayer:
+    """Qwen3-Next's layer: the checkpoint's ``mtp.*``, its decoder layer one of full attention."""
+    weights = _read(path, "mtp.")
+    if not weights:
+        raise RankError(_dropped(path, "mtp."))
+    args = model.args
+    at = layers + (-(layers + 1)) % args.full_attention_interval  # the first index past the model's of that kind
+    inner = f"model.layers.{at}."
+    # mlx-lm's sanitize stacks the decoder layer's experts and shifts its zero-centred norms, as a model layer's;
+    # the prediction layer's own norms are shifted alike where it ran (a checkpoint of split experts).
+    renamed = {
+        (inner + k.removeprefix("mtp.layers.0.") if k.startswith("mtp.layers.0.") else k): v for k, v in weights.items()
+    }
+    sanitized = type(model).sanitize(SimpleNamespace(args=args), dict(renamed))  # type: ignore[attr-defined]
+    shifted = any(".experts.0." in name for name in weights)
+    local: dict[str, mx.array] = {}
+    for name, value in {**sanitized, **{k: v for k, v in renamed.items() if k.startswith("mtp.")}}.items():
+        if name.startswith(inner):
+            local[f"layers.0.{name.removeprefix(inner)}"] = value
+        elif name.startswith("mtp."):
+            own = name.removeprefix("mtp.")
+            local[own] = value + 1.0 if shifted and own in NEXT_NORMS else value
+    block = getattr(importlib.import_module("mlx_lm.models.qwen3_next"), BLOCKS["qwen3_next"])(args, at)
+    return _filled(NextMtpLayer(args.hidden_size, args.rms_norm_eps, block), local, path, quantization)
+
+
+def _filled(layer: Any, local: dict[str, mx.array], path: Path, quantization: dict[str, Any] | None) -> Any:
+    if quantization:
+        nn.quantize(
+            layer,
+            group_size=quantization["group_size"],
+            bits=quantization["bits"],
+            class_predicate=lambda p, _: f"{p}.scales" in local,
+        )
+    try:
+        layer.load_weights(list(local.items()), strict=True)
+    except ValueError as e:
+        raise RankError(f"rank 0: the prediction layer in {path} does not fit its config: {e}") from e
+    return layer
+
+
+def _dropped(path: Path, prefix: str) -> str:
+    return (
+        f"rank 0: {path} declares multi-token-prediction layers but its weights hold no {prefix}*: a "
+        "conversion dropped them (mlx-lm's convert does); serve the original checkpoint, or --speculate ngram"
+    )
 
 
 def _pairs(seen: list[Seen], context: list[int]) -> tuple[int, mx.array, list[int]] | None:

@@ -73,6 +73,7 @@ def feed_prompts(
     out: dict[int, mx.array] = {}
     fresh = [chunk for chunk in chunks if _batched(chunk, together)]
     if fresh:
+        runner.fed_states = None
         logits, batched = _forward_new_prompts(
             runner, caches.fresh(model), [chunk.tokens for chunk in fresh], [chunk.adapter for chunk in fresh]
         )
@@ -80,6 +81,9 @@ def feed_prompts(
             if not shadow:
                 own = [layer.extract(i) for layer in batched]
                 seqs[chunk.seq] = SeqState(len(chunk.tokens), chunk.tokens[-1], own, chunk.last)
+                if runner.fed_states is not None and len(chunk.tokens) > 1:  # its body, left-padded in the batch
+                    body = chunk.tokens[:-1]
+                    seqs[chunk.seq].saw(runner.fed_states[i, -len(body) :], body, 0)
             if chunk.last and logits is not None:
                 out[chunk.seq] = logits[i]
                 if runner.kept_states and not shadow:
@@ -102,8 +106,12 @@ def feed_prompts(
                 embeddings = runner.images.embeddings(chunk.tokens, chunk.images)
                 fed = runner.images.tokens(chunk.tokens, chunk.images)
                 deepstack, runner.images.deepstack = runner.images.deepstack, None
+            runner.fed_states = None
             with placed(runner.rope, chunk.position, chunk.positions, deepstack):
                 logits = _forward_prompt(runner, fed, chunk.last, state.cache, embeddings, chunk.adapter)
+            if runner.fed_states is not None and not shadow and embeddings is None:  # the chunk's body
+                body = chunk.tokens[:-1] if chunk.last else chunk.tokens
+                state.saw(runner.fed_states[0], body, state.position)
         state.position += len(chunk.tokens)
         state.last = chunk.tokens[-1]
         state.prompt_done = chunk.last

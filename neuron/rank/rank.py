@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from neuron.adapters import AdapterError, find
-from neuron.rank import ahead, backends, caches, group, rollback
+from neuron.rank import ahead, backends, caches, group, rollback, states
 from neuron.rank.agreement import disagreement
 from neuron.rank.batch import Batch, fed
 from neuron.rank.disk import Disk
@@ -240,6 +240,7 @@ class Rank:
             batch = self.batch.micro_batches[micro_batch]
             lags.append([by_seq[seq].rope_delta for seq in batch.ids])
             rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
+            states.arm(batch.cache, widths[micro_batch] > 1)
             tokens = fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])
             for seq, fed_row in zip(batch.ids, tokens, strict=True):
                 state = self.seqs[seq]
@@ -250,6 +251,8 @@ class Rank:
         every = any(row.draft for row in rows)
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
         logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags, adapters=adapters)
+        for micro_batch in micro_batches:
+            states.disarm(self.batch.micro_batches[micro_batch].cache)
         out: dict[int, mx.array] = {}
         hidden: list[mx.array | None] = [*self.runner.kept_states] or [None] * len(micro_batches)
         for micro_batch, batch_logits, batch_hidden in zip(micro_batches, logits, hidden, strict=True):

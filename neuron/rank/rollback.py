@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rank import caches
+from neuron.rank.states import Recording
 
 
 def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
@@ -25,11 +26,15 @@ def drop_tail(cache: list[BatchKVCache], drops: list[int]) -> None:
     mlx-lm's element-wise ``dynamic_roll``, which cost more than a whole plain
     step (BENCHMARKS.md, "Speculative decoding", the realignment fix).
     """
-    if any(drops) and not caches.cuttable(cache):
+    if any(drops) and not caches.droppable(cache):
         raise ValueError(
-            "rejected draft tokens cannot be dropped from a sliding window's or a linear-attention state's cache; "
-            "serve this model with speculation off (neuron.architectures.limits_for turns it off)"
+            "rejected draft tokens cannot be dropped from a sliding window's cache; serve this model with "
+            "speculation off (neuron.architectures.limits_for turns it off)"
         )
+    for state in cache:
+        if isinstance(state, Recording):  # a linear-attention layer takes back each row's state (rank.states)
+            state.drop(drops)
+    cache = [layer for layer in cache if not isinstance(layer, Recording)]
     common = min(drops)
     rest = [d - common for d in drops]
     for layer in cache:

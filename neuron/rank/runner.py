@@ -60,6 +60,9 @@ class Sharded:
         # ``logits`` call, (rows, positions, hidden): the model's own prediction layers draft from them (rank.mtp).
         self.keep_states = False
         self.kept_states: list[mx.array] = []
+        # And those of every position the last ``feed`` fed, (rows, positions, hidden): a prompt's, which the
+        # prediction layer attends over too. Its layers computed them anyway: keeping them costs their memory only.
+        self.fed_states: mx.array | None = None
         self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
         # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
@@ -71,13 +74,17 @@ class Sharded:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
         the tokens' input embeddings, where images replace some (``rank.vision``); ``adapters``: each row's."""
         self.selection.use(adapters)
-        trunk = backbone(self.model)
+        trunk, kept = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
             if embeddings is None:
-                _eval_with(cache, trunk(tokens[:, piece], cache=cache))
+                hidden = trunk(tokens[:, piece], cache=cache)
             else:
-                _eval_with(cache, trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece]))
+                hidden = trunk(tokens[:, piece], cache=cache, input_embeddings=embeddings[:, piece])
+            _eval_with(cache, hidden)
+            if self.keep_states and self.rank == 0:
+                kept.append(hidden)
+        self.fed_states = mx.concatenate(kept, axis=1) if kept else None
 
     def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
@@ -194,7 +201,11 @@ class Stage:
     rope: Positions | None = None  # a model with multimodal rotary positions: on every stage
 
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
-        self.kept_states: list[mx.array] = []  # never kept: a pipeline does not draft from them (rank.mtp)
+        # Rank 0 keeps the final hidden states it receives from the last stage (the final norm's output), as
+        # ``Sharded`` keeps them, where the model's own prediction layers draft (rank.mtp).
+        self.keep_states = False
+        self.kept_states: list[mx.array] = []
+        self.fed_states: mx.array | None = None  # never: the last stage sends back only what rank 0 projects
         self.inner = backbone(model)
         self.rank = rank
         self.stages = stages
@@ -326,12 +337,16 @@ class Stage:
             return [None] * len(passes)
         assert self.norm is not None and self.project is not None
         out: list[mx.array | None] = []
+        self.kept_states = []
         for tokens, _ in passes:
             width = tokens.shape[1] if every else 1
             hidden = mx.distributed.recv(
                 (tokens.shape[0], width, self.hidden), self.dtype, self.stages - 1, group=self.group
             )
-            logits = self.project(self.norm(hidden))
+            hidden = self.norm(hidden)
+            if self.keep_states:
+                self.kept_states.append(hidden)
+            logits = self.project(hidden)
             logits = logits if every else logits[:, -1, :]
             mx.eval(logits)
             out.append(logits)

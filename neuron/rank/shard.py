@@ -192,10 +192,13 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
 def _without_prediction_layers(config: dict) -> tuple[type[nn.Module], type]:
     """mlx-lm's classes, whose sanitize first drops the multi-token-prediction layers, numbered after the last:
     mlx-lm's deepseek_v3 drops DeepSeek V3's own (layer 61) alone, and a model of another depth would not load
-    (rank.mtp loads them for --speculate mtp)."""
+    (rank.mtp loads them for --speculate mtp). Qwen3-Next's (``mtp.*``), which mlx-lm drops only from checkpoints
+    whose experts it has yet to stack, likewise."""
     model_class, args_class = _get_classes(config)
     first = int(text_config(config).get("num_hidden_layers") or 0)
     extra = tuple(f"model.layers.{first + i}." for i in range(architectures.mtp_heads(config)))
+    if extra and architectures.architecture(config) == "qwen3_next":
+        extra = ("mtp.",)
 
     class Model(model_class):  # type: ignore[valid-type, misc]
         def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
