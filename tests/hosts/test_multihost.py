@@ -70,13 +70,11 @@ def test_tp2_across_two_hosts_equals_tp1(
 def test_pipeline_stages_across_hosts_equal_tp1(
     bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
 ) -> None:
-    """Each host holds its own run of layers; the hidden states cross the links, the last back to the leader."""
-    model = str(tiny_models["qwen3"])
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "pp3.json")
-    across = generate("--model", model, "--pp", "3", *hosts_args(bed, hostfile), PROMPT)
-    assert across == tiny_alone("qwen3")
-    two = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
-    assert generate("--model", model, "--pp", "2", *hosts_args(bed, two), PROMPT) == across
+    """Each host holds its own run of layers; the hidden states cross the link, the last back to the leader. (A
+    middle stage, its states in from one host and out to another: SmolLM2's three stages below.)"""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
+    staged = generate("--model", str(tiny_models["qwen3"]), "--pp", "2", *hosts_args(bed, hostfile), PROMPT)
+    assert staged == tiny_alone("qwen3")
     nothing_left(bed)
 
 
