@@ -77,3 +77,12 @@ def test_verifying_a_drawn_draft_reads_once_and_keeps_what_sampling_position_by_
     assert run == expected
     follow = mx.random.normal((16,), key=mx.random.key(4))
     assert verifying(follow) == one_by_one(follow)
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_allowed_token() -> None:
+    """top_p times the mass once rounded to zero in mlx-lm's float32 filter, which then dropped every token: the
+    draw fell on token 0, outside the grammar's mask, and the request failed (schemathesis found it)."""
+    logits = mx.array([3.0, 0.5, 2.0, 1.0, 0.0])
+    allowed = mx.array([False, True, True, True, False])
+    sampled = Sampler(SamplingParams(temperature=1.14, top_p=4e-95, seed=5))(logits, allowed)
+    assert sampled.token == 2

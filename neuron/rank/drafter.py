@@ -27,11 +27,12 @@ from typing import Any, Generic, Protocol, TypeVar
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k
 
 from neuron.models import read_config, text_config
 from neuron.rank.errors import RankError
 from neuron.rank.runner import FORWARD_TOKENS
+from neuron.rank.sampler import nucleus
 from neuron.rank.shard import load_shard
 from neuron.step import DraftRow
 
@@ -168,7 +169,7 @@ def draw(logits: mx.array, rows: list[DraftRow], held: Sequence[_Keyed]) -> tupl
             continue
         filtered = logits[i : i + 1] - mx.logsumexp(logits[i : i + 1], axis=-1, keepdims=True)
         if p.top_p < 1.0:
-            filtered = apply_top_p(filtered, p.top_p)
+            filtered = nucleus(filtered, p.top_p)
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
         if 0 < p.top_k < filtered.shape[-1]:

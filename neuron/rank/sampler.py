@@ -57,6 +57,17 @@ class Mark:
     generated: int
 
 
+# mlx-lm's apply_top_p drops each token whose mass above it reaches top_p times the whole, in float32: a top_p
+# whose product rounds to zero there would drop every token, and the draw would fall on token 0 whatever the
+# mask allowed. Any top_p under the top token's probability keeps that token alone, and so does this floor.
+TOP_P_FLOOR = 1e-30
+
+
+def nucleus(logprobs: mx.array, top_p: float) -> mx.array:
+    """``logprobs`` with the tokens outside the ``top_p`` mass at -inf; the most likely token always kept."""
+    return apply_top_p(logprobs, max(top_p, TOP_P_FLOOR))
+
+
 class Sampler:
     """One request's sampler: its parameters, its random key, and the recent tokens the penalties see."""
 
@@ -175,7 +186,7 @@ class Sampler:
         filtered = self._adjusted(logits, allowed)
         filtered = filtered - mx.logsumexp(filtered, axis=-1, keepdims=True)
         if p.top_p < 1.0:
-            filtered = apply_top_p(filtered, p.top_p)
+            filtered = nucleus(filtered, p.top_p)
         if p.min_p > 0.0:
             filtered = apply_min_p(filtered, p.min_p)
         if 0 < p.top_k < filtered.shape[-1]:  # a k of the whole vocabulary or more keeps every token

@@ -26,7 +26,7 @@ from testkit.resume import (
     disturb,
     join,
     kill,
-    reference,
+    references,
     served,
     start_streams,
     worker_pid,
@@ -48,13 +48,13 @@ def tp2(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def references(tp2: Server) -> list[str]:
-    return [reference(tp2.url, base) for base in BODIES]
+def undisturbed(tp2: Server) -> list[str]:
+    return references(tp2.url, BODIES)
 
 
-def test_a_worker_sigkilled_mid_stream_and_every_stream_goes_on(tp2: Server, references: list[str]) -> None:
+def test_a_worker_sigkilled_mid_stream_and_every_stream_goes_on(tp2: Server, undisturbed: list[str]) -> None:
     victim = worker_pid(tp2)
-    disturb(tp2, references, kill(victim, signal.SIGKILL))
+    disturb(tp2, undisturbed, kill(victim, signal.SIGKILL))
     assert worker_pid(tp2) != victim
     resumed = [e for e in tp2.logs() if e.get("event") == "resumed"]
     assert {e["rank"] for e in resumed} == {1} and all(e["replayed_tokens"] > 0 for e in resumed), resumed
@@ -65,10 +65,10 @@ def test_a_worker_sigkilled_mid_stream_and_every_stream_goes_on(tp2: Server, ref
     assert metrics[("neuron_replayed_tokens_total", ())] > 0
 
 
-def test_a_worker_stopped_past_the_deadline_and_every_stream_goes_on(tp2: Server, references: list[str]) -> None:
+def test_a_worker_stopped_past_the_deadline_and_every_stream_goes_on(tp2: Server, undisturbed: list[str]) -> None:
     victim = worker_pid(tp2)
     try:
-        streams, _ = disturb(tp2, references, kill(victim, signal.SIGSTOP))
+        streams, _ = disturb(tp2, undisturbed, kill(victim, signal.SIGSTOP))
     finally:
         with contextlib.suppress(ProcessLookupError):  # the recovery killed it; this only never leaves it frozen
             kill(victim, signal.SIGCONT)()
@@ -77,7 +77,7 @@ def test_a_worker_stopped_past_the_deadline_and_every_stream_goes_on(tp2: Server
 
 
 def test_a_prompt_that_kills_its_rank_ends_after_the_tries_and_the_others_go_on(
-    tp2: Server, references: list[str]
+    tp2: Server, undisturbed: list[str]
 ) -> None:
     streams = start_streams(tp2.url, BODIES)
     wait_until(lambda: all(s.chunks >= 3 for s in streams), 60, "3 chunks on every stream")
@@ -85,7 +85,7 @@ def test_a_prompt_that_kills_its_rank_ends_after_the_tries_and_the_others_go_on(
     killer = httpx.post(f"{tp2.url}{COMPLETIONS}", json=body, timeout=120)
     join(streams)
     assert "--resume-tries 1" in killer.text and "2 times" in killer.text, killer.text
-    for s, expected in zip(streams, references, strict=True):
+    for s, expected in zip(streams, undisturbed, strict=True):
         assert s.error is None and s.text == expected, (s.base, s.error)
         assert s.usage is not None and s.usage["completion_tokens"] == MAX_TOKENS
     given_up = tp2.find_log("not resumed")
@@ -97,7 +97,7 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
     args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
     server = Server(*args, log_path=tmp_path / "log").start()
     try:
-        undisturbed = [reference(server.url, base) for base in BODIES]
+        undisturbed = references(server.url, BODIES)
         disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL))
         victim = worker_pid(server)
         try:
@@ -123,7 +123,7 @@ def test_rank0_inside_a_lost_groups_collective_is_freed_or_left_behind_within_th
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3")
     server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={WEDGE_ENV: str(wedge)}).start()
     try:
-        undisturbed = [reference(server.url, base) for base in BODIES]
+        undisturbed = references(server.url, BODIES)
         streams = start_streams(server.url, BODIES)
         wait_until(lambda: all(s.chunks >= 5 for s in streams), 60, "5 chunks on every stream")
         for rank in (0, 1):
