@@ -50,6 +50,8 @@ class Rank0Thread:
         if self._cpus:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
+        elif self._world_size == 1 and cpu.is_linux_cpu_backend():
+            cpu.pin(cpu.one_core())  # beside MLX's stream thread, started by this one (``cpu.one_core``)
         self.rank = Rank(0, self._world_size)
         while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
             job()
