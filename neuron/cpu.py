@@ -227,9 +227,15 @@ def one_core() -> list[int]:
     sleeps whenever it runs out of work. Free to float, the two take turns on different cores, and a step's
     hundreds of hand-offs each wake a sleeping thread across cores; on one core each is a context switch. The
     BLAS's own threads, started when the library loaded, keep every core. Pin the calling thread before its
-    first MLX operation: the stream's thread is started then, and inherits the mask.
+    first MLX operation: the stream's thread is started then, and inherits the mask. The core is the one the
+    calling thread runs on, so that the ranks of several servers on one host land where the kernel spread them.
     """
-    return sorted(os.sched_getaffinity(0))[-1:]
+    allowed = sorted(os.sched_getaffinity(0))
+    try:  # the "processor" field of /proc/thread-self/stat: the core this thread last ran on
+        here = int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return allowed[-1:]
+    return [here] if here in allowed else allowed[-1:]
 
 
 def set_blas_threads(count: int) -> None:
