@@ -1,7 +1,7 @@
 """Decode speed of one streaming HTTP client against raw mlx-lm, on the same model, in the same run.
 
 Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,32,5888] [--tokens 128] [--rounds 5]
-         [--serve '--run-ahead off' ...] [--checkout DIR ...]
+         [--serve '--run-ahead off' ...] [--checkout DIR ...] [--light-client]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
 BLAS neuron uses (OpenBLAS preloaded when present, behind neuron's one-row
@@ -13,7 +13,10 @@ them alike. ``--checkout`` adds a ``neuron serve`` run from another checkout of
 neuron (``git archive COMMIT | tar -x -C DIR``), to compare two commits in one run.
 Decode rate is (tokens - 1) / (time from first to last token): prefill excluded.
 CPU ms/token is the process's user+system time per token: on a machine shared with other work it moves less
-than wall time, and for a tiny model it is mostly host time.
+than wall time, and for a tiny model it is mostly host time. Client CPU ms/token is this process's, the client's:
+on two cores it competes with the server's step. ``--light-client`` measures each server a second time per round
+with a client that reads the stream from a bare socket and parses no event but the last (rows marked so): the
+server's rate where its client costs next to nothing; the headline stays with the httpx client.
 Prints a markdown table; the ratio is what to trust, not the absolute rates. "Round by round" is the
 lowest and highest of each round's rate over mlx-lm's in the same round.
 """
@@ -31,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from streaming import stream_completion
+from streaming import stream_completion, stream_completion_light
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
@@ -96,12 +99,14 @@ def blas_env() -> dict[str, str]:
     return env
 
 
-def http_round(url: str, model_id: str, tokens: int, pid: int) -> dict:
-    cpu_before = process_cpu_seconds(pid)
-    streamed = stream_completion(url, model_id, PROMPT, tokens)
+def http_round(url: str, model_id: str, tokens: int, pid: int, light: bool = False) -> dict:
+    cpu_before, client_before = process_cpu_seconds(pid), time.process_time()
+    streamed = (stream_completion_light if light else stream_completion)(url, model_id, PROMPT, tokens)
     cpu = process_cpu_seconds(pid) - cpu_before  # prefill included: clock ticks are too coarse to split it off
+    client = time.process_time() - client_before  # this process is the client
     # Text can lag a token (a partial character), so time spans first to last text, counted in tokens.
-    return {"tokens": streamed.tokens, "seconds": streamed.text_at[-1] - streamed.text_at[0], "cpu_seconds": cpu}
+    seconds = streamed.text_at[-1] - streamed.text_at[0]
+    return {"tokens": streamed.tokens, "seconds": seconds, "cpu_seconds": cpu, "client_seconds": client}
 
 
 def persistent(flag: str, path: Path, tokens: int) -> subprocess.Popen[str]:
@@ -143,6 +148,11 @@ def main() -> None:
         metavar="DIR",
         help="a neuron serve run from another checkout of neuron, beside this one's; repeatable",
     )
+    parser.add_argument(
+        "--light-client",
+        action="store_true",
+        help="measure each neuron serve a second time per round with a bare-socket client (rows marked so)",
+    )
     args = parser.parse_args()
     if args.baseline:
         baseline_child(args.baseline[0], int(args.baseline[1]))
@@ -177,11 +187,19 @@ def main() -> None:
     try:
         for server in servers.values():
             server.start()
-        results: dict[str, list[dict]] = {"mlx_lm": [], "engine": [], **{f"http{name}": [] for name in servers}}
+        clients = {"http": False, **({"light": True} if args.light_client else {})}
+        results: dict[str, list[dict]] = {
+            "mlx_lm": [],
+            "engine": [],
+            **{f"{client}{name}": [] for client in clients for name in servers},
+        }
         for warmup in (True,) + (False,) * args.rounds:
             measured = {name: take_round(child) for name, child in children.items()}
             for name, server in servers.items():
-                measured[f"http{name}"] = http_round(server.url, served_id, args.tokens, server.process.pid)
+                for client, light in clients.items():
+                    measured[f"{client}{name}"] = http_round(
+                        server.url, served_id, args.tokens, server.process.pid, light
+                    )
             if not warmup:
                 for name, result in measured.items():
                     results[name].append(result)
@@ -204,13 +222,18 @@ def main() -> None:
     cpus = {name: statistics.median(cpu_ms(r) for r in rs) for name, rs in results.items()}
     base = rates["mlx_lm"]
     print(f"model {path.name}, TP={args.tp}, {args.tokens} tokens, median of {args.rounds} alternating rounds\n")
-    print("| path | decode tok/s (median) | tokens/round | vs mlx_lm | round by round | CPU ms/token | CPU vs mlx_lm |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| path | decode tok/s (median) | tokens/round | vs mlx_lm | round by round | CPU ms/token | CPU vs mlx_lm "
+        "| client CPU ms/token |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    kinds = {"http": "one streaming HTTP client", "light": "a bare-socket client (--light-client)"}
     names = {
         "mlx_lm": "mlx_lm.stream_generate",
         "engine": "neuron's engine, TP=1 (what `neuron generate` runs)",
         **{
-            f"http{name}": f"neuron serve TP={args.tp} {name}".rstrip() + ", one streaming HTTP client"
+            f"{client}{name}": f"neuron serve TP={args.tp} {name}".rstrip() + f", {kinds[client]}"
+            for client in clients
             for name in servers
         },
     }
@@ -219,7 +242,12 @@ def main() -> None:
         ratios = sorted(rate(r) / rate(b) for r, b in zip(results[name], results["mlx_lm"], strict=True))
         spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
         row = f"| {label} | {rates[name]:.1f} | {results[name][0]['tokens']} | {rates[name] / base:.2f}x | {spread} "
-        print(row + f"| {cpus[name]:.2f} | {cpus[name] / cpus['mlx_lm']:.2f}x |")
+        client = (
+            f"{statistics.median(r['client_seconds'] * 1000 / (r['tokens'] - 1) for r in results[name]):.2f}"
+            if "client_seconds" in results[name][0]
+            else ""
+        )
+        print(row + f"| {cpus[name]:.2f} | {cpus[name] / cpus['mlx_lm']:.2f}x | {client} |")
 
 
 if __name__ == "__main__":

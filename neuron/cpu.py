@@ -220,6 +220,24 @@ def pin(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)
 
 
+def one_core() -> list[int]:
+    """A core for a rank alone in its process's group to run its MLX work on, with MLX's own thread beside it.
+
+    Why: MLX's CPU backend hands each operation from the thread that evaluates to its stream's thread, which
+    sleeps whenever it runs out of work. Free to float, the two take turns on different cores, and a step's
+    hundreds of hand-offs each wake a sleeping thread across cores; on one core each is a context switch. The
+    BLAS's own threads, started when the library loaded, keep every core. Pin the calling thread before its
+    first MLX operation: the stream's thread is started then, and inherits the mask. The core is the one the
+    calling thread runs on, so that the ranks of several servers on one host land where the kernel spread them.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    try:  # the "processor" field of /proc/thread-self/stat: the core this thread last ran on
+        here = int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return allowed[-1:]
+    return [here] if here in allowed else allowed[-1:]
+
+
 def set_blas_threads(count: int) -> None:
     """Match the preloaded BLAS's thread count to this rank's cores (no-op with the reference BLAS)."""
     library = preloaded_blas()

@@ -50,6 +50,8 @@ class Rank0Thread:
         if self._cpus:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
+        elif self._world_size == 1 and cpu.is_linux_cpu_backend():
+            cpu.pin(cpu.one_core())  # beside MLX's stream thread, started by this one (``cpu.one_core``)
         self.rank = Rank(0, self._world_size)
         while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
             job()
@@ -101,7 +103,7 @@ class Rank0Thread:
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
             if self.rank is not None and not self._abandoned.is_set():
-                self.rank.settle()  # a step run ahead, computed while the event loop handles this one's reply
+                self.rank.settle(wait=False)  # the step run ahead, beside the event loop's work on this reply
 
         self._jobs.put(job)
         if abandon is not None:

@@ -19,7 +19,8 @@ Where the backend evaluates in the caller (MLX's CPU backend computes inside
 ``async_eval``), queueing would compute step n+1 before step n's tokens reach
 the leader. There the rank builds the step, replies, and only then computes it
 (``Rank.settle``): the leader's host work runs beside that computation, on
-another core.
+another core; a rank alone queues it then, so that its last operations run
+while the rank builds the step after.
 
 Only where every layer's cache can drop a token again (``can_undo``). Across
 ranks (tensor parallel) the workers need the tokens before any host has them:

@@ -178,16 +178,21 @@ class Rank:
         self._ahead = ahead.Ahead(list(rows.ids), tokens, queued if logits is not None else None)
         return True
 
-    def settle(self) -> None:
+    def settle(self, wait: bool = True) -> None:
         """Compute the step run ahead, where the backend evaluates in the caller (the CPU): called once this
         step's reply is on its way, so that the host's work on it (the leader's text, streams and next plan)
         runs beside the computation instead of before it. A failure (a peer lost inside its collectives) is
-        raised by the next step."""
+        raised by the next step.
+
+        Without ``wait``, one rank alone queues it (``mx.async_eval``), as mlx-lm's loop does: MLX's CPU backend
+        still computes most of it in this call, but returns with the last of its operations queued, and those run
+        while this thread takes the next plan and builds the step after (the Python of a step's graph). Across
+        ranks it is always waited for, so that no collective is left in flight between two plans."""
         queued, self._unsettled = self._unsettled, None
         if queued is None:
             return
         try:
-            mx.eval(queued)
+            (mx.eval if wait or self.world_size > 1 else mx.async_eval)(queued)
         except Exception as e:  # noqa: BLE001 - raised by the next step, whose reply reports it
             self._unsettled_error = e
 
