@@ -16,7 +16,16 @@ from testkit.models import (
     tokenizer_files,
     with_template,
 )
-from testkit.server import ROOT, Server, neuron_command, run_neuron, serving, sse_events, wait_until
+from testkit.server import (
+    ROOT,
+    Server,
+    neuron_command,
+    run_neuron,
+    serving,
+    serving_side_by_side,
+    sse_events,
+    wait_until,
+)
 from testkit.system import DatagramSink, alive, tcp_sockets
 
 __all__ = [
@@ -35,6 +44,7 @@ __all__ = [
     "quiet_layers",
     "run_neuron",
     "serving",
+    "serving_side_by_side",
     "sse_events",
     "tcp_sockets",
     "tokenizer_files",

@@ -177,3 +177,20 @@ def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: obje
     finally:
         rc = server.stop()
     assert rc == 0, server.stderr()
+
+
+@contextmanager
+def serving_side_by_side(
+    tmp_path_factory: pytest.TempPathFactory, *commands: tuple[str, ...], **kwargs: object
+) -> Iterator[list[Server]]:
+    """A started server per command, started side by side (a start is mostly one process importing, so starts
+    overlap on the cores), stopped on exit; each must exit 0 on SIGTERM."""
+    servers: list[Server] = []
+    try:
+        for args in commands:
+            servers.append(Server(*args, log_path=tmp_path_factory.mktemp("serve") / "serve.log", **kwargs))  # type: ignore[arg-type]
+        yield [server.start() for server in servers]
+    finally:
+        codes = [server.stop() for server in servers]
+    for server, rc in zip(servers, codes, strict=True):
+        assert rc == 0, server.stderr()
