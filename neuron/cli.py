@@ -11,6 +11,7 @@ process that is replaced should have loaded nothing it throws away.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import threading
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        if argv is None:  # this process ends: its teardown need not trace every object the imports made
+            gc.freeze()
+
+
+def _main(argv: list[str] | None) -> int:
     from neuron import descriptors
 
     descriptors.raise_soft_limit()

@@ -17,7 +17,17 @@ from testkit.models import (
     tokenizer_files,
     with_template,
 )
-from testkit.server import ROOT, Server, neuron_command, run_neuron, serving, sse_events, wait_until
+from testkit.server import (
+    ROOT,
+    Server,
+    neuron_command,
+    run_neuron,
+    run_neuron_side_by_side,
+    serving,
+    serving_side_by_side,
+    sse_events,
+    wait_until,
+)
 from testkit.system import DatagramSink, alive, tcp_sockets
 
 __all__ = [
@@ -36,7 +46,9 @@ __all__ = [
     "neuron_command",
     "quiet_layers",
     "run_neuron",
+    "run_neuron_side_by_side",
     "serving",
+    "serving_side_by_side",
     "sse_events",
     "tcp_sockets",
     "tokenizer_files",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +38,36 @@ def run_neuron(
         cwd=ROOT,
         env={**os.environ, **(env or {})},
     )
+
+
+def _ended(process: subprocess.Popen[str]) -> None:
+    """Killed where a wait ran out; nothing once it exited."""
+    process.kill()
+    process.wait()
+
+
+def run_neuron_side_by_side(
+    *commands: tuple[str, ...], timeout: float = 300, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """``run_neuron`` for each command, run side by side (a run starts with one process importing, so their starts
+    overlap on the cores); each one's outcome, in order."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for args in commands:
+            out, err = (stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            command = neuron_command(*args)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, text=True, cwd=ROOT, env={**os.environ, **(env or {})}
+            )
+            stack.callback(_ended, process)
+            started.append((process, out, err))
+        done = []
+        for process, out, err in started:
+            process.wait(timeout=timeout)
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out.read(), err.read()))
+        return done
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -177,3 +209,20 @@ def serving(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: obje
     finally:
         rc = server.stop()
     assert rc == 0, server.stderr()
+
+
+@contextmanager
+def serving_side_by_side(
+    tmp_path_factory: pytest.TempPathFactory, *commands: tuple[str, ...], **kwargs: object
+) -> Iterator[list[Server]]:
+    """A started server per command, started side by side (a start is mostly one process importing, so starts
+    overlap on the cores), stopped on exit; each must exit 0 on SIGTERM."""
+    servers: list[Server] = []
+    try:
+        for args in commands:
+            servers.append(Server(*args, log_path=tmp_path_factory.mktemp("serve") / "serve.log", **kwargs))  # type: ignore[arg-type]
+        yield [server.start() for server in servers]
+    finally:
+        codes = [server.stop() for server in servers]
+    for server, rc in zip(servers, codes, strict=True):
+        assert rc == 0, server.stderr()

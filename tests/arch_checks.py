@@ -1,15 +1,18 @@
 """One engine over one tiny model, asked what tests/test_architectures.py compares with mlx-lm.
 
-At one rank this runs in the test's own process; a group of ranks needs a
-fresh leader process (MLX joins one group per process), so it also runs as
-``python tests/arch_checks.py MODEL WORLD_SIZE STAGES [LAYERS_PER_STAGE]`` and prints one JSON line.
+At one rank this runs in the test's own process; a group of ranks needs a leader
+process of its own (MLX joins one group per process), so it also runs as
+``python tests/arch_checks.py WORLD_SIZE STAGES MODEL[=LAYERS_PER_STAGE]...``, serving each model in turn
+with fresh workers and printing one JSON line per model.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +134,23 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: st
     return result
 
 
+def serve_each(world_size: int, stages: int, models: list[str]) -> None:
+    """Serve each model in turn from this one leader process, each with fresh workers; one JSON line per model,
+    its result or its error. The group is left between models (``rank.group.leave``), as a leader does to form a
+    fresh one, so that the leader's own start (its imports) is paid once, not once per model."""
+    from neuron.rank import group
+
+    for spec in models:
+        model, _, split = spec.partition("=")
+        try:
+            line = {"model": model, "result": anyio.run(serve, model, world_size, stages, split)}
+        except Exception:  # noqa: BLE001 (the next model is served all the same: each test reads its own line)
+            line = {"model": model, "error": traceback.format_exc()}
+        print(json.dumps(line), flush=True)
+        group.leave()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    print(json.dumps(anyio.run(serve, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])))
+    serve_each(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    gc.freeze()  # as neuron's own command does: the teardown need not trace every object the imports made

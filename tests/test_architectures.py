@@ -2,7 +2,8 @@
 and each architecture's tiny model served by the engine, token for token as mlx-lm generates on the same weights.
 
 Every architecture's model is generated once per session (``arch_models``). At one rank the engine runs in this
-process; groups of ranks run in a fresh leader process each (tests/arch_checks.py).
+process; groups of ranks (TP=2, PP=2) run in a leader process per group, which serves each architecture in turn
+with fresh workers (tests/arch_checks.py).
 """
 
 from __future__ import annotations
@@ -73,39 +74,87 @@ def test_one_rank_serves_every_architecture_as_mlx_lm_generates(
     _check(result, _reference(arch, arch_models, references), arch)
 
 
-def _in_a_group(model: Path, world_size: int, stages: int, split: str = "") -> dict:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "arch_checks.py"), str(model), str(world_size), str(stages), split],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 SPLIT = [a for a in ARCHS if architectures.supports(config(a, 300)).tp]  # type: ignore[union-attr]
 STAGED = [a for a in ARCHS if architectures.supports(config(a, 300)).pp]  # type: ignore[union-attr]
-
-
 # llama and qwen3 are split in test_pool and test_batching; qwen3_moe and glm4_moe by mlx-lm as they are.
-@pytest.mark.parametrize("arch", [a for a in SPLIT if a not in ("llama", "qwen3", "qwen3_moe", "glm4_moe")])
+TENSOR_PARALLEL = [a for a in SPLIT if a not in ("llama", "qwen3", "qwen3_moe", "glm4_moe")]
+PIPELINED = [a for a in STAGED if a not in ("llama", "qwen3", "glm4_moe")]
+# windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet it must
+# feed new prompts as the first stage does (one by one), or the stages' passes differ. gemma4's is left to the
+# leader, which moves the split by memory to keep its last layer with layer 1.
+STAGE_SPLIT = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}
+GROUPS = {"tp2": (2, 1), "pp2": (2, 2)}  # world size, stages
+GROUP_TESTS = {
+    "test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates": "tp2",
+    "test_two_pipeline_stages_serve_as_mlx_lm_generates": "pp2",
+}
+
+
+@pytest.fixture(scope="module")
+def in_a_group(request: pytest.FixtureRequest, arch_models: dict[str, Path]) -> dict[str, dict[str, dict]]:
+    """What each architecture the session's group tests ask for gave, by group and architecture: one leader
+    process per group serves them in turn, each with fresh workers (a process per model would repeat the leader's
+    start, the larger part of a tiny model's run); the two leaders run side by side."""
+    wanted: dict[str, list[str]] = {name: [] for name in GROUPS}
+    for item in request.session.items:
+        name = GROUP_TESTS.get(getattr(item, "originalname", ""))
+        if name is not None and getattr(item, "module", None) is request.module:
+            wanted[name].append(item.callspec.params["arch"])  # type: ignore[attr-defined]
+    folder = arch_models[ARCHS[0]].parent
+    running = {}
+    for name, archs in wanted.items():
+        if not archs:
+            continue
+        split = {a: STAGE_SPLIT.get(a, "") if name == "pp2" else "" for a in archs}
+        models = [f"{arch_models[a]}={split[a]}" for a in archs]
+        out, err = (folder / f"{name}.out").open("w+"), (folder / f"{name}.err").open("w+")
+        script = [sys.executable, str(ROOT / "tests" / "arch_checks.py"), *map(str, GROUPS[name]), *models]
+        running[name] = (subprocess.Popen(script, stdout=out, stderr=err, text=True, cwd=ROOT), out, err)
+    results: dict[str, dict[str, dict]] = {}
+    for name, (process, out, err) in running.items():
+        try:
+            process.wait(timeout=120 * len(wanted[name]))
+        finally:
+            process.kill()  # where the wait ran out; nothing once it exited
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        said = err.read()[-4000:]
+        by_model = {Path(line["model"]).name: line for line in map(json.loads, out.read().splitlines())}
+        # The leader's exit counts for every model it served: one that crashes on its way out fails them all.
+        results[name] = {
+            arch: {"error": f"the leader exited with {process.returncode}: {said}"}
+            if process.returncode
+            else by_model.get(arch, {"error": f"no line for {arch}; the leader said: {said}"})
+            for arch in wanted[name]
+        }
+    return results
+
+
+def _served(in_a_group: dict[str, dict[str, dict]], group: str, arch: str) -> dict:
+    served = in_a_group[group][arch]
+    assert "error" not in served, served["error"]
+    return served["result"]
+
+
+@pytest.mark.parametrize("arch", TENSOR_PARALLEL)
 def test_two_tensor_parallel_ranks_serve_as_mlx_lm_generates(
-    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+    arch: str,
+    in_a_group: dict[str, dict[str, dict]],
+    arch_models: dict[str, Path],
+    references: dict[str, dict[str, list]],
 ) -> None:
-    _check(_in_a_group(arch_models[arch], 2, 1), _reference(arch, arch_models, references), arch)
+    _check(_served(in_a_group, "tp2", arch), _reference(arch, arch_models, references), arch)
 
 
-@pytest.mark.parametrize("arch", [a for a in STAGED if a not in ("llama", "qwen3", "glm4_moe")])
+@pytest.mark.parametrize("arch", PIPELINED)
 def test_two_pipeline_stages_serve_as_mlx_lm_generates(
-    arch: str, arch_models: dict[str, Path], references: dict[str, dict[str, list]]
+    arch: str,
+    in_a_group: dict[str, dict[str, dict]],
+    arch_models: dict[str, Path],
+    references: dict[str, dict[str, list]],
 ) -> None:
-    # windowed_mistral's second stage holds one full-attention layer alone: its caches could all be cut, and yet
-    # it must feed new prompts as the first stage does (one by one), or the stages' passes differ.
-    # gemma4's is left to the leader, which moves the split by memory to keep its last layer with layer 1.
-    split = {"windowed_mistral": "3,1", "qwen3_next": "1,3", "gemma3_text": "1,3"}.get(arch, "")
-    _check(_in_a_group(arch_models[arch], 2, 2, split), _reference(arch, arch_models, references), arch)
+    _check(_served(in_a_group, "pp2", arch), _reference(arch, arch_models, references), arch)
 
 
 @pytest.mark.parametrize(

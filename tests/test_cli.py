@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, neuron_command, run_neuron
 
 from neuron import cpu
+from testkit import run_neuron_side_by_side
 
 SUMMARY = re.compile(r"^\d+ tokens, [\d.]+ tokens/s, time to first token [\d.]+ s$", re.M)
 INFO = re.compile(r"\[info|\"level\": \"info\"")  # an info line, in the console's format or JSON's
@@ -82,7 +83,7 @@ def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_tp2_equals_tp1_through_the_cli(tiny_models: dict[str, Path], arch: str) -> None:
     args = ("generate", "--model", str(tiny_models[arch]), "--max-tokens", "32", "hello")
-    tp1, tp2 = run_neuron(*args), run_neuron(*args, "--tp", "2")
+    tp1, tp2 = run_neuron_side_by_side(args, (*args, "--tp", "2"))
     assert tp1.returncode == 0 and tp2.returncode == 0, tp1.stderr + tp2.stderr
     assert tp2.stdout == tp1.stdout
 

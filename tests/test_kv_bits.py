@@ -7,6 +7,7 @@ fed in chunks), restored from the prefix cache and from disk as computed, and ba
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 
 import anyio
@@ -25,7 +26,7 @@ from neuron.models import KV_GROUP_SIZE
 from neuron.rank import caches, rollback
 from neuron.rank.disk import Disk, DiskError
 from neuron.rank.quantized import BatchQuantizedKVCache
-from testkit import agreement
+from testkit import agreement, serving_side_by_side
 
 HEADS, DIM = 2, 64
 
@@ -211,18 +212,18 @@ async def test_quantized_caches_give_the_same_tokens_batched_drafted_restored_an
     ones in chunks) and decoded together with drafts give what each gives alone without drafts, restored from the
     prefix cache the first round saved; and TP=2 and PP=2 give what TP=1 gives."""
     runs: dict[str, list[Scored]] = {}
-    for name, split in SPLITS.items():
-        args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", "--kv-bits", "4", *split)
-        with serving(tmp_path_factory, *args) as server:
+    args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", "--kv-bits", "4")
+    with serving_side_by_side(tmp_path_factory, *((*args, *split) for split in SPLITS.values())) as servers:
+        for name, server in zip(SPLITS, servers, strict=True):  # asked one at a time: only their starts overlap
             together = await _together(server)
             alone = [_complete(server, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-        assert sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together) > 0
-        assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in together)
-        restored = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in alone]
-        assert restored == [r["usage"]["prompt_tokens"] - 1 for r in alone], restored  # all but the last token
-        runs[name] = _scored(together)
-        for i, (want, got) in enumerate(zip(_scored(alone), runs[name], strict=True)):
-            assert_same(want, got, f"{name}: prompt {i} together and drafted, against alone and restored")
+            assert sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together) > 0
+            assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in together)
+            restored = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in alone]
+            assert restored == [r["usage"]["prompt_tokens"] - 1 for r in alone], restored  # all but the last token
+            runs[name] = _scored(together)
+            for i, (want, got) in enumerate(zip(_scored(alone), runs[name], strict=True)):
+                assert_same(want, got, f"{name}: prompt {i} together and drafted, against alone and restored")
     for name in ("tp2", "pp2"):
         for i, (want, got) in enumerate(zip(runs["tp1"], runs[name], strict=True)):
             assert_same(want, got, f"prompt {i}: {name} against tp1")
@@ -237,14 +238,18 @@ def test_a_restarted_server_restores_quantized_entries_from_disk_and_skips_files
         fresh = _complete(server, PROMPTS[2], 12)
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert sorted(p.name.split(".")[1] for p in folder.glob("*.kv")) == ["r0", "r1"]
-    with serving(tmp_path_factory, *args, "--kv-bits", "8") as server:
-        restored = _complete(server, PROMPTS[2], 12)
+    # Restarted with the same bits and with others, side by side: the latter on a copy of the folder, which it
+    # writes to.
+    copy = tmp_path_factory.mktemp("kv-copy")
+    shutil.copytree(folder, copy, dirs_exist_ok=True)
+    commands = ((*args, "--kv-bits", "8"), (*args[:-1], str(copy), "--kv-bits", "4"))
+    with serving_side_by_side(tmp_path_factory, *commands) as (same, others):
+        restored = _complete(same, PROMPTS[2], 12)
+        other = _complete(others, PROMPTS[2], 12)
+        skipped = others.find_log("prefix cache file skipped")
+        assert skipped is not None and "8 bits (--kv-bits), and this server keeps 4 bits" in skipped["reason"]
     assert restored["usage"]["prompt_tokens_details"]["cached_tokens"] == restored["usage"]["prompt_tokens"] - 1
     assert_same(Scored.of(fresh["choices"][0]), Scored.of(restored["choices"][0]), "restored from disk")
-    with serving(tmp_path_factory, *args, "--kv-bits", "4") as server:
-        other = _complete(server, PROMPTS[2], 12)
-        skipped = server.find_log("prefix cache file skipped")
-        assert skipped is not None and "8 bits (--kv-bits), and this server keeps 4 bits" in skipped["reason"]
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 

@@ -18,7 +18,7 @@ import pytest
 from closeness import TOP, Scored, assert_same
 from conftest import Server, serving
 
-from testkit import faults
+from testkit import faults, serving_side_by_side
 
 # About 1,000 tokens for the tiny models' byte-level tokenizer (one token a byte).
 SYSTEM = "".join(f"Rule {i}: answer in the voice of a lighthouse keeper. " for i in range(20))[:1000]
@@ -100,7 +100,7 @@ def pair(
 ) -> Iterator[tuple[str, Server, Server]]:
     model, tp = request.param
     args = ("--model", str(tiny_models[model]), "--tp", tp)
-    with serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0") as off, serving(tmp_path_factory, *args) as on:
+    with serving_side_by_side(tmp_path_factory, (*args, "--prefix-cache-bytes", "0"), args) as (off, on):
         yield model, off, on
 
 
@@ -200,8 +200,8 @@ def test_smollm2_over_three_ranks_is_unchanged_by_the_cache(
     system = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(30))
     # The reference without the cache runs on one rank: SmolLM2 at TP=3 gives TP=1's tokens (test_cli,
     # tests/hosts), and a second three-rank server on two cores would double this test's minutes.
-    off_server = serving(tmp_path_factory, *args, "--prefix-cache-bytes", "0")
-    with off_server as off, serving(tmp_path_factory, *args, "--tp", "3") as on:
+    commands = ((*args, "--prefix-cache-bytes", "0"), (*args, "--tp", "3"))
+    with serving_side_by_side(tmp_path_factory, *commands) as (off, on):
 
         async def both() -> None:
             on_turns, off_turns = (

@@ -20,6 +20,7 @@ from tiny_archs import make_arch_model
 
 from neuron.models import cache_bytes
 from neuron.rank.disk import MAGIC, Disk, DiskError
+from testkit import serving_side_by_side
 
 STAMP = "model/world 2/layers []"
 
@@ -133,21 +134,24 @@ def _ask(server: Server, prompt: str = PROMPT, model: str = "qwen3") -> tuple[Sc
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def _restarted(factory: pytest.TempPathFactory, args: tuple[str, ...], folder: Path) -> tuple[Scored, list[str]]:
-    """The prompt asked of a server on ``folder`` (computed), then of a fresh one on it (restored, with the same
-    greedy tokens); the computed run, and the files each rank wrote (one each, its own share)."""
+def _computed(factory: pytest.TempPathFactory, args: tuple[str, ...], folder: Path) -> tuple[Scored, list[str]]:
+    """The prompt asked of a server on ``folder`` (computed: nothing on disk yet); the reply, and the files each
+    rank wrote (one each, its own share)."""
     with serving(factory, *args) as server:
-        fresh, cached = _ask(server)  # computed: nothing on disk yet
+        fresh, cached = _ask(server)
         assert cached == 0
     files = sorted(p.name for p in folder.glob("*.kv"))
     assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads or layers
     assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
-    with serving(factory, *args) as server:
-        restored, cached = _ask(server)
-        assert cached == len(PROMPT) - 1  # one token a byte; all but the last, which is always fed
-        assert server.find_log("prefill done", cached_tokens=cached) is not None
-    assert_same(fresh, restored, f"restored from disk ({' '.join(args[2:4])})")
     return fresh, files
+
+
+def _restored(server: Server, fresh: Scored, args: tuple[str, ...]) -> None:
+    """A fresh server on the folder restores the prompt instead of computing it, with the same greedy tokens."""
+    restored, cached = _ask(server)
+    assert cached == len(PROMPT) - 1  # one token a byte; all but the last, which is always fed
+    assert server.find_log("prefill done", cached_tokens=cached) is not None
+    assert_same(fresh, restored, f"restored from disk ({' '.join(args[2:4])})")
 
 
 def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corrupted_file(
@@ -155,7 +159,7 @@ def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corr
 ) -> None:
     folder = tmp_path_factory.mktemp("kv")
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
-    fresh, files = _restarted(tmp_path_factory, args, folder)
+    fresh, files = _computed(tmp_path_factory, args, folder)
 
     corrupted = tmp_path_factory.mktemp("kv-corrupted")
     shutil.copytree(folder, corrupted, dirs_exist_ok=True)
@@ -163,12 +167,13 @@ def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corr
     data = bytearray(target.read_bytes())
     data[-100] ^= 0xFF
     target.write_bytes(bytes(data))
-    args = (*args[:-1], str(corrupted))
-    with serving(tmp_path_factory, *args) as server:
-        again, cached = _ask(server)
+    # Restarted on the folder and, side by side, on its corrupted copy.
+    with serving_side_by_side(tmp_path_factory, args, (*args[:-1], str(corrupted))) as (server, on_corrupted):
+        _restored(server, fresh, args)
+        again, cached = _ask(on_corrupted)
         assert cached == 0  # rank 1's file failed its checksum: the entry is loaded on no rank
-        skipped = server.find_log("prefix cache file skipped")
-        assert skipped is not None and "checksum" in skipped["reason"], server.stderr()
+        skipped = on_corrupted.find_log("prefix cache file skipped")
+        assert skipped is not None and "checksum" in skipped["reason"], on_corrupted.stderr()
     assert_same(fresh, again, "computed again")
 
 
@@ -176,9 +181,10 @@ def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     folder = tmp_path_factory.mktemp("kv-pp")
-    _restarted(
-        tmp_path_factory, ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder)), folder
-    )
+    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder))
+    fresh, _ = _computed(tmp_path_factory, args, folder)
+    with serving(tmp_path_factory, *args) as server:
+        _restored(server, fresh, args)
 
 
 # A saved prompt, and a longer one beginning with it: a model whose entries are snapshots restores only a whole one.
