@@ -212,12 +212,13 @@ async def test_quantized_caches_give_the_same_tokens_batched_drafted_restored_an
     ones in chunks) and decoded together with drafts give what each gives alone without drafts, restored from the
     prefix cache the first round saved; and TP=2 and PP=2 give what TP=1 gives."""
     runs: dict[str, list[Scored]] = {}
+    kept: dict[str, int] = {}  # draft tokens kept in the round fed together, by split
     args = ("--model", str(tiny_models["qwen3"]), "--prefill-chunk", "16", "--kv-bits", "4")
     with serving_side_by_side(tmp_path_factory, *((*args, *split) for split in SPLITS.values())) as servers:
         for name, server in zip(SPLITS, servers, strict=True):  # asked one at a time: only their starts overlap
             together = await _together(server)
             alone = [_complete(server, p, n, num_draft_tokens=0) for p, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
-            assert sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together) > 0
+            kept[name] = sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together)
             assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for r in together)
             restored = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in alone]
             assert restored == [r["usage"]["prompt_tokens"] - 1 for r in alone], restored  # all but the last token
@@ -227,6 +228,10 @@ async def test_quantized_caches_give_the_same_tokens_batched_drafted_restored_an
     for name in ("tp2", "pp2"):
         for i, (want, got) in enumerate(zip(runs["tp1"], runs[name], strict=True)):
             assert_same(want, got, f"prompt {i}: {name} against tp1")
+    # Drafts were verified and kept over quantized caches. Summed over the splits: whether a step drafts is the
+    # engine's choice from the step times it measures (engine.drafts.width), and a split timed while the suite's
+    # other processes run may price drafting out of its short round (seen at TP=2 beside three busy loops).
+    assert sum(kept.values()) > 0, f"no draft token kept at any split: {kept}"
 
 
 def test_a_restarted_server_restores_quantized_entries_from_disk_and_skips_files_of_other_bits(
