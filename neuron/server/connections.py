@@ -56,8 +56,8 @@ class BoundedH11Protocol(H11Protocol):
     request, so that a new connection at the limit costs O(1), however many arrive at once.
     """
 
-    max_connections = 1024
-    header_timeout = 10.0
+    max_connections: ClassVar[int]  # set by ``bounded``, from the settings
+    header_timeout: ClassVar[float]
     tally = _Tally()
     open_count = 0
     waiting: ClassVar[dict[BoundedH11Protocol, None]] = {}  # insertion-ordered, the oldest first; one per subclass
