@@ -93,6 +93,52 @@ def test_calls_end_a_reply_with_tool_calls_and_a_cut_call_stays_a_call() -> None
     assert type(harmony.reader(TOOLS, None, None)) is tools.ToolStream
 
 
+def test_a_call_s_arguments_stream_as_written_and_add_up_to_the_whole_call() -> None:
+    """As OpenAI streams ``tool_calls[].function.arguments``: the first delta names the call (id, name), later ones
+    carry only argument pieces with its index, and the pieces join into the call the reply ends with."""
+    assert TOOLS is not None
+    for size in (1, 3, 7):
+        reply = Reply()
+        reader = Calls(TOOLS, reply)
+        deltas: list[dict[str, Any]] = []
+        for at in range(0, len(REPLY), size):
+            reply.push(REPLY[at : at + size])
+            deltas += reader.deltas()
+        reply.end("")
+        deltas += reader.deltas()
+        (call,) = tools.end(reader, "", "stop")[1] or []
+        assert deltas[0] == {
+            **call,
+            "index": 0,
+            "function": {**call["function"], "arguments": deltas[0]["function"]["arguments"]},
+        }
+        assert all(d.keys() == {"index", "function"} and d["index"] == 0 for d in deltas[1:])
+        assert (
+            "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"] == '{"city": "Paris"}'
+        )
+        assert len(deltas) > 1 and reader.deltas() == []
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
+    """gpt-oss ends its turn on <|call|>; a reply that goes on past it (min_tokens, ignore_eos) to a second call
+    gives one call where the request allows one only, streamed or whole, as any model's reply does."""
+    second = REPLY[REPLY.index("<|start|>assistant<|channel|>commentary to=") :].replace("Paris", "Rome")
+    text = REPLY + second
+    assert TOOLS is not None
+    for parallel, cities in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        chosen = dataclasses.replace(TOOLS, parallel=parallel)
+        reply = Reply()
+        reader = Calls(chosen, reply)
+        reply.whole([text], "")
+        streamed = {d["index"] for d in reader.deltas()}
+        calls = tools.end(reader, "", "stop")[1] or []
+        assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
+        assert streamed == set(range(len(cities)))
+    plain = tools.ToolStream(dataclasses.replace(TOOLS, parallel=False), None)
+    written = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "parameters": {}}]'
+    assert len(tools.end(plain, written, "stop")[1] or []) == 1
+
+
 def test_render_places_instructions_effort_tools_and_earlier_calls() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},

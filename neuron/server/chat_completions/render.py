@@ -35,7 +35,8 @@ class ChatReplies(Replies):
             if reasoning:
                 piece["reasoning_content"] = reasoning
             if calls:
-                # One delta per call, each whole: a client's accumulation of argument pieces reads it the same.
+                # A call read whole at the end is one delta; a call streamed as written (harmony's) comes in
+                # pieces that carry their call's index, as OpenAI's do.
                 piece["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             return {"delta": piece}
         message: dict[str, Any] = {

@@ -215,14 +215,20 @@ async def stream(
             thought, answer = split.push(event.text) if split else ("", event.text)
             thought = thought if replies.shows_reasoning else ""
             text = reader.push(answer) if reader else answer
-            if text or thought or gen.logprobs:
+            calls = reader.deltas() if reader else []
+            if text or thought or calls or gen.logprobs:
                 logprobs = replies.logprobs([event], index)
-                yield sse(replies.chunk([replies.choice(index, text, None, logprobs, delta=True, reasoning=thought)]))
+                choice = replies.choice(
+                    index, text, None, logprobs, delta=True, tool_calls=calls or None, reasoning=thought
+                )
+                yield sse(replies.chunk([choice]))
         elif isinstance(event, Finish):
             thought, answer = split.end(event.text) if split else ("", event.text)
             if thought and replies.shows_reasoning:
                 yield sse(replies.chunk([replies.choice(index, "", None, None, delta=True, reasoning=thought)]))
             text, calls, reason = tools.end(reader, answer, event.reason)
+            if calls and reader is not None and reader.streams:
+                calls = reader.deltas()  # what of the calls has not streamed yet
             if text:
                 yield sse(replies.chunk([replies.choice(index, text, None, None, delta=True)]))
             if calls:

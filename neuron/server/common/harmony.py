@@ -167,7 +167,7 @@ class Reply(ReasoningSplit):
     def __init__(self) -> None:
         super().__init__(Thinking("", "", (), ()), inside=False)
         self.parser = StreamableParser(encoding(), role=Role.ASSISTANT)
-        self.calls: list[tuple[str, list[str]]] = []  # each call's function and its arguments' pieces
+        self.calls: list[tuple[str, str, list[str]]] = []  # each call's id, function and its arguments' pieces
         self._in_message = False
         self._opened = False  # a message was opened: the reply is in harmony's format
         self._raw = ""  # the text while no message is open yet: the answer if none ever opens
@@ -214,14 +214,14 @@ class Reply(ReasoningSplit):
             if in_message and not self._in_message:
                 self._opened = True
                 if recipient.startswith(FUNCTIONS):
-                    self.calls.append((recipient.removeprefix(FUNCTIONS), []))
+                    self.calls.append((f"call_{uuid.uuid4().hex[:24]}", recipient.removeprefix(FUNCTIONS), []))
             self._in_message = in_message
             # A marker inside a message's text (one the model wrote where harmony has none) is not text either.
             delta = _unmarked(parser.last_content_delta or "") if in_message else None
             if not delta:
                 continue
             if recipient.startswith(FUNCTIONS):
-                self.calls[-1][1].append(delta)
+                self.calls[-1][2].append(delta)
             elif recipient and recipient != "assistant":
                 continue  # a call to a tool neuron does not run (harmony's browser, python): not the answer
             elif parser.current_channel == "analysis":
@@ -233,12 +233,8 @@ class Reply(ReasoningSplit):
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls written, in OpenAI's shape; arguments as written (cut short by max_tokens, unfinished)."""
         return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": "".join(pieces)},
-            }
-            for name, pieces in self.calls
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": "".join(pieces)}}
+            for call_id, name, pieces in self.calls
         ]
 
 
@@ -254,17 +250,47 @@ def _opens_marker(text: str) -> bool:
 
 class Calls(ToolStream):
     """A harmony reply's tool calls as ``tools.end`` reads a ``ToolStream``'s: the ``Reply`` has already taken
-    them out of the text, so all text passes."""
+    them out of the text, so all text passes. Their arguments stream as the model writes them (``deltas``), as
+    OpenAI streams a call's ``function.arguments``."""
+
+    streams = True
 
     def __init__(self, tools: Tools, reply: Reply) -> None:
         super().__init__(tools, None)
         self.reply = reply
+        self._sent: list[int] = []  # per call, how many of its argument pieces have streamed
 
     def push(self, text: str) -> str:
         return text
 
+    def _calls(self) -> list[tuple[str, str, list[str]]]:
+        # gpt-oss ends its turn on <|call|>; past it (min_tokens, ignore_eos) a second call is not one to make
+        # where the request allows one only.
+        return self.reply.calls if self.tools.parallel else self.reply.calls[:1]
+
+    def deltas(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for index, (call_id, name, pieces) in enumerate(self._calls()):
+            opening = index == len(self._sent)
+            if opening:
+                self._sent.append(0)
+            arguments = "".join(pieces[self._sent[index] :])
+            self._sent[index] = len(pieces)
+            if opening:  # the first delta of a call names it, as OpenAI's does
+                out.append(
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                )
+            elif arguments:
+                out.append({"index": index, "function": {"arguments": arguments}})
+        return out
+
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
-        calls = self.reply.tool_calls()
+        calls = self.reply.tool_calls()[: len(self._calls())]
         if calls and reason == "stop" and self.tools.choice in ("auto", "required"):
             reason = "tool_calls"
         return "", calls, reason

@@ -194,6 +194,8 @@ class ToolStream:
     ``markup``: the model's own call format, where its template shows it the tools; None where neuron shows them.
     """
 
+    streams = False  # whether ``deltas`` gives the calls as they come
+
     def __init__(self, tools: Tools, markup: ToolMarkup | None) -> None:
         self.tools = tools
         self.markup = markup
@@ -230,6 +232,11 @@ class ToolStream:
         self._plain = bool(head)
         self._pending = "" if head else pending
         return pending if head else ""
+
+    def deltas(self) -> list[dict[str, Any]]:
+        """The calls' pieces written since last asked, as chat stream deltas (``tool_calls[]`` with ``index``):
+        none here, where a call is read whole at the end; a reader that parses calls as they come gives them."""
+        return []
 
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
         """The content still to release, the tool calls, and the finish reason."""
@@ -305,6 +312,8 @@ def end(reader: ToolStream | None, text: str, reason: str) -> tuple[str, list[di
     tail, calls, reason = reader.finish(reason)
     if reader.error:
         log.warning("tool calls did not parse; answering with the text", error=reader.error)
+    if not reader.tools.parallel:
+        calls = calls[:1]  # parallel_tool_calls false: the first call only, whatever more the model wrote
     return released + tail, calls or None, reason
 
 
