@@ -1,6 +1,6 @@
 """The docs' reference pages, written from the code they describe, so that none can drift from it.
 
-The docs build (docs/hooks.py) adds each page as it builds the site; nothing
+The docs build (scripts/docs_hooks.py) adds each page as it builds the site; nothing
 here is committed as Markdown. ``python -m neuron.reference settings`` prints one.
 No MLX: the HTTP routes come from the OpenAPI document the server serves.
 """
