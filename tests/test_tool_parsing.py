@@ -106,6 +106,22 @@ def test_forced_calls_read_the_constrained_json() -> None:
 
 
 @pytest.mark.unit
+def test_a_forced_call_cut_short_by_max_tokens_stays_a_call_with_reason_length() -> None:
+    """Issue 45's part 4 on a model without harmony: the named function's arguments, or the required call's name
+    and parameters, as far as they came; the finish reason stays "length"."""
+    named = tools.parse({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    required = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "required"})
+    assert named is not None and required is not None
+    for chosen, text, arguments in (
+        (named, '{"city": "Par', '{"city": "Par'),
+        (required, '[{"name": "get_weather", "parameters": {"ci', '{"ci'),
+    ):
+        _, calls, reason = tools.end(tools.ToolStream(chosen, None), text, "length")
+        assert reason == "length" and calls is not None
+        assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": arguments}]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("body", "param"),
     [
