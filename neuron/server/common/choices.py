@@ -215,11 +215,11 @@ async def stream(
             thought, answer = split.push(event.text) if split else ("", event.text)
             thought = thought if replies.shows_reasoning else ""
             text = reader.push(answer) if reader else answer
-            calls = reader.deltas() if reader else []
-            if text or thought or calls or gen.logprobs:
+            pieces = reader.deltas() if reader else []
+            if text or thought or pieces or gen.logprobs:
                 logprobs = replies.logprobs([event], index)
                 choice = replies.choice(
-                    index, text, None, logprobs, delta=True, tool_calls=calls or None, reasoning=thought
+                    index, text, None, logprobs, delta=True, tool_calls=pieces or None, reasoning=thought
                 )
                 yield sse(replies.chunk([choice]))
         elif isinstance(event, Finish):
