@@ -162,6 +162,14 @@ def test_messages_think_call_and_answer(server: Server) -> None:
     thinking, use = first.content
     assert thinking.thinking == "Need the weather."  # type: ignore[union-attr]
     assert use.name == "get_weather" and use.input == {"city": "Paris"}  # type: ignore[union-attr]
+    with messages.stream(model=MODEL, max_tokens=40, messages=ASK, tools=[ANTHROPIC_TOOL], extra_body=GREEDY) as s:
+        deltas = [
+            e.delta.partial_json for e in s if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+        ]  # type: ignore[union-attr]
+        streamed = s.get_final_message()
+    assert deltas == ['{"city": ', '"Paris"}']  # the arguments as the model wrote them, as Anthropic streams them
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"] and streamed.stop_reason == "tool_use"
+    assert streamed.content[1].input == {"city": "Paris"}  # type: ignore[union-attr]
     history: Any = [
         *ASK,
         {"role": "assistant", "content": [use.model_dump()]},

@@ -61,16 +61,18 @@ def usage(finish: Finish | None, seq: Sequence) -> dict[str, Any]:
 
 async def pieces(
     seq: Sequence, gen: Generation, split: ReasoningSplit | None, reader: ToolStream | None
-) -> AsyncIterator[tuple[str, str] | Outcome]:
-    """The reply as it comes: ("thinking", text) and ("text", text) pieces, then its ``Outcome``."""
+) -> AsyncIterator[tuple[str, Any] | Outcome]:
+    """The reply as it comes: ("thinking", text) and ("text", text) pieces, ("call", piece) for a call that
+    streams as it is written (``ToolStream.deltas``), then its ``Outcome``."""
     stops = sorted(gen.params.stop, key=len, reverse=True)
     held = ""  # the last token's text, which may end with the stop sequence that ended the reply
 
-    def parts(text: str, last: bool) -> list[tuple[str, str]]:
+    def parts(text: str, last: bool) -> list[tuple[str, Any]]:
         thought, answer = (split.end(text) if last else split.push(text)) if split else ("", text)
-        if reader is not None:
-            answer = reader.push(answer)
-        return [("thinking", thought), ("text", answer)]
+        if reader is None:
+            return [("thinking", thought), ("text", answer)]
+        answer = reader.push(answer)
+        return [("thinking", thought), ("text", answer), *(("call", piece) for piece in reader.deltas())]
 
     async for event in seq.events:
         if isinstance(event, Chunk):
@@ -140,7 +142,7 @@ async def collect(
     async for piece in pieces(seq, gen, split, reader):
         if isinstance(piece, Outcome):
             outcome = piece
-        else:
+        elif piece[0] != "call":  # a whole reply takes its calls from the outcome
             (thought if piece[0] == "thinking" else text).append(piece[1])
     content: list[dict[str, Any]] = []
     if split is not None and "".join(thought):
@@ -191,12 +193,25 @@ async def events(
         return [*closing, sse({"type": "content_block_stop", "index": index})]
 
     outcome = Outcome()
+    streamed = 0  # the calls whose tool_use blocks opened as they were written
     try:
         async for piece in pieces(seq, gen, split, reader):
             if isinstance(piece, Outcome):
                 outcome = piece
                 break
             kind, text = piece
+            if kind == "call":
+                if "id" in text:  # a call begins: its block opens, named, as Anthropic's does
+                    if open_kind is not None:
+                        for data in stop():
+                            yield data
+                    index, open_kind, streamed = index + 1, "call", streamed + 1
+                    block = {**tool_use(text), "input": {}}
+                    yield sse({"type": "content_block_start", "index": index, "content_block": block})
+                if arguments := text["function"]["arguments"]:
+                    delta = {"type": "input_json_delta", "partial_json": arguments}
+                    yield sse({"type": "content_block_delta", "index": index, "delta": delta})
+                continue
             if not text:
                 continue
             if kind != open_kind:
@@ -221,7 +236,7 @@ async def events(
     if open_kind is not None:
         for data in stop():
             yield data
-    for call in outcome.calls:
+    for call in outcome.calls[streamed:]:
         index += 1
         block = tool_use(call)
         yield sse({"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}})
