@@ -130,6 +130,15 @@ def test_responses_reason_call_and_answer(client: OpenAI, server: Server) -> Non
     assert first.output[0].content[0].text == "Need the weather."  # type: ignore[union-attr,index]
     call = first.output[1]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    events: Any = list(
+        client.responses.create(model=MODEL, input="Weather in Paris?", tools=tools, temperature=0, stream=True)
+    )
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert [e.delta for e in deltas] == ['{"city": ', '"Paris"}']  # as the model wrote them, as OpenAI streams them
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert {(e.output_index, e.item_id) for e in deltas} == {(1, final.output[1].id)}
+    assert final.output[1].arguments == call.arguments  # type: ignore[union-attr]
     history: Any = [
         {"role": "user", "content": "Weather in Paris?"},
         {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},  # type: ignore[union-attr]

@@ -145,12 +145,14 @@ async def collect(seq: Sequence, replies: ResponseReplies, reader: ToolStream | 
 
 async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | None) -> AsyncGenerator[bytes]:
     """OpenAI's event order: created, in_progress, the message's item and part opened, text deltas, each closed,
-    then any function calls as whole items, then completed (or incomplete) with the whole response."""
+    then the function calls (each opened as it begins where the reader streams them, gpt-oss's, its arguments in
+    deltas as written; else whole at the end), then completed (or incomplete) with the whole response."""
     started = replies.response("in_progress", [], None)
     yield sse(replies.event("response.created", response=started))
     yield sse(replies.event("response.in_progress", response=started))
-    opened = False
+    opened = closed = False  # the message item
     texts: list[str] = []
+    streamed: list[tuple[int, str]] = []  # the output index and item id of each call opened as it was written
     thoughts: list[str] = []  # the reasoning item's text, while it is open (until the answer begins)
 
     def open_message() -> Iterator[bytes]:
@@ -164,13 +166,38 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
         yield sse(replies.event("response.output_item.done", output_index=0, item=replies.reasoning(thought)))
         replies.message_index = 1
 
+    def close_message() -> Iterator[bytes]:
+        whole = "".join(texts)
+        yield sse(replies.text_item("response.output_text.done", text=whole, logprobs=[]))
+        yield sse(replies.text_item("response.content_part.done", part=replies.part(whole)))
+        item = replies.message(whole)
+        yield sse(replies.event("response.output_item.done", output_index=replies.message_index, item=item))
+
+    def call_pieces(pieces: list[dict[str, Any]]) -> Iterator[bytes]:
+        nonlocal closed
+        for piece in pieces:
+            if "id" in piece:  # a call begins: the message before it is done
+                if opened and not closed:
+                    closed = True
+                    yield from close_message()
+                item = {**replies.calls([piece])[0], "arguments": "", "status": "in_progress"}
+                streamed.append((replies.message_index + opened + len(streamed), item["id"]))
+                yield sse(replies.event("response.output_item.added", output_index=streamed[-1][0], item=item))
+            if arguments := piece["function"]["arguments"]:
+                index, item_id = streamed[piece["index"]]
+                where = {"item_id": item_id, "output_index": index}
+                yield sse(replies.event("response.function_call_arguments.delta", **where, delta=arguments))
+
     async for event in seq.events:
+        pieces: list[dict[str, Any]] = []
         if isinstance(event, Chunk):
             thought, answer = replies.split_text(event.text)
             text = reader.push(answer) if reader else answer
+            pieces = reader.deltas() if reader else []
         elif isinstance(event, Finish):
             thought, answer = replies.split_text(event.text, last=True)
             text, calls, reason = end(reader, answer, event.reason)
+            pieces = reader.deltas() if reader else []
         else:
             error = failure_error(event)
             yield sse(replies.event("error", code=error.code, message=error.message, param=None))
@@ -182,16 +209,18 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
                 yield sse(replies.event("response.output_item.added", output_index=0, item=item))
             thoughts.append(thought)
             yield sse(replies.reasoning_item("response.reasoning_text.delta", delta=thought))
-        if (text or isinstance(event, Finish)) and thoughts and replies.message_index == 0:
+        if (text or pieces or isinstance(event, Finish)) and thoughts and replies.message_index == 0:
             for data in close_reasoning():
                 yield data
-        if text:
+        if text and not closed:
             if not opened:
                 opened = True
                 for data in open_message():
                     yield data
             texts.append(text)
             yield sse(replies.text_item("response.output_text.delta", delta=text, logprobs=[]))
+        for data in call_pieces(pieces):
+            yield data
         if isinstance(event, Finish):
             break
     else:
@@ -199,27 +228,20 @@ async def events(seq: Sequence, replies: ResponseReplies, reader: ToolStream | N
         yield sse(replies.event("error", code="server_error", message=message, param=None))
         return
     whole = "".join(texts)
-    if opened or not calls:
+    if (opened or not calls) and not closed:
         if not opened:
             for data in open_message():
                 yield data
-        yield sse(replies.text_item("response.output_text.done", text=whole, logprobs=[]))
-        yield sse(replies.text_item("response.content_part.done", part=replies.part(whole)))
-        yield sse(
-            replies.event("response.output_item.done", output_index=replies.message_index, item=replies.message(whole))
-        )
+        for data in close_message():
+            yield data
     output = replies.output(whole, calls, "".join(thoughts))
     first_call = len(output) - len(calls or [])
     for index, item in enumerate(output[first_call:], first_call):
-        yield sse(
-            replies.event(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "arguments": "", "status": "in_progress"},
-            )
-        )
         where = {"item_id": item["id"], "output_index": index}
-        yield sse(replies.event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
+        if (index, item["id"]) not in streamed:
+            added = {**item, "arguments": "", "status": "in_progress"}
+            yield sse(replies.event("response.output_item.added", output_index=index, item=added))
+            yield sse(replies.event("response.function_call_arguments.delta", **where, delta=item["arguments"]))
         yield sse(replies.event("response.function_call_arguments.done", **where, arguments=item["arguments"]))
         yield sse(replies.event("response.output_item.done", output_index=index, item=item))
     final = replies.response("completed", output, usage(event, replies.split.tokens if replies.split else 0), reason)
