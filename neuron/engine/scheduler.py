@@ -105,6 +105,33 @@ def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int
     return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
 
 
+# On MLX's CPU backend (``--run-ahead auto`` there: ``engine.ahead_for``), a decode step measured at most this long
+# runs ahead: mostly host time, the thread hops that running ahead hides outweigh the forward it wastes where a plan
+# changes; above it, measured on SmolLM2 and the tiny model's wider batches, running ahead did not pay (BENCHMARKS.md,
+# issue 49).
+AHEAD_MAX_MS = 3.0
+
+
+def ahead_for(backend: str, world_size: int, micro_batches: int) -> str:
+    """What ``--run-ahead auto`` means here: ``on`` where MLX evaluates asynchronously (a GPU hides the host's part
+    of a step behind the device's); on MLX's CPU backend, which evaluates in the caller, ``auto`` (the scheduler
+    runs ahead only steps its measured cost says are short: ``scheduler.runs_ahead``) for one rank and one
+    micro-batch, ``off`` for a group of ranks, where running ahead lost in every run (BENCHMARKS.md, issue 49)."""
+    if backend != "cpu":
+        return "on"
+    return "auto" if world_size == 1 and micro_batches == 1 else "off"
+
+
+def runs_ahead(setting: str, cost: StepCost, decoding: int) -> bool:
+    """Whether a steady step of ``decoding`` rows may run the next one ahead (``plan_step`` says whether it is
+    steady): ``on`` always, ``off`` never, ``auto`` (one CPU rank) where the engine has timed steps of that many
+    rows and their median is within ``AHEAD_MAX_MS``."""
+    if setting != "auto":
+        return setting == "on"
+    measured = cost.measured.get(decoding)
+    return measured is not None and measured <= AHEAD_MAX_MS
+
+
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
 
 
@@ -188,7 +215,7 @@ class Scheduler:
             budget=prefill_budget(limits, self.cost, len(self.running), depth),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
-            run_ahead=limits.run_ahead == "on",
+            run_ahead=runs_ahead(limits.run_ahead, self.cost, len(self.running)),
             prefix=self.prefix,
             cost=self.cost,
             keeping=self.keeping,
