@@ -1,5 +1,6 @@
 """Rank 0's thread alone in its group (TP=1) on the Linux CPU backend runs on one core, beside the thread MLX
-starts for its stream, while the BLAS's threads and the event loop keep every core (``cpu.one_core``)."""
+starts for its stream (``cpu.one_core``), and the event loop's thread on the others (``cpu.keep_off``) until the
+thread closes."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ async def test_rank0_alone_shares_one_core_with_mlxs_stream_thread() -> None:
         tid = await thread.call(lambda _: (mx.eval(mx.arange(4) * 2), threading.get_native_id())[1], 30)
         own = allowed(tid)
         started = {int(t) for t in set(os.listdir("/proc/self/task")) - before} - {tid}
+        loop_cores = os.sched_getaffinity(threading.get_native_id())
     finally:
         await thread.close(30)
     assert own.isdigit()  # one core
-    assert allowed(threading.get_native_id()) == everything  # the event loop's thread floats as before
+    assert int(own) not in loop_cores  # the event loop's thread is kept off it
+    assert allowed(threading.get_native_id()) == everything  # and given every core back at close
     assert started, "no thread started beside rank 0's"
     assert {allowed(t) for t in started if Path(f"/proc/self/task/{t}").exists()} == {own}  # MLX's stream thread

@@ -38,6 +38,8 @@ class Rank0Thread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._cpus = cpus
         self._world_size = world_size
+        self._caller = threading.get_native_id()  # the event loop's thread, which starts this one
+        self._caller_cores: set[int] | None = None  # what it had before ``cpu.keep_off``, given back at ``close``
         self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
         self.samplers = Samplers()  # touched only by jobs, on this thread
@@ -51,7 +53,9 @@ class Rank0Thread:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
         elif self._world_size == 1 and cpu.is_linux_cpu_backend():
-            cpu.pin(cpu.one_core())  # beside MLX's stream thread, started by this one (``cpu.one_core``)
+            core = cpu.one_core()
+            cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
+            self._caller_cores = cpu.keep_off(self._caller, core)
         self.rank = Rank(0, self._world_size)
         while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
             job()
@@ -126,6 +130,7 @@ class Rank0Thread:
         """
         self._jobs.put(None)
         await anyio.to_thread.run_sync(self._thread.join, deadline)
+        cpu.restore(self._caller, self._caller_cores)  # a process that opens another pool starts as it did
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
