@@ -224,7 +224,7 @@ def keep_off(thread: int, cores: list[int]) -> set[int] | None:
     """Confine the thread ``thread`` (a native id) to the cores other than ``cores``, where there are any, and return
     the cores it had (None where it was left as it was). For the event loop's thread, off the core a rank alone and
     MLX's stream thread share (``one_core``): a stream's writes and the client they wake then never preempt the
-    step's forward, and the thread hops land on a core that is awake."""
+    step's forward (``Rank0Thread.keep_loop_off``)."""
     try:
         had = os.sched_getaffinity(thread)
         others = sorted(had - set(cores))
@@ -253,9 +253,9 @@ def one_core() -> list[int]:
     sleeps whenever it runs out of work. Free to float, the two take turns on different cores, and a step's
     hundreds of hand-offs each wake a sleeping thread across cores; on one core each is a context switch. The
     BLAS's own threads, started when the library loaded, keep every core; the event loop's thread is kept off it
-    (``keep_off``). Pin the calling thread before its first MLX operation: the stream's thread is started then,
-    and inherits the mask. The core is the one the
-    calling thread runs on, so that the ranks of several servers on one host land where the kernel spread them.
+    where steps are short (``keep_off``). Pin the calling thread before its first MLX operation: the stream's
+    thread is started then, and inherits the mask. The core is the one the calling thread runs on, so that the
+    ranks of several servers on one host land where the kernel spread them.
     """
     allowed = sorted(os.sched_getaffinity(0))
     try:  # the "processor" field of /proc/thread-self/stat: the core this thread last ran on

@@ -12,7 +12,7 @@ import pytest
 
 from neuron.engine.drafts import MIN_SAMPLES
 from neuron.engine.output import Output
-from neuron.engine.scheduler import AHEAD_MAX_MS, Delivery, Scheduler, Scheduling, ahead_for
+from neuron.engine.scheduler import SHORT_STEP_MS, Delivery, Scheduler, Scheduling, ahead_for
 from neuron.engine.sequence import Chunk, Event, Finish, Overloaded, Sequence, Status, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
@@ -382,15 +382,15 @@ def test_auto_runs_ahead_once_steps_of_the_batchs_size_are_timed_short() -> None
     s = scheduler(max_batch=4, run_ahead="auto", speculate="off")
     admitted(s, request(2))
     run(s)  # its prompt: no decode step timed yet
-    plans = [timed_run(s, AHEAD_MAX_MS / 2) for _ in range(5)]
+    plans = [timed_run(s, SHORT_STEP_MS / 2) for _ in range(5)]
     assert [p.ahead for p in plans] == [False] * MIN_SAMPLES + [True] * (5 - MIN_SAMPLES)
     long = scheduler(max_batch=4, run_ahead="auto", speculate="off")
     admitted(long, request(2))
     run(long)
-    assert not any(timed_run(long, AHEAD_MAX_MS * 2).ahead for _ in range(5))  # a step this long: not ahead
+    assert not any(timed_run(long, SHORT_STEP_MS * 2).ahead for _ in range(5))  # a step this long: not ahead
     s.add(request(2))
     run(s)  # the newcomer's prompt
-    assert not timed_run(s, AHEAD_MAX_MS / 2).ahead  # two rows: not timed yet at that size
+    assert not timed_run(s, SHORT_STEP_MS / 2).ahead  # two rows: not timed yet at that size
 
 
 def test_auto_means_on_for_a_gpu_and_for_one_cpu_rank_is_left_to_the_measured_step() -> None:

@@ -105,11 +105,11 @@ def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int
     return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
 
 
-# On MLX's CPU backend (``--run-ahead auto`` there: ``engine.ahead_for``), a decode step measured at most this long
-# runs ahead: mostly host time, the thread hops that running ahead hides outweigh the forward it wastes where a plan
-# changes; above it, measured on SmolLM2 and the tiny model's wider batches, running ahead did not pay (BENCHMARKS.md,
-# issue 49).
-AHEAD_MAX_MS = 3.0
+# A decode step measured at most this long is mostly host time. On MLX's CPU backend a rank alone then runs the
+# next step ahead (``--run-ahead auto``: ``engine.ahead_for``), as the thread hops that running ahead hides outweigh
+# the forward it wastes where a plan changes, and the event loop keeps off rank 0's core (``Pool.keep_loop_off_rank0``);
+# above it, measured on SmolLM2 and the tiny model's wider batches, neither paid (BENCHMARKS.md, issue 49).
+SHORT_STEP_MS = 3.0
 
 
 def ahead_for(backend: str, world_size: int, micro_batches: int) -> str:
@@ -122,14 +122,18 @@ def ahead_for(backend: str, world_size: int, micro_batches: int) -> str:
     return "auto" if world_size == 1 and micro_batches == 1 else "off"
 
 
+def short(cost: StepCost, decoding: int) -> bool:
+    """Whether the engine has timed steps of ``decoding`` rows and their median is within ``SHORT_STEP_MS``."""
+    measured = cost.measured.get(decoding)
+    return measured is not None and measured <= SHORT_STEP_MS
+
+
 def runs_ahead(setting: str, cost: StepCost, decoding: int) -> bool:
     """Whether a steady step of ``decoding`` rows may run the next one ahead (``plan_step`` says whether it is
-    steady): ``on`` always, ``off`` never, ``auto`` (one CPU rank) where the engine has timed steps of that many
-    rows and their median is within ``AHEAD_MAX_MS``."""
+    steady): ``on`` always, ``off`` never, ``auto`` (one CPU rank) where its steps are ``short``."""
     if setting != "auto":
         return setting == "on"
-    measured = cost.measured.get(decoding)
-    return measured is not None and measured <= AHEAD_MAX_MS
+    return short(cost, decoding)
 
 
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
@@ -160,6 +164,11 @@ class Scheduler:
     @property
     def pending(self) -> int:
         return len(self.waiting) + len(self.filling) + len(self.running)
+
+    @property
+    def steps_short(self) -> bool:
+        """Whether the batch's decode steps, as timed, are ``short``: mostly host time."""
+        return short(self.cost, len(self.running))
 
     # Requests, taken up by the next ``schedule``.
 
