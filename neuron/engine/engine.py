@@ -333,7 +333,8 @@ class Engine(Recovering):
         cost = self.scheduler.cost
         cost.observe_draft(draft_steps, draft_ms)  # priced apart from the step's own time (``drafts.width``)
         deliveries = self.scheduler.update(step, sampled, ms - draft_ms)
-        self.pool.keep_loop_off_rank0(self.scheduler.steps_short)
+        if self.scheduler.running:  # between requests it stays as the last batch left it
+            self.pool.keep_loop_off_rank0(self.scheduler.steps_short)
         self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         trace(
             log,
