@@ -220,15 +220,42 @@ def pin(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)
 
 
+def keep_off(thread: int, cores: list[int]) -> set[int] | None:
+    """Confine the thread ``thread`` (a native id) to the cores other than ``cores``, where there are any, and return
+    the cores it had (None where it was left as it was). For the event loop's thread, off the core a rank alone and
+    MLX's stream thread share (``one_core``): a stream's writes and the client they wake then never preempt the
+    step's forward (``Rank0Thread.keep_loop_off``)."""
+    try:
+        had = os.sched_getaffinity(thread)
+        others = sorted(had - set(cores))
+        if not others:
+            return None
+        os.sched_setaffinity(thread, others)
+    except OSError:
+        return None  # the thread has ended
+    return had
+
+
+def restore(thread: int, cores: set[int] | None) -> None:
+    """Give ``thread`` back the cores ``keep_off`` took it off (nothing with None)."""
+    if cores is None:
+        return
+    try:
+        os.sched_setaffinity(thread, cores)
+    except OSError:
+        pass  # the thread has ended
+
+
 def one_core() -> list[int]:
     """A core for a rank alone in its process's group to run its MLX work on, with MLX's own thread beside it.
 
     Why: MLX's CPU backend hands each operation from the thread that evaluates to its stream's thread, which
     sleeps whenever it runs out of work. Free to float, the two take turns on different cores, and a step's
     hundreds of hand-offs each wake a sleeping thread across cores; on one core each is a context switch. The
-    BLAS's own threads, started when the library loaded, keep every core. Pin the calling thread before its
-    first MLX operation: the stream's thread is started then, and inherits the mask. The core is the one the
-    calling thread runs on, so that the ranks of several servers on one host land where the kernel spread them.
+    BLAS's own threads, started when the library loaded, keep every core; the event loop's thread is kept off it
+    where steps are short (``keep_off``). Pin the calling thread before its first MLX operation: the stream's
+    thread is started then, and inherits the mask. The core is the one the calling thread runs on, so that the
+    ranks of several servers on one host land where the kernel spread them.
     """
     allowed = sorted(os.sched_getaffinity(0))
     try:  # the "processor" field of /proc/thread-self/stat: the core this thread last ran on

@@ -458,13 +458,13 @@ class Scheduling:
         unset="none: drafts from prompt lookup only",
     )
     # Where MLX evaluates asynchronously (GPUs) running ahead hides the host's part of a step; its CPU backend
-    # evaluates in the caller, so there it would only waste a forward where a plan changes (BENCHMARKS.md).
+    # evaluates in the caller, so there it pays only where a step is mostly host time (``scheduler.runs_ahead``).
     run_ahead: str = setting(
         "auto",
         "in steady decode, queue each step on the device before reading the last one's tokens, so that the "
         "device never waits for the host",
         choices=("auto", "on", "off"),
-        why="on on a GPU, off on a CPU, where MLX evaluates in the caller",
+        why="on on a GPU; on a CPU, only for one rank and where its measured step is short",
     )
     resume_timeout: float = setting(
         60.0,

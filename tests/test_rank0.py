@@ -1,5 +1,6 @@
 """Rank 0's thread alone in its group (TP=1) on the Linux CPU backend runs on one core, beside the thread MLX
-starts for its stream, while the BLAS's threads and the event loop keep every core (``cpu.one_core``)."""
+starts for its stream (``cpu.one_core``); the event loop's thread is kept on the others while the engine's steps
+are short (``Rank0Thread.keep_loop_off``), and gets every core back when rank 0's thread closes."""
 
 from __future__ import annotations
 
@@ -36,9 +37,17 @@ async def test_rank0_alone_shares_one_core_with_mlxs_stream_thread() -> None:
         tid = await thread.call(lambda _: (mx.eval(mx.arange(4) * 2), threading.get_native_id())[1], 30)
         own = allowed(tid)
         started = {int(t) for t in set(os.listdir("/proc/self/task")) - before} - {tid}
+        floating = allowed(threading.get_native_id())
+        thread.keep_loop_off(True)  # the engine's steps are short
+        kept_off = os.sched_getaffinity(threading.get_native_id())
+        thread.keep_loop_off(False)  # they are not
+        given_back = allowed(threading.get_native_id())
+        thread.keep_loop_off(True)
     finally:
         await thread.close(30)
     assert own.isdigit()  # one core
-    assert allowed(threading.get_native_id()) == everything  # the event loop's thread floats as before
+    assert floating == given_back == everything  # the event loop's thread floats unless kept off
+    assert kept_off and int(own) not in kept_off
+    assert allowed(threading.get_native_id()) == everything  # and gets every core back at close
     assert started, "no thread started beside rank 0's"
     assert {allowed(t) for t in started if Path(f"/proc/self/task/{t}").exists()} == {own}  # MLX's stream thread

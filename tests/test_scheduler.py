@@ -10,8 +10,9 @@ import itertools
 
 import pytest
 
+from neuron.engine.drafts import MIN_SAMPLES
 from neuron.engine.output import Output
-from neuron.engine.scheduler import Delivery, Scheduler, Scheduling
+from neuron.engine.scheduler import SHORT_STEP_MS, Delivery, Scheduler, Scheduling, ahead_for
 from neuron.engine.sequence import Chunk, Event, Finish, Overloaded, Sequence, Status, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
@@ -368,6 +369,34 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
     admitted(short, request(2, max_tokens=2))
     run(short)
     assert not next_plan(short).ahead  # its last token comes with this step
+
+
+def timed_run(s: Scheduler, ms: float) -> StepPlan:
+    """``run``, the step timed at ``ms``."""
+    step = next_step(s)
+    s.update(step, {row.seq: Sampled(7, NOT_ASKED) for row in step.plan.decode}, ms)
+    return step.plan
+
+
+def test_auto_runs_ahead_once_steps_of_the_batchs_size_are_timed_short() -> None:
+    s = scheduler(max_batch=4, run_ahead="auto", speculate="off")
+    admitted(s, request(2))
+    run(s)  # its prompt: no decode step timed yet
+    plans = [timed_run(s, SHORT_STEP_MS / 2) for _ in range(5)]
+    assert [p.ahead for p in plans] == [False] * MIN_SAMPLES + [True] * (5 - MIN_SAMPLES)
+    long = scheduler(max_batch=4, run_ahead="auto", speculate="off")
+    admitted(long, request(2))
+    run(long)
+    assert not any(timed_run(long, SHORT_STEP_MS * 2).ahead for _ in range(5))  # a step this long: not ahead
+    s.add(request(2))
+    run(s)  # the newcomer's prompt
+    assert not timed_run(s, SHORT_STEP_MS / 2).ahead  # two rows: not timed yet at that size
+
+
+def test_auto_means_on_for_a_gpu_and_for_one_cpu_rank_is_left_to_the_measured_step() -> None:
+    assert ahead_for("cuda", 2, 1) == ahead_for("metal", 1, 1) == "on"
+    assert ahead_for("cpu", 1, 1) == "auto"
+    assert ahead_for("cpu", 2, 1) == ahead_for("cpu", 1, 2) == "off"  # tensor-parallel ranks; pipeline stages
 
 
 def test_with_run_ahead_off_no_step_is_marked_to_run_ahead() -> None:

@@ -48,7 +48,7 @@ from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovering
-from neuron.engine.scheduler import Scheduler, Scheduling
+from neuron.engine.scheduler import Scheduler, Scheduling, ahead_for
 from neuron.engine.sequence import Sequence, Unavailable
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
@@ -80,8 +80,9 @@ class Engine(Recovering):
         for note in notes:
             log.info(note)
         if self.limits.run_ahead == "auto":
-            overlaps = device.backend() != "cpu"  # MLX's CPU backend evaluates in the caller: nothing overlaps
-            self.limits = dataclasses.replace(self.limits, run_ahead="on" if overlaps else "off")
+            self.limits = dataclasses.replace(
+                self.limits, run_ahead=ahead_for(device.backend(), pool.world_size, self.limits.micro_batches)
+            )
         model_context = int(model.get("max_position_embeddings") or 4096)
         self.context_length = min(model_context, self.limits.max_context or model_context)
         self.vocab_size = int(model["vocab_size"])
@@ -332,6 +333,8 @@ class Engine(Recovering):
         cost = self.scheduler.cost
         cost.observe_draft(draft_steps, draft_ms)  # priced apart from the step's own time (``drafts.width``)
         deliveries = self.scheduler.update(step, sampled, ms - draft_ms)
+        if self.scheduler.running:  # between requests it stays as the last batch left it
+            self.pool.keep_loop_off_rank0(self.scheduler.steps_short)
         self.recent.add(ms / 1000, sum(1 for d in deliveries if d.kept))
         trace(
             log,

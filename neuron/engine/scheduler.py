@@ -105,6 +105,37 @@ def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int
     return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
 
 
+# A decode step measured at most this long is mostly host time. On MLX's CPU backend a rank alone then runs the
+# next step ahead (``--run-ahead auto``: ``engine.ahead_for``), as the thread hops that running ahead hides outweigh
+# the forward it wastes where a plan changes, and the event loop keeps off rank 0's core (``Pool.keep_loop_off_rank0``);
+# above it, measured on SmolLM2 and the tiny model's wider batches, neither paid (BENCHMARKS.md, issue 49).
+SHORT_STEP_MS = 3.0
+
+
+def ahead_for(backend: str, world_size: int, micro_batches: int) -> str:
+    """What ``--run-ahead auto`` means here: ``on`` where MLX evaluates asynchronously (a GPU hides the host's part
+    of a step behind the device's); on MLX's CPU backend, which evaluates in the caller, ``auto`` (the scheduler
+    runs ahead only steps its measured cost says are short: ``scheduler.runs_ahead``) for one rank and one
+    micro-batch, ``off`` for a group of ranks, where running ahead lost in every run (BENCHMARKS.md, issue 49)."""
+    if backend != "cpu":
+        return "on"
+    return "auto" if world_size == 1 and micro_batches == 1 else "off"
+
+
+def short(cost: StepCost, decoding: int) -> bool:
+    """Whether the engine has timed steps of ``decoding`` rows and their median is within ``SHORT_STEP_MS``."""
+    measured = cost.measured.get(decoding)
+    return measured is not None and measured <= SHORT_STEP_MS
+
+
+def runs_ahead(setting: str, cost: StepCost, decoding: int) -> bool:
+    """Whether a steady step of ``decoding`` rows may run the next one ahead (``plan_step`` says whether it is
+    steady): ``on`` always, ``off`` never, ``auto`` (one CPU rank) where its steps are ``short``."""
+    if setting != "auto":
+        return setting == "on"
+    return short(cost, decoding)
+
+
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
 
 
@@ -133,6 +164,11 @@ class Scheduler:
     @property
     def pending(self) -> int:
         return len(self.waiting) + len(self.filling) + len(self.running)
+
+    @property
+    def steps_short(self) -> bool:
+        """Whether the batch's decode steps, as timed, are ``short``: mostly host time."""
+        return short(self.cost, len(self.running))
 
     # Requests, taken up by the next ``schedule``.
 
@@ -188,7 +224,7 @@ class Scheduler:
             budget=prefill_budget(limits, self.cost, len(self.running), depth),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
-            run_ahead=limits.run_ahead == "on",
+            run_ahead=runs_ahead(limits.run_ahead, self.cost, len(self.running)),
             prefix=self.prefix,
             cost=self.cost,
             keeping=self.keeping,

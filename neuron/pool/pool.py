@@ -94,6 +94,10 @@ class Pool(Loading):
         with anyio.CancelScope(shield=True):
             await self.shutdown()
 
+    def keep_loop_off_rank0(self, off: bool) -> None:
+        """Keep the event loop's thread off rank 0's core, or let it float again (``Rank0Thread.keep_loop_off``)."""
+        self._rank0.keep_loop_off(off)
+
     async def step(self, step: Step) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
 

@@ -10,6 +10,7 @@ the workers wait inside them forever.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import sys
 import threading
@@ -38,6 +39,9 @@ class Rank0Thread:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._cpus = cpus
         self._world_size = world_size
+        self._caller = threading.get_native_id()  # the event loop's thread, which starts this one
+        self._core: list[int] | None = None  # the one core this thread runs on, where others are left to the loop
+        self._loop_cores: set[int] | None = None  # the event loop's cores while it is kept off ``_core``
         self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
         self.samplers = Samplers()  # touched only by jobs, on this thread
@@ -51,10 +55,26 @@ class Rank0Thread:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
         elif self._world_size == 1 and cpu.is_linux_cpu_backend():
-            cpu.pin(cpu.one_core())  # beside MLX's stream thread, started by this one (``cpu.one_core``)
+            core = cpu.one_core()
+            if len(os.sched_getaffinity(0)) > 1:
+                self._core = core
+            cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
         self.rank = Rank(0, self._world_size)
         while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
             job()
+
+    def keep_loop_off(self, off: bool) -> None:
+        """Keep the event loop's thread (the caller's) off this thread's core, or give it its cores back. Where a
+        step is mostly host time, a stream's write each token, and the client it wakes, would otherwise preempt
+        the forward on that core (``cpu.keep_off``); where steps are long the loop's work is better spread over
+        every core. Only for a rank alone on the Linux CPU backend (``one_core``); a no-op elsewhere."""
+        if self._core is None or off == (self._loop_cores is not None):
+            return
+        if off:
+            self._loop_cores = cpu.keep_off(self._caller, self._core)
+        else:
+            cpu.restore(self._caller, self._loop_cores)
+            self._loop_cores = None
 
     @property
     def alive(self) -> bool:
@@ -72,6 +92,7 @@ class Rank0Thread:
         it runs no queued job (one would touch the group that replaced its own) and ends."""
         self._abandoned.set()
         self._jobs.put(None)
+        self.keep_loop_off(False)
 
     async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: Alarm | None = None) -> T:
         """Run ``fn(rank)`` on the rank-0 thread and return its result.
@@ -126,6 +147,7 @@ class Rank0Thread:
         """
         self._jobs.put(None)
         await anyio.to_thread.run_sync(self._thread.join, deadline)
+        self.keep_loop_off(False)  # a process that opens another pool starts as it did
 
 
 def _wake(woken: asyncio.Future[None]) -> None:
