@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import anyio
 
 from neuron import cpu
+from neuron.rank import backends
 from neuron.rank.rank import Rank
 from neuron.rank.sampler import Samplers
 
@@ -52,9 +53,12 @@ class Rank0Thread:
             cpu.set_blas_threads(len(self._cpus))
         elif self._world_size == 1 and cpu.is_linux_cpu_backend():
             cpu.pin(cpu.one_core())  # beside MLX's stream thread, started by this one (``cpu.one_core``)
-        self.rank = Rank(0, self._world_size)
-        while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
-            job()
+        try:
+            self.rank = Rank(0, self._world_size)
+            while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
+                job()
+        finally:
+            backends.thread_ends()  # before ``close``'s join returns and the interpreter may exit
 
     @property
     def alive(self) -> bool:
