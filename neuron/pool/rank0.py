@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import anyio
 
 from neuron import cpu
+from neuron.rank import backends
 from neuron.rank.rank import Rank
 from neuron.rank.sampler import Samplers
 
@@ -59,9 +60,12 @@ class Rank0Thread:
             if len(os.sched_getaffinity(0)) > 1:
                 self._core = core
             cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
-        self.rank = Rank(0, self._world_size)
-        while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
-            job()
+        try:
+            self.rank = Rank(0, self._world_size)
+            while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
+                job()
+        finally:
+            backends.thread_ends()  # before ``close``'s join returns and the interpreter may exit
 
     def keep_loop_off(self, off: bool) -> None:
         """Keep the event loop's thread (the caller's) off this thread's core, or give it its cores back. Where a

@@ -70,6 +70,18 @@ def evaluates() -> None:
     mx.eval(mx.array(1.0) + 1)
 
 
+def thread_ends() -> None:
+    """Forget this thread's MLX state (``mx.clear_streams``: its streams and its default random key) while it can
+    still take the GIL: call it last on any thread, other than the main one, that ran MLX and then ends.
+
+    Why: a thread's random key (made by any ``mx.random`` call without a key, as mlx-lm's layers' initializers
+    are) is a C++ thread-local whose destructor takes the GIL, and it runs after ``Thread.join`` has returned.
+    When the process is exiting by then, Python ends the thread inside that destructor, and the C++ runtime
+    aborts the whole process ("terminate called without an active exception", SIGABRT) after its work was done.
+    MLX's own ``atexit`` clears the main thread's key only."""
+    mx.clear_streams()
+
+
 def clear_cache() -> None:
     """Give MLX's cached buffers back to the system (``mx.clear_cache``), unless a thread was left wedged inside
     MLX: ``clear_cache`` first waits for every CPU stream, and a wedged thread's stream never finishes. The cache
