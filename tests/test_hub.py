@@ -347,6 +347,14 @@ def test_gguf_files_picked_as_llama_cpp_does() -> None:
 
 
 @pytest.mark.unit
+def test_a_host_fetching_by_name_is_given_the_leaders_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert hub.token("org/gated@0123", push=False) == TOKEN
+    assert hub.token("org/gated", push=True) == ""  # under --push-model the host never asks the Hub
+    assert hub.token(str(tmp_path), push=False) == ""  # a folder: nothing to fetch
+
+
+@pytest.mark.unit
 def test_a_name_lies_in_the_hugging_face_cache_for_model_dirs() -> None:
     from neuron.models import outside
 
