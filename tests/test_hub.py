@@ -371,6 +371,23 @@ def test_a_host_fetching_by_name_is_given_the_leaders_token(monkeypatch: pytest.
 
 
 @pytest.mark.unit
+def test_a_conversion_logs_its_bytes_at_intervals_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from structlog.testing import capture_logs
+
+    from neuron import progress
+    from neuron.progress import Meter
+
+    monkeypatch.setattr(progress, "_bars_drawn", lambda: False)  # as under pytest -s on a terminal too
+    with capture_logs() as logs, Meter("converting", 300, log_every=0) as meter:
+        for _ in range(3):
+            meter.advance(100)
+    assert [(e["event"], e["bytes_done"]) for e in logs] == [("converting", n) for n in (0, 100, 200, 300)] + [
+        ("converting done", 300)
+    ]
+    assert {e["bytes_total"] for e in logs} == {300}
+
+
+@pytest.mark.unit
 def test_a_name_in_the_toml_file_is_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from neuron import config
     from neuron.cli import _parser
