@@ -374,13 +374,17 @@ def test_a_host_fetching_by_name_is_given_the_leaders_token(monkeypatch: pytest.
 def test_a_conversion_logs_its_bytes_at_intervals_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     from structlog.testing import capture_logs
 
-    from neuron import progress
+    from neuron import log, progress
     from neuron.progress import Meter
 
     monkeypatch.setattr(progress, "_bars_drawn", lambda: False)  # as under pytest -s on a terminal too
-    with capture_logs() as logs, Meter("converting", 300, log_every=0) as meter:
-        for _ in range(3):
-            meter.advance(100)
+    try:
+        log.configure("info", "json")  # whatever level an earlier test left
+        with capture_logs() as logs, Meter("converting", 300, log_every=0) as meter:
+            for _ in range(3):
+                meter.advance(100)
+    finally:
+        log.configure("warning", "json")
     assert [(e["event"], e["bytes_done"]) for e in logs] == [("converting", n) for n in (0, 100, 200, 300)] + [
         ("converting done", 300)
     ]
