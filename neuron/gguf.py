@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 
 from neuron import cpu
-from neuron.log import ms_since, progress
+from neuron.log import ms_since
 from neuron.paths import cache_dir
+from neuron.progress import Meter
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -107,7 +108,7 @@ def _weights(
 
     out = {}
     names = [n for n in arrays if not n.endswith((".scales", ".biases"))]
-    with progress("converting tensors", len(names)) as advance:
+    with Meter("converting", sum(a.nbytes for a in arrays.values())) as meter:
         for name in names:
             base = name.removesuffix(".weight")
             weight = arrays[name]
@@ -124,7 +125,7 @@ def _weights(
                 weight = weight - arch.norm_offset
             mx.eval(weight)
             out[_hf_name(name)] = weight
-            advance()
+            meter.advance(sum(arrays[k].nbytes for k in (name, f"{base}.scales", f"{base}.biases") if k in arrays))
     return out
 
 

@@ -195,9 +195,10 @@ def _known(arch: str) -> bool:
 # Fetching.
 
 
-def fetch(name: HubName, download: Download | None = None) -> Path:
+def fetch(name: HubName, download: Download | None = None, weights: list[str] | None = None) -> Path:
     """The local path of ``name``: its snapshot folder, or its GGUF file; fetched (or completed) when the Hub is
-    reachable, taken from the cache alone under ``HF_HUB_OFFLINE=1``."""
+    reachable, taken from the cache alone under ``HF_HUB_OFFLINE=1``. ``weights``: only these of its safetensors
+    files (a pipeline stage's, ``shares.files_read``); None: every one."""
     import httpx2
 
     from neuron.progress import Download  # here: the worker and the CLI import this module, rarely fetch
@@ -205,8 +206,8 @@ def fetch(name: HubName, download: Download | None = None) -> Path:
     download = download or Download(str(name))
     try:
         if offline():
-            return _cached(name)
-        return _fetch(name, download)
+            return _cached(name, weights)
+        return _fetch(name, download, weights)
     except HubError:
         raise
     except (OSError, ValueError, httpx2.HTTPError) as e:  # huggingface_hub's own errors, said in one line
@@ -236,7 +237,7 @@ def _api() -> HfApi:
     return HfApi()
 
 
-def _fetch(name: HubName, download: Download) -> Path:
+def _fetch(name: HubName, download: Download, weights: list[str] | None) -> Path:
     import httpx2
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
@@ -247,7 +248,7 @@ def _fetch(name: HubName, download: Download) -> Path:
         raise
     except (httpx2.ConnectError, httpx2.TimeoutException, HfHubHTTPError) as e:
         try:  # the Hub is out of reach or failing: what the cache holds will do
-            return _cached(name)
+            return _cached(name, weights)
         except HubError:
             raise _explain(e, name) from None
     assert info.sha is not None
@@ -263,12 +264,14 @@ def _fetch(name: HubName, download: Download) -> Path:
         return Path(path)
     config = Path(hf_hub_download(name.repo, "config.json", revision=info.sha))
     check_config(json.loads(config.read_text()), name.repo)
-    wanted = _wanted(files)
+    if lacking := sorted(set(weights or ()) - set(files)):
+        raise HubError(f"{name} has no {lacking[0]}, which the leader's copy of it has: pin both to one commit")
+    wanted = _wanted(files, weights)
     download.start(len(wanted), sum(files.get(f) or 0 for f in wanted if f != "config.json"))  # that one is here
-    for weights in sorted(f for f in wanted if _WEIGHTS.match(f)):
-        _resumable(name.repo, weights, info.sha, bars)
+    for file in sorted(f for f in wanted if _WEIGHTS.match(f)):
+        _resumable(name.repo, file, info.sha, bars)
     # The rest (small files), and the revision's ref and tree, as huggingface_hub records them.
-    folder = snapshot_download(name.repo, revision=revision, allow_patterns=ALLOW_PATTERNS, tqdm_class=bars)
+    folder = snapshot_download(name.repo, revision=revision, allow_patterns=_patterns(weights), tqdm_class=bars)
     download.finish()
     return Path(folder)
 
@@ -313,13 +316,18 @@ def _resumable(repo: str, filename: str, commit: str, bars: type[Any]) -> None:
             os.symlink(os.path.relpath(blob, pointer.parent), pointer)
 
 
-def _wanted(files: dict[str, int | None]) -> list[str]:
+def _patterns(weights: list[str] | None) -> list[str]:
+    """``ALLOW_PATTERNS``, with only ``weights`` of the safetensors files where given."""
+    return ALLOW_PATTERNS if weights is None else [p for p in ALLOW_PATTERNS if p != "model*.safetensors"] + weights
+
+
+def _wanted(files: dict[str, int | None], weights: list[str] | None = None) -> list[str]:
     from huggingface_hub.utils import filter_repo_objects
 
-    return list(filter_repo_objects(list(files), allow_patterns=ALLOW_PATTERNS))
+    return list(filter_repo_objects(list(files), allow_patterns=_patterns(weights)))
 
 
-def _cached(name: HubName) -> Path:
+def _cached(name: HubName, weights: list[str] | None = None) -> Path:
     """``name`` from the cache alone; refused at once when it is not there whole."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
@@ -331,11 +339,14 @@ def _cached(name: HubName) -> Path:
         return snapshot / pick_gguf(name, sorted(p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*.gguf")))
     try:
         folder = Path(
-            snapshot_download(name.repo, revision=name.revision, allow_patterns=ALLOW_PATTERNS, local_files_only=True)
+            snapshot_download(
+                name.repo, revision=name.revision, allow_patterns=_patterns(weights), local_files_only=True
+            )
         )
     except LocalEntryNotFoundError:
         raise _not_cached(name) from None
-    if not any(folder.glob("model*.safetensors")):
+    whole = all((folder / w).is_file() for w in weights) if weights else any(folder.glob("model*.safetensors"))
+    if not whole:
         raise _not_cached(name)
     check_config(json.loads((folder / "config.json").read_text()), name.repo)
     return folder
@@ -444,3 +455,14 @@ def host_env(model: str | None, push: bool) -> dict[str, str]:
     """The environment a worker on another host gets: with ``--push-model``, a model named on the Hub comes
     from the host's cache or the leader, never from the Hub (``HF_HUB_OFFLINE=1``: it does not try)."""
     return {"HF_HUB_OFFLINE": "1"} if push and parse(model) is not None else {}
+
+
+def token(model: str | None, push: bool) -> str:
+    """The Hugging Face token a worker on another host is given to fetch ``model`` from the Hub itself: the
+    leader's (``HF_TOKEN``, or the file ``hf auth login`` writes), so that a gated repository set up once on the
+    leader is fetched everywhere; empty for a model the host does not fetch (a path, or under ``--push-model``)."""
+    if push or parse(model) is None:
+        return ""
+    from huggingface_hub import get_token
+
+    return get_token() or ""

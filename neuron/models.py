@@ -144,21 +144,22 @@ def outside(model: str | None, allowed: str | None) -> str | None:
     return f"--model {path} lies outside the allowed model directories ({allowed}); move it there or change model_dirs"
 
 
-def fetch(model: str | None, download: Download | None = None) -> Path:
-    """A model named on the Hub (``neuron.hub``), fetched: its snapshot folder or its GGUF file."""
+def fetch(model: str | None, download: Download | None = None, weights: list[str] | None = None) -> Path:
+    """A model named on the Hub (``neuron.hub``), fetched: its snapshot folder or its GGUF file; ``weights``: only
+    these of its safetensors files."""
     name = hub.parse(model)
     assert name is not None, f"{model} is not a Hub name"
     try:
-        return hub.fetch(name, download)
+        return hub.fetch(name, download, weights)
     except hub.HubError as e:
         raise ModelError(str(e)) from None
 
 
-def resolve(model: str | None, download: Download | None = None) -> Path:
-    """The model folder to load for ``--model``: fetching a Hub name (``neuron.hub``), converting a GGUF on first
-    use."""
+def resolve(model: str | None, download: Download | None = None, weights: list[str] | None = None) -> Path:
+    """The model folder to load for ``--model``: fetching a Hub name (``neuron.hub``; ``weights``: only these of
+    its safetensors files, a pipeline stage's), converting a GGUF on first use."""
     if hub.parse(model) is not None:
-        path = fetch(model, download)
+        path = fetch(model, download, weights)
         return path if path.is_dir() else converted(path.resolve())
     path = default_gguf() if model is None else Path(model).expanduser()
     if path.is_dir():

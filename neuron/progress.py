@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from types import TracebackType
 from typing import Any
 
 import structlog
@@ -116,3 +117,34 @@ class Download:
                 return super().update(n)
 
         return Bar
+
+
+class Meter:
+    """Bytes through a long step that is not a download (a GGUF file's conversion), shown as a download is: the
+    same tqdm bar on a terminal (bytes, rate, time left), otherwise the same structured line at intervals (bytes
+    done of total), and one line once done."""
+
+    def __init__(self, event: str, total: int, log_every: float = LOG_EVERY_S, **fields: Any) -> None:
+        from huggingface_hub.utils import tqdm
+
+        self.event, self.total, self.fields = event, total, fields
+        self.done = 0
+        self._log_every = log_every
+        self._logged = time.monotonic()
+        self._bar = tqdm(desc=event, total=total, unit="B", unit_scale=True, disable=not _bars_drawn())
+        log.info(event, bytes_done=0, bytes_total=total, **fields)
+
+    def __enter__(self) -> Meter:
+        return self
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        self._bar.update(n)
+        if not _bars_drawn() and time.monotonic() - self._logged >= self._log_every:
+            self._logged = time.monotonic()
+            log.info(self.event, bytes_done=self.done, bytes_total=self.total, **self.fields)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._bar.close()
+        if kind is None:
+            log.info(f"{self.event} done", bytes_done=self.done, bytes_total=self.total, **self.fields)

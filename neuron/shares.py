@@ -16,6 +16,10 @@ sends a host exactly that (``launch/push.py``) into the host's neuron cache,
   matches the bytes on disk (checked on every start, so a changed tensor is
   found and sent again).
 
+A host that fetches the model from the Hub itself cannot slice a file, so it
+fetches the safetensors files its share's tensors lie in (``files_read``):
+every file for a slice of every layer, its stage's files for a stage.
+
 No MLX here: the worker checks a share and the receiver writes one before MLX loads.
 """
 
@@ -38,6 +42,13 @@ PLAN = "plan.json"
 MANIFEST = "share.json"
 _KEY = re.compile(r"[0-9a-f]{16}/(tp-\d+-of-\d+|pp-\d+-\d+)")
 _READ = 1 << 20
+INDEX = "model.safetensors.index.json"
+# Checkpoints' names for the decoder (a vision-language model's language model's too): its layers, and what
+# rank 0's stage alone holds besides them, the embedding, the final norm and the head (``rank.shard.take_share``).
+# A vision or audio tower's layers go by other names, which every stage reads.
+_DECODER = r"^(?:model\.|language_model\.model\.|model\.language_model\.|language_model\.)?"
+_DECODER_LAYER = re.compile(_DECODER + r"layers\.(\d+)\.")
+_RANK0_ONLY = re.compile(_DECODER + r"(?:embed_tokens|norm)\.|^(?:language_model\.)?lm_head\.")
 
 
 class ShareError(ValueError):
@@ -49,6 +60,40 @@ def share_key(model_digest: str, rank: int, size: int, layers: list[int]) -> str
     slice of ``size``, or a stage's layers ``[first, end)``; a stage other than rank 0's holds no embedding)."""
     name = f"pp-{layers[0]}-{layers[1]}" if layers else f"tp-{rank}-of-{size}"
     return f"{model_digest}/{name}"
+
+
+def tensor_files(model_path: str | Path) -> dict[str, str]:
+    """Each tensor of a model folder -> the safetensors file it lies in: the index's ``weight_map``, or the files'
+    own headers where there is no index (a model in one file)."""
+    path = Path(model_path)
+    if (path / INDEX).is_file():
+        return dict(json.loads((path / INDEX).read_text())["weight_map"])
+    out = {}
+    for weights in sorted(path.glob("model*.safetensors")):
+        with weights.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        out.update(dict.fromkeys((name for name in header if name != "__metadata__"), weights.name))
+    return out
+
+
+def files_read(model_path: str | Path, layers: list[int], rank: int) -> list[str]:
+    """The safetensors files of a model folder that ``rank`` loads from: every one for a slice of every layer
+    (``layers`` empty); for a pipeline stage ``[first, end)``, those holding its layers and the tensors outside
+    the layers it keeps: on rank 0 the embedding, final norm and head; on every stage all else (gemma4's
+    per-layer tables and the embedding they are computed from, a vision tower). Where in doubt a file is read: one
+    missed fails the stage's load."""
+    where = tensor_files(model_path)
+    if not layers:
+        return sorted(set(where.values()))
+    first, end = layers
+    per_layer_inputs = any("per_layer" in name for name in where)
+
+    def read(name: str) -> bool:
+        if layer := _DECODER_LAYER.match(name):
+            return first <= int(layer[1]) < end
+        return rank == 0 or not _RANK0_ONLY.match(name) or (per_layer_inputs and "embed_tokens." in name)
+
+    return sorted({file for name, file in where.items() if read(name)})
 
 
 def folder(key: str) -> Path:

@@ -86,9 +86,11 @@ class Worker:
                 return rpc.Probed(id=id, unreachable=probe(addresses))
             case rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings):
                 return rpc.InitOk(id=id, all_sum=self._init(backend, env, files, settings))
-            case rpc.CheckModel(id=id, model=model, share=share):
+            case rpc.CheckModel(id=id, model=model, share=share, weights=weights, token=token):
+                if token:  # for huggingface_hub, which reads it from the environment on each request
+                    os.environ["HF_TOKEN"] = token
                 try:
-                    path = models.resolve(model)
+                    path = models.resolve(model, weights=weights or None)
                 except models.ModelError as e:
                     if share:  # the leader sends its share when this host holds no model of its own
                         return rpc.ModelChecked(id=id, path=str(model), files={}, share=self._held(share))

@@ -151,6 +151,27 @@ def cut_layers(model: Path, folder: Path, layers: int) -> Path:
     return folder
 
 
+def file_per_layer(model: Path, folder: Path) -> Path:
+    """A copy of ``model`` whose weights lie one layer to a file, as a large model's are sharded on the Hub: the
+    embedding, final norm and head in the first file, each layer's in one of its own, and the index naming each
+    tensor's file (``model.safetensors.index.json``)."""
+    import mlx.core as mx
+
+    shutil.copytree(model, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    groups: dict[int, dict[str, mx.array]] = {}
+    for file in sorted(model.glob("*.safetensors")):
+        for name, value in mx.load(str(file)).items():  # type: ignore[union-attr]
+            layer = _layer_of(name)
+            groups.setdefault(-1 if layer is None else layer, {})[name] = value
+    weight_map = {}
+    for number, key in enumerate(sorted(groups), start=1):
+        name = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        mx.save_safetensors(str(folder / name), groups[key])
+        weight_map |= dict.fromkeys(groups[key], name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
 QUIETED = ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")  # what each layer adds through
 
 

@@ -4,6 +4,7 @@ safetensors; one named on a (local) Hub as ``ORG/NAME:QUANT`` too; any other arc
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -102,6 +103,11 @@ def test_a_gguf_named_on_the_hub_is_served_as_its_safetensors(tmp_path: Path) ->
             assert server.stop() == 0, server.stderr()[-3000:]
         assert hub.fetched("org/tiny-GGUF") == ["tiny-qwen3-F32.gguf"]  # the other quantization stays there
     assert reply["choices"][0]["text"] == expected.removesuffix("\n")
+    # Its conversion logged as its download did, off a terminal: bytes done of total, then done.
+    lines = [json.loads(line) for line in (tmp_path / "serve.log").read_text().splitlines() if line.startswith("{")]
+    fetched = [line for line in lines if line["event"] == "fetched"]
+    converted = [line for line in lines if line["event"] == "converting done"]
+    assert fetched and converted and converted[0]["bytes_done"] == converted[0]["bytes_total"] > 0
 
 
 def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:

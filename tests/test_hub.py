@@ -12,6 +12,7 @@ import pty
 import signal
 import struct
 import subprocess
+import sys
 import termios
 import time
 from collections.abc import Iterator
@@ -217,6 +218,21 @@ def test_gated_without_then_with_a_token(local_hub: LocalHub, tmp_path: Path) ->
     assert "model.safetensors" in local_hub.fetched("org/gated")
 
 
+def test_a_model_another_tool_fetched_is_used_where_it_lies(local_hub: LocalHub, tmp_path: Path) -> None:
+    env = hub_env(local_hub, tmp_path / "hf")
+    hf = Path(sys.executable).with_name("hf")  # huggingface_hub's own CLI, as mlx-lm and LM Studio fetch alike
+    done = subprocess.run([str(hf), "download", "org/tiny"], env={**os.environ, **env}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    blobs = tmp_path / "hf" / "hub" / "models--org--tiny" / "blobs"
+    before = sorted(blobs.iterdir())
+    local_hub.requests.clear()
+    pulled = run_neuron("pull", "org/tiny", env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    snapshot = blobs.parent / "snapshots" / local_hub.repos["org/tiny"].refs["main"]
+    assert Path(pulled.stdout.strip()) == snapshot  # the folder hf download filled
+    assert local_hub.fetched("org/tiny") == [] and sorted(blobs.iterdir()) == before  # nothing fetched or stored twice
+
+
 @pytest.mark.parametrize(
     ("model", "words"),
     [
@@ -344,6 +360,47 @@ def test_gguf_files_picked_as_llama_cpp_does() -> None:
         hub.pick_gguf(hub.HubName("org/a", quant="Q6_K"), files)
     with pytest.raises(hub.HubError, match="GGUF files only"):
         hub.plan(hub.HubName("org/a"), dict.fromkeys(files, 1), "c")
+
+
+@pytest.mark.unit
+def test_a_host_fetching_by_name_is_given_the_leaders_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    assert hub.token("org/gated@0123", push=False) == TOKEN
+    assert hub.token("org/gated", push=True) == ""  # under --push-model the host never asks the Hub
+    assert hub.token(str(tmp_path), push=False) == ""  # a folder: nothing to fetch
+
+
+@pytest.mark.unit
+def test_a_conversion_logs_its_bytes_at_intervals_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from structlog.testing import capture_logs
+
+    from neuron import log, progress
+    from neuron.progress import Meter
+
+    monkeypatch.setattr(progress, "_bars_drawn", lambda: False)  # as under pytest -s on a terminal too
+    try:
+        log.configure("info", "json")  # whatever level an earlier test left
+        with capture_logs() as logs, Meter("converting", 300, log_every=0) as meter:
+            for _ in range(3):
+                meter.advance(100)
+    finally:
+        log.configure("warning", "json")
+    assert [(e["event"], e["bytes_done"]) for e in logs] == [("converting", n) for n in (0, 100, 200, 300)] + [
+        ("converting done", 300)
+    ]
+    assert {e["bytes_total"] for e in logs} == {300}
+
+
+@pytest.mark.unit
+def test_a_name_in_the_toml_file_is_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from neuron import config
+    from neuron.cli import _parser
+
+    (tmp_path / "neuron.toml").write_text('model = "org/tiny@v1"\n')
+    monkeypatch.delenv("NEURON_MODEL", raising=False)
+    args = _parser().parse_args(["serve", "--config", str(tmp_path / "neuron.toml")])
+    assert config.resolve(args, "serve") == []
+    assert hub.parse(args.model) == hub.HubName("org/tiny", "v1")
 
 
 @pytest.mark.unit

@@ -24,6 +24,7 @@ EVERY_MESSAGE = [
     ),
     rpc.CheckModel(id=10, model=None),
     rpc.CheckModel(id=11, model="/models/x", share="0123456789abcdef/tp-1-of-2"),
+    rpc.CheckModel(id=14, model="org/x@main", weights=["model-00002-of-00003.safetensors"], token="hf_secret"),
     rpc.LoadShard(id=3, model_path="/models/x", layers=[0, 15]),
     rpc.LoadAdapter(id=12, adapter=1, name="sql", path="/adapters/sql"),
     rpc.UnloadAdapter(id=13, adapter=1),
@@ -157,6 +158,12 @@ def test_nested_fields_come_back_as_their_types() -> None:
     assert step.plan.prefill == [rpc.Prefill(1, 0, [1], True)] and step.plan.decode == [rpc.Decode(2, 1, 0, [4, 5], 1)]
     assert step.plan.restore == [rpc.Restore(1, 3, 2)] and step.plan.save == [rpc.Save(1, 4)]
     assert step.plan.evict == [rpc.Evict(3)]
+
+
+@pytest.mark.unit
+def test_the_hub_token_shows_in_no_repr() -> None:
+    message = rpc.CheckModel(id=1, model="org/gated", token="hf_secret")
+    assert "hf_secret" not in repr(message) and "hf_secret" not in str(message)
 
 
 def test_protocol_module_does_not_import_mlx() -> None:

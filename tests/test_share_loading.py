@@ -17,7 +17,9 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
 from neuron import shares
 from neuron.launch import push
+from neuron.models import ModelError
 from neuron.rank import shard
+from testkit import file_per_layer
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +81,26 @@ def test_a_pushed_share_loads_as_the_ranks_own_cut_of_the_whole_model(
     assert all(mx.array_equal(loaded[k], expected[k]).item() for k in loaded)
     sent = sum(e["size"] for e in json.loads((share / shares.PLAN).read_text())["entries"])
     assert sent == sum(v.nbytes for v in expected.values()) < (model / "model.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("which", ["plain", "quantized"])
+def test_a_stage_loads_from_the_files_its_layers_lie_in_as_from_the_whole_model(
+    tiny_models: dict[str, Path], quantized: Path, tmp_path: Path, which: str
+) -> None:
+    """What a host fetching a stage from the Hub holds (``shares.files_read``): the same parameters as a cut of
+    the whole model, and a file missing refused by the tensor it lacks."""
+    model = file_per_layer(tiny_models["qwen3"] if which == "plain" else quantized, tmp_path / "sharded")
+    for rank, layers in ((0, [0, 2]), (1, [2, 3])):
+        read = shares.files_read(model, layers, rank)
+        partial = tmp_path / f"rank{rank}"
+        shutil.copytree(model, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+        for name in read:
+            (partial / name).symlink_to(model / name)  # as a Hugging Face snapshot links its blobs
+        assert len(list(partial.glob("*.safetensors"))) < len(list(model.glob("*.safetensors")))
+        loaded = dict(tree_flatten(shard.load_stage(partial, *layers, rank).parameters()))
+        expected = dict(tree_flatten(shard.load_stage(model, *layers, rank).parameters()))
+        assert loaded.keys() == expected.keys()
+        assert all(mx.array_equal(loaded[k], expected[k]).item() for k in loaded)
+    (partial / read[0]).unlink()
+    with pytest.raises(ModelError, match=r"lacks model\.layers\.2\..*stage of layers \[2, 3\)"):
+        shard.load_stage(partial, 2, 3, 1)

@@ -13,7 +13,7 @@ import pytest
 from neuron import config, shares
 from neuron.cli import _parser
 from neuron.launch import push
-from neuron.launch.checks import Refused, check_models
+from neuron.launch.checks import Refused, check_models, model_differences
 from neuron.rpc import ModelChecked
 
 pytestmark = pytest.mark.unit
@@ -127,6 +127,58 @@ def test_without_the_setting_the_refusal_names_it() -> None:
     checked = {0: ModelChecked(0, "/m", {"config.json": "a"}), 1: ModelChecked(0, "/nowhere", {})}
     with pytest.raises(Refused, match=r"lacks config\.json.*--push-model"):
         check_models(checked, ["localhost", "mac2"])
+
+
+# A checkpoint's tensors, one layer to a file as on the Hub, with what only rank 0's stage holds in the first file
+# and what every stage holds (a vision tower, whose layers are not the decoder's) in the last.
+WEIGHT_MAP = {
+    "model.embed_tokens.weight": "model-1.safetensors",
+    "model.norm.weight": "model-1.safetensors",
+    "lm_head.weight": "model-1.safetensors",
+    **{f"model.layers.{i}.mlp.down_proj.weight": f"model-{i + 2}.safetensors" for i in range(4)},
+    "vision_tower.encoder.layers.0.attn.weight": "model-6.safetensors",
+}
+
+
+@pytest.mark.parametrize(
+    ("layers", "rank", "read"),
+    [
+        ([], 1, [f"model-{i}.safetensors" for i in range(1, 7)]),  # a slice of every layer: every file
+        ([0, 2], 0, ["model-1.safetensors", "model-2.safetensors", "model-3.safetensors", "model-6.safetensors"]),
+        ([2, 3], 1, ["model-4.safetensors", "model-6.safetensors"]),
+        ([3, 4], 2, ["model-5.safetensors", "model-6.safetensors"]),
+    ],
+)
+def test_a_stage_reads_the_files_its_layers_lie_in(
+    tmp_path: Path, layers: list[int], rank: int, read: list[str]
+) -> None:
+    (tmp_path / shares.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": WEIGHT_MAP}))
+    assert shares.files_read(tmp_path, layers, rank) == read
+
+
+def test_a_stage_of_a_model_with_per_layer_inputs_reads_the_embedding(tmp_path: Path) -> None:
+    weight_map = {**WEIGHT_MAP, "model.embed_tokens_per_layer.weight": "model-7.safetensors"}
+    (tmp_path / shares.INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert "model-1.safetensors" in shares.files_read(tmp_path, [2, 3], 1)
+    assert "model-7.safetensors" in shares.files_read(tmp_path, [2, 3], 1)
+
+
+def test_a_model_in_one_file_without_an_index_is_read_whole(tmp_path: Path) -> None:
+    header = json.dumps({"a.weight": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    assert shares.files_read(tmp_path, [1, 2], 1) == ["model.safetensors"]
+
+
+def test_a_stage_is_compared_on_the_files_it_reads() -> None:
+    leader = {"config.json": "c", "model-1.safetensors": "1", "model-4.safetensors": "4"}
+    checked = {
+        0: ModelChecked(0, "/m", leader),
+        1: ModelChecked(0, "/hf/snapshot", {"config.json": "c", "model-4.safetensors": "4"}),
+        2: ModelChecked(0, "/hf/other", {"config.json": "c", "model-4.safetensors": "changed"}),
+    }
+    reads = [["model-1.safetensors", "model-4.safetensors"], ["model-4.safetensors"], ["model-4.safetensors"]]
+    assert list(model_differences(checked, ["localhost", "mac2", "mac3"], reads)) == [2]
+    assert list(model_differences(checked, ["localhost", "mac2", "mac3"])) == [1, 2]  # every file, without reads
 
 
 def test_push_model_is_a_setting_like_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -84,12 +84,17 @@ def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leade
             )
 
 
-def model_differences(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> dict[int, str]:
-    """Each rank whose host holds another model than rank 0's (or none), with what differs, in words."""
+def model_differences(
+    checked: dict[int, rpc.ModelChecked], hosts: list[str], reads: list[list[str]] | None = None
+) -> dict[int, str]:
+    """Each rank whose host holds another model than rank 0's (or none), with what differs, in words. ``reads``:
+    by rank, the safetensors files it loads from (``shares.files_read``; empty: every one), the only weights
+    compared: a host that fetched a stage's files holds no others."""
     mine = checked[0]
     out = {}
     for rank, theirs in sorted(checked.items()):
-        if (name := first_difference(mine.files, theirs.files)) is not None:
+        read = reads[rank] if reads else []
+        if (name := first_difference(_as_read(mine.files, read), _as_read(theirs.files, read))) is not None:
             what = "lacks" if name not in theirs.files else "has a different"
             out[rank] = (
                 f"rank {rank} on {hosts[rank]} holds another model than the leader: {theirs.path} {what} {name} "
@@ -98,9 +103,15 @@ def model_differences(checked: dict[int, rpc.ModelChecked], hosts: list[str]) ->
     return out
 
 
-def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str]) -> None:
-    """Every host holds the model rank 0 holds: the same config, tokenizer and weights, file by file."""
-    for message in model_differences(checked, hosts).values():
+def _as_read(files: dict[str, str], read: list[str]) -> dict[str, str]:
+    """``files``' digests, of the safetensors files only those in ``read`` (all when it is empty)."""
+    return {name: d for name, d in files.items() if not read or not name.endswith(".safetensors") or name in read}
+
+
+def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str], reads: list[list[str]] | None = None) -> None:
+    """Every host holds the model rank 0 holds: the same config, tokenizer and weights (those its ranks load,
+    ``reads``), file by file."""
+    for message in model_differences(checked, hosts, reads).values():
         raise Refused(
             f"{message}; copy the same model folder to every host, or pass --push-model to have the leader send "
             "each host the share its ranks load"

@@ -21,7 +21,7 @@ from neuron.rank.drafter import Drafter
 from neuron.rank.mtp import MtpDrafter
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.shard import ShareSource
-from neuron.shares import Plan, sha256_of, share_key
+from neuron.shares import Plan, files_read, sha256_of, share_key
 
 log = structlog.get_logger("neuron.pool")
 
@@ -37,19 +37,19 @@ class Loading(Ranks):
         layers = self._stage_layers()
         mine = digest_files(self.model_path)
         shares = self._share_keys(model_digest(mine), layers)
+        # What each rank loads from: a host fetching the model from the Hub fetches only that.
+        reads = [files_read(self.model_path, stage, rank) if stage else [] for rank, stage in enumerate(layers)]
         checked = await self._fan_out(
             "check_model",
-            lambda rank, id: rpc.CheckModel(
-                id=id, model=self.launcher.model(rank, self.model, self.model_path), share=shares[rank]
-            ),
+            lambda rank, id: self._check(rank, id, shares[rank], reads[rank]),
             lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
             self.deadlines.load,
         )
         paths = {rank: reply.path for rank, reply in checked.items()}
-        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts)
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts, reads)
         self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
         check_memory(self.weights, self._hosts_said, self.hosts)
-        for rank in sorted(model_differences(checked, self.hosts)):  # each may take its share from the leader
+        for rank in sorted(model_differences(checked, self.hosts, reads)):  # each may take its share from the leader
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
         replies = await self._fan_out(
@@ -138,6 +138,13 @@ class Loading(Ranks):
         except Exception as e:  # any reason is the operator's to read, as a failed step's
             raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=self.hosts) from e
         log.info("the model's multi-token-prediction layer drafts", model=self.model_path)
+
+    def _check(self, rank: int, id: int, share: str, weights: list[str]) -> rpc.CheckModel:
+        """What ``rank`` is asked to find: the model, with the leader's Hugging Face token where its host fetches
+        it from the Hub itself (``hub.token``)."""
+        model = self.launcher.model(rank, self.model, self.model_path)
+        token = "" if self.launcher.hosts[rank].local else hub.token(model, self.layout.push)
+        return rpc.CheckModel(id=id, model=model, share=share, weights=weights, token=token)
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
         """Each rank's share of the model (``neuron.shares``) where the leader may push it: on another host, with

@@ -176,6 +176,8 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
     """The model cut down to this rank's share, lazily: from the whole model, or from a pushed share, whose
     tensors go in where the same cut of the whole model put its own."""
     path = Path(model_path)
+    if not shares.is_share(path) and layers and _partial(path):
+        return _load_stage_files(path, layers, rank)
     if not shares.is_share(path):
         model, config = load_model(path, lazy=True, get_model_classes=_without_prediction_layers)
         model.__class__ = model.__class__.__mro__[1]  # the model's own class again
@@ -186,6 +188,42 @@ def _load_share(model_path: str | Path, group: mx.distributed.Group | None, laye
     if missing := sorted(set(names.values()) - set(pushed)):
         raise ModelError(f"{path} is a share without {missing[0]} ({len(missing)} tensors missing): push it again")
     model.load_weights([(now, pushed[whole]) for now, whole in names.items()], strict=True)
+    return model
+
+
+def _partial(path: Path) -> bool:
+    """Whether the folder lacks safetensors files its index lists: a stage's files alone, fetched from the Hub."""
+    return (path / shares.INDEX).is_file() and any(
+        not (path / name).is_file() for name in set(shares.tensor_files(path).values())
+    )
+
+
+def _load_stage_files(path: Path, layers: list[int], rank: int) -> nn.Module:
+    """A stage from a folder holding only the files its tensors lie in (``shares.files_read``): loaded without
+    mlx-lm's check that every parameter has its tensor, which the other stages' layers lack here, then checked
+    that every parameter the stage keeps had one."""
+    loaded: set[str] = set()
+
+    def classes(config: dict) -> tuple[type[nn.Module], type]:
+        model_class, args_class = _without_prediction_layers(config)
+
+        class Model(model_class):  # type: ignore[valid-type, misc]
+            def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+                weights = super().sanitize(weights)
+                loaded.update(weights)
+                return weights
+
+        Model.__name__ = model_class.__name__
+        return Model, args_class
+
+    model, config = load_model(path, lazy=True, strict=False, get_model_classes=classes)
+    model.__class__ = model.__class__.__mro__[2]  # the model's own class again
+    names = take_share(model, config, None, layers, rank)
+    if missing := sorted(set(names.values()) - loaded):
+        raise ModelError(
+            f"{path} lacks {missing[0]} ({len(missing)} tensors) that the stage of layers [{layers[0]}, {layers[1]}) "
+            "loads: fetch the model whole there (neuron pull), or pass --push-model to have the leader send the stage"
+        )
     return model
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
@@ -133,12 +133,19 @@ class CheckModel:
 
     ``share`` (with ``--push-model``; empty otherwise) names the share of the leader's model this rank would load
     (``neuron.shares``): the reply says whether this host holds it whole, and a model missing here is no error.
+
+    ``weights``: the safetensors files this rank loads from (a pipeline stage's, ``shares.files_read``), the
+    only ones fetched of a model named on the Hub; empty: every one. ``token``: the leader's Hugging Face token
+    for a host that fetches from the Hub itself (a gated repository), empty otherwise; it travels here, not on
+    the ssh command line or in a process's arguments, and no log or ``repr`` shows it.
     """
 
     op: ClassVar[str] = "check_model"
     id: int
     model: str | None
     share: str = ""
+    weights: list[str] = field(default_factory=list)
+    token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """A model named on the Hub, served over hosts of the namespace test bed (testkit/testbed.py): a host that
-reaches the Hub fetches its files from it; a host with no route to the Hub receives its share from the leader
-(neuron/launch/push.py) without being told to; with ``--push-model``, no host but the leader asks the Hub.
+reaches the Hub fetches from it the files its stage's layers lie in, and no others, with the leader's token for a
+gated repository (which no command line and no log line shows); a host with no route to the Hub receives its
+share from the leader (neuron/launch/push.py) without being told to; with ``--push-model``, no host but the leader
+asks the Hub.
 
 The local Hub (testkit/hub.py) listens on an address of its own in the root namespace. The leader, there, reaches
 it; host 0 gets a route to it through the bridge; host 1 gets none, so its attempts fail at once (no route).
@@ -17,12 +19,15 @@ from urllib.parse import urlsplit
 import pytest
 from conftest import run_neuron
 
+from neuron.shares import INDEX
+from testkit import file_per_layer
 from testkit.hub import LocalHub
 from testkit.testbed import Namespaces, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
 
 PROMPT = "hello"
+TOKEN = "hf_granted_to_the_leader"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
 
 
 @pytest.fixture(scope="module")
-def local_hub(bed: Namespaces, tiny_models: dict[str, Path]) -> Iterator[LocalHub]:
+def local_hub(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalHub]:
     address = f"10.{bed.net}.9.1"
     # The bridge goes with the bed, and this address with it.
     subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", bed.bridge], check=True)
@@ -43,7 +50,10 @@ def local_hub(bed: Namespaces, tiny_models: dict[str, Path]) -> Iterator[LocalHu
         ["ip", "netns", "exec", bed.namespaces[0], "ip", "route", "add", address, "via", bed.leader_ip], check=True
     )
     with LocalHub(host=address) as server:
-        server.add("org/tiny", tiny_models["qwen3"])
+        server.tokens = {TOKEN}
+        # Gated, and one layer to a file (model-00001-of-00005 the embedding and final norm, then layers 0 to 3).
+        sharded = file_per_layer(tiny_models["qwen3"], tmp_path_factory.mktemp("hubmodel") / "tiny")
+        server.add("org/tiny", sharded, token=TOKEN)
         yield server
 
 
@@ -59,9 +69,15 @@ def host_entry(bed: Namespaces, host: int, root: Path, hub_url: str) -> dict:
     return {**bed.entry(host), "neuron": bed.neuron_command(env)}
 
 
-def generate(bed: Namespaces, hub_url: str, root: Path, *args: str) -> tuple[str, list[dict]]:
-    env = {"HF_HOME": str(root / "leader-hf"), "HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_XET": "1"}
+def generate(bed: Namespaces, hub_url: str, root: Path, *args: str) -> tuple[str, str]:
+    """The text, and the leader's stderr (its log lines and its workers', JSON) followed by every ssh command
+    line it ran (recorded by a wrapper around ssh)."""
+    env = {"HF_HOME": str(root / "leader-hf"), "HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN}
     env |= {"HF_HUB_DISABLE_TELEMETRY": "1", "NEURON_LOG_LEVEL": "info", "NEURON_LOG_FORMAT": "json"}
+    root.mkdir(parents=True)
+    ssh = root / "ssh"
+    ssh.write_text(f'#!/bin/sh\nprintf "ssh %s\\n" "$*" >> {root}/ssh.log\nexec ssh "$@"\n')
+    ssh.chmod(0o755)
     hostfile = bed.hostfile(
         [bed.entry(-1), host_entry(bed, 0, root, hub_url), host_entry(bed, 1, root, hub_url)], f"{root.name}.json"
     )
@@ -73,10 +89,12 @@ def generate(bed: Namespaces, hub_url: str, root: Path, *args: str) -> tuple[str
         str(hostfile),
         "--pp",
         "3",
+        "--pp-layers",
+        "2,1,1",  # host 0's stage: layer 2 alone, in model-00004-of-00005
         "--max-tokens",
         "24",
         "--ssh-command",
-        bed.ssh_command,
+        f"{ssh} {bed.ssh_command.removeprefix('ssh ')}",
         "--log-level",
         "info",  # the pushes are read from the log, and generate logs warnings only unless asked
         *args,
@@ -84,7 +102,13 @@ def generate(bed: Namespaces, hub_url: str, root: Path, *args: str) -> tuple[str
         env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    sessions = (root / "ssh.log").read_text()
+    assert "--worker" in sessions, sessions
+    return done.stdout, done.stderr + sessions
+
+
+def events(stderr: str, event: str) -> list[dict]:
+    return [e for line in stderr.splitlines() if line.startswith("{") and (e := json.loads(line))["event"] == event]
 
 
 def leader_address(local_hub: LocalHub) -> str | None:
@@ -92,32 +116,39 @@ def leader_address(local_hub: LocalHub) -> str | None:
     return urlsplit(local_hub.url).hostname
 
 
-def weights_in(hf_home: Path) -> list[Path]:
-    return list(hf_home.rglob("snapshots/*/model.safetensors"))
+def weights_in(hf_home: Path) -> list[str]:
+    return sorted(p.name for p in hf_home.rglob("snapshots/*/model*.safetensors"))
 
 
-def test_a_host_fetches_from_the_hub_and_one_without_a_route_gets_its_share_from_the_leader(
+def test_a_host_fetches_its_stages_files_with_the_leaders_token_and_one_without_a_route_gets_its_share(
     bed: Namespaces, local_hub: LocalHub, tiny_alone: Callable[[str], str], tmp_path: Path
 ) -> None:
     reference = tiny_alone("qwen3")  # what the same generate prints on one rank (the Hub's org/tiny is this model)
 
     root = tmp_path / "by-hub"
-    text, logs = generate(bed, local_hub.url, root)
+    text, stderr = generate(bed, local_hub.url, root)
     assert text == reference
-    clients = {r.client for r in local_hub.requests if r.method == "GET" and r.status in (200, 206)}
-    assert clients == {leader_address(local_hub), bed.ip(0)}  # host 1 never reached the Hub
-    assert weights_in(root / "leader-hf") and weights_in(root / "host0-hf")
+    fetched = [r for r in local_hub.requests if r.method == "GET" and r.status in (200, 206)]
+    assert {r.client for r in fetched} == {leader_address(local_hub), bed.ip(0)}  # host 1 never reached the Hub
+    # Host 0 fetched, with the token the leader forwarded, the files of its stage (layer 2) and nothing else.
+    asked = [r for r in local_hub.requests if r.client == bed.ip(0) and not r.path.startswith("/content/")]
+    assert asked and {r.authorization for r in asked} == {TOKEN}  # the content host, as the Hub's, takes none
+    assert len(weights_in(root / "leader-hf")) == 5
+    assert weights_in(root / "host0-hf") == ["model-00004-of-00005.safetensors"]
+    assert list((root / "host0-hf").rglob(f"snapshots/*/{INDEX}"))
     assert not weights_in(root / "host1-hf")
-    pushes = [e for e in logs if e.get("event") == "push started"]
+    pushes = events(stderr, "push started")
     assert [e["host"] for e in pushes] == [f"root@{bed.ip(1)}"], pushes
     assert list((root / "host1-neuron" / "shares").glob("*/*/plan.json"))
+    # The token is on no ssh command line (and so in no process listing there) and in no log line.
+    assert TOKEN not in stderr
 
     # --push-model: the hosts ask the leader only, never the Hub.
     local_hub.requests.clear()
     root = tmp_path / "by-leader"
-    text, logs = generate(bed, local_hub.url, root, "--push-model")
+    text, stderr = generate(bed, local_hub.url, root, "--push-model")
     assert text == reference
     assert {r.client for r in local_hub.requests} == {leader_address(local_hub)}
-    pushes = [e for e in logs if e.get("event") == "push started"]
+    pushes = events(stderr, "push started")
     assert sorted(e["host"] for e in pushes) == sorted(f"root@{bed.ip(i)}" for i in range(2))
     assert not weights_in(root / "host0-hf") and not weights_in(root / "host1-hf")
