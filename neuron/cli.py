@@ -14,7 +14,6 @@ import argparse
 import gc
 import os
 import sys
-import threading
 from typing import TYPE_CHECKING
 
 from neuron import __version__, cpu
@@ -199,6 +198,8 @@ def _run(args: argparse.Namespace) -> int:
         log.info("starting", device=device.this_device(), tp=args.tp, pp=args.pp)
         if problem := device.unusable_gpu():
             log.warning(problem)
+    from neuron.pool.rank0 import leave_if_rank0_is_busy
+
     run = _serve if args.command == "serve" else _generate
     try:
         restart = anyio.run(run, args)
@@ -209,23 +210,14 @@ def _run(args: argparse.Namespace) -> int:
         if expected is None:
             raise
         print(f"neuron: error: {expected}", file=sys.stderr)
-        _leave_if_rank0_is_busy(EXIT_FAILURE)
+        leave_if_rank0_is_busy(EXIT_FAILURE)
         return EXIT_FAILURE
     if restart is not None:
         from neuron.leader import restart_leader
 
         restart_leader(restart)
+    leave_if_rank0_is_busy(0)
     return 0
-
-
-def _leave_if_rank0_is_busy(code: int) -> None:
-    """Exit now, skipping the interpreter's teardown, while rank 0's thread (``neuron-rank0``, pool/rank0.py) is
-    still inside MLX: abandoned in a load or a step when a peer failed, it would have MLX torn down under it, and
-    the C++ runtime aborts the process (SIGABRT) after the error was said. A restart's exec skips it the same way."""
-    if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:

@@ -20,6 +20,7 @@ import anyio
 from neuron import log
 from neuron.models import ModelError
 from neuron.pool import Deadlines, Layout, Pool, PoolError
+from neuron.pool.rank0 import leave_if_rank0_is_busy
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -272,3 +273,4 @@ if __name__ == "__main__":
     name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
     result = anyio.run(SCENARIOS[name], *args)
     print(json.dumps(result), flush=True)
+    leave_if_rank0_is_busy(0)  # as neuron's own command does
