@@ -55,7 +55,7 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 @pytest.fixture(scope="module")
 def chat_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The embedded model, for the chat, behind an API key the page must ask for."""
+    """The embedded model, for the chat, behind an API key the browser is asked for (HTTP Basic)."""
     with serving(tmp_path_factory, "--model", str(smollm2), api_key=KEY) as s:
         yield s
 
@@ -79,7 +79,12 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, args=ARGS, viewport={"width": 1280, "height": 800}
+            profile,
+            executable_path=CHROMIUM,
+            args=ARGS,
+            viewport={"width": 1280, "height": 800},
+            # What a person types into the browser's dialog when the keyed server's page asks for the key.
+            http_credentials={"username": "operator", "password": KEY},
         )
         context.set_default_timeout(TIMEOUT_MS)
         browser = Browser(context)
@@ -110,12 +115,9 @@ class Browser:
         self.servers.append(server.url)
         page = self.context.new_page()
         page.on("pageerror", lambda e: self.errors.append(str(e)))
-        # The browser reports each refused status poll (401, before the key is given) as a console error.
-        page.on("console", lambda m: m.type == "error" and "401" not in m.text and self.errors.append(m.text))
+        # A refused call (a 401 among them: the browser did not resend the key) is a console error.
+        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         page.goto(server.url + "/")
-        if server.api_key:
-            page.fill("#key-input", server.api_key)
-            page.click("#key-form button")
         page.wait_for_selector("#readiness.ready")
         return page
 
@@ -148,9 +150,11 @@ def send(page: Any, text: str, max_tokens: int) -> Any:
 
 
 def test_the_page_loads_and_shows_the_model(chat: Any, chat_server: Server, shots: Path) -> None:
-    assert chat.locator("#key-form").is_hidden(), "the key was taken"
-    assert KEY not in chat.content() and KEY not in str(chat.evaluate("JSON.stringify(localStorage)"))
-    assert chat.evaluate("sessionStorage.getItem('neuron.key')") == KEY, "the key is kept in the tab only"
+    assert chat.locator("#key-form").is_hidden(), "the page's own calls passed with the browser's Basic credentials"
+    assert httpx.get(chat_server.url + "/").status_code == 401, "the page sits behind the key"
+    for storage in ("localStorage", "sessionStorage"):
+        assert KEY not in str(chat.evaluate(f"JSON.stringify({storage})")), f"the key is in {storage}"
+    assert KEY not in chat.content()
     assert chat.locator("#model-name").text_content() == chat_server.find_log("serving")["model"]
     assert chat.locator("#attach-label").is_hidden(), "the model takes no images: no attach button"
     shoot(chat, shots, "loaded")
