@@ -1,7 +1,8 @@
 """The page at ``/`` in a real browser: the system's Chromium driven by Playwright, every request to another host
 blocked. The page loads; a chat streams a reply from the embedded model (SmolLM2); a thinking model's reasoning is
 shown folded; Stop cancels the request on the server; the cluster view of a tiny model over two ranks (TP=2) shows
-both ranks, marks a killed worker as lost, then as recovered. One server of each for the module.
+both ranks and their memory read live, marks a killed worker as lost, then as recovered. One server of each for the
+module.
 
 Screenshots are kept under the module's pytest temporary folder (their paths are printed) and in
 ``artifacts/page/`` (git ignores it), for CI to upload. Without Chromium or Playwright these tests skip,
@@ -224,6 +225,10 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     assert sum(tokens for *_, tokens in recent) >= 7 and all(steps >= 1 for _, steps, _, _ in recent), recent
     assert page.locator("#chart-step polyline").get_attribute("points")
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["model"]["architecture"]["model_type"] == "qwen3"
+    # Each rank's memory, read live during the steps (a worker's rides on its step reply) and shown on the page.
+    for rank in httpx.get(f"{server.url}/v1/status").json()["ranks"]:
+        assert rank["used_bytes"] > 0 and rank["free_bytes"] > 0 and rank["memory_read_at"] > 0, rank
+    page.wait_for_selector('.rank[data-rank="1"] dt:text("memory used (read")')
     shoot(page, shots, "cluster")
     os.kill(worker_pid(server), signal.SIGKILL)
     page.wait_for_selector('.rank[data-rank="1"][data-state=lost]')

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
@@ -59,6 +59,15 @@ class HostInfo:
     oom_kills: int  # that count when it answered; -1 where unknown
     cpus: list[int]  # the cores this process may run on
     gpus: int  # the NVIDIA GPUs the host's driver lists (nccl places one rank on each)
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """A rank's memory as it read it, live where ``HostInfo`` says what it was at the handshake."""
+
+    used: int  # bytes this process holds: MLX's active memory on a GPU, else the process's resident set
+    free: int  # bytes it could still take: as ``HostInfo.free_memory`` reads them
+    at: float  # when it read them, in unix seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,6 +442,7 @@ class GenerateStepOk:
     op: ClassVar[str] = "generate_step_ok"
     id: int
     fingerprint: str
+    memory: Memory | None = None  # a fresh reading, every few seconds at most; None between them
 
 
 @dataclass(frozen=True, slots=True)
@@ -581,6 +591,7 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
 __all__ = [
     "ErrorKind",
     "HostInfo",
+    "Memory",
     "WorkerSettings",
     "Listen",
     "Listening",

@@ -353,7 +353,9 @@ function renderStatus(status) {
   ranks.replaceChildren();
   for (const rank of status.ranks) {
     const state = rankState(rank, status.events);
-    const used = rank.weights_bytes;
+    const read = rank.memory_read_at
+      ? `read ${Math.max(0, Math.round(status.now - rank.memory_read_at))} s ago`
+      : "when it joined";
     const card = el(
       "div",
       { cls: "card rank", "data-rank": String(rank.rank), "data-state": state },
@@ -364,8 +366,9 @@ function renderStatus(status) {
     facts(dl, [
       ["host name", rank.hostname],
       ["device", rank.device],
-      ["memory used (weights)", bytes(used)],
-      ["memory free (when it joined)", bytes(rank.free_bytes)],
+      ["weights", bytes(rank.weights_bytes)],
+      [`memory used (${rank.memory_read_at ? read : "not read yet"})`, bytes(rank.used_bytes)],
+      [`memory free (${read})`, bytes(rank.free_bytes)],
       ["layers", rank.layers ? `${rank.layers[0]}–${rank.layers[1] - 1}` : "–"],
       ["attention heads", rank.heads ?? "all"],
     ]);
