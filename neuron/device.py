@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import re
 import sys
 from collections.abc import Collection, Mapping
@@ -131,6 +132,23 @@ def gpu_free_memory() -> int | None:
         return free_memory_of(mx.device_info(mx.gpu))
     except Exception:  # noqa: BLE001 - a rank given a GPU its host lacks must still answer the handshake, whose
         return None  # GPU count then refuses the host in neuron's words
+
+
+def used_memory() -> int:
+    """Bytes this process holds: MLX's active memory on a GPU (its buffers, which the resident set does not count
+    on CUDA), else the process's resident set (weights, caches and all). Imports MLX on a GPU backend only."""
+    if backend() != "cpu":
+        try:
+            import mlx.core as mx
+
+            return int(mx.get_active_memory())
+        except Exception:  # noqa: BLE001 - a reading the page shows must never fail a step
+            return 0
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _gib(size: int | str | None) -> str:

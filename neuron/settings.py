@@ -301,7 +301,12 @@ class Serving:
     )
     host: str = setting("127.0.0.1", "address to listen on", why="loopback only")
     port: int = setting(8000, "TCP port; 0 picks a free one", at_least=0, at_most=65535)
-    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1", check=_not_blank, unset="no key")
+    api_key: str | None = setting(
+        None,
+        "require `Authorization: Bearer KEY` on /v1 and the page (a browser gives it as Basic's password)",
+        check=_not_blank,
+        unset="no key",
+    )
     adapter: str | None = setting(
         None,
         "a LoRA adapter served as a model of its own, NAME=PATH (a folder in mlx-lm's or PEFT's format, or a Hub "

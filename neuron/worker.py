@@ -24,7 +24,7 @@ from neuron import cpu, device, models, rpc, shares
 from neuron import log as logging_setup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.holder import hold, release
-from neuron.launch.hosts import describe_host
+from neuron.launch.hosts import MemoryGauge, describe_host
 from neuron.launch.watchdog import start_sentinel
 from neuron.rpc import ErrorKind
 from neuron.settings import SETTINGS
@@ -72,6 +72,7 @@ class Worker:
         self.state: Rank | None = None
         self.in_step: tuple[type[Exception], ...] = (NotReady,)  # failures that leave the group in step
         self.scratch = tempfile.TemporaryDirectory(prefix=f"neuron-rank{rank}-")
+        self.memory = MemoryGauge()  # its reading rides on a step's reply every few seconds (the status route's)
         self.log = structlog.get_logger("neuron.worker")
 
     def handle(self, request: rpc.Request) -> rpc.Reply:
@@ -118,7 +119,7 @@ class Worker:
                 from neuron.rank.step import run  # loaded with the rank, in ``_init``
 
                 stepped = run(self._joined(), Step(plan))  # the step rank 0 runs too, less the sampling
-                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint)
+                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint, memory=self.memory.fresh())
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)

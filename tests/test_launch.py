@@ -14,7 +14,15 @@ import pytest
 
 from neuron import rpc
 from neuron.launch import checks, dataplane, stages
-from neuron.launch.hosts import Host, HostsError, check_hosts, describe_host, local_hosts, read_hostfile
+from neuron.launch.hosts import (
+    Host,
+    HostsError,
+    MemoryGauge,
+    check_hosts,
+    describe_host,
+    local_hosts,
+    read_hostfile,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -160,6 +168,18 @@ def test_the_handshake_refuses_another_rank_protocol_or_version() -> None:
 def test_a_host_describes_itself_without_mlx() -> None:
     info = describe_host(3)
     assert info.hostname == socket.gethostname() and info.free_memory > 0 and info.cpus
+
+
+def test_the_memory_gauge_reads_at_most_every_few_seconds() -> None:
+    now = [100.0]
+    gauge = MemoryGauge(every_s=5.0, clock=lambda: now[0])
+    first = gauge.fresh()
+    assert first is not None and first.used > 0 and first.free > 0, first  # this process's resident set, the host's
+    now[0] = 104.9
+    assert gauge.fresh() is None, "a step sooner than every_s reads nothing and carries nothing"
+    now[0] = 105.0
+    again = gauge.fresh()
+    assert again is not None and again.at >= first.at
 
 
 @pytest.mark.parametrize(

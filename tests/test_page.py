@@ -1,10 +1,12 @@
 """The page at ``/`` and the status route it reads, without a model: the files are served with a
 Content-Security-Policy that forbids inline scripts and styles, hold none themselves, and carry no key; the status
-route's body matches the OpenAPI document; the page can be turned off; the status, unlike the page's files, needs
-the key. The page in a real browser, on a served model, is tests/test_page_browser.py."""
+route's body matches the OpenAPI document; the page can be turned off; the page's files, like the status, sit
+behind the key, which a browser gives as HTTP Basic's password. The page in a real browser, on a served model, is
+tests/test_page_browser.py."""
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterator
 from html.parser import HTMLParser
@@ -24,6 +26,12 @@ from neuron.server.status import rank_state
 pytestmark = pytest.mark.unit
 
 KEY = "sk-page-test-secret"
+BEARER = {"authorization": f"Bearer {KEY}"}
+PAGE = ("/", "/page/page.js", "/page/page.css")
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
 
 
 @pytest.fixture
@@ -39,7 +47,7 @@ def csp(header: str) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("path", ["/", "/page/page.js", "/page/page.css"])
 def test_every_file_of_the_page_forbids_inline_scripts_and_styles(client: TestClient, path: str) -> None:
-    response = client.get(path)
+    response = client.get(path, headers=BEARER)
     assert response.status_code == 200, response.text
     policy = csp(response.headers["content-security-policy"])
     assert policy["script-src"] == ["'self'"] and policy["style-src"] == ["'self'"], policy
@@ -78,20 +86,47 @@ def test_the_page_holds_no_inline_script_style_or_handler_and_loads_nothing_from
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", script), "the script calls only this server"
 
 
-def test_the_page_is_served_without_the_key_and_holds_none(client: TestClient) -> None:
-    for path in ("/", "/page/page.js", "/page/page.css"):
-        response = client.get(path)
-        assert response.status_code == 200 and KEY not in response.text
+@pytest.mark.parametrize("path", PAGE)
+def test_the_page_without_the_key_is_a_basic_challenge_so_the_browser_asks_for_it(
+    client: TestClient, path: str
+) -> None:
+    for refused in ({}, basic("anyone", "sk-wrong"), basic("anyone", ""), {"authorization": "Basic !!not-base64"}):
+        response = client.get(path, headers=refused)
+        assert response.status_code == 401, (refused, response.text)
+        assert response.headers["www-authenticate"] == 'Basic realm="neuron"'
+        assert response.json()["error"]["code"] == "invalid_api_key" and KEY not in response.text
+
+
+@pytest.mark.parametrize("path", PAGE)
+def test_the_page_is_served_with_the_key_as_basics_password_or_a_bearer_token_and_holds_none(
+    client: TestClient, path: str
+) -> None:
+    for given in (basic("anyone", KEY), basic("", KEY), basic("neuron", KEY), BEARER):
+        response = client.get(path, headers=given)
+        assert response.status_code == 200 and KEY not in response.text, (given, response.text)
+
+
+def test_the_pages_own_calls_pass_with_the_basic_credentials_the_browser_resends(client: TestClient) -> None:
+    assert client.get("/v1/status", headers=basic("anyone", KEY)).status_code == 200
+    refused = client.get("/v1/status", headers=basic("anyone", "sk-wrong"))
+    # An API route's challenge stays Bearer: a script's refused call must not pop up the browser's dialog.
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+
+
+def test_without_a_key_the_page_is_open() -> None:
+    with TestClient(build_app(ServerState("tiny")), base_url="http://127.0.0.1") as client:
+        for path in PAGE:
+            assert client.get(path).status_code == 200
 
 
 def test_a_file_the_page_lacks_is_a_404_naming_the_page(client: TestClient) -> None:
-    response = client.get("/page/secrets.txt")
+    response = client.get("/page/secrets.txt", headers=BEARER)
     assert response.status_code == 404 and "open / for the page" in response.json()["error"]["message"]
 
 
 def test_the_status_needs_the_key_and_matches_its_schema(client: TestClient) -> None:
     assert client.get("/v1/status").status_code == 401
-    response = client.get("/v1/status", headers={"authorization": f"Bearer {KEY}"})
+    response = client.get("/v1/status", headers=BEARER)
     assert response.status_code == 200, response.text
     body = response.json()
     schema = client.get("/openapi.json").json()
@@ -104,9 +139,9 @@ def test_the_status_needs_the_key_and_matches_its_schema(client: TestClient) -> 
 
 
 def test_the_page_answers_the_same_origin_and_host_checks_as_the_api(client: TestClient) -> None:
-    assert client.get("/", headers={"origin": "https://evil.example"}).status_code == 403
-    assert client.get("/", headers={"host": "rebound.example"}).status_code == 403
-    assert client.get("/", headers={"origin": "http://127.0.0.1:8000"}).status_code == 200
+    assert client.get("/", headers={"origin": "https://evil.example", **BEARER}).status_code == 403
+    assert client.get("/", headers={"host": "rebound.example", **BEARER}).status_code == 403
+    assert client.get("/", headers={"origin": "http://127.0.0.1:8000", **BEARER}).status_code == 200
 
 
 def test_the_page_can_be_turned_off() -> None:

@@ -1,7 +1,8 @@
 """The page at ``/`` in a real browser: the system's Chromium driven by Playwright, every request to another host
 blocked. The page loads; a chat streams a reply from the embedded model (SmolLM2); a thinking model's reasoning is
 shown folded; Stop cancels the request on the server; the cluster view of a tiny model over two ranks (TP=2) shows
-both ranks, marks a killed worker as lost, then as recovered. One server of each for the module.
+both ranks and their memory read live, marks a killed worker as lost, then as recovered. One server of each for the
+module.
 
 Screenshots are kept under the module's pytest temporary folder (their paths are printed) and in
 ``artifacts/page/`` (git ignores it), for CI to upload. Without Chromium or Playwright these tests skip,
@@ -55,7 +56,7 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 @pytest.fixture(scope="module")
 def chat_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The embedded model, for the chat, behind an API key the page must ask for."""
+    """The embedded model, for the chat, behind an API key the browser is asked for (HTTP Basic)."""
     with serving(tmp_path_factory, "--model", str(smollm2), api_key=KEY) as s:
         yield s
 
@@ -79,7 +80,12 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
     profile = tmp_path_factory.mktemp("chromium-profile")
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, args=ARGS, viewport={"width": 1280, "height": 800}
+            profile,
+            executable_path=CHROMIUM,
+            args=ARGS,
+            viewport={"width": 1280, "height": 800},
+            # What a person types into the browser's dialog when the keyed server's page asks for the key.
+            http_credentials={"username": "operator", "password": KEY},
         )
         context.set_default_timeout(TIMEOUT_MS)
         browser = Browser(context)
@@ -110,12 +116,9 @@ class Browser:
         self.servers.append(server.url)
         page = self.context.new_page()
         page.on("pageerror", lambda e: self.errors.append(str(e)))
-        # The browser reports each refused status poll (401, before the key is given) as a console error.
-        page.on("console", lambda m: m.type == "error" and "401" not in m.text and self.errors.append(m.text))
+        # A refused call (a 401 among them: the browser did not resend the key) is a console error.
+        page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
         page.goto(server.url + "/")
-        if server.api_key:
-            page.fill("#key-input", server.api_key)
-            page.click("#key-form button")
         page.wait_for_selector("#readiness.ready")
         return page
 
@@ -148,9 +151,11 @@ def send(page: Any, text: str, max_tokens: int) -> Any:
 
 
 def test_the_page_loads_and_shows_the_model(chat: Any, chat_server: Server, shots: Path) -> None:
-    assert chat.locator("#key-form").is_hidden(), "the key was taken"
-    assert KEY not in chat.content() and KEY not in str(chat.evaluate("JSON.stringify(localStorage)"))
-    assert chat.evaluate("sessionStorage.getItem('neuron.key')") == KEY, "the key is kept in the tab only"
+    assert chat.locator("#key-form").is_hidden(), "the page's own calls passed with the browser's Basic credentials"
+    assert httpx.get(chat_server.url + "/").status_code == 401, "the page sits behind the key"
+    for storage in ("localStorage", "sessionStorage"):
+        assert KEY not in str(chat.evaluate(f"JSON.stringify({storage})")), f"the key is in {storage}"
+    assert KEY not in chat.content()
     assert chat.locator("#model-name").text_content() == chat_server.find_log("serving")["model"]
     assert chat.locator("#attach-label").is_hidden(), "the model takes no images: no attach button"
     shoot(chat, shots, "loaded")
@@ -220,6 +225,10 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     assert sum(tokens for *_, tokens in recent) >= 7 and all(steps >= 1 for _, steps, _, _ in recent), recent
     assert page.locator("#chart-step polyline").get_attribute("points")
     assert [r["rank"] for r in status["ranks"]] == [0, 1] and status["model"]["architecture"]["model_type"] == "qwen3"
+    # Each rank's memory, read live during the steps (a worker's rides on its step reply) and shown on the page.
+    for rank in httpx.get(f"{server.url}/v1/status").json()["ranks"]:
+        assert rank["used_bytes"] > 0 and rank["free_bytes"] > 0 and rank["memory_read_at"] > 0, rank
+    page.wait_for_selector('.rank[data-rank="1"] dt:text("memory used (read")')
     shoot(page, shots, "cluster")
     os.kill(worker_pid(server), signal.SIGKILL)
     page.wait_for_selector('.rank[data-rank="1"][data-state=lost]')

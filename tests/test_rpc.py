@@ -54,6 +54,7 @@ EVERY_MESSAGE = [
     rpc.AdapterLoaded(id=12, projections=15),
     rpc.AdapterUnloaded(id=13),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),
+    rpc.GenerateStepOk(id=4, fingerprint="0123abcd", memory=rpc.Memory(used=3 << 30, free=5 << 30, at=1764130000.5)),
     rpc.KvCacheCleared(id=5),
     rpc.PrefixDiskOpened(id=12, saved={"0123abcd": 9}),
     rpc.PrefixesLoaded(id=13, failed=[]),

@@ -19,6 +19,8 @@ import os
 import platform
 import socket
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -27,7 +29,7 @@ from typing import Any
 import neuron
 from neuron import device
 from neuron.launch import cgroup
-from neuron.rpc import HostInfo
+from neuron.rpc import HostInfo, Memory
 from neuron.settings import default
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -163,6 +165,26 @@ def _available() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError):
         return 0
+
+
+class MemoryGauge:
+    """This process's memory, read live for the status route at low cost: ``fresh`` reads it (a few small files,
+    or MLX's counters) at most once every ``every_s`` seconds, and says None between, so that a step that comes
+    sooner costs nothing and its reply carries nothing."""
+
+    def __init__(self, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s = every_s
+        self.clock = clock
+        self.read_at: float | None = None
+        self.group = cgroup.own_group()
+
+    def fresh(self) -> Memory | None:
+        now = self.clock()
+        if self.read_at is not None and now - self.read_at < self.every_s:
+            return None
+        self.read_at = now
+        room = cgroup.room(self.group) if self.group is not None else None
+        return Memory(used=device.used_memory(), free=free_memory(room), at=time.time())
 
 
 def describe_host(rank: int) -> HostInfo:

@@ -140,6 +140,7 @@ class Pool(Loading):
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
+        self._read_memory(replies)
         return mine.sampled
 
     async def draft(self, rows: list[DraftRow]) -> dict[int, list[int]]:

@@ -13,6 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -21,7 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from neuron import cpu, hub, metrics, rpc
 from neuron.launch.checks import check_gpus, check_handshake
 from neuron.launch.dataplane import spawn_env
-from neuron.launch.hosts import describe_host
+from neuron.launch.hosts import MemoryGauge, describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
@@ -86,6 +87,8 @@ class Ranks:
         self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
         self._closing = False
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
+        self.memory: dict[int, rpc.Memory] = {}  # each rank's latest reading since its handshake, from the steps
+        self._memory = MemoryGauge()  # rank 0's, read as a worker reads its own
         self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
         self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
         self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
@@ -96,6 +99,15 @@ class Ranks:
     def workers(self) -> tuple[Link, ...]:
         """The workers' links, by rank; the fan-out owns the list."""
         return tuple(self._fan_out.workers)
+
+    def _read_memory(self, replies: dict[int, Any]) -> None:
+        """Keep each rank's latest memory reading from a step: the workers' ride on their replies, rank 0 reads its
+        own the same way."""
+        if (mine := self._memory.fresh()) is not None:
+            self.memory[0] = mine
+        for rank, reply in replies.items():
+            if rank != 0 and reply.memory is not None:
+                self.memory[rank] = reply.memory
 
     @property
     def said(self) -> tuple[rpc.HostInfo, ...]:
@@ -143,6 +155,7 @@ class Ranks:
         infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
         self._hosts_said = infos
+        self.memory = {}
         for worker in self.workers:
             worker.said = infos[worker.rank]
         for rank, host in enumerate(self.hosts):

@@ -104,6 +104,10 @@ def _build(value: Any, hint: Any) -> Any:
     if typing.get_origin(hint) is list:
         (item,) = typing.get_args(hint)
         return [_build(v, item) for v in value] if dataclasses.is_dataclass(item) else value
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and value is not None:
+        # An optional field (``Memory | None``), checked already: a value that is not None is its one other member.
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return _build(value, members[0]) if len(members) == 1 else value
     return value
 
 

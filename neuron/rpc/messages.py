@@ -62,6 +62,15 @@ class HostInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Memory:
+    """A rank's memory as it read it, live where ``HostInfo`` says what it was at the handshake."""
+
+    used: int  # bytes this process holds: MLX's active memory on a GPU, else the process's resident set
+    free: int  # bytes it could still take: as ``HostInfo.free_memory`` reads them
+    at: float  # when it read them, in unix seconds
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     op: ClassVar[str] = "ping"
     id: int
@@ -440,6 +449,7 @@ class GenerateStepOk:
     op: ClassVar[str] = "generate_step_ok"
     id: int
     fingerprint: str
+    memory: Memory | None = None  # a fresh reading, every few seconds at most; None between them
 
 
 @dataclass(frozen=True, slots=True)
@@ -588,6 +598,7 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
 __all__ = [
     "ErrorKind",
     "HostInfo",
+    "Memory",
     "WorkerSettings",
     "Listen",
     "Listening",

@@ -9,6 +9,8 @@ engine drops the request at the next step boundary.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from collections.abc import Sequence as Sequence_
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import orjson
 import structlog
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -127,12 +130,13 @@ class Endpoint:
     generates: bool = False  # its refusals count as rejected requests in the metrics
     error_body: ErrorBody = openai_body  # the family's error shape
     images: bool = False  # its body may carry images: it may be as large as --max-image-body-bytes
+    challenge: str = "Bearer"  # the 401's WWW-Authenticate: a page's Basic one makes a browser ask for the key
 
     def route(self) -> Route:
         async def run(request: Request) -> Response:
             state: ServerState = request.app.state.neuron
             if self.keyed:
-                authorize(request, state)
+                authorize(request, state, self.challenge)
             body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
             return await self.handler(Call(request, state, body))
 
@@ -146,22 +150,38 @@ class Endpoint:
         return MAX_BODY_BYTES, ""
 
 
-def authorize(request: Request, state: ServerState) -> None:
+def given_key(headers: Headers) -> bytes:
+    """The key a request carries, or b"": `Authorization: Bearer KEY`, `x-api-key: KEY` (Anthropic's clients), or
+    HTTP Basic with the key as the password and any user name (what a browser asked by the page's challenge sends,
+    and resends with the page's own requests)."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip().encode()
+    if scheme.lower() == "basic":
+        try:
+            _, _, password = base64.b64decode(value.strip(), validate=True).partition(b":")
+        except (binascii.Error, ValueError):
+            password = b""
+        if password.strip():
+            return password.strip()
+    return headers.get("x-api-key", "").strip().encode()
+
+
+def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -> None:
     if state.api_key is None:
         return
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    # Anthropic's clients send the key as `x-api-key`.
-    key = (key if scheme.lower() == "bearer" else "") or request.headers.get("x-api-key", "")
-    if not key.strip():
+    key = given_key(request.headers)
+    if not key:
         raise ApiError(
             401,
-            "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`)",
+            "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`, or the key as "
+            "the password of HTTP Basic)",
             code="invalid_api_key",
-            headers={"www-authenticate": "Bearer"},
+            headers={"www-authenticate": challenge},
         )
     # Constant time: how long the compare takes must not tell how much of the key matched.
-    if not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-        raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
+    if not hmac.compare_digest(key, state.api_key.encode()):
+        raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": challenge})
 
 
 async def read_json(request: Request, limit: tuple[int, str] = (MAX_BODY_BYTES, "")) -> Any:

@@ -19,6 +19,8 @@ from neuron.server.common.schema import ERROR, OpenApi, Schema, Spec, get
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
 Family = Callable[[Spec], OpenApi]
+# The key as a bearer token, or as Basic's password (what a browser sends once the page has asked for it).
+SCHEMES = {"bearer": {"type": "http", "scheme": "bearer"}, "basic": {"type": "http", "scheme": "basic"}}
 
 
 def document(spec: Spec, families: Iterable[Family]) -> Schema:
@@ -34,7 +36,7 @@ def document(spec: Spec, families: Iterable[Family]) -> Schema:
         "openapi": "3.1.0",
         "info": {"title": "neuron", "version": "1", "description": f"OpenAI-compatible API serving `{spec.model_id}`"},
         "paths": paths,
-        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {"schemas": components, "securitySchemes": SCHEMES},
     }
 
 

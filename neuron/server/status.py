@@ -1,6 +1,6 @@
 """``GET /v1/status``: the cluster at a glance, as the page (``page``) polls it: the model and its architecture,
-each rank's host, device, memory and share of the model, the queue, the caches, the counters the page turns into
-step time and tokens per second, and the latest losses and recoveries. No MLX.
+each rank's host, device, memory (used and free, read live) and share of the model, the queue, the caches, the
+counters the page turns into step time and tokens per second, and the latest losses and recoveries. No MLX.
 
 Counters, not rates: the page keeps its own history between polls, so that the server keeps none per viewer.
 """
@@ -86,6 +86,7 @@ def ranks(engine: Engine) -> list[dict[str, Any]]:
     out = []
     for rank, host in enumerate(pool.hosts):
         info = said[rank] if rank < len(said) else None
+        memory = pool.memory.get(rank)  # read live during the steps; before the first, what the handshake said
         state, reason = rank_state(rank, broken.failures if broken is not None else None, pool.loaded)
         staged = rank < len(pool.layers)
         out.append(
@@ -97,7 +98,9 @@ def ranks(engine: Engine) -> list[dict[str, Any]]:
                 "state": state,
                 "reason": reason,
                 "weights_bytes": pool.weights[rank] if rank < len(pool.weights) else None,
-                "free_bytes": info.free_memory if info else None,
+                "used_bytes": memory.used if memory else None,
+                "free_bytes": memory.free if memory else info.free_memory if info else None,
+                "memory_read_at": memory.at if memory else None,
                 "memory_limit_bytes": (info.memory_limit or None) if info else None,
                 "layers": list(pool.layers[rank]) if staged else ([0, layers] if layers else None),
                 "heads": None if staged or not heads else heads // pool.world_size,
@@ -179,7 +182,17 @@ def openapi(spec: Spec) -> OpenApi:
     text: Schema = {"type": "string"}
     rank: Schema = {
         "type": "object",
-        "required": ["rank", "host", "state", "weights_bytes", "free_bytes", "layers", "heads"],
+        "required": [
+            "rank",
+            "host",
+            "state",
+            "weights_bytes",
+            "used_bytes",
+            "free_bytes",
+            "memory_read_at",
+            "layers",
+            "heads",
+        ],
         "properties": {
             "rank": integer,
             "host": text,
@@ -188,7 +201,20 @@ def openapi(spec: Spec) -> OpenApi:
             "state": {"enum": ["ok", "starting", "lost"]},
             "reason": {"type": ["string", "null"]},
             "weights_bytes": maybe_int,
-            "free_bytes": maybe_int,
+            "used_bytes": {
+                "type": ["integer", "null"],
+                "description": "what the rank's process holds: MLX's active memory on a GPU, else its resident set",
+            },
+            "free_bytes": {
+                "type": ["integer", "null"],
+                "description": "what the rank could still take: its GPU's free memory, else its host's (or its "
+                "cgroup's room)",
+            },
+            "memory_read_at": {
+                "type": ["number", "null"],
+                "description": "when used_bytes and free_bytes were read, in unix seconds (every few seconds while "
+                "steps run); null: free_bytes is from the rank's handshake",
+            },
             "memory_limit_bytes": maybe_int,
             "layers": {"type": ["array", "null"], "items": integer},
             "heads": maybe_int,

@@ -80,7 +80,7 @@ def test_schema_states_this_servers_model_and_limits(fuzzed: Server) -> None:
     chat = document["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]
     assert body["properties"]["model"]["enum"] == ["qwen3"]
-    assert chat["security"] == [{"bearer": []}]
+    assert chat["security"] == [{"bearer": []}, {"basic": []}]
     prompt = document["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     tokens = prompt["properties"]["prompt"]["anyOf"][1]
     assert tokens["maxItems"] == 63 and tokens["items"]["maximum"] == 258  # context 64, vocabulary 259

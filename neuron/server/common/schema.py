@@ -31,7 +31,7 @@ class Spec:
 
     @property
     def secured(self) -> Schema:
-        return {"security": [{"bearer": []}]} if self.keyed else {}
+        return {"security": [{"bearer": []}, {"basic": []}]} if self.keyed else {}
 
 
 def served_names(model_id: str) -> list[str]:

@@ -1,9 +1,11 @@
 """``GET /`` and its files under ``/page/``: the chat playground and the cluster view, static files shipped in the
 wheel (no build step, no CDN: a cluster with no internet serves it whole). No MLX.
 
-The files hold no key and no content: they are served to anyone the guard lets through (the same Origin and Host
-checks as the API), and the page asks for the API key itself where one is set, sending it with each call as any
-client does (kept in the tab's session storage, never in the page). Every reply carries a Content-Security-Policy
+The files hold no key and no content, and sit behind the API key where one is set, as every API route does (after
+the same Origin and Host checks): without it they answer 401 with a Basic challenge, so the browser asks for the key
+(any user name, the key as the password) and resends it with the page's own calls, which take it as any route does.
+Should those calls still be refused, the page asks for the key itself and sends it as a bearer token, kept in the
+tab's session storage, never in the page. Every reply carries a Content-Security-Policy
 that allows scripts, styles and connections from this server only, and no inline script or style, so that text
 a model writes cannot run as code even if the page ever put it in as HTML.
 """
@@ -47,9 +49,12 @@ async def asset(call: Call) -> Response:
     return _file(call.request.path_params["name"])
 
 
+# Basic, not Bearer: the browser itself asks for the key (any user name, the key as the password) and resends it
+# with the page's files and the page's own calls, so no script ever holds it.
+CHALLENGE = 'Basic realm="neuron"'
 ENDPOINTS = (
-    Endpoint("/", index, method="GET", keyed=False),
-    Endpoint("/page/{name}", asset, method="GET", keyed=False),
+    Endpoint("/", index, method="GET", challenge=CHALLENGE),
+    Endpoint("/page/{name}", asset, method="GET", challenge=CHALLENGE),
 )
 
 

@@ -2,7 +2,7 @@
 // Text from the model or the server is only ever set as textContent: nothing it says is read as HTML.
 "use strict";
 
-const KEY = "neuron.key"; // the API key, in this tab's session storage only
+const KEY = "neuron.key"; // the API key where the page had to ask for it, in this tab's session storage only
 const STORE = "neuron.conversations"; // conversations live in this browser, never on the server
 const POLL_MS = 1000;
 const HISTORY_MS = 5 * 60 * 1000;
@@ -20,7 +20,8 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-// The API key, asked for when the server answers 401.
+// The API key: the browser asked for it when it loaded the page (HTTP Basic) and resends it with every call here.
+// Only if a call is still refused (the key changed since, say) does the page ask for it and send it as a bearer token.
 
 function headers(json) {
   const out = json ? { "content-type": "application/json" } : {};
@@ -352,7 +353,9 @@ function renderStatus(status) {
   ranks.replaceChildren();
   for (const rank of status.ranks) {
     const state = rankState(rank, status.events);
-    const used = rank.weights_bytes;
+    const read = rank.memory_read_at
+      ? `read ${Math.max(0, Math.round(status.now - rank.memory_read_at))} s ago`
+      : "when it joined";
     const card = el(
       "div",
       { cls: "card rank", "data-rank": String(rank.rank), "data-state": state },
@@ -363,8 +366,9 @@ function renderStatus(status) {
     facts(dl, [
       ["host name", rank.hostname],
       ["device", rank.device],
-      ["memory used (weights)", bytes(used)],
-      ["memory free (when it joined)", bytes(rank.free_bytes)],
+      ["weights", bytes(rank.weights_bytes)],
+      [`memory used (${rank.memory_read_at ? read : "not read yet"})`, bytes(rank.used_bytes)],
+      [`memory free (${read})`, bytes(rank.free_bytes)],
       ["layers", rank.layers ? `${rank.layers[0]}–${rank.layers[1] - 1}` : "–"],
       ["attention heads", rank.heads ?? "all"],
     ]);
