@@ -45,10 +45,8 @@ def fuzzed(servers: list[Server]) -> Server:
 # of a run) while the server answers the other. Not two workers in one process: on Python 3.11 hypothesis's
 # ``ast.parse`` in two threads at once trips "AST constructor recursion depth mismatch" (python/cpython#106905).
 # Both halves hold ``GET /v1/models``, whose answers the others draw model names from; every other operation is in
-# exactly one. The test lasts as long as the longer half, timed alone: the Messages API's token count sits beside
-# the completions, whose cases reach the model, and not with the rest of the Messages API, which then ran the
-# longest.
-HALF = "^/(v1/(completions|embeddings|responses|messages/count_tokens)|detokenize)$"
+# exactly one.
+HALF = "^/(v1/(completions|embeddings|responses)|detokenize)$"
 MODELS = "^/v1/models$"
 
 
