@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
-from conftest import Server, serving, tcp_sockets, wait_until
+from conftest import Server, tcp_sockets, wait_until
+
+from testkit import serving_side_by_side
 
 KEY = "secret"
 HERE = Path(__file__).resolve().parent
@@ -25,11 +27,18 @@ EXAMPLES = 20  # per operation and phase, about a minute here; bench/http_fuzz.p
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # A short context bounds each generated request, so many fit in a minute.
-    args = ("--model", str(tiny_models["qwen3"]), "--max-context", "64")
-    with serving(tmp_path_factory, *args, api_key=KEY) as server:
-        yield server
+def servers(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """The module's two servers, started side by side: the fuzzed one, whose short context bounds each generated
+    request, so many fit in a minute; and a roomy one, with the model's whole context, whose streams are long
+    enough to be still running when their clients leave."""
+    model = ("--model", str(tiny_models["qwen3"]))
+    with serving_side_by_side(tmp_path_factory, (*model, "--max-context", "64"), model, api_key=KEY) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def fuzzed(servers: list[Server]) -> Server:
+    return servers[0]
 
 
 # The operations in two halves of about equal work, fuzzed by two schemathesis processes at once: one generates (most
@@ -110,10 +119,8 @@ def _raw_post(url: str, body: bytes, length: int) -> socket.socket:
 
 
 @pytest.fixture(scope="module")
-def roomy(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The model's whole context: streams long enough to be still running when their clients leave."""
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), api_key=KEY) as server:
-        yield server
+def roomy(servers: list[Server]) -> Server:
+    return servers[1]
 
 
 def test_stalled_and_abandoned_clients_cost_nothing_once_gone(roomy: Server) -> None:

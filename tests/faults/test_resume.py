@@ -28,6 +28,7 @@ from testkit.resume import (
     kill,
     references,
     served,
+    shorter,
     start_streams,
     worker_pid,
 )
@@ -35,6 +36,9 @@ from testkit.server import wait_until
 
 # A prompt of token ids (the completions API takes them) that kills rank 1 whenever a step feeds it.
 KILLER = [5, 77, 5, 78]
+# The four requests for the servers of one test each: long enough that the fault lands mid-stream (it lands at 5
+# chunks), where the shared server's must also outlast the killer's two losses.
+SHORT = shorter(120)
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +101,11 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
     args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
     server = Server(*args, log_path=tmp_path / "log").start()
     try:
-        undisturbed = references(server.url, BODIES)
-        disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL))
+        undisturbed = references(server.url, SHORT)
+        disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL), bases=SHORT)
         victim = worker_pid(server)
         try:
-            disturb(server, undisturbed, kill(victim, signal.SIGSTOP))
+            disturb(server, undisturbed, kill(victim, signal.SIGSTOP), bases=SHORT)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 kill(victim, signal.SIGCONT)()
@@ -123,8 +127,8 @@ def test_rank0_inside_a_lost_groups_collective_is_freed_or_left_behind_within_th
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "3")
     server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={WEDGE_ENV: str(wedge)}).start()
     try:
-        undisturbed = references(server.url, BODIES)
-        streams = start_streams(server.url, BODIES)
+        undisturbed = references(server.url, SHORT)
+        streams = start_streams(server.url, SHORT)
         wait_until(lambda: all(s.chunks >= 5 for s in streams), 60, "5 chunks on every stream")
         for rank in (0, 1):
             Path(f"{wedge}.{rank}").touch()
