@@ -165,7 +165,12 @@ class Server:
         return found[0]
 
     def start(self) -> Server:
-        self.port = self.wait_log("serving")["port"]
+        """Wait until it serves; a start that fails stops the server, so that no test leaves one behind."""
+        try:
+            self.port = self.wait_log("serving")["port"]
+        except BaseException:
+            self.stop(timeout=10)
+            raise
         return self
 
     @property
