@@ -142,6 +142,20 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "qwen3")}
 
 
+TP1_TOKENS = 32  # greedy tokens in ``tiny_tp1``'s reference
+
+
+@pytest.fixture(scope="session")
+def tiny_tp1(tiny_models: dict[str, Path]) -> dict[str, dict]:
+    """Each tiny model on one rank in a fresh leader (tests/leader_scenarios.py's ``generate``): its greedy tokens
+    and its parameter count, the reference the pool and pipeline tests hold their splits to; run once for the
+    session."""
+    from test_pool import scenarios_side_by_side
+
+    runs = scenarios_side_by_side(*(("generate", str(path), 1, TP1_TOKENS) for path in tiny_models.values()))
+    return dict(zip(tiny_models, runs, strict=True))
+
+
 @pytest.fixture(scope="session")
 def tiny_alone(tiny_models: dict[str, Path]) -> Callable[[str], str]:
     """What ``neuron generate --max-tokens 24 hello`` prints on one rank, by tiny model: each run once for the

@@ -73,8 +73,7 @@ def test_on_a_terminal_a_progress_bar_then_the_answer_then_a_summary(smollm2: Pa
 
 def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:
     args = ("generate", "--model", str(smollm2), "--max-tokens", "16", "The history of Rome")
-    tp1 = run_neuron(*args)
-    tp3 = run_neuron(*args, "--tp", "3")
+    tp1, tp3 = run_neuron_side_by_side(args, (*args, "--tp", "3"))
     assert tp1.returncode == 0 and tp3.returncode == 0, tp1.stderr + tp3.stderr
     assert len(tp1.stdout.strip()) > 20
     assert tp3.stdout == tp1.stdout

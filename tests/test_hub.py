@@ -23,7 +23,7 @@ import pytest
 
 from neuron import hub
 from neuron.catalog import how_served
-from testkit import Server, make_tiny_model, neuron_command, run_neuron, wait_until
+from testkit import Server, make_tiny_model, neuron_command, run_neuron, run_neuron_side_by_side, wait_until
 from testkit.hub import LocalHub
 
 PROMPT = "The hub"
@@ -71,8 +71,17 @@ def hub_env(server: LocalHub | None, home: Path, **extra: str) -> dict[str, str]
     }
 
 
+def _generating(model: str, *args: str) -> tuple[str, ...]:
+    return ("generate", "--model", model, "--max-tokens", "12", *args, PROMPT)
+
+
 def generate(model: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return run_neuron("generate", "--model", model, "--max-tokens", "12", *args, PROMPT, env=env, timeout=180)
+    return run_neuron(*_generating(model, *args), env=env, timeout=180)
+
+
+def generate_side_by_side(env: dict[str, str], *models: str) -> list[subprocess.CompletedProcess[str]]:
+    """``generate`` for each model, run side by side."""
+    return run_neuron_side_by_side(*map(_generating, models), env=env, timeout=180)
 
 
 def one_line_error(done: subprocess.CompletedProcess[str], *words: str) -> None:
@@ -87,8 +96,9 @@ def test_generate_by_name_fetches_only_what_neuron_reads_and_equals_the_folder(
     local_hub: LocalHub, folders: dict[str, Path], tmp_path: Path
 ) -> None:
     local_hub.requests.clear()
-    by_name = generate("org/tiny", hub_env(local_hub, tmp_path / "hf"))
-    from_folder = generate(str(folders["second"]), hub_env(local_hub, tmp_path / "hf"))
+    by_name, from_folder = generate_side_by_side(
+        hub_env(local_hub, tmp_path / "hf"), "org/tiny", str(folders["second"])
+    )
     assert by_name.returncode == 0, by_name.stderr
     assert by_name.stdout == from_folder.stdout and by_name.stdout.strip()
     assert sorted(local_hub.fetched("org/tiny")) == [

@@ -12,28 +12,23 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PARIS, make_tiny_model, run_neuron
-from test_pool import scenario
+from conftest import PARIS, TP1_TOKENS, make_tiny_model, run_neuron
+from test_pool import scenario, scenarios_side_by_side
 
 from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
 from neuron.models import ModelError, weight_bytes
 from neuron.rank.shard import check_splittable
+from testkit import run_neuron_side_by_side
 from testkit.faults import FAKE_HOST_ENV
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_models: dict[str, Path]) -> dict[str, dict]:
-    """Each tiny model at TP=1: its greedy tokens and its parameter count."""
-    return {arch: scenario("generate", str(path), 1, 24) for arch, path in tiny_models.items()}
 
 
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pipeline_stages_give_tp1s_tokens_each_holding_its_share(
-    tiny_models: dict[str, Path], reference: dict[str, dict], arch: str, stages: int
+    tiny_models: dict[str, Path], tiny_tp1: dict[str, dict], arch: str, stages: int
 ) -> None:
-    result = scenario("generate", str(tiny_models[arch]), stages, 24, stages)
-    alone = reference[arch]
+    result = scenario("generate", str(tiny_models[arch]), stages, TP1_TOKENS, stages)
+    alone = tiny_tp1[arch]
     assert result["tokens"] == alone["tokens"] and result["after_reload"] == alone["tokens"]
     assert len(set(alone["tokens"])) > 8
     layers = result["layers"]
@@ -48,23 +43,23 @@ def test_pipeline_stages_give_tp1s_tokens_each_holding_its_share(
 def test_the_other_architectures_neuron_stages_give_tp1s_tokens(tmp_path: Path, arch: str) -> None:
     """qwen2's mlx-lm file has a pipeline of its own (unused here), mistral is llama's code under another name."""
     model = str(make_tiny_model(tmp_path / arch, arch))
-    alone = scenario("generate", model, 1, 24)
+    alone, staged = scenarios_side_by_side(("generate", model, 1, 24), ("generate", model, 2, 24, 2))
     assert len(set(alone["tokens"])) > 8
-    assert scenario("generate", model, 2, 24, 2)["tokens"] == alone["tokens"]
+    assert staged["tokens"] == alone["tokens"]
 
 
 def test_an_uneven_split_and_one_by_free_memory_give_the_same_tokens(
-    tiny_models: dict[str, Path], reference: dict[str, dict]
+    tiny_models: dict[str, Path], tiny_tp1: dict[str, dict]
 ) -> None:
     model = str(tiny_models["qwen3"])
-    uneven = scenario("generate", model, 2, 24, 2, [1, 3])
-    assert uneven["layers"] == [[0, 1], [1, 4]] and uneven["tokens"] == reference["qwen3"]["tokens"]
+    uneven = scenario("generate", model, 2, TP1_TOKENS, 2, [1, 3])
+    assert uneven["layers"] == [[0, 1], [1, 4]] and uneven["tokens"] == tiny_tp1["qwen3"]["tokens"]
     per_layer, rest = weight_bytes(model, 4)
     # Rank 1's host has three times rank 0's room for layers (rank 0 also holds the embedding).
     room = 2 * per_layer[0]
     fake = f"0:free_memory={room + rest};1:free_memory={3 * room}"
-    weighted = scenario("generate", model, 2, 24, 2, env={FAKE_HOST_ENV: fake})
-    assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == reference["qwen3"]["tokens"]
+    weighted = scenario("generate", model, 2, TP1_TOKENS, 2, env={FAKE_HOST_ENV: fake})
+    assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == tiny_tp1["qwen3"]["tokens"]
 
 
 def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(
@@ -72,8 +67,8 @@ def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(
 ) -> None:
     alone = smollm2_paris  # one rank
     assert "Paris" in alone.stdout, alone.stdout
-    for split in (("--pp", "3"), ("--pp", "2", "--pp-layers", "5,25")):
-        staged = run_neuron("generate", *PARIS, *split)
+    splits = (("--pp", "3"), ("--pp", "2", "--pp-layers", "5,25"))
+    for split, staged in zip(splits, run_neuron_side_by_side(*(("generate", *PARIS, *s) for s in splits)), strict=True):
         assert staged.returncode == 0, staged.stderr[-2000:]
         assert staged.stdout == alone.stdout, split
 
@@ -82,12 +77,16 @@ def test_seeded_sampling_in_stages_equals_one_rank(tiny_models: dict[str, Path])
     """A stage runs whole layers in the same order as one rank does, so the logits, and what a seed draws from
     them, are the same."""
     sample = ("generate", "--model", str(tiny_models["qwen3"]), "--max-tokens", "24", "--temperature", "1.0")
-    alone = run_neuron(*sample, "--seed", "7", "hello")
+    stages = ("2", "3")
+    alone, other_seed, *staged = run_neuron_side_by_side(
+        (*sample, "--seed", "7", "hello"),
+        (*sample, "--seed", "8", "hello"),
+        *((*sample, "--seed", "7", "--pp", n, "hello") for n in stages),
+    )
     assert alone.returncode == 0, alone.stderr[-2000:]
-    assert run_neuron(*sample, "--seed", "8", "hello").stdout != alone.stdout  # the seed decides: it is sampling
-    for stages in ("2", "3"):
-        staged = run_neuron(*sample, "--seed", "7", "--pp", stages, "hello")
-        assert staged.returncode == 0 and staged.stdout == alone.stdout, (stages, staged.stderr[-2000:])
+    assert other_seed.stdout != alone.stdout  # the seed decides: it is sampling
+    for n, done in zip(stages, staged, strict=True):
+        assert done.returncode == 0 and done.stdout == alone.stdout, (n, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize(

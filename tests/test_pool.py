@@ -10,11 +10,12 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, alive, make_tiny_model, wait_until
+from conftest import ROOT, TP1_TOKENS, alive, make_tiny_model, wait_until
 
 from neuron.pool import Layout, Pool
 from testkit.faults import FAIL_ENV
@@ -41,10 +42,17 @@ def scenario(name: str, *args: Any, env: dict[str, str] | None = None, timeout: 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def scenarios_side_by_side(*calls: tuple[Any, ...]) -> list[Any]:
+    """``scenario`` for each call (its name, then its arguments), run side by side (a run starts with one process
+    importing, so their starts overlap on the cores); each one's result, in order."""
+    with ThreadPoolExecutor(len(calls)) as runs:
+        return list(runs.map(lambda call: scenario(*call), calls))
+
+
 @pytest.fixture(scope="module")
-def clean_tokens(tiny_models: dict[str, Path]) -> dict[str, list[int]]:
+def clean_tokens(tiny_tp1: dict[str, dict]) -> dict[str, list[int]]:
     """Greedy tokens of each tiny model at TP=1: the reference every multi-rank run must reproduce."""
-    return {arch: scenario("generate", str(path), 1, 32)["tokens"] for arch, path in tiny_models.items()}
+    return {arch: alone["tokens"] for arch, alone in tiny_tp1.items()}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -58,22 +66,22 @@ def test_spawn_ping_group_and_shutdown(tiny_models: dict[str, Path], smollm2: Pa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]], arch: str) -> None:
-    result = scenario("generate", str(tiny_models[arch]), 2, 32)
-    assert result["tokens"] == clean_tokens[arch]
-    assert result["after_reload"] == clean_tokens[arch]  # loaded again over the first
-    assert len(set(clean_tokens[arch])) > 8  # a degenerate model would make the comparison meaningless
-    full = scenario("generate", str(tiny_models[arch]), 1, 1)["parameters"][0]
-    assert result["parameters"][0] == result["parameters"][1] < full  # each rank holds only its slices
+def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], tiny_tp1: dict[str, dict], arch: str) -> None:
+    result = scenario("generate", str(tiny_models[arch]), 2, TP1_TOKENS)
+    alone = tiny_tp1[arch]
+    assert result["tokens"] == alone["tokens"]
+    assert result["after_reload"] == alone["tokens"]  # loaded again over the first
+    assert len(set(alone["tokens"])) > 8  # a degenerate model would make the comparison meaningless
+    assert result["parameters"][0] == result["parameters"][1] < alone["parameters"][0]  # each rank holds its slices
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_a_vocabulary_projection_split_over_the_ranks_gives_tp1s_tokens(tmp_path: Path, arch: str) -> None:
     # 40001 x 256 is past SPLIT_HEAD_MIN_PARAMS, and odd: rank 1's rows are padded. Untied (llama) and tied (qwen3).
     model = str(make_tiny_model(tmp_path / arch, arch, vocab=40001))
-    alone = scenario("generate", model, 1, 24)["tokens"]
+    alone, split = (r["tokens"] for r in scenarios_side_by_side(("generate", model, 1, 24), ("generate", model, 2, 24)))
     assert max(alone) > 258 and len(set(alone)) > 8  # tokens from beyond the tokenizer's ids: the whole head counts
-    assert scenario("generate", model, 2, 24)["tokens"] == alone
+    assert split == alone
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1])

@@ -8,8 +8,9 @@ exactly on the CPU; on a GPU a difference only at a near tie (a restored prefix 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import httpx
@@ -75,6 +76,23 @@ async def concurrent(server: Server, model: str, system: str, max_tokens: int = 
     return out
 
 
+T = TypeVar("T")
+
+
+async def side_by_side(off: Awaitable[T], on: Awaitable[T]) -> tuple[T, T]:
+    """Both servers asked at once: each answers its own requests in the order it would alone, and one's waits
+    (a collective, a reply) leave the cores to the other."""
+    out: dict[str, T] = {}
+
+    async def run(name: str, call: Awaitable[T]) -> None:
+        out[name] = await call
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "off", off)
+        tg.start_soon(run, "on", on)
+    return out["off"], out["on"]
+
+
 def check_conversation(off: list[Turn], on: list[Turn]) -> None:
     for i, (reference, turn) in enumerate(zip(off, on, strict=True)):
         assert_same(reference[0], turn[0], f"turn {i}")
@@ -107,8 +125,8 @@ def pair(
 @pytest.mark.anyio
 async def test_a_four_turn_chat_is_unchanged_and_each_turn_reuses_the_last(pair: tuple[str, Server, Server]) -> None:
     model, off, on = pair
-    turns = await conversation(on, model, "Be brief.")
-    check_conversation(await conversation(off, model, "Be brief."), turns)
+    reference, turns = await side_by_side(conversation(off, model, "Be brief."), conversation(on, model, "Be brief."))
+    check_conversation(reference, turns)
     assert on.find_log("prefill done", prompt_tokens=turns[3][1], cached_tokens=turns[3][2]) is not None
 
 
@@ -117,7 +135,7 @@ async def test_eight_concurrent_requests_sharing_a_system_prompt_are_unchanged(
     pair: tuple[str, Server, Server],
 ) -> None:
     model, off, on = pair
-    check_concurrent(await concurrent(off, model, SYSTEM), await concurrent(on, model, SYSTEM), len(SYSTEM))
+    check_concurrent(*await side_by_side(concurrent(off, model, SYSTEM), concurrent(on, model, SYSTEM)), len(SYSTEM))
     metrics = on.metrics()
     assert metrics[("neuron_prefix_cache_hits_total", ())] >= 6
     assert metrics[("neuron_prefix_cache_cached_tokens_total", ())] >= 6 * len(SYSTEM)
@@ -203,14 +221,10 @@ def test_smollm2_over_three_ranks_is_unchanged_by_the_cache(
     commands = ((*args, "--prefix-cache-bytes", "0"), (*args, "--tp", "3"))
     with serving_side_by_side(tmp_path_factory, *commands) as (off, on):
 
-        async def both() -> None:
-            on_turns, off_turns = (
-                await conversation(on, model, "Be brief.", 3),
-                await conversation(off, model, "Be brief.", 3),
-            )
-            check_conversation(off_turns, on_turns)
-            on_many, off_many = await concurrent(on, model, system, 2), await concurrent(off, model, system, 2)
-            assert on_many[0][1] >= 300
-            check_concurrent(off_many, on_many, on_many[0][1] - 20)
+        async def asked(server: Server) -> tuple[list[Turn], list[Turn]]:
+            return await conversation(server, model, "Be brief.", 3), await concurrent(server, model, system, 2)
 
-        anyio.run(both)
+        (off_turns, off_many), (on_turns, on_many) = anyio.run(side_by_side, asked(off), asked(on))
+        check_conversation(off_turns, on_turns)
+        assert on_many[0][1] >= 300
+        check_concurrent(off_many, on_many, on_many[0][1] - 20)
