@@ -173,7 +173,7 @@ def _layout(args: argparse.Namespace, launcher: Launcher) -> Layout:
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from neuron import config, device
+    from neuron import config, descriptors, device
     from neuron import log as logging_setup
 
     # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
@@ -198,6 +198,8 @@ def _run(args: argparse.Namespace) -> int:
             log.warning(problem)
     run = _serve if args.command == "serve" else _generate
     launcher = Launcher(args.host_list, args.ssh_command, args.data_plane)
+    if not launcher.local_workers:  # no worker's start-up to overlap it with: outside the event loop it is quicker
+        descriptors.import_mlx_lm()
     try:
         restart = anyio.run(_workers_first, run, args, launcher)
     except BaseException as e:  # what a person should read is found below; anything else is re-raised

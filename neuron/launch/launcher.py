@@ -57,6 +57,11 @@ class Launcher:
         """The ring's links between hosts go through SSH tunnels (``tunnels.py``)."""
         return self.data_plane == "ssh" and self.remote
 
+    @property
+    def local_workers(self) -> list[int]:
+        """The ranks above 0 whose workers run on this host."""
+        return [rank for rank in range(1, self.world_size) if self.hosts[rank].local]
+
     def host(self, rank: int) -> str:
         """The host as the operator named it: logs and errors say so."""
         return self.hosts[rank].ssh
@@ -78,10 +83,9 @@ class Launcher:
         start-up is mostly those same imports, so each side's runs while the other's does; ``spawn`` hands them
         over. Called once, by the command line, before the pool exists; ``end_early`` ends any not handed over."""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        for rank in range(1, self.world_size):
-            if self.hosts[rank].local:
-                env = spawn_env(backend, rank, self.hosts, visible)
-                self._early[rank] = (env, await spawn_local(rank, self.world_size, env))
+        for rank in self.local_workers:
+            env = spawn_env(backend, rank, self.hosts, visible)
+            self._early[rank] = (env, await spawn_local(rank, self.world_size, env))
 
     async def end_early(self) -> None:
         """End the workers ``start_early`` started that no pool took (it failed, or never began, first)."""
