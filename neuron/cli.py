@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING
 from neuron import __version__, cpu
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from neuron.launch.launcher import Launcher
     from neuron.leader import Restart
     from neuron.pool import Layout
 
@@ -122,8 +125,7 @@ def _main(argv: list[str] | None) -> int:
     except ImportError as e:
         print(f"neuron: error: {device.cannot_load(e)}", file=sys.stderr)
         return EXIT_FAILURE
-    descriptors.import_mlx_lm()
-    return _run(args)
+    return _run(args)  # it imports mlx-lm once this host's workers have started (``_workers_first``)
 
 
 def _read_hosts(args: argparse.Namespace) -> list[str]:
@@ -161,19 +163,16 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _layout(args: argparse.Namespace) -> Layout:
-    from neuron.launch.launcher import Launcher
+def _layout(args: argparse.Namespace, launcher: Launcher) -> Layout:
     from neuron.pool import Layout
 
-    return Layout(
-        Launcher(args.host_list, args.ssh_command, args.data_plane), args.backend, args.pp, args.split, args.push_model
-    )
+    return Layout(launcher, args.backend, args.pp, args.split, args.push_model)
 
 
 def _run(args: argparse.Namespace) -> int:
     import anyio
 
-    from neuron import config, device
+    from neuron import config, descriptors, device
     from neuron import log as logging_setup
 
     # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
@@ -182,9 +181,7 @@ def _run(args: argparse.Namespace) -> int:
     os.environ[config.SETTINGS["log_format"].env] = fmt
     import structlog
 
-    from neuron.engine.sequence import RequestError
-    from neuron.models import ModelError
-    from neuron.pool import PoolError
+    from neuron.launch.launcher import Launcher
 
     log = structlog.get_logger("neuron.cli")
     if cpu.is_linux_cpu_backend():
@@ -201,9 +198,18 @@ def _run(args: argparse.Namespace) -> int:
     from neuron.pool.rank0 import leave_if_rank0_is_busy
 
     run = _serve if args.command == "serve" else _generate
+    launcher = Launcher(args.host_list, args.ssh_command, args.data_plane)
+    if not launcher.local_workers:  # no worker's start-up to overlap it with: outside the event loop it is quicker
+        descriptors.import_mlx_lm()
     try:
-        restart = anyio.run(run, args)
+        restart = anyio.run(_workers_first, run, args, launcher)
     except BaseException as e:  # what a person should read is found below; anything else is re-raised
+        if isinstance(e, ImportError):  # mlx-lm's (or a module it needs): the traceback names it
+            raise
+        from neuron.engine.sequence import RequestError
+        from neuron.models import ModelError
+        from neuron.pool import PoolError
+
         expected = _first_leaf(e, (ModelError, RequestError, PoolError, RuntimeError, ValueError, OSError))
         if isinstance(expected, KeyboardInterrupt):
             return 130
@@ -228,7 +234,24 @@ def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) ->
     return error if isinstance(error, (*kinds, KeyboardInterrupt)) else None
 
 
-async def _serve(args: argparse.Namespace) -> Restart | None:
+async def _workers_first(
+    run: Callable[[argparse.Namespace, Launcher], Awaitable[Restart | None]],
+    args: argparse.Namespace,
+    launcher: Launcher,
+) -> Restart | None:
+    """Start this host's workers, then import mlx-lm (most of a start-up, in the leader and in each worker alike),
+    then ``run``: the workers' imports run while the leader's do, where they used to follow them."""
+    from neuron import descriptors
+
+    try:
+        await launcher.start_early(args.backend)
+        descriptors.import_mlx_lm()  # blocks the loop, which has nothing to do until the pool takes the workers
+        return await run(args, launcher)
+    finally:
+        await launcher.end_early()
+
+
+async def _serve(args: argparse.Namespace, launcher: Launcher) -> Restart | None:
     from neuron import config, images
     from neuron.hub import parse
     from neuron.leader import ServeOptions, run_leader
@@ -242,7 +265,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
             model_path=None if parse(args.model) else resolve(args.model),  # a Hub name is fetched once serving
             model=args.model,
             model_id=model_id(args.model),
-            layout=_layout(args),
+            layout=_layout(args, launcher),
             serving=config.build(Serving, args),
             http=config.build(HttpLimits, args),
             deadlines=Deadlines(step=args.step_timeout),
@@ -251,7 +274,7 @@ async def _serve(args: argparse.Namespace) -> Restart | None:
     )
 
 
-async def _generate(args: argparse.Namespace) -> None:
+async def _generate(args: argparse.Namespace, launcher: Launcher) -> None:
     from neuron.generate import generate
 
-    await generate(args, _layout(args))
+    await generate(args, _layout(args, launcher))

@@ -40,7 +40,8 @@ def limit_kept() -> Iterator[None]:
 
 
 def import_mlx_lm() -> None:
-    """Import ``mlx_lm.utils`` (and MLX) with the descriptor limit kept; call it before anything else imports it."""
+    """Import ``mlx_lm.utils`` (and MLX) with the descriptor limit kept; call it before anything else imports it (once
+    imported, a call changes nothing)."""
     with limit_kept():
         import mlx_lm.utils  # noqa: F401
     raise_soft_limit()

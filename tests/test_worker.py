@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 from conftest import ROOT, neuron_command, wait_until
 
@@ -132,3 +133,35 @@ def test_a_stray_print_lands_in_stderr_not_in_the_protocol(tmp_path: Path) -> No
     assert done.returncode == 0
     assert [rpc.decode_reply(line).op for line in done.stdout.splitlines()] == ["pong", "bye"]
     assert b"STRAY PRINT" in done.stderr and b"STRAY FD1" in done.stderr
+
+
+def _children() -> set[int]:
+    """This process's child processes, from every thread's list."""
+    return {int(pid) for path in Path("/proc/self/task").glob("*/children") for pid in path.read_text().split()}
+
+
+def test_workers_started_early_are_handed_over_with_their_env_or_ended() -> None:
+    """``neuron serve`` starts this host's workers before its own imports; the pool's spawn takes each (the same
+    process) where it asks for the env it was started with, replaces it where not, and the rest are ended."""
+    from neuron.launch.launcher import Launcher
+
+    async def scenario() -> None:
+        before = _children()
+        launcher = Launcher.local(4)
+        await launcher.start_early("ring")
+        early = _children() - before
+        assert len(early) == 3
+        taken = await launcher.spawn(1)
+        assert taken.process.pid in early
+        other = await launcher.spawn(2, {"NEURON_TEST_ENV": "1"})  # not what it was started with: a fresh one
+        assert other.process.pid not in early
+        await launcher.end_early()  # rank 3's, never taken
+        assert _children() - before == {taken.process.pid, other.process.pid}
+        fresh = await launcher.spawn(1)  # none left to hand over
+        assert fresh.process.pid not in early
+        for spawned in (taken, other, fresh):
+            spawned.process.kill()
+            await spawned.process.wait()
+        assert _children() == before
+
+    anyio.run(scenario)

@@ -3,15 +3,17 @@ call that place, and what each rank may use there (its cores, its model path, it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import anyio.abc
 
 from neuron import cpu
-from neuron.launch.dataplane import machine_ranks
+from neuron.launch.dataplane import machine_ranks, spawn_env
 from neuron.launch.hosts import Host, local_hosts
 from neuron.launch.local import spawn_local
 from neuron.launch.ssh import StderrRelay, read_remote, receiver_argv, spawn_ssh
@@ -40,6 +42,7 @@ class Launcher:
         self.world_size = len(hosts)
         self.ssh_command = shlex.split(ssh_command)
         self.data_plane = data_plane
+        self._early: dict[int, tuple[dict[str, str], anyio.abc.Process]] = {}  # by rank: started ahead, with env
 
     @classmethod
     def local(cls, world_size: int) -> Launcher:
@@ -54,6 +57,11 @@ class Launcher:
         """The ring's links between hosts go through SSH tunnels (``tunnels.py``)."""
         return self.data_plane == "ssh" and self.remote
 
+    @property
+    def local_workers(self) -> list[int]:
+        """The ranks above 0 whose workers run on this host."""
+        return [rank for rank in range(1, self.world_size) if self.hosts[rank].local]
+
     def host(self, rank: int) -> str:
         """The host as the operator named it: logs and errors say so."""
         return self.hosts[rank].ssh
@@ -62,9 +70,27 @@ class Launcher:
         """Start ``rank``'s worker with ``env`` added to its environment (on another host too: sshd passes no
         variables on, so they go on its command line)."""
         host = self.hosts[rank]
+        if early := self._early.pop(rank, None):
+            if early[0] == (env or {}):
+                return Spawned(early[1], None)
+            await _end(early[1])
         if host.local:
             return Spawned(await spawn_local(rank, self.world_size, env or {}), None)
         return Spawned(*await spawn_ssh(self.ssh_command, host, rank, self.world_size, env or {}))
+
+    async def start_early(self, backend: str) -> None:
+        """Start this host's workers now, before this process has imported mlx-lm or read the model: a worker's
+        start-up is mostly those same imports, so each side's runs while the other's does; ``spawn`` hands them
+        over. Called once, by the command line, before the pool exists; ``end_early`` ends any not handed over."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        for rank in self.local_workers:
+            env = spawn_env(backend, rank, self.hosts, visible)
+            self._early[rank] = (env, await spawn_local(rank, self.world_size, env))
+
+    async def end_early(self) -> None:
+        """End the workers ``start_early`` started that no pool took (it failed, or never began, first)."""
+        while self._early:
+            await _end(self._early.popitem()[1][1])
 
     def receiver(self, rank: int, key: str) -> list[str]:
         """The command that receives share ``key`` on ``rank``'s host (a remote one: this one has the model)."""
@@ -109,3 +135,11 @@ class Launcher:
             return []
         blocks = cpu.split_cores(reported or sorted(os.sched_getaffinity(0)), len(peers))
         return blocks[peers.index(rank)] if blocks else []
+
+
+async def _end(process: anyio.abc.Process) -> None:
+    """Kill a worker that was never told anything (it holds nothing to save) and reap it."""
+    with anyio.CancelScope(shield=True):
+        with contextlib.suppress(ProcessLookupError):  # it may have ended by itself meanwhile
+            process.kill()
+        await process.wait()

@@ -8,6 +8,7 @@ import anyio
 import anyio.abc
 
 from neuron import reexec
+from neuron.systemd import ACTIVATION_ENV
 
 
 def worker_command(rank: int, world_size: int) -> list[str]:
@@ -16,8 +17,10 @@ def worker_command(rank: int, world_size: int) -> list[str]:
 
 async def spawn_local(rank: int, world_size: int, extra: dict[str, str]) -> anyio.abc.Process:
     env = {**os.environ, **extra}
-    # The workers speak to the leader, not to systemd: only the leader may notify.
-    env.pop("NOTIFY_SOCKET", None)
+    # The workers speak to the leader, not to systemd: only the leader may notify, or take the activated socket
+    # (a worker started before the leader has read the activation variables would otherwise inherit them).
+    for name in ("NOTIFY_SOCKET", *ACTIVATION_ENV):
+        env.pop(name, None)
     env["PYTHONUNBUFFERED"] = "1"
     return await anyio.open_process(
         [*reexec.command(), *worker_command(rank, world_size)],
