@@ -14,6 +14,7 @@ import argparse
 import gc
 import os
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from neuron import __version__, cpu
@@ -195,8 +196,6 @@ def _run(args: argparse.Namespace) -> int:
         log.info("starting", device=device.this_device(), tp=args.tp, pp=args.pp)
         if problem := device.unusable_gpu():
             log.warning(problem)
-    from neuron.pool.rank0 import leave_if_rank0_is_busy
-
     run = _serve if args.command == "serve" else _generate
     launcher = Launcher(args.host_list, args.ssh_command, args.data_plane)
     if not launcher.local_workers:  # no worker's start-up to overlap it with: outside the event loop it is quicker
@@ -224,6 +223,20 @@ def _run(args: argparse.Namespace) -> int:
         restart_leader(restart)
     leave_if_rank0_is_busy(0)
     return 0
+
+
+def leave_if_rank0_is_busy(code: int) -> None:
+    """Exit now with ``code``, skipping the interpreter's teardown, while a rank-0 thread (``neuron-rank0``,
+    pool/rank0.py) is still inside MLX. No MLX here: the command line imports this module before MLX.
+
+    Abandoned in a load or a step when a peer failed, it comes out (or never does) after the main thread has begun
+    to finalize: Python then ends it where it waits for the GIL, inside MLX's C++ frames, and the C++ runtime
+    aborts the process (SIGABRT) after its output was written. A restart's exec skips the teardown the same way.
+    """
+    if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _first_leaf(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:

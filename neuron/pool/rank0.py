@@ -184,16 +184,3 @@ class Alarm:
             _wake(woken)
         else:
             self._woken.append(woken)
-
-
-def leave_if_rank0_is_busy(code: int) -> None:
-    """Exit now with ``code``, skipping the interpreter's teardown, while a rank-0 thread is still inside MLX.
-
-    Abandoned in a load or a step when a peer failed, it comes out (or never does) after the main thread has begun
-    to finalize: Python then ends it where it waits for the GIL, inside MLX's C++ frames, and the C++ runtime
-    aborts the process (SIGABRT) after its output was written. A restart's exec skips the teardown the same way.
-    """
-    if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
