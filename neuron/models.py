@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -240,6 +241,14 @@ def first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None
     return None
 
 
+def safetensors_headers(model_path: str | Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Each of a model folder's safetensors files, in name order, with its header (the JSON ahead of the tensors:
+    each tensor's dtype, shape and offsets), read without the tensors."""
+    for weights in sorted(Path(model_path).glob("model*.safetensors")):
+        with weights.open("rb") as f:
+            yield weights, json.loads(f.read(int.from_bytes(f.read(8), "little")))
+
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # gemma4's per-layer input tables: model-wide tensors, but each stage holds only its layers' columns of them.
 _PER_LAYER_TABLES = ("embed_tokens_per_layer.", "per_layer_model_projection.")
@@ -250,9 +259,7 @@ def weight_bytes(model_path: str | Path, layers: int) -> tuple[list[int], int]:
     safetensors headers alone: what a pipeline stage will hold."""
     per_layer = [0] * layers
     rest = spread = 0
-    for weights in sorted(Path(model_path).glob("model*.safetensors")):
-        with weights.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for _, header in safetensors_headers(model_path):
         for name, tensor in header.items():
             if name == "__metadata__":
                 continue
@@ -283,9 +290,7 @@ def cache_bytes(
     bias in the activations' dtype."""
     model = text_config(read_config(model_path))
     dtype = 4
-    for weights in sorted(Path(model_path).glob("model*.safetensors")):
-        with weights.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for _, header in safetensors_headers(model_path):
         # Activations, and so the cache, take the norms' dtype: norms are never quantized.
         norms = [t["dtype"] for name, t in header.items() if name.endswith("input_layernorm.weight")]
         if norms:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron.models import safetensors_headers
 from neuron.paths import cache_dir
 
 SHARES = "shares"
@@ -69,9 +70,7 @@ def tensor_files(model_path: str | Path) -> dict[str, str]:
     if (path / INDEX).is_file():
         return dict(json.loads((path / INDEX).read_text())["weight_map"])
     out = {}
-    for weights in sorted(path.glob("model*.safetensors")):
-        with weights.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for weights, header in safetensors_headers(path):
         out.update(dict.fromkeys((name for name in header if name != "__metadata__"), weights.name))
     return out
 
