@@ -7,9 +7,11 @@ that import them from ``conftest``.
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -214,6 +216,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(tiers)}: a test belongs to one tier")
         elif tiers == ["unit"] and (models := MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
             raise pytest.UsageError(f"{item.nodeid} is marked unit but uses {', '.join(sorted(models))}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Compile neuron and testkit once, before the end-to-end tests start their hundreds of processes.
+
+    Where PYTHONDONTWRITEBYTECODE is set (as in a CI job's environment), no process leaves bytecode behind, so every
+    leader and worker of a fresh clone would compile each module it imports again; bytecode written here is read
+    by them all.
+    """
+    if sys.dont_write_bytecode and any(not item.get_closest_marker("unit") for item in session.items):
+        for package in ("neuron", "testkit"):
+            compileall.compile_dir(ROOT / package, quiet=1)
 
 
 class _NoSubprocess:
