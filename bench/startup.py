@@ -1,4 +1,5 @@
-"""Start-up: ``neuron generate`` wall time and ``neuron serve`` until ``/ready``, TP=1 and TP=2, this tree against
+"""Start-up: ``neuron generate`` wall time, ``neuron serve`` until ``/ready`` and from SIGTERM to its exit, and the
+CPU time each run's processes took (user + system, the leader's and its workers'), TP=1 and TP=2, this tree against
 another (``--baseline``: a checkout or ``git archive`` of another commit), runs alternating.
 
 Run: .venv/bin/python bench/startup.py --baseline /tmp/base [--pairs 6]. Each tree runs from this venv with
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -33,7 +35,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def generate(tree: str, model: Path, tp: int, scratch: str) -> float:
+def children_cpu() -> float:
+    """CPU seconds of the children reaped so far (a worker counts once its leader has reaped it)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def generate(tree: str, model: Path, tp: int, scratch: str) -> dict[str, float]:
+    cpu = children_cpu()
     started = time.perf_counter()
     command = [sys.executable, "-m", "neuron", "generate", "--model", str(model), "--tp", str(tp)]
     done = subprocess.run(
@@ -46,11 +55,12 @@ def generate(tree: str, model: Path, tp: int, scratch: str) -> float:
     )
     if done.returncode:
         raise SystemExit(f"neuron generate --tp {tp} from {tree} exited {done.returncode}: {done.stderr[-2000:]}")
-    return time.perf_counter() - started
+    return {"generate": time.perf_counter() - started, "generate CPU": children_cpu() - cpu}
 
 
-def serve_to_ready(tree: str, model: Path, tp: int, scratch: str) -> float:
+def serve(tree: str, model: Path, tp: int, scratch: str) -> dict[str, float]:
     port = free_port()
+    cpu = children_cpu()
     started = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "neuron", "serve", "--model", str(model), "--tp", str(tp), "--port", str(port)],
@@ -60,19 +70,24 @@ def serve_to_ready(tree: str, model: Path, tp: int, scratch: str) -> float:
         stderr=subprocess.DEVNULL,  # its log; a failure to start says itself by its exit
     )
     try:
-        while time.perf_counter() - started < 120:
+        ready = None
+        while ready is None and time.perf_counter() - started < 120:
             if process.poll() is not None:
                 raise SystemExit(f"neuron serve --tp {tp} from {tree} exited {process.returncode}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as reply:
                     if reply.status == 200:
-                        return time.perf_counter() - started
+                        ready = time.perf_counter() - started
             except OSError:
                 time.sleep(0.01)
-        raise SystemExit(f"neuron serve --tp {tp} from {tree} not ready within 120 s")
+        if ready is None:
+            raise SystemExit(f"neuron serve --tp {tp} from {tree} not ready within 120 s")
     finally:
+        stopping = time.perf_counter()
         process.send_signal(signal.SIGTERM)
         process.wait(60)
+    stopped = time.perf_counter() - stopping
+    return {"serve to ready": ready, "serve SIGTERM to exit": stopped, "serve CPU": children_cpu() - cpu}
 
 
 def main() -> None:
@@ -85,17 +100,19 @@ def main() -> None:
         model = make_tiny_model(Path(scratch) / "tiny", "llama")
         times: dict[tuple[str, int, str], list[float]] = {}
         for _ in range(args.pairs):
-            for what, run in (("generate", generate), ("serve to ready", serve_to_ready)):
+            for run in (generate, serve):
                 for tp in (1, 2):
                     for name, tree in trees.items():
-                        times.setdefault((what, tp, name), []).append(run(tree, model, tp, scratch))
+                        for what, seconds in run(tree, model, tp, scratch).items():
+                            times.setdefault((what, tp, name), []).append(seconds)
     print(f"| command | baseline s | this s | this / baseline |  ({args.pairs} alternating pairs, medians)")
     print("|---|---|---|---|")
-    for what in ("generate", "serve to ready"):
+    for what in ("generate", "generate CPU", "serve to ready", "serve SIGTERM to exit", "serve CPU"):
         for tp in (1, 2):
             before = statistics.median(times[(what, tp, "baseline")])
             after = statistics.median(times[(what, tp, "this")])
-            print(f"| {what} --tp {tp} | {before:.2f} | {after:.2f} | {after / before:.2f}x |")
+            command, _, measure = what.partition(" ")
+            print(f"| `{command} --tp {tp}` {measure} | {before:.2f} | {after:.2f} | {after / before:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -164,10 +164,50 @@ async def _first(*events: anyio.Event) -> None:
             tg.start_soon(wait, event)
 
 
+# How often a stopping server looks whether its last connections have closed.
+CLOSED_POLL_S = 0.005
+
+
 class _Server(uvicorn.Server):
+    """uvicorn's server, less its signal handlers, and quick to stop. uvicorn's own loop looks at ``should_exit``
+    every tenth of a second, and its shutdown pauses a tenth before it looks, again every tenth, whether the
+    connections have closed: every stop or restart of a leader waited out those tenths. ``stop`` ends the loop at
+    once, and the shutdown, uvicorn's otherwise, looks every few milliseconds."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._ticking = anyio.CancelScope()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield  # neuron handles SIGTERM and SIGINT itself (see the module's docstring)
+
+    async def main_loop(self) -> None:
+        with self._ticking:
+            await super().main_loop()
+
+    def stop(self) -> None:
+        """Close the listener and let the last responses finish (within ``timeout_graceful_shutdown``), now."""
+        self.should_exit = True
+        self._ticking.cancel()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # an idle connection closes now, a busy one once its response is sent
+        with anyio.move_on_after(self.config.timeout_graceful_shutdown):
+            while self.server_state.connections or self.server_state.tasks:
+                await anyio.sleep(CLOSED_POLL_S)
+        if self.server_state.tasks:
+            log.warning("responses cut short: the graceful shutdown timed out", tasks=len(self.server_state.tasks))
+        for task in self.server_state.tasks:
+            task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        for server in self.servers:
+            await server.wait_closed()
+        await self.lifespan.shutdown()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -408,7 +448,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             if restart is None:
                 notifier.send("STOPPING=1")
             helpers.cancel()
-            server.should_exit = True  # uvicorn closes the listener and lets the last responses finish
+            server.stop()  # closes the listener and lets the last responses finish
     notifier.close()
     log.info("restarting" if restart else "stopped")
     return restart

@@ -16,8 +16,6 @@ from typing import Any
 
 import structlog
 
-from neuron import metrics
-
 log = structlog.get_logger("neuron.hub")
 
 LOG_EVERY_S = 2.0
@@ -61,6 +59,8 @@ class Download:
             if due:
                 self._logged = time.monotonic()
         if n > 0 and fetched:
+            from neuron import metrics  # here: every worker imports this module (models, gguf), few fetch
+
             metrics.HUB_BYTES.inc(n)
         if due and not _bars_drawn():
             log.info("fetching", **self.snapshot())

@@ -29,7 +29,9 @@ from neuron.launch.hosts import Host
 
 PROBE_TIMEOUT_S = 3.0
 GREETING = b"\x01"
-_ACCEPT_POLL_S = 0.1  # how soon a greeter notices its listener closing (a blocked accept is not woken by close)
+# How soon a greeter notices its listener closing where shutting the listener down does not wake its accept (a close
+# never does; on Linux a shutdown does, at once).
+_ACCEPT_POLL_S = 0.1
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -93,6 +95,9 @@ class Listeners:
 
     def close(self) -> None:
         self._closing.set()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):  # not listening any more, or a system where it cannot wake it
+                sock.shutdown(socket.SHUT_RDWR)  # wakes its greeter's accept: every group formed waited a poll
         for greeter in self._greeters:
             greeter.join(timeout=PROBE_TIMEOUT_S)
         for sock in self._sockets:

