@@ -17,16 +17,18 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import PARIS, Server, alive, make_tiny_model, run_neuron, serving, tcp_sockets, wait_until
+from conftest import PARIS, Server, alive, make_tiny_model, run_neuron, tcp_sockets, wait_until
 from test_logging import Journal
 from test_systemd import FakeSystemd
 
 from neuron import device, log
-from testkit import faults, resume, run_neuron_side_by_side
+from testkit import faults, resume, run_neuron_side_by_side, serving_side_by_side
 from testkit.testbed import Namespaces, children, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -123,16 +125,33 @@ def test_smollm2_in_three_stages_across_three_hosts_equals_tp1(
     nothing_left(bed)
 
 
+# The cluster's ssh gives up connecting after 2 s, not neuron's 5: the link-down test below waits until a try to
+# reach a host whose link is down fails, which takes that long.
+CONNECT_S = "-o ConnectTimeout=2"
+
+
 @pytest.fixture(scope="module")
-def cluster(
+def servers(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """A server whose rank 1 is on host 0, with a short step deadline for the link-down fault."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "cluster.json")
-    args = ("--model", str(tiny_models["qwen3"]), "--step-timeout", "3", *hosts_args(bed, hostfile))
-    with serving(tmp_path_factory, *args) as server:
-        yield server
+) -> Iterator[list[Server]]:
+    """The cluster (rank 1 on host 0, a short step deadline for the link-down fault) and the SSH data plane's
+    server (rank 1 on host 1), started side by side: each start is mostly its leader importing, then its remote
+    worker, one after the other."""
+    model = ("--model", str(tiny_models["qwen3"]))
+    cluster = bed.hostfile([bed.entry(-1), bed.entry(0)], "cluster.json")
+    plane = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
+    with serving_side_by_side(
+        tmp_path_factory,
+        (*model, "--step-timeout", "3", "--hosts", str(cluster), "--ssh-command", f"{bed.ssh_command} {CONNECT_S}"),
+        (*model, "--data-plane", "ssh", "--step-timeout", "30", *hosts_args(bed, plane)),
+    ) as started:
+        yield started
     nothing_left(bed)
+
+
+@pytest.fixture(scope="module")
+def cluster(servers: list[Server]) -> Server:
+    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +201,10 @@ def _restarts(server: Server) -> float:
     return server.metrics().get(("neuron_worker_restarts_total", ()), 0.0)
 
 
-RESUMING = resume.shorter(120)  # the four resume requests: long enough that a fault lands mid-stream
+# The four resume requests: long enough that a fault lands mid-stream. ``resume.disturb`` strikes once each stream
+# has 5 chunks, so each has 35 tokens left to be cut in; every token more is decoded twice (the references, and
+# the disturbed streams) on a ring that crosses the bridge.
+RESUMING = resume.shorter(40)
 
 
 @pytest.fixture(scope="module")
@@ -248,15 +270,12 @@ def test_a_link_down_mid_step_and_every_stream_goes_on_once_it_is_back(
 
 
 @pytest.fixture(scope="class")
-def ssh_plane(
-    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
-    """``--data-plane ssh`` with rank 1 on host 1, for the class below; ended with it, before the refusals that
+def ssh_plane(bed: Namespaces, servers: list[Server]) -> Iterator[Server]:
+    """``--data-plane ssh`` with rank 1 on host 1, for the class below; stopped with it, before the refusals that
     need host 1 empty."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
-    args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
-    with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
-        yield server
+    server = servers[1]
+    yield server
+    assert server.stop() == 0, server.stderr()[-3000:]
     # No tunnel left once the server is gone.
     nothing_left(bed, (1,))
     wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
@@ -331,37 +350,55 @@ def _cmdline(pid: int) -> bytes:
 # They use hosts 1 and 2: host 0 serves the cluster above until the module ends.
 # The bound is under the 31 s a rank that joined the ring would wait for a peer that never comes: a refusal comes
 # from the handshake, before any join. What it leaves is two interpreters' start-ups (the leader's, and a worker's
-# over SSH), which this 2-core machine's load stretched past 10 s (at a load of 15 to 19).
+# over SSH), which this 2-core machine's load stretched past 10 s (at a load of 15 to 19); three side by side get
+# a share of the cores each, as any three processes of a loaded machine do.
 REFUSED_S = 25
 
 
-def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str) -> str:
-    server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "refused.log")
-    started = time.monotonic()
-    try:
-        assert server.process.wait(timeout=REFUSED_S) == 1, server.stderr()[-3000:]
-    finally:
-        server.stop()
-    assert time.monotonic() - started < REFUSED_S
-    for words in expected:
-        assert words in server.stderr(), server.stderr()[-3000:]
-    last = server.stderr().strip().splitlines()[-1]
-    assert last.startswith("neuron: error: ") and "Traceback" not in server.stderr(), server.stderr()[-3000:]
-    nothing_left(bed, (1, 2))
-    return server.stderr()
+@dataclass(frozen=True)
+class Refusal:
+    code: int | None  # None: still running after REFUSED_S
+    seconds: float
+    stderr: str
 
 
-def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def refusals(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Refusal]:
+    """The three servers the tests below expect refused, started side by side (each mostly its leader's start, then
+    a worker's handshake over SSH on host 1), each stopped once refused or REFUSED_S after the start; then nothing
+    may be left on hosts 1 and 2. By test: host 1 running another mlx, holding another model, missing it."""
+    root = tmp_path_factory.mktemp("refused")
+    model = tiny_models["qwen3"]
     liar = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: "mlx=0.0.1"}, faults.ENTRY)}
-    hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
-    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
+    hosts = {
+        "mlx": [bed.entry(-1), liar],
+        "model": [bed.entry(-1), bed.entry(1, model=str(_changed_copy(model, root / "qwen3-changed")))],
+        "missing": [bed.entry(-1), bed.entry(1, model="/nowhere/qwen3")],
+    }
+    started = time.monotonic()
+    servers = {}
+    for name, entries in hosts.items():
+        hostfile = bed.hostfile(entries, f"refused-{name}.json")
+        servers[name] = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=root / f"{name}.log")
+    out = {}
+    try:
+        for name, server in servers.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.process.wait(timeout=max(0.0, started + REFUSED_S - time.monotonic()))
+            out[name] = Refusal(server.process.poll(), time.monotonic() - started, server.stderr())
+    finally:
+        for server in servers.values():
+            server.stop()
+    nothing_left(bed, (1, 2))
+    return out
 
 
-def test_a_host_holding_another_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    original = tiny_models["qwen3"]
-    copy = tmp_path / "qwen3-changed"
+def _changed_copy(original: Path, copy: Path) -> Path:
+    """A copy of the model with one tensor's values changed in place: same names, shapes, dtypes and offsets, so
+    the same header and size."""
     shutil.copytree(original, copy)
-    # One tensor's values changed in place: same names, shapes, dtypes and offsets, so the same header and size.
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     header_length = int.from_bytes(data[:8], "little")
@@ -370,13 +407,28 @@ def test_a_host_holding_another_model_is_refused(bed: Namespaces, tiny_models: d
     begin = 8 + header_length + tensors[name]["data_offsets"][0]
     data[begin : begin + 64] = bytes(64)
     weights.write_bytes(bytes(data))
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model=str(copy))], "other-model.json")
-    _refused(bed, tmp_path, hostfile, original, f"rank 1 on root@{bed.ip(1)}", "has a different model.safetensors")
+    return copy
 
 
-def test_a_host_missing_the_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model="/nowhere/qwen3")], "missing.json")
-    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "/nowhere/qwen3")
+def _refused(refusal: Refusal, *expected: str) -> None:
+    """Exited 1 within REFUSED_S, saying each of ``expected``, its last line neuron's own error."""
+    assert refusal.code == 1 and refusal.seconds < REFUSED_S, (refusal.code, refusal.seconds, refusal.stderr[-3000:])
+    for words in expected:
+        assert words in refusal.stderr, refusal.stderr[-3000:]
+    last = refusal.stderr.strip().splitlines()[-1]
+    assert last.startswith("neuron: error: ") and "Traceback" not in refusal.stderr, refusal.stderr[-3000:]
+
+
+def test_a_host_running_another_mlx_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
+    _refused(refusals["mlx"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
+
+
+def test_a_host_holding_another_model_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
+    _refused(refusals["model"], f"rank 1 on root@{bed.ip(1)}", "has a different model.safetensors")
+
+
+def test_a_host_missing_the_model_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
+    _refused(refusals["missing"], f"rank 1 on root@{bed.ip(1)}", "/nowhere/qwen3")
 
 
 def _waiting(
@@ -421,17 +473,19 @@ def test_nccl_gives_each_rank_a_gpu_of_its_host_and_refuses_a_host_short_of_them
             module=faults.ENTRY,
         )
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
-        nothing_left(bed, (1, 2))
         return done.stderr.strip().splitlines()[-1]
 
-    short = run(1)
+    # Both side by side (each mostly a leader's start, then its workers'); the second not where nccl would start:
+    # the join's failure is for a build without it.
+    counts = (1,) if device.backend() == "cuda" else (1, 2)
+    with ThreadPoolExecutor(len(counts)) as pool:
+        short, *failing = pool.map(run, counts)
+    nothing_left(bed, (1, 2))
     assert f"{host} (" in short and "has 1 GPU (as its driver lists them), but ranks 1, 2 are placed on it" in short
-    if device.backend() == "cuda":
-        return  # nccl would start here: the join's failure is for a build without it
-    failed = run(2)
-    for rank, gpu in ((1, 0), (2, 1)):
-        assert re.search(rf"rank {rank} on {host}: [\w: ]*could not join the nccl group", failed), failed
-        assert f"it was given CUDA_VISIBLE_DEVICES={gpu};" in failed.split(f"rank {rank} on {host}")[1], failed
+    for failed in failing:
+        for rank, gpu in ((1, 0), (2, 1)):
+            assert re.search(rf"rank {rank} on {host}: [\w: ]*could not join the nccl group", failed), failed
+            assert f"it was given CUDA_VISIBLE_DEVICES={gpu};" in failed.split(f"rank {rank} on {host}")[1], failed
 
 
 def test_an_unreachable_ring_address_is_named_before_any_rank_joins(
