@@ -13,6 +13,7 @@ printed (``pytest -s`` or ``-rP`` shows it).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -20,9 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from conftest import Server, make_tiny_model, wait_until
+from safetensors.numpy import load_file
 
+from neuron import shares
 from neuron.models import weight_bytes
 from testkit import cgroups, faults
 from testkit.testbed import Namespaces, unavailable
@@ -41,9 +45,32 @@ LEADER = -1
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(
-        tmp_path_factory.mktemp("big") / "big", "llama", hidden=1024, layers=LAYERS, intermediate=4096
-    )
+    """The tiny llama grown to hidden 1024, intermediate 4096 and ``LAYERS`` layers. Only its first layer is drawn
+    by ``make_tiny_model``; each layer's matrices are windows, each at its own offset, into one pool of numbers,
+    scaled to that layer's: every layer its own weights, where drawing 1.40 GiB of them took most of this test's
+    set-up."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("big") / "big", "llama", hidden=1024, layers=1, intermediate=4096)
+    first = load_file(str(folder / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    pool = rng.random(2 * max(t.size for t in first.values()), dtype=np.float32) * 2 - 1
+    weights = {name: tensor for name, tensor in first.items() if ".layers.0." not in name}
+    for layer in range(LAYERS):
+        for name, tensor in first.items():
+            if ".layers.0." in name:
+                if tensor.ndim > 1:  # uniform over the range this matrix's own init drew from
+                    at = int(rng.integers(0, pool.size - tensor.size))
+                    window = pool[at : at + tensor.size].reshape(tensor.shape)
+                    tensor = window * np.abs(tensor).max()
+                weights[name.replace(".layers.0.", f".layers.{layer}.")] = tensor
+    assert all(t.dtype == np.float32 for t in weights.values())
+    entries = [shares.Entry(n, "F32", list(t.shape), t.nbytes, list(t.shape)) for n, t in weights.items()]
+    with (folder / "model.safetensors").open("wb") as f:
+        f.write(shares.layout(entries)[0])
+        for tensor in weights.values():
+            f.write(memoryview(np.ascontiguousarray(tensor)))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS}))
+    return folder
 
 
 @pytest.fixture(scope="module")

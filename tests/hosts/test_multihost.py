@@ -18,7 +18,6 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -350,55 +349,37 @@ def _cmdline(pid: int) -> bytes:
 # They use hosts 1 and 2: host 0 serves the cluster above until the module ends.
 # The bound is under the 31 s a rank that joined the ring would wait for a peer that never comes: a refusal comes
 # from the handshake, before any join. What it leaves is two interpreters' start-ups (the leader's, and a worker's
-# over SSH), which this 2-core machine's load stretched past 10 s (at a load of 15 to 19); three side by side get
-# a share of the cores each, as any three processes of a loaded machine do.
+# over SSH), which this 2-core machine's load stretched past 10 s (at a load of 15 to 19).
 REFUSED_S = 25
 
 
-@dataclass(frozen=True)
-class Refusal:
-    code: int | None  # None: still running after REFUSED_S
-    seconds: float
-    stderr: str
-
-
-@pytest.fixture(scope="module")
-def refusals(
-    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Refusal]:
-    """The three servers the tests below expect refused, started side by side (each mostly its leader's start, then
-    a worker's handshake over SSH on host 1), each stopped once refused or REFUSED_S after the start; then nothing
-    may be left on hosts 1 and 2. By test: host 1 running another mlx, holding another model, missing it."""
-    root = tmp_path_factory.mktemp("refused")
-    model = tiny_models["qwen3"]
-    liar = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: "mlx=0.0.1"}, faults.ENTRY)}
-    hosts = {
-        "mlx": [bed.entry(-1), liar],
-        "model": [bed.entry(-1), bed.entry(1, model=str(_changed_copy(model, root / "qwen3-changed")))],
-        "missing": [bed.entry(-1), bed.entry(1, model="/nowhere/qwen3")],
-    }
+def _refused(bed: Namespaces, tmp_path: Path, hostfile: Path, model: Path, *expected: str) -> str:
+    server = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=tmp_path / "refused.log")
     started = time.monotonic()
-    servers = {}
-    for name, entries in hosts.items():
-        hostfile = bed.hostfile(entries, f"refused-{name}.json")
-        servers[name] = Server("--model", str(model), *hosts_args(bed, hostfile), log_path=root / f"{name}.log")
-    out = {}
     try:
-        for name, server in servers.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.process.wait(timeout=max(0.0, started + REFUSED_S - time.monotonic()))
-            out[name] = Refusal(server.process.poll(), time.monotonic() - started, server.stderr())
+        assert server.process.wait(timeout=REFUSED_S) == 1, server.stderr()[-3000:]
     finally:
-        for server in servers.values():
-            server.stop()
+        server.stop()
+    assert time.monotonic() - started < REFUSED_S
+    for words in expected:
+        assert words in server.stderr(), server.stderr()[-3000:]
+    last = server.stderr().strip().splitlines()[-1]
+    assert last.startswith("neuron: error: ") and "Traceback" not in server.stderr(), server.stderr()[-3000:]
     nothing_left(bed, (1, 2))
-    return out
+    return server.stderr()
 
 
-def _changed_copy(original: Path, copy: Path) -> Path:
-    """A copy of the model with one tensor's values changed in place: same names, shapes, dtypes and offsets, so
-    the same header and size."""
+def test_a_host_running_another_mlx_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    liar = {**bed.entry(1), "neuron": bed.neuron_command({faults.FAKE_HOST_ENV: "mlx=0.0.1"}, faults.ENTRY)}
+    hostfile = bed.hostfile([bed.entry(-1), liar], "liar.json")
+    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
+
+
+def test_a_host_holding_another_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    original = tiny_models["qwen3"]
+    copy = tmp_path / "qwen3-changed"
     shutil.copytree(original, copy)
+    # One tensor's values changed in place: same names, shapes, dtypes and offsets, so the same header and size.
     weights = copy / "model.safetensors"
     data = bytearray(weights.read_bytes())
     header_length = int.from_bytes(data[:8], "little")
@@ -407,28 +388,13 @@ def _changed_copy(original: Path, copy: Path) -> Path:
     begin = 8 + header_length + tensors[name]["data_offsets"][0]
     data[begin : begin + 64] = bytes(64)
     weights.write_bytes(bytes(data))
-    return copy
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model=str(copy))], "other-model.json")
+    _refused(bed, tmp_path, hostfile, original, f"rank 1 on root@{bed.ip(1)}", "has a different model.safetensors")
 
 
-def _refused(refusal: Refusal, *expected: str) -> None:
-    """Exited 1 within REFUSED_S, saying each of ``expected``, its last line neuron's own error."""
-    assert refusal.code == 1 and refusal.seconds < REFUSED_S, (refusal.code, refusal.seconds, refusal.stderr[-3000:])
-    for words in expected:
-        assert words in refusal.stderr, refusal.stderr[-3000:]
-    last = refusal.stderr.strip().splitlines()[-1]
-    assert last.startswith("neuron: error: ") and "Traceback" not in refusal.stderr, refusal.stderr[-3000:]
-
-
-def test_a_host_running_another_mlx_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
-    _refused(refusals["mlx"], f"rank 1 on root@{bed.ip(1)}", "runs mlx 0.0.1")
-
-
-def test_a_host_holding_another_model_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
-    _refused(refusals["model"], f"rank 1 on root@{bed.ip(1)}", "has a different model.safetensors")
-
-
-def test_a_host_missing_the_model_is_refused(bed: Namespaces, refusals: dict[str, Refusal]) -> None:
-    _refused(refusals["missing"], f"rank 1 on root@{bed.ip(1)}", "/nowhere/qwen3")
+def test_a_host_missing_the_model_is_refused(bed: Namespaces, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1, model="/nowhere/qwen3")], "missing.json")
+    _refused(bed, tmp_path, hostfile, tiny_models["qwen3"], f"rank 1 on root@{bed.ip(1)}", "/nowhere/qwen3")
 
 
 def _waiting(
