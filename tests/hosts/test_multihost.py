@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -53,49 +54,65 @@ def nothing_left(bed: Namespaces, hosts: tuple[int, ...] = (0, 1, 2), timeout: f
     wait_until(lambda: not any(bed.workers(i) for i in hosts), timeout, f"no neuron worker left on hosts {hosts}")
 
 
-def generate(*args: str) -> str:
-    done = run_neuron("generate", "--max-tokens", "24", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+@dataclass
+class Spread:
+    """The three two-host runs below, made side by side (each mostly its leader's start, then its remote worker's,
+    one after the other), beside the one-rank references: each run's outcome by test, the journal the qwen3 over
+    TP=2 logged to."""
+
+    runs: dict[str, subprocess.CompletedProcess[str]]
+    journal: Journal
 
 
-def test_tp2_across_two_hosts_equals_tp1(
-    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
-) -> None:
+@pytest.fixture(scope="module")
+def spread(
+    bed: Namespaces,
+    tiny_models: dict[str, Path],
+    tiny_alone: Callable[[str], str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Spread]:
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2.json")
+    run = ("generate", "--max-tokens", "24", *hosts_args(bed, hostfile))
+    journaled = ("--log-format", "journal", "--log-level", "info")
+    with Journal(tmp_path_factory.mktemp("journal") / "journal") as journal:
+        with ThreadPoolExecutor(4) as pool:
+            started = {
+                "tp2 llama": pool.submit(run_neuron, *run, "--model", str(tiny_models["llama"]), PROMPT),
+                "pp2 qwen3": pool.submit(run_neuron, *run, "--model", str(tiny_models["qwen3"]), "--pp", "2", PROMPT),
+                "tp2 qwen3": pool.submit(
+                    run_neuron, *run, "--model", str(tiny_models["qwen3"]), *journaled, PROMPT,
+                    env={log.JOURNAL_SOCKET_ENV: str(journal.path)},
+                ),
+            }  # fmt: skip
+            tiny_alone("llama")  # both tiny models' one-rank runs, side by side, beside these
+            runs = {name: future.result() for name, future in started.items()}
+        for done in runs.values():
+            assert done.returncode == 0, done.stderr[-3000:]
+        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
+        nothing_left(bed)
+        yield Spread(runs, journal)
+
+
+def test_tp2_across_two_hosts_equals_tp1(spread: Spread, tiny_alone: Callable[[str], str]) -> None:
     """The llama; the qwen3 is held to its one-rank text below, its log read from the journal."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2-llama.json")
-    assert generate("--model", str(tiny_models["llama"]), *hosts_args(bed, hostfile), PROMPT) == tiny_alone("llama")
-    nothing_left(bed)
+    assert spread.runs["tp2 llama"].stdout == tiny_alone("llama")
 
 
-def test_pipeline_stages_across_hosts_equal_tp1(
-    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
-) -> None:
+def test_pipeline_stages_across_hosts_equal_tp1(spread: Spread, tiny_alone: Callable[[str], str]) -> None:
     """Each host holds its own run of layers; the hidden states cross the link, the last back to the leader. (A
     middle stage, its states in from one host and out to another: SmolLM2's three stages below.)"""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
-    staged = generate("--model", str(tiny_models["qwen3"]), "--pp", "2", *hosts_args(bed, hostfile), PROMPT)
-    assert staged == tiny_alone("qwen3")
-    nothing_left(bed)
+    assert spread.runs["pp2 qwen3"].stdout == tiny_alone("qwen3")
 
 
 def test_qwen3_tp2_across_two_hosts_equals_tp1_and_the_remote_workers_log_reaches_the_journal(
-    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str], tmp_path: Path
+    bed: Namespaces, spread: Spread, tiny_alone: Callable[[str], str]
 ) -> None:
     """The qwen3's tokens across two hosts are its tokens on one rank; and ``journalctl -u neuron HOST=mac2``: the
     leader relays each remote line as a journal entry of its own."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2-qwen3.json")
-    with Journal(tmp_path / "journal") as journal:
-        done = run_neuron(
-            "generate", "--model", str(tiny_models["qwen3"]), "--max-tokens", "24", *hosts_args(bed, hostfile),
-            "--log-format", "journal", "--log-level", "info", PROMPT, env={log.JOURNAL_SOCKET_ENV: str(journal.path)},
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout == tiny_alone("qwen3")
-        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
-    entry = journal.one(EVENT="shard loaded", RANK="1")
+    assert spread.runs["tp2 qwen3"].stdout == tiny_alone("qwen3")
+    entry = spread.journal.one(EVENT="shard loaded", RANK="1")
     assert entry["HOST"] == f"root@{bed.ip(0)}" and entry["PRIORITY"] == "6"
-    assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
+    assert spread.journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
 
 
 def test_tp3_across_three_hosts_equals_tp1(bed: Namespaces, tmp_path: Path) -> None:
