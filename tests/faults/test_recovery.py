@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -44,16 +45,18 @@ def _recovered(server: Server) -> list[dict]:
 
 
 def test_sigkill_a_worker_mid_stream_then_recover(tp2: Server) -> None:
+    """Twice: a recovered group is lost and recovered again (each kill at a random chunk), and each recovery is
+    counted once."""
     reference = httpx.post(f"{tp2.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
     before = len(_recovered(tp2))
     rng = random.Random(6)
-    for _ in range(3):
+    for _ in range(2):
         kill_trial(tp2, reference, rng, signal.SIGKILL, end_within=2.0)
     recovered = _recovered(tp2)[before:]
     causes = [e["cause"] for e in recovered]
-    assert len(causes) == 3 and all("SIGKILL" in c for c in causes), causes
-    assert [e["restarts"] for e in recovered] == [before + 1, before + 2, before + 3]
-    assert tp2.metrics()[("neuron_worker_restarts_total", ())] == before + 3
+    assert len(causes) == 2 and all("SIGKILL" in c for c in causes), causes
+    assert [e["restarts"] for e in recovered] == [before + 1, before + 2]
+    assert tp2.metrics()[("neuron_worker_restarts_total", ())] == before + 2
 
 
 def test_sigstop_a_worker_the_step_deadline_fires_then_recover(tp2: Server) -> None:
@@ -114,16 +117,26 @@ ORPHAN_BOUND_S = GRACE_S + 2.0
 STARTING_BOUND_S = 20.0
 
 
-@pytest.mark.parametrize("phase", ["spawn", "init", "load", "step"])
-def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(
-    tiny_models: dict[str, Path], tmp_path: Path, phase: str
-) -> None:
+PHASES = ("spawn", "init", "load", "step")
+
+
+def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """SIGKILL the leader while its worker starts, sits inside ``mx.distributed.init`` (the leader's rank 0 joins
     late: MLX's init holds the worker's GIL, and its connect retries for about 15 s), loads, or steps: the worker
-    is gone within ``ORPHAN_BOUND_S``."""
+    is gone within ``ORPHAN_BOUND_S``. One leader per phase, side by side (a start is mostly one process importing,
+    so the starts overlap on the cores); a worker left behind at any one phase fails the test, naming the phase."""
+    with ThreadPoolExecutor(len(PHASES)) as phases:
+        gone = dict(zip(PHASES, phases.map(lambda p: _kill_leader_at(p, tiny_models, tmp_path), PHASES), strict=True))
+    print(
+        ", ".join(f"{phase}: the worker was gone {s:.2f} s after" for phase, s in gone.items()), "the leader's SIGKILL"
+    )
+
+
+def _kill_leader_at(phase: str, tiny_models: dict[str, Path], tmp_path: Path) -> float:
+    """SIGKILL a fresh leader at ``phase``; seconds until its worker was gone."""
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2")
     env = {SLOW_JOIN_ENV: "0:30"} if phase == "init" else {}
-    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env=env)
+    server = Server(*args, log_path=tmp_path / f"{phase}.log", module=ENTRY, env=env)
     try:
         workers: list[int] = []
 
@@ -131,7 +144,7 @@ def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(
             workers[:] = _workers_of(server.process.pid)
             return bool(workers)
 
-        wait_until(started, 60, "the worker process")
+        wait_until(started, 60, f"{phase}: the worker process")
         if phase == "init":
             server.wait_log("worker started", rank=1, timeout=60)
             time.sleep(1.0)  # well inside init: the leader joins 30 s late
@@ -151,7 +164,7 @@ def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(
         server.process.kill()
         server.process.wait()
         bound = STARTING_BOUND_S if phase == "spawn" else ORPHAN_BOUND_S
-        wait_until(lambda: not any(alive(w) for w in workers), bound, f"workers {workers} to exit")
-        print(f"{phase}: the worker was gone {time.monotonic() - killed:.2f} s after the leader's SIGKILL")
+        wait_until(lambda: not any(alive(w) for w in workers), bound, f"{phase}: workers {workers} to exit")
+        return time.monotonic() - killed
     finally:
         server.stop()
