@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -117,26 +116,16 @@ ORPHAN_BOUND_S = GRACE_S + 2.0
 STARTING_BOUND_S = 20.0
 
 
-PHASES = ("spawn", "init", "load", "step")
-
-
-def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("phase", ["spawn", "init", "load", "step"])
+def test_a_leader_sigkilled_at_any_phase_leaves_no_worker(
+    tiny_models: dict[str, Path], tmp_path: Path, phase: str
+) -> None:
     """SIGKILL the leader while its worker starts, sits inside ``mx.distributed.init`` (the leader's rank 0 joins
     late: MLX's init holds the worker's GIL, and its connect retries for about 15 s), loads, or steps: the worker
-    is gone within ``ORPHAN_BOUND_S``. One leader per phase, side by side (a start is mostly one process importing,
-    so the starts overlap on the cores); a worker left behind at any one phase fails the test, naming the phase."""
-    with ThreadPoolExecutor(len(PHASES)) as phases:
-        gone = dict(zip(PHASES, phases.map(lambda p: _kill_leader_at(p, tiny_models, tmp_path), PHASES), strict=True))
-    print(
-        ", ".join(f"{phase}: the worker was gone {s:.2f} s after" for phase, s in gone.items()), "the leader's SIGKILL"
-    )
-
-
-def _kill_leader_at(phase: str, tiny_models: dict[str, Path], tmp_path: Path) -> float:
-    """SIGKILL a fresh leader at ``phase``; seconds until its worker was gone."""
+    is gone within ``ORPHAN_BOUND_S``."""
     args = ("--model", str(tiny_models["qwen3"]), "--tp", "2")
     env = {SLOW_JOIN_ENV: "0:30"} if phase == "init" else {}
-    server = Server(*args, log_path=tmp_path / f"{phase}.log", module=ENTRY, env=env)
+    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env=env)
     try:
         workers: list[int] = []
 
@@ -144,7 +133,7 @@ def _kill_leader_at(phase: str, tiny_models: dict[str, Path], tmp_path: Path) ->
             workers[:] = _workers_of(server.process.pid)
             return bool(workers)
 
-        wait_until(started, 60, f"{phase}: the worker process")
+        wait_until(started, 60, "the worker process")
         if phase == "init":
             server.wait_log("worker started", rank=1, timeout=60)
             time.sleep(1.0)  # well inside init: the leader joins 30 s late
@@ -164,7 +153,7 @@ def _kill_leader_at(phase: str, tiny_models: dict[str, Path], tmp_path: Path) ->
         server.process.kill()
         server.process.wait()
         bound = STARTING_BOUND_S if phase == "spawn" else ORPHAN_BOUND_S
-        wait_until(lambda: not any(alive(w) for w in workers), bound, f"{phase}: workers {workers} to exit")
-        return time.monotonic() - killed
+        wait_until(lambda: not any(alive(w) for w in workers), bound, f"workers {workers} to exit")
+        print(f"{phase}: the worker was gone {time.monotonic() - killed:.2f} s after the leader's SIGKILL")
     finally:
         server.stop()
