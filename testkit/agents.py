@@ -133,6 +133,7 @@ class Session:
     thinking: bool = False
     stream: bool = False  # requests streamed, so that each turn's time to its first token is measured
     reply: dict[str, Any] = field(default_factory=lambda: REPLY)  # the schema a reply turn's text follows
+    think_bias: float = 8.0  # added to ``</think>``'s logit in a thinking turn: the higher, the shorter the thinking
     chat: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": SYSTEM}])
     messages: list[dict[str, Any]] = field(default_factory=list)  # Anthropic's form (the system apart)
     computed: list[list[int]] = field(default_factory=list)  # each earlier prompt, followed by what it generated
@@ -243,7 +244,7 @@ def _openai(url: str, session: Session, call: str | None, turn: int, clock: _Clo
         tool_choice=choice,
         max_tokens=200,
         response_format=openai.NOT_GIVEN if call else reply_format,
-        logit_bias={str(THINK_END): 8} if session.thinks(turn) else openai.NOT_GIVEN,
+        logit_bias={str(THINK_END): session.think_bias} if session.thinks(turn) else openai.NOT_GIVEN,
         temperature=0.0,
         extra_body={"chat_template_kwargs": session.template_kwargs(turn)},
     )

@@ -25,6 +25,10 @@ REPLY = {
     "required": ["status"],
     "additionalProperties": False,
 }
+# ``</think>``'s logit bias in the OpenAI form's thinking turns: a thought of a few to some tens of tokens, where
+# testkit.agents' default lets the tiny thinker think for most of a turn's 200 tokens; a thought of any length is
+# written back without it.
+THINK_BIAS = 11.0
 TURNS = 5  # a user's task, two tool calls and their results, a reply, the user's next message
 # The turns answered with text, each followed by another turn.
 REPLIES = [i for i, (kind, _) in enumerate(SCRIPT[: TURNS - 1]) if kind in ("user", "reply")]
@@ -70,7 +74,7 @@ def test_a_new_date_leaves_only_what_precedes_it_reusable(plain: Server) -> None
 
 @pytest.mark.parametrize("api", ["openai", "anthropic"])
 def test_a_thinking_session_reuses_all_but_the_dropped_thinking(thinker: Server, api: str) -> None:
-    session = replay(thinker.url, Session(api, "thinker", thinking=True, reply=REPLY), TURNS)
+    session = replay(thinker.url, Session(api, "thinker", thinking=True, reply=REPLY, think_bias=THINK_BIAS), TURNS)
     _check(session)
     # The next turn writes a thinking reply back without its thinking: what was generated is not reusable.
     assert all(session.turns[i + 1].reusable < session.turns[i].prompt_tokens for i in REPLIES)
