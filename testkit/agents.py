@@ -132,6 +132,8 @@ class Session:
     dates: list[str] = field(default_factory=list)  # one per turn: the template's date; empty: the server's today
     thinking: bool = False
     stream: bool = False  # requests streamed, so that each turn's time to its first token is measured
+    reply: dict[str, Any] = field(default_factory=lambda: REPLY)  # the schema a reply turn's text follows
+    think_bias: float = 8.0  # added to ``</think>``'s logit in a thinking turn: the higher, the shorter the thinking
     chat: list[dict[str, Any]] = field(default_factory=lambda: [{"role": "system", "content": SYSTEM}])
     messages: list[dict[str, Any]] = field(default_factory=list)  # Anthropic's form (the system apart)
     computed: list[list[int]] = field(default_factory=list)  # each earlier prompt, followed by what it generated
@@ -234,7 +236,7 @@ def _openai(url: str, session: Session, call: str | None, turn: int, clock: _Clo
     """One Chat request; (prompt, cached) tokens and the text the model generated. The reply joins the history."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     choice = {"type": "function", "function": {"name": call}} if call else "auto"
-    reply_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": REPLY}}
+    reply_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": session.reply}}
     request: dict[str, Any] = dict(
         model=session.model,
         messages=session.chat,
@@ -242,7 +244,7 @@ def _openai(url: str, session: Session, call: str | None, turn: int, clock: _Clo
         tool_choice=choice,
         max_tokens=200,
         response_format=openai.NOT_GIVEN if call else reply_format,
-        logit_bias={str(THINK_END): 8} if session.thinks(turn) else openai.NOT_GIVEN,
+        logit_bias={str(THINK_END): session.think_bias} if session.thinks(turn) else openai.NOT_GIVEN,
         temperature=0.0,
         extra_body={"chat_template_kwargs": session.template_kwargs(turn)},
     )
@@ -300,7 +302,7 @@ def _anthropic(url: str, session: Session, call: str | None, turn: int, clock: _
         {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
         for f in (t["function"] for t in TOOLS)
     ]
-    reply_format = {"type": "json_schema", "schema": REPLY}
+    reply_format = {"type": "json_schema", "schema": session.reply}
     if session.dates:
         raise ValueError("Messages requests set no template variables: replay dated sessions in the OpenAI form")
     request: dict[str, Any] = dict(

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel, Field
@@ -174,6 +175,24 @@ def tiny_alone(tiny_models: dict[str, Path]) -> Callable[[str], str]:
         return texts[arch]
 
     return text
+
+
+Once = Callable[[object, Callable[[], Any]], Any]
+
+
+@pytest.fixture(scope="module")
+def once() -> Once:
+    """``once(key, make)``: what ``make`` gives, made the first time the module asks for ``key``. A parametrized
+    module fixture is made again each time pytest's order (which groups the tests by their servers) comes back to
+    one of its values; a model and its reference made through this are made once for the module."""
+    made: dict[object, Any] = {}
+
+    def get(key: object, make: Callable[[], Any]) -> Any:
+        if key not in made:
+            made[key] = make()
+        return made[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -103,36 +103,43 @@ async def fail_then_recover(model: str, count: int) -> dict[str, Any]:
         return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
 
 
-async def impossible_plan(model: str, count: int) -> dict[str, Any]:
-    """A plan no rank can follow (a sequence nobody holds): every rank still runs the step's
-    collectives on throwaway caches, so the group stays in step, and says so."""
-    async with Pool(model, Layout.local(2)) as pool:
-        await pool.load()
-        try:
-            await pool.step(Step(StepPlan(decode=[Decode(42, 7, 0), Decode(43, 8, 0)])))
-            failure = {}
-        except PoolError as e:
-            failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
-        await pool.clear_kv_cache()
-        return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
-
-
-async def one_rank_disagrees(model: str, count: int) -> dict[str, Any]:
-    """Rank 0 alone forgets a sequence: it must still run the step's collectives (on throwaway caches),
-    or rank 1 would wait inside them until the deadline."""
+async def desyncs(model: str, count: int) -> dict[str, Any]:
+    """Two plans a rank cannot follow, one after the other on one pool (each ends with the group in step, as its
+    own "after" shows): ``impossible_plan``, then ``one_rank_disagrees``. The step deadline is 30 s, so that a
+    rank left waiting would show in the second's seconds."""
     async with Pool(model, Layout.local(2), Deadlines(step=30)) as pool:
         await pool.load()
-        first = (await pool.step(start(PROMPT)))[1]
-        await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
-        started = time.monotonic()
-        try:
-            await pool.step(follow(first.token))
-            failure = {}
-        except PoolError as e:
-            failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
-        seconds = time.monotonic() - started
-        await pool.clear_kv_cache()
-        return {"failure": failure, "seconds": seconds, "after": await greedy(pool, PROMPT, count)}
+        return {"impossible": await impossible_plan(pool, count), "disagrees": await one_rank_disagrees(pool, count)}
+
+
+async def impossible_plan(pool: Pool, count: int) -> dict[str, Any]:
+    """A plan no rank can follow (a sequence nobody holds): every rank still runs the step's
+    collectives on throwaway caches, so the group stays in step, and says so."""
+    await pool.clear_kv_cache()
+    try:
+        await pool.step(Step(StepPlan(decode=[Decode(42, 7, 0), Decode(43, 8, 0)])))
+        failure = {}
+    except PoolError as e:
+        failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
+    await pool.clear_kv_cache()
+    return {"failure": failure, "after": await greedy(pool, PROMPT, count)}
+
+
+async def one_rank_disagrees(pool: Pool, count: int) -> dict[str, Any]:
+    """Rank 0 alone forgets a sequence: it must still run the step's collectives (on throwaway caches),
+    or rank 1 would wait inside them until the deadline."""
+    await pool.clear_kv_cache()
+    first = (await pool.step(start(PROMPT)))[1]
+    await pool._rank0.call(lambda rank: rank.seqs.pop(1), 30)
+    started = time.monotonic()
+    try:
+        await pool.step(follow(first.token))
+        failure = {}
+    except PoolError as e:
+        failure = {"failures": {str(r): m for r, m in e.failures.items()}, "broken": e.broken}
+    seconds = time.monotonic() - started
+    await pool.clear_kv_cache()
+    return {"failure": failure, "seconds": seconds, "after": await greedy(pool, PROMPT, count)}
 
 
 def _cpu_ticks(pid: int) -> int:
@@ -258,8 +265,7 @@ SCENARIOS = {
         spawn,
         generate,
         fail_then_recover,
-        impossible_plan,
-        one_rank_disagrees,
+        desyncs,
         kill_mid_step,
         unsplittable,
         adapters,

@@ -97,10 +97,16 @@ def test_injected_step_failure_leaves_the_pipes_in_step(
     assert result["after"] == clean_tokens["llama"]
 
 
+@pytest.fixture(scope="module")
+def desyncs(tiny_models: dict[str, Path]) -> dict[str, Any]:
+    """Both plans a rank cannot follow, run one after the other in one leader (its start is most of each run)."""
+    return scenario("desyncs", str(tiny_models["llama"]), 32, timeout=120)
+
+
 def test_a_plan_no_rank_can_follow_fails_on_every_rank_without_a_hang(
-    tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]]
+    desyncs: dict[str, Any], clean_tokens: dict[str, list[int]]
 ) -> None:
-    result = scenario("impossible_plan", str(tiny_models["llama"]), 32, timeout=120)
+    result = desyncs["impossible"]
     failure = result["failure"]
     assert sorted(failure["failures"]) == ["0", "1"] and not failure["broken"]
     assert all("desync" in m and "sequence 42" in m for m in failure["failures"].values())
@@ -108,9 +114,9 @@ def test_a_plan_no_rank_can_follow_fails_on_every_rank_without_a_hang(
 
 
 def test_a_rank_that_alone_disagrees_still_matches_its_peers_collectives(
-    tiny_models: dict[str, Path], clean_tokens: dict[str, list[int]]
+    desyncs: dict[str, Any], clean_tokens: dict[str, list[int]]
 ) -> None:
-    result = scenario("one_rank_disagrees", str(tiny_models["llama"]), 32, timeout=120)
+    result = desyncs["disagrees"]
     failure = result["failure"]
     assert list(failure["failures"]) == ["0"] and not failure["broken"], failure
     assert "desync" in failure["failures"]["0"] and "sequence 1" in failure["failures"]["0"]

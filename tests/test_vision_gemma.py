@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import Once
 from test_vision import solo_and_together
 
 from testkit.server import Server, serving
@@ -48,12 +49,17 @@ MAKERS = {"gemma3": make_tiny_gemma3, "gemma4": make_tiny_gemma4}
 
 
 @pytest.fixture(scope="module", params=list(MAKERS))
-def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return MAKERS[request.param](tmp_path_factory.mktemp("vlm") / request.param)
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, once: Once) -> Path:
+    arch = request.param
+    return once(arch, lambda: MAKERS[arch](tmp_path_factory.mktemp("vlm") / arch))
 
 
 @pytest.fixture(scope="module")
-def expected(vlm: Path) -> dict[str, list[str]]:
+def expected(vlm: Path, once: Once) -> dict[str, list[str]]:
+    return once(("expected", vlm), lambda: _expected(vlm))
+
+
+def _expected(vlm: Path) -> dict[str, list[str]]:
     out = {}
     for name, (messages, pictures) in CHATS.items():
         shown = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in messages]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import Once
 from test_vision import solo_and_together, tokens_of
 
 from neuron import architectures
@@ -117,9 +118,11 @@ SEEDS = {"qwen3_vl": 0, "qwen3_5": 2, "qwen3_5_moe": 0}
 
 
 @pytest.fixture(scope="module", params=list(SEEDS))
-def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("vlm") / request.param
-    return make_tiny_qwen3_vl(folder, model_type=request.param, seed=SEEDS[request.param])
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, once: Once) -> Path:
+    arch = request.param
+    return once(
+        arch, lambda: make_tiny_qwen3_vl(tmp_path_factory.mktemp("vlm") / arch, model_type=arch, seed=SEEDS[arch])
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,11 @@ def picture() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
+def expected(vlm: Path, picture: bytes, once: Once) -> dict[str, list[str]]:
+    return once(("expected", vlm), lambda: _expected(vlm, picture))
+
+
+def _expected(vlm: Path, picture: bytes) -> dict[str, list[str]]:
     user = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     turns = [{**m, "content": as_mlx_vlm(m["content"])} if isinstance(m["content"], list) else m for m in TURNS]
     longer = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT + " In detail."}]}]

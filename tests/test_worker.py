@@ -63,6 +63,13 @@ def worker() -> Iterator[WorkerProcess]:
         yield w
 
 
+@pytest.fixture(scope="module")
+def serving_worker() -> Iterator[WorkerProcess]:
+    """One worker for the tests that only ask it things and check that it goes on serving."""
+    with spawned_worker() as w:
+        yield w
+
+
 GARBAGE = [
     (b"hello\n", ErrorKind.INVALID_JSON),
     (b"\x00\x01\x02\xff\n", ErrorKind.INVALID_JSON),
@@ -75,7 +82,8 @@ GARBAGE = [
 ]
 
 
-def test_garbage_gets_error_replies_and_the_worker_keeps_serving(worker: WorkerProcess) -> None:
+def test_garbage_gets_error_replies_and_the_worker_keeps_serving(serving_worker: WorkerProcess) -> None:
+    worker = serving_worker
     for line, kind in GARBAGE:
         worker.send(line)
         reply = worker.reply()
@@ -88,7 +96,8 @@ def test_garbage_gets_error_replies_and_the_worker_keeps_serving(worker: WorkerP
     assert pong.pid == worker.proc.pid
 
 
-def test_error_reply_echoes_the_request_id(worker: WorkerProcess) -> None:
+def test_error_reply_echoes_the_request_id(serving_worker: WorkerProcess) -> None:
+    worker = serving_worker
     reply = worker.request(rpc.GenerateStep(id=5, plan=rpc.StepPlan(prefill=[rpc.Prefill(1, 0, [1], True)])))
     assert isinstance(reply, rpc.Error) and reply.id == 5 and reply.kind == ErrorKind.BAD_STATE
     assert "load_shard" in reply.message  # says what to do

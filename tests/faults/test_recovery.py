@@ -44,16 +44,18 @@ def _recovered(server: Server) -> list[dict]:
 
 
 def test_sigkill_a_worker_mid_stream_then_recover(tp2: Server) -> None:
+    """Twice: a recovered group is lost and recovered again (each kill at a random chunk), and each recovery is
+    counted once."""
     reference = httpx.post(f"{tp2.url}{COMPLETIONS}", json=GREEDY, timeout=60).json()["choices"][0]["text"]
     before = len(_recovered(tp2))
     rng = random.Random(6)
-    for _ in range(3):
+    for _ in range(2):
         kill_trial(tp2, reference, rng, signal.SIGKILL, end_within=2.0)
     recovered = _recovered(tp2)[before:]
     causes = [e["cause"] for e in recovered]
-    assert len(causes) == 3 and all("SIGKILL" in c for c in causes), causes
-    assert [e["restarts"] for e in recovered] == [before + 1, before + 2, before + 3]
-    assert tp2.metrics()[("neuron_worker_restarts_total", ())] == before + 3
+    assert len(causes) == 2 and all("SIGKILL" in c for c in causes), causes
+    assert [e["restarts"] for e in recovered] == [before + 1, before + 2]
+    assert tp2.metrics()[("neuron_worker_restarts_total", ())] == before + 2
 
 
 def test_sigstop_a_worker_the_step_deadline_fires_then_recover(tp2: Server) -> None:
