@@ -153,9 +153,9 @@ async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_suc
 
 
 @pytest.mark.anyio
-async def test_smollm2_eight_concurrent_chats_equal_each_alone(
-    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+async def test_smollm2_eight_concurrent_chats_equal_each_alone(smollm2_server: Server) -> None:
+    """On the session's SmolLM2 server (conftest), which asking it does not disturb: a server of its own would cost a
+    start of the real model for eight short chats."""
     questions = [
         "What is the capital of France?",
         "Name three colours.",
@@ -166,29 +166,28 @@ async def test_smollm2_eight_concurrent_chats_equal_each_alone(
         "What do bees make?",
         "How many legs does a spider have?",
     ]
-    with _server(tmp_path_factory) as server:
 
-        async def chat(question: str) -> str:
-            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
-                reply = await client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct",
-                    messages=[{"role": "user", "content": question}],
-                    temperature=0.0,
-                    max_tokens=24,
-                )
-                return reply.choices[0].message.content or ""
+    async def chat(question: str) -> str:
+        async with openai.AsyncOpenAI(base_url=f"{smollm2_server.url}/v1", api_key="none", max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": question}],
+                temperature=0.0,
+                max_tokens=24,
+            )
+            return reply.choices[0].message.content or ""
 
-        alone = [await chat(q) for q in questions]
-        together = [""] * len(questions)
+    alone = [await chat(q) for q in questions]
+    together = [""] * len(questions)
 
-        async def one(i: int) -> None:
-            together[i] = await chat(questions[i])
+    async def one(i: int) -> None:
+        together[i] = await chat(questions[i])
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(questions)):
-                tg.start_soon(one, i)
-        assert together == alone
-        assert "Paris" in alone[0]
+    async with anyio.create_task_group() as tg:
+        for i in range(len(questions)):
+            tg.start_soon(one, i)
+    assert together == alone
+    assert "Paris" in alone[0]
 
 
 @pytest.mark.anyio
