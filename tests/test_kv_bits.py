@@ -16,7 +16,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from closeness import TOP, Scored, assert_same
-from conftest import Server, run_neuron, serving
+from conftest import Server, serving
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 from tiny_archs import make_arch_model
@@ -27,7 +27,7 @@ from neuron.models import KV_GROUP_SIZE
 from neuron.rank import caches, rollback
 from neuron.rank.disk import Disk, DiskError
 from neuron.rank.quantized import BatchQuantizedKVCache
-from testkit import agreement, serving_side_by_side
+from testkit import agreement, run_neuron_side_by_side, serving_side_by_side
 
 HEADS, DIM = 2, 64
 
@@ -269,12 +269,14 @@ def test_a_restarted_server_restores_quantized_entries_from_disk_and_skips_files
 def test_generate_takes_kv_bits_and_refuses_bad_bits_and_a_model_whose_caches_cannot_be_quantized(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
-    made = run_neuron("generate", "--model", str(tiny_models["qwen3"]), "--kv-bits", "4", "--max-tokens", "8", "hi")
-    assert made.returncode == 0 and "8 tokens" in made.stderr, made.stderr
-    bad = run_neuron("generate", "--kv-bits", "3", "hi")
-    assert bad.returncode == 2 and "--kv-bits must be 8 or 4" in bad.stderr, bad.stderr
     windowed = make_arch_model(tmp_path / "gemma3", "gemma3_text")
-    refused = run_neuron("generate", "--model", str(windowed), "--kv-bits", "8", "hi")
+    made, bad, refused = run_neuron_side_by_side(
+        ("generate", "--model", str(tiny_models["qwen3"]), "--kv-bits", "4", "--max-tokens", "8", "hi"),
+        ("generate", "--kv-bits", "3", "hi"),
+        ("generate", "--model", str(windowed), "--kv-bits", "8", "hi"),
+    )
+    assert made.returncode == 0 and "8 tokens" in made.stderr, made.stderr
+    assert bad.returncode == 2 and "--kv-bits must be 8 or 4" in bad.stderr, bad.stderr
     assert refused.returncode != 0, refused.stderr
     assert "--kv-bits 8: 'gemma3_text' cannot keep a quantized KV cache" in refused.stderr, refused.stderr
     assert "serve it without --kv-bits" in refused.stderr
