@@ -78,15 +78,25 @@ def firsts(server: Server, history: list[int], tokens: int = TOKENS) -> list[str
     return [max(top, key=top.get) for top in tops[-tokens:]]
 
 
+def every_firsts(server: Server, every: list[list[int]], tokens: int = TOKENS) -> list[list[str]]:
+    """``firsts`` of each history in ``every``, asked one at a time (one row: deterministic on the CPU)."""
+    return [firsts(server, history, tokens) for history in every]
+
+
+def share(wanted: list[list[str]], got: list[list[str]]) -> float:
+    """The share of positions, over every history, where ``got`` ranks first what ``wanted`` does (both
+    ``every_firsts``)."""
+    same = total = 0
+    for want, mine in zip(wanted, got, strict=True):
+        same += sum(a == b for a, b in zip(want, mine, strict=True))
+        total += len(want)
+    return same / total
+
+
 def agreement(
     reference: Server | list[list[str]], other: Server, every: list[list[int]], tokens: int = TOKENS
 ) -> float:
     """The share of positions, over every history, where ``other`` ranks first what ``reference`` does (a server,
-    or its ``firsts`` of every history, computed once for several others)."""
-    wanted = reference if isinstance(reference, list) else [firsts(reference, h, tokens) for h in every]
-    same = total = 0
-    for want, history in zip(wanted, every, strict=True):
-        got = firsts(other, history, tokens)
-        same += sum(a == b for a, b in zip(want, got, strict=True))
-        total += len(want)
-    return same / total
+    or its ``every_firsts``, computed once for several others)."""
+    wanted = reference if isinstance(reference, list) else every_firsts(reference, every, tokens)
+    return share(wanted, every_firsts(other, every, tokens))

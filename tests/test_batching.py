@@ -7,7 +7,6 @@ tie (batch shapes change the kernels' reduction order). Seeded sampling is compa
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,9 @@ import httpx
 import openai
 import pytest
 from closeness import TOP, Scored, assert_all_same, assert_same
-from conftest import Server, serving, wait_until
+from conftest import Server, wait_until
 
-from testkit import faults
+from testkit import faults, serving_side_by_side
 
 # Different lengths, some longer than the prefill chunk the servers here use (16),
 # so prompts are fed over several steps while others decode.
@@ -33,10 +32,6 @@ PROMPTS = [
     "Tensor parallel inference splits every layer over several ranks.",
 ]
 MAX_TOKENS = [24, 9, 30, 16, 12, 27, 20, 5]  # they finish, and leave the batch, at different steps
-
-
-def _server(tmp_path_factory: pytest.TempPathFactory, *args: str, **kwargs: object) -> AbstractContextManager[Server]:
-    return serving(tmp_path_factory, "--prefill-chunk", "16", *args, **kwargs)
 
 
 async def _complete(server: Server, model: str, prompt: str, max_tokens: int, **kwargs: object) -> str:
@@ -134,28 +129,30 @@ async def test_one_of_four_streams_disconnecting_leaves_the_others_unchanged(spl
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("split", [("--tp", "2"), ("--pp", "2", "--micro-batches", "2")], ids=["tp2", "pp2"])
 async def test_a_desync_names_the_rank_fails_the_batch_and_the_next_requests_succeed(
-    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, split: tuple[str, str]
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
+    """At TP=2 and in two pipeline stages: one server each, started side by side (a start is mostly one process
+    importing) and asked one at a time; each failure names its split."""
     # Rank 1 records a wrong token at its 6th step (the probe is its 1st): its digest no longer matches rank 0's.
     env = {faults.DESYNC_ENV: "1:6"}
-    with _server(
-        tmp_path_factory, "--model", str(tiny_models["qwen3"]), *split, env=env, module=faults.ENTRY
-    ) as server:
-        with pytest.raises(openai.InternalServerError) as caught:
-            await _complete(server, "qwen3", "hello", 20, temperature=0.0)
-        message = str(caught.value)
-        assert "desync" in message and "rank 1" in message, message
-        assert server.find_log("desync") is not None
-        alone, together = await _alone_then_together(server, "qwen3", _scored)
-        assert_all_same(alone, together, "prompt")
+    splits = {"tp2": ("--tp", "2"), "pp2": ("--pp", "2", "--micro-batches", "2")}
+    commands = (("--prefill-chunk", "16", "--model", str(tiny_models["qwen3"]), *split) for split in splits.values())
+    with serving_side_by_side(tmp_path_factory, *commands, env=env, module=faults.ENTRY) as servers:
+        for name, server in zip(splits, servers, strict=True):
+            with pytest.raises(openai.InternalServerError) as caught:
+                await _complete(server, "qwen3", "hello", 20, temperature=0.0)
+            message = str(caught.value)
+            assert "desync" in message and "rank 1" in message, (name, message)
+            assert server.find_log("desync") is not None, name
+            alone, together = await _alone_then_together(server, "qwen3", _scored)
+            assert_all_same(alone, together, f"{name}: prompt")
 
 
 @pytest.mark.anyio
-async def test_smollm2_eight_concurrent_chats_equal_each_alone(
-    smollm2: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+async def test_smollm2_eight_concurrent_chats_equal_each_alone(smollm2_server: Server) -> None:
+    """On the session's SmolLM2 server (conftest), which asking it does not disturb: a server of its own would cost a
+    start of the real model for eight short chats."""
     questions = [
         "What is the capital of France?",
         "Name three colours.",
@@ -166,29 +163,28 @@ async def test_smollm2_eight_concurrent_chats_equal_each_alone(
         "What do bees make?",
         "How many legs does a spider have?",
     ]
-    with _server(tmp_path_factory) as server:
 
-        async def chat(question: str) -> str:
-            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
-                reply = await client.chat.completions.create(
-                    model="SmolLM2-135M-Instruct",
-                    messages=[{"role": "user", "content": question}],
-                    temperature=0.0,
-                    max_tokens=24,
-                )
-                return reply.choices[0].message.content or ""
+    async def chat(question: str) -> str:
+        async with openai.AsyncOpenAI(base_url=f"{smollm2_server.url}/v1", api_key="none", max_retries=0) as client:
+            reply = await client.chat.completions.create(
+                model="SmolLM2-135M-Instruct",
+                messages=[{"role": "user", "content": question}],
+                temperature=0.0,
+                max_tokens=24,
+            )
+            return reply.choices[0].message.content or ""
 
-        alone = [await chat(q) for q in questions]
-        together = [""] * len(questions)
+    alone = [await chat(q) for q in questions]
+    together = [""] * len(questions)
 
-        async def one(i: int) -> None:
-            together[i] = await chat(questions[i])
+    async def one(i: int) -> None:
+        together[i] = await chat(questions[i])
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(questions)):
-                tg.start_soon(one, i)
-        assert together == alone
-        assert "Paris" in alone[0]
+    async with anyio.create_task_group() as tg:
+        for i in range(len(questions)):
+            tg.start_soon(one, i)
+    assert together == alone
+    assert "Paris" in alone[0]
 
 
 @pytest.mark.anyio

@@ -71,12 +71,9 @@ def test_on_a_terminal_a_progress_bar_then_the_answer_then_a_summary(smollm2: Pa
     assert INFO.search(more), more  # --log-level asks for more
 
 
-def test_smollm2_tp3_equals_tp1(smollm2: Path) -> None:
-    args = ("generate", "--model", str(smollm2), "--max-tokens", "16", "The history of Rome")
-    tp1, tp3 = run_neuron_side_by_side(args, (*args, "--tp", "3"))
-    assert tp1.returncode == 0 and tp3.returncode == 0, tp1.stderr + tp3.stderr
-    assert len(tp1.stdout.strip()) > 20
-    assert tp3.stdout == tp1.stdout
+# SmolLM2 over three ranks against one: tests/test_prefix_cache.py's SmolLM2 test, whose three-rank and one-rank
+# servers compare prompts computed with nothing cached (this file's own TP=3 run started the same loads a second
+# time). The command line's path over several ranks is held to one rank's below.
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import Server, run_neuron, serving
+from conftest import Server, serving
 from drafting import complete, drafts_change_nothing, spoken
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
@@ -27,7 +27,7 @@ from neuron.rank.mtp import MtpDrafter, MtpLayer, _pairs
 from neuron.rank.prefill import Seen, SeqState
 from neuron.sampling_params import SamplingParams
 from neuron.step import DraftRow
-from testkit import add_prediction_layer, make_tiny_model, quiet_layers
+from testkit import add_prediction_layer, make_tiny_model, quiet_layers, run_neuron_side_by_side
 
 PROMPTS = ["hello", "one two three four one two", "The quick brown fox jumps", "def add(a, b):\n"]
 MAX_TOKENS = [20, 27, 16, 24]
@@ -189,15 +189,15 @@ def test_a_prediction_layer_the_model_agrees_with_is_kept(arch: str, tmp_path_fa
 
 def test_a_model_without_prediction_layers_is_refused(tmp_path: Path) -> None:
     plain = make_tiny_model(tmp_path / "plain", "qwen3")
-    done = run_neuron("serve", "--model", str(plain), "--speculate", "mtp", "--port", "0", timeout=120)
-    assert done.returncode != 0
-    assert "--speculate mtp" in done.stderr and "ships no multi-token-prediction layers" in done.stderr, done.stderr
     # Declared, but dropped from the weights (as mlx-lm's conversions drop it): refused once the model loads.
     converted = make_arch_model(tmp_path / "converted", "glm4_moe")
     config = json.loads((converted / "config.json").read_text())
     (converted / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    done = run_neuron("serve", "--model", str(converted), "--speculate", "mtp", "--port", "0", timeout=120)
-    assert done.returncode != 0 and "a conversion dropped them" in done.stderr, done.stderr[-2000:]
+    serve = ("serve", "--speculate", "mtp", "--port", "0", "--model")
+    done, dropped = run_neuron_side_by_side((*serve, str(plain)), (*serve, str(converted)), timeout=120)
+    assert done.returncode != 0
+    assert "--speculate mtp" in done.stderr and "ships no multi-token-prediction layers" in done.stderr, done.stderr
+    assert dropped.returncode != 0 and "a conversion dropped them" in dropped.stderr, dropped.stderr[-2000:]
 
 
 def test_the_layer_is_given_the_whole_prompts_hidden_states() -> None:

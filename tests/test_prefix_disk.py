@@ -134,16 +134,12 @@ def _ask(server: Server, prompt: str = PROMPT, model: str = "qwen3") -> tuple[Sc
     return Scored.of(reply.json()["choices"][0]), reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def _computed(factory: pytest.TempPathFactory, args: tuple[str, ...], folder: Path) -> tuple[Scored, list[str]]:
-    """The prompt asked of a server on ``folder`` (computed: nothing on disk yet); the reply, and the files each
-    rank wrote (one each, its own share)."""
-    with serving(factory, *args) as server:
-        fresh, cached = _ask(server)
-        assert cached == 0
+def _files(folder: Path) -> list[str]:
+    """The files each rank wrote in ``folder`` after one prompt (one each, its own share)."""
     files = sorted(p.name for p in folder.glob("*.kv"))
     assert [name.split(".")[1] for name in files] == ["r0", "r1"]  # each rank wrote its own heads or layers
     assert (folder / files[0]).read_bytes() != (folder / files[1]).read_bytes()
-    return fresh, files
+    return files
 
 
 def _restored(server: Server, fresh: Scored, args: tuple[str, ...]) -> None:
@@ -154,37 +150,39 @@ def _restored(server: Server, fresh: Scored, args: tuple[str, ...]) -> None:
     assert_same(fresh, restored, f"restored from disk ({' '.join(args[2:4])})")
 
 
-def test_a_restarted_server_restores_each_ranks_share_from_disk_and_skips_a_corrupted_file(
+def test_a_restarted_server_restores_each_ranks_heads_or_each_stages_layers_from_disk_and_skips_a_corrupted_file(
     tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    folder = tmp_path_factory.mktemp("kv")
-    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefix-cache-dir", str(folder))
-    fresh, files = _computed(tmp_path_factory, args, folder)
+    """At TP=2 (each rank's heads) and at PP=2 (each stage's layers), each on its own folder: the prompt computed,
+    then a restarted server restores it; and at TP=2 a restart on a copy whose rank-1 file is corrupted computes
+    it. The servers of each round start side by side (a start is mostly one process importing) and are asked one
+    at a time; each failure names its split."""
+    model = str(tiny_models["qwen3"])
+    folders = {split: tmp_path_factory.mktemp(f"kv-{split}") for split in ("tp", "pp")}
+    tp, pp = (("--model", model, f"--{split}", "2", "--prefix-cache-dir", str(folders[split])) for split in folders)
+    with serving_side_by_side(tmp_path_factory, tp, pp) as servers:
+        computed = [_ask(server) for server in servers]
+    assert [cached for _, cached in computed] == [0, 0]  # nothing on disk yet
+    (fresh, _), (fresh_pp, _) = computed
+    files = _files(folders["tp"])
+    _files(folders["pp"])
 
     corrupted = tmp_path_factory.mktemp("kv-corrupted")
-    shutil.copytree(folder, corrupted, dirs_exist_ok=True)
+    shutil.copytree(folders["tp"], corrupted, dirs_exist_ok=True)
     target = corrupted / files[1]
     data = bytearray(target.read_bytes())
     data[-100] ^= 0xFF
     target.write_bytes(bytes(data))
-    # Restarted on the folder and, side by side, on its corrupted copy.
-    with serving_side_by_side(tmp_path_factory, args, (*args[:-1], str(corrupted))) as (server, on_corrupted):
-        _restored(server, fresh, args)
+    # Restarted on each folder and, side by side, on the corrupted copy.
+    commands = (tp, (*tp[:-1], str(corrupted)), pp)
+    with serving_side_by_side(tmp_path_factory, *commands) as (server, on_corrupted, pipeline):
+        _restored(server, fresh, tp)
+        _restored(pipeline, fresh_pp, pp)
         again, cached = _ask(on_corrupted)
         assert cached == 0  # rank 1's file failed its checksum: the entry is loaded on no rank
         skipped = on_corrupted.find_log("prefix cache file skipped")
         assert skipped is not None and "checksum" in skipped["reason"], on_corrupted.stderr()
     assert_same(fresh, again, "computed again")
-
-
-def test_a_restarted_pipeline_restores_each_stages_layers_from_disk(
-    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    folder = tmp_path_factory.mktemp("kv-pp")
-    args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--prefix-cache-dir", str(folder))
-    fresh, _ = _computed(tmp_path_factory, args, folder)
-    with serving(tmp_path_factory, *args) as server:
-        _restored(server, fresh, args)
 
 
 # A saved prompt, and a longer one beginning with it: a model whose entries are snapshots restores only a whole one.

@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from conftest import serving
+
+from testkit import serving_side_by_side
 
 pytestmark = pytest.mark.gpu  # where the device computes apart from the host: bench/gpu_table.py runs them there
 
@@ -64,10 +65,13 @@ async def _load(url: str) -> list[Any]:
 
 
 def test_running_ahead_changes_no_reply(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> None:
+    args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefill-chunk", "16")
+    modes = ("on", "off")
     replies = {}
-    for run_ahead in ("on", "off"):
-        args = ("--model", str(tiny_models["qwen3"]), "--tp", "2", "--prefill-chunk", "16", "--run-ahead", run_ahead)
-        with serving(tmp_path_factory, *args) as server:
+    commands = ((*args, "--run-ahead", mode) for mode in modes)
+    # Started side by side, asked one at a time: each load's arrivals are timed against its own server's steps.
+    with serving_side_by_side(tmp_path_factory, *commands) as servers:
+        for run_ahead, server in zip(modes, servers, strict=True):
             replies[run_ahead] = anyio.run(_load, server.url)
             ahead = _counter(httpx.get(f"{server.url}/metrics").text, "neuron_steps_run_ahead_total")
             assert (ahead > 0) == (run_ahead == "on"), ahead

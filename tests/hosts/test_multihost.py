@@ -117,7 +117,7 @@ def test_qwen3_tp2_across_two_hosts_equals_tp1_and_the_remote_workers_log_reache
 
 def test_tp3_across_three_hosts_equals_tp1(bed: Namespaces, tmp_path: Path) -> None:
     """Every all-reduce around a ring of three hosts: a tiny qwen3 whose heads and MLP split in three. (SmolLM2's
-    nine heads split in three on one host in tests/test_cli.py; each host converts it itself in the next test.)
+    nine heads split in three on one host in tests/test_prefix_cache.py; each host converts it itself in the next test.)
     SmolLM2 here took minutes: three ranks on two cores wait on each other at every all-reduce of its thirty
     layers, token after token. The one-rank reference runs beside it: both are mostly start-ups."""
     model = str(make_tiny_model(tmp_path / "qwen3-thirds", "qwen3", heads=6, intermediate=768))
