@@ -23,16 +23,22 @@ from testkit import serving_side_by_side
 KEY = "secret"
 HERE = Path(__file__).resolve().parent
 SCHEMATHESIS = Path(sys.executable).parent / "st"
-EXAMPLES = 20  # per operation and phase, about a minute here; bench/http_fuzz.py runs longer, stateful too
+EXAMPLES = 10  # per operation, for the fuzzing phase; bench/http_fuzz.py runs longer, stateful too
+# Tokens a reply of the fuzzed server generates at most (--max-completion-tokens): most schema-valid completions
+# the coverage phase sends leave max_tokens out (OpenAI's default then), and decoding them, not parsing the
+# refused, was most of the run. Two tokens still take a prefill and a decode step: every reply reaches the model,
+# streams in more than one chunk and ends by its length or a stop.
+REPLY_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    """The module's two servers, started side by side: the fuzzed one, whose short context bounds each generated
-    request, so many fit in a minute; and a roomy one, with the model's whole context, whose streams are long
-    enough to be still running when their clients leave."""
+    """The module's two servers, started side by side: the fuzzed one, whose short context and short replies
+    bound each generated request, so that thousands fit in a minute; and a roomy one, with the model's whole
+    context, whose streams are long enough to be still running when their clients leave."""
     model = ("--model", str(tiny_models["qwen3"]))
-    with serving_side_by_side(tmp_path_factory, (*model, "--max-context", "64"), model, api_key=KEY) as started:
+    fuzzed = (*model, "--max-context", "64", "--max-completion-tokens", str(REPLY_TOKENS))
+    with serving_side_by_side(tmp_path_factory, fuzzed, model, api_key=KEY) as started:
         yield started
 
 
