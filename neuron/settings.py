@@ -417,6 +417,13 @@ class Scheduling:
     max_context: int | None = setting(
         None, "tokens per request, prompt and completion", at_least=1, unset="the model's context"
     )
+    max_completion_tokens: int | None = setting(
+        None,
+        "tokens one reply may generate at most, whatever its request asks (more is cut to fit, as past the "
+        "context), so that no request holds a place in the batch for the whole context",
+        at_least=1,
+        unset="what the context leaves after the prompt",
+    )
     micro_batches: int = setting(
         1,
         "decode passes per step, so that pipeline stages work at the same time",

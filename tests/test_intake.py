@@ -98,6 +98,15 @@ def test_max_tokens_is_capped_by_what_the_context_leaves(text: Text) -> None:
     assert (asked.max_tokens, capped.max_tokens, unasked.max_tokens) == (20, CONTEXT - 60, CONTEXT - 10)
 
 
+def test_max_tokens_is_capped_by_the_servers_max_completion_tokens_too(text: Text) -> None:
+    limited = intake(text, max_completion_tokens=4)
+    (asked,) = limited.sequences([5] * 10, SamplingParams(max_tokens=20), "r", 1)
+    (unasked,) = limited.sequences([5] * 10, SamplingParams(), "r", 1)
+    (fewer,) = limited.sequences([5] * 10, SamplingParams(max_tokens=2), "r", 1)
+    (squeezed,) = limited.sequences([5] * 62, SamplingParams(), "r", 1)
+    assert (asked.max_tokens, unasked.max_tokens, fewer.max_tokens, squeezed.max_tokens) == (4, 4, 2, CONTEXT - 62)
+
+
 def test_who_speculates_and_from_what(text: Text) -> None:
     (plain,) = intake(text).sequences([5], SamplingParams(), "r", 1)
     assert plain.proposer is not None and plain.proposer.k <= MAX_K

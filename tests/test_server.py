@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
-from conftest import ROOT, Server, run_neuron, serving, sse_events, wait_until
+from conftest import PARIS, ROOT, Server, run_neuron, serving, sse_events, wait_until
 from transformers import AutoTokenizer
 
 from testkit import faults
@@ -301,25 +301,26 @@ def test_sigterm_lets_the_running_stream_finish_then_exits_0(tiny_models: dict[s
     assert server.find_log("draining") is not None and server.find_log("stopped") is not None
 
 
-def test_smollm2_chat_over_http_equals_neuron_generate(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    question = "What is the capital of France?"
-    with serving(tmp_path_factory, api_key="secret") as server:  # the embedded default model
-        reply = client(server).chat.completions.create(
-            model="SmolLM2-135M-Instruct",
-            messages=[{"role": "user", "content": question}],
-            temperature=0.0,
-            max_tokens=30,
-        )
-        # A completion continues its prompt: its text is exactly its tokens' text, leading space included.
-        continued = client(server).completions.create(
-            model="SmolLM2-135M-Instruct", prompt="The capital of France is", temperature=0.0, max_tokens=3, logprobs=0
-        )
-    cli = run_neuron("generate", "--chat", question, "--max-tokens", "30")
+def test_smollm2_chat_over_http_equals_neuron_generate(
+    smollm2: Path, smollm2_server: Server, smollm2_paris: subprocess.CompletedProcess[str]
+) -> None:
+    """The session's SmolLM2 server (the embedded default model) answers PARIS's question as the session's
+    ``neuron generate`` run of it does, token for token."""
+    question = PARIS[-1]
+    reply = client(smollm2_server).chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": question}],
+        temperature=0.0,
+        max_tokens=int(PARIS[PARIS.index("--max-tokens") + 1]),
+    )
+    # A completion continues its prompt: its text is exactly its tokens' text, leading space included.
+    continued = client(smollm2_server).completions.create(
+        model="SmolLM2-135M-Instruct", prompt="The capital of France is", temperature=0.0, max_tokens=3, logprobs=0
+    )
     assert continued.choices[0].text.startswith(" Paris")
     assert continued.choices[0].text == "".join(continued.choices[0].logprobs.tokens)
-    assert cli.returncode == 0, cli.stderr
     text = reply.choices[0].message.content
-    assert "Paris" in text and text == cli.stdout.removesuffix("\n")
+    assert "Paris" in text and text == smollm2_paris.stdout.removesuffix("\n")
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     messages = [{"role": "user", "content": question}]
     assert reply.usage.prompt_tokens == _chat_prompt_tokens(tokenizer, messages)

@@ -56,7 +56,7 @@ class Intake:
         if not params.ignore_eos:
             ends = (*params.stop_token_ids, *sorted(self.eos_token_ids))
             params = dataclasses.replace(params, stop_token_ids=ends)
-        budget = self.context_length - len(prompt)
+        budget = min(self.context_length - len(prompt), self.limits.max_completion_tokens or self.context_length)
         max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
         seqs = []
         for i in range(n):

@@ -156,7 +156,7 @@ class Sequence:
     request_id: str  # the client's request id, shared by its n choices
     no: int  # the sequence's number in step plans
     prompt: list[int]
-    max_tokens: int  # what the request asked for, capped by what the context leaves
+    max_tokens: int  # what the request asked for, capped by what the context leaves and --max-completion-tokens
     params: SamplingParams
     stop: StopText
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included

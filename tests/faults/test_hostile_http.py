@@ -23,16 +23,22 @@ from testkit import serving_side_by_side
 KEY = "secret"
 HERE = Path(__file__).resolve().parent
 SCHEMATHESIS = Path(sys.executable).parent / "st"
-EXAMPLES = 20  # per operation and phase, about a minute here; bench/http_fuzz.py runs longer, stateful too
+EXAMPLES = 10  # per operation, for the fuzzing phase; bench/http_fuzz.py runs longer, stateful too
+# Tokens a reply of the fuzzed server generates at most (--max-completion-tokens): most schema-valid completions
+# the coverage phase sends leave max_tokens out (OpenAI's default then), and decoding them, not parsing the
+# refused, was most of the run. Two tokens still take a prefill and a decode step: every reply reaches the model,
+# streams in more than one chunk and ends by its length or a stop.
+REPLY_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    """The module's two servers, started side by side: the fuzzed one, whose short context bounds each generated
-    request, so many fit in a minute; and a roomy one, with the model's whole context, whose streams are long
-    enough to be still running when their clients leave."""
+    """The module's two servers, started side by side: the fuzzed one, whose short context and short replies
+    bound each generated request, so that thousands fit in a minute; and a roomy one, with the model's whole
+    context, whose streams are long enough to be still running when their clients leave."""
     model = ("--model", str(tiny_models["qwen3"]))
-    with serving_side_by_side(tmp_path_factory, (*model, "--max-context", "64"), model, api_key=KEY) as started:
+    fuzzed = (*model, "--max-context", "64", "--max-completion-tokens", str(REPLY_TOKENS))
+    with serving_side_by_side(tmp_path_factory, fuzzed, model, api_key=KEY) as started:
         yield started
 
 
@@ -42,11 +48,12 @@ def fuzzed(servers: list[Server]) -> Server:
 
 
 # The operations in two halves of about equal work, fuzzed by two schemathesis processes at once: one generates (most
-# of a run) while the server answers the other. Not two workers in one process: on Python 3.11 hypothesis's
+# of a run) while the server answers the other. The first half holds the routes that reach the model, the second
+# the larger schemas, whose cases are more but cheaper. Not two workers in one process: on Python 3.11 hypothesis's
 # ``ast.parse`` in two threads at once trips "AST constructor recursion depth mismatch" (python/cpython#106905).
 # Both halves hold ``GET /v1/models``, whose answers the others draw model names from; every other operation is in
 # exactly one.
-HALF = "^/(v1/(completions|embeddings|responses)|detokenize)$"
+HALF = "^/(v1/(completions|embeddings|responses)|(de)?tokenize)$"
 MODELS = "^/v1/models$"
 
 

@@ -249,7 +249,8 @@ def max_tokens(limit: Range) -> Schema:
     return or_null(
         {
             **integer_schema(int(limit.low)),
-            "description": "tokens to generate; more than the context leaves after the prompt is cut to fit",
+            "description": "tokens to generate; more than the context leaves after the prompt, or than the "
+            "server's --max-completion-tokens, is cut to fit",
         }
     )
 
