@@ -199,15 +199,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._write(body)
 
     def _write(self, body: bytes) -> None:
-        rate = self.owner.rate
-        if rate is None or len(body) < LFS_FROM:
-            self.wfile.write(body)
-            return
-        piece = max(1, int(rate / 20))
-        for start in range(0, len(body), piece):
+        start = 0
+        while len(body) >= LFS_FROM and start < len(body):
+            rate = self.owner.rate  # read at every piece: a test that lifts it lets the rest through at once
+            if rate is None:
+                break
+            piece = max(1, int(rate / 20))
             self.wfile.write(body[start : start + piece])
             self.wfile.flush()
+            start += piece
             time.sleep(piece / rate)
+        self.wfile.write(body[start:])
 
     def _error(self, status: int, code: str | None, message: str, *, head: bool) -> None:
         headers = {"Content-Type": "application/json", "X-Error-Message": message}

@@ -138,8 +138,12 @@ def serve_each(world_size: int, stages: int, models: list[str]) -> None:
     """Serve each model in turn from this one leader process, each with fresh workers; one JSON line per model,
     its result or its error. The group is left between models (``rank.group.leave``), as a leader does to form a
     fresh one, so that the leader's own start (its imports) is paid once, not once per model."""
+    from neuron.engine.engine import Engine  # noqa: F401 (imported before the freeze below)
     from neuron.rank import group
 
+    # The imports' objects kept out of the collections that every ``group.leave`` runs, as neuron's own command
+    # keeps them out of its teardown's.
+    gc.freeze()
     for spec in models:
         model, _, split = spec.partition("=")
         try:
@@ -153,4 +157,4 @@ def serve_each(world_size: int, stages: int, models: list[str]) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     serve_each(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
-    gc.freeze()  # as neuron's own command does: the teardown need not trace every object the imports made
+    gc.freeze()  # as neuron's own command does: the teardown need not trace every object the models left

@@ -107,30 +107,32 @@ def test_generate_by_name_fetches_only_what_neuron_reads_and_equals_the_folder(
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    # Offline, the Hub stopped (nothing listens at HF_ENDPOINT): the cache alone serves it.
-    offline = generate("org/tiny", hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"))
+    # Offline, the Hub stopped (nothing listens at HF_ENDPOINT): the cache alone serves it; and, not cached, one is
+    # refused at once, saying what to do (the two side by side: the time bounds the slower).
+    started = time.monotonic()
+    offline, missing = generate_side_by_side(
+        hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"), "org/tiny", "org/gated"
+    )
+    assert time.monotonic() - started < 60
     assert offline.returncode == 0, offline.stderr
     assert offline.stdout == by_name.stdout
+    one_line_error(missing, "org/gated is not in the Hugging Face cache", "HF_HUB_OFFLINE", "neuron pull")
     # Not told to stay offline, the Hub out of reach: the cache serves it all the same.
     unreachable = generate("org/tiny", hub_env(None, tmp_path / "hf"))
     assert unreachable.returncode == 0, unreachable.stderr
     assert unreachable.stdout == by_name.stdout
-    # Not cached, offline: refused at once, saying what to do.
-    started = time.monotonic()
-    missing = generate("org/gated", hub_env(None, tmp_path / "hf", HF_HUB_OFFLINE="1"))
-    one_line_error(missing, "org/gated is not in the Hugging Face cache", "HF_HUB_OFFLINE", "neuron pull")
-    assert time.monotonic() - started < 60
 
 
 def test_revisions_pinned_by_tag_and_by_commit(local_hub: LocalHub, folders: dict[str, Path], tmp_path: Path) -> None:
     env = hub_env(local_hub, tmp_path / "hf")
     first_commit = local_hub.repos["org/tiny"].refs["v1"]
     second_commit = local_hub.repos["org/tiny"].refs["main"]
-    by_tag = generate("org/tiny@v1", env)
-    by_commit = generate(f"org/tiny@{second_commit}", env)
+    # Side by side, the two revisions fetched into one cache at once (its shared files are locked per file).
+    by_tag, by_commit, first, second = generate_side_by_side(
+        env, "org/tiny@v1", f"org/tiny@{second_commit}", str(folders["first"]), str(folders["second"])
+    )
     assert by_tag.returncode == 0 and by_commit.returncode == 0, by_tag.stderr + by_commit.stderr
-    assert by_tag.stdout == generate(str(folders["first"]), env).stdout
-    assert by_commit.stdout == generate(str(folders["second"]), env).stdout
+    assert by_tag.stdout == first.stdout and by_commit.stdout == second.stdout
     assert by_tag.stdout != by_commit.stdout
     snapshots = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots"
     assert sorted(p.name for p in snapshots.iterdir()) == sorted([first_commit, second_commit])
@@ -165,8 +167,8 @@ def test_serve_by_name_shows_progress_on_ready_and_counts_bytes(
         progress = seen[0]["download"]
         assert progress["model"] == "org/tiny@v1" and CHUNK <= progress["bytes_done"] < progress["bytes_total"]
         assert "fetching org/tiny@v1" in seen[0]["error"]["message"]
+        local_hub.rate = None  # the progress showed: the rest of the weights at once
         server.start()
-        local_hub.rate = None
         completion = httpx.post(
             f"{server.url}/v1/completions",
             json={"model": "org/tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0},
@@ -306,36 +308,56 @@ def test_pull_models_and_rm(local_hub: LocalHub, tmp_path: Path) -> None:
 def test_progress_bar_on_a_terminal_and_log_lines_when_piped(local_hub: LocalHub, tmp_path: Path) -> None:
     local_hub.rate = 8_000_000
     try:
-        piped = run_neuron("pull", "org/tiny", env=hub_env(local_hub, tmp_path / "piped"))
-        assert piped.returncode == 0, piped.stderr
-        lines = [json.loads(line) for line in piped.stderr.splitlines() if line.startswith("{")]
-        fetching = [line for line in lines if line["event"] == "fetching" and "bytes_done" in line]
-        assert fetching and all(0 <= line["bytes_done"] <= line["bytes_total"] for line in fetching)
-        assert lines[-1]["event"] == "fetched" and lines[-1]["bytes_done"] >= 1_000_000
-        assert "%|" not in piped.stderr  # no bar drawn into a pipe
-        controller, terminal = pty.openpty()
-        # A terminal has a size (a fresh pty's is 0 x 0, where tqdm draws nothing): 24 rows, 120 columns.
-        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-        env = {**os.environ, **hub_env(local_hub, tmp_path / "tty")}
-        on_tty = subprocess.Popen(
-            neuron_command("pull", "org/tiny"), env=env, stdout=subprocess.PIPE, stderr=terminal, stdin=terminal
-        )
-        os.close(terminal)
-        seen = b""
-        while True:
+        # The two pulls side by side (each mostly waits on the throttled Hub): one into a pipe, one on a terminal.
+        with (tmp_path / "piped.err").open("w+") as piped_err:
+            piped = subprocess.Popen(
+                neuron_command("pull", "org/tiny"),
+                env={**os.environ, **hub_env(local_hub, tmp_path / "piped")},
+                stdout=subprocess.DEVNULL,
+                stderr=piped_err,
+            )
             try:
-                chunk = os.read(controller, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-        assert on_tty.wait(60) == 0
-        os.close(controller)
+                seen = _pull_on_a_terminal(local_hub, tmp_path / "tty")
+                assert piped.wait(60) == 0
+            finally:
+                piped.kill()  # where a wait ran out; nothing once it exited
+                piped.wait()
+            piped_err.seek(0)
+            said = piped_err.read()
     finally:
         local_hub.rate = None
+    assert piped.returncode == 0, said
+    lines = [json.loads(line) for line in said.splitlines() if line.startswith("{")]
+    fetching = [line for line in lines if line["event"] == "fetching" and "bytes_done" in line]
+    assert fetching and all(0 <= line["bytes_done"] <= line["bytes_total"] for line in fetching)
+    assert lines[-1]["event"] == "fetched" and lines[-1]["bytes_done"] >= 1_000_000
+    assert "%|" not in said  # no bar drawn into a pipe
     text = seen.decode(errors="replace")
     assert "%|" in text and "B/s" in text, text  # tqdm's bar: percent, bytes, rate (and time left)
+
+
+def _pull_on_a_terminal(local_hub: LocalHub, home: Path) -> bytes:
+    """What ``neuron pull org/tiny`` drew on a terminal (a pty), once it exited 0."""
+    controller, terminal = pty.openpty()
+    # A terminal has a size (a fresh pty's is 0 x 0, where tqdm draws nothing): 24 rows, 120 columns.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = {**os.environ, **hub_env(local_hub, home)}
+    on_tty = subprocess.Popen(
+        neuron_command("pull", "org/tiny"), env=env, stdout=subprocess.PIPE, stderr=terminal, stdin=terminal
+    )
+    os.close(terminal)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        seen += chunk
+    assert on_tty.wait(60) == 0
+    os.close(controller)
+    return seen
 
 
 # Decisions, without a Hub.

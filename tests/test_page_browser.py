@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from conftest import ROOT, Server, serving
+from conftest import ROOT, Server
 
 from testkit.resume import worker_pid
 from testkit.server import wait_until
@@ -55,17 +55,35 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
 
 
 @pytest.fixture(scope="module")
-def chat_server(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The embedded model, for the chat, behind an API key the browser is asked for (HTTP Basic)."""
-    with serving(tmp_path_factory, "--model", str(smollm2), api_key=KEY) as s:
-        yield s
+def servers(
+    smollm2: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """Started side by side (a start is mostly one process importing): the embedded model, for the chat, behind an
+    API key the browser is asked for (HTTP Basic); and the tiny qwen3 over two ranks, one of which the last test
+    kills. Each must exit 0 on SIGTERM."""
+    folder = tmp_path_factory.mktemp("serve")
+    started = {
+        "chat": Server("--model", str(smollm2), log_path=folder / "chat.log", api_key=KEY),
+        "cluster": Server(
+            "--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "5", log_path=folder / "cluster.log"
+        ),
+    }
+    try:
+        yield {name: server.start() for name, server in started.items()}
+    finally:
+        codes = {name: server.stop() for name, server in started.items()}
+    for name, rc in codes.items():
+        assert rc == 0, started[name].stderr()
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """Two ranks, one of which the last test kills."""
-    with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "5") as s:
-        yield s
+def chat_server(servers: dict[str, Server]) -> Server:
+    return servers["chat"]
+
+
+@pytest.fixture(scope="module")
+def cluster(servers: dict[str, Server]) -> Server:
+    return servers["cluster"]
 
 
 @pytest.fixture(scope="module")

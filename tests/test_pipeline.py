@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import PARIS, TP1_TOKENS, make_tiny_model, run_neuron
@@ -22,12 +24,37 @@ from testkit import run_neuron_side_by_side
 from testkit.faults import FAKE_HOST_ENV
 
 
+@pytest.fixture(scope="module")
+def staged(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> dict[tuple[str, int], Any]:
+    """Each tiny model in the stages the session's cases of the test below ask for, in a fresh leader each (the
+    ``generate`` scenario), two leaders side by side (a leader's start is mostly one process importing, so their
+    starts overlap on the cores): each run's result, or the failure it raised, by model and stages."""
+    wanted = [
+        (item.callspec.params["arch"], item.callspec.params["stages"])  # type: ignore[attr-defined]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_pipeline_stages_give_tp1s_tokens_each_holding_its_share"
+        and getattr(item, "module", None) is request.module
+    ]
+
+    def run(case: tuple[str, int]) -> Any:
+        arch, stages = case
+        try:
+            return scenario("generate", str(tiny_models[arch]), stages, TP1_TOKENS, stages)
+        except AssertionError as e:
+            return e
+
+    with ThreadPoolExecutor(2) as runs:
+        return dict(zip(wanted, runs.map(run, wanted), strict=True))
+
+
 @pytest.mark.parametrize("stages", [2, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pipeline_stages_give_tp1s_tokens_each_holding_its_share(
-    tiny_models: dict[str, Path], tiny_tp1: dict[str, dict], arch: str, stages: int
+    staged: dict[tuple[str, int], Any], tiny_tp1: dict[str, dict], arch: str, stages: int
 ) -> None:
-    result = scenario("generate", str(tiny_models[arch]), stages, TP1_TOKENS, stages)
+    result = staged[arch, stages]
+    if isinstance(result, AssertionError):
+        raise result
     alone = tiny_tp1[arch]
     assert result["tokens"] == alone["tokens"] and result["after_reload"] == alone["tokens"]
     assert len(set(alone["tokens"])) > 8
@@ -52,14 +79,16 @@ def test_an_uneven_split_and_one_by_free_memory_give_the_same_tokens(
     tiny_models: dict[str, Path], tiny_tp1: dict[str, dict]
 ) -> None:
     model = str(tiny_models["qwen3"])
-    uneven = scenario("generate", model, 2, TP1_TOKENS, 2, [1, 3])
-    assert uneven["layers"] == [[0, 1], [1, 4]] and uneven["tokens"] == tiny_tp1["qwen3"]["tokens"]
     per_layer, rest = weight_bytes(model, 4)
     # Rank 1's host has three times rank 0's room for layers (rank 0 also holds the embedding).
     room = 2 * per_layer[0]
     fake = f"0:free_memory={room + rest};1:free_memory={3 * room}"
-    weighted = scenario("generate", model, 2, TP1_TOKENS, 2, env={FAKE_HOST_ENV: fake})
-    assert weighted["layers"] == [[0, 1], [1, 4]] and weighted["tokens"] == tiny_tp1["qwen3"]["tokens"]
+    with ThreadPoolExecutor(2) as runs:  # side by side
+        uneven = runs.submit(scenario, "generate", model, 2, TP1_TOKENS, 2, [1, 3])
+        weighted = runs.submit(scenario, "generate", model, 2, TP1_TOKENS, 2, env={FAKE_HOST_ENV: fake})
+    assert uneven.result()["layers"] == [[0, 1], [1, 4]] and uneven.result()["tokens"] == tiny_tp1["qwen3"]["tokens"]
+    assert weighted.result()["layers"] == [[0, 1], [1, 4]]
+    assert weighted.result()["tokens"] == tiny_tp1["qwen3"]["tokens"]
 
 
 def test_smollm2_in_three_stages_and_split_unevenly_answers_as_one_rank(

@@ -34,8 +34,8 @@ class FakeSystemd(DatagramSink):
     def seen(self, prefix: str) -> list[float]:
         return [t for t, line in self.messages if line.startswith(prefix)]
 
-    def statuses(self) -> list[str]:
-        return [line.removeprefix("STATUS=") for _, line in self.messages if line.startswith("STATUS=")]
+    def statuses(self, since: float = 0.0) -> list[str]:
+        return [line.removeprefix("STATUS=") for t, line in self.messages if line.startswith("STATUS=") and t > since]
 
 
 @contextmanager
@@ -54,7 +54,12 @@ def _supervised(tiny_models: dict[str, Path], tmp_path: Path, systemd: FakeSyste
     return Server("--model", str(tiny_models["qwen3"]), "--tp", "2", log_path=tmp_path / "log", env=env)
 
 
-def test_ready_status_watchdog_then_stopping(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+def test_ready_status_watchdog_a_wedged_step_then_stopping(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """One supervised server through its life (one start for what were two tests). It catches: READY sent before the
+    probe went through every rank, or no loading status; heartbeats missing or late once ready, or no idle status;
+    heartbeats that go on while a worker frozen mid-stream (SIGSTOP) holds the step (systemd would not restart us),
+    or that do not come back once it goes on; no running status; SIGTERM cutting the running stream, no STOPPING,
+    an exit other than 0, a worker left behind."""
     with fake_systemd(tmp_path) as systemd:
         server = _supervised(tiny_models, tmp_path, systemd)
         try:
@@ -68,18 +73,21 @@ def test_ready_status_watchdog_then_stopping(tiny_models: dict[str, Path], tmp_p
             beats = [t for t in systemd.seen("WATCHDOG=1") if t > ready_at]
             assert max(b - a for a, b in itertools.pairwise(beats)) < 0.9  # every quarter of WatchdogSec, loosely
             assert "ready: qwen3 on 2 rank(s), 0 running, 0 waiting" in systemd.statuses()
+            workers = _worker_pids(server)
+            assert len(workers) == 1
+
+            _wedge_a_step(server, systemd, workers[0])
 
             body = {"model": "qwen3", "prompt": "hello", "max_tokens": 400, "temperature": 0.0, "stream": True}
+            asked_at = time.monotonic()
             with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
                 events = sse_events(response)
                 next(events)
                 running = "ready: qwen3 on 2 rank(s), 1 running, 0 waiting"
-                wait_until(lambda: running in systemd.statuses(), 10, running)
-                workers = _worker_pids(server)
-                assert len(workers) == 1
+                wait_until(lambda: running in systemd.statuses(since=asked_at), 10, running)
                 server.process.send_signal(signal.SIGTERM)
                 rest = list(events)
-            assert rest[-1] == "[DONE]"
+            assert rest[-1] == "[DONE]", rest[-3:]
             assert server.process.wait(timeout=60) == 0
         finally:
             server.stop()
@@ -88,30 +96,27 @@ def test_ready_status_watchdog_then_stopping(tiny_models: dict[str, Path], tmp_p
         assert not alive(workers[0])
 
 
-def test_a_wedged_step_stops_the_watchdog(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """A worker frozen mid-stream (SIGSTOP) holds the step; the heartbeat stops, so systemd would restart us."""
-    with fake_systemd(tmp_path) as systemd:
-        server = _supervised(tiny_models, tmp_path, systemd)
+def _wedge_a_step(server: Server, systemd: FakeSystemd, worker: int) -> None:
+    """A worker frozen mid-stream (SIGSTOP) holds the step: the heartbeat must stop, so that systemd would restart
+    us, and come back once the worker goes on. The stream is then dropped, and the server cancels it."""
+    body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
+        events = sse_events(response)
+        next(events)
+        os.kill(worker, signal.SIGSTOP)
         try:
-            server.start()
-            worker = _worker_pids(server)[0]
-            body = {"model": "qwen3", "prompt": "hello", "max_tokens": 1900, "temperature": 0.0, "stream": True}
-            with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as response:
-                events = sse_events(response)
-                next(events)
-                os.kill(worker, signal.SIGSTOP)
-                try:
-                    stopped_at = time.monotonic()
-                    # Beats may go on for up to half of WatchdogSec after the step began, then must cease.
-                    wait_until(lambda: time.monotonic() - stopped_at > 2.5, 5, "2.5 s of a frozen worker")
-                    late = [t for t in systemd.seen("WATCHDOG=1") if t > stopped_at + 0.75]
-                    assert late == [], f"{len(late)} heartbeats while a step was wedged"
-                finally:
-                    os.kill(worker, signal.SIGCONT)
-                resumed_at = time.monotonic()
-                wait_until(lambda: any(t > resumed_at for t in systemd.seen("WATCHDOG=1")), 5, "heartbeats again")
+            stopped_at = time.monotonic()
+            # Beats may go on for up to half of WatchdogSec after the step began, then must cease.
+            wait_until(lambda: time.monotonic() - stopped_at > 2.5, 5, "2.5 s of a frozen worker")
+            late = [t for t in systemd.seen("WATCHDOG=1") if t > stopped_at + 0.75]
+            assert late == [], f"{len(late)} heartbeats while a step was wedged"
         finally:
-            assert server.stop() == 0, server.stderr()
+            os.kill(worker, signal.SIGCONT)
+        resumed_at = time.monotonic()
+        wait_until(lambda: any(t > resumed_at for t in systemd.seen("WATCHDOG=1")), 5, "heartbeats again")
+    dropped_at = time.monotonic()
+    idle = "ready: qwen3 on 2 rank(s), 0 running, 0 waiting"
+    wait_until(lambda: idle in systemd.statuses(since=dropped_at), 10, f"{idle} once the stream was dropped")
 
 
 def test_socket_activation_a_restart_refuses_no_connection(tiny_models: dict[str, Path], tmp_path: Path) -> None:
