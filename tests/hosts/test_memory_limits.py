@@ -13,7 +13,6 @@ printed (``pytest -s`` or ``-rP`` shows it).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -21,12 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 from conftest import Server, make_tiny_model, wait_until
-from safetensors.numpy import load_file
 
-from neuron import shares
 from neuron.models import weight_bytes
 from testkit import cgroups, faults
 from testkit.testbed import Namespaces, unavailable
@@ -41,42 +37,18 @@ LIMIT = 1 << 30  # each host's; a rank's process holds about 200 MiB besides its
 SMALL = 512 << 20  # host 1's, less than a rank's half of the weights
 LAYERS = 28  # of 51 MiB each at hidden 1024 and intermediate 4096 in fp32: 1.40 GiB in all
 LEADER = -1
-STAGES_LEADER = -2  # the leader's host of the pipeline split, served beside the tensor-parallel one (on host 2)
 
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama grown to hidden 1024, intermediate 4096 and ``LAYERS`` layers. Only its first layer is drawn
-    by ``make_tiny_model``; each layer's matrices are windows, each at its own offset, into one pool of numbers,
-    scaled to that layer's: every layer its own weights, where drawing 1.40 GiB of them took most of this test's
-    set-up."""
-    folder = make_tiny_model(tmp_path_factory.mktemp("big") / "big", "llama", hidden=1024, layers=1, intermediate=4096)
-    first = load_file(str(folder / "model.safetensors"))
-    rng = np.random.default_rng(0)
-    pool = rng.random(2 * max(t.size for t in first.values()), dtype=np.float32) * 2 - 1
-    weights = {name: tensor for name, tensor in first.items() if ".layers.0." not in name}
-    for layer in range(LAYERS):
-        for name, tensor in first.items():
-            if ".layers.0." in name:
-                if tensor.ndim > 1:  # uniform over the range this matrix's own init drew from
-                    at = int(rng.integers(0, pool.size - tensor.size))
-                    window = pool[at : at + tensor.size].reshape(tensor.shape)
-                    tensor = window * np.abs(tensor).max()
-                weights[name.replace(".layers.0.", f".layers.{layer}.")] = tensor
-    assert all(t.dtype == np.float32 for t in weights.values())
-    entries = [shares.Entry(n, "F32", list(t.shape), t.nbytes, list(t.shape)) for n, t in weights.items()]
-    with (folder / "model.safetensors").open("wb") as f:
-        f.write(shares.layout(entries)[0])
-        for tensor in weights.values():
-            f.write(memoryview(np.ascontiguousarray(tensor)))
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": LAYERS}))
-    return folder
+    return make_tiny_model(
+        tmp_path_factory.mktemp("big") / "big", "llama", hidden=1024, layers=LAYERS, intermediate=4096
+    )
 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
-    testbed = Namespaces(3, tmp_path_factory.mktemp("testbed"))
+    testbed = Namespaces(2, tmp_path_factory.mktemp("testbed"))
     try:
         yield testbed.start()
     finally:
@@ -85,12 +57,11 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
 
 @pytest.fixture(scope="module")
 def limits(bed: Namespaces) -> Iterator[dict[int, cgroups.MemoryLimit]]:
-    """Each host's memory cgroup: the leaders' (two, one per split served side by side), host 0's and host 2's at
-    ``LIMIT``, host 1's at ``SMALL``; removed after."""
+    """Each host's memory cgroup: the leader's, host 0's at ``LIMIT``, host 1's at ``SMALL``; removed after."""
     made: dict[int, cgroups.MemoryLimit] = {}
     try:
-        for host, limit in ((LEADER, LIMIT), (STAGES_LEADER, LIMIT), (0, LIMIT), (1, SMALL), (2, LIMIT)):
-            made[host] = cgroups.MemoryLimit(f"{bed.prefix}m{host + 2}", limit)
+        for host, limit in ((LEADER, LIMIT), (0, LIMIT), (1, SMALL)):
+            made[host] = cgroups.MemoryLimit(f"{bed.prefix}m{host + 1}", limit)
             if host >= 0:
                 made[host].add(bed.sshd_pid(host))
         yield made
@@ -104,12 +75,11 @@ def weights(model: Path) -> int:
     return sum(per_layer) + rest
 
 
-def start(
-    bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Path, *args: str, leader: int = LEADER
-) -> Server:
-    """A server whose leader starts in its host's cgroup (``leader``'s)."""
-    procs = limits[leader].procs
-    return Server(*args, "--ssh-command", bed.ssh_command, log_path=tmp_path / f"serve{leader}.log", cgroup_procs=procs)
+def start(bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Path, *args: str) -> Server:
+    """A server whose leader starts in the leader's host's cgroup."""
+    return Server(
+        *args, "--ssh-command", bed.ssh_command, log_path=tmp_path / "serve.log", cgroup_procs=limits[LEADER].procs
+    )
 
 
 def peak_rss(pid: int, field: str = "VmHWM") -> int:
@@ -142,52 +112,40 @@ def ended(server: Server, within: float) -> str:
 
 
 def nothing_left(bed: Namespaces) -> None:
-    wait_until(lambda: not any(bed.workers(host) for host in (0, 1, 2)), 15, "no worker left on any host")
+    wait_until(lambda: not bed.workers(0) and not bed.workers(1), 15, "no worker left on either host")
 
 
 def test_two_limited_hosts_serve_a_model_neither_can_hold(
     bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], big_model: Path, tmp_path: Path
 ) -> None:
-    """TP=2 and PP=2, each over a leader's host and a remote host, each under 1 GiB, serve 1.40 GiB of weights, and
-    agree. The two splits are served side by side, each on hosts of its own: the leader's host and host 0 for TP,
-    the second leader's host and host 2 for PP."""
+    """TP=2 and PP=2 over the leader's host and host 0, each under 1 GiB, serve 1.40 GiB of weights, and agree."""
     assert weights(big_model) > LIMIT * 1.3
-    splits = {("--tp", "2"): (LEADER, 0), ("--pp", "2"): (STAGES_LEADER, 2)}
-    for limit in limits.values():
-        limit.reset_peak()
-    servers: dict[tuple[str, str], Server] = {}
-    texts: dict[tuple[str, str], str] = {}
-    peaks: dict[tuple[str, str], dict[str, int]] = {}
-    groups: dict[tuple[str, str], dict[str, int | None]] = {}
-    try:
-        for split, (leader, host) in splits.items():
-            hostfile = bed.hostfile([bed.entry(-1), bed.entry(host)], f"two{host}.json")
-            model = ("--model", str(big_model), "--hosts", str(hostfile))
-            servers[split] = start(bed, limits, tmp_path, *model, *split, leader=leader)
-        for server in servers.values():
+    hostfile = bed.hostfile([bed.entry(LEADER), bed.entry(0)], "two.json")
+    texts = {}
+    for split in (("--tp", "2"), ("--pp", "2")):
+        for limit in limits.values():
+            limit.reset_peak()
+        server = start(bed, limits, tmp_path, "--model", str(big_model), "--hosts", str(hostfile), *split)
+        try:
             server.port = server.wait_log("serving", timeout=240)["port"]
-        for split, server in servers.items():
             body = {"model": big_model.name, "prompt": "hello", "max_tokens": 8, "temperature": 0.0}
             response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=240)
             assert response.status_code == 200, response.text
             texts[split] = response.json()["choices"][0]["text"]
-            leader, host = splits[split]
-            (worker,) = bed.workers(host)
-            peaks[split] = {"rank 0": peak_rss(server.process.pid), "rank 1": peak_rss(worker)}
-            groups[split] = {"leader's host": limits[leader].peak(), f"host {host}": limits[host].peak()}
-    finally:
-        codes = {split: server.stop() for split, server in servers.items()}
-    for split, server in servers.items():
-        assert codes[split] == 0, server.stderr()[-3000:]
+            (worker,) = bed.workers(0)
+            peaks = {"rank 0": peak_rss(server.process.pid), "rank 1": peak_rss(worker)}
+            groups = {"leader's host": limits[LEADER].peak(), "host 0": limits[0].peak()}
+        finally:
+            assert server.stop() == 0, server.stderr()[-3000:]
         print(
             f"{' '.join(split)}: weights {mib(weights(big_model))}, limit {mib(LIMIT)} per host; peak RSS "
-            + ", ".join(f"{rank} {mib(v)}" for rank, v in peaks[split].items())
+            + ", ".join(f"{rank} {mib(v)}" for rank, v in peaks.items())
             + "; cgroup peak (page cache included) "
-            + ", ".join(f"{host} {mib(v)}" for host, v in groups[split].items())
+            + ", ".join(f"{host} {mib(v)}" for host, v in groups.items())
         )
-        assert all(peak < LIMIT for peak in peaks[split].values()), peaks
-        assert all(limits[group].oom_kills() == 0 for group in splits[split]), split
-    nothing_left(bed)
+        assert all(peak < LIMIT for peak in peaks.values()), peaks
+        assert limits[LEADER].oom_kills() == limits[0].oom_kills() == 0
+        nothing_left(bed)
     assert texts[("--tp", "2")] == texts[("--pp", "2")] and texts[("--tp", "2")]
 
 

@@ -17,18 +17,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import PARIS, Server, alive, make_tiny_model, run_neuron, tcp_sockets, wait_until
+from conftest import PARIS, Server, alive, make_tiny_model, run_neuron, serving, tcp_sockets, wait_until
 from test_logging import Journal
 from test_systemd import FakeSystemd
 
 from neuron import device, log
-from testkit import faults, resume, run_neuron_side_by_side, serving_side_by_side
+from testkit import faults, resume, run_neuron_side_by_side
 from testkit.testbed import Namespaces, children, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -54,65 +52,49 @@ def nothing_left(bed: Namespaces, hosts: tuple[int, ...] = (0, 1, 2), timeout: f
     wait_until(lambda: not any(bed.workers(i) for i in hosts), timeout, f"no neuron worker left on hosts {hosts}")
 
 
-@dataclass
-class Spread:
-    """The three two-host runs below, made side by side (each mostly its leader's start, then its remote worker's,
-    one after the other), beside the one-rank references: each run's outcome by test, the journal the qwen3 over
-    TP=2 logged to."""
-
-    runs: dict[str, subprocess.CompletedProcess[str]]
-    journal: Journal
+def generate(*args: str) -> str:
+    done = run_neuron("generate", "--max-tokens", "24", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
-@pytest.fixture(scope="module")
-def spread(
-    bed: Namespaces,
-    tiny_models: dict[str, Path],
-    tiny_alone: Callable[[str], str],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Spread]:
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2.json")
-    run = ("generate", "--max-tokens", "24", *hosts_args(bed, hostfile))
-    journaled = ("--log-format", "journal", "--log-level", "info")
-    with Journal(tmp_path_factory.mktemp("journal") / "journal") as journal:
-        with ThreadPoolExecutor(4) as pool:
-            started = {
-                "tp2 llama": pool.submit(run_neuron, *run, "--model", str(tiny_models["llama"]), PROMPT),
-                "pp2 qwen3": pool.submit(run_neuron, *run, "--model", str(tiny_models["qwen3"]), "--pp", "2", PROMPT),
-                "tp2 qwen3": pool.submit(
-                    run_neuron, *run, "--model", str(tiny_models["qwen3"]), *journaled, PROMPT,
-                    env={log.JOURNAL_SOCKET_ENV: str(journal.path)},
-                ),
-            }  # fmt: skip
-            tiny_alone("llama")  # both tiny models' one-rank runs, side by side, beside these
-            runs = {name: future.result() for name, future in started.items()}
-        for done in runs.values():
-            assert done.returncode == 0, done.stderr[-3000:]
-        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
-        nothing_left(bed)
-        yield Spread(runs, journal)
-
-
-def test_tp2_across_two_hosts_equals_tp1(spread: Spread, tiny_alone: Callable[[str], str]) -> None:
+def test_tp2_across_two_hosts_equals_tp1(
+    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
+) -> None:
     """The llama; the qwen3 is held to its one-rank text below, its log read from the journal."""
-    assert spread.runs["tp2 llama"].stdout == tiny_alone("llama")
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2-llama.json")
+    assert generate("--model", str(tiny_models["llama"]), *hosts_args(bed, hostfile), PROMPT) == tiny_alone("llama")
+    nothing_left(bed)
 
 
-def test_pipeline_stages_across_hosts_equal_tp1(spread: Spread, tiny_alone: Callable[[str], str]) -> None:
+def test_pipeline_stages_across_hosts_equal_tp1(
+    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str]
+) -> None:
     """Each host holds its own run of layers; the hidden states cross the link, the last back to the leader. (A
     middle stage, its states in from one host and out to another: SmolLM2's three stages below.)"""
-    assert spread.runs["pp2 qwen3"].stdout == tiny_alone("qwen3")
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "pp2.json")
+    staged = generate("--model", str(tiny_models["qwen3"]), "--pp", "2", *hosts_args(bed, hostfile), PROMPT)
+    assert staged == tiny_alone("qwen3")
+    nothing_left(bed)
 
 
 def test_qwen3_tp2_across_two_hosts_equals_tp1_and_the_remote_workers_log_reaches_the_journal(
-    bed: Namespaces, spread: Spread, tiny_alone: Callable[[str], str]
+    bed: Namespaces, tiny_models: dict[str, Path], tiny_alone: Callable[[str], str], tmp_path: Path
 ) -> None:
     """The qwen3's tokens across two hosts are its tokens on one rank; and ``journalctl -u neuron HOST=mac2``: the
     leader relays each remote line as a journal entry of its own."""
-    assert spread.runs["tp2 qwen3"].stdout == tiny_alone("qwen3")
-    entry = spread.journal.one(EVENT="shard loaded", RANK="1")
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "tp2-qwen3.json")
+    with Journal(tmp_path / "journal") as journal:
+        done = run_neuron(
+            "generate", "--model", str(tiny_models["qwen3"]), "--max-tokens", "24", *hosts_args(bed, hostfile),
+            "--log-format", "journal", "--log-level", "info", PROMPT, env={log.JOURNAL_SOCKET_ENV: str(journal.path)},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout == tiny_alone("qwen3")
+        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
+    entry = journal.one(EVENT="shard loaded", RANK="1")
     assert entry["HOST"] == f"root@{bed.ip(0)}" and entry["PRIORITY"] == "6"
-    assert spread.journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
+    assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
 
 
 def test_tp3_across_three_hosts_equals_tp1(bed: Namespaces, tmp_path: Path) -> None:
@@ -141,33 +123,16 @@ def test_smollm2_in_three_stages_across_three_hosts_equals_tp1(
     nothing_left(bed)
 
 
-# The cluster's ssh gives up connecting after 2 s, not neuron's 5: the link-down test below waits until a try to
-# reach a host whose link is down fails, which takes that long.
-CONNECT_S = "-o ConnectTimeout=2"
-
-
 @pytest.fixture(scope="module")
-def servers(
+def cluster(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[Server]]:
-    """The cluster (rank 1 on host 0, a short step deadline for the link-down fault) and the SSH data plane's
-    server (rank 1 on host 1), started side by side: each start is mostly its leader importing, then its remote
-    worker, one after the other."""
-    model = ("--model", str(tiny_models["qwen3"]))
-    cluster = bed.hostfile([bed.entry(-1), bed.entry(0)], "cluster.json")
-    plane = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
-    with serving_side_by_side(
-        tmp_path_factory,
-        (*model, "--step-timeout", "3", "--hosts", str(cluster), "--ssh-command", f"{bed.ssh_command} {CONNECT_S}"),
-        (*model, "--data-plane", "ssh", "--step-timeout", "30", *hosts_args(bed, plane)),
-    ) as started:
-        yield started
+) -> Iterator[Server]:
+    """A server whose rank 1 is on host 0, with a short step deadline for the link-down fault."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "cluster.json")
+    args = ("--model", str(tiny_models["qwen3"]), "--step-timeout", "3", *hosts_args(bed, hostfile))
+    with serving(tmp_path_factory, *args) as server:
+        yield server
     nothing_left(bed)
-
-
-@pytest.fixture(scope="module")
-def cluster(servers: list[Server]) -> Server:
-    return servers[0]
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +182,7 @@ def _restarts(server: Server) -> float:
     return server.metrics().get(("neuron_worker_restarts_total", ()), 0.0)
 
 
-# The four resume requests: long enough that a fault lands mid-stream. ``resume.disturb`` strikes once each stream
-# has 5 chunks, so each has 35 tokens left to be cut in; every token more is decoded twice (the references, and
-# the disturbed streams) on a ring that crosses the bridge.
-RESUMING = resume.shorter(40)
+RESUMING = resume.shorter(120)  # the four resume requests: long enough that a fault lands mid-stream
 
 
 @pytest.fixture(scope="module")
@@ -286,12 +248,15 @@ def test_a_link_down_mid_step_and_every_stream_goes_on_once_it_is_back(
 
 
 @pytest.fixture(scope="class")
-def ssh_plane(bed: Namespaces, servers: list[Server]) -> Iterator[Server]:
-    """``--data-plane ssh`` with rank 1 on host 1, for the class below; stopped with it, before the refusals that
+def ssh_plane(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """``--data-plane ssh`` with rank 1 on host 1, for the class below; ended with it, before the refusals that
     need host 1 empty."""
-    server = servers[1]
-    yield server
-    assert server.stop() == 0, server.stderr()[-3000:]
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "ssh-plane.json")
+    args = ("--model", str(tiny_models["qwen3"]), "--data-plane", "ssh", "--step-timeout", "30")
+    with serving(tmp_path_factory, *args, *hosts_args(bed, hostfile)) as server:
+        yield server
     # No tunnel left once the server is gone.
     nothing_left(bed, (1,))
     wait_until(lambda: not bed.pids(1), 10, "no session (worker or tunnel) left on host 1")
@@ -456,19 +421,17 @@ def test_nccl_gives_each_rank_a_gpu_of_its_host_and_refuses_a_host_short_of_them
             module=faults.ENTRY,
         )
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        nothing_left(bed, (1, 2))
         return done.stderr.strip().splitlines()[-1]
 
-    # Both side by side (each mostly a leader's start, then its workers'); the second not where nccl would start:
-    # the join's failure is for a build without it.
-    counts = (1,) if device.backend() == "cuda" else (1, 2)
-    with ThreadPoolExecutor(len(counts)) as pool:
-        short, *failing = pool.map(run, counts)
-    nothing_left(bed, (1, 2))
+    short = run(1)
     assert f"{host} (" in short and "has 1 GPU (as its driver lists them), but ranks 1, 2 are placed on it" in short
-    for failed in failing:
-        for rank, gpu in ((1, 0), (2, 1)):
-            assert re.search(rf"rank {rank} on {host}: [\w: ]*could not join the nccl group", failed), failed
-            assert f"it was given CUDA_VISIBLE_DEVICES={gpu};" in failed.split(f"rank {rank} on {host}")[1], failed
+    if device.backend() == "cuda":
+        return  # nccl would start here: the join's failure is for a build without it
+    failed = run(2)
+    for rank, gpu in ((1, 0), (2, 1)):
+        assert re.search(rf"rank {rank} on {host}: [\w: ]*could not join the nccl group", failed), failed
+        assert f"it was given CUDA_VISIBLE_DEVICES={gpu};" in failed.split(f"rank {rank} on {host}")[1], failed
 
 
 def test_an_unreachable_ring_address_is_named_before_any_rank_joins(

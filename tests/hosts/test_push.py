@@ -11,7 +11,6 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -98,13 +97,10 @@ def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_ch
     hostfile = bed.hostfile([bed.entry(-1), empty_host(bed, 0, cache, **{faults.SLOW_PUSH_ENV: "0.02"})], "push.json")
     hosts = ("--model", model, "--hosts", str(hostfile))
 
-    # Without the setting, today's refusal stands, and says what would fix it: asked beside the server below (each
-    # mostly a leader's start, then a worker's), with a cache of its own on the same host.
-    unset = tmp_path / "host0-cache-unset"
-    unset_hosts = bed.hostfile([bed.entry(-1), empty_host(bed, 0, unset)], "push-unset.json")
-    pool = ThreadPoolExecutor(1)
-    refusing = pool.submit(run_neuron, "generate", "--model", model, "--hosts", str(unset_hosts),
-                           "--ssh-command", bed.ssh_command, PROMPT)  # fmt: skip
+    # Without the setting, today's refusal stands, and says what would fix it.
+    refused = run_neuron("generate", *hosts, "--ssh-command", bed.ssh_command, PROMPT)
+    assert refused.returncode == 1 and "--push-model" in refused.stderr.strip().splitlines()[-1], refused.stderr
+    assert not (cache / "shares").exists()
 
     # A push cut midway (its ssh killed): the leader tries again, resumes, and serves.
     host = f"root@{bed.ip(0)}"
@@ -119,9 +115,6 @@ def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_ch
         (ssh,) = _ssh_receivers(server.process.pid)
         os.kill(ssh, signal.SIGKILL)
         server.wait_log("host unreachable; trying again", timeout=30)
-        refused = refusing.result()
-        assert refused.returncode == 1 and "--push-model" in refused.stderr.strip().splitlines()[-1], refused.stderr
-        assert not (unset / "shares").exists()
         server.start()
         first, second = [e for e in server.logs() if e.get("event") == "push started"]
         share = share_of(cache)
@@ -138,9 +131,7 @@ def test_a_host_without_the_model_gets_its_tp_share_resumed_after_a_cut_and_a_ch
         )
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == reference.rstrip("\n")
     finally:
-        code = server.stop()
-        pool.shutdown()
-        assert code == 0, server.stderr()[-3000:]
+        assert server.stop() == 0, server.stderr()[-3000:]
 
     # Rank 1's share, not the whole model: its halves of every layer's projections, the rest whole.
     whole = load_file(str(Path(model) / "model.safetensors"))
