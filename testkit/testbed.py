@@ -189,8 +189,18 @@ class Namespaces:
         return {"ssh": f"root@{self.ip(host)}", "ips": [self.ip(host)], "neuron": self.neuron_command(), **extra}
 
     def hostfile(self, entries: list[dict[str, Any]], name: str = "hosts.json") -> Path:
+        """A hostfile of ``entries`` whose ranks each get a core of this machine's, in turn, unless one names its own.
+
+        Why the cores: the hosts share this machine's cores, and a rank alone on its host takes every core it
+        sees, with as many BLAS threads, which spin between a step's products, and ring threads that poll while a
+        transfer is pending. Three such ranks on two cores starved one another: a leader's two spinning threads left
+        its remote peers a few percent of the CPU, and the suite's multi-host tests ran several times longer. One
+        core each, as each would have on a machine of its own; the hostfile's ``cpus`` pin them to it.
+        """
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = [{"cpus": [cores[rank % len(cores)]], **entry} for rank, entry in enumerate(entries)]
         path = self.root / name
-        path.write_text(json.dumps(entries))
+        path.write_text(json.dumps(pinned))
         return path
 
     def pids(self, host: int) -> list[int]:

@@ -23,6 +23,7 @@ from neuron.launch.hosts import (
     local_hosts,
     read_hostfile,
 )
+from neuron.launch.launcher import Launcher
 
 pytestmark = pytest.mark.unit
 
@@ -233,3 +234,26 @@ def test_the_split_follows_free_memory_and_gives_every_stage_a_layer() -> None:
     assert stages.split_by_memory([1] * 4, 0, [1000, 1, 1]) == [2, 1, 1]
     assert stages.split_by_memory([1] * 3, 0, [0, 0, 0]) == [1, 1, 1]
     assert stages.ranges([10, 20]) == [(0, 10), (10, 30)]
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "blocks"),
+    [
+        ([0, 1, 2, 3], 2, [[0, 1], [2, 3]]),
+        ([0, 1, 2, 3, 4], 2, [[0, 1], [2, 3]]),
+        ([4, 5], 2, [[4], [5]]),
+        # More ranks than cores: they float. One core each, in turn, decoded slower (BENCHMARKS.md, "The test bed's
+        # cores"): the two ranks sharing a core poll while the other works.
+        ([0, 1], 3, [[], [], []]),
+    ],
+)
+def test_the_ranks_of_one_host_split_its_cores(cores: list[int], ranks: int, blocks: list[list[int]]) -> None:
+    launcher = Launcher(local_hosts(ranks))
+    assert [launcher.cpus(rank, cores) for rank in range(ranks)] == blocks
+
+
+def test_a_rank_alone_on_its_host_floats_and_an_entrys_own_cores_win() -> None:
+    alone = Launcher([Host("localhost", ("127.0.0.1",)), Host("mac2", ("10.0.0.2",))])
+    assert alone.cpus(0, [0, 1]) == [] and alone.cpus(1, [0, 1]) == []
+    own = Launcher([Host("localhost", ("127.0.0.1",), cpus=(1,)), Host("localhost", ("127.0.0.1",))])
+    assert own.cpus(0, [0, 1, 2, 3]) == [1] and own.cpus(1, [0, 1, 2, 3]) == [2, 3]
