@@ -1,4 +1,5 @@
-"""The leader's HTTP server stops at once when told to, and still lets a response in flight finish (``leader._Server``).
+"""The leader's HTTP server stops at once when told to, and still lets a response in flight finish
+(``leader._Server``); its listener's connections send without waiting for acknowledgements (``leader.bind``).
 
 uvicorn's own loop would notice a stop only at its next tick, and its shutdown would pause before it looked whether
 the connections had closed; the leader's ends the loop on ``stop`` and looks every few milliseconds instead.
@@ -6,6 +7,8 @@ the connections had closed; the leader's ends the loop on ``stop`` and looks eve
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import anyio
@@ -79,3 +82,22 @@ async def test_stop_lets_the_response_in_flight_finish_closes_an_idle_connection
     assert b"first" in streamed and b"last" in streamed and streamed.endswith(b"0\r\n\r\n"), streamed
     with pytest.raises(OSError):
         await anyio.connect_tcp(*address)
+
+
+async def test_a_connection_to_the_leaders_listener_sends_without_waiting_for_acks() -> None:
+    """Nagle's algorithm off on every accepted connection (TCP_NODELAY), as asyncio sets it where the listener says
+    it is TCP: with it on, a response written head first and body after waited for the client's delayed ACK, about
+    40 ms on every request of a kept-alive connection (BENCHMARKS.md, "Kept-alive connections")."""
+    accepted: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.put_nowait(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = bind("127.0.0.1", 0)
+    server = await asyncio.start_server(handle, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        with anyio.fail_after(10):
+            assert await accepted.get() != 0
+        writer.close()
