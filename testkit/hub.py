@@ -164,6 +164,9 @@ _CONTENT = re.compile(r"^/content/([0-9a-f]{64})$")
 class _Handler(BaseHTTPRequestHandler):
     owner: LocalHub
     protocol_version = "HTTP/1.1"
+    # huggingface_hub keeps its connections alive, and a reply is written head first and body after: with Nagle's
+    # algorithm on, each small one waited for the client's delayed ACK (as the leader's did, leader.bind).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # recorded in ``LocalHub.requests`` instead

@@ -209,9 +209,12 @@ async function send(text) {
         const delta = (event.choices && event.choices[0] && event.choices[0].delta) || {};
         if (delta.reasoning_content) reply.reasoning += delta.reasoning_content;
         if (delta.content) reply.content += delta.content;
-        view.show(reply);
-        $("messages").scrollTop = $("messages").scrollHeight;
       }
+      view.show(reply);
+      $("messages").scrollTop = $("messages").scrollHeight;
+      // A read of a chunk already received resolves at once, as a microtask: a page behind its stream would read
+      // to the end without taking a click (Stop) or painting. One task per chunk lets them in.
+      await new Promise((resolve) => setTimeout(resolve, 0));
     }
   } catch (error) {
     if (error.name === "AbortError") reply.stopped = true;
