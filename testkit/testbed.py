@@ -189,18 +189,21 @@ class Namespaces:
         return {"ssh": f"root@{self.ip(host)}", "ips": [self.ip(host)], "neuron": self.neuron_command(), **extra}
 
     def hostfile(self, entries: list[dict[str, Any]], name: str = "hosts.json") -> Path:
-        """A hostfile of ``entries`` whose ranks each get a core of this machine's, in turn, unless one names its own.
+        """A hostfile of ``entries``, each rank on a core of this machine's own where there are enough to go round
+        (an entry's own ``cpus`` stand).
 
         Why the cores: the hosts share this machine's cores, and a rank alone on its host takes every core it
         sees, with as many BLAS threads, which spin between a step's products, and ring threads that poll while a
-        transfer is pending. Three such ranks on two cores starved one another: a leader's two spinning threads left
-        its remote peers a few percent of the CPU, and the suite's multi-host tests ran several times longer. One
-        core each, as each would have on a machine of its own; the hostfile's ``cpus`` pin them to it.
+        transfer is pending. Two such ranks on two cores starved one another: a leader's two spinning threads left
+        its remote peer a few percent of the CPU, and the suite's multi-host tests ran several times longer. One
+        core each, as each would have on a machine of its own. With more ranks than cores they float, as the ranks
+        of one host do (``Launcher.cpus``): two ranks sharing a core poll the ring while the other computes.
         """
         cores = sorted(os.sched_getaffinity(0))
-        pinned = [{"cpus": [cores[rank % len(cores)]], **entry} for rank, entry in enumerate(entries)]
+        if len(entries) <= len(cores):
+            entries = [{"cpus": [core], **entry} for core, entry in zip(cores, entries, strict=False)]
         path = self.root / name
-        path.write_text(json.dumps(pinned))
+        path.write_text(json.dumps(entries))
         return path
 
     def pids(self, host: int) -> list[int]:

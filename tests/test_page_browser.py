@@ -221,7 +221,10 @@ def test_stop_cancels_the_request_on_the_server(chat: Any, chat_server: Server) 
     page.fill("#temperature", "0")
     reply = send(page, "Write the numbers from 1 to 500, separated by commas.", 1900)
     wait_until(lambda: bool(reply.locator(".content").text_content()), 60, "the first words of the reply")
-    page.click("#stop")
+    # Pressed from the page's own script, once the page has enabled it: in the whole suite a mouse click, which
+    # waits for the button to hold still over two painted frames, landed only tens of seconds into the reply.
+    wait_until(lambda: page.locator("#stop").is_enabled(), 60, "the Stop button enabled")
+    page.evaluate("document.getElementById('stop').click()")
     page.wait_for_selector(".message.assistant[data-done=stopped]")
     wait_until(lambda: cancelled(server) > before, 60, "the server to count the request cancelled")
     assert page.locator("#send").is_enabled() and page.locator("#stop").is_disabled()
