@@ -248,7 +248,7 @@ def test_the_split_follows_free_memory_and_gives_every_stage_a_layer() -> None:
     ],
 )
 def test_the_ranks_of_one_host_split_its_cores(cores: list[int], ranks: int, blocks: list[list[int]]) -> None:
-    launcher = Launcher(local_hosts(ranks))
+    launcher = Launcher.local(ranks)
     assert [launcher.cpus(rank, cores) for rank in range(ranks)] == blocks
 
 

@@ -160,9 +160,11 @@ def cancelled(server: Server) -> float:
     return server.metrics().get(("neuron_requests_total", (("outcome", "cancelled"),)), 0.0)
 
 
-def send(page: Any, text: str, max_tokens: int) -> Any:
+def send(page: Any, text: str, max_tokens: int, temperature: float | None = None) -> Any:
     page.locator("#settings").evaluate("details => { details.open = true; }")
     page.fill("#max-tokens", str(max_tokens))
+    if temperature is not None:
+        page.fill("#temperature", str(temperature))
     page.fill("#prompt", text)
     page.click("#send")
     return page.locator(".message.assistant").last
@@ -217,9 +219,7 @@ def test_stop_cancels_the_request_on_the_server(chat: Any, chat_server: Server) 
     before = cancelled(server)
     page.click("#new-chat")
     # Greedy, on a prompt whose greedy reply runs past the limit: a sampled reply could end before the click.
-    page.locator("#settings").evaluate("details => { details.open = true; }")
-    page.fill("#temperature", "0")
-    reply = send(page, "Write the numbers from 1 to 500, separated by commas.", 1900)
+    reply = send(page, "Write the numbers from 1 to 500, separated by commas.", 1900, temperature=0)
     wait_until(lambda: bool(reply.locator(".content").text_content()), 60, "the first words of the reply")
     # Pressed from the page's own script, once the page has enabled it: in the whole suite a mouse click, which
     # waits for the button to hold still over two painted frames, landed only tens of seconds into the reply.
