@@ -101,10 +101,11 @@ def test_tp3_across_three_hosts_equals_tp1(bed: Namespaces, tmp_path: Path) -> N
     """Every all-reduce around a ring of three hosts: a tiny qwen3 whose heads and MLP split in three. (SmolLM2's
     nine heads split in three on one host in tests/test_prefix_cache.py; each host converts it itself in the next test.)
     SmolLM2 here took minutes: three ranks on two cores wait on each other at every all-reduce of its thirty
-    layers, token after token. The one-rank reference runs beside it: both are mostly start-ups."""
-    model = str(make_tiny_model(tmp_path / "qwen3-thirds", "qwen3", heads=6, intermediate=768))
+    layers, token after token. So two layers and twelve tokens: each all-reduce of a step is made at every token,
+    and a wrong sum changes the first. The one-rank reference runs beside it: both are mostly start-ups."""
+    model = str(make_tiny_model(tmp_path / "qwen3-thirds", "qwen3", layers=2, heads=6, intermediate=768))
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "tp3.json")
-    run = ("generate", "--max-tokens", "24", "--model", model)
+    run = ("generate", "--max-tokens", "12", "--model", model)
     spread, alone = run_neuron_side_by_side((*run, *hosts_args(bed, hostfile), PROMPT), (*run, PROMPT))
     for done in (spread, alone):
         assert done.returncode == 0, done.stderr[-3000:]
