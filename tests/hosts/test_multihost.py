@@ -311,8 +311,10 @@ class TestTheSshDataPlane:
             return pid
 
         resume.disturb(server, undisturbed, resume.kill(session(tunnel=True), signal.SIGKILL), bases=RESUMING)
-        lost = server.find_log("pool broken", op="liveness")  # the process watch's, not a step's
-        why = str(lost and lost["failures"])
+        # Said by the tunnel's watch whichever broke the group first: the watch itself (op liveness) or the step
+        # whose ring connection the tunnel carried (op generate_step, "connection to a peer was lost").
+        lost = server.find_log("ssh tunnel lost")
+        why = str(lost and lost["status"])
         assert f"the SSH connection carrying the data plane's tunnels to root@{bed.ip(1)}" in why, lost
         assert "was killed by SIGKILL" in why, lost
         broken = [str(e["failures"]) for e in server.logs() if e.get("event") == "pool broken"]
