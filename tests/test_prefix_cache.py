@@ -62,16 +62,16 @@ async def conversation(server: Server, model: str, system: str, max_tokens: int 
     return turns
 
 
-async def concurrent(server: Server, model: str, system: str, max_tokens: int = 10) -> list[Turn]:
-    """Eight requests at once, sharing one long system prompt."""
-    out: list[Turn] = [(Scored(""), 0, 0)] * len(QUESTIONS)
+async def concurrent(server: Server, model: str, system: str, max_tokens: int = 10, count: int = 8) -> list[Turn]:
+    """``count`` requests at once (at most eight), sharing one long system prompt."""
+    out: list[Turn] = [(Scored(""), 0, 0)] * count
 
     async def one(i: int) -> None:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i]}]
         out[i] = await _chat(server, model, messages, max_tokens)
 
     async with anyio.create_task_group() as tg:
-        for i in range(len(QUESTIONS)):
+        for i in range(count):
             tg.start_soon(one, i)
     return out
 
@@ -109,7 +109,7 @@ def check_concurrent(off: list[Turn], on: list[Turn], shared: int) -> None:
         assert_same(reference[0], request[0], f"request {i}")
     assert all(t[2] == 0 for t in off)
     # The first two start before any prompt is saved; the others find the system prompt cached.
-    assert sum(t[2] >= shared for t in on) >= 6, on
+    assert sum(t[2] >= shared for t in on) >= len(on) - 2, on
 
 
 @pytest.fixture(scope="module", params=[("llama", "1"), ("qwen3", "2")], ids=["tp1", "tp2"])
@@ -211,10 +211,10 @@ def test_smollm2_over_three_ranks_equals_one_rank_and_is_unchanged_by_the_cache(
     smollm2: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """The real model, whose norms and weights catch a wrong position or a stale row that random tiny models can
-    hide: a four-turn chat and eight concurrent requests sharing a system prompt, the same token for token with
+    hide: a four-turn chat and four concurrent requests sharing a system prompt, the same token for token with
     the cache on (over three ranks) and off (on one rank). The system prompt is about 120 tokens, not the tiny
     models' 1,000: three ranks on two cores compute about 60 prompt tokens a second, and the reference computes
-    all eight prompts whole; a restored prefix read at a wrong position or from a stale row changes the next
+    all four prompts whole; a restored prefix read at a wrong position or from a stale row changes the next
     token whatever its length.
 
     The same two servers hold SmolLM2 split in three (nine heads, three key/value heads) to one rank's tokens, as
@@ -226,7 +226,7 @@ def test_smollm2_over_three_ranks_equals_one_rank_and_is_unchanged_by_the_cache(
     system = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(12))
     # The reference without the cache runs on one rank: a second three-rank server on two cores would double this
     # test's minutes, and where nothing is cached the two must agree anyway. The three ranks feed 128 prompt
-    # tokens a step, about one prompt: the first two start before either is saved and the other six find it, as
+    # tokens a step, about one prompt: the first two start before either is saved and the other two find it, as
     # the tiny models' 1,000 tokens do at the default 512 (which would feed four of these prompts at once).
     # Two tokens a turn: the second is decoded over the restored prefix. One token for the concurrent prompts: it
     # is the one a restored prefix decides, and with no sequence left decoding the scheduler feeds every cached
@@ -235,7 +235,7 @@ def test_smollm2_over_three_ranks_equals_one_rank_and_is_unchanged_by_the_cache(
     with serving_side_by_side(tmp_path_factory, *commands) as (off, on):
 
         async def asked(server: Server) -> tuple[list[Turn], list[Turn]]:
-            return await conversation(server, model, "Be brief.", 2), await concurrent(server, model, system, 1)
+            return await conversation(server, model, "Be brief.", 2), await concurrent(server, model, system, 1, 4)
 
         (off_turns, off_many), (on_turns, on_many) = anyio.run(side_by_side, asked(off), asked(on))
         check_conversation(off_turns, on_turns)
