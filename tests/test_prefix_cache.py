@@ -62,16 +62,19 @@ async def conversation(server: Server, model: str, system: str, max_tokens: int 
     return turns
 
 
-async def concurrent(server: Server, model: str, system: str, max_tokens: int = 10, count: int = 8) -> list[Turn]:
-    """``count`` requests at once (at most eight), sharing one long system prompt."""
-    out: list[Turn] = [(Scored(""), 0, 0)] * count
+async def concurrent(
+    server: Server, model: str, system: str, max_tokens: int = 10, count: int = len(QUESTIONS)
+) -> list[Turn]:
+    """The first ``count`` questions at once, sharing one long system prompt."""
+    asked = QUESTIONS[:count]
+    out: list[Turn] = [(Scored(""), 0, 0)] * len(asked)
 
     async def one(i: int) -> None:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i]}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": asked[i]}]
         out[i] = await _chat(server, model, messages, max_tokens)
 
     async with anyio.create_task_group() as tg:
-        for i in range(count):
+        for i in range(len(asked)):
             tg.start_soon(one, i)
     return out
 
