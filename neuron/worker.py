@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
@@ -71,7 +69,6 @@ class Worker:
         self.listeners = Listeners()
         self.state: Rank | None = None
         self.in_step: tuple[type[Exception], ...] = (NotReady,)  # failures that leave the group in step
-        self.scratch = tempfile.TemporaryDirectory(prefix=f"neuron-rank{rank}-")
         self.memory = MemoryGauge()  # its reading rides on a step's reply every few seconds (the status route's)
         self.log = structlog.get_logger("neuron.worker")
 
@@ -169,12 +166,8 @@ class Worker:
             cpus=pinned,
             **blas,
         )
-        for variable, content in files.items():
-            path = Path(self.scratch.name) / variable.lower()
-            path.write_text(content)
-            env = {**env, variable: str(path)}
         self.state = Rank(self.rank, self.world_size)
-        total = self.state.init_group(backend, env)
+        total = self.state.init_group(backend, env, files)
         if backend == "ring":  # its connections outlive it, answered, should it die (``launch.holder``)
             hold(files["MLX_HOSTFILE"])
         return total

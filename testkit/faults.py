@@ -175,12 +175,12 @@ def _faulty_ranks(rank: ModuleType) -> None:
             super().__init__(number, world_size)
             self.steps_sent = 0  # since the model loaded
 
-        def init_group(self, backend: str, env: dict[str, str]) -> float:
+        def init_group(self, backend: str, env: dict[str, str], files: dict[str, str]) -> float:
             for spec in filter(None, os.environ.get(SLOW_JOIN_ENV, "").split(";")):
                 listed_rank, _, seconds = spec.partition(":")
                 if int(listed_rank) == self.rank:
                     time.sleep(float(seconds))
-            return super().init_group(backend, env)
+            return super().init_group(backend, env, files)
 
         def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Any:
             self.steps_sent = 0

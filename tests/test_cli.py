@@ -161,8 +161,13 @@ def test_neuron_blas_picks_the_library_or_says_what_is_wrong(smollm2: Path, tmp_
         (("--temperature", "-1", "x"), 2, "temperature must lie in"),  # checked before loading
     ],
 )
-def test_errors_go_to_stderr_with_a_nonzero_exit(smollm2: Path, args: tuple[str, ...], code: int, message: str) -> None:
-    done = run_neuron("generate", *args)
+def test_errors_go_to_stderr_with_a_nonzero_exit(
+    smollm2: Path, tmp_path: Path, args: tuple[str, ...], code: int, message: str
+) -> None:
+    """A refusal leaves nothing behind: the workers started early (``--tp 2``) are killed, untold, and write no
+    temporary files before they join a group."""
+    done = run_neuron("generate", *args, env={"TMPDIR": str(tmp_path)})
     assert done.returncode == code
     assert message in done.stderr
     assert done.stdout == ""
+    assert list(tmp_path.iterdir()) == []

@@ -35,6 +35,7 @@ import random
 import shlex
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -126,9 +127,9 @@ def ring_view(rank: int, listening: list[str], entries: list[str]) -> list[list[
 class Tunnels:
     """One group's tunnel connections, one per host that carries a forward, opened as the links need them."""
 
-    def __init__(self, launcher: Launcher, scratch: Path) -> None:
+    def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
-        self.scratch = scratch  # the control sockets' folder (the pool's, removed with it)
+        self._folder: tempfile.TemporaryDirectory[str] | None = None  # the control sockets', while any is open
         self._connections: dict[str, tuple[Path, anyio.abc.Process, StderrRelay]] = {}
         self._opened: list[tuple[Link, tuple[Forward, ...]]] = []  # each link's forwards, as added
         self._helpers: list[tuple[Link, anyio.abc.Process]] = []
@@ -233,8 +234,9 @@ class Tunnels:
             # A name never used before: a connection killed leaves its control socket behind, and ssh would not
             # listen on it again (every forward asked of it then finds nobody).
             self._opened_connections += 1
-            control = self.scratch / f"ssh-{self._opened_connections}"
-            control.unlink(missing_ok=True)
+            if self._folder is None:
+                self._folder = tempfile.TemporaryDirectory(prefix="neuron-tunnels-")
+            control = Path(self._folder.name) / f"ssh-{self._opened_connections}"
             try:
                 with anyio.fail_after(CONNECT_TIMEOUT_S):
                     process, relay = await spawn_tunnel(self.launcher.ssh_command, host, control, step.rank)
@@ -265,6 +267,9 @@ class Tunnels:
                 process.kill()
                 await process.wait()
             await process.aclose()
+        if self._folder is not None:
+            self._folder.cleanup()
+            self._folder = None
 
 
 def forward_failure(forward: Forward, link: Link, hosts: list[str], said: str) -> Exception:

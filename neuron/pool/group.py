@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
 
 import structlog
 
@@ -39,7 +38,6 @@ async def form_group(
     backend: str,
     pongs: dict[int, rpc.Pong],
     deadlines: Deadlines,
-    scratch: Path,
     tunnels: Tunnels,
 ) -> list[list[str]]:
     """Bring up the group, rank 0 joining concurrently, and check an all-reduce of ones sums to the world size;
@@ -58,12 +56,7 @@ async def form_group(
             return rpc.Init(id=id, backend=backend, env=env, files=files, settings=settings)
 
         def join(rank: Rank) -> float:
-            env, files = backend_setup(backend, 0, views[0], hosts)
-            for variable, content in files.items():
-                path = scratch / variable.lower()
-                path.write_text(content)
-                env[variable] = str(path)
-            return rank.init_group(backend, env)
+            return rank.init_group(backend, *backend_setup(backend, 0, views[0], hosts))
 
         replies = await fan_out("init", init, join, deadlines.init)
     finally:

@@ -357,6 +357,5 @@ class Pool(Loading):
         # A broken group may hold rank 0 inside a collective forever: do not wait long for it.
         await self._rank0.close(1.0 if self.broken else self.deadlines.shutdown)
         await self._tunnels.close()
-        self._scratch.cleanup()
         if workers:
             log.info("workers stopped", world_size=self.world_size)

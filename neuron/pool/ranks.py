@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +82,7 @@ class Ranks:
         cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
         self._rank0 = Rank0Thread(world_size, cpus or None)
         self._fan_out = FanOut(self._rank0, self.hosts)
-        self._scratch = tempfile.TemporaryDirectory(prefix="neuron-pool-")
-        self._tunnels = Tunnels(self.launcher, Path(self._scratch.name))  # --data-plane ssh's connections
+        self._tunnels = Tunnels(self.launcher)  # --data-plane ssh's connections
         self._closing = False
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self.memory: dict[int, rpc.Memory] = {}  # each rank's latest reading since its handshake, from the steps
@@ -178,7 +176,6 @@ class Ranks:
                 self.backend,
                 pongs,
                 self.deadlines,
-                Path(self._scratch.name),
                 self._tunnels,
             )
 

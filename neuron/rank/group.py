@@ -11,6 +11,8 @@ checks that).
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -43,20 +45,29 @@ def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
     )
 
 
-def join(rank: int, world_size: int, backend: str, env: dict[str, str]) -> tuple[mx.distributed.Group, float]:
-    """Join the group as ``rank`` of ``world_size``; the group and the sanity all-reduce of 1.0 from every rank."""
+def join(
+    rank: int, world_size: int, backend: str, env: dict[str, str], files: dict[str, str]
+) -> tuple[mx.distributed.Group, float]:
+    """Join the group as ``rank`` of ``world_size``, with ``env`` set and each of ``files`` (variable: content,
+    the ring's hostfile) written where its variable points; the group and the sanity all-reduce of 1.0 from every
+    rank. The files live only while MLX reads them: a process killed later leaves nothing behind."""
     global _in_group
     if _in_group:
         raise RankError(
             f"rank {rank}: this process already joined an mx.distributed group, and MLX cannot "
             "join another; start a fresh process for a new group"
         )
-    os.environ.update(env)
     _in_group = True
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except Exception as e:  # the library's own words alone: say what to check
-        raise GroupError(join_failure(backend, dict(os.environ), e)) from e
+    with tempfile.TemporaryDirectory(prefix=f"neuron-rank{rank}-") as folder:
+        for variable, content in files.items():
+            path = Path(folder) / variable.lower()
+            path.write_text(content)
+            env = {**env, variable: str(path)}
+        os.environ.update(env)
+        try:
+            group = mx.distributed.init(strict=True, backend=backend)
+        except Exception as e:  # the library's own words alone: say what to check
+            raise GroupError(join_failure(backend, dict(os.environ), e)) from e
     if group.rank() != rank or group.size() != world_size:
         raise RankError(
             f"joined the {backend} group as rank {group.rank()} of {group.size()}, "

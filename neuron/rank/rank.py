@@ -55,11 +55,11 @@ class Rank:
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
         self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.lora``), once a model is
 
-    def init_group(self, backend: str, env: dict[str, str]) -> float:
+    def init_group(self, backend: str, env: dict[str, str], files: dict[str, str]) -> float:
         """Join the group (``rank.group``) and return the sanity all-reduce of 1.0 from every rank."""
         if self.world_size == 1:
             return 1.0
-        self.group, total = group.join(self.rank, self.world_size, backend, env)
+        self.group, total = group.join(self.rank, self.world_size, backend, env, files)
         return total
 
     def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Loaded:
