@@ -1,7 +1,7 @@
 """What neuron serves of each model architecture, and how: the one table every check and the README read.
 
 No MLX here: the leader checks a model against this table before it spawns a
-worker or a worker reads a weight (``tp.shard.check_splittable``), and the
+worker or a worker reads a weight (``rank.shard.check_splittable``), and the
 docs' architectures reference is written from it as the site builds (neuron/reference.py;
 ``python -m neuron.architectures`` prints the table).
 
@@ -55,7 +55,7 @@ class Support:
 
     @property
     def run_ahead(self) -> bool:
-        """Whether decode may run a step ahead of its plan (``tp.ahead``): a plan that differs drops its token."""
+        """Whether decode may run a step ahead of its plan (``rank.ahead``): a plan that differs drops its token."""
         return self.cuttable
 
 

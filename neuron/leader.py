@@ -21,7 +21,7 @@ instead, ``/health`` included, so that a supervisor can watch it load.
 
 What a lost group does: the requests in flight outlive it. The engine pauses
 them, the pool replaces every worker and rank 0's group inside this process
-(MLX caches one group per backend per process; ``tp.backends`` makes it forget
+(MLX caches one group per backend per process; ``rank.backends`` makes it forget
 the lost one), and each request goes on where it stopped, its connection open
 all along (``engine.resume``). This module sees none of it, unless the group
 cannot be replaced here: rank 0 held inside a collective, a backend that

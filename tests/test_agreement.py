@@ -1,4 +1,4 @@
-"""Whether a rank's state can follow a step's plan (``tp.agreement``): each way a plan and a rank can disagree,
+"""Whether a rank's state can follow a step's plan (``rank.agreement``): each way a plan and a rank can disagree,
 named; a plan that fits passes. A rank's bookkeeping with a few tiny caches, no model; test_pool.py shows a rank
 that disagrees fail its step on every rank without a hang.
 """

@@ -2,7 +2,7 @@
 
 No MLX here: the scheduler asks each running sequence's ``Proposer`` for the
 tokens likely to follow, every rank verifies them in the step's one batched
-forward, and rank 0 keeps those its sampler agrees with (``tp.sampler.Run``; ``tp.rollback`` drops the
+forward, and rank 0 keeps those its sampler agrees with (``rank.sampler.Run``; ``rank.rollback`` drops the
 rest from the caches).
 
 Where the drafts come from, best first: the tokenized ``prediction`` (OpenAI's

@@ -16,7 +16,7 @@ worker's session and speaks to it on its stdin and stdout:
 A cut session (the ssh process killed, the link down) leaves the receiver's
 progress on disk, so the next attempt sends only what is missing, resuming a
 tensor at the last chunk recorded. No MLX here: the leader's tensors come from
-a ``Source`` (``tp.shard.ShareSource``), evaluated one at a time.
+a ``Source`` (``rank.shard.ShareSource``), evaluated one at a time.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _build(value: Any, hint: Any) -> Any:
 def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is None and isinstance(hint, type):
         return hint.__name__
-    return str(hint).replace("typing.", "").replace("neuron.rpc.messages.", "")
+    return str(hint).replace("typing.", "").replace("neuron.rpc.messages.", "").replace("neuron.rpc.plan.", "")
 
 
 def encode(message: Request | Reply) -> bytes:
