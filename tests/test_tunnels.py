@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
 import subprocess
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
 
 from neuron import config
@@ -122,6 +124,28 @@ def test_the_look_for_a_listener_finds_one_without_connecting_and_gives_up_on_no
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody connected
     assert subprocess.run(["sh", "-c", check], timeout=30).returncode == 1  # gone: gives up after its looks
+
+
+def test_closing_the_tunnels_names_once_each_connection_that_had_ended_by_itself() -> None:
+    """A step can break the group before the tunnels' watch sees an ssh connection end: the recovery's ``close``
+    then names it, so the loss is still said; one the watch said already (``forget``) is not named twice. Real
+    processes stand in for the ssh connections (tests/hosts/test_multihost.py kills real ones)."""
+
+    async def scenario() -> None:
+        opened = tunnels.Tunnels(Launcher([LEADER, MAC2, MAC3]))
+        lost, said, open_ = [await anyio.open_process(argv) for argv in (["true"], ["true"], ["sleep", "60"])]
+        await lost.wait()
+        await said.wait()
+        read_end, write_end = os.pipe()
+        os.close(write_end)
+        relay = ssh.StderrRelay(read_end, 1, MAC2.ssh)
+        folder = Path("unused")  # the control sockets' paths: no ssh reads them here
+        opened._connections = {"a": (folder, lost, relay), "b": (folder, said, relay), "c": (folder, open_, relay)}
+        assert opened.forget(said) and not opened.forget(said)
+        assert [(host, process) for host, process, _ in await opened.close()] == [("a", lost)]
+        assert open_.returncode is not None and opened.connections() == []  # the open one was ended
+
+    anyio.run(scenario)
 
 
 @pytest.mark.unit

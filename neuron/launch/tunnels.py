@@ -134,6 +134,7 @@ class Tunnels:
         self._opened: list[tuple[Link, tuple[Forward, ...]]] = []  # each link's forwards, as added
         self._helpers: list[tuple[Link, anyio.abc.Process]] = []
         self._opened_connections = 0
+        self._forgotten: list[tuple[Path, anyio.abc.Process, StderrRelay]] = []  # ended by themselves, said lost
 
     async def open(self, links: list[Link]) -> list[str]:
         """Add every link's forwards; each rank's entry (the address it connects to for its next rank). A port
@@ -252,11 +253,24 @@ class Tunnels:
     async def _ask(self, step: Forward, op: str) -> None:
         await run_forward(self._forward_argv(step, op), FORWARD_TIMEOUT_S)
 
-    async def close(self) -> None:
-        """End every tunnel connection (their forwards with them): the ring's links are gone."""
+    def forget(self, process: anyio.abc.Process) -> bool:
+        """Drop the connection ``process`` (it ended by itself, and is said lost where it was noticed), so that
+        ``close`` does not name it again; whether it was still open here."""
+        for host, (control, open_process, relay) in list(self._connections.items()):
+            if open_process is process:
+                del self._connections[host]
+                self._forgotten.append((control, process, relay))
+                return True
+        return False
+
+    async def close(self) -> list[tuple[str, anyio.abc.Process, StderrRelay]]:
+        """End every tunnel connection (their forwards with them): the ring's links are gone. Returns those that
+        had ended by themselves (lost, where nobody has said so yet), as ``connections`` lists them."""
         await self.settle()
         self._opened = []
         connections, self._connections = self._connections, {}
+        listed = [(host, process, relay) for host, (_, process, relay) in connections.items()]
+        ended = [(host, process, relay) for host, process, relay in listed if process.returncode is not None]
         for _, process, _ in connections.values():
             if process.returncode is None:
                 process.terminate()  # closing stdin is not enough: ssh waits for its forwarded connections
@@ -267,9 +281,13 @@ class Tunnels:
                 process.kill()
                 await process.wait()
             await process.aclose()
+        for _, process, _ in self._forgotten:
+            await process.aclose()
+        self._forgotten = []
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
+        return ended
 
 
 def forward_failure(forward: Forward, link: Link, hosts: list[str], said: str) -> Exception:

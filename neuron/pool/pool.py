@@ -214,7 +214,10 @@ class Pool(Loading):
         async with anyio.create_task_group() as tg:
             for worker in old:
                 tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
-        await self._tunnels.close()  # its forwards were the lost group's links; the next group gets its own
+        # Its forwards were the lost group's links; the next group gets its own. One that had ended by itself is
+        # said here where a step broke the group before the watch saw it end.
+        for host, process, relay in await self._tunnels.close():
+            tunnel_lost(self.hosts.index(host), host, process, relay)
         shut = cut(self._addresses)
         log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
         try:
@@ -320,16 +323,11 @@ class Pool(Loading):
 
         async def wait_tunnel(host: str, process: anyio.abc.Process, relay: StderrRelay) -> None:
             await process.wait()
-            if self._closing or all(p is not process for _, p, _ in self._tunnels.connections()):
-                return  # closed: at shutdown, or with the group it carried (``recover``)
+            if self._closing or not self._tunnels.forget(process):
+                return  # closed: at shutdown, or with the group it carried (``recover`` says if it was lost)
             self._fan_out.lose()
             rank = self.hosts.index(host)
-            said = relay.last_words()
-            why = (
-                f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
-                f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
-            )
-            log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+            why = tunnel_lost(rank, host, process, relay)
             broken = self.broken or self._fan_out.break_group("liveness", {rank: why})
             for worker in self._fan_out.workers:  # their links are gone: no step may wait for their replies
                 if worker.host == host and worker.process.returncode is None:
@@ -359,3 +357,14 @@ class Pool(Loading):
         await self._tunnels.close()
         if workers:
             log.info("workers stopped", world_size=self.world_size)
+
+
+def tunnel_lost(rank: int, host: str, process: anyio.abc.Process, relay: StderrRelay) -> str:
+    """Log that the data plane's tunnel connection to ``host`` ended by itself; the reason, for the pool's error."""
+    said = relay.last_words()
+    why = (
+        f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
+        f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
+    )
+    log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+    return why
