@@ -26,7 +26,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from neuron.settings import ENV_PREFIX, GROUPS, SETTINGS, Setting, names, title
+from neuron.setting import ENV_PREFIX, Setting
+from neuron.settings import GROUPS, SETTINGS, names, title
 
 __all__ = [
     "CONFIG_ENV",

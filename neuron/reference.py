@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from neuron import architectures, metrics, rpc
-from neuron.settings import GROUPS, SETTINGS, Setting, title
+from neuron.setting import Setting
+from neuron.settings import GROUPS, SETTINGS, title
 
 _TYPES = {int: "integer", float: "number", str: "string", bool: "switch"}
 
