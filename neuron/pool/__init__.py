@@ -1,15 +1,17 @@
 """The leader's pool of ranks: rank 0 in this process, a worker process per other rank.
 
 ``pool.py`` is the pool (every step as a fan-out and a drain, the watch on
-worker processes, recovery), built on ``ranks.py`` (spawning the workers and
-forming the group) and ``load.py`` (loading the model onto every rank);
+worker processes, shutdown), built on ``ranks.py`` (spawning the workers and
+forming the group), ``load.py`` (loading the model onto every rank) and
+``recovery.py`` (replacing a lost group in this process);
 ``rank0.py`` the thread rank 0's MLX work runs on; ``link.py`` the leader's
 end of one worker's pipes. How a worker's process is started lives beside the
 pool, in ``neuron.launch``.
 """
 
 from neuron.pool.fanout import Deadlines, PoolError
-from neuron.pool.pool import Pool, Unrecoverable
+from neuron.pool.pool import Pool
 from neuron.pool.ranks import Layout
+from neuron.pool.recovery import Unrecoverable
 
 __all__ = ["Deadlines", "Layout", "Pool", "PoolError", "Unrecoverable"]

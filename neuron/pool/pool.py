@@ -9,8 +9,9 @@ that computed them, and the next token reaches the workers inside the next
 step's request, so nothing but small JSON crosses a pipe.
 
 The pool is built in layers: ``ranks.py`` spawns the workers and forms the
-group, ``load.py`` loads the model onto every rank, and this module adds the
-steps, the watch on the workers, recovery and shutdown.
+group, ``load.py`` loads the model onto every rank, ``recovery.py`` replaces a
+lost group, and this module adds the steps, the watch on the workers and
+shutdown.
 
 A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
@@ -21,27 +22,20 @@ worker and rank 0's group in this process (where MLX can forget a group:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import anyio
 import anyio.abc
 import structlog
 
-from neuron import architectures, cpu, metrics, rpc
-from neuron.launch.checks import Unreachable, size
-from neuron.launch.dataplane import Sink, cut
-from neuron.launch.hosts import describe_host
+from neuron import architectures, metrics, rpc
+from neuron.launch.checks import Unreachable
 from neuron.launch.ssh import StderrRelay
-from neuron.launch.stages import check_split, weights_per_rank
-from neuron.log import ms_since
+from neuron.launch.stages import check_split
 from neuron.models import read_config, text_config
 from neuron.pool.fanout import PoolError
-from neuron.pool.link import Link, describe_exit
-from neuron.pool.load import Loading
-from neuron.pool.rank0 import Rank0Thread
-from neuron.rank import backends, group
-from neuron.rank.backends import NoClearBackends
+from neuron.pool.link import Link
+from neuron.pool.recovery import Recovering, tunnel_lost
 from neuron.rank.rank import Rank
 from neuron.rank.shard import check_splittable
 from neuron.rank.step import Stepped, run
@@ -50,19 +44,8 @@ from neuron.step import DraftRow, Step
 
 log = structlog.get_logger("neuron.pool")
 
-# Seconds rank 0 gets to leave a lost group once its connections are cut, before its thread is left behind
-# (``Pool._abandon_rank0``): the ring fails a transfer on a dead socket after ten tries in a row, within milliseconds.
-LEAVE_S = 5.0
-# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead (it
-# also does once the host's available memory is under twice rank 0's share).
-MAX_ABANDONED = 4
 
-
-class Unrecoverable(RuntimeError):
-    """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
-
-
-class Pool(Loading):
+class Pool(Recovering):
     """``model_path`` over the ranks of ``layout``: rank 0 on a thread here, ranks 1.. as worker processes.
 
     Use it as an async context manager: entering checks the model can be split
@@ -198,101 +181,6 @@ class Pool(Loading):
         )
         return all(reply.written for reply in flushed.values())
 
-    async def recover(self) -> None:
-        """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
-        start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
-        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when this MLX cannot
-        forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
-        joining or loading as those raise it."""
-        started = time.perf_counter()
-        # First, before any worker is killed (a dead peer's sockets fail rank 0's, and that can wedge it: ``Sink``),
-        # rank 0's ends of the lost group's connections are handed to a stand-in that lets every collective queued
-        # on them complete; then whatever is left is shut down.
-        sink = Sink()
-        sunk = sink.replace(self._addresses)
-        old, self._fan_out.workers = self._fan_out.workers, []
-        async with anyio.create_task_group() as tg:
-            for worker in old:
-                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
-        # Its forwards were the lost group's links; the next group gets its own. One that had ended by itself is
-        # said here where a step broke the group before the watch saw it end.
-        for host, process, relay in await self._tunnels.close():
-            tunnel_lost(self.hosts.index(host), host, process, relay)
-        shut = cut(self._addresses)
-        log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
-        try:
-            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
-        except TimeoutError:
-            await self._abandon_rank0()
-        except NoClearBackends as e:
-            self.unrecoverable = str(e)
-            raise Unrecoverable(str(e)) from e
-        finally:
-            sink.close()
-        self.loaded = False
-        self._fan_out.renew()
-        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
-        pongs = await self.start()
-        try:
-            await self.init_group(pongs)
-        except PoolError as e:
-            if 0 in e.failures and any(t.alive for t in self._abandoned):
-                # MLX's scheduler counts every stream's queued operations, the wedged one's too, and past a few it
-                # has every evaluation wait for one to finish: a fresh thread can wait behind the wedged one.
-                self.unrecoverable = f"rank 0 could not join a fresh group beside a thread left wedged in MLX ({e})"
-                raise Unrecoverable(self.unrecoverable) from e
-            raise
-        await self.load()
-        self._renewed.set()
-        metrics.WORKER_RESTARTS.inc()
-
-    async def _abandon_rank0(self) -> None:
-        """Rank 0's thread did not come out of the lost group: leave it behind, and go on with a fresh one.
-
-        Why it can stay in forever, whatever is cut: the ring gives each socket a
-        thread that fails the transfers pending on it once the peer is gone, and
-        then ends; a collective queued after that (the step run ahead, built before
-        the loss was known) waits on a socket no thread serves any more, and no
-        socket operation of ours can reach it. Its MLX stream belongs to its thread
-        (per-thread since MLX 0.31.2), so a fresh thread gets a fresh stream; the
-        old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
-        left before the leader restarts to free them."""
-        wedged = [t for t in self._abandoned if t.alive]
-        share = weights_per_rank(self.model_path, self.world_size, self.layers)[0]
-        free = describe_host(0).free_memory
-        if len(wedged) >= MAX_ABANDONED or free < 2 * share:
-            self.unrecoverable = (
-                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
-                f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
-                f"its share of the weights ({size(share)}), were already left behind ({size(free)} available)"
-            )
-            raise Unrecoverable(self.unrecoverable)
-        old = self._rank0
-        old.abandon()
-        backends.stream_left_wedged()
-        self._abandoned = [*wedged, old]
-        metrics.RANK0_ABANDONED.inc()
-        log.warning(
-            "rank 0's thread left behind",
-            reason=f"still inside a collective of the lost group {LEAVE_S:g} s after its connections were cut",
-            left_behind=len(self._abandoned),
-            stuck_in=old.where(),
-        )
-        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
-        self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
-        try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
-            await self._rank0.call(lambda _: group.leave(), LEAVE_S)
-            await self._rank0.call(lambda _: backends.evaluates(), LEAVE_S)
-        except NoClearBackends as e:
-            self.unrecoverable = str(e)
-            raise Unrecoverable(str(e)) from e
-        except TimeoutError as e:  # at once, rather than after a group that could never form
-            self.unrecoverable = (
-                f"rank 0's fresh thread could not evaluate within {LEAVE_S:g} s beside the one left inside the lost "
-                f"{self.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
-            )
-            raise Unrecoverable(self.unrecoverable) from e
-
     async def watch(self, on_lost: Callable[[PoolError], None]) -> None:
         """Wait on every worker process, and on every SSH tunnel connection of ``--data-plane ssh``; the moment
         one exits unasked, break the pool and call ``on_lost``.
@@ -357,14 +245,3 @@ class Pool(Loading):
         await self._tunnels.close()
         if workers:
             log.info("workers stopped", world_size=self.world_size)
-
-
-def tunnel_lost(rank: int, host: str, process: anyio.abc.Process, relay: StderrRelay) -> str:
-    """Log that the data plane's tunnel connection to ``host`` ended by itself; the reason, for the pool's error."""
-    said = relay.last_words()
-    why = (
-        f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
-        f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
-    )
-    log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
-    return why
