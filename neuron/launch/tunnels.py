@@ -134,7 +134,7 @@ class Tunnels:
         self._opened: list[tuple[Link, tuple[Forward, ...]]] = []  # each link's forwards, as added
         self._helpers: list[tuple[Link, anyio.abc.Process]] = []
         self._opened_connections = 0
-        self._forgotten: list[tuple[Path, anyio.abc.Process, StderrRelay]] = []  # ended by themselves, said lost
+        self._forgotten: list[anyio.abc.Process] = []  # connections that ended by themselves, said lost
 
     async def open(self, links: list[Link]) -> list[str]:
         """Add every link's forwards; each rank's entry (the address it connects to for its next rank). A port
@@ -256,10 +256,10 @@ class Tunnels:
     def forget(self, process: anyio.abc.Process) -> bool:
         """Drop the connection ``process`` (it ended by itself, and is said lost where it was noticed), so that
         ``close`` does not name it again; whether it was still open here."""
-        for host, (control, open_process, relay) in list(self._connections.items()):
+        for host, (_, open_process, _) in list(self._connections.items()):
             if open_process is process:
                 del self._connections[host]
-                self._forgotten.append((control, process, relay))
+                self._forgotten.append(process)
                 return True
         return False
 
@@ -270,7 +270,7 @@ class Tunnels:
         self._opened = []
         connections, self._connections = self._connections, {}
         listed = [(host, process, relay) for host, (_, process, relay) in connections.items()]
-        ended = [(host, process, relay) for host, process, relay in listed if process.returncode is not None]
+        ended = [(host, process, relay) for host, process, relay in listed if exited(process)]
         for _, process, _ in connections.values():
             if process.returncode is None:
                 process.terminate()  # closing stdin is not enough: ssh waits for its forwarded connections
@@ -281,13 +281,26 @@ class Tunnels:
                 process.kill()
                 await process.wait()
             await process.aclose()
-        for _, process, _ in self._forgotten:
+        for process in self._forgotten:
             await process.aclose()
         self._forgotten = []
         if self._folder is not None:
             self._folder.cleanup()
             self._folder = None
         return ended
+
+
+def exited(process: anyio.abc.Process) -> bool:
+    """Whether ``process`` has ended, reaped or not. asyncio's ``returncode`` lags: its child watcher reaps on a
+    thread of its own and reports through the event loop, so a connection killed a moment ago can still read as
+    running; ``WNOWAIT`` looks without reaping, leaving the exit status to the watcher. Where Python has no
+    ``os.waitid`` (macOS before Python 3.13), asyncio's word alone."""
+    if process.returncode is not None or not hasattr(os, "waitid"):
+        return process.returncode is not None
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # the watcher reaped it meanwhile
+        return True
 
 
 def forward_failure(forward: Forward, link: Link, hosts: list[str], said: str) -> Exception:
