@@ -139,10 +139,15 @@ class Server:
         self.port = 0
 
     def logs(self) -> list[dict]:
+        """The log's JSON entries. Rank 0's MLX writes to the same stderr (``[ring] ...`` when a peer is lost), in
+        pieces, unsynchronized with the logger: an entry can follow such a piece on its line, and is read there."""
         out = []
         for line in self.log_path.read_text().splitlines():
             if line.startswith("{"):
                 out.append(json.loads(line))
+            elif line.startswith("[") and (start := line.find('{"')) > 0:
+                with contextlib.suppress(json.JSONDecodeError):  # where the piece holds JSON of its own
+                    out.append(json.loads(line[start:]))
         return out
 
     def find_log(self, event: str, **fields: object) -> dict | None:
