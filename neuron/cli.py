@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from neuron import descriptors
+    from neuron import descriptors, device
 
     descriptors.raise_soft_limit()
+    device.return_freed_memory()
     if argv is None:  # the process's own command line, which a re-execution repeats
         cpu.reexec_early(sys.argv[1:])
     from neuron import catalog, config

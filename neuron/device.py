@@ -19,6 +19,7 @@ No MLX is imported here at module level; the functions that need it say so.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.metadata
 import os
@@ -112,26 +113,65 @@ def gpu_count() -> int:
         return 0
 
 
-def free_memory_of(info: Mapping[str, str | int]) -> int | None:
-    """What a model may still take on the GPU ``mx.device_info`` describes: CUDA's free memory (NVML's, all
-    processes counted); Metal's recommended working set (what its allocator keeps to); None if it says neither."""
-    for key in ("free_memory", "max_recommended_working_set_size"):
-        if key in info:
-            return int(info[key])
+def gpu_memory_of(info: Mapping[str, str | int], active: int = 0, cached: int = 0) -> tuple[int, int] | None:
+    """What a rank may still take on the GPU ``mx.device_info`` describes, and the most it may hold in all; None if
+    it says neither. CUDA: the free memory (NVML's, every process counted) and the buffers MLX holds freed for
+    reuse (``cached``), of the card's total; Metal: the recommended working set (what its allocator keeps to),
+    less what MLX holds (``active``)."""
+    if "free_memory" in info:
+        total = int(info.get("total_memory", info.get("memory_size", 0)))
+        return int(info["free_memory"]) + cached, total
+    if "max_recommended_working_set_size" in info:
+        total = int(info["max_recommended_working_set_size"])
+        return max(0, total - active), total
     return None
 
 
-def gpu_free_memory() -> int | None:
-    """This rank's GPU's room for a model, or None on the CPU backend. Imports MLX: call it only on a GPU backend,
-    where nothing needs to be settled before MLX loads, or once MLX is loaded."""
+def gpu_memory() -> tuple[int, int] | None:
+    """This rank's GPU's room and total (``gpu_memory_of``), or None on the CPU backend. Imports MLX: call it only
+    on a GPU backend, where nothing needs to be settled before MLX loads, or once MLX is loaded."""
     if backend() == "cpu":
         return None
     try:
         import mlx.core as mx
 
-        return free_memory_of(mx.device_info(mx.gpu))
+        return gpu_memory_of(mx.device_info(mx.gpu), mx.get_active_memory(), mx.get_cache_memory())
     except Exception:  # noqa: BLE001 - a rank given a GPU its host lacks must still answer the handshake, whose
         return None  # GPU count then refuses the host in neuron's words
+
+
+# How MLX's allocators say an allocation failed: Metal's and CUDA's own words, and the driver's (cudaMalloc's "out
+# of memory", a Metal command buffer's "Insufficient Memory").
+_OUT_OF_MEMORY = re.compile(
+    r"unable to allocate|out of memory|insufficient memory|outofmemory|maximum allowed buffer size|resource limit \(",
+    re.IGNORECASE,
+)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is MLX failing to allocate on the device (not the group or the model failing)."""
+    return isinstance(error, (RuntimeError, MemoryError)) and (
+        isinstance(error, MemoryError) or _OUT_OF_MEMORY.search(str(error)) is not None
+    )
+
+
+# glibc's malloc raises its mmap threshold each time it frees a large block (up to 32 MiB), and blocks under that
+# size then come from the heap, which it seldom gives back: a process's memory stays at a burst's high mark. A
+# fixed threshold keeps every large block (a KV cache's arrays, a step's activations) in a mapping of its own,
+# unmapped when freed, so that a rank's memory (and its cgroup's) says what it really holds.
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+MMAP_THRESHOLD = 128 << 10  # glibc's own starting threshold, kept
+
+
+def return_freed_memory() -> None:
+    """Have this process's C library give freed large blocks back at once (glibc; elsewhere nothing changes)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def used_memory() -> int:

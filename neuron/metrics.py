@@ -70,12 +70,13 @@ RANK0_ABANDONED = Counter(
 )
 RESUMED = Counter(
     "neuron_requests_resumed",
-    "Requests that went on after a lost group, fed their prompt and output so far again (once per loss)",
+    "Requests that went on after a pause (a lost group, a preemption), fed their prompt and output so far again "
+    "(once per pause)",
     registry=REGISTRY,
 )
 REPLAYED_TOKENS = Counter(
     "neuron_replayed_tokens",
-    "Tokens fed again to resume requests after a lost group (prompts and the output so far)",
+    "Tokens fed again to resume paused requests (prompts and the output so far)",
     registry=REGISTRY,
 )
 RANKS = Gauge(
@@ -113,6 +114,28 @@ PREFIX_EVICTIONS = Counter(
 PREFIX_BYTES = Gauge(
     "neuron_prefix_cache_bytes",
     "Bytes of prefix-cache entries on the rank holding the largest share",
+    registry=REGISTRY,
+)
+# The memory budget (neuron.engine.memory), each rank's as last read: what it may hold in all, what its process
+# holds, what it could still take, what its caches hold, what is kept free for a step and as headroom, and what its
+# caches may hold (its budget).
+MEMORY_BYTES = Gauge(
+    "neuron_memory_bytes",
+    "Each rank's memory as last read, by part: total, used, free, caches, steps, headroom, budget",
+    ["rank", "part"],
+    registry=REGISTRY,
+)
+# vLLM's names: the share of the budget the caches hold, and the sequences preempted, here by why.
+KV_CACHE_USAGE = Gauge(
+    "neuron_kv_cache_usage_perc",
+    "Share of the memory budget (the rank whose budget rules) the batch's caches and the prefix cache hold, 0 to 1",
+    registry=REGISTRY,
+)
+PREEMPTIONS = Counter(
+    "neuron_num_preemptions",
+    "Sequences paused with their streams open and resumed later: memory (the batch outgrew the budget), "
+    "allocation_failed (a rank failed to allocate anyway)",
+    ["reason"],
     registry=REGISTRY,
 )
 PUSH_BYTES = Counter(

@@ -281,13 +281,21 @@ KV_GROUP_SIZE = 64  # values sharing one scale and bias in a quantized KV cache 
 def cache_bytes(
     model_path: str | Path, stages: list[tuple[int, int]], world_size: int, kv_bits: int | None = None
 ) -> tuple[int, int]:
-    """What a prompt's caches hold on the rank holding the largest share, from the config and the safetensors
-    headers alone: bytes per token, and bytes whatever the length (a sliding window's full buffer, which it holds
-    from a prompt's end on; a linear-attention layer's state). Over the largest pipeline stage's layers
-    (``stages``, each rank's ``[first, end)``), or, without stages, over every layer's 1 / ``world_size`` of the
-    heads (tensor parallelism splits them evenly). ``kv_bits``: keys and values quantized to these bits
-    (``--kv-bits``, only models of plain key/value caches), each group of ``KV_GROUP_SIZE`` with a scale and a
-    bias in the activations' dtype."""
+    """What a prompt's caches hold at most on any rank (``cache_shares``), per token and whatever the length: each
+    the largest of any rank's, so that a budget counted in these bytes holds on every rank."""
+    shares = cache_shares(model_path, stages, world_size, kv_bits)
+    return max(per_token for per_token, _ in shares), max(fixed for _, fixed in shares)
+
+
+def cache_shares(
+    model_path: str | Path, stages: list[tuple[int, int]], world_size: int, kv_bits: int | None = None
+) -> list[tuple[int, int]]:
+    """What a prompt's caches hold on each rank, from the config and the safetensors headers alone: bytes per
+    token, and bytes whatever the length (a sliding window's full buffer, which it holds from a prompt's end on; a
+    linear-attention layer's state). Over each pipeline stage's layers (``stages``, each rank's ``[first, end)``),
+    or, without stages, over every layer's 1 / ``world_size`` of the heads (tensor parallelism splits them evenly).
+    ``kv_bits``: keys and values quantized to these bits (``--kv-bits``, only models of plain key/value caches),
+    each group of ``KV_GROUP_SIZE`` with a scale and a bias in the activations' dtype."""
     model = text_config(read_config(model_path))
     dtype = 4
     for _, header in safetensors_headers(model_path):
@@ -299,11 +307,11 @@ def cache_bytes(
     share = 1 if stages else world_size
     kinds = _layer_kinds(model)
     per_layer = [_layer_bytes(model, kind, dtype, share, kv_bits) for kind in kinds]
-    ranges = stages or [(0, len(kinds))]
-    return (
-        max(sum(per_layer[i][0] for i in range(first, end)) for first, end in ranges),
-        max(sum(per_layer[i][1] for i in range(first, end)) for first, end in ranges),
-    )
+    ranges = stages or [(0, len(kinds))] * world_size
+    return [
+        (sum(per_layer[i][0] for i in range(first, end)), sum(per_layer[i][1] for i in range(first, end)))
+        for first, end in ranges
+    ]
 
 
 def _layer_kinds(model: dict[str, Any]) -> list[str]:

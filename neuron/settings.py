@@ -286,11 +286,13 @@ class Scheduling:
         why="decode reads every weight once per pass, and on memory-bound hosts a second pass costs more than the "
         "overlap buys",
     )
-    prefix_cache_bytes: int = setting(
-        1 << 30,
-        "bytes of KV cache, on the rank holding the largest share, kept for prompts' shared beginnings, reused by "
-        "later prompts that start the same way; 0 turns the prefix cache off",
+    prefix_cache_bytes: int | None = setting(
+        None,
+        "bytes of KV cache at most, on the rank holding the largest share, kept for prompts' shared beginnings, "
+        "reused by later prompts that start the same way; it holds what the running sequences leave of the memory "
+        "budget, never more, and gives way to them first; 0 turns the prefix cache off",
         at_least=0,
+        unset="what the running sequences leave of the memory budget",
     )
     prefix_cache_dir: str | None = setting(
         None,

@@ -20,6 +20,7 @@ import structlog
 
 from neuron import cpu, device, models, rpc, shares
 from neuron import log as logging_setup
+from neuron.launch import cgroup
 from neuron.launch.dataplane import Listeners, probe
 from neuron.launch.holder import hold, release
 from neuron.launch.hosts import MemoryGauge, describe_host
@@ -101,6 +102,7 @@ class Worker:
                 return rpc.ModelChecked(id=id, path=str(path), files=files, share="" if same else self._held(share))
             case rpc.LoadShard(id=id, model_path=path, layers=layers, kv_bits=kv_bits):
                 loaded = self._joined().load(path, layers, kv_bits)
+                cgroup.forget_file_pages(path, self.memory.group)
                 self.log.info(
                     "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
                 )
@@ -115,8 +117,16 @@ class Worker:
             case rpc.GenerateStep(id=id, plan=plan):
                 from neuron.rank.step import run  # loaded with the rank, in ``_init``
 
-                stepped = run(self._joined(), Step(plan))  # the step rank 0 runs too, less the sampling
-                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint, memory=self.memory.fresh())
+                rank = self._joined()
+                stepped = run(rank, Step(plan))  # the step rank 0 runs too, less the sampling
+                memory = self.memory.fresh(lambda: (rank.cache_bytes(), rank.peak))
+                return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint, memory=memory)
+            case rpc.ReadMemory(id=id, memory_limit=memory_limit, cache_limit=cache_limit):
+                state = self.state
+                if state is not None and memory_limit:
+                    state.limit_memory(memory_limit, cache_limit)
+                held = (lambda: (state.cache_bytes(), state.peak)) if state is not None else None
+                return rpc.MemoryRead(id=id, memory=self.memory.read(held))
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
                     self.state.clear_kv_cache(prefixes)
@@ -185,7 +195,7 @@ class Worker:
         if isinstance(error, self.in_step):
             return ErrorKind.BAD_STATE
         if isinstance(request, rpc.GenerateStep):
-            return ErrorKind.GROUP_FAILED
+            return ErrorKind.OUT_OF_MEMORY if device.out_of_memory(error) else ErrorKind.GROUP_FAILED
         return ErrorKind.INTERNAL
 
 

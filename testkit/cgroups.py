@@ -78,6 +78,11 @@ class MemoryLimit:
     def pids(self) -> list[int]:
         return [int(p) for p in self.procs.read_text().split()]
 
+    def usage(self) -> int:
+        """What the group holds now (page cache included), in bytes."""
+        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        return int((self.directory / name).read_text())
+
     def peak(self) -> int | None:
         """The most memory the group has held (page cache included), in bytes: v1's ``max_usage_in_bytes``,
         v2's ``memory.peak`` where the kernel has it (5.19 on)."""

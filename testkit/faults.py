@@ -6,7 +6,10 @@ too (``neuron.reexec.MODULE``). A script that drives a pool itself calls ``insta
 from the environment, which every process of the group inherits:
 
 ``NEURON_TEST_FAIL_STEP`` makes a rank fail after given steps, with every collective of the step done, as a bug in
-post-processing would. ``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a sequence after
+post-processing would. ``NEURON_TEST_OUT_OF_MEMORY`` names a path: once ``PATH.R`` exists (a test creates it),
+rank R fails to allocate in its next step, after its forward, with MLX's own words, as MLX out of memory on Metal
+or CUDA does (on the CPU, Linux's overcommit kills the process before any allocation fails), and removes the file.
+``NEURON_TEST_DESYNC_STEP`` makes a rank silently record a wrong token for a sequence after
 given steps, so that its state digest differs from its peers'. ``NEURON_TEST_DROP_ENTRY`` makes a rank lose a
 prefix-cache entry after given steps, as a rank whose cache went its own way would. All read
 ``RANK:STEP[,STEP...]``, several ranks joined by ``;`` (``0:50;1:20,80``); a rank counts the steps it is sent since
@@ -42,6 +45,7 @@ from types import ModuleType
 from typing import Any
 
 FAIL_ENV = "NEURON_TEST_FAIL_STEP"
+OOM_ENV = "NEURON_TEST_OUT_OF_MEMORY"
 DESYNC_ENV = "NEURON_TEST_DESYNC_STEP"
 DROP_ENTRY_ENV = "NEURON_TEST_DROP_ENTRY"
 FAKE_HOST_ENV = "NEURON_TEST_FAKE_HOST"
@@ -204,6 +208,9 @@ def _faulty_ranks(rank: ModuleType) -> None:
                 self.entries.evict_and_save(StepPlan(evict=[Evict(held[0])]), {})
             if self.steps_sent in steps(FAIL_ENV, self.rank):
                 raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
+            if (path := os.environ.get(OOM_ENV)) and Path(f"{path}.{self.rank}").exists():
+                Path(f"{path}.{self.rank}").unlink()
+                raise RuntimeError("[malloc] Unable to allocate 1073741824 bytes.")  # MLX's allocators' words
             return out
 
     rank.Rank = FaultyRank  # type: ignore[attr-defined]

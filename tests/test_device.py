@@ -113,10 +113,13 @@ def test_the_startup_line_names_the_gpu_and_its_memory_or_the_cpu() -> None:
     assert device.describe_device("metal", m2) == "Metal GPU Apple M2 Max (64.0 GiB, 48.0 GiB for the GPU)"
     epyc = {"device_name": "AMD EPYC", "architecture": "x86_64"}
     assert device.describe_device("cpu", epyc) == "CPU AMD EPYC (x86_64)"  # its BLAS is logged beside it
-    # What the pipeline split and the handshake count on a GPU: the GPU's room, not the host's.
-    assert device.free_memory_of(h100) == 84 << 30
-    assert device.free_memory_of(m2) == 48 << 30
-    assert device.free_memory_of(epyc) is None
+    # What the pipeline split, the handshake and the memory budget count on a GPU: the GPU's room, not the host's;
+    # on CUDA the buffers MLX holds freed for reuse are room too, on Metal what MLX holds is not.
+    assert device.gpu_memory_of(h100) == (84 << 30, 85 << 30)
+    assert device.gpu_memory_of(h100, active=10 << 30, cached=1 << 30) == (85 << 30, 85 << 30)
+    assert device.gpu_memory_of(m2) == (48 << 30, 48 << 30)
+    assert device.gpu_memory_of(m2, active=40 << 30, cached=1 << 30) == (8 << 30, 48 << 30)
+    assert device.gpu_memory_of(epyc) is None
 
 
 def test_each_nccl_rank_is_given_the_next_gpu_of_its_own_machine_when_spawned() -> None:

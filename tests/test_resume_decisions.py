@@ -12,7 +12,7 @@ import pytest
 from test_scheduler import apply, next_step, request, run, scheduler
 
 from neuron.engine import resume
-from neuron.engine.sequence import Lost, Status
+from neuron.engine.sequence import Pause, Status
 from neuron.launch import dataplane
 from neuron.rank.sampler import Sampler, rewound
 from neuron.rpc import Decode, Prefill, StepPlan
@@ -21,7 +21,7 @@ from neuron.step import Start, Step
 
 pytestmark = pytest.mark.unit
 
-LOST = Lost(1, "mac2", "rank 1 died", 0.0)
+LOST = Pause("lost", 1, "mac2", "rank 1 died", 0.0)
 
 
 def test_a_loss_is_blamed_on_the_prompts_being_fed_else_on_the_whole_step() -> None:
@@ -49,7 +49,7 @@ def test_a_paused_sequence_is_fed_its_prompt_and_output_again_and_goes_on_where_
     assert a.output == [ord("x"), ord("y")] and a.completion_tokens == 2
     paused, given_up, _ = s.pause(LOST, {a, b}, tries=2)
     assert paused == [a, b] and given_up == [] and list(s.waiting) == [a, b] and not s.batch
-    assert a.replay == [*a.prompt, ord("x"), ord("y")] and a.losses == 1 and a.lost == LOST
+    assert a.replay == [*a.prompt, ord("x"), ord("y")] and a.losses == 1 and a.paused == LOST
     assert a.status == Status.WAITING
     turn = s.schedule()
     assert turn.admitted == [a, b]

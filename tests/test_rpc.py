@@ -43,6 +43,7 @@ EVERY_MESSAGE = [
     rpc.OpenPrefixDisk(id=12, folder="/var/cache/neuron/kv", budget=1 << 30, stamp="0123abcd/world 2/layers []"),
     rpc.LoadPrefixes(id=13, entries={"0123abcd": 1}),
     rpc.FlushPrefixDisk(id=14),
+    rpc.ReadMemory(id=15),
     rpc.Shutdown(id=7),
     rpc.Pong(id=1, rank=1, world_size=2, protocol=rpc.PROTOCOL_VERSION, pid=1234, host=HOST),
     rpc.Listening(id=8, addresses=["10.0.0.2:4001"]),
@@ -59,8 +60,13 @@ EVERY_MESSAGE = [
     rpc.PrefixDiskOpened(id=12, saved={"0123abcd": 9}),
     rpc.PrefixesLoaded(id=13, failed=[]),
     rpc.PrefixDiskFlushed(id=14, written=True),
+    rpc.MemoryRead(
+        id=15,
+        memory=rpc.Memory(used=3 << 30, free=5 << 30, at=1764130000.5, total=8 << 30, caches=1 << 30, peak=64 << 20),
+    ),
     rpc.Bye(id=7),
     rpc.Error(id=None, kind="invalid_json", message="bad"),
+    rpc.Error(id=4, kind="out_of_memory", message="rank 1: RuntimeError: [malloc] Unable to allocate 1024 bytes."),
 ]
 
 

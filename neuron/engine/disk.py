@@ -43,7 +43,7 @@ class PrefixDisk:
         self.budget = budget
         folder.mkdir(parents=True, exist_ok=True)
         # Every entry on disk, as a trie of its own within the same byte budget as each rank's files (``sizes``: an
-        # entry's bytes per token and its fixed bytes on the rank holding the largest share), and each one's key;
+        # entry's bytes per token and its fixed bytes, the most any rank holds), and each one's key;
         # ``exact`` as the memory's index: snapshots (a sliding window, a linear-attention state) restore whole.
         self._known = PrefixIndex(budget, *sizes, exact=exact)
         self._keys: dict[int, str] = {}
@@ -52,11 +52,11 @@ class PrefixDisk:
         self._thread.start()
 
     @classmethod
-    def opened(cls, folder: str, budget: int, memory: int, exact: bool, sizes: tuple[int, int]) -> PrefixDisk | None:
-        """The disk tier in ``folder``, or None with a warning where there is no prefix cache in memory (``memory``
-        bytes) to spill. ``exact``: the model's entries are snapshots (a sliding window or a linear-attention
-        state), restored whole, from disk as from memory."""
-        if memory:
+    def opened(cls, folder: str, budget: int, cached: bool, exact: bool, sizes: tuple[int, int]) -> PrefixDisk | None:
+        """The disk tier in ``folder``, or None with a warning where there is no prefix cache in memory (``cached``)
+        to spill. ``exact``: the model's entries are snapshots (a sliding window or a linear-attention state),
+        restored whole, from disk as from memory."""
+        if cached:
             return cls(Path(folder), budget, sizes, exact)
         log.warning(
             "prefix cache disk tier off: nothing is written to --prefix-cache-dir",

@@ -38,14 +38,16 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import architectures, device, metrics
+from neuron import architectures, device, images, metrics
 from neuron.architectures import mtp_heads
 from neuron.engine.adapters import Adapters
 from neuron.engine.disk import PrefixDisk
 from neuron.engine.drafts import DRAFTED
 from neuron.engine.intake import Intake
+from neuron.engine.memory import Budget, Share
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.pressure import Pressure
 from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovering
 from neuron.engine.scheduler import Scheduler, Scheduling, ahead_for
@@ -98,22 +100,14 @@ class Engine(Recovering):
         # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.recent = Recent()  # the steps of the last minutes, for the status route's charts
-        budget = self.limits.prefix_cache_bytes
-        support = architectures.supports(config)
-        # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
-        exact = support is not None and not support.cuttable
-        self.prefix = PrefixIndex(budget, *pool.cache_bytes, exact=exact) if budget else None
-        self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix)
-        folder = self.limits.prefix_cache_dir
-        sizes = pool.cache_bytes
-        self.disk = (
-            PrefixDisk.opened(folder, self.limits.prefix_cache_dir_bytes, budget, exact, sizes) if folder else None
-        )
+        self.budget, self.prefix, self.disk = _caches(config, self.limits, pool, self.context_length)
+        self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix, self.budget)
         self.scheduler.spill = self.disk is not None
         self.output = Output(text, self.scheduler.finish, self.prefix is not None)
-        self.intake = Intake(
-            self.limits, self.context_length, self.vocab_size, frozenset(text.eos_token_ids), text.tokenizer
-        )
+        store = images.STORE if self.vision else None
+        self.pressure = Pressure(pool, self.budget, self.scheduler, self.output, self.vocab_size, store)
+        eos = frozenset(text.eos_token_ids)
+        self.intake = Intake(self.limits, self.context_length, self.vocab_size, eos, text.tokenizer, self.budget)
         # The LoRA adapters served, by name; one that requests queued or running use stays.
         self.adapters = Adapters(pool, lambda: (*self.scheduler.waiting, *self.scheduler.batch))
         self._accepting = True
@@ -125,6 +119,7 @@ class Engine(Recovering):
         metrics.RUNNING.set_function(lambda: self.running)
         metrics.READY.set_function(lambda: float(self.health.ready))
         metrics.PREFIX_BYTES.set_function(lambda: self.prefix.bytes if self.prefix else 0)
+        metrics.KV_CACHE_USAGE.set_function(self.pressure.usage)
 
     @classmethod
     @asynccontextmanager
@@ -154,8 +149,10 @@ class Engine(Recovering):
             engine = cls(pool, text, config, limits)
             for name, where in adapters or []:
                 await engine.adapters.load(name, where)
-            if not await engine._probe():
+            # The first probe feeds a whole chunk: what a step takes on each rank beyond its caches (``engine.memory``).
+            if not await engine._probe(engine.budget.chunk):
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
+            await engine.pressure.read(calibrate=True)
             if engine.disk is not None and engine.prefix is not None:
                 await engine.disk.restore(pool, engine.prefix)
             try:
@@ -291,8 +288,9 @@ class Engine(Recovering):
             for seq, steps_after in turn.cancelled:
                 self.output.cancelled(seq, steps_after)
             for seq in turn.admitted:
-                if seq.lost is None:  # a paused sequence was started before, and resumes (``Output.resumed``)
+                if seq.paused is None:  # a paused sequence was started before, and resumes (``Output.resumed``)
                     self.output.started(seq)
+            self.pressure.said(turn.preempted, turn.unfit)
             if turn.step is not None:
                 await self._step(turn.step)
                 continue
@@ -314,9 +312,20 @@ class Engine(Recovering):
             sampled = await self.pool.step(step)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
+            if e.out_of_memory and (self._resumes or not e.broken):
+                # A rank failed to allocate anyway: the batch resumes within a lower budget (``Pressure.failed``),
+                # on these ranks, their caches freed, or where peers may wait in a collective, on fresh ones.
+                for seq, steps_after in self.pressure.failed(e):
+                    self.output.cancelled(seq, steps_after)
+                self._wakeup.set()
+                if not e.broken:
+                    with anyio.CancelScope(shield=True):
+                        await self._clear_cache(prefixes=True)
+                    return
             self._unready(e)
             if e.broken and self._resumes:
-                self._pause(e, step)
+                if not e.out_of_memory:
+                    self._pause(e, step)
                 return
             # A lost group is a server that is about to restart (503, retry), not a failed request (500).
             self._fail_all("unavailable" if e.broken else "step_failed", str(e))
@@ -327,6 +336,7 @@ class Engine(Recovering):
             self._in_flight = None
         ms = (time.perf_counter() - started) * 1000
         draft_ms = (drafted - started) * 1000
+        self.pressure.follow()
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         if self.disk is not None:
             self.disk.written(step.spilled)
@@ -357,6 +367,30 @@ class Engine(Recovering):
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.clear():
             self.output.failed(seq, kind, message)
+
+
+def _caches(
+    config: dict[str, Any], limits: Scheduling, pool: Pool, context: int
+) -> tuple[Budget, PrefixIndex | None, PrefixDisk | None]:
+    """What every rank's caches may hold (``engine.memory``: known once the calibration step has run, in ``open``,
+    and followed as the steps read each rank's memory again), the prefix cache, and its disk tier.
+
+    Each rank's share of a sequence's caches is ``Pool.cache_shares``; the query heads of a layer it computes, a
+    slice of them under tensor parallelism, all of them in a pipeline stage. The prefix cache holds what the batch
+    leaves of the budget, at most ``--prefix-cache-bytes`` (0: none).
+    """
+    heads = int(text_config(config).get("num_attention_heads") or 1)
+    mine = heads if pool.layers else max(1, heads // pool.world_size)
+    shares = [Share(per_token, per_sequence, mine) for per_token, per_sequence in pool.cache_shares]
+    budget = Budget(shares, pool.hosts, max(1, min(limits.prefill_chunk, context - 1)), context)
+    cap = limits.prefix_cache_bytes
+    support = architectures.supports(config)
+    # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
+    exact = support is not None and not support.cuttable
+    prefix = PrefixIndex(cap or 0, *pool.cache_bytes, exact=exact) if cap != 0 else None
+    folder, cached = limits.prefix_cache_dir, prefix is not None
+    disk = PrefixDisk.opened(folder, limits.prefix_cache_dir_bytes, cached, exact, pool.cache_bytes) if folder else None
+    return budget, prefix, disk
 
 
 async def _propose(pool: Pool, running: list[Sequence], plan: StepPlan) -> int:

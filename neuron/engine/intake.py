@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron.engine.drafts import MAX_K, DraftRate, Proposer
+from neuron.engine.memory import Budget
 from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import RequestError, Sequence, StopText
 from neuron.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class Intake:
     vocab_size: int
     eos_token_ids: frozenset[int]
     tokenizer: Any  # the model's tokenizer: encodes a request's ``prediction``
+    budget: Budget | None = None  # the memory budget: the longest sequences it holds now (``engine.memory``)
     numbers: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
     draft_rate: DraftRate = dataclasses.field(default_factory=DraftRate)  # the draft model's, over recent sequences
 
@@ -56,7 +58,8 @@ class Intake:
         if not params.ignore_eos:
             ends = (*params.stop_token_ids, *sorted(self.eos_token_ids))
             params = dataclasses.replace(params, stop_token_ids=ends)
-        budget = min(self.context_length - len(prompt), self.limits.max_completion_tokens or self.context_length)
+        context = min(self.context_length, self._memory_holds(prompt, n))
+        budget = min(context - len(prompt), self.limits.max_completion_tokens or self.context_length)
         max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
         seqs = []
         for i in range(n):
@@ -72,6 +75,28 @@ class Intake:
         for copy in seqs[1:]:
             copy.copy_of = seqs[0]
         return seqs
+
+    def _memory_holds(self, prompt: list[int], n: int) -> int:
+        """The longest sequence of which the memory budget holds ``n`` alone now (as the context holds one): a
+        prompt it cannot hold with one token more is refused here, the one place such refusals are made, and
+        ``max_tokens`` is cut to what it leaves, as to what the context leaves."""
+        if self.budget is None or not self.budget.known:
+            return self.context_length
+        longest = self.budget.longest(n)
+        if len(prompt) < longest:
+            return longest
+        rank, host = self.budget.where()
+        choices = f" and asks for {n} choices, each with caches of its own," if n > 1 else ""
+        fewer = ", ask for fewer choices" if n > 1 else ""
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens{choices} but this server's memory holds the KV caches of at most "
+            f"{longest} tokens {'each ' if n > 1 else ''}now, prompt and reply (a budget of "
+            f"{_mib(self.budget.bytes)} for the caches, "
+            f"rank {rank} on {host} the smallest); shorten the prompt{fewer}, or give that host more memory (or "
+            "split the model over more: --tp, --pp)",
+            "prompt",
+            "context_length_exceeded",
+        )
 
     def embeddings(self, prompts: list[list[int]], pooling: str, request_id: str) -> list[Sequence]:
         """An embedding request's inputs, a sequence each, pooled so; the first holds the others as its ``group``
@@ -111,3 +136,7 @@ class Intake:
             limit = params.num_draft_tokens or MAX_K
             return Proposer(limit=limit, lookup_rate=self.draft_rate.prior(), model=True, shared=self.draft_rate)
         return Proposer(prediction, params.num_draft_tokens or MAX_K)
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.0f} MiB"

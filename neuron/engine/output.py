@@ -55,6 +55,7 @@ class Output:
             max_tokens=seq.max_tokens,
             temperature=seq.params.temperature,
             top_p=seq.params.top_p,
+            waited_ms=ms_since(seq.submitted),  # in the queue: for a place in the batch, or for memory
         )
 
     def deliver(self, delivery: Delivery) -> None:
@@ -66,7 +67,7 @@ class Output:
         if seq.pooling is not None:
             self.embedded(seq, sampled)
             return
-        if seq.lost is not None:
+        if seq.paused is not None:
             self.resumed(seq)
         if delivery.first:
             log.info(
@@ -106,21 +107,22 @@ class Output:
         self.finish(seq, reason, tail)
 
     def resumed(self, seq: Sequence) -> None:
-        """``seq``'s first token since the group was lost under it: its stream goes on."""
-        assert seq.lost is not None
+        """``seq``'s first token since it was paused (the group lost under it, or preempted): its stream goes on."""
+        assert seq.paused is not None
         replayed = len(seq.tokens)
         log.info(
             "resumed",
             request_id=seq.request_id,
-            rank=seq.lost.rank,
-            host=seq.lost.host,
+            reason=seq.paused.reason,
+            rank=seq.paused.rank,
+            host=seq.paused.host,
             replayed_tokens=replayed,
             losses=seq.losses,
-            ms=ms_since(seq.lost.at),
+            ms=ms_since(seq.paused.at),
         )
         metrics.RESUMED.inc()
         metrics.REPLAYED_TOKENS.inc(replayed)
-        seq.lost = None
+        seq.paused = None
 
     def finish(self, seq: Sequence, reason: str, tail: str) -> None:
         """End ``seq`` with the text held back until now, and say why."""

@@ -29,15 +29,19 @@ def plan_step(
     cost: StepCost,
     keeping: Rows[Sequence] = (),
     spill: bool = False,
+    parking: Rows[tuple[int, list[int]]] = (),
+    scored_chunk: int | None = None,
 ) -> Step | None:
-    """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go), which prompt
-    chunks are fed, every running sequence's next input, and how each sequence it starts is sampled. ``budget``:
-    the prompt tokens this step may feed (the scheduler's ``prefill_budget``); ``spill``: entries evicted to make
-    room are written to disk. None when nothing is admitted and nothing is saved."""
+    """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go; ``parking``:
+    preempted ones whose caches go to disk, by number with their tokens), which prompt chunks are fed, every
+    running sequence's next input, and how each sequence it starts is sampled. ``budget``: the prompt tokens this
+    step may feed (the scheduler's ``prefill_budget``), ``scored_chunk`` the most of them a prompt scored
+    (``prompt_logprobs``) is fed; ``spill``: entries evicted to make room are written to disk. None when nothing is
+    admitted and nothing is saved."""
     spilled: dict[str, list[int]] = {}
     allowed = budget
     if not filling and not running:
-        saves, evicts = _keep(keeping, prefix, spill, spilled)
+        saves, evicts = _keep(keeping, parking, prefix, spill, spilled)
         plan = StepPlan(leave=list(leaving), save=saves, evict=evicts)
         return Step(plan, {}, spilled) if saves or evicts else None
     prefill: list[Prefill] = []
@@ -63,7 +67,7 @@ def plan_step(
         scores = seq.params.prompt_logprobs is not None and seq.replay is None
         cached = prefix if seq.params.prompt_logprobs is None else None
         if start == 0:
-            produced = None if seq.lost is None else tuple(seq.output)
+            produced = None if seq.paused is None else tuple(seq.output)
             recent: tuple[int, ...] = ()
             if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images), seq.adapter)) is not None:
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
@@ -71,6 +75,8 @@ def plan_step(
                 recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
             starts[seq.no] = Start(seq.params, recent, produced)
         take = min(budget, len(tokens) - start)
+        if scores and scored_chunk is not None:  # every position's logits: a chunk the step's memory holds
+            take = min(take, scored_chunk)
         end = start + take
         last = end == len(tokens)
         copies = [c for c in seq.fed_with if c in filling] if last else []
@@ -87,7 +93,7 @@ def plan_step(
     decode = _decode(running, micro_batches, cost)
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
     # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
-    saves, evicts = _keep(keeping, prefix, spill, spilled)
+    saves, evicts = _keep(keeping, parking, prefix, spill, spilled)
     plan = StepPlan(list(leaving), prefill, decode, restore, saves, evicts, ahead)
     by_no = {seq.no: seq for seq in filling}
     for chunk in prefill:
@@ -101,11 +107,17 @@ def plan_step(
 
 
 def _keep(
-    keeping: Rows[Sequence], prefix: PrefixIndex | None, spill: bool, spilled: dict[str, list[int]]
+    keeping: Rows[Sequence],
+    parking: Rows[tuple[int, list[int]]],
+    prefix: PrefixIndex | None,
+    spill: bool,
+    spilled: dict[str, list[int]],
 ) -> tuple[list[Save], list[Evict]]:
     """Each leaving sequence's prompt and the output it was fed, as entries: a chat's next turn resends them, and
     restores them where the template writes the reply back as it was generated. First, the evictions that entries
-    read back from disk deferred (``PrefixIndex.reload``)."""
+    read back from disk, or the batch's growth, deferred (``PrefixIndex.reload``, ``PrefixIndex.shrink``); and
+    each preempted sequence's caches saved and written to disk at once (the disk tier reads them back when it
+    resumes)."""
     saves: list[Save] = []
     evicts: list[Evict] = []
     if prefix is None:
@@ -113,6 +125,11 @@ def _keep(
     for deferred in prefix.deferred:
         evicts.extend(_evicts(deferred, spill, spilled))
     prefix.deferred.clear()
+    for no, held in parking:
+        entry, key = prefix.fresh(), disk_key(held)
+        saves.append(Save(no, entry, len(held)))
+        evicts.append(Evict(entry, key))
+        spilled[key] = held
     for seq in keeping:
         if seq.pooling is not None or seq.held <= len(seq.prompt):
             continue  # nothing past its prompt, which was saved when it was fed

@@ -56,7 +56,7 @@ def disk_key(tokens: list[int]) -> str:
 
 class PrefixIndex:
     def __init__(self, budget: int, bytes_per_token: int, bytes_per_entry: int = 0, exact: bool = False) -> None:
-        self.budget = budget  # bytes on the rank holding the largest share
+        self.budget = budget  # bytes, the most any rank holds of each kind (``models.cache_bytes``)
         self.bytes_per_token = bytes_per_token
         self.bytes_per_entry = bytes_per_entry  # what an entry holds whatever its length: states, full windows
         self.exact = exact  # restore whole entries only
@@ -165,6 +165,35 @@ class PrefixIndex:
         if stored is not None:
             self.deferred.append(stored)
         return stored
+
+    def shrink(self, budget: int) -> None:
+        """Hold at most ``budget`` bytes from now on (the memory budget's share the batch leaves): the least recently
+        used entries not pinned are evicted until the others fit, and wait in ``deferred`` for the next plan."""
+        self.budget = budget
+        evicted = []
+        freed = 0
+        for entry, tokens in self._entries.items():
+            if self.bytes - freed <= budget:
+                break
+            if entry not in self._pinned:
+                evicted.append(entry)
+                freed += self._size(len(tokens))
+        if not evicted:
+            return
+        spilled = {e: self._entries[e] for e in evicted if self._adapter.get(e, 0) == 0}
+        for entry in evicted:
+            self._remove(entry)
+        self.deferred.append(Stored(0, evicted, spilled))  # 0: no entry was stored in their place
+
+    def fresh(self) -> int:
+        """A new entry id for an entry that goes straight to disk (a preempted sequence's caches), never held here."""
+        entry = self._next
+        self._next += 1
+        return entry
+
+    @property
+    def tokens_held(self) -> int:
+        return sum(len(tokens) for tokens in self._entries.values())
 
     def tokens(self, entry: int) -> list[int]:
         return self._entries[entry]

@@ -24,6 +24,7 @@ import structlog
 from neuron.engine import resume
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.pressure import Pressure
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.log import ms_since
 from neuron.pool import Pool, PoolError, Unrecoverable
@@ -54,6 +55,7 @@ class Recovering:
     recoveries: int
     events: deque[dict[str, Any]]  # the latest losses and recoveries, as the status route shows them
     prefix: PrefixIndex | None
+    pressure: Pressure
     _in_flight: Step | None
     _wakeup: anyio.Event
     _busy_since: float | None
@@ -111,13 +113,14 @@ class Recovering:
         log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
 
     async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
-        """``pool.recover`` and a probe, tried again after each failure while ``resume_timeout`` allows; None once
-        the pool is back, else why not."""
+        """``pool.recover``, a probe and every rank's memory read (the fresh ranks' MLX limits set), tried again after
+        each failure while ``resume_timeout`` allows; None once the pool is back, else why not."""
         delays = iter(RETRY_S)
         while True:
             try:
                 await self.pool.recover()
                 if await self._probe():
+                    await self.pressure.read()
                     return None
                 raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
             except Unrecoverable as e:
@@ -135,14 +138,14 @@ class Recovering:
         """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""
         timeout = self.limits.resume_timeout
         while True:
-            paused = [seq for seq in self.scheduler.waiting if seq.lost is not None]
+            paused = [seq for seq in self.scheduler.waiting if seq.paused is not None and seq.paused.reason == "lost"]
             if not paused:
                 return
-            first = min(paused, key=lambda seq: seq.lost.at if seq.lost else 0.0)
-            assert first.lost is not None
-            await anyio.sleep(max(0.0, first.lost.at + timeout - time.perf_counter()))
-            if first.lost is not None and self.scheduler.cancel(first):  # still waiting: it leaves the queue now
-                self.output.failed(first, "unavailable", resume.timed_out(first.lost, timeout))
+            first = min(paused, key=lambda seq: seq.paused.at if seq.paused else 0.0)
+            assert first.paused is not None
+            await anyio.sleep(max(0.0, first.paused.at + timeout - time.perf_counter()))
+            if first.paused is not None and self.scheduler.cancel(first):  # still waiting: it leaves the queue now
+                self.output.failed(first, "unavailable", resume.timed_out(first.paused, timeout))
 
     def _on_lost(self, error: PoolError) -> None:
         """A worker exited: pause the batch now (or fail everything), even between steps; a step in flight
@@ -167,13 +170,14 @@ class Recovering:
         except PoolError as e:
             self._unready(e)
 
-    async def _probe(self) -> bool:
-        """One token through every rank, from an empty cache (prefix cache included) and back to one."""
+    async def _probe(self, tokens: int = 1) -> bool:
+        """A prompt of ``tokens`` through every rank, from an empty cache (prefix cache included) and back to one."""
         if self.prefix is not None:
             self.prefix.clear()
         try:
             await self.pool.clear_kv_cache()
-            await self.pool.step(Step(StepPlan(prefill=[Prefill(0, 0, [0], True)]), {0: Start(SamplingParams())}))
+            prompt = [Prefill(0, 0, [0] * tokens, True)]
+            await self.pool.step(Step(StepPlan(prefill=prompt), {0: Start(SamplingParams())}))
             await self.pool.clear_kv_cache()
         except PoolError as e:
             self._unready(e)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from neuron.engine.sequence import Lost, Sequence
+from neuron.engine.sequence import Pause, Sequence
 from neuron.step import Step
 
 
@@ -32,15 +32,15 @@ def blamed(step: Step | None, batch: Iterable[Sequence]) -> set[Sequence]:
     return {seq for seq in batch if seq.no in stepped}
 
 
-def lost(failures: dict[int, str], hosts: list[str], cause: str) -> Lost:
+def lost(failures: dict[int, str], hosts: list[str], cause: str) -> Pause:
     """What a paused sequence remembers of the loss: the rank that failed (a worker's before rank 0's, which
     only says it stopped waiting for one), its host, and why."""
     workers = [r for r in failures if r != 0]
     rank = min(workers) if workers else min(failures, default=0)
-    return Lost(rank, hosts[rank] if rank < len(hosts) else "?", cause, time.perf_counter())
+    return Pause("lost", rank, hosts[rank] if rank < len(hosts) else "?", cause, time.perf_counter())
 
 
-def timed_out(lost: Lost, timeout: float) -> str:
+def timed_out(lost: Pause, timeout: float) -> str:
     return (
         f"the group was lost ({lost.cause}) and was not back within {timeout:g} s (--resume-timeout): retry the request"
     )

@@ -28,15 +28,18 @@ the same way, a chat's next turn among them, skips that part.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from neuron.engine.admission import Admission
 from neuron.engine.drafts import StepCost, attended
+from neuron.engine.memory import Budget
 from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.sequence import Lost, Overloaded, Sequence, Status
+from neuron.engine.sequence import Overloaded, Pause, Sequence, Status
 from neuron.sampling_params import Sampled
 from neuron.settings import MIN_PREFILL_CHUNK, Scheduling  # its fields are settings of ``serve``, declared there once
 from neuron.step import Step
@@ -52,6 +55,10 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # taken into the batch this turn, in order
     cancelled: list[tuple[Sequence, int]] = field(default_factory=list)  # each with the steps it ran after its cancel
     clear: bool = False
+    # Paused for memory, their streams open: back at the front of the queue, to resume as the batch gives room.
+    preempted: list[Sequence] = field(default_factory=list)
+    # Alone, and still more than the memory budget holds now (it shrank): they end with an error.
+    unfit: list[Sequence] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,7 @@ class Delivery:
     produced: int = 0
 
 
-class Paused(NamedTuple):
+class BatchPaused(NamedTuple):
     """What a lost group did to the batch (``Scheduler.pause``)."""
 
     paused: list[Sequence]  # back in the queue, to be fed again
@@ -136,15 +143,40 @@ def runs_ahead(setting: str, cost: StepCost, decoding: int) -> bool:
     return short(cost, decoding)
 
 
+def outcome(seq: Sequence, sampled: Sampled, eos_token_ids: frozenset[int], *, first: bool) -> Delivery:
+    """Every way a sampled token can end its sequence by its id or the sequence's length, decided here and nowhere
+    else (a stop string is the output path's: ``Scheduler.finish``); a token that goes on is added to its output."""
+    if sampled.error is not None:
+        return Delivery(seq, sampled, "error", first, kept=False, produced=seq.completion_tokens)
+    if seq.max_tokens == 0:  # the prompt, scored, was all it asked for: the token is not used
+        return Delivery(seq, sampled, "length", first, kept=False)
+    params = seq.params
+    if sampled.token in params.stop_token_ids or (sampled.token in eos_token_ids and not params.ignore_eos):
+        return Delivery(seq, sampled, "stop", first, kept=False, produced=seq.completion_tokens)
+    seq.completion_tokens += 1
+    seq.next_token = sampled.token
+    seq.output.append(sampled.token)
+    ends = "length" if seq.completion_tokens >= seq.max_tokens else None
+    return Delivery(seq, sampled, ends, first, produced=seq.completion_tokens)
+
+
 _ENDS = {"stop": Status.FINISHED_STOPPED, "length": Status.FINISHED_LENGTH, "error": Status.FINISHED_ERROR}
 
 
 class Scheduler:
     def __init__(
-        self, limits: Scheduling, eos_token_ids: set[int] | frozenset[int], prefix: PrefixIndex | None = None
+        self,
+        limits: Scheduling,
+        eos_token_ids: set[int] | frozenset[int],
+        prefix: PrefixIndex | None = None,
+        budget: Budget | None = None,
     ) -> None:
         self.limits = limits
         self.prefix = prefix  # None: no prefix cache
+        # The memory budget (``engine.memory``): admission, preemption and the prefix cache's share follow it; None:
+        # places alone decide (the scheduler's own tests).
+        self.budget = budget
+        self.scored_chunk: int | None = None  # the most prompt tokens a step scores (``Budget.scored_chunk``)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.steps = 0  # steps applied; cancellations are measured against it
         self.waiting: deque[Sequence] = deque()
@@ -153,8 +185,11 @@ class Scheduler:
         self.leaving: list[int] = []  # sequences every rank drops in the next plan
         self.stopping: list[Sequence] = []  # ended by the output path (a stop string): they leave at ``schedule``
         self.keeping: list[Sequence] = []  # leaving while decoding: the next plan saves each to the prefix cache
+        # Preempted while decoding, with a disk tier: the next plan writes each one's caches there (its tokens).
+        self.parking: list[tuple[int, list[int]]] = []
         self.spill = False  # whether entries evicted from memory are written to disk (``--prefix-cache-dir``)
         self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
+        self.admission = Admission(limits, budget, self.waiting, self.filling, self.running)
 
     @property
     def batch(self) -> tuple[Sequence, ...]:
@@ -211,7 +246,9 @@ class Scheduler:
         for seq in self.stopping:
             self._remove(seq, Status.FINISHED_STOPPED)
         self.stopping.clear()
-        admitted = self._admit()
+        preempted, unfit = self._fit()
+        admitted = self.admission.admit()
+        unfit += self.admission.drop_stuck()
         limits = self.limits
         # The deepest position a prompt is fed from. One not yet started may restore a cached beginning of any
         # length (the plan looks it up): priced as fed from its end, its first chunk errs small.
@@ -229,14 +266,17 @@ class Scheduler:
             cost=self.cost,
             keeping=self.keeping,
             spill=self.spill,
+            parking=self.parking,
+            scored_chunk=self.scored_chunk,
         )
         self.keeping.clear()
+        self.parking.clear()
+        self.size_prefix_cache()  # after the plan's lookups: an entry it restores is pinned, and stays
         clear = step is None and bool(self.leaving)
         if clear:  # nothing left to run: clearing every rank's sequences at once drops them all
             self.leaving.clear()
-        return SchedulerOutput(
-            step, admitted, [(seq, self.steps - (seq.cancelled_at or 0)) for seq in cancelled], clear
-        )
+        cancels = [(seq, self.steps - (seq.cancelled_at or 0)) for seq in cancelled]
+        return SchedulerOutput(step, admitted, cancels, clear, preempted, unfit)
 
     def update(self, step: Step, sampled: dict[int, Sampled], ms: float) -> list[Delivery]:
         """What ``step`` did, now that every rank ran it in ``ms``: prompts fed, tokens sampled, in plan order, and
@@ -274,12 +314,12 @@ class Scheduler:
                 for copy in [seq, *(by_no[no] for no in chunk.copies if no in by_no)]:
                     copy.fed = copy.held = len(copy.tokens)
                     self.filling.remove(copy)
-                    copy.micro_batch = self._emptiest_micro_batch()
+                    copy.micro_batch = _emptiest(self.running, self.limits.micro_batches)
                     copy.status = Status.RUNNING
                     self.running.append(copy)
                     if copy.replay is None:
                         copy.prompt_logprobs = sampled[copy.no].prompt
-                    out.append(self._outcome(copy, sampled[copy.no], first=copy.replay is None))
+                    out.append(outcome(copy, sampled[copy.no], self.eos_token_ids, first=copy.replay is None))
         widths = plan.widths()
         for row in plan.decode:
             if (seq := by_no.get(row.seq)) is None:
@@ -287,7 +327,7 @@ class Scheduler:
             run = [sampled[row.seq], *sampled[row.seq].more]  # the token, then those a kept draft adds
             seq.held += len(run)  # the token fed, and each draft token the sampler agreed with
             for one in run:
-                out.append(self._outcome(seq, one, first=False))
+                out.append(outcome(seq, one, self.eos_token_ids, first=False))
                 if out[-1].finish is not None:
                     break
             seq.drop = widths[row.micro_batch] - len(run)  # fed but not kept: the draft's rejected tail, the padding
@@ -299,57 +339,61 @@ class Scheduler:
         return out
 
     def admissible(self) -> list[Sequence]:
-        """The waiting requests the next ``schedule`` admits, in arrival order: while the batch has places."""
-        out = []
-        places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
-        blocked = False
-        for seq in self.waiting:
-            if seq.pooling is None:
-                blocked = blocked or places + seq.n > self.limits.max_batch
-                if blocked:
-                    continue
-                places += seq.n
-            out.append(seq)
-        return out
+        """The waiting requests the next ``schedule`` admits (``Admission``)."""
+        return self.admission.admissible()
 
-    def _admit(self) -> list[Sequence]:
-        """Move waiting requests into the batch, in arrival order, while it has places; returns them.
+    def usage(self) -> int:
+        """The bytes (the reference share's: ``engine.memory``) the batch's caches may hold by the end of the next
+        step."""
+        return self.admission.usage()
 
-        An embedding request holds no place (its inputs are fed and leave, and no decode row is theirs), so it
-        is admitted at once, past a generation that waits for a place: that one gets the next place all the same.
-        """
-        admitted: list[Sequence] = []
-        for seq in self.admissible():
-            self.waiting.remove(seq)
-            members = [seq] if seq.alone else [seq, *seq.copies, *seq.group]
-            for member in members:
-                member.status = Status.FILLING
-            self.filling += members
-            admitted += members
-        return admitted
+    # Memory.
 
-    def _emptiest_micro_batch(self) -> int:
-        """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
-        sizes = [0] * self.limits.micro_batches
-        for seq in self.running:
-            sizes[seq.micro_batch] += 1
-        return sizes.index(min(sizes))
+    def _fit(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Preempt the newest generating sequences while the batch's caches would pass the memory budget by the end
+        of the next step (``Admission.overflow``; the prefix cache gives way first: it holds only what the batch
+        leaves). One alone that would still pass it ends: it is returned second."""
+        preempted, unfit = self.admission.overflow()
+        for seq in preempted:
+            self._preempt(seq)
+        if unfit is None:
+            return preempted, []
+        self._remove(unfit, Status.FINISHED_ERROR)
+        return preempted, [unfit]
 
-    def _outcome(self, seq: Sequence, sampled: Sampled, *, first: bool) -> Delivery:
-        """Every way a sampled token can end its sequence by its id or the sequence's length, decided here and
-        nowhere else (a stop string is the output path's: ``finish``)."""
-        if sampled.error is not None:
-            return Delivery(seq, sampled, "error", first, kept=False, produced=seq.completion_tokens)
-        if seq.max_tokens == 0:  # the prompt, scored, was all it asked for: the token is not used
-            return Delivery(seq, sampled, "length", first, kept=False)
-        params = seq.params
-        if sampled.token in params.stop_token_ids or (sampled.token in self.eos_token_ids and not params.ignore_eos):
-            return Delivery(seq, sampled, "stop", first, kept=False, produced=seq.completion_tokens)
-        seq.completion_tokens += 1
-        seq.next_token = sampled.token
-        seq.output.append(sampled.token)
-        ends = "length" if seq.completion_tokens >= seq.max_tokens else None
-        return Delivery(seq, sampled, ends, first, produced=seq.completion_tokens)
+    def _preempt(self, seq: Sequence) -> None:
+        """Pause ``seq`` with its stream open: every rank drops it (its caches written to the disk tier first, where
+        one is set), and it waits at the front of the queue, behind those admitted before it, to be fed its prompt
+        and output so far again, as a sequence a lost group paused is (``pause``)."""
+        assert self.budget is not None
+        if seq in self.running:
+            self.running.remove(seq)
+            prefix = self.prefix
+            if self.spill and prefix is not None and not prefix.exact and not seq.adapter and not seq.images:
+                held = min(seq.held, len(seq.prompt) + len(seq.output))
+                self.parking.append((seq.no, [*seq.prompt, *seq.output][:held]))
+        else:
+            self.filling.remove(seq)
+        if seq.fed:
+            self.leaving.append(seq.no)
+        for copy in seq.fed_with:  # its copies waited for its prompt's end: each is fed on its own now
+            copy.alone = True
+        rank, host = self.budget.where()
+        cause = f"the batch's caches would pass the memory budget ({self.budget.bytes} bytes on rank {rank})"
+        _replay_later(seq, Pause("memory", rank, host, cause, time.perf_counter()))
+        waiting = self.waiting
+        at = 0
+        while at < len(waiting) and waiting[at].paused is not None and waiting[at].admitted < seq.admitted:
+            at += 1
+        waiting.insert(at, seq)
+
+    def size_prefix_cache(self) -> None:
+        """The prefix cache holds what the batch leaves of the memory budget, at most ``--prefix-cache-bytes``."""
+        if self.prefix is None or self.budget is None:
+            return
+        left = max(0, self.budget.bytes - self.usage())
+        cap = self.limits.prefix_cache_bytes
+        self.prefix.shrink(left if cap is None else min(cap, left))
 
     def _remove(self, seq: Sequence, status: Status) -> None:
         """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
@@ -365,7 +409,7 @@ class Scheduler:
 
     # A lost group, and a shutdown.
 
-    def pause(self, lost: Lost, blamed: Collection[Sequence], tries: int) -> Paused:
+    def pause(self, lost: Pause, blamed: Collection[Sequence], tries: int) -> BatchPaused:
         """The group was lost under the batch: every admitted sequence goes back to the front of the queue, in
         order, to be fed again once the ranks are back: its prompt and the tokens it has produced (its stream
         goes on where it stopped); the ranks' caches are gone, the prefix cache with them. Those ``blamed``
@@ -383,11 +427,7 @@ class Scheduler:
                 seq.status = Status.FINISHED_ERROR
                 given_up.append(seq)
                 continue
-            seq.lost = seq.lost or lost  # lost again before it resumed: the first loss is what it waits on
-            seq.replay = [*seq.prompt, *seq.output] if seq.output else None
-            seq.alone = True
-            seq.fed = seq.drop = seq.micro_batch = 0
-            seq.status = Status.WAITING
+            _replay_later(seq, lost)
             paused.append(seq)
         self.filling.clear()
         self.running.clear()
@@ -398,7 +438,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.unpin()
             self.prefix.clear()
-        return Paused(paused, given_up, cancelled)
+        return BatchPaused(paused, given_up, cancelled)
 
     def clear(self) -> list[Sequence]:
         """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
@@ -417,3 +457,21 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.unpin()
         return unfinished
+
+
+def _emptiest(running: list[Sequence], micro_batches: int) -> int:
+    """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
+    sizes = [0] * micro_batches
+    for seq in running:
+        sizes[seq.micro_batch] += 1
+    return sizes.index(min(sizes))
+
+
+def _replay_later(seq: Sequence, pause: Pause) -> None:
+    """``seq`` is paused (a lost group, a preemption): it waits to be fed its prompt and its output so far again, on
+    its own, its stream open. Paused again before it resumed, the first pause is what it waits on."""
+    seq.paused = seq.paused or pause
+    seq.replay = [*seq.prompt, *seq.output] if seq.output else None
+    seq.alone = True
+    seq.fed = seq.held = seq.drop = seq.micro_batch = 0
+    seq.status = Status.WAITING

@@ -140,13 +140,16 @@ class Status(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Lost:
-    """Why a sequence is paused: the group was lost under it, and it waits to be fed again (``engine.resume``)."""
+class Pause:
+    """Why a sequence is paused, its stream open, waiting to be fed its prompt and output again: the group was lost
+    under it (``reason`` "lost": ``engine.resume``), or it was preempted ("memory": the batch's caches would pass
+    the memory budget, ``engine.memory``)."""
 
-    rank: int  # the rank whose loss broke the group
+    reason: str
+    rank: int  # the rank whose loss broke the group, or whose budget it would have passed
     host: str
     cause: str
-    at: float  # perf_counter time of the loss
+    at: float  # perf_counter time it was paused
 
 
 @dataclass(eq=False)
@@ -190,12 +193,17 @@ class Sequence:
     proposer: Proposer | None = None
     output: list[int] = field(default_factory=list)
     drop: int = 0
-    # Resuming after a lost group: why it is paused (None while it runs), the tokens fed again once it resumes
-    # (its prompt and its output so far; None: its prompt alone, as at first), and the losses blamed on it.
-    lost: Lost | None = None
+    # Resuming after a pause (a lost group, a preemption): why it is paused (None while it runs), the tokens fed
+    # again once it resumes (its prompt and its output so far; None: its prompt alone, as at first), and the losses
+    # blamed on it.
+    paused: Pause | None = None
     replay: list[int] | None = None
     losses: int = 0
-    alone: bool = False  # fed on its own since a loss, even as one of n choices: its original's cache is gone
+    alone: bool = False  # fed on its own since a pause, even as one of n choices: its original's cache is gone
+    # Admission: its order among admissions (the newest is preempted first), and the tokens its caches are reserved
+    # (its tokens when admitted, and room for its output to grow: ``engine.memory``).
+    admitted: int = 0
+    reserved: int = 0
     adapter: int = 0  # the LoRA adapter it is generated with (the engine's number for it); 0: the base model
     _send: MemoryObjectSendStream[Event] = field(init=False, repr=False)
     events: MemoryObjectReceiveStream[Event] = field(init=False, repr=False)

@@ -14,6 +14,7 @@ group, and every answer is None.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,21 @@ def room(group: MemoryGroup) -> Room | None:
         if level == group.mount or level.parent == level:
             return tightest
         level = level.parent
+
+
+def forget_file_pages(folder: str | Path, group: MemoryGroup | None) -> None:
+    """Drop the page cache of the safetensors files in ``folder`` (once their tensors are loaded into the process's
+    own memory) where a memory cgroup ``group`` limits the process: the kernel charges a file's cached pages to the
+    group that read them, so the weights would count twice against the limit, and the group's usage (systemd's
+    ``MemoryCurrent``) would say nothing of what the process holds. Pages in use elsewhere stay."""
+    if group is None or room(group) is None or not hasattr(os, "posix_fadvise"):
+        return
+    for path in Path(folder).glob("*.safetensors"):
+        try:
+            with open(path, "rb") as file:
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            continue
 
 
 def oom_kills(text: str) -> int | None:

@@ -148,29 +148,44 @@ def free_memory(room: cgroup.Room | None) -> int:
     """Bytes this rank could give a model now: its GPU's room on a GPU backend (MLX says, so it loads there,
     where nothing must be settled before it), else the host's available memory, or less where the process's
     memory cgroup leaves it less ``room`` under its limit."""
-    if (on_gpu := device.gpu_free_memory()) is not None:
-        return on_gpu
-    host = _available()
+    if (on_gpu := device.gpu_memory()) is not None:
+        return on_gpu[0]
+    host = _meminfo("MemAvailable")
     return host if room is None else min(host, room.available)
 
 
-def _available() -> int:
+def total_memory(room: cgroup.Room | None) -> int:
+    """The most this rank may hold in all: its GPU's memory on a GPU backend, else its host's, or less where its
+    memory cgroup's limit is lower."""
+    if (on_gpu := device.gpu_memory()) is not None:
+        return on_gpu[1]
+    host = _meminfo("MemTotal")
+    return host if room is None else min(host, room.limit)
+
+
+def _meminfo(field: str) -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    pages = "SC_AVPHYS_PAGES" if field == "MemAvailable" else "SC_PHYS_PAGES"
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError):
         return 0
 
 
+# What a rank's caches hold and the most one step took beyond it (``Rank.cache_bytes``, ``Rank.peak``): read from
+# the rank on its own thread, where the gauge is read.
+Held = Callable[[], tuple[int, int]]
+
+
 class MemoryGauge:
-    """This process's memory, read live for the status route at low cost: ``fresh`` reads it (a few small files,
-    or MLX's counters) at most once every ``every_s`` seconds, and says None between, so that a step that comes
-    sooner costs nothing and its reply carries nothing."""
+    """This process's memory, read live at low cost for the leader's memory budget and the status route: ``fresh``
+    reads it (a few small files, or MLX's counters) at most once every ``every_s`` seconds, and says None between,
+    so that a step that comes sooner costs nothing and its reply carries nothing; ``read`` reads it now."""
 
     def __init__(self, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s = every_s
@@ -178,13 +193,23 @@ class MemoryGauge:
         self.read_at: float | None = None
         self.group = cgroup.own_group()
 
-    def fresh(self) -> Memory | None:
-        now = self.clock()
-        if self.read_at is not None and now - self.read_at < self.every_s:
+    def fresh(self, held: Held | None = None) -> Memory | None:
+        if self.read_at is not None and self.clock() - self.read_at < self.every_s:
             return None
-        self.read_at = now
+        return self.read(held)
+
+    def read(self, held: Held | None = None) -> Memory:
+        self.read_at = self.clock()
         room = cgroup.room(self.group) if self.group is not None else None
-        return Memory(used=device.used_memory(), free=free_memory(room), at=time.time())
+        caches, peak = held() if held is not None else (0, 0)
+        return Memory(
+            used=device.used_memory(),
+            free=free_memory(room),
+            at=time.time(),
+            total=total_memory(room),
+            caches=caches,
+            peak=peak,
+        )
 
 
 def describe_host(rank: int) -> HostInfo:

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import rpc
+from neuron import device, rpc
 from neuron.log import debugging, ms_since
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Abandoned, Alarm, Rank0Thread
@@ -38,10 +38,20 @@ class PoolError(RuntimeError):
     """An operation failed on one or more ranks; ``failures`` maps each rank to what it said.
 
     ``broken``: the group can no longer be trusted; only fresh workers and a fresh group can serve again.
+    ``out_of_memory``: a rank failed to allocate (MLX out of memory on its device): the batch resumes smaller.
     """
 
-    def __init__(self, op: str, failures: dict[int, str], *, broken: bool, hosts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        op: str,
+        failures: dict[int, str],
+        *,
+        broken: bool,
+        hosts: list[str] | None = None,
+        out_of_memory: bool = False,
+    ) -> None:
         self.op = op
+        self.out_of_memory = out_of_memory
         # A worker's own messages start with its rank; here every one is named by rank and host instead.
         self.failures = {r: m.removeprefix(f"rank {r}: ") for r, m in sorted(failures.items())}
         self.broken = broken
@@ -53,9 +63,10 @@ class PoolError(RuntimeError):
 class _RankFailure(Exception):
     """One rank's failure inside a fan-out; ``breaks`` says whether the group can still be trusted."""
 
-    def __init__(self, message: str, *, breaks: bool) -> None:
+    def __init__(self, message: str, *, breaks: bool, out_of_memory: bool = False) -> None:
         super().__init__(message)
         self.breaks = breaks
+        self.out_of_memory = out_of_memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +118,8 @@ class FanOut:
         """A worker exited: rank 0 stops waiting inside the operation in flight, if any."""
         self._lost.set()
 
-    def break_group(self, op: str, failures: dict[int, str]) -> PoolError:
-        self.broken = PoolError(op, failures, broken=True, hosts=self.hosts)
+    def break_group(self, op: str, failures: dict[int, str], out_of_memory: bool = False) -> PoolError:
+        self.broken = PoolError(op, failures, broken=True, hosts=self.hosts, out_of_memory=out_of_memory)
         log.error("pool broken", op=op, failures=failures)
         return self.broken
 
@@ -153,7 +164,11 @@ class FanOut:
                 except (RankError, ValueError) as e:
                     failures[0] = _RankFailure(f"{type(e).__name__}: {e}", breaks=False)
                 except Exception as e:  # noqa: BLE001 - an MLX or collective failure: the group is suspect
-                    failures[0] = _RankFailure(f"{type(e).__name__}: {e}", breaks=True)
+                    # An allocation that failed leaves a rank alone in step (its caches are cleared next); beside
+                    # peers, they may wait inside a collective for it.
+                    oom = device.out_of_memory(e)
+                    breaks = bool(self.workers) or not oom
+                    failures[0] = _RankFailure(f"{type(e).__name__}: {e}", breaks=breaks, out_of_memory=oom)
 
             async def drain(worker: Link, request: rpc.Request) -> None:
                 try:
@@ -165,7 +180,11 @@ class FanOut:
                 self.last_reply = max(self.last_reply, time.perf_counter())
                 if isinstance(reply, rpc.Error):
                     message = reply.message.removeprefix(f"rank {worker.rank}: ")
-                    failures[worker.rank] = _RankFailure(f"{reply.kind}: {message}", breaks=reply.kind not in IN_STEP)
+                    failures[worker.rank] = _RankFailure(
+                        f"{reply.kind}: {message}",
+                        breaks=reply.kind not in IN_STEP,
+                        out_of_memory=reply.kind == ErrorKind.OUT_OF_MEMORY,
+                    )
                 else:
                     results[worker.rank] = reply
 
@@ -189,10 +208,11 @@ class FanOut:
             self.timing = Timing(started - began, rank0_done - started, drained, ended - began)
             if failures:
                 messages = {rank: str(f) for rank, f in failures.items()}
+                oom = any(f.out_of_memory for f in failures.values())
                 if any(f.breaks for f in failures.values()):
-                    raise self.break_group(op, messages)
+                    raise self.break_group(op, messages, out_of_memory=oom)
                 log.warning("operation failed", op=op, failures=messages)
-                raise PoolError(op, messages, broken=False, hosts=self.hosts)
+                raise PoolError(op, messages, broken=False, hosts=self.hosts, out_of_memory=oom)
             return results
 
     async def _worker_failure(self, worker: Link, op: str, error: Exception) -> _RankFailure:

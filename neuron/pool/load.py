@@ -10,11 +10,12 @@ from pathlib import Path
 import structlog
 
 from neuron import hub, rpc
+from neuron.launch import cgroup
 from neuron.launch.checks import Unreachable, check_memory, check_models, model_differences
 from neuron.launch.push import PushCut, Pushed, push
 from neuron.launch.stages import plan_stages, weights_per_rank
 from neuron.log import ms_since
-from neuron.models import DECIDING_FILES, cache_bytes, digest_files, model_digest
+from neuron.models import DECIDING_FILES, cache_bytes, cache_shares, digest_files, model_digest
 from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
 from neuron.rank.drafter import Drafter
@@ -58,6 +59,7 @@ class Loading(Ranks):
             lambda rank: rank.load(self.model_path, layers[0], self.kv_bits),
             self.deadlines.load,
         )
+        cgroup.forget_file_pages(self.model_path, self._memory.group)
         if self.draft_path is not None:
             await self._load_draft(self.draft_path)
         if self.mtp:
@@ -176,6 +178,16 @@ class Loading(Ranks):
         except PushCut as e:
             raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
         return pushed.path
+
+    @property
+    def cache_shares(self) -> list[tuple[int, int]]:
+        """What a prompt's caches hold on each rank (``models.cache_shares``), rank 0's with its draft model's (whole
+        there, a cache per sequence beside the model's)."""
+        shares = cache_shares(self.model_path, self.layers, self.world_size, self.kv_bits)
+        if self.draft_path is not None:
+            per_token, per_sequence = cache_bytes(self.draft_path, [], 1)
+            shares[0] = (shares[0][0] + per_token, shares[0][1] + per_sequence)
+        return shares
 
     @property
     def cache_bytes(self) -> tuple[int, int]:

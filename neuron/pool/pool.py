@@ -97,9 +97,13 @@ class Pool(Recovering):
             )
         samplers = self._rank0.samplers
         plan = step.plan
+        gauge = self._memory
+        read: list[rpc.Memory | None] = [None]
 
         def on_rank(rank: Rank) -> Stepped:
-            return run(rank, step, samplers)
+            stepped = run(rank, step, samplers)
+            read[0] = gauge.fresh(lambda: (rank.cache_bytes(), rank.peak))  # on rank 0's thread, as a worker's
+            return stepped
 
         replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
@@ -123,7 +127,7 @@ class Pool(Recovering):
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
-        self._read_memory(replies)
+        self._read_memory(read[0], replies)
         return mine.sampled
 
     async def draft(self, rows: list[DraftRow]) -> dict[int, list[int]]:

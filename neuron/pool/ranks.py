@@ -30,6 +30,7 @@ from neuron.pool.group import form_group
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Rank0Thread
 from neuron.rank.group import group_joined
+from neuron.rank.rank import Rank
 from neuron.settings import default
 
 log = structlog.get_logger("neuron.pool")
@@ -98,14 +99,34 @@ class Ranks:
         """The workers' links, by rank; the fan-out owns the list."""
         return tuple(self._fan_out.workers)
 
-    def _read_memory(self, replies: dict[int, Any]) -> None:
-        """Keep each rank's latest memory reading from a step: the workers' ride on their replies, rank 0 reads its
-        own the same way."""
-        if (mine := self._memory.fresh()) is not None:
+    def _read_memory(self, mine: rpc.Memory | None, replies: dict[int, Any]) -> None:
+        """Keep each rank's latest memory reading from a step: the workers' ride on their replies, rank 0 read its
+        own the same way (``mine``, on its thread)."""
+        if mine is not None:
             self.memory[0] = mine
         for rank, reply in replies.items():
             if rank != 0 and reply.memory is not None:
                 self.memory[rank] = reply.memory
+
+    async def read_memory(self, limits: dict[int, tuple[int, int]] | None = None) -> dict[int, rpc.Memory]:
+        """Every rank's memory read now (``rpc.ReadMemory``), kept as the steps' readings are; by rank. ``limits``:
+        by rank, the bytes MLX may hold in all and the freed buffers it may keep, set first where MLX enforces
+        them."""
+        gauge = self._memory
+        limit = (limits or {}).get
+
+        def mine(rank: Rank) -> rpc.Memory:
+            if (mlx := limit(0)) is not None:
+                rank.limit_memory(*mlx)
+            return gauge.read(lambda: (rank.cache_bytes(), rank.peak))
+
+        def request(rank: int, id: int) -> rpc.ReadMemory:
+            memory_limit, cache_limit = limit(rank) or (0, 0)
+            return rpc.ReadMemory(id=id, memory_limit=memory_limit, cache_limit=cache_limit)
+
+        replies = await self._fan_out("read_memory", request, mine, self.deadlines.control)
+        self.memory = {rank: reply if rank == 0 else reply.memory for rank, reply in replies.items()}
+        return dict(self.memory)
 
     @property
     def said(self) -> tuple[rpc.HostInfo, ...]:

@@ -106,6 +106,18 @@ def arrays(layer: Layer) -> list[mx.array]:
     return [a for a in (layer.keys, layer.values) if a is not None]
 
 
+def nbytes(held: Any) -> int:
+    """Bytes the caches in ``held`` take: a layer of any kind, a list of them, or a prefix entry's keys and values
+    (tuples of arrays, quantized ones tuples of their own)."""
+    if held is None:
+        return 0
+    if isinstance(held, mx.array):
+        return int(held.nbytes)
+    if isinstance(held, (list, tuple)):
+        return sum(nbytes(part) for part in held)
+    return sum(int(a.nbytes) for a in arrays(held))
+
+
 def alone(cache: list[Layer], one_row: bool) -> None:
     """Mark a micro-batch's caches as holding one row with no left padding (``one_row``), or no longer.
 

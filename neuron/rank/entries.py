@@ -52,6 +52,7 @@ class Entries:
         # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
         # listing a full cache's entries each time would cost the step more the more the cache holds.
         self._digest = 0
+        self.nbytes = 0  # what the held entries take, counted as they come and go (the rank's memory reading)
 
     def __contains__(self, entry: int) -> bool:
         return entry in self._held
@@ -70,6 +71,17 @@ class Entries:
         """Add ``entry`` to the digest, or take it out again (an XOR: order does not matter)."""
         self._digest ^= hash((entry, self.length(entry)))  # ints hash alike in every process
 
+    def _hold(self, entry: int, held: _Entry) -> None:
+        self._held[entry] = held
+        self._fold(entry)
+        self.nbytes += caches.nbytes(held.layers)
+
+    def _drop(self, entry: int) -> _Entry:
+        self._fold(entry)
+        gone = self._held.pop(entry)
+        self.nbytes -= caches.nbytes(gone.layers)
+        return gone
+
     def disagreement(self, plan: StepPlan) -> str | None:
         """Why this rank's entries cannot follow ``plan``, or None."""
         for restore in plan.restore:
@@ -81,8 +93,9 @@ class Entries:
                     f"prefix entry {restore.entry} holds a snapshot of {held.tokens} tokens, which cannot be cut "
                     f"back to {restore.tokens}"
                 )
+        leaving_saved = {save.entry for save in plan.save if save.tokens}  # saved before the evictions: to disk
         for evict in plan.evict:
-            if evict.entry not in self._held:
+            if evict.entry not in self._held and evict.entry not in leaving_saved:
                 return f"prefix entry {evict.entry} cannot be evicted: this rank does not hold it"
         ending = {chunk.seq for chunk in plan.prefill if chunk.last}
         leaving = set(plan.leave)
@@ -118,15 +131,13 @@ class Entries:
                 end = start + save.tokens
                 layers.append((_cut(layer.keys, row, start, end), _cut(layer.values, row, start, end)))
             mx.eval(layers)
-            self._held[save.entry] = _Entry(save.tokens, layers)
-            self._fold(save.entry)
+            self._hold(save.entry, _Entry(save.tokens, layers))
 
     def evict_and_save(self, plan: StepPlan, seqs: Mapping[int, SeqState]) -> None:
         """After the plan's prompts are fed: drop its evictions, then keep each prompt it saves (from ``seqs``,
         the rank's sequences, their prompts just fed)."""
         for evict in plan.evict:
-            self._fold(evict.entry)
-            gone = self._held.pop(evict.entry)
+            gone = self._drop(evict.entry)
             if evict.key and self.disk is not None:
                 self.disk.spill(evict.key, gone.tokens, gone.layers)
         for save in plan.save:
@@ -134,8 +145,7 @@ class Entries:
                 continue
             state = seqs[save.seq]
             assert state.cache is not None
-            self._held[save.entry] = _kept(state.cache, state.position)
-            self._fold(save.entry)
+            self._hold(save.entry, _kept(state.cache, state.position))
 
     def restore(self, entry: int, tokens: int) -> list[caches.Layer]:
         """A fresh cache per layer holding the entry's first ``tokens`` (all of them where it holds a snapshot);
@@ -168,6 +178,7 @@ class Entries:
     def clear(self) -> None:
         self._held.clear()
         self._digest = 0
+        self.nbytes = 0
 
     def load(self, entries: dict[str, int], drop: Collection[int] = ()) -> list[str]:
         """Drop the entries ``drop`` names where held (another rank failed to load them), then load the files
@@ -175,8 +186,7 @@ class Entries:
         loaded."""
         for entry in drop:
             if entry in self._held:
-                self._fold(entry)
-                del self._held[entry]
+                self._drop(entry)
         if not entries:
             return []
         assert self.disk is not None
@@ -188,8 +198,7 @@ class Entries:
                 log.warning("prefix cache file skipped", key=key, reason=str(e))
                 failed.append(key)
                 continue
-            self._held[entry] = _Entry(tokens, layers)
-            self._fold(entry)
+            self._hold(entry, _Entry(tokens, layers))
         return failed
 
 

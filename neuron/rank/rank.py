@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from neuron import device
 from neuron.adapters import AdapterError, find
 from neuron.rank import ahead, backends, caches, group, rollback, states
 from neuron.rank.agreement import disagreement
@@ -54,6 +55,9 @@ class Rank:
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
         self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.lora``), once a model is
+        # The most one step has taken beyond what the rank held before and after it (its activations, a joining
+        # batch's copies), since the model loaded: what the leader's memory budget keeps free for steps.
+        self.peak = 0
 
     def init_group(self, backend: str, env: dict[str, str], files: dict[str, str]) -> float:
         """Join the group (``rank.group``) and return the sanity all-reduce of 1.0 from every rank."""
@@ -71,6 +75,7 @@ class Rank:
         self.unload()
         share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits)
         self.entries.kv_bits = kv_bits
+        self.peak = 0
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
         self.prompts_together = share.prompts_together
         split = self.group if not layers else None  # a stage holds whole layers: its adapters too
@@ -212,6 +217,19 @@ class Rank:
             return {}
         logits = queued.staying(plan.leave)
         return {row.seq: logits[i] for i, row in enumerate(plan.decode)}
+
+    def limit_memory(self, memory_limit: int, cache_limit: int) -> None:
+        """Keep MLX within the leader's budget where it enforces its limits (Metal, CUDA: an allocation past them
+        fails, which fails a step, not the process); MLX's CPU backend stores them and enforces neither."""
+        if device.backend() != "cpu":
+            mx.set_memory_limit(memory_limit)
+            mx.set_cache_limit(cache_limit)
+
+    def cache_bytes(self) -> int:
+        """Bytes this rank's caches hold: its sequences' own (prompts being fed), the batch's, the prefix entries."""
+        own = sum(caches.nbytes(state.cache) for state in self.seqs.values())
+        batched = sum(caches.nbytes(rows.cache) for rows in self.batch.micro_batches.values())
+        return own + batched + self.entries.nbytes
 
     def fingerprint(self) -> str:
         """A digest of what this rank holds (``rank.fingerprint``)."""

@@ -33,7 +33,18 @@ class Stepped:
 
 
 def run(rank: Rank, step: Step, samplers: Samplers | None = None) -> Stepped:
-    """Run ``step`` on ``rank``; with ``samplers`` (rank 0's), draw each sequence's tokens too."""
+    """Run ``step`` on ``rank``; with ``samplers`` (rank 0's), draw each sequence's tokens too. The most the step
+    takes beyond what the rank holds before and after it raises ``rank.peak``."""
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    try:
+        return _run(rank, step, samplers)
+    finally:
+        transient = mx.get_peak_memory() - max(before, mx.get_active_memory())
+        rank.peak = max(rank.peak, transient)
+
+
+def _run(rank: Rank, step: Step, samplers: Samplers | None) -> Stepped:
     logits = rank.step(step.plan) or {}
     if samplers is None:
         queued = rank.run_ahead(step.plan)  # queued or only built (``Rank.settle``), not waited for

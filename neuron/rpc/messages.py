@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from neuron.rpc.plan import Decode, Evict, ImageRun, Prefill, Restore, Save, StepPlan
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
@@ -38,6 +38,9 @@ class ErrorKind(StrEnum):
     INIT_FAILED = "init_failed"
     LOAD_FAILED = "load_failed"
     GROUP_FAILED = "group_failed"  # the forward or a collective itself failed: the group is suspect
+    # An allocation failed on this rank's device (MLX out of memory) inside a step: the group is suspect as after
+    # any failed forward, and the leader sizes the batch down when it resumes.
+    OUT_OF_MEMORY = "out_of_memory"
     INTERNAL = "internal"
 
 
@@ -65,11 +68,15 @@ class HostInfo:
 
 @dataclass(frozen=True, slots=True)
 class Memory:
-    """A rank's memory as it read it, live where ``HostInfo`` says what it was at the handshake."""
+    """A rank's memory as it read it, live where ``HostInfo`` says what it was at the handshake: what the leader's
+    memory budget for the rank is made of (``engine.memory``)."""
 
     used: int  # bytes this process holds: MLX's active memory on a GPU, else the process's resident set
     free: int  # bytes it could still take: as ``HostInfo.free_memory`` reads them
     at: float  # when it read them, in unix seconds
+    total: int = 0  # the most it may hold in all: its cgroup's limit, its GPU's memory, else its host's; 0: unknown
+    caches: int = 0  # bytes its KV caches and prefix-cache entries hold (counted in ``used``)
+    peak: int = 0  # the most one step has taken beyond what it held before and after it, since the model loaded
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +248,19 @@ class FlushPrefixDisk:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadMemory:
+    """Read this rank's memory now (``MemoryRead``): the leader's budget needs every rank's reading once the model
+    and its caches' first step are in place, and again after anything else loads. With limits, first keep MLX within
+    them where it enforces them (Metal, CUDA): ``memory_limit`` bytes in all, ``cache_limit`` of freed buffers kept
+    for reuse (0: as they are)."""
+
+    op: ClassVar[str] = "read_memory"
+    id: int
+    memory_limit: int = 0
+    cache_limit: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     op: ClassVar[str] = "shutdown"
     id: int
@@ -302,6 +322,15 @@ class LoadShardOk:
     id: int
     parameters: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRead:
+    """A rank's memory, read when asked (``ReadMemory``) rather than every few seconds as a step's reply does."""
+
+    op: ClassVar[str] = "memory_read"
+    id: int
+    memory: Memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +415,7 @@ Request = (
     | OpenPrefixDisk
     | LoadPrefixes
     | FlushPrefixDisk
+    | ReadMemory
     | Shutdown
 )
 Reply = (
@@ -402,6 +432,7 @@ Reply = (
     | PrefixDiskOpened
     | PrefixesLoaded
     | PrefixDiskFlushed
+    | MemoryRead
     | Bye
 ) | Error
 
@@ -419,6 +450,7 @@ REQUESTS: tuple[type[Request], ...] = (
     OpenPrefixDisk,
     LoadPrefixes,
     FlushPrefixDisk,
+    ReadMemory,
     Shutdown,
 )
 REPLIES: tuple[type[Reply], ...] = (
@@ -435,6 +467,7 @@ REPLIES: tuple[type[Reply], ...] = (
     PrefixDiskOpened,
     PrefixesLoaded,
     PrefixDiskFlushed,
+    MemoryRead,
     Bye,
     Error,
 )
@@ -454,6 +487,7 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     OpenPrefixDisk: PrefixDiskOpened,
     LoadPrefixes: PrefixesLoaded,
     FlushPrefixDisk: PrefixDiskFlushed,
+    ReadMemory: MemoryRead,
     Shutdown: Bye,
 }
 
@@ -484,6 +518,7 @@ __all__ = [
     "OpenPrefixDisk",
     "LoadPrefixes",
     "FlushPrefixDisk",
+    "ReadMemory",
     "Shutdown",
     "Pong",
     "InitOk",
@@ -495,6 +530,7 @@ __all__ = [
     "PrefixDiskOpened",
     "PrefixesLoaded",
     "PrefixDiskFlushed",
+    "MemoryRead",
     "Bye",
     "Error",
     "PROTOCOL_VERSION",

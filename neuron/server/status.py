@@ -57,6 +57,9 @@ def counters() -> dict[str, float]:
         "cancelled": _sample("neuron_requests_total", outcome="cancelled"),
         "prefix_cache_hits": _sample("neuron_prefix_cache_hits_total"),
         "prefix_cache_misses": _sample("neuron_prefix_cache_misses_total"),
+        "preemptions": sum(
+            _sample("neuron_num_preemptions_total", reason=reason) for reason in ("memory", "allocation_failed")
+        ),
     }
 
 
@@ -83,6 +86,7 @@ def ranks(engine: Engine) -> list[dict[str, Any]]:
     heads = config.get("num_attention_heads")
     layers = config.get("num_hidden_layers")
     said = pool.said
+    budgets = {budget.rank: budget.describe() for budget in engine.budget.ranks}
     out = []
     for rank, host in enumerate(pool.hosts):
         info = said[rank] if rank < len(said) else None
@@ -104,28 +108,40 @@ def ranks(engine: Engine) -> list[dict[str, Any]]:
                 "memory_limit_bytes": (info.memory_limit or None) if info else None,
                 "layers": list(pool.layers[rank]) if staged else ([0, layers] if layers else None),
                 "heads": None if staged or not heads else heads // pool.world_size,
+                "memory": budgets.get(rank),
             }
         )
     return out
 
 
 def caches(engine: Engine) -> dict[str, Any]:
+    """The caches and the memory budget they share (``engine.memory``), in the bytes of the rank whose budget rules,
+    on the scale of the one holding the largest share."""
     batch = engine.scheduler.batch
-    per_token = engine.pool.cache_bytes[0] if engine.pool.loaded else 0
     tokens = sum(seq.fed + seq.completion_tokens for seq in batch)
     prefix = engine.prefix
+    budget = engine.budget
+    rank, host = budget.where()
     return {
         "kv_cache": {
             "sequences": len(batch),
             "max_sequences": engine.limits.max_batch,
             "tokens": tokens,
-            "bytes": tokens * per_token,
+            "bytes": engine.scheduler.usage(),
         },
         "prefix_cache": {
             "enabled": prefix is not None,
             "entries": len(prefix.entries) if prefix else 0,
             "bytes": prefix.bytes if prefix else 0,
-            "budget_bytes": engine.limits.prefix_cache_bytes if prefix else 0,
+            "budget_bytes": prefix.budget if prefix else 0,
+        },
+        "memory": {
+            "budget_bytes": budget.bytes,
+            "rank": rank,
+            "host": host,
+            "usage": round(engine.pressure.usage(), 4),
+            "longest_tokens": budget.longest(),
+            "cap_bytes": budget.cap,
         },
     }
 
@@ -218,6 +234,13 @@ def openapi(spec: Spec) -> OpenApi:
             "memory_limit_bytes": maybe_int,
             "layers": {"type": ["array", "null"], "items": integer},
             "heads": maybe_int,
+            "memory": {
+                "type": ["object", "null"],
+                "description": "where the rank's memory goes, as last read (``engine.memory``): total (its cgroup's "
+                "limit, its GPU's memory, else its host's), used, free, what its caches hold, what a step and the "
+                "headroom keep free, and the budget its caches may hold (all bytes); the longest sequence that fits",
+                "additionalProperties": {"type": ["integer", "string"]},
+            },
         },
     }
     event: Schema = {
@@ -267,6 +290,11 @@ def openapi(spec: Spec) -> OpenApi:
             "queue": number_map,
             "kv_cache": number_map,
             "prefix_cache": {"type": "object"},
+            "memory": {
+                "type": "object",
+                "description": "the caches' memory budget that rules (its rank and host), the share the batch and "
+                "the prefix cache hold, the longest sequence it holds alone, and its cap after a failed allocation",
+            },
             "events": {"type": "array", "items": event},
             "recoveries": integer,
             "now": {"type": "number", "description": "the server's clock, in unix seconds, for ``recent``"},

@@ -19,7 +19,7 @@ import pytest
 from conftest import Server
 
 from neuron.pool.recovery import LEAVE_S
-from testkit.faults import CRASH_ENV, ENTRY, WEDGE_ENV
+from testkit.faults import CRASH_ENV, ENTRY, OOM_ENV, WEDGE_ENV
 from testkit.resume import (
     COMPLETIONS,
     disturb,
@@ -107,9 +107,13 @@ def test_a_prompt_that_kills_its_rank_ends_after_the_tries_and_the_others_go_on(
 
 
 def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """The same promises in a pipeline: rank 1 holds the last stage, rank 0 waits on its hidden states."""
+    """The same promises in a pipeline: rank 1 holds the last stage, rank 0 waits on its hidden states. Last, rank 1
+    fails to allocate mid-step (MLX out of memory, injected: ``OOM_ENV``): rank 0 may wait on it inside the
+    pipeline's transfer, so the group is replaced as after any lost rank, and the batch resumes on fresh ranks
+    within a lower budget, blamed for nothing."""
+    oom = tmp_path / "oom"
     args = ("--model", str(tiny_models["qwen3"]), "--pp", "2", "--step-timeout", "3")
-    server = Server(*args, log_path=tmp_path / "log").start()
+    server = Server(*args, log_path=tmp_path / "log", module=ENTRY, env={OOM_ENV: str(oom)}).start()
     try:
         undisturbed = references(server.url, SHORT)
         disturb(server, undisturbed, kill(worker_pid(server), signal.SIGKILL), bases=SHORT)
@@ -120,6 +124,14 @@ def test_a_pipeline_stage_lost_and_every_stream_goes_on(tiny_models: dict[str, P
             with contextlib.suppress(ProcessLookupError):
                 kill(victim, signal.SIGCONT)()
         assert server.find_log("pipeline split", layers=[2, 2]) is not None
+        mark = len(server.logs())
+        disturb(server, undisturbed, lambda: Path(f"{oom}.1").touch(), bases=SHORT)
+        logs = server.logs()[mark:]
+        failed = next(e for e in logs if e.get("event") == "out of memory")
+        assert failed["rank"] == 1 and failed["paused"] == len(SHORT), failed
+        assert any(e.get("event") == "recovered" for e in logs)
+        resumed = [e for e in logs if e.get("event") == "resumed"]
+        assert {e["reason"] for e in resumed} == {"allocation_failed"} and all(e["losses"] == 0 for e in resumed)
     finally:
         assert server.stop() == 0, server.stderr()
 

@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -147,6 +148,46 @@ def test_two_limited_hosts_serve_a_model_neither_can_hold(
         assert limits[LEADER].oom_kills() == limits[0].oom_kills() == 0
         nothing_left(bed)
     assert texts[("--tp", "2")] == texts[("--pp", "2")] and texts[("--tp", "2")]
+
+
+def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
+    bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Path
+) -> None:
+    """The leader's host (1 GiB) and host 1 (512 MiB) serve a model whose keys and values are wide, TP=2 then PP=2,
+    four streams each: the caches' budget that rules is the one holding the fewest tokens (under tensor parallelism
+    the smaller host's; in stages each rank's for its layers), every request is answered alike both ways, and the
+    OOM killer ends nothing."""
+    model = make_tiny_model(tmp_path / "wide", "llama", hidden=256, layers=4, heads=32)
+    hostfile = bed.hostfile([bed.entry(LEADER), bed.entry(1)], "smaller.json")
+    kills = [limit.oom_kills() for limit in limits.values()]
+    texts = {}
+    for split in (("--tp", "2"), ("--pp", "2")):
+        server = start(bed, limits, tmp_path, "--model", str(model), "--hosts", str(hostfile), *split)
+        try:
+            server.port = server.wait_log("serving", timeout=240)["port"]
+            said = server.find_log("memory budget")
+            assert said is not None
+            ranks = {rank["rank"]: rank for rank in said["ranks"]}
+            print(" ".join(split), {r: (v["total_bytes"] >> 20, v["budget_tokens"]) for r, v in ranks.items()})
+            assert ranks[1]["total_bytes"] == SMALL and ranks[0]["total_bytes"] == LIMIT
+            fewest = min(ranks, key=lambda r: ranks[r]["budget_tokens"])
+            assert said["rank"] == fewest and said["host"] == ranks[fewest]["host"], said
+            if split == ("--tp", "2"):
+                assert fewest == 1, ranks  # the same share on each: the smaller host holds fewer tokens
+
+            def ask(i: int, url: str = f"{server.url}/v1/completions") -> httpx.Response:
+                body = {"model": model.name, "prompt": f"{i} hello", "max_tokens": 64, "temperature": 0.0}
+                return httpx.post(url, json=body, timeout=240)
+
+            with ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(ask, range(4)))
+            assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+            texts[split] = [r.json()["choices"][0]["text"] for r in replies]
+        finally:
+            assert server.stop() == 0, server.stderr()[-3000:]
+        nothing_left(bed)
+    assert texts[("--tp", "2")] == texts[("--pp", "2")]
+    assert [limit.oom_kills() for limit in limits.values()] == kills
 
 
 def test_one_limited_host_alone_is_refused_before_anything_loads(

@@ -340,9 +340,12 @@ function renderStatus(status) {
   ]);
   const kv = status.kv_cache || {};
   const prefix = status.prefix_cache || {};
+  const memory = status.memory || {};
   facts($("load-facts"), [
     ["waiting", status.queue.waiting],
     ["running", status.queue.running],
+    ["memory budget", memory.budget_bytes === undefined ? "–" : `${bytes(memory.budget_bytes)} for the caches (rank ${memory.rank}), ${Math.round((memory.usage || 0) * 100)}% held`],
+    ["preempted", status.counters.preemptions ?? 0],
     ["KV cache", `${kv.sequences ?? 0}/${kv.max_sequences ?? "–"} sequences, ${kv.tokens ?? 0} tokens, ${bytes(kv.bytes ?? 0)}`],
     ["prefix cache", prefix.enabled ? `${prefix.entries} entries, ${bytes(prefix.bytes)} of ${bytes(prefix.budget_bytes)}` : "off"],
     ["prefix hits", `${status.counters.prefix_cache_hits} hit, ${status.counters.prefix_cache_misses} missed`],
@@ -374,6 +377,14 @@ function renderStatus(status) {
       [`memory free (${read})`, bytes(rank.free_bytes)],
       ["layers", rank.layers ? `${rank.layers[0]}–${rank.layers[1] - 1}` : "–"],
       ["attention heads", rank.heads ?? "all"],
+      ...(rank.memory
+        ? [
+            ["memory in all", bytes(rank.memory.total_bytes)],
+            ["kept for a step", bytes(rank.memory.steps_bytes)],
+            ["headroom", bytes(rank.memory.headroom_bytes)],
+            ["caches' budget", `${bytes(rank.memory.caches_bytes)} of ${bytes(rank.memory.budget_bytes)}`],
+          ]
+        : []),
     ]);
     card.append(dl);
     if (rank.reason) card.append(el("div", { cls: "muted", text: rank.reason }));
