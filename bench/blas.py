@@ -3,7 +3,7 @@
 Run: .venv/bin/python bench/blas.py [--model FOLDER_OR_GGUF] [--tp 1] [--rounds 2] [--libraries reference openblas blis]
 
 For each library (``NEURON_BLAS``), a ``neuron serve`` of its own, as neuron
-runs it (one-row products by ``cblas_sgemv``, through ``neuron/native/gemv.c``)
+runs it (one-row products by ``cblas_sgemv``, through ``neuron/system/native/gemv.c``)
 and with every product on the library's sgemm (``NEURON_GEMV=off``), with
 speculation off so that decode is plain; the servers take turns, round after
 round, so that the machine's noise hits them alike. Each measures, greedy:
@@ -67,8 +67,8 @@ def main() -> None:
     parser.add_argument("--libraries", nargs="+", default=["reference", "openblas", "blis"])
     args = parser.parse_args()
 
-    from neuron import cpu
-    from neuron.models import model_id
+    from neuron.models.folder import model_id
+    from neuron.system import cpu
     from testkit import Server
 
     by_name = {library.name.lower(): library for library in cpu.LIBRARIES}

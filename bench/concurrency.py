@@ -123,7 +123,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from neuron.models import model_id, resolve
+    from neuron.models.folder import model_id, resolve
     from testkit import Server
 
     path = resolve(args.model)

@@ -1,16 +1,16 @@
-"""Where a TP=1 decode step's time goes, with the fused projections (neuron/rank/fuse.py) and without.
+"""Where a TP=1 decode step's time goes, with the fused projections (neuron/rank/model/fuse.py) and without.
 
 Run: .venv/bin/python bench/decode_step.py [--model FOLDER] [--batch 1 8] [--steps 15] [--rounds 3]
                                            [--blas NAME] [--gemv on|off] [--threads 2] [--variants unfused fused]
 
 The bench re-runs itself in a child with ``--blas`` preloaded as neuron would
-(``neuron.cpu.preload_for``: with ``--gemv on``, the one-row interposer ahead of
+(``neuron.system.cpu.preload_for``: with ``--gemv on``, the one-row interposer ahead of
 it), ``--threads`` BLAS threads, as neuron's TP=1 leader runs. In that one process every variant's
 model is loaded side by side and the variants are timed in alternating rounds
 (the order flipped every round), so the ratios against the first variant are
 taken under the same noise. Per batch size and variant, medians over the steps:
 
-- neuron: rank 0's ``Rank.step`` with ``Samplers.step`` (greedy), the serving path;
+- neuron: rank 0's ``Rank.step`` with ``Head.step`` (greedy), the serving path;
 - raw: mlx-lm's own forward, argmax and eval, on the same model;
 - build: raw's Python until the lazy logits come back (the graph built, nothing run);
 - eval: raw minus build, the graph run by MLX;
@@ -52,7 +52,7 @@ PROMPT = 32
 
 
 def _groups(variant: str) -> tuple[tuple[str, ...], ...]:
-    from neuron.rank import fuse
+    from neuron.rank.model import fuse
 
     return {"unfused": (), "fused": fuse.GROUPS, "qkv": (fuse.QKV,), "gate_up": (fuse.GATE_UP,)}[variant]
 
@@ -61,11 +61,11 @@ def load_rank(model: str, variant: str) -> Rank:
     """A TP=1 rank 0 loaded the way the server loads it, with only ``variant``'s groups fused."""
     from unittest import mock
 
-    from neuron.rank import fuse
+    from neuron.rank.model import fuse
     from neuron.rank.rank import Rank
 
     rank = Rank(0, 1)
-    with mock.patch("neuron.rank.shard.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
+    with mock.patch("neuron.rank.model.shard.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
         rank.load(model, [])
     assert rank.model is not None
     fuse.fuse_projections(rank.model, _groups(variant))
@@ -78,22 +78,22 @@ def prompt() -> list[int]:
 
 def time_neuron(rank: Rank, batch: int, steps: int) -> float:
     """Median ms of rank 0's step plus greedy sampling, ``batch`` sequences decoding together."""
-    from neuron.rank.sampler import Samplers
+    from neuron.rank.head.head import Head
     from neuron.rpc import Decode, Prefill, StepPlan
     from neuron.sampling_params import SamplingParams
     from neuron.step import Start, Step
 
     rank.clear_kv_cache()
-    samplers = Samplers()
+    head = Head()
     plan = StepPlan(prefill=[Prefill(s, 0, prompt(), True, [], False) for s in range(batch)])
     greedy = {s: Start(SamplingParams(temperature=0.0)) for s in range(batch)}
-    out = samplers.step(Step(plan, greedy), rank.step(plan) or {})
+    out = head.step(Step(plan, greedy), rank.step(plan) or {})
     tokens = {s: out[s].token for s in range(batch)}
     times = []
     for _ in range(steps):
         plan = StepPlan(decode=[Decode(s, tokens[s], 0, [], 0) for s in range(batch)])
         started = time.perf_counter()
-        out = samplers.step(Step(plan), rank.step(plan) or {})
+        out = head.step(Step(plan), rank.step(plan) or {})
         times.append(time.perf_counter() - started)
         tokens = {s: out[s].token for s in range(batch)}
     return statistics.median(times) * 1e3
@@ -125,7 +125,7 @@ def matrices(model: nn.Module) -> list[mx.array]:
     every other linear layer's, and the vocabulary projection (the embedding, where it is tied)."""
     from mlx.nn.layers.distributed import ShardedToAllLinear
 
-    from neuron.rank import fuse
+    from neuron.rank.model import fuse
 
     out = []
     for _, module in model.named_modules():
@@ -165,7 +165,7 @@ def bandwidth() -> tuple[float, float]:
 def child(args: argparse.Namespace) -> None:
     from mlx.utils import tree_flatten
 
-    from neuron import cpu
+    from neuron.system import cpu
 
     ranks = {variant: load_rank(args.model, variant) for variant in args.variants}
     first = ranks[args.variants[0]].model
@@ -230,8 +230,8 @@ def main() -> None:
         child(args)
         return
 
-    from neuron import cpu
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
+    from neuron.system import cpu
 
     args.model = str(resolve(args.model))
     env = {k: v for k, v in os.environ.items() if k != cpu.PRELOAD_ENV}

@@ -114,7 +114,7 @@ def batch(
 
 def measure(case: str, target: Path, draft: Path | None, tp: int, args: argparse.Namespace, chat: bool) -> None:
     """One case's rows; ``draft`` None: the model's own prediction layer drafts (``--speculate mtp``)."""
-    from neuron.models import model_id
+    from neuron.models.folder import model_id
     from testkit import Server
 
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"neuron-bench-draft-{os.getpid()}.log"
@@ -187,7 +187,7 @@ MTP_FIELDS = {"glm4_moe": _glm_fields, "qwen3_next": _next_fields}  # each gener
 def main() -> None:
     from generated import add_shape_flags, generated_model
 
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
     from testkit import add_prediction_layer, cut_layers, make_tiny_model, quiet_layers
 
     parser = argparse.ArgumentParser()

@@ -40,7 +40,7 @@ def main() -> None:
     from neuron.engine.engine import Engine
     from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Sequence
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
     from neuron.sampling_params import SamplingParams
 
     async def drain(seqs: list[Sequence]) -> float:

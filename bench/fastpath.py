@@ -32,7 +32,7 @@ def run_model(model: str, prompt: int, tokens: int) -> dict[str, float]:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
-    from neuron import cpu
+    from neuron.system import cpu
 
     loaded, _ = load_model(Path(model), lazy=False)
     ids = mx.array([[(7 * i + 3) % 200 + 10 for i in range(prompt)]])
@@ -107,8 +107,8 @@ def main() -> None:
         print(json.dumps({"gb_s": read_bandwidth()}))
         return
 
-    from neuron import cpu
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
+    from neuron.system import cpu
 
     model = resolve(args.model)
     weight_bytes = sum(f.stat().st_size for f in model.glob("model*.safetensors"))

@@ -157,7 +157,7 @@ def _batch_process(path: Path, tokens: int, streams: int) -> subprocess.Popen[st
 
 def measure(name: str, path: Path, args: argparse.Namespace, scratch: Path) -> dict[tuple[int, str], float]:
     """Each path's median tok/s for ``path``, by (streams, path)."""
-    from neuron.models import model_id
+    from neuron.models.folder import model_id
     from testkit import Server
 
     served = model_id(str(path))

@@ -37,7 +37,7 @@ def child(model: str, tokens: int, rounds: int) -> None:
     from neuron.engine.engine import Engine
     from neuron.engine.scheduler import Scheduling
     from neuron.engine.sequence import Chunk, Sequence
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
     from neuron.sampling_params import SamplingParams
 
     async def steps(seq: Sequence) -> float:
@@ -82,7 +82,7 @@ def sampling_only(engine: object, rounds: int) -> dict[str, float]:
     """``sample_all`` per step on random logits: 8 free rows, 8 constrained rows, 1 constrained row."""
     import mlx.core as mx
 
-    from neuron.rank.sampler import Sampler, sample_all
+    from neuron.rank.head.sampler import Sampler, sample_all
     from neuron.sampling_params import SamplingParams
 
     vocab = engine.vocab_size  # type: ignore[attr-defined]
@@ -115,7 +115,7 @@ def main() -> None:
         child(args.child[0] or None, int(args.child[1]), int(args.child[2]))  # type: ignore[arg-type]
         return
     sys.path.insert(0, str(ROOT))
-    from neuron import cpu
+    from neuron.system import cpu
 
     env = dict(os.environ)
     if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):

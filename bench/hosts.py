@@ -98,7 +98,7 @@ def bare_all_sum(hidden: int, count: int) -> dict[str, float]:
 
 
 def _child(*args: str, namespace: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    from neuron import cpu
+    from neuron.system import cpu
 
     full = {**os.environ, **(env or {})}
     if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):
@@ -161,7 +161,7 @@ def main() -> None:
         print(json.dumps(pooled(model, hostfile, ssh, int(tokens), plane, int(batch))))
         return
     if args.all_sum:
-        from neuron import cpu
+        from neuron.system import cpu
 
         cpu.pin([int(args.all_sum[1])])
         print(json.dumps(bare_all_sum(int(args.all_sum[0]), 500)))

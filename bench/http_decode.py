@@ -90,7 +90,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 def blas_env() -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
-    from neuron import cpu
+    from neuron.system import cpu
 
     env = dict(os.environ)
     if cpu.is_linux_cpu_backend() and (lib := cpu.find_blas()):
@@ -162,7 +162,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from neuron.models import model_id, resolve
+    from neuron.models.folder import model_id, resolve
     from testkit import Server, make_tiny_model
 
     scratch = Path(tempfile.mkdtemp())

@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python bench/kv_bits.py [--model FOLDER] [--tokens 1024] [--decode 128]
 
-- Memory: the model loaded in this process as one rank loads it (``neuron.rank.load``), once per cache form
+- Memory: the model loaded in this process as one rank loads it (``neuron.rank.model.load``), once per cache form
   (unquantized, 8 bits, 4 bits) and per activation dtype (as saved, and a copy of it whose floating-point
   weights are saved as bfloat16, so that its activations and cache are), a prompt of
   ``--tokens`` random tokens fed into a fresh cache. Bytes per token are the cache's arrays (allocated in steps
@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from neuron.models import resolve  # noqa: E402
+from neuron.models.folder import resolve  # noqa: E402
 from testkit import agreement  # noqa: E402
 from testkit.server import Server  # noqa: E402
 
@@ -56,9 +56,9 @@ def memory(models: list[Path], tokens: int) -> list[tuple[str, str, int, int, in
     """(dtype, form, cache bytes per token, active-memory growth per token, the leader's estimate per token)."""
     import mlx.core as mx
 
-    from neuron.models import cache_bytes
-    from neuron.rank import caches
-    from neuron.rank.load import load
+    from neuron.models.folder import cache_bytes
+    from neuron.rank.kv import caches
+    from neuron.rank.model.load import load
 
     rows = []
     prompt = mx.random.randint(0, 1000, (1, tokens))

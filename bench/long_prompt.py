@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--context", type=int)
     args = parser.parse_args()
     if args.model is None:
-        from neuron.models import resolve
+        from neuron.models.folder import resolve
 
         args.model = resolve(None)
     context = args.context or json.loads((args.model / "config.json").read_text())["max_position_embeddings"]

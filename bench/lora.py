@@ -1,8 +1,8 @@
-"""What LoRA adapters cost a TP=1 decode step (neuron/rank/lora.py), against the same model with none loaded.
+"""What LoRA adapters cost a TP=1 decode step (neuron/rank/model/lora.py), against the same model with none loaded.
 
 Run: .venv/bin/python bench/lora.py [--model FOLDER] [--batch 8] [--rank 8] [--steps 10] [--rounds 3]
 
-The bench re-runs itself with the BLAS neuron picks preloaded (``neuron.cpu.preload_for``), as the leader does.
+The bench re-runs itself with the BLAS neuron picks preloaded (``neuron.system.cpu.preload_for``), as the leader does.
 Two ranks 0 in one process, loaded as the server loads them: one with no adapter, one with two random adapters
 (mlx-lm's format, ``--rank``, on every projection of every layer, as ``mlx_lm.lora`` makes them with all its
 keys). Each decodes ``--batch`` rows together, greedy, step after step; the variants are timed in alternating
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from neuron import cpu  # noqa: E402
 from neuron.rpc import Decode, Prefill, StepPlan  # noqa: E402
 from neuron.sampling_params import SamplingParams  # noqa: E402
 from neuron.step import Start, Step  # noqa: E402
+from neuron.system import cpu  # noqa: E402
 
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
@@ -52,23 +52,23 @@ PROMPT = [(7 * i + 3) % 200 + 10 for i in range(32)]
 
 def decode_ms(rank: Rank, adapters: list[int], steps: int) -> float:
     """Median ms of a decode step (rank 0's step and greedy sampling) of one row per entry of ``adapters``."""
-    from neuron.rank.sampler import Samplers
-    from neuron.rank.step import run
+    from neuron.rank.head.head import Head
+    from neuron.rank.run import run
 
-    samplers = Samplers()
+    head = Head()
     rank.clear_kv_cache()
     rows = range(1, len(adapters) + 1)
     prefill = [Prefill(seq, 0, PROMPT, True, adapter=adapters[seq - 1]) for seq in rows]
     starts = {seq: Start(SamplingParams()) for seq in rows}
     step = Step(StepPlan(prefill=prefill), starts)
-    tokens = {no: s.token for no, s in run(rank, step, samplers).sampled.items()}
+    tokens = {no: s.token for no, s in run(rank, step, head).sampled.items()}
     times = []
     for _ in range(steps):
         plan = StepPlan(decode=[Decode(seq, tokens[seq], 0, adapter=adapters[seq - 1]) for seq in rows])
         started = time.perf_counter()
-        tokens = {no: s.token for no, s in run(rank, Step(plan), samplers).sampled.items()}
+        tokens = {no: s.token for no, s in run(rank, Step(plan), head).sampled.items()}
         times.append((time.perf_counter() - started) * 1000)
-    samplers.clear()
+    head.clear()
     return statistics.median(times)
 
 
@@ -83,7 +83,7 @@ def with_blas() -> None:
 
 def main() -> None:
     with_blas()
-    from neuron.models import resolve, text_config
+    from neuron.models.folder import resolve, text_config
     from neuron.rank.rank import Rank
     from testkit import make_tiny_model
     from testkit.adapters import make_adapter

@@ -87,7 +87,7 @@ def main() -> None:
         print(json.dumps(engine_run(model, hostfile, ssh, int(stages), int(micro), int(streams), int(tokens))))
         return
 
-    from neuron import cpu
+    from neuron.system import cpu
 
     env = dict(os.environ)
     if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):

@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     args = parser.parse_args()
 
-    from neuron.models import model_id, resolve
+    from neuron.models.folder import model_id, resolve
     from testkit import Server
 
     path = resolve(args.model)

@@ -72,15 +72,15 @@ RANK_RULES: list[Rule] = [
     ("call_soon_threadsafe", "rank 0: waking the event loop"),
     # Where a step waits on the device: rank 0's one read alone (TP=1), or the runner's evaluation with its
     # collectives (TP>1); the innermost Python frame of a long native call.
-    ("read (neuron/rank/sampler.py", "rank: forward evaluated (tokens read)"),
+    ("read (neuron/rank/head/sampler.py", "rank: forward evaluated (tokens read)"),
     ("Sharded._logits (", "rank: forward evaluated (tokens read)"),
     ("_eval_with (", "rank: forward evaluated (tokens read)"),
-    ("neuron/rank/sampler.py", "rank: step on the host (plan, graph, sampling)"),
+    ("neuron/rank/head/sampler.py", "rank: step on the host (plan, graph, sampling)"),
     ("neuron/rank/", "rank: step on the host (plan, graph, sampling)"),
     ("mlx_lm/", "rank: step on the host (plan, graph, sampling)"),
     ("mlx/", "rank: step on the host (plan, graph, sampling)"),
     ("neuron/rpc/", "worker: reading the plan, writing the reply"),
-    ("neuron/worker.py", "worker: waiting for a plan"),
+    ("neuron/cli/worker.py", "worker: waiting for a plan"),
     ("", "other"),
 ]
 
@@ -283,7 +283,7 @@ def main() -> None:
     parser.add_argument("--serve", default="", metavar="FLAGS", help="extra flags for neuron serve ('--run-ahead on')")
     args = parser.parse_args()
 
-    from neuron.models import model_id
+    from neuron.models.folder import model_id
     from testkit import make_tiny_model
 
     scratch = Path(tempfile.mkdtemp())

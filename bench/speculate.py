@@ -156,12 +156,12 @@ def main() -> None:
     if args.widened:
         from widened import widened_smollm2
 
-        from neuron.models import resolve
+        from neuron.models.folder import resolve
 
         args.model = str(widened_smollm2(resolve(args.model), scratch / "smollm2-widened"))
     tps = args.tp or ([1, 2] if args.generated or args.widened else [1, 3])
 
-    from neuron.models import model_id
+    from neuron.models.folder import model_id
 
     model = model_id(args.model)
     print("| TP | batch | task | tok/s off | tok/s on | speedup | spread | acceptance | same text |")

@@ -1,4 +1,4 @@
-"""What keeping a linear-attention layer's state per position costs a verify step (``rank/states.py``), and what
+"""What keeping a linear-attention layer's state per position costs a verify step (``rank/kv/states.py``), and what
 taking a row's back costs, against the same forward without them.
 
 Run: .venv/bin/python bench/state_drafts.py [--hidden 1024 --layers 8 --heads 16 --rows 1 4 --widths 1 5 9]
@@ -32,8 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 def main() -> None:
     from draft import _next_fields
 
-    from neuron.rank import caches, states
-    from neuron.rank.rollback import drop_tail
+    from neuron.rank.kv import caches, states
+    from neuron.rank.kv.rollback import drop_tail
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
@@ -100,7 +100,7 @@ def main() -> None:
 def _plain(layer: object) -> object:
     from mlx_lm.models.cache import ArraysCache
 
-    from neuron.rank.states import Recording
+    from neuron.rank.kv.states import Recording
 
     if not isinstance(layer, Recording):
         return layer

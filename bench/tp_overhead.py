@@ -39,7 +39,7 @@ PROMPT = list(range(5, 21))
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    from neuron import cpu
+    from neuron.system import cpu
 
     env = {**os.environ, **(extra or {})}
     if cpu.is_linux_cpu_backend() and (library := cpu.find_blas()):
@@ -56,7 +56,7 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
     same); BENCH_HEAD=split: the head is split over the ranks where neuron splits it
     (``shard_head``: big enough heads only), else as without it.
     """
-    from neuron import cpu
+    from neuron.system import cpu
 
     if cpus is not None:
         cpu.pin(cpus)
@@ -70,7 +70,7 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
         loaded.shard(mx.distributed.init(backend="ring", strict=True))
     mx.eval(loaded.parameters())
     cache = make_prompt_cache(loaded)
-    from neuron.rank.shard import backbone, shard_head
+    from neuron.rank.model.shard import backbone, shard_head
 
     mode = os.environ.get("BENCH_HEAD", "")
     head = shard_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None

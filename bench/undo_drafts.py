@@ -4,7 +4,7 @@ linear-attention state), against cutting them back where they can be.
 Run: .venv/bin/python bench/undo_drafts.py [--hidden 576 --layers 30 --heads 9 --kv-heads 3 --rounds 15]
 
 Where every cache is plain keys and values, a rejected draft's tokens are cut
-off the cache (``rank/rollback.py``), at next to no cost. A rotating window has
+off the cache (``rank/kv/rollback.py``), at next to no cost. A rotating window has
 overwritten what it held, and a state has folded the tokens in, so the only
 undo is to copy those layers before every verify step and, where a row
 rejected part of its draft, put the copy back and feed again the tokens it

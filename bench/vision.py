@@ -9,8 +9,8 @@ measured in the same run, a text-only chat of about as many prompt tokens. TTFT 
 first text event; medians over the rounds.
 
 The encoder's share is timed in this process on the code the server runs for it: the leader's processor
-(``engine.vision.Vision.encode``: resize, normalize, expand the placeholder) and rank 0's encoder
-(``rank.vision.Encoder``: the vision tower and projector), each on a fresh picture of the same size.
+(``engine.image_prompts.Vision.encode``: resize, normalize, expand the placeholder) and rank 0's encoder
+(``rank.model.vision.Encoder``: the vision tower and projector), each on a fresh picture of the same size.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def image_content(seed: int) -> list[dict]:
 def processing_seconds(model: Path, rounds: int) -> float:
     """Median seconds of the leader's processing of one fresh picture (resize, normalize, expand)."""
     from neuron import images
-    from neuron.engine.vision import Vision
+    from neuron.engine.image_prompts import Vision
     from testkit.vision import png
 
     vision = Vision.load(model)

@@ -1,3 +1,3 @@
-from neuron.cli import main
+from neuron.cli.main import main
 
 raise SystemExit(main())

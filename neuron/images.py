@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.settings import ImageLimits
+from neuron.config.settings import ImageLimits
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # The server's --max-images and --max-image-pixels, set once at startup (``neuron serve``), before any request is read.

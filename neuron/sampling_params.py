@@ -2,7 +2,7 @@
 
 The HTTP server and the CLI fill ``SamplingParams`` and the engine checks them
 (``problems``, the one place each limit is checked), before anything touches a
-model; rank 0's sampler (``neuron.rank.sampler``) is built from them and answers
+model; rank 0's sampler (``neuron.rank.head.sampler``) is built from them and answers
 each step with a ``Sampled`` per sequence.
 """
 

@@ -7,7 +7,7 @@ penalties must see that the step does not feed (a restored prefix's tail).
 Grammars live in those parameters, which is why they never cross a pipe.
 
 Nothing reaches a rank from beside the step: the engine passes the ``Step``
-whole, rank 0's ``Samplers`` follows it and refuses a sequence it does not
+whole, rank 0's ``Head`` follows it and refuses a sequence it does not
 know, and no rank works anything out again from the scheduler's state.
 """
 
@@ -46,7 +46,7 @@ class Step:
 class DraftRow:
     """A decoding row the draft model (``--draft-model``) proposes ``k`` tokens for, before the step that verifies
     them: ``context`` is everything the target's cache holds once that step has fed the row's token (its prompt and
-    its output, that token last). Rank 0 alone reads it (``rank.drafter``)."""
+    its output, that token last). Rank 0 alone reads it (``rank.head.drafter``)."""
 
     seq: int
     context: list[int]

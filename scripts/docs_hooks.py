@@ -1,5 +1,5 @@
 """MkDocs hook: adds the reference pages (settings, routes, metrics, architectures, protocol messages) as the site
-builds, each written from the code it describes by neuron/reference.py, so that no page can drift from it."""
+builds, each written from the code it describes by neuron/cli/reference.py, so that no page can drift from it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from mkdocs.structure.files import File, Files
 
-from neuron.reference import PAGES
+from neuron.cli.reference import PAGES
 
 
 def on_files(files: Files, config: Any) -> Files:

@@ -2,7 +2,7 @@
 
 ``python -m testkit.faults serve ...`` (or ``--worker ...``) runs neuron with every rank, rank 0 in the leader and
 each worker, a ``FaultyRank``; the processes it starts (workers, a leader re-executing itself) run this entry point
-too (``neuron.reexec.MODULE``). A script that drives a pool itself calls ``install()`` first. The faults are read
+too (``neuron.system.reexec.MODULE``). A script that drives a pool itself calls ``install()`` first. The faults are read
 from the environment, which every process of the group inherits:
 
 ``NEURON_TEST_FAIL_STEP`` makes a rank fail after given steps, with every collective of the step done, as a bug in
@@ -101,7 +101,7 @@ def install() -> None:
     only once it is pinned to its cores, so each module is patched as it is imported."""
     start_here()
     when_imported("neuron.rank.rank", _faulty_ranks)
-    for name in ("neuron.pool.ranks", "neuron.worker"):  # the two that ask a host to describe itself
+    for name in ("neuron.pool.ranks", "neuron.cli.worker"):  # the two that ask a host to describe itself
         when_imported(name, lambda module: setattr(module, "describe_host", _describe_host))
     if delay := float(os.environ.get(SLOW_PUSH_ENV) or 0):
         when_imported("neuron.launch.push", lambda module: _slow_push(module, delay))
@@ -110,7 +110,7 @@ def install() -> None:
 def start_here() -> None:
     """Have every process this one starts (a worker, this one re-executed) run this entry point, wherever its
     working directory."""
-    from neuron import reexec
+    from neuron.system import reexec
 
     reexec.MODULE = ENTRY
     if str(ROOT) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -248,7 +248,7 @@ def _wedge(rank: Any) -> Any:
 
 
 def main() -> int:
-    from neuron.cli import main as neuron_main
+    from neuron.cli.main import main as neuron_main
 
     install()
     return neuron_main()

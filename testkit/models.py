@@ -204,7 +204,7 @@ def add_prediction_layer(model: Path, seed: int = 1, exact: bool = False) -> Pat
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
-    from neuron.rank.mtp import BLOCKS, MtpLayer
+    from neuron.rank.head.mtp import BLOCKS, MtpLayer
 
     config = json.loads((model / "config.json").read_text())
     if config["model_type"] == "qwen3_next":
@@ -237,7 +237,7 @@ def _add_next_prediction_layer(model: Path, config: dict, seed: int, exact: bool
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models import qwen3_next
 
-    from neuron.rank.mtp import NextMtpLayer
+    from neuron.rank.head.mtp import NextMtpLayer
 
     args = qwen3_next.ModelArgs.from_dict(config)
     layers, dims = config["num_hidden_layers"], config["hidden_size"]

@@ -136,10 +136,10 @@ async def serve(model_path: str, world_size: int = 1, stages: int = 1, split: st
 
 def serve_each(world_size: int, stages: int, models: list[str]) -> None:
     """Serve each model in turn from this one leader process, each with fresh workers; one JSON line per model,
-    its result or its error. The group is left between models (``rank.group.leave``), as a leader does to form a
+    its result or its error. The group is left between models (``rank.dist.group.leave``), as a leader does to form a
     fresh one, so that the leader's own start (its imports) is paid once, not once per model."""
     from neuron.engine.engine import Engine  # noqa: F401 (imported before the freeze below)
-    from neuron.rank import group
+    from neuron.rank.dist import group
 
     # The imports' objects kept out of the collections that every ``group.leave`` runs, as neuron's own command
     # keeps them out of its teardown's.

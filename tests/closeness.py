@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron import device
+from neuron.system import device
 
 TOP = 5  # alternatives asked for at each position
 NEAR_TIE = 0.05  # nats: a flip between tokens further apart than this is a bug, not arithmetic

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
-from neuron import descriptors
+from neuron.system import descriptors
 from testkit import (
     CHAT_TEMPLATE,
     ROOT,
@@ -195,7 +195,7 @@ def once() -> Once:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from neuron.models import resolve
+    from neuron.models.folder import resolve
 
     return resolve(None)
 

@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 
 from neuron import log
-from neuron.cli import leave_if_rank0_is_busy
-from neuron.models import ModelError
+from neuron.cli.main import leave_if_rank0_is_busy
+from neuron.models.folder import ModelError
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams

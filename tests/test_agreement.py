@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from neuron.rank.agreement import disagreement
-from neuron.rank.batch import Batch
-from neuron.rank.entries import Entries
+from neuron.rank.kv.batch import Batch
+from neuron.rank.kv.entries import Entries
 from neuron.rank.prefill import SeqState
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 

@@ -1,7 +1,7 @@
 """Rank 0 runs the next decode step ahead of its plan: the device never waits for the host in steady decode.
 
-A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``rank.step.run``,
-the function every rank runs (rank 0's thread with its samplers). What is checked: a steady decode step reads the
+A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``rank.run.run``,
+the function every rank runs (rank 0's thread with its head). What is checked: a steady decode step reads the
 device once, in ``sampler.read``, and nowhere else (a stray ``.item()`` or ``.tolist()`` fails it); the tokens are
 those of the same steps run without running ahead, across a join, a leave and a sequence that finishes; and a plan that
 differs from the step run ahead undoes it.
@@ -19,11 +19,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from neuron.rank import sampler
+from neuron.rank import readback
 from neuron.rank.ahead import EVALUATES_ASYNC
+from neuron.rank.head import sampler
+from neuron.rank.head.head import Head
 from neuron.rank.rank import Rank
-from neuron.rank.sampler import Samplers
-from neuron.rank.step import run
+from neuron.rank.run import run
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
@@ -38,7 +39,7 @@ def host_reads() -> Iterator[Counter[tuple[str, str]]]:
     """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function); the
     sampler's typed readers are seen through, to the function that called them."""
     calls: Counter[tuple[str, str]] = Counter()
-    readers = {reader.__code__ for reader in (sampler.ints, sampler.floats, sampler.real, sampler._on_host)}
+    readers = {reader.__code__ for reader in (readback.ints, readback.floats, readback.real, sampler._on_host)}
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str) -> None:
@@ -76,7 +77,7 @@ class Driver:
 
     def __init__(self, rank: Rank, ahead: bool) -> None:
         rank.clear_kv_cache()
-        self.rank, self.samplers, self.ahead = rank, Samplers(), ahead
+        self.rank, self.head, self.ahead = rank, Head(), ahead
         self.next: dict[int, int] = {}  # each decoding sequence's next token
 
     def step(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
@@ -86,7 +87,7 @@ class Driver:
 
     def lead(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
         """The step up to its reply: what the leader waits for."""
-        sampled = run(self.rank, Step(plan, starts or {}), self.samplers).sampled
+        sampled = run(self.rank, Step(plan, starts or {}), self.head).sampled
         for seq in plan.leave:
             self.next.pop(seq, None)
         self.next.update({seq: one.token for seq, one in sampled.items()})

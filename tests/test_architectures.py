@@ -19,9 +19,9 @@ from arch_checks import PROMPTS, reference, serve
 from conftest import ROOT, run_neuron
 from tiny_archs import ARCHS, config, make_arch_model
 
-from neuron import architectures
-from neuron.models import ModelError
-from neuron.rank.shard import check_splittable
+from neuron.models import architectures
+from neuron.models.folder import ModelError
+from neuron.rank.model.shard import check_splittable
 
 
 @pytest.fixture(scope="session")
@@ -202,7 +202,7 @@ def test_gemma4s_per_layer_tables_weigh_on_the_stages_that_hold_their_columns(ar
     columns, not with rank 0's embedding and head."""
     import mlx.core as mx
 
-    from neuron.models import weight_bytes
+    from neuron.models.folder import weight_bytes
 
     path = arch_models["gemma4_text"]
     weights = mx.load(str(path / "model.safetensors"))
@@ -269,7 +269,7 @@ def test_the_prefix_caches_sizes_are_what_a_saved_prompt_holds(arch: str, arch_m
     """The prefix cache's budget is only as good as these figures: deepseek_v3 keeps a latent per token, not keys
     and values per head; a window holds its whole buffer from a prompt's end on; a linear-attention state has one
     size whatever the length."""
-    from neuron.models import cache_bytes
+    from neuron.models.folder import cache_bytes
     from neuron.rank.rank import Rank
     from neuron.rpc import Prefill, Save, StepPlan
 
@@ -304,7 +304,7 @@ def test_a_snapshot_restores_only_the_whole_prompt_it_saved(arch: str, arch_mode
 def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
     from mlx_lm.utils import _get_classes
 
-    from neuron.rank.plans import PLANS
+    from neuron.rank.model.splits import PLANS
 
     for arch, support in architectures.TABLE.items():
         has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")

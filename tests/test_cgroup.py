@@ -108,7 +108,7 @@ def test_a_rank_without_room_for_its_share_of_the_weights_is_refused_naming_its_
 
 
 def test_each_rank_needs_its_share_of_the_layers_and_rank_0_the_rest(tiny_models: dict[str, Path]) -> None:
-    from neuron.models import weight_bytes
+    from neuron.models.folder import weight_bytes
 
     model = str(tiny_models["llama"])  # untied: the embedding and the head are the rest
     per_layer, rest = weight_bytes(model, 4)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, neuron_command, run_neuron
 
-from neuron import cpu
+from neuron.system import cpu
 from testkit import run_neuron_side_by_side
 
 SUMMARY = re.compile(r"^\d+ tokens, [\d.]+ tokens/s, time to first token [\d.]+ s$", re.M)

@@ -11,14 +11,14 @@ import httpx
 import pytest
 from conftest import Server, run_neuron
 
-from neuron import config
-from neuron.cli import _parser
+from neuron.cli.main import _parser
+from neuron.config import sources
 from neuron.engine.scheduler import Scheduling
 
 
 def _resolve(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args = _parser().parse_args(["serve", *argv])
-    return args, config.resolve(args, "serve")
+    return args, sources.resolve(args, "serve")
 
 
 @pytest.mark.unit
@@ -40,8 +40,8 @@ def test_the_serving_limits_default_to_the_engines_own(tmp_path: Path, monkeypat
     """One place states each default: what ``serve`` resolves with nothing set is ``Scheduling()``."""
     empty = tmp_path / "neuron.toml"
     empty.write_text("")
-    for name in config.SERVE_SETTINGS:
-        monkeypatch.delenv(config.ENV_PREFIX + name.upper(), raising=False)
+    for name in sources.SERVE_SETTINGS:
+        monkeypatch.delenv(sources.ENV_PREFIX + name.upper(), raising=False)
     args, problems = _resolve(["--config", str(empty)])
     assert problems == []
     assert {f.name: getattr(args, f.name) for f in dataclasses.fields(Scheduling)} == dataclasses.asdict(Scheduling())
@@ -51,7 +51,7 @@ def test_the_serving_limits_default_to_the_engines_own(tmp_path: Path, monkeypat
 def test_the_config_path_comes_from_the_environment_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     file = tmp_path / "elsewhere.toml"
     file.write_text("max_batch = 2\n")
-    monkeypatch.setenv(config.CONFIG_ENV, str(file))
+    monkeypatch.setenv(sources.CONFIG_ENV, str(file))
     args, problems = _resolve([])
     assert problems == [] and args.max_batch == 2
 
@@ -65,7 +65,7 @@ def test_every_problem_is_named_by_where_it_came_from(tmp_path: Path, monkeypatc
     _, problems = _resolve(["--config", str(file), "--drain-timeout", "-1"])
     assert sorted(problems) == sorted(
         [
-            f"unknown setting 'max_bach' in {file}; known: {', '.join(sorted(config.SERVE_SETTINGS))}",
+            f"unknown setting 'max_bach' in {file}; known: {', '.join(sorted(sources.SERVE_SETTINGS))}",
             f"max_batch in {file} must be at least 1, got 0",
             f"port in {file} must be an integer, got '8000'",
             f"tp in {file} must be an integer, got 2.0",

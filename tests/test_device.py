@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import run_neuron
 
-from neuron import cpu, device
 from neuron.launch.checks import Refused, check_gpus
 from neuron.launch.dataplane import backend_setup, spawn_env
 from neuron.launch.hosts import Host, describe_host, local_hosts
 from neuron.launch.ssh import remote_command
+from neuron.system import cpu, device
 from testkit import faults
 from testkit.faults import FAKE_HOST_ENV
 

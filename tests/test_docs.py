@@ -13,10 +13,10 @@ import pytest
 from conftest import ROOT
 
 from neuron import metrics
-from neuron.cli import _parser
-from neuron.reference import PAGES as GENERATED
-from neuron.reference import openapi
-from neuron.settings import SETTINGS
+from neuron.cli.main import _parser
+from neuron.cli.reference import PAGES as GENERATED
+from neuron.cli.reference import openapi
+from neuron.config.settings import SETTINGS
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SPANS = re.compile(r"`([^`\n]+)`")

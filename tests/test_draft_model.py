@@ -27,8 +27,8 @@ from drafting import complete, drafts_change_nothing, spoken
 
 from neuron.engine.drafts import DRAFTED, MODEL_FLOOR, MODEL_PRIOR, DraftRate, Proposer
 from neuron.engine.text import Text
-from neuron.rank.rejection import Rejection
-from neuron.rank.sampler import Sampler
+from neuron.rank.head.rejection import Rejection
+from neuron.rank.head.sampler import Sampler
 from neuron.sampling_params import SamplingParams
 from testkit import cut_layers, make_tiny_model, quiet_layers, tokenizer_files
 

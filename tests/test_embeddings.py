@@ -20,9 +20,10 @@ from conftest import Server, serving, wait_until
 from test_scheduler import admitted, request, run, scheduler
 
 from neuron.engine.intake import Intake
+from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduling
-from neuron.engine.sequence import RequestError, Sequence, StopText
-from neuron.models import Embedding, card_pooling, embedding
+from neuron.engine.sequence import Sequence, StopText
+from neuron.models.folder import Embedding, card_pooling, embedding
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.server import embeddings
 from neuron.server.common.errors import ApiError

@@ -1,4 +1,4 @@
-"""Fused projections (neuron/rank/fuse.py): the same logits as the model as mlx-lm loads it, in no more memory.
+"""Fused projections (neuron/rank/model/fuse.py): the same logits as the model as mlx-lm loads it, in no more memory.
 
 Tolerance: bitwise with the reference BLAS the mlx wheel links (what this process
 uses unless it was started with OpenBLAS preloaded). OpenBLAS picks a different
@@ -21,9 +21,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
-from neuron import cpu
-from neuron.rank import fuse
-from neuron.rank.shard import load_shard, parameter_count
+from neuron.rank.model import fuse
+from neuron.rank.model.shard import load_shard, parameter_count
+from neuron.system import cpu
 
 
 def _logits(model: nn.Module) -> list[mx.array]:

@@ -1,4 +1,4 @@
-"""GGUF files beyond llama (neuron/gguf.py): tiny Qwen3, Qwen2 and Mistral models written as GGUF files with the
+"""GGUF files beyond llama (neuron/models/gguf.py): tiny Qwen3, Qwen2 and Mistral models written as GGUF files with the
 ``gguf`` package (testkit/gguf_files.py), converted and served, give the greedy text of the same weights in
 safetensors; one named on a (local) Hub as ``ORG/NAME:QUANT`` too; any other architecture is refused by name."""
 
@@ -59,7 +59,7 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(tmp_path: Pa
     import sentencepiece
     from tokenizers import Tokenizer
 
-    from neuron.gguf import _sentencepiece_json
+    from neuron.models.gguf import _sentencepiece_json
 
     model = train_sentencepiece(tmp_path / "spm")
     folder = make_tiny_model(tmp_path / "tiny-mistral", "mistral", vocab=330)

@@ -11,7 +11,7 @@ import pytest
 
 from neuron.engine.text import Text
 from neuron.grammar import MAX_DEPTH, GrammarError, Grammars
-from neuron.rank.sampler import Sampler, sample_all
+from neuron.rank.head.sampler import Sampler, sample_all
 from neuron.sampling_params import SamplingParams
 from testkit import tokenizer_files
 

@@ -1,5 +1,5 @@
-"""Models by name from the Hugging Face Hub (neuron/hub.py), fetched by the real ``huggingface_hub`` client from a
-local server speaking the Hub's protocol (testkit/hub.py): serve and generate by name, offline starts, pinned
+"""Models by name from the Hugging Face Hub (neuron/models/hub.py), fetched by the real ``huggingface_hub`` client
+from a local server speaking the Hub's protocol (testkit/hub.py): serve and generate by name, offline starts, pinned
 revisions, a cut download resumed, gated repositories, refusals before any weight is fetched, the one-line errors,
 ``neuron pull`` / ``models`` / ``models rm``, and the progress a person sees."""
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from neuron import hub
-from neuron.catalog import how_served
+from neuron.models import hub
+from neuron.models.catalog import how_served
 from testkit import Server, make_tiny_model, neuron_command, run_neuron, run_neuron_side_by_side, wait_until
 from testkit.hub import LocalHub
 
@@ -406,8 +406,9 @@ def test_a_host_fetching_by_name_is_given_the_leaders_token(monkeypatch: pytest.
 def test_a_conversion_logs_its_bytes_at_intervals_off_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     from structlog.testing import capture_logs
 
-    from neuron import log, progress
-    from neuron.progress import Meter
+    from neuron import log
+    from neuron.models import progress
+    from neuron.models.progress import Meter
 
     monkeypatch.setattr(progress, "_bars_drawn", lambda: False)  # as under pytest -s on a terminal too
     try:
@@ -425,19 +426,19 @@ def test_a_conversion_logs_its_bytes_at_intervals_off_a_terminal(monkeypatch: py
 
 @pytest.mark.unit
 def test_a_name_in_the_toml_file_is_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from neuron import config
-    from neuron.cli import _parser
+    from neuron.cli.main import _parser
+    from neuron.config import sources
 
     (tmp_path / "neuron.toml").write_text('model = "org/tiny@v1"\n')
     monkeypatch.delenv("NEURON_MODEL", raising=False)
     args = _parser().parse_args(["serve", "--config", str(tmp_path / "neuron.toml")])
-    assert config.resolve(args, "serve") == []
+    assert sources.resolve(args, "serve") == []
     assert hub.parse(args.model) == hub.HubName("org/tiny", "v1")
 
 
 @pytest.mark.unit
 def test_a_name_lies_in_the_hugging_face_cache_for_model_dirs() -> None:
-    from neuron.models import outside
+    from neuron.models.folder import outside
 
     assert outside("org/name", str(hub.cache_root().parent)) is None
     problem = outside("org/name", "/srv/models")

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from neuron import images
+from neuron.config.settings import ImageLimits
 from neuron.server.common import fetch
-from neuron.settings import ImageLimits
 from testkit.origin import origin as serving_images
 from testkit.vision import png
 

@@ -9,8 +9,8 @@ import pytest
 
 from neuron.engine.drafts import MAX_K
 from neuron.engine.intake import Intake
+from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduling
-from neuron.engine.sequence import RequestError
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.sampling_params import SamplingParams

@@ -21,12 +21,13 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
 from tiny_archs import make_arch_model
 
-from neuron import architectures, config
-from neuron.cli import _parser
-from neuron.models import KV_GROUP_SIZE
-from neuron.rank import caches, rollback
-from neuron.rank.disk import Disk, DiskError
-from neuron.rank.quantized import BatchQuantizedKVCache
+from neuron.cli.main import _parser
+from neuron.config import sources
+from neuron.models import architectures
+from neuron.models.folder import KV_GROUP_SIZE
+from neuron.rank.kv import caches, rollback
+from neuron.rank.kv.disk import Disk, DiskError
+from neuron.rank.kv.quantized import BatchQuantizedKVCache
 from testkit import agreement, run_neuron_side_by_side, serving_side_by_side
 
 HEADS, DIM = 2, 64
@@ -124,7 +125,7 @@ def test_a_quantized_entry_reads_back_from_disk_and_a_file_of_other_bits_is_fore
 @pytest.mark.unit
 def test_bad_bits_and_models_whose_caches_cannot_be_quantized_are_refused() -> None:
     args = _parser().parse_args(["serve", "--kv-bits", "3"])
-    assert config.resolve(args, "serve") == [
+    assert sources.resolve(args, "serve") == [
         "--kv-bits must be 8 or 4 (bits per cached key and value), got 3; leave it unset to keep it unquantized"
     ]
     llama = {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 256}

@@ -14,15 +14,7 @@ import pytest
 
 from neuron import rpc
 from neuron.launch import checks, dataplane, stages
-from neuron.launch.hosts import (
-    Host,
-    HostsError,
-    MemoryGauge,
-    check_hosts,
-    describe_host,
-    local_hosts,
-    read_hostfile,
-)
+from neuron.launch.hosts import Host, HostsError, MemoryGauge, check_hosts, describe_host, local_hosts, read_hostfile
 from neuron.launch.launcher import Launcher
 
 pytestmark = pytest.mark.unit
@@ -208,7 +200,7 @@ GEMMA4_E2B = {"model_type": "gemma4_text", "num_hidden_layers": 35, "num_kv_shar
 
 
 def test_gemma4s_reading_layers_stay_in_their_sources_stage() -> None:
-    from neuron import architectures
+    from neuron.models import architectures
 
     together = architectures.kept_together(GEMMA4_E2B)
     assert {source for source, _ in together} == {13, 14} and [r for _, r in together] == list(range(15, 35))

@@ -17,14 +17,21 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "neuron"
 
-# What each room may not import at run time (imports under ``if TYPE_CHECKING:`` only name types).
+# What each room may not import at run time (imports under ``if TYPE_CHECKING:`` only name types). From the top:
+# the commands, the HTTP server, the engine, the pool, then the ranks and the launching beside each other, and
+# under them all the protocol, where models come from, the settings and the machine.
+ABOVE_ALL = ("neuron.cli",)
+BELOW_ONLY = ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", *ABOVE_ALL)
 FORBIDDEN = {
     "neuron.rpc": ("neuron.",),  # the protocol stands alone (bar itself)
-    "neuron.rank": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.leader"),
-    "neuron.launch": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server"),
-    "neuron.pool": ("neuron.engine", "neuron.server", "neuron.leader"),
-    "neuron.engine": ("neuron.rank", "neuron.server", "neuron.leader", "neuron.launch"),
-    "neuron.server": ("neuron.rank", "neuron.pool", "neuron.engine.engine", "neuron.leader", "neuron.launch"),
+    "neuron.server": ("neuron.rank", "neuron.pool", "neuron.engine.engine", "neuron.launch", *ABOVE_ALL),
+    "neuron.engine": ("neuron.rank", "neuron.server", "neuron.launch", *ABOVE_ALL),
+    "neuron.pool": ("neuron.engine", "neuron.server", *ABOVE_ALL),
+    "neuron.rank": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", *ABOVE_ALL),
+    "neuron.launch": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", *ABOVE_ALL),
+    "neuron.models": BELOW_ONLY,
+    "neuron.config": BELOW_ONLY,
+    "neuron.system": (*BELOW_ONLY, "neuron.models", "neuron.config"),
 }
 
 # Modules that must import without MLX: what the HTTP layer, the settings and the protocol need.
@@ -32,25 +39,25 @@ MLX_FREE = [
     "neuron.rpc",
     "neuron.server.app",  # and through it every family, common/ and the skeleton; test_server_families_load_no_mlx
     "neuron.grammar",
-    "neuron.models",
-    "neuron.shares",
+    "neuron.models.folder",
+    "neuron.models.shares",
     "neuron.launch.push",
-    "neuron.gguf",
-    "neuron.hub",
-    "neuron.progress",
-    "neuron.catalog",
-    "neuron.config",
-    "neuron.settings",
-    "neuron.reference",
-    "neuron.cpu",
-    "neuron.device",
+    "neuron.models.gguf",
+    "neuron.models.hub",
+    "neuron.models.progress",
+    "neuron.models.catalog",
+    "neuron.config.sources",
+    "neuron.config.settings",
+    "neuron.cli.reference",
+    "neuron.system.cpu",
+    "neuron.system.device",
     "neuron.sampling_params",
     "neuron.engine.scheduler",
-    "neuron.engine.vision",
+    "neuron.engine.image_prompts",
     "neuron.images",
     "neuron.engine.sequence",
     "neuron.launch",
-    "neuron.reexec",
+    "neuron.system.reexec",
 ]
 
 
@@ -65,7 +72,7 @@ FAMILIES = (
     "embeddings",
     "tokenize",
     "models",
-    "adapters",
+    "lora_adapters",
     "health",
     "status",
     "page",
@@ -264,7 +271,7 @@ def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
     """``neuron serve --port 99999``: the settings are checked, and refused, with no MLX in the process."""
     code = (
         "import sys\n"
-        "from neuron.cli import main\n"
+        "from neuron.cli.main import main\n"
         "try:\n"
         "    main(['serve', '--port', '99999'])\n"
         "except SystemExit as e:\n"
@@ -280,7 +287,7 @@ def test_a_bad_setting_is_reported_before_mlx_loads() -> None:
 
 
 # The process-global group: MLX keeps one per process, so joining, leaving and remembering it live in one module.
-GROUP_STATE = PACKAGE / "rank" / "group.py"
+GROUP_STATE = PACKAGE / "rank" / "dist" / "group.py"
 
 
 def _group_state_touches(path: Path) -> list[str]:
@@ -304,7 +311,7 @@ def _group_state_touches(path: Path) -> list[str]:
 def test_only_the_group_module_touches_the_process_global_group() -> None:
     assert _group_state_touches(GROUP_STATE), "the check finds nothing even where the state lives"
     elsewhere = [t for path in sorted(PACKAGE.rglob("*.py")) if path != GROUP_STATE for t in _group_state_touches(path)]
-    assert not elsewhere, "the process-global group touched outside rank/group.py:\n" + "\n".join(elsewhere)
+    assert not elsewhere, "the process-global group touched outside rank/dist/group.py:\n" + "\n".join(elsewhere)
 
 
 # A class past this many lines is split along a seam a newcomer would guess (the developer guide).
@@ -324,9 +331,9 @@ def test_no_class_runs_past_the_limit() -> None:
 
 @pytest.mark.unit
 def test_every_rank_steps_through_one_function() -> None:
-    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.step.run`` alone: nothing else
+    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.run.run`` alone: nothing else
     drives a rank's run-ahead or reads its fingerprint, so the two step paths cannot drift apart again."""
-    step_path = PACKAGE / "rank" / "step.py"
+    step_path = PACKAGE / "rank" / "run.py"
     driven = [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}"
         for path in sorted(PACKAGE.rglob("*.py"))
@@ -336,6 +343,6 @@ def test_every_rank_steps_through_one_function() -> None:
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in ("run_ahead", "ran_ahead_with", "fingerprint")
     ]
-    assert not driven, "a rank's step driven outside rank/step.py:\n" + "\n".join(driven)
-    for caller in ("neuron/worker.py", "neuron/pool/pool.py"):
-        assert "neuron.rank.step.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"
+    assert not driven, "a rank's step driven outside rank/run.py:\n" + "\n".join(driven)
+    for caller in ("neuron/cli/worker.py", "neuron/pool/pool.py"):
+        assert "neuron.rank.run.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from neuron.leader import _Server, bind
+from neuron.cli.serve import _Server, bind
 from neuron.server.connections import bounded
 
 pytestmark = [pytest.mark.unit, pytest.mark.anyio]

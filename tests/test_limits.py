@@ -20,13 +20,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from neuron import descriptors
-from neuron.gguf import _publish
 from neuron.log import RateLimit
+from neuron.models.gguf import _publish
 from neuron.server.common import limits
 from neuron.server.common.limits import LimitError
 from neuron.server.guard import Allowed, Guard
 from neuron.server.http import EventStream
+from neuron.system import descriptors
 from testkit.hostile import nested, ref_chain
 
 

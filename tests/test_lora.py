@@ -22,9 +22,9 @@ import pytest
 from conftest import make_tiny_model, run_neuron, serving
 from test_pool import scenario
 
-from neuron.adapters import AdapterError, find, parse_list
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.text import Text
+from neuron.models.adapters import AdapterError, find, parse_list
 from testkit import Server
 from testkit.adapters import make_adapter, reference
 
@@ -254,7 +254,7 @@ def test_an_adapter_named_on_the_hub_is_fetched_into_the_cache(adapters: dict[st
 
     from testkit.hub import LocalHub
 
-    code = "from neuron.adapters import find; s = find('sql', 'org/sql-lora'); print(s.format, s.rank, s.path)"
+    code = "from neuron.models.adapters import find; s = find('sql', 'org/sql-lora'); print(s.format, s.rank, s.path)"
     with LocalHub() as hub:
         files = {p.name: p.read_bytes() for p in adapters["b"].iterdir()} | {"README.md": b"# a LoRA"}
         hub.add("org/sql-lora", files)

@@ -13,8 +13,9 @@ from neuron.engine import memory
 from neuron.engine.intake import Intake
 from neuron.engine.memory import HEADROOM_MIN, RESERVE, STEP, Budget, Share, rank_budget
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduler, SchedulerOutput, Scheduling
-from neuron.engine.sequence import RequestError, Sequence, Status, StopText
+from neuron.engine.sequence import Sequence, Status, StopText
 from neuron.rpc import Memory
 from neuron.sampling_params import Sampled, SamplingParams
 

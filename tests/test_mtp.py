@@ -1,4 +1,4 @@
-"""Speculative decoding with the model's own multi-token-prediction layer (``--speculate mtp``, ``rank.mtp``).
+"""Speculative decoding with the model's own multi-token-prediction layer (``--speculate mtp``, ``rank.head.mtp``).
 
 The models are built: a tiny GLM-4.5 (glm4_moe) with a random prediction layer of its own, whose greedy output
 must equal decoding without drafts at TP=1 and TP=2, alone and batched; and one whose layer agrees with the model
@@ -22,8 +22,8 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 from tiny_archs import make_arch_model
 
-from neuron import architectures
-from neuron.rank.mtp import MtpDrafter, MtpLayer, _pairs
+from neuron.models import architectures
+from neuron.rank.head.mtp import MtpDrafter, MtpLayer, _pairs
 from neuron.rank.prefill import Seen, SeqState
 from neuron.sampling_params import SamplingParams
 from neuron.step import DraftRow
@@ -207,9 +207,9 @@ def test_the_layer_is_given_the_whole_prompts_hidden_states() -> None:
     from mlx_lm.utils import _get_classes
     from tiny_archs import config
 
+    from neuron.rank.model.shard import backbone
     from neuron.rank.prefill import feed_prompts
     from neuron.rank.runner import Sharded
-    from neuron.rank.shard import backbone
     from neuron.rpc import Prefill
 
     cfg = config("glm4_moe", 64)

@@ -1,4 +1,5 @@
-"""The one-row interposer (neuron/native/gemv.c): built here, preloaded as neuron preloads it, every product right.
+"""The one-row interposer (neuron/system/native/gemv.c): built here, preloaded as neuron preloads it, every product
+right.
 
 Each check runs MLX in a child process with ``cpu.preload_for``'s libraries
 preloaded (a preload only takes at process start), and compares its products
@@ -16,8 +17,8 @@ import sys
 
 import pytest
 
-from neuron import cpu
-from neuron.native import build_gemv
+from neuron.system import cpu
+from neuron.system.native import build_gemv
 
 pytestmark = pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="the interposer is for Linux CPU BLAS")
 

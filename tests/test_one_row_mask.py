@@ -1,6 +1,6 @@
 """A micro-batch of one row builds no attention mask for its one-token steps, as a plain cache builds none.
 
-No model: mlx-lm's batched caches as ``rank.batch`` joins, extends and filters them, and the mask each would
+No model: mlx-lm's batched caches as ``rank.kv.batch`` joins, extends and filters them, and the mask each would
 hand the model.
 """
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from neuron.rank.batch import Batch
+from neuron.rank.kv.batch import Batch
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 from starlette.testclient import TestClient
 
-from neuron import config
-from neuron.cli import _parser
+from neuron.cli.main import _parser
+from neuron.config import sources
 from neuron.engine.recent import Recent
 from neuron.server.app import ServerState, build_app
 from neuron.server.page.routes import FILES
@@ -157,7 +157,7 @@ def test_the_page_is_turned_off_by_a_flag_the_environment_or_the_file(
 ) -> None:
     def no_page(*argv: str) -> bool:
         args = _parser().parse_args(["serve", "--config", str(file), *argv])
-        assert config.resolve(args, "serve") == []
+        assert sources.resolve(args, "serve") == []
         return bool(args.no_page)
 
     file = tmp_path / "neuron.toml"

@@ -163,7 +163,7 @@ def test_no_worker_outlives_a_sigkilled_leader(smollm2: Path) -> None:
 
 @pytest.mark.anyio
 async def test_a_process_hosts_one_group_only(tiny_models: dict[str, Path]) -> None:
-    from neuron.rank import group
+    from neuron.rank.dist import group
 
     group._in_group, was = True, group._in_group
     try:

@@ -12,11 +12,11 @@ from dataclasses import replace
 import pytest
 from test_scheduler import admitted, next_step, request, scheduler
 
+from neuron.config.settings import MIN_PREFILL_CHUNK, Scheduling
 from neuron.engine.drafts import MIN_SAMPLES, PROMPT_WINDOW, StepCost, attended
 from neuron.engine.scheduler import Scheduler, prefill_budget
 from neuron.rpc import ImageRun, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled
-from neuron.settings import MIN_PREFILL_CHUNK, Scheduling
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from neuron.engine.prefix import Hit, PrefixIndex
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
-from neuron.rank.batch import Batch, MicroBatch
-from neuron.rank.entries import Entries
+from neuron.rank.kv.batch import Batch, MicroBatch
+from neuron.rank.kv.entries import Entries
 from neuron.rank.prefill import SeqState
 from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams

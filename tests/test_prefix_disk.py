@@ -18,8 +18,8 @@ from conftest import Server, serving
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 from tiny_archs import make_arch_model
 
-from neuron.models import cache_bytes
-from neuron.rank.disk import MAGIC, Disk, DiskError
+from neuron.models.folder import cache_bytes
+from neuron.rank.kv.disk import MAGIC, Disk, DiskError
 from testkit import serving_side_by_side
 
 STAMP = "model/world 2/layers []"
@@ -297,7 +297,7 @@ def test_an_entry_spilled_while_serving_is_read_back_before_its_prompt_is_comput
 
 @pytest.mark.unit
 def test_the_leaders_index_of_entries_on_disk_keeps_within_the_byte_budget(tmp_path: Path) -> None:
-    from neuron.engine.disk import PrefixDisk
+    from neuron.engine.prefix_disk import PrefixDisk
 
     disk = PrefixDisk(tmp_path, budget=10, sizes=(1, 0))  # as the ranks' files: 1 byte a token here
     disk.written({"a": [1, 2, 3, 4, 5, 6]})

@@ -11,8 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from neuron import cpu
 from neuron.pool.rank0 import Rank0Thread
+from neuron.system import cpu
 
 pytestmark = [pytest.mark.unit, pytest.mark.anyio]
 

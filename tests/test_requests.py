@@ -18,8 +18,9 @@ from bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
 from starlette.testclient import TestClient
 
 from neuron.engine.intake import Intake
+from neuron.engine.refusals import Overloaded, Unavailable
 from neuron.engine.scheduler import Scheduling
-from neuron.engine.sequence import Overloaded, Sequence, Unavailable
+from neuron.engine.sequence import Sequence
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.sampling_params import SamplingParams

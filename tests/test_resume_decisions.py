@@ -14,7 +14,7 @@ from test_scheduler import apply, next_step, request, run, scheduler
 from neuron.engine import resume
 from neuron.engine.sequence import Pause, Status
 from neuron.launch import dataplane
-from neuron.rank.sampler import Sampler, rewound
+from neuron.rank.head.sampler import Sampler, rewound
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.step import Start, Step

@@ -1,4 +1,4 @@
-"""Rank 0's samplers follow the step they are given, and nothing beside it: no model, no process."""
+"""Rank 0's head follow the step they are given, and nothing beside it: no model, no process."""
 
 from __future__ import annotations
 
@@ -7,32 +7,33 @@ import dataclasses
 import mlx.core as mx
 import pytest
 
-from neuron.rank.sampler import Run, Sampler, Samplers, read
+from neuron.rank.head.head import Head
+from neuron.rank.head.sampler import Run, Sampler, read
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
 
 
 def test_a_sequence_the_step_neither_starts_nor_continues_is_refused() -> None:
-    samplers = Samplers()
+    head = Head()
     with pytest.raises(KeyError, match=r"no sampler for sequences \[7\]"):
-        samplers.step(Step(StepPlan(decode=[Decode(7, 1, 0)])), {7: mx.zeros(8)})
+        head.step(Step(StepPlan(decode=[Decode(7, 1, 0)])), {7: mx.zeros(8)})
     with pytest.raises(KeyError, match=r"no sampler for sequences \[3\]"):
-        samplers.step(Step(StepPlan(prefill=[Prefill(3, 0, [1, 2], True)])), {3: mx.zeros(8)})
+        head.step(Step(StepPlan(prefill=[Prefill(3, 0, [1, 2], True)])), {3: mx.zeros(8)})
 
 
 def test_the_step_starts_each_sampler_with_its_own_parameters_and_the_tail_its_penalties_see() -> None:
-    samplers = Samplers()
+    head = Head()
     logits = mx.array([0.0, 5.0, 4.9, 0.0])
     # Token 1 was in the restored prefix: a repetition penalty that sees it makes token 2 win.
     start = Start(SamplingParams(repetition_penalty=2.0), recent=(1,))
     step = Step(
         StepPlan(prefill=[Prefill(1, 3, [3], True), Prefill(2, 0, [3], True)]), {1: start, 2: Start(SamplingParams())}
     )
-    out = samplers.step(step, {1: logits, 2: logits})
+    out = head.step(step, {1: logits, 2: logits})
     assert (out[1].token, out[2].token) == (2, 1)
     follow = Step(StepPlan(leave=[2], decode=[Decode(1, 2, 0)]))
-    assert set(samplers.step(follow, {1: logits})) == {1} and len(samplers) == 1
+    assert set(head.step(follow, {1: logits})) == {1} and len(head) == 1
 
 
 @pytest.mark.parametrize("mismatch_at", [0, 2, None])

@@ -12,8 +12,9 @@ import pytest
 
 from neuron.engine.drafts import MIN_SAMPLES
 from neuron.engine.output import Output
+from neuron.engine.refusals import Overloaded
 from neuron.engine.scheduler import SHORT_STEP_MS, Delivery, Scheduler, Scheduling, ahead_for
-from neuron.engine.sequence import Chunk, Event, Finish, Overloaded, Sequence, Status, StopText
+from neuron.engine.sequence import Chunk, Event, Finish, Sequence, Status, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 from neuron.step import Start, Step

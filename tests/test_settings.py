@@ -1,5 +1,5 @@
-"""Each setting is declared once (neuron/settings.py): its flag, its environment variable, its TOML key, the docs'
-table and the settings objects all follow that one declaration, and no default is written a second time."""
+"""Each setting is declared once (neuron/config/settings.py): its flag, its environment variable, its TOML key, the
+docs' table and the settings objects all follow that one declaration, and no default is written a second time."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from neuron import config
-from neuron.cli import _parser
-from neuron.settings import SETTINGS
+from neuron.cli.main import _parser
+from neuron.config import sources
+from neuron.config.settings import SETTINGS
 
 # A class or function that holds a setting under a name of its own: (class or function, field or argument) -> it.
 ALIASES = {
@@ -72,7 +72,7 @@ def _second_literals(path: Path, root: Path = ROOT) -> list[str]:
 def test_no_default_is_written_twice() -> None:
     found = [hit for path in sorted((ROOT / "neuron").rglob("*.py")) if path not in DECLARING
              for hit in _second_literals(path)]  # fmt: skip
-    assert found == [], "read the default from neuron.settings instead:\n" + "\n".join(found)
+    assert found == [], "read the default from neuron.config.settings instead:\n" + "\n".join(found)
 
 
 @pytest.mark.unit
@@ -101,13 +101,14 @@ def test_the_check_finds_a_second_literal(tmp_path: Path) -> None:
 PROBE = """
 import contextlib, io, json, os, sys
 from pathlib import Path
-from neuron import config, reference
-from neuron.cli import _parser
+from neuron.config import sources
+from neuron.cli import reference
+from neuron.cli.main import _parser
 from neuron.engine.scheduler import Scheduling
 
 def serve(*argv):
     args = _parser().parse_args(["serve", "--config", sys.argv[1], *argv])
-    return config.resolve(args, "serve"), args.max_batch
+    return sources.resolve(args, "serve"), args.max_batch
 
 shown = io.StringIO()
 with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
@@ -153,7 +154,7 @@ def test_the_packaged_config_sets_only_what_differs_from_the_defaults(monkeypatc
     for s in SETTINGS.values():
         monkeypatch.delenv(s.env, raising=False)
     args = _parser().parse_args(["serve", "--config", str(packaged)])
-    assert config.resolve(args, "serve") == []
+    assert sources.resolve(args, "serve") == []
     values = tomllib.loads(packaged.read_text())
     commented = {
         name: tomllib.loads(line.lstrip("# "))[name]

@@ -15,10 +15,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 
-from neuron import shares
 from neuron.launch import push
-from neuron.models import ModelError
-from neuron.rank import shard
+from neuron.models import shares
+from neuron.models.folder import ModelError
+from neuron.rank.model import shard
 from testkit import file_per_layer
 
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from neuron import config, shares
-from neuron.cli import _parser
+from neuron.cli.main import _parser
+from neuron.config import sources
 from neuron.launch import push
 from neuron.launch.checks import Refused, check_models, model_differences
+from neuron.models import shares
 from neuron.rpc import ModelChecked
 
 pytestmark = pytest.mark.unit
@@ -184,7 +185,7 @@ def test_a_stage_is_compared_on_the_files_it_reads() -> None:
 def test_push_model_is_a_setting_like_every_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def resolve(*argv: str) -> tuple[object, list[str]]:
         args = _parser().parse_args(["serve", *argv])
-        problems = config.resolve(args, "serve")
+        problems = sources.resolve(args, "serve")
         return args.push_model, problems
 
     file = tmp_path / "neuron.toml"

@@ -176,7 +176,7 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    from neuron.rank.rollback import drop_tail
+    from neuron.rank.kv.rollback import drop_tail
 
     def caches() -> list[BatchKVCache]:
         mx.random.seed(0)
@@ -209,14 +209,14 @@ def test_dropping_different_tails_matches_mlx_lms_right_padding() -> None:
 
 def test_a_linear_attention_batch_drops_different_tails_as_if_fed_only_what_it_kept() -> None:
     """A tiny Qwen3-Next's batch (gated delta states and key/value layers) fed a 4-token verify step, each row then
-    dropping a different tail (``rank.states``, ``drop_tail``), computes the next step as each row alone would have,
+    dropping a different tail (``rank.kv.states``, ``drop_tail``), computes the next step as each row alone would have,
     fed one token at a time only what it kept; also where a row leaves and another joins between the two steps."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
     from tiny_archs import config
 
-    from neuron.rank import caches, states
-    from neuron.rank.rollback import drop_tail
+    from neuron.rank.kv import caches, states
+    from neuron.rank.kv.rollback import drop_tail
 
     cfg = config("qwen3_next", 64)
     model_class, args_class = _get_classes(cfg)

@@ -3,7 +3,7 @@
 A thread's MLX random key is a C++ thread-local whose destructor takes the GIL, after ``Thread.join`` has returned:
 where the interpreter is finalizing by then, Python ends the thread inside that destructor and the C++ runtime aborts
 the process ("terminate called without an active exception", SIGABRT) after its work was done. Rank 0's thread
-(``pool.rank0``) ends with ``rank.backends.thread_ends`` against it. Without that call the bare race below aborted
+(``pool.rank0``) ends with ``rank.dist.backends.thread_ends`` against it. Without that call the bare race below aborted
 about one exit in four on two busy cores, so a run of them catches it coming back.
 """
 
@@ -19,7 +19,7 @@ EXITS = 16
 CHILD = """
 import threading
 import mlx.core as mx
-from neuron.rank.backends import thread_ends
+from neuron.rank.dist.backends import thread_ends
 
 def run() -> None:
     try:

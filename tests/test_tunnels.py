@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from neuron import config
+from neuron.config import sources
 from neuron.launch import dataplane, ssh, tunnels
 from neuron.launch.checks import Refused, Unreachable
 from neuron.launch.hosts import Host, HostsError, check_hosts
@@ -109,7 +109,7 @@ def test_only_the_ring_is_tunnelled_and_it_needs_no_ips_then() -> None:
                     "jaccl", "ssh")  # fmt: skip
     assert Launcher([LEADER, MAC2], data_plane="ssh").tunnelled
     assert not Launcher([LEADER, LEADER], data_plane="ssh").tunnelled and not Launcher([LEADER, MAC2]).tunnelled
-    setting = config.SETTINGS["data_plane"]
+    setting = sources.SETTINGS["data_plane"]
     assert setting.default == "direct" and setting.parse("ssh", "--data-plane") == ("ssh", None)
     assert setting.parse("tls", "NEURON_DATA_PLANE")[1] == "NEURON_DATA_PLANE must be one of direct, ssh, got 'tls'"
 

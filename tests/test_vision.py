@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from neuron import images
-from neuron.engine.vision import PromptImage, keyed, runs
+from neuron.engine.image_prompts import PromptImage, keyed, runs
 from neuron.rpc import ImageRun
 from testkit.origin import origin
 from testkit.server import Server, serving

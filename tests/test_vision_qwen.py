@@ -15,8 +15,8 @@ import pytest
 from conftest import Once
 from test_vision import solo_and_together, tokens_of
 
-from neuron import architectures
-from neuron.engine.vision import Rope, rope_index
+from neuron.engine.image_prompts import Rope, rope_index
+from neuron.models import architectures
 from testkit.server import Server, serving
 from testkit.vision import as_mlx_vlm, make_tiny_qwen3_vl, mlx_vlm_tokens, png
 

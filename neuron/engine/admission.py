@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from neuron.config.settings import Scheduling
 from neuron.engine import memory
 from neuron.engine.memory import Budget
 from neuron.engine.sequence import Sequence, Status
-from neuron.settings import Scheduling
 
 
 class Admission:

@@ -2,7 +2,7 @@
 
 No MLX here: the scheduler asks each running sequence's ``Proposer`` for the
 tokens likely to follow, every rank verifies them in the step's one batched
-forward, and rank 0 keeps those its sampler agrees with (``rank.sampler.Run``; ``rank.rollback`` drops the
+forward, and rank 0 keeps those its sampler agrees with (``rank.head.sampler.Run``; ``rank.kv.rollback`` drops the
 rest from the caches).
 
 Where the drafts come from, best first: the tokenized ``prediction`` (OpenAI's
@@ -256,7 +256,7 @@ class StepCost:
     noise, so the prior's ratio row_ms / fixed_ms stays and only the scale follows the times measured.
 
     A row count timed ``MIN_SAMPLES`` times is priced at its own median, not the line's: the cost is no line
-    where one row goes to a cheaper kernel (``neuron/native/gemv.c``: one-row products by sgemv, two rows and
+    where one row goes to a cheaper kernel (``neuron/system/native/gemv.c``: one-row products by sgemv, two rows and
     more by sgemm: BENCHMARKS.md, "Decode toward the bandwidth"), and a draft must pay for that step.
 
     A step that feeds a prompt prices its prompt tokens from the same times (``observe_prompt``): what the line

@@ -38,29 +38,32 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import architectures, device, images, metrics
-from neuron.architectures import mtp_heads
-from neuron.engine.adapters import Adapters
-from neuron.engine.disk import PrefixDisk
+from neuron import images, metrics
+from neuron.config.settings import KV_GROUP_SIZE
+from neuron.engine.adapter_registry import Adapters
 from neuron.engine.drafts import DRAFTED
 from neuron.engine.intake import Intake
 from neuron.engine.memory import Budget, Share
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
+from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
 from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovering
+from neuron.engine.refusals import Unavailable
 from neuron.engine.scheduler import Scheduler, Scheduling, ahead_for
-from neuron.engine.sequence import Sequence, Unavailable
+from neuron.engine.sequence import Sequence
 from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.log import progress, trace
-from neuron.models import ModelError, embedding, read_config, resolve, text_config
+from neuron.models import architectures
+from neuron.models.architectures import mtp_heads
+from neuron.models.folder import ModelError, embedding, read_config, resolve, text_config
 from neuron.pool import Deadlines, Layout, Pool, PoolError
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
-from neuron.settings import KV_GROUP_SIZE
 from neuron.step import DraftRow, Step
+from neuron.system import device
 
 log = structlog.get_logger("neuron.engine")
 
@@ -414,7 +417,7 @@ async def _propose(pool: Pool, running: list[Sequence], plan: StepPlan) -> int:
 async def _draft_model(config: dict[str, Any], text: Text, limits: Scheduling, name: str) -> Path | None:
     """The draft model's folder (``--draft-model``, a Hub name fetched), its tokenizer checked to be the model's;
     None without one, or where this model speculates not at all. With ``--speculate mtp`` the model's own
-    multi-token-prediction layers draft instead (rank/mtp.py), refused here, before anything loads, where they
+    multi-token-prediction layers draft instead (rank/head/mtp.py), refused here, before anything loads, where they
     cannot; as is a ``--kv-bits`` the model's caches cannot take."""
     try:
         architectures.check_kv_bits(config, limits.kv_bits, KV_GROUP_SIZE)

@@ -15,8 +15,9 @@ from typing import Any
 
 from neuron.engine.drafts import MAX_K, DraftRate, Proposer
 from neuron.engine.memory import Budget
+from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduling
-from neuron.engine.sequence import RequestError, Sequence, StopText
+from neuron.engine.sequence import Sequence, StopText
 from neuron.sampling_params import SamplingParams
 
 

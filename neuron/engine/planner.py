@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Rows
 
-from neuron.engine import vision
+from neuron.engine import image_prompts
 from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex, Stored, disk_key
 from neuron.engine.sequence import Sequence
@@ -69,7 +69,10 @@ def plan_step(
         if start == 0:
             produced = None if seq.paused is None else tuple(seq.output)
             recent: tuple[int, ...] = ()
-            if cached is not None and (hit := cached.lookup(vision.keyed(tokens, seq.images), seq.adapter)) is not None:
+            if (
+                cached is not None
+                and (hit := cached.lookup(image_prompts.keyed(tokens, seq.images), seq.adapter)) is not None
+            ):
                 restore.append(Restore(seq.no, hit.entry, hit.tokens))
                 start = hit.tokens  # restored, not computed: outside the budget
                 recent = tuple(tokens[max(0, start - PENALTY_WINDOW) : start])
@@ -82,7 +85,7 @@ def plan_step(
         copies = [c for c in seq.fed_with if c in filling] if last else []
         for copy in copies:
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
-        runs = vision.runs(seq.images, start, end) if seq.images else []
+        runs = image_prompts.runs(seq.images, start, end) if seq.images else []
         positions = seq.rope.chunk(start, end) if seq.rope else []
         fed = tokens[start:end]
         copied = [c.no for c in copies]
@@ -100,7 +103,7 @@ def plan_step(
         if chunk.pool or not chunk.last or prefix is None:
             continue
         seq = by_no[chunk.seq]
-        if stored := prefix.store(vision.keyed(seq.tokens, seq.images), seq.adapter):
+        if stored := prefix.store(image_prompts.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(_evicts(stored, spill, spilled))
     return Step(plan, starts, spilled, allowed)
@@ -134,7 +137,7 @@ def _keep(
         if seq.pooling is not None or seq.held <= len(seq.prompt):
             continue  # nothing past its prompt, which was saved when it was fed
         tokens = min(seq.held, len(seq.prompt) + len(seq.output))
-        if stored := prefix.store([*vision.keyed(seq.prompt, seq.images), *seq.output][:tokens]):
+        if stored := prefix.store([*image_prompts.keyed(seq.prompt, seq.images), *seq.output][:tokens]):
             saves.append(Save(seq.no, stored.entry, tokens))
             evicts.extend(_evicts(stored, spill, spilled))
     return saves, evicts

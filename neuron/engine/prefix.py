@@ -138,7 +138,7 @@ class PrefixIndex:
                 freed += self._size(len(tokens))
         if self.bytes - freed + size > self.budget:
             return None
-        # Written to disk (``engine.disk``): the base model's alone, as the files name no adapter.
+        # Written to disk (``engine.prefix_disk``): the base model's alone, as the files name no adapter.
         spilled = {e: self._entries[e] for e in evicted if e not in covered and self._adapter.get(e, 0) == 0}
         for entry in evicted:
             self._remove(entry)

@@ -34,14 +34,18 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from neuron.config.settings import (  # its fields are settings of ``serve``, declared there once
+    MIN_PREFILL_CHUNK,
+    Scheduling,
+)
 from neuron.engine.admission import Admission
 from neuron.engine.drafts import StepCost, attended
 from neuron.engine.memory import Budget
 from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.sequence import Overloaded, Pause, Sequence, Status
+from neuron.engine.refusals import Overloaded
+from neuron.engine.sequence import Pause, Sequence, Status
 from neuron.sampling_params import Sampled
-from neuron.settings import MIN_PREFILL_CHUNK, Scheduling  # its fields are settings of ``serve``, declared there once
 from neuron.step import Step
 
 

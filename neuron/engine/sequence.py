@@ -16,7 +16,7 @@ from neuron.engine.drafts import Proposer
 from neuron.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from neuron.engine.vision import PromptImage, Rope
+    from neuron.engine.image_prompts import PromptImage, Rope
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,30 +59,6 @@ class Failure:
 
 
 Event = Chunk | Finish | Failure
-
-
-# Why the engine refuses a request at the door.
-
-
-class RequestError(ValueError):
-    """A request refused as given; the message names the field and the limit."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code  # OpenAI's error code
-
-
-class Unavailable(RuntimeError):
-    """The engine cannot take requests now: not ready, broken, or shutting down."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after  # seconds until it may take requests again, for Retry-After
-
-
-class Overloaded(RuntimeError):
-    """The waiting queue is full."""
 
 
 class StopText:

@@ -18,8 +18,9 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer
 from mlx_lm.utils import load_tokenizer
 
 from neuron import images
-from neuron.engine.sequence import RequestError, Sequence
-from neuron.engine.vision import Vision
+from neuron.engine.image_prompts import Vision
+from neuron.engine.refusals import RequestError
+from neuron.engine.sequence import Sequence
 
 
 class Text:

@@ -15,7 +15,7 @@ import structlog
 from neuron import rpc
 from neuron.launch.dataplane import machine_ranks, probe_peer, visible_gpus
 from neuron.launch.hosts import SAME_VERSIONS, Host
-from neuron.models import first_difference
+from neuron.models.folder import first_difference
 
 log = structlog.get_logger("neuron.launch")
 

@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import neuron
-from neuron import device
+from neuron.config.settings import default
 from neuron.launch import cgroup
 from neuron.rpc import HostInfo, Memory
-from neuron.settings import default
+from neuron.system import device
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})

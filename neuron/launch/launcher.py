@@ -12,12 +12,12 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from neuron import cpu
+from neuron.config.settings import default
 from neuron.launch.dataplane import machine_ranks, spawn_env
 from neuron.launch.hosts import Host, local_hosts
 from neuron.launch.local import spawn_local
 from neuron.launch.ssh import StderrRelay, read_remote, receiver_argv, spawn_ssh
-from neuron.settings import default
+from neuron.system import cpu
 
 DEFAULT_SSH: str = default("ssh_command")
 

@@ -7,8 +7,8 @@ import os
 import anyio
 import anyio.abc
 
-from neuron import reexec
-from neuron.systemd import ACTIVATION_ENV
+from neuron.system import reexec
+from neuron.system.systemd import ACTIVATION_ENV
 
 
 def worker_command(rank: int, world_size: int) -> list[str]:

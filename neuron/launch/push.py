@@ -16,7 +16,7 @@ worker's session and speaks to it on its stdin and stdout:
 A cut session (the ssh process killed, the link down) leaves the receiver's
 progress on disk, so the next attempt sends only what is missing, resuming a
 tensor at the last chunk recorded. No MLX here: the leader's tensors come from
-a ``Source`` (``rank.shard.ShareSource``), evaluated one at a time.
+a ``Source`` (``rank.model.shard.ShareSource``), evaluated one at a time.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from typing import IO, BinaryIO, Protocol
 
 import structlog
 
-from neuron import metrics, shares
+from neuron import metrics
 from neuron.launch.checks import Refused
 from neuron.launch.ssh import StderrRelay
-from neuron.models import DECIDING_FILES
+from neuron.models import shares
+from neuron.models.folder import DECIDING_FILES
 
 log = structlog.get_logger("neuron.launch")
 

@@ -35,10 +35,10 @@ import anyio.abc
 import orjson
 import structlog
 
-from neuron import reexec
 from neuron.launch.hosts import Host
 from neuron.launch.local import worker_command
 from neuron.log import trace
+from neuron.system import reexec
 
 log = structlog.get_logger("neuron.worker")
 

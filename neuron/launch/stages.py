@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 import structlog
 
-from neuron import architectures, metrics
-from neuron.models import read_config, text_config, weight_bytes
+from neuron import metrics
+from neuron.models import architectures
+from neuron.models.folder import read_config, text_config, weight_bytes
 
 log = structlog.get_logger("neuron.pool")
 

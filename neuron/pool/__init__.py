@@ -12,6 +12,6 @@ pool, in ``neuron.launch``.
 from neuron.pool.fanout import Deadlines, PoolError
 from neuron.pool.pool import Pool
 from neuron.pool.ranks import Layout
-from neuron.pool.recovery import Unrecoverable
+from neuron.pool.replacement import Unrecoverable
 
 __all__ = ["Deadlines", "Layout", "Pool", "PoolError", "Unrecoverable"]

@@ -20,13 +20,14 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import device, rpc
+from neuron import rpc
+from neuron.config.settings import default
 from neuron.log import debugging, ms_since
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Abandoned, Alarm, Rank0Thread
 from neuron.rank.rank import Rank, RankError
 from neuron.rpc import ErrorKind
-from neuron.settings import default
+from neuron.system import device
 
 log = structlog.get_logger("neuron.pool")
 

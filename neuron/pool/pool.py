@@ -17,7 +17,7 @@ A pool is *broken* when its group can no longer be trusted: a worker died, went
 silent past a deadline, broke the protocol, or a collective failed. Every later
 call then fails at once, naming the cause, until ``recover`` replaces every
 worker and rank 0's group in this process (where MLX can forget a group:
-``rank.backends``); where it cannot, recovery is a fresh process.
+``rank.dist.backends``); where it cannot, recovery is a fresh process.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ import anyio
 import anyio.abc
 import structlog
 
-from neuron import architectures, metrics, rpc
+from neuron import metrics, rpc
 from neuron.launch.checks import Unreachable
 from neuron.launch.ssh import StderrRelay
 from neuron.launch.stages import check_split
-from neuron.models import read_config, text_config
+from neuron.models import architectures
+from neuron.models.folder import read_config, text_config
 from neuron.pool.fanout import PoolError
 from neuron.pool.link import Link
-from neuron.pool.recovery import Recovering, tunnel_lost
+from neuron.pool.replacement import Recovering, tunnel_lost
+from neuron.rank.model.shard import check_splittable
 from neuron.rank.rank import Rank
-from neuron.rank.shard import check_splittable
-from neuron.rank.step import Stepped, run
+from neuron.rank.run import Stepped, run
 from neuron.sampling_params import Sampled
 from neuron.step import DraftRow, Step
 
@@ -95,13 +96,13 @@ class Pool(Recovering):
             raise PoolError(
                 "generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False, hosts=self.hosts
             )
-        samplers = self._rank0.samplers
+        head = self._rank0.head
         plan = step.plan
         gauge = self._memory
         read: list[rpc.Memory | None] = [None]
 
         def on_rank(rank: Rank) -> Stepped:
-            stepped = run(rank, step, samplers)
+            stepped = run(rank, step, head)
             read[0] = gauge.fresh(lambda: (rank.cache_bytes(), rank.peak))  # on rank 0's thread, as a worker's
             return stepped
 
@@ -131,21 +132,21 @@ class Pool(Recovering):
         return mine.sampled
 
     async def draft(self, rows: list[DraftRow]) -> dict[int, list[int]]:
-        """The draft model's tokens for ``rows``, proposed on rank 0's thread (``rank.drafter``), which keeps their
+        """The draft model's tokens for ``rows``, proposed on rank 0's thread (``rank.head.drafter``), which keeps their
         distributions for the step that verifies them: call it right before that step."""
-        samplers = self._rank0.samplers
+        head = self._rank0.head
         try:
-            return await self._rank0.call(lambda _: samplers.propose(rows), self.deadlines.step)
+            return await self._rank0.call(lambda _: head.propose(rows), self.deadlines.step)
         except Exception as e:  # any reason is the operator's to read, as a failed step's
             raise PoolError("draft", {0: f"{type(e).__name__}: {e}"}, broken=False, hosts=self.hosts) from e
 
     async def clear_kv_cache(self, prefixes: bool = True) -> None:
         """Drop every sequence on every rank; with ``prefixes``, every prefix-cache entry too."""
-        samplers = self._rank0.samplers
+        head = self._rank0.head
 
         def clear(rank: Rank) -> None:
             rank.clear_kv_cache(prefixes)
-            samplers.clear()
+            head.clear()
 
         await self._fan_out(
             "clear_kv_cache", lambda _, id: rpc.ClearKvCache(id=id, prefixes=prefixes), clear, self.deadlines.control

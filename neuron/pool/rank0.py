@@ -1,7 +1,7 @@
 """Rank 0's thread: the one thread that runs rank 0's MLX work, for the life of the pool.
 
 Why one dedicated thread: MLX streams belong to the thread that created them,
-so rank 0's group, weights, KV caches and samplers must all be made and used
+so rank 0's group, weights, KV caches and head must all be made and used
 on one thread. A job handed to that thread is shielded from cancellation: once
 the workers have a step, rank 0 must do its part of the collectives too, or
 the workers wait inside them forever.
@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 import anyio
 
-from neuron import cpu
-from neuron.rank import backends
+from neuron.rank.dist import backends
+from neuron.rank.head.head import Head
 from neuron.rank.rank import Rank
-from neuron.rank.sampler import Samplers
+from neuron.system import cpu
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class Abandoned(RuntimeError):
 
 
 class Rank0Thread:
-    """Runs jobs on rank 0's ``Rank`` and ``Samplers``, one at a time, on a thread of its own."""
+    """Runs jobs on rank 0's ``Rank`` and ``Head``, one at a time, on a thread of its own."""
 
     def __init__(self, world_size: int, cpus: list[int] | None) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -45,7 +45,7 @@ class Rank0Thread:
         self._loop_cores: set[int] | None = None  # the event loop's cores while it is kept off ``_core``
         self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
-        self.samplers = Samplers()  # touched only by jobs, on this thread
+        self.head = Head()  # touched only by jobs, on this thread
         # A daemon: if rank 0 is wedged inside a collective (a peer that never
         # answers), nothing can interrupt it, and it must not keep the process alive.
         self._thread = threading.Thread(target=self._run, name="neuron-rank0", daemon=True)

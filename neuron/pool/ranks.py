@@ -18,20 +18,22 @@ import anyio
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from neuron import cpu, hub, metrics, rpc
+from neuron import metrics, rpc
+from neuron.config.settings import default
 from neuron.launch.checks import check_gpus, check_handshake
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import MemoryGauge, describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
+from neuron.models import hub
 from neuron.pool.fanout import Deadlines, FanOut, PoolError
-from neuron.pool.group import form_group
+from neuron.pool.form import form_group
 from neuron.pool.link import Link
 from neuron.pool.rank0 import Rank0Thread
-from neuron.rank.group import group_joined
+from neuron.rank.dist.group import group_joined
 from neuron.rank.rank import Rank
-from neuron.settings import default
+from neuron.system import cpu
 
 log = structlog.get_logger("neuron.pool")
 

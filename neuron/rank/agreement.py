@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
-    from neuron.rank.batch import Batch
-    from neuron.rank.entries import Entries
+    from neuron.rank.kv.batch import Batch
+    from neuron.rank.kv.entries import Entries
     from neuron.rank.prefill import SeqState
 
 

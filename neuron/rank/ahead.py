@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-from neuron.rank import caches
-from neuron.rank.sampler import ints
+from neuron.rank.kv import caches
+from neuron.rank.readback import ints
 from neuron.rpc import StepPlan
 
 # Whether ``mx.async_eval`` returns before the computation ends: on a GPU it does; the CPU computes in the caller.

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from neuron.rank import caches
+from neuron.rank.kv import caches
 from neuron.rank.prefill import SeqState
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 
-from neuron.rank.batch import Batch
-from neuron.rank.entries import Entries
+from neuron.rank.kv.batch import Batch
+from neuron.rank.kv.entries import Entries
 from neuron.rank.prefill import SeqState
 
 

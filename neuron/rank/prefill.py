@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
-from neuron.rank import caches
-from neuron.rank.mrope import placed
+from neuron.rank.kv import caches
+from neuron.rank.model.mrope import placed
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Prefill
 
@@ -165,7 +165,7 @@ def _forward_prompt(
     adapter: int = 0,
 ) -> mx.array | None:
     """Feed prompt tokens; when they end the prompt, the last goes through alone, so that the projection
-    to the vocabulary is computed for one position only (never an image's: ``engine.vision`` refuses a prompt
+    to the vocabulary is computed for one position only (never an image's: ``engine.image_prompts`` refuses a prompt
     that ends in one)."""
     body = tokens[:-1] if last else tokens
     if body:

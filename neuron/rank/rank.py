@@ -19,21 +19,23 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from neuron import device
-from neuron.adapters import AdapterError, find
-from neuron.rank import ahead, backends, caches, group, rollback, states
+from neuron.models.adapters import AdapterError, find
+from neuron.rank import ahead
 from neuron.rank.agreement import disagreement
-from neuron.rank.batch import Batch, fed
-from neuron.rank.disk import Disk
+from neuron.rank.dist import backends, group
 from neuron.rank.embed import embed_inputs
-from neuron.rank.entries import Entries
-from neuron.rank.errors import GroupError, RankError
+from neuron.rank.failures import GroupError, RankError
 from neuron.rank.fingerprint import fingerprint
-from neuron.rank.load import Loaded, load
-from neuron.rank.lora import Adapters
+from neuron.rank.kv import caches, rollback, states
+from neuron.rank.kv.batch import Batch, fed
+from neuron.rank.kv.disk import Disk
+from neuron.rank.kv.entries import Entries
+from neuron.rank.model.load import Loaded, load
+from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import SeqState, feed_prompts
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.system import device
 
 __all__ = ["GroupError", "Loaded", "Rank", "RankError"]
 
@@ -54,20 +56,20 @@ class Rank:
         self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
-        self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.lora``), once a model is
+        self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.model.lora``), once a model is
         # The most one step has taken beyond what the rank held before and after it (its activations, a joining
         # batch's copies), since the model loaded: what the leader's memory budget keeps free for steps.
         self.peak = 0
 
     def init_group(self, backend: str, env: dict[str, str], files: dict[str, str]) -> float:
-        """Join the group (``rank.group``) and return the sanity all-reduce of 1.0 from every rank."""
+        """Join the group (``rank.dist.group``) and return the sanity all-reduce of 1.0 from every rank."""
         if self.world_size == 1:
             return 1.0
         self.group, total = group.join(self.rank, self.world_size, backend, env, files)
         return total
 
     def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Loaded:
-        """This rank's share of the model (``rank.load``): a slice of every layer, or (``layers`` = [first, end))
+        """This rank's share of the model (``rank.model.load``): a slice of every layer, or (``layers`` = [first, end))
         a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` (``--kv-bits``) where given."""
         if self.world_size > 1 and self.group is None:
             raise RankError(f"rank {self.rank}: load_shard before init; send init first")
@@ -83,7 +85,7 @@ class Rank:
         return Loaded(share.parameters, time.perf_counter() - start)
 
     def load_adapter(self, number: int, name: str, path: str) -> int:
-        """Load the LoRA adapter at ``path`` as ``number`` (``rank.lora``): this rank's slice of it. Returns how
+        """Load the LoRA adapter at ``path`` as ``number`` (``rank.model.lora``): this rank's slice of it. Returns how
         many of this rank's projections it adapts."""
         if self.adapters is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_shard before load_adapter")
@@ -302,7 +304,7 @@ class Rank:
             self.entries.clear()
 
     def open_disk(self, folder: str, budget: int, stamp: str) -> dict[str, int]:
-        """Spill entries to ``folder`` from now on (``rank.disk``); returns the files there this rank may load."""
+        """Spill entries to ``folder`` from now on (``rank.kv.disk``); returns the files there this rank may load."""
         if self.entries.disk is not None:
             self.entries.disk.close(0.0)
         self.entries.disk = Disk(Path(folder), budget, stamp, self.rank, self.entries.kv_bits)
@@ -320,7 +322,7 @@ class Rank:
 
     def leave_group(self) -> None:
         """Drop the model and the group (the model's sharded layers hold it too) and make MLX forget it
-        (``rank.group.leave``), so that ``init_group`` can join a fresh one in this process."""
+        (``rank.dist.group.leave``), so that ``init_group`` can join a fresh one in this process."""
         self.unload()
         self.group = None
         group.leave()

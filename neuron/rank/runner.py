@@ -21,14 +21,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from neuron.rank import caches, staged
-from neuron.rank.lora import Selection
-from neuron.rank.mrope import shifted
-from neuron.rank.shard import VocabShard, backbone, head_gathers
+from neuron.rank.kv import caches
+from neuron.rank.model import staged
+from neuron.rank.model.lora import Selection
+from neuron.rank.model.mrope import shifted
+from neuron.rank.model.shard import VocabShard, backbone, head_gathers
 
 if TYPE_CHECKING:
-    from neuron.rank.mrope import Positions
-    from neuron.rank.vision import Images
+    from neuron.rank.model.mrope import Positions
+    from neuron.rank.model.vision import Images
 
 # One forward pass takes at most this many tokens of a prompt (however many the
 # step feeds): the attention scores of one pass stay small, and every rank cuts
@@ -38,7 +39,7 @@ FORWARD_TOKENS = 512
 
 Cache = Sequence[caches.Layer]  # one sequence's, or a batch's
 Pass = tuple[mx.array, Cache]  # tokens (rows of equal length) and the caches they extend
-Lags = Sequence[Sequence[int]] | None  # each pass's rows' M-RoPE position deltas (``rank.mrope``)
+Lags = Sequence[Sequence[int]] | None  # each pass's rows' M-RoPE position deltas (``rank.model.mrope``)
 Adapters = Sequence[int] | None  # each row's LoRA adapter (0: the base), for ``Selection.use``; None: the base's
 
 
@@ -63,7 +64,7 @@ class Sharded:
         # And those of every position the last ``feed`` fed, (rows, positions, hidden): a prompt's, which the
         # prediction layer attends over too. Its layers computed them anyway: keeping them costs their memory only.
         self.fed_states: mx.array | None = None
-        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
+        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.model.lora``)
         # What ranks other than 0 run for logits they do not use: the backbone, unless mlx-lm's shard() split the
         # head itself (qwen3_5's gathers its rows inside the model's call, a collective every rank must join).
         self.worker_trunk = model if head_gathers(model) else backbone(model)
@@ -72,7 +73,7 @@ class Sharded:
         self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None, adapters: Adapters = None
     ) -> None:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
-        the tokens' input embeddings, where images replace some (``rank.vision``); ``adapters``: each row's."""
+        the tokens' input embeddings, where images replace some (``rank.model.vision``); ``adapters``: each row's."""
         self.selection.use(adapters)
         trunk, kept = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
@@ -130,7 +131,7 @@ class Sharded:
         position, (rows, positions, vocab): speculation verifies a whole draft at once. ``lazy``: nothing waits
         for the device; rank 0's logits come back unevaluated, for whoever reads them, and the other ranks' share
         is queued (``mx.async_eval``), so that its collectives run as soon as rank 0's do. ``lags``: each pass's
-        rows' M-RoPE position deltas (``rank.mrope``); ``adapters``: each pass's rows' adapters."""
+        rows' M-RoPE position deltas (``rank.model.mrope``); ``adapters``: each pass's rows' adapters."""
         every_pass = adapters or [None] * len(passes)
         out = []
         self.kept_states = []
@@ -210,7 +211,7 @@ class Stage:
         self.rank = rank
         self.stages = stages
         self.group = group
-        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.lora``)
+        self.selection = Selection()  # the LoRA adapters of the forward being built (``rank.model.lora``)
         first = self.inner.layers[0]
         norm = first.input_layernorm if "input_layernorm" in first else first.post_attention_layernorm  # olmo2
         self.dtype, self.hidden = norm.weight.dtype, norm.weight.shape[0]

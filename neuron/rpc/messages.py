@@ -150,7 +150,7 @@ class CheckModel:
     digest what decides what it computes, so the leader can check every host holds the same model.
 
     ``share`` (with ``--push-model``; empty otherwise) names the share of the leader's model this rank would load
-    (``neuron.shares``): the reply says whether this host holds it whole, and a model missing here is no error.
+    (``neuron.models.shares``): the reply says whether this host holds it whole, and a model missing here is no error.
 
     ``weights``: the safetensors files this rank loads from (a pipeline stage's, ``shares.files_read``), the
     only ones fetched of a model named on the Hub; empty: every one. ``token``: the leader's Hugging Face token
@@ -188,7 +188,7 @@ class GenerateStep:
 @dataclass(frozen=True, slots=True)
 class LoadAdapter:
     """Load the LoRA adapter in the folder ``path`` as number ``adapter`` (the leader numbers them, never reusing
-    one): this rank's slice of its matrices (``rank.lora``). Plans then name it on the rows it applies to."""
+    one): this rank's slice of its matrices (``rank.model.lora``). Plans then name it on the rows it applies to."""
 
     op: ClassVar[str] = "load_adapter"
     id: int

@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from neuron.server import adapters, embeddings, health, models, openapi, status, tokenize
+from neuron.server import embeddings, health, lora_adapters, models, openapi, status, tokenize
 from neuron.server.chat_completions import routes as chat_completions
 from neuron.server.common.schema import Schema, Spec
 from neuron.server.completions import routes as completions
@@ -36,7 +36,7 @@ __all__ = ["ServerState", "build_app"]
 FAMILIES = (
     health,
     models,
-    adapters,
+    lora_adapters,
     status,
     chat_completions,
     completions,

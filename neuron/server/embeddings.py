@@ -20,8 +20,9 @@ import orjson
 import structlog
 from starlette.responses import Response
 
-from neuron.engine.sequence import Failure, Finish, Overloaded, RequestError, Sequence, Unavailable
-from neuron.models import Embedding
+from neuron.engine.refusals import Overloaded, RequestError, Unavailable
+from neuron.engine.sequence import Failure, Finish, Sequence
+from neuron.models.folder import Embedding
 from neuron.server.common import fields
 from neuron.server.common.errors import ApiError, bad, failure_error, refused
 from neuron.server.common.schema import (

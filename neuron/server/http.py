@@ -37,7 +37,7 @@ from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
 
 if TYPE_CHECKING:
     from neuron.engine.engine import Engine
-    from neuron.progress import Download
+    from neuron.models.progress import Download
 
 log = structlog.get_logger("neuron.server")
 
@@ -54,7 +54,7 @@ class ServerState:
     engine: Engine | None = None  # None while the model loads
     status: str = "loading the model"
     started: int = 0
-    # While a model named on the Hub is fetched: its progress, which /ready answers with (neuron.progress).
+    # While a model named on the Hub is fetched: its progress, which /ready answers with (neuron.models.progress).
     download: Download | None = None
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response
 
 from neuron import metrics
-from neuron.models import ModelError, read_config, text_config
+from neuron.models.folder import ModelError, read_config, text_config
 from neuron.server.common.readiness import not_ready_because
 from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
 from neuron.server.http import Call, Endpoint, OrjsonResponse

@@ -321,7 +321,7 @@ def test_processes_converting_the_embedded_model_at_once_share_one_folder(tmp_pa
     code = (
         "from neuron import log\n"
         "log.configure('info', 'json')\n"
-        "from neuron.models import resolve\n"
+        "from neuron.models.folder import resolve\n"
         "print(resolve(None))\n"
     )
     env = {**os.environ, "NEURON_CACHE_DIR": str(tmp_path)}

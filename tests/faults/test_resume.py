@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import Server
 
-from neuron.pool.recovery import LEAVE_S
+from neuron.pool.replacement import LEAVE_S
 from testkit.faults import CRASH_ENV, ENTRY, OOM_ENV, WEDGE_ENV
 from testkit.resume import (
     COMPLETIONS,

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from conftest import run_neuron
 
-from neuron.shares import INDEX
+from neuron.models.shares import INDEX
 from testkit import file_per_layer
 from testkit.hub import LocalHub
 from testkit.testbed import Namespaces, unavailable

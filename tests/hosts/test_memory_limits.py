@@ -24,7 +24,7 @@ import httpx
 import pytest
 from conftest import Server, make_tiny_model, wait_until
 
-from neuron.models import weight_bytes
+from neuron.models.folder import weight_bytes
 from testkit import cgroups, faults
 from testkit.testbed import Namespaces, unavailable
 

@@ -25,7 +25,8 @@ from conftest import PARIS, Server, alive, make_tiny_model, run_neuron, serving,
 from test_logging import Journal
 from test_systemd import FakeSystemd
 
-from neuron import device, log
+from neuron import log
+from neuron.system import device
 from testkit import faults, resume, run_neuron_side_by_side
 from testkit.testbed import Namespaces, children, unavailable
 

@@ -13,14 +13,7 @@ from neuron.server.common import limits, reasoning, tools
 from neuron.server.common.content import CHAT_PART, chat_text, check_images
 from neuron.server.common.errors import bad, within_limits
 from neuron.server.common.fields import flag, integer, type_of
-from neuron.server.common.generation import (
-    CHAT_MAX_TOKENS,
-    SAMPLING_FIELDS,
-    UNSUPPORTED,
-    Generation,
-    begin,
-    finish,
-)
+from neuron.server.common.generation import CHAT_MAX_TOKENS, SAMPLING_FIELDS, UNSUPPORTED, Generation, begin, finish
 from neuron.server.common.schema import Schema, or_null
 
 FIELDS = SAMPLING_FIELDS | {

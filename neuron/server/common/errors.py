@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from neuron.engine.sequence import Failure, Overloaded, Unavailable
+from neuron.engine.refusals import Overloaded, Unavailable
+from neuron.engine.sequence import Failure
 from neuron.grammar import TOO_COMPLEX
 from neuron.server.common import limits
 

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuron.grammar import closed
-from neuron.paths import cache_dir
 from neuron.server.common import reasoning
 from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
 from neuron.server.common.tools import ToolMarkup, Tools, ToolStream
+from neuron.system.paths import cache_dir
 
 if TYPE_CHECKING:
     from openai_harmony import HarmonyEncoding, ReasoningEffort

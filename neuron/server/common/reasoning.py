@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron.engine.sequence import RequestError
+from neuron.engine.refusals import RequestError
 from neuron.sampling_params import SamplingParams
 from neuron.server.common.errors import bad
 

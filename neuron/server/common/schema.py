@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from neuron.models import Embedding
+from neuron.models.folder import Embedding
 from neuron.sampling_params import RANGES
 from neuron.server.common.fields import INT64, Served
 

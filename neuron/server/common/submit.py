@@ -12,7 +12,8 @@ import anyio
 import structlog
 
 from neuron import images
-from neuron.engine.sequence import Overloaded, RequestError, Sequence, Unavailable
+from neuron.engine.refusals import Overloaded, RequestError, Unavailable
+from neuron.engine.sequence import Sequence
 from neuron.grammar import GrammarError
 from neuron.sampling_params import SamplingParams
 from neuron.server.common import content, harmony, reasoning, tools

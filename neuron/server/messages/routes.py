@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from neuron.engine.sequence import RequestError
+from neuron.engine.refusals import RequestError
 from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.generation import Generation

@@ -1,0 +1,458 @@
+"""The leader process of ``neuron serve``: one event loop runs the HTTP server and the engine; the engine owns
+the pool. Its signals, its readiness for systemd, and its restart when a lost group cannot be replaced in
+process live here, beside the CLI: ``neuron.server`` is only the HTTP application.
+
+Why we bind the socket ourselves: a port in use is reported before the model
+loads, in our words, and uvicorn never gets to call ``sys.exit`` inside our loop.
+
+Why we own the signals: uvicorn's handlers would wait forever for open streams
+and re-raise SIGTERM. Here the first SIGTERM or SIGINT stops admission, lets
+the running and queued requests finish (up to ``drain_timeout`` s), fails what is left
+with an error event, stops the workers, and exits 0. A second signal skips the
+wait. The HTTP port answers from the start: ``/health`` at once, ``/ready``
+and the API with 503 until the model is loaded and probed.
+
+Under ``neuron.socket``, systemd holds the listening socket across restarts,
+and connections wait in its backlog while no process serves. So a process
+started with that socket accepts nothing until its model is ready, and closes
+the listener on the first signal: a restart answers every request, late
+rather than with a 503. A server that binds its own port answers at once
+instead, ``/health`` included, so that a supervisor can watch it load.
+
+What a lost group does: the requests in flight outlive it. The engine pauses
+them, the pool replaces every worker and rank 0's group inside this process
+(MLX caches one group per backend per process; ``rank.dist.backends`` makes it forget
+the lost one), and each request goes on where it stopped, its connection open
+all along (``engine.resume``). This module sees none of it, unless the group
+cannot be replaced here: rank 0 held inside a collective, a backend that
+cannot let a group go, MLX without ``clear_backends``, no fresh group within
+``--resume-timeout`` (or that set to 0). Then the engine's ``lost`` is set,
+every request in flight has ended with an error (an SSE error event, or 503
+with ``Retry-After``), the listener closes, the workers are stopped, and
+``restart_leader`` re-executes this process (same pid, so systemd still sees
+its main process) with the listening socket handed over as a socket
+activation would. Connections that arrive meanwhile wait in the socket's
+backlog; the fresh leader answers them at once, with 503 until its model is
+ready again.
+
+Under systemd (``Type=notify``) the server says ``READY=1`` once the model has
+answered a probe on every rank, keeps ``STATUS=`` current, and sends
+``WATCHDOG=1`` only while the engine's step loop makes progress: a step wedged
+for half of ``WatchdogSec`` stops the heartbeat, and systemd restarts us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import structlog
+import uvicorn
+
+from neuron import metrics
+from neuron.config.settings import HttpLimits, Scheduling, Serving
+from neuron.engine.engine import Engine
+from neuron.launch.checks import Unreachable
+from neuron.models.adapters import AdapterError, parse_list
+from neuron.pool import Deadlines, Layout
+from neuron.server.app import ServerState, build_app
+from neuron.server.connections import bounded
+from neuron.server.guard import Allowed, split_list
+from neuron.system import systemd
+from neuron.system.reexec import reexec
+
+log = structlog.get_logger("neuron.server")
+
+STATUS_EVERY_S = 1.0
+T = TypeVar("T")
+
+
+# Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
+RESERVED_DESCRIPTORS = 128
+
+
+def connection_limit(wanted: int) -> int:
+    """``wanted``, or fewer when the descriptor limit could not hold that many: accept() must never run out."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = max(1, soft - RESERVED_DESCRIPTORS)
+    if wanted > room:
+        log.warning(
+            "max_connections lowered to fit the descriptor limit; raise LimitNOFILE= (ulimit -n) for more",
+            max_connections=room,
+            asked=wanted,
+            descriptor_limit=soft,
+        )
+    return min(wanted, room)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    model_path: Path | None  # None: ``model`` names a model on the Hub, fetched once the port answers
+    model_id: str
+    layout: Layout = field(default_factory=lambda: Layout.local(1))
+    model: str | None = None  # what --model said: hosts of their own resolve it there
+    serving: Serving = field(default_factory=Serving)
+    http: HttpLimits = field(default_factory=HttpLimits)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    limits: Scheduling = field(default_factory=Scheduling)
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+RESTART_ENV = "NEURON_RESTART"  # set by restart_leader for the fresh leader: why, when, and how many times
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """Why the leader restarts, handed from the old process to the fresh one."""
+
+    cause: str
+    lost_at: float  # time.time(), so the fresh process can log how long the recovery took
+    restarts: int
+    # Re-executions of the leader so far, by why (``metrics.LEADER_RESTARTS``' labels), this one included.
+    leader_restarts: dict[str, int] = field(default_factory=dict)
+
+    def counted(self, why: str, previous: Recovery | None) -> Recovery:
+        """This recovery, with ``previous``' counts of leader restarts carried on and this one added."""
+        counts = dict(previous.leader_restarts) if previous else {}
+        counts[why] = counts.get(why, 0) + 1
+        return replace(self, leader_restarts=counts)
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """What ``serve`` returns when the group was lost: the caller passes it to ``restart_leader``."""
+
+    listener_fd: int
+    recovery: Recovery
+
+
+def restart_leader(restart: Restart) -> NoReturn:
+    """Replace this process with a fresh leader that inherits the listening socket as file descriptor 3."""
+    os.dup2(restart.listener_fd, systemd.LISTEN_FDS_START)  # inheritable, unlike every other descriptor
+    note = json.dumps(asdict(restart.recovery))
+    reexec({**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: note})
+
+
+def _restarted() -> Recovery | None:
+    note = os.environ.pop(RESTART_ENV, None)
+    return Recovery(**json.loads(note)) if note else None
+
+
+async def _first(*events: anyio.Event) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def wait(event: anyio.Event) -> None:
+            await event.wait()
+            tg.cancel_scope.cancel()
+
+        for event in events:
+            tg.start_soon(wait, event)
+
+
+# How often a stopping server looks whether its last connections have closed.
+CLOSED_POLL_S = 0.005
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, less its signal handlers, and quick to stop. uvicorn's own loop looks at ``should_exit``
+    every tenth of a second, and its shutdown pauses a tenth before it looks, again every tenth, whether the
+    connections have closed: every stop or restart of a leader waited out those tenths. ``stop`` ends the loop at
+    once, and the shutdown, uvicorn's otherwise, looks every few milliseconds."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._ticking = anyio.CancelScope()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # neuron handles SIGTERM and SIGINT itself (see the module's docstring)
+
+    async def main_loop(self) -> None:
+        with self._ticking:
+            await super().main_loop()
+
+    def stop(self) -> None:
+        """Close the listener and let the last responses finish (within ``timeout_graceful_shutdown``), now."""
+        self.should_exit = True
+        self._ticking.cancel()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # an idle connection closes now, a busy one once its response is sent
+        with anyio.move_on_after(self.config.timeout_graceful_shutdown):
+            while self.server_state.connections or self.server_state.tasks:
+                await anyio.sleep(CLOSED_POLL_S)
+        if self.server_state.tasks:
+            log.warning("responses cut short: the graceful shutdown timed out", tasks=len(self.server_state.tasks))
+        for task in self.server_state.tasks:
+            task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        for server in self.servers:
+            await server.wait_closed()
+        await self.lifespan.shutdown()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # The protocol named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections whose
+    # socket says IPPROTO_TCP, and accepted ones take the listener's. With Nagle on, a response written in two parts
+    # (head, then body) waited for the client's delayed ACK: about 40 ms on every request of a kept-alive connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --port or --host") from e
+    return sock
+
+
+def _status(options: ServeOptions, state: ServerState, engine: Engine | None) -> str:
+    launcher = options.layout.launcher
+    ranks = f"{options.model_id} on {launcher.world_size} rank(s)"
+    if launcher.remote:
+        ranks += f" ({', '.join(launcher.host(r) for r in range(launcher.world_size))})"
+    if engine is None:
+        return f"{state.status}: {ranks}"
+    health = "ready" if engine.health.ready else f"not ready ({engine.health.reason})"
+    return f"{health}: {ranks}, {engine.running} running, {engine.waiting} waiting"
+
+
+# Seconds before the leader tries a host out of reach again: soon at first, then no more than every 15 s.
+RETRY_S = (1, 2, 4, 8, 15)
+
+
+async def _wait_to_retry(
+    error: Unreachable,
+    restarted: Recovery | None,
+    state: ServerState,
+    notifier: systemd.Notifier,
+    stopping: anyio.Event,
+) -> Recovery | None:
+    """A host is out of reach: say which, wait, and hand back the ``Recovery`` for a fresh try (None on a signal).
+
+    The retry is a fresh process, as after a lost group: rank 0 may already have
+    joined a group, and MLX allows one per process.
+    """
+    count = restarted.restarts + 1 if restarted else 1
+    delay = RETRY_S[min(count, len(RETRY_S)) - 1]
+    state.status = f"waiting for {', '.join(error.hosts)} (next try in {delay} s): {error}"
+    log.error("host unreachable; trying again", hosts=error.hosts, error=str(error), retry_s=delay, restarts=count)
+    notifier.send(f"STATUS={state.status}")
+    with anyio.move_on_after(delay):
+        await stopping.wait()
+    if stopping.is_set():
+        return None
+    return Recovery(str(error), restarted.lost_at if restarted else time.time(), count).counted(
+        "unreachable", restarted
+    )
+
+
+def _why_restart(engine: Engine, options: ServeOptions) -> str:
+    """Why the group could not be replaced in this process, as ``metrics.LEADER_RESTARTS`` labels it."""
+    if engine.pool.unrecoverable is not None:
+        return "unrecoverable"
+    return "resume_off" if options.limits.resume_timeout <= 0 else "recovery_failed"
+
+
+async def _tell_systemd(notifier: systemd.Notifier, options: ServeOptions, state: ServerState) -> None:
+    """Keep ``STATUS=`` current and feed the watchdog while the step loop is not wedged."""
+    tick = min(STATUS_EVERY_S, notifier.watchdog_s / 4) if notifier.watchdog_s else STATUS_EVERY_S
+    last = ""
+    while True:
+        status = _status(options, state, state.engine)
+        if status != last:
+            notifier.send(f"STATUS={status}")
+            last = status
+        # While loading (no engine yet), the start-up timeout is systemd's guard, not the watchdog.
+        if notifier.watchdog_s and (state.engine is None or state.engine.busy_for() < notifier.watchdog_s / 2):
+            notifier.send("WATCHDOG=1")
+        await anyio.sleep(tick)
+
+
+def _stop_accepting(server: uvicorn.Server) -> None:
+    for listener in server.servers:
+        listener.close()
+
+
+async def _drain(engine: Engine, server: uvicorn.Server, notifier: systemd.Notifier, timeout: float) -> None:
+    notifier.send("STOPPING=1", f"STATUS=draining {engine.pending} request(s)")
+    _stop_accepting(server)  # under neuron.socket, new connections wait for the next instance (see above)
+    log.info("draining", requests=engine.pending, timeout_s=timeout)
+    if not await engine.drain(timeout):
+        log.warning("drain timed out; failing the requests left", requests=engine.pending)
+        engine.abort("the server is shutting down")
+
+
+async def _in_daemon_thread(function: Callable[..., T], *args: object) -> T:
+    """``function(*args)`` on a daemon thread of its own, awaited. Why not ``to_thread``: a signal abandons a
+    download, which holds no MLX and resumes on the next start, and the process must exit at once rather than
+    wait, as the interpreter does for any other thread, for the file to finish."""
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(function(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task, which raises it
+            failure.append(e)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=run, name="neuron-fetch", daemon=True).start()
+    await done.wait()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+async def _fetch(options: ServeOptions, state: ServerState) -> Path:
+    """Fetch the model named on the Hub while the port answers: ``/ready`` says how far the download got."""
+    from neuron.models.folder import fetch, resolve
+    from neuron.models.progress import Download
+
+    state.download = Download(str(options.model))
+    state.status = f"fetching {options.model} from the Hugging Face Hub"
+    local = await _in_daemon_thread(fetch, options.model, state.download)
+    state.status = "loading the model"
+    state.download = None
+    return resolve(str(local))  # a GGUF file is converted here, on this thread as before the port opened
+
+
+def _adapters(options: ServeOptions) -> list[tuple[str, str]]:
+    """``--adapter``'s pairs (name, folder or Hub name); a name the base model goes by is refused."""
+    pairs = parse_list(options.serving.adapter)
+    if clash := next((name for name, _ in pairs if name == options.model_id), None):
+        raise AdapterError(f"--adapter {clash}: the base model is served as {clash!r}; give the adapter another name")
+    return pairs
+
+
+async def run_leader(options: ServeOptions) -> Restart | None:
+    """Serve until a signal (returns None) or until the group is lost (returns a ``Restart``)."""
+    restarted = _restarted()
+    if restarted:
+        metrics.WORKER_RESTARTS.inc(restarted.restarts)
+        for why, count in restarted.leader_restarts.items():
+            metrics.LEADER_RESTARTS.labels(why).inc(count)
+    activated = systemd.activated_socket()
+    sock = activated or bind(options.serving.host, options.serving.port)
+    host, port = sock.getsockname()[:2]
+    notifier = systemd.Notifier()
+    api_key = options.serving.api_key
+    state = ServerState(options.model_id, api_key.strip() if api_key else None)
+    http = options.http
+    allowed = Allowed.build(
+        split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
+    )
+    config = uvicorn.Config(
+        build_app(state, allowed, with_page=not http.no_page),
+        http=bounded(connection_limit(http.max_connections), http.header_timeout),
+        ws="none",
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=http.keep_alive_timeout,  # type: ignore[arg-type]  # a float works: it goes to call_later
+        timeout_graceful_shutdown=5,
+    )
+    server = _Server(config)
+    lifetime, helpers, stopping = anyio.CancelScope(), anyio.CancelScope(), anyio.Event()
+
+    async def on_signals() -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal received", signal=signal.Signals(signum).name)
+                if state.engine is None or stopping.is_set():
+                    lifetime.cancel()  # still loading, or a second signal: stop without waiting
+                stopping.set()
+
+    async with anyio.create_task_group() as tg:
+        if not activated or restarted:
+            tg.start_soon(server.serve, [sock])
+
+        async def run_helpers() -> None:
+            with helpers:
+                async with anyio.create_task_group() as helper_tasks:
+                    helper_tasks.start_soon(on_signals)
+                    if notifier.enabled:
+                        helper_tasks.start_soon(_tell_systemd, notifier, options, state)
+
+        tg.start_soon(run_helpers)
+        log.info(
+            "listening",
+            host=host,
+            port=port,
+            model=options.model_id,
+            ranks=options.layout.launcher.world_size,
+            socket="inherited" if restarted else "systemd" if activated else "bound",
+        )
+        restart = None
+        try:
+            with lifetime:
+                try:
+                    model_path = options.model_path or await _fetch(options, state)
+                    engine_context = Engine.open(
+                        model_path,
+                        options.layout,
+                        options.deadlines,
+                        options.limits,
+                        options.model,
+                        _adapters(options),
+                    )
+                    async with engine_context as engine:
+                        state.engine = engine
+                        if activated and not restarted:
+                            tg.start_soon(server.serve, [sock])
+                        notifier.send("READY=1", f"STATUS={_status(options, state, engine)}")
+                        log.info("serving", host=host, port=port, model=options.model_id)
+                        if restarted:
+                            ms = round((time.time() - restarted.lost_at) * 1000)
+                            log.info("recovered", cause=restarted.cause, restarts=restarted.restarts, ms=ms)
+                        await _first(stopping, engine.lost)
+                        if stopping.is_set():
+                            await _drain(engine, server, notifier, options.serving.drain_timeout)
+                        else:
+                            cause = str(engine.pool.broken or engine.health.reason)
+                            # In-process recoveries count as restarts with fresh workers too.
+                            count = (restarted.restarts if restarted else 0) + engine.recoveries + 1
+                            why = _why_restart(engine, options)
+                            log.error("group lost; restarting the leader", cause=cause, why=why, restarts=count)
+                            notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows
+                            # Kept past uvicorn's close: connections wait in its backlog for the fresh leader.
+                            lost = Recovery(cause, time.time(), count).counted(why, restarted)
+                            restart = Restart(os.dup(sock.fileno()), lost)
+                            _stop_accepting(server)
+                except Unreachable as e:
+                    if (recovery := await _wait_to_retry(e, restarted, state, notifier, stopping)) is not None:
+                        restart = Restart(os.dup(sock.fileno()), recovery)
+                        _stop_accepting(server)
+        finally:
+            state.engine = None
+            state.status = "shutting down"
+            if restart is None:
+                notifier.send("STOPPING=1")
+            helpers.cancel()
+            server.stop()  # closes the listener and lets the last responses finish
+    notifier.close()
+    log.info("restarting" if restart else "stopped")
+    return restart

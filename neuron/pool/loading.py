@@ -1,0 +1,206 @@
+"""Loading the model onto every rank: each host checked to hold the same model (or sent the share its rank
+loads, with ``--push-model``), then every rank's shard loaded at once."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import structlog
+
+from neuron import rpc
+from neuron.launch import cgroup
+from neuron.launch.checks import Unreachable, check_memory, check_models, model_differences
+from neuron.launch.push import PushCut, Pushed, push
+from neuron.launch.stages import plan_stages, weights_per_rank
+from neuron.log import ms_since
+from neuron.models import hub
+from neuron.models.folder import DECIDING_FILES, cache_bytes, cache_shares, digest_files, model_digest
+from neuron.models.shares import Plan, files_read, sha256_of, share_key
+from neuron.pool.fanout import PoolError
+from neuron.pool.ranks import Ranks
+from neuron.rank.head.drafter import Drafter
+from neuron.rank.head.mtp import MtpDrafter
+from neuron.rank.model.shard import ShareSource
+from neuron.rank.rank import Loaded, Rank
+
+log = structlog.get_logger("neuron.pool")
+
+
+class Loading(Ranks):
+    """The ranks, and the model loaded onto them, with its LoRA adapters."""
+
+    async def load(self) -> dict[int, Loaded]:
+        """Check every host holds the same model (or send one that does not the share its rank loads, with
+        ``push``), then load each rank's shard of it, all ranks at once."""
+        self.loaded = False
+        started = time.perf_counter()
+        layers = self._stage_layers()
+        mine = digest_files(self.model_path)
+        shares = self._share_keys(model_digest(mine), layers)
+        # What each rank loads from: a host fetching the model from the Hub fetches only that.
+        reads = [files_read(self.model_path, stage, rank) if stage else [] for rank, stage in enumerate(layers)]
+        checked = await self._fan_out(
+            "check_model",
+            lambda rank, id: self._check(rank, id, shares[rank], reads[rank]),
+            lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
+            self.deadlines.load,
+        )
+        paths = {rank: reply.path for rank, reply in checked.items()}
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts, reads)
+        self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
+        check_memory(self.weights, self._hosts_said, self.hosts)
+        for rank in sorted(model_differences(checked, self.hosts, reads)):  # each may take its share from the leader
+            paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
+            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
+        replies = await self._fan_out(
+            "load_shard",
+            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank], kv_bits=self.kv_bits),
+            lambda rank: rank.load(self.model_path, layers[0], self.kv_bits),
+            self.deadlines.load,
+        )
+        cgroup.forget_file_pages(self.model_path, self._memory.group)
+        if self.draft_path is not None:
+            await self._load_draft(self.draft_path)
+        if self.mtp:
+            await self._load_mtp()
+        self.loaded = True
+        for number, (name, path) in sorted(self.adapters.items()):
+            await self._load_adapter(number, name, path)
+        loaded = {
+            0: replies[0],
+            **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in self.workers},
+        }
+        log.info(
+            "model loaded",
+            model=self.model_path,
+            world_size=self.world_size,
+            parameters_per_rank=[loaded[r].parameters for r in sorted(loaded)],
+            ms=ms_since(started),
+        )
+        return loaded
+
+    async def load_adapter(self, number: int, name: str, path: str) -> list[int]:
+        """Load the LoRA adapter in ``path`` as ``number`` on every rank, each its slice (``rank.model.lora``); returns
+        how many projections it adapts on each rank. Refused (``PoolError``, the group still in step) with each
+        failing rank's reason, and then dropped wherever it loaded."""
+        try:
+            projections = await self._load_adapter(number, name, path)
+        except PoolError as e:
+            if not e.broken:
+                await self.unload_adapter(number)
+            raise
+        self.adapters[number] = (name, path)
+        return projections
+
+    async def _load_adapter(self, number: int, name: str, path: str) -> list[int]:
+        replies = await self._fan_out(
+            "load_adapter",
+            lambda _, id: rpc.LoadAdapter(id=id, adapter=number, name=name, path=path),
+            lambda rank: rank.load_adapter(number, name, path),
+            self.deadlines.load,
+        )
+        projections = [replies[0], *(replies[w.rank].projections for w in self.workers)]
+        log.info("adapter loaded", adapter=name, number=number, path=path, projections_per_rank=projections)
+        return projections
+
+    async def unload_adapter(self, number: int) -> None:
+        """Drop adapter ``number`` on every rank."""
+        self.adapters.pop(number, None)
+        await self._fan_out(
+            "unload_adapter",
+            lambda _, id: rpc.UnloadAdapter(id=id, adapter=number),
+            lambda rank: rank.unload_adapter(number),
+            self.deadlines.control,
+        )
+
+    async def _load_draft(self, path: Path) -> None:
+        """The draft model, whole on rank 0 (``rank.head.drafter``), checked to cut back as speculation needs."""
+        started = time.perf_counter()
+        head = self._rank0.head
+
+        def load_draft(rank: Rank) -> None:
+            head.drafter = Drafter.load(str(path), rank.vocab_size)
+
+        try:
+            await self._rank0.call(load_draft, self.deadlines.load)
+        except Exception as e:  # any reason is the operator's to read, as a failed step's
+            raise PoolError("load_draft", {0: f"{path}: {e}"}, broken=False, hosts=self.hosts) from e
+        log.info("draft model loaded", model=str(path), ms=ms_since(started))
+
+    async def _load_mtp(self) -> None:
+        """The model's own prediction layer, whole on rank 0 (``rank.head.mtp``), which drafts from now on."""
+        head = self._rank0.head
+
+        def load_mtp(rank: Rank) -> None:
+            head.drafter = MtpDrafter.load(self.model_path, rank)
+
+        try:
+            await self._rank0.call(load_mtp, self.deadlines.load)
+        except Exception as e:  # any reason is the operator's to read, as a failed step's
+            raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=self.hosts) from e
+        log.info("the model's multi-token-prediction layer drafts", model=self.model_path)
+
+    def _check(self, rank: int, id: int, share: str, weights: list[str]) -> rpc.CheckModel:
+        """What ``rank`` is asked to find: the model, with the leader's Hugging Face token where its host fetches
+        it from the Hub itself (``hub.token``)."""
+        model = self.launcher.model(rank, self.model, self.model_path)
+        token = "" if self.launcher.hosts[rank].local else hub.token(model, self.layout.push)
+        return rpc.CheckModel(id=id, model=model, share=share, weights=weights, token=token)
+
+    def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
+        """Each rank's share of the model (``neuron.models.shares``) where the leader may push it: on another host, with
+        ``push``; empty elsewhere."""
+        return [
+            share_key(digest, rank, self.world_size, layers[rank])
+            if hub.leader_may_push(self.model, self.layout.push) and not self.launcher.hosts[rank].local
+            else ""
+            for rank in range(self.world_size)
+        ]
+
+    async def _push(self, rank: int, key: str, layers: list[int]) -> str:
+        """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
+        thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
+        next try resumes where it stopped."""
+        host = self.hosts[rank]
+        argv = self.launcher.receiver(rank, key)
+        files = {
+            name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
+        }
+
+        def send(_: Rank) -> Pushed:
+            source = ShareSource(self.model_path, rank, self.world_size, layers)
+            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
+            return push(argv, plan, source, files, host, rank)
+
+        try:
+            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
+        except PushCut as e:
+            raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
+        return pushed.path
+
+    @property
+    def cache_shares(self) -> list[tuple[int, int]]:
+        """What a prompt's caches hold on each rank (``models.cache_shares``), rank 0's with its draft model's (whole
+        there, a cache per sequence beside the model's)."""
+        shares = cache_shares(self.model_path, self.layers, self.world_size, self.kv_bits)
+        if self.draft_path is not None:
+            per_token, per_sequence = cache_bytes(self.draft_path, [], 1)
+            shares[0] = (shares[0][0] + per_token, shares[0][1] + per_sequence)
+        return shares
+
+    @property
+    def cache_bytes(self) -> tuple[int, int]:
+        """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
+        computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
+        alike)."""
+        return cache_bytes(self.model_path, self.layers, self.world_size, self.kv_bits)
+
+    def _stage_layers(self) -> list[list[int]]:
+        """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
+        if self.layout.stages == 1:
+            return [[] for _ in range(self.world_size)]
+        free = [info.free_memory for info in self._hosts_said]
+        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
+        return [list(r) for r in self.layers]

@@ -1,0 +1,153 @@
+"""Recovery: replacing a lost group in this process, on top of ``load.py``'s loading.
+
+Every worker is stopped, rank 0 leaves the group and MLX forgets it (``rank.dist.backends``), then fresh workers
+start, a fresh group forms on fresh data-plane ports, and the model loads again on every rank. A rank-0 thread that
+stays inside the lost group's collective is left behind, within bounds; past them (or where MLX cannot forget a
+group) only a fresh leader process can serve again: ``Unrecoverable``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import anyio.abc
+import structlog
+
+from neuron import metrics
+from neuron.launch.checks import size
+from neuron.launch.dataplane import Sink, cut
+from neuron.launch.hosts import describe_host
+from neuron.launch.ssh import StderrRelay
+from neuron.launch.stages import weights_per_rank
+from neuron.log import ms_since
+from neuron.pool.fanout import PoolError
+from neuron.pool.link import describe_exit
+from neuron.pool.loading import Loading
+from neuron.pool.rank0 import Rank0Thread
+from neuron.rank.dist import backends, group
+from neuron.rank.dist.backends import NoClearBackends
+from neuron.system import cpu
+
+log = structlog.get_logger("neuron.pool")
+
+# Seconds rank 0 gets to leave a lost group once its connections are cut, before its thread is left behind
+# (``_abandon_rank0`` below): the ring fails a transfer on a dead socket after ten tries in a row, within milliseconds.
+LEAVE_S = 5.0
+# Wedged rank-0 threads left behind, each holding its share of the weights, before the leader restarts instead (it
+# also does once the host's available memory is under twice rank 0's share).
+MAX_ABANDONED = 4
+
+
+class Unrecoverable(RuntimeError):
+    """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
+
+
+class Recovering(Loading):
+    """The pool's ranks, loaded, and the means to replace them all when their group is lost."""
+
+    async def recover(self) -> None:
+        """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
+        start fresh workers, form a fresh group on fresh data-plane ports, and load the model again on every rank
+        (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when this MLX cannot
+        forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
+        joining or loading as those raise it."""
+        started = time.perf_counter()
+        # First, before any worker is killed (a dead peer's sockets fail rank 0's, and that can wedge it: ``Sink``),
+        # rank 0's ends of the lost group's connections are handed to a stand-in that lets every collective queued
+        # on them complete; then whatever is left is shut down.
+        sink = Sink()
+        sunk = sink.replace(self._addresses)
+        old, self._fan_out.workers = self._fan_out.workers, []
+        async with anyio.create_task_group() as tg:
+            for worker in old:
+                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+        # Its forwards were the lost group's links; the next group gets its own. One that had ended by itself is
+        # said here where a step broke the group before the watch saw it end.
+        for host, process, relay in await self._tunnels.close():
+            tunnel_lost(self.hosts.index(host), host, process, relay)
+        shut = cut(self._addresses)
+        log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
+        try:
+            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+        except TimeoutError:
+            await self._abandon_rank0()
+        except NoClearBackends as e:
+            self.unrecoverable = str(e)
+            raise Unrecoverable(str(e)) from e
+        finally:
+            sink.close()
+        self.loaded = False
+        self._fan_out.renew()
+        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
+        pongs = await self.start()
+        try:
+            await self.init_group(pongs)
+        except PoolError as e:
+            if 0 in e.failures and any(t.alive for t in self._abandoned):
+                # MLX's scheduler counts every stream's queued operations, the wedged one's too, and past a few it
+                # has every evaluation wait for one to finish: a fresh thread can wait behind the wedged one.
+                self.unrecoverable = f"rank 0 could not join a fresh group beside a thread left wedged in MLX ({e})"
+                raise Unrecoverable(self.unrecoverable) from e
+            raise
+        await self.load()
+        self._renewed.set()
+        metrics.WORKER_RESTARTS.inc()
+
+    async def _abandon_rank0(self) -> None:
+        """Rank 0's thread did not come out of the lost group: leave it behind, and go on with a fresh one.
+
+        Why it can stay in forever, whatever is cut: the ring gives each socket a
+        thread that fails the transfers pending on it once the peer is gone, and
+        then ends; a collective queued after that (the step run ahead, built before
+        the loss was known) waits on a socket no thread serves any more, and no
+        socket operation of ours can reach it. Its MLX stream belongs to its thread
+        (per-thread since MLX 0.31.2), so a fresh thread gets a fresh stream; the
+        old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
+        left before the leader restarts to free them."""
+        wedged = [t for t in self._abandoned if t.alive]
+        share = weights_per_rank(self.model_path, self.world_size, self.layers)[0]
+        free = describe_host(0).free_memory
+        if len(wedged) >= MAX_ABANDONED or free < 2 * share:
+            self.unrecoverable = (
+                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
+                f"its share of the weights ({size(share)}), were already left behind ({size(free)} available)"
+            )
+            raise Unrecoverable(self.unrecoverable)
+        old = self._rank0
+        old.abandon()
+        backends.stream_left_wedged()
+        self._abandoned = [*wedged, old]
+        metrics.RANK0_ABANDONED.inc()
+        log.warning(
+            "rank 0's thread left behind",
+            reason=f"still inside a collective of the lost group {LEAVE_S:g} s after its connections were cut",
+            left_behind=len(self._abandoned),
+            stuck_in=old.where(),
+        )
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
+        try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
+            await self._rank0.call(lambda _: group.leave(), LEAVE_S)
+            await self._rank0.call(lambda _: backends.evaluates(), LEAVE_S)
+        except NoClearBackends as e:
+            self.unrecoverable = str(e)
+            raise Unrecoverable(str(e)) from e
+        except TimeoutError as e:  # at once, rather than after a group that could never form
+            self.unrecoverable = (
+                f"rank 0's fresh thread could not evaluate within {LEAVE_S:g} s beside the one left inside the lost "
+                f"{self.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
+            )
+            raise Unrecoverable(self.unrecoverable) from e
+
+
+def tunnel_lost(rank: int, host: str, process: anyio.abc.Process, relay: StderrRelay) -> str:
+    """Log that the data plane's tunnel connection to ``host`` ended by itself; the reason, for the pool's error."""
+    said = relay.last_words()
+    why = (
+        f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
+        f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
+    )
+    log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+    return why

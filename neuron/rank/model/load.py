@@ -1,0 +1,83 @@
+"""Loading one rank's share of a model: a slice of every layer (tensor parallel), or a pipeline stage of whole
+layers, and the runner that drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from neuron.models import architectures
+from neuron.models.folder import KV_GROUP_SIZE, read_config, text_config
+from neuron.rank.failures import RankError
+from neuron.rank.kv import states
+from neuron.rank.kv.quantized import quantize_caches
+from neuron.rank.model import mrope, vision
+from neuron.rank.model.shard import load_shard, load_stage, parameter_count, shard_head
+from neuron.rank.runner import Sharded, Stage
+
+
+@dataclass(slots=True)
+class Loaded:
+    parameters: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class Share:
+    """A rank's share of the model, ready to step."""
+
+    model: nn.Module
+    runner: Sharded | Stage
+    vocab_size: int
+    prompts_together: bool  # new prompts fed as one left-padded batch: where every cache can be cut
+    parameters: int
+    layers: int  # the whole model's, of which a stage holds some
+
+
+def load(
+    model_path: str,
+    layers: list[int],
+    rank: int,
+    world_size: int,
+    group: mx.distributed.Group | None,
+    kv_bits: int | None = None,
+) -> Share:
+    """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
+    a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given."""
+    config = read_config(model_path)  # the leader checked it can be split (rank.shard.check_splittable)
+    vocab_size = text_config(config)["vocab_size"]
+    if layers:
+        if group is None:
+            raise RankError(f"rank {rank}: a pipeline stage needs a group of at least two ranks")
+        model = load_stage(model_path, layers[0], layers[1], rank)
+    else:
+        model = load_shard(model_path, group)
+    if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
+        raise RankError(
+            f"rank {rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
+            "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
+            f"serve one of {', '.join(sorted(architectures.TABLE))}"
+        )
+    support = architectures.supports(config)
+    together = support is None or support.cuttable  # from the whole model: a stage may hold none
+    if support is not None and support.caches == architectures.STATE:
+        states.hook(model)  # its gated delta layers keep each position's state where drafts need it
+    parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
+    runner: Sharded | Stage
+    if layers:
+        assert group is not None
+        runner = Stage(model, rank, world_size, group)
+    else:
+        runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
+    runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
+    runner.rope = mrope.attach(config, model, rank, layers[0] if layers else 0)
+    if kv_bits is not None:
+        try:
+            architectures.check_kv_bits(config, kv_bits, KV_GROUP_SIZE)  # the leader checked; a worker's own model
+        except architectures.Unsupported as e:
+            raise RankError(f"rank {rank}: {e}") from None
+        quantize_caches(model, KV_GROUP_SIZE, kv_bits)
+    return Share(model, runner, vocab_size, together, parameters, int(text_config(config)["num_hidden_layers"]))
