@@ -25,7 +25,7 @@ from closeness import TOP, Scored, assert_all_same
 from conftest import SPLITS, Server, run_neuron, serving
 from drafting import complete, drafts_change_nothing, spoken
 
-from neuron.engine.drafts import DRAFTED, MODEL_FLOOR, MODEL_PRIOR, DraftRate, Proposer
+from neuron.engine.drafts import MODEL_FLOOR, MODEL_PRIOR, DraftRate, Proposer
 from neuron.engine.text import Text
 from neuron.rank.head.rejection import Rejection
 from neuron.rank.head.sampler import Sampler
@@ -109,18 +109,19 @@ def test_rejection_sampling_keeps_the_target_distribution_whatever_the_draft() -
 
 
 @pytest.mark.unit
-def test_a_model_proposer_asks_for_k_placeholders_and_learns_from_verified_drafts_only() -> None:
+def test_a_model_proposer_asks_for_k_tokens_and_learns_from_verified_drafts_only() -> None:
     proposer = Proposer(limit=3, model=True)
-    assert proposer.propose([1, 2], [3], room=10) == [DRAFTED] * 3
-    assert proposer.propose([1, 2], [3], room=2) == [DRAFTED] * 2
+    assert proposer.wanted(room=10) == 3 and proposer.wanted(room=2) == 2  # asked before the plan is made
+    assert proposer.propose([1, 2], [3], room=10, proposed=[7, 8, 9, 10]) == [7, 8, 9]
+    assert proposer.propose([1, 2], [3], room=2, proposed=[7, 8, 9]) == [7, 8]
     before = proposer.acceptance
     proposer.update(0, 0)  # cut whole by the batch's rule: nothing was drawn, nothing is learned
     proposer.propose([1, 2], [3, 4], room=10)
     assert proposer.acceptance == before
     for _ in range(3):  # misses in a row: it rests, as prompt lookup does
-        proposer.propose([1, 2], [3], room=10)
+        proposer.propose([1, 2], [3], room=10, proposed=[7, 8, 9])
         proposer.update(3, 0)
-    assert proposer.propose([1, 2], [3], room=10) == []
+    assert proposer.wanted(room=10) == 0 and proposer.propose([1, 2], [3], room=10, proposed=[7]) == []
 
 
 @pytest.mark.unit

@@ -159,7 +159,7 @@ def _batch(size: int, rate: float) -> tuple[Scheduler, list[Sequence]]:
     for seq in seqs:
         assert seq.proposer is not None
         seq.proposer.lookup_rate = rate
-        s.add(seq)
+        s.queues.add(seq)
     _step(s, 5)  # the prompts: each samples 5, and the lookup finds the cycle
     return s, seqs
 

@@ -199,8 +199,8 @@ def test_an_embedding_request_passes_a_generation_waiting_for_a_place_and_feeds_
     run(s)  # its prompt is fed: it decodes from now on
     waiting = request(2)
     short, long = _inputs(3, 12)
-    s.add(waiting)
-    s.add(short)
+    s.queues.add(waiting)
+    s.queues.add(short)
     turn = s.schedule()
     assert turn.admitted == [short, long] and list(s.waiting) == [waiting]
     step = turn.step
@@ -224,9 +224,9 @@ def test_an_embedding_request_passes_a_generation_waiting_for_a_place_and_feeds_
 def test_an_input_cancelled_half_fed_leaves_every_rank_in_the_next_plan() -> None:
     s = scheduler(prefill_chunk=4)
     (seq,) = _inputs(10)
-    s.add(seq)
+    s.queues.add(seq)
     run(s)
-    s.cancel(seq)
+    s.queues.cancel(seq)
     turn = s.schedule()
     assert [dropped for dropped, _ in turn.cancelled] == [seq]
     assert turn.step is None and turn.clear  # alone: one clear drops it on every rank
@@ -236,8 +236,8 @@ def test_an_input_cancelled_half_fed_leaves_every_rank_in_the_next_plan() -> Non
 def test_a_failure_reaches_every_input_of_a_queued_request() -> None:
     s = scheduler(max_batch=1)
     first, second = _inputs(2, 2)
-    s.add(first)
-    assert s.clear() == [first, second]
+    s.queues.add(first)
+    assert s.queues.clear() == [first, second]
 
 
 # The served model.

@@ -129,7 +129,7 @@ def test_requests_are_admitted_while_their_reservations_fit_first_come_first_ser
     s = scheduler(holding(3 * row + row // 2))
     seqs = [request(100) for _ in range(4)] + [request(10)]
     for seq in seqs:
-        s.add(seq)
+        s.queues.add(seq)
     assert s.schedule().admitted == seqs[:3]
     # The fourth waits for memory, and the short one behind it waits too: none passes a request that waits.
     assert list(s.waiting) == seqs[3:]
@@ -141,7 +141,7 @@ def test_the_newest_sequence_is_preempted_as_the_batch_outgrows_the_budget_and_r
     s = scheduler(budget)
     first, second, third = request(100), request(100), request(100)
     for seq in (first, second, third):
-        s.add(seq)
+        s.queues.add(seq)
     assert run(s) == []
     assert s.running == [first, second] and list(s.waiting) == [third]
     # Past its reservation each row grows (its token and a draft's room each step): the newest is paused first.
@@ -159,7 +159,7 @@ def test_a_preempted_sequence_leaves_every_rank_and_is_fed_its_prompt_and_output
     s = scheduler(holding(2 * row + 40))
     first, second = request(100), request(100)
     for seq in (first, second):
-        s.add(seq)
+        s.queues.add(seq)
     turn = until(s, lambda turn: bool(turn.preempted))
     assert turn.preempted == [second] and turn.step is not None and second.no in turn.step.plan.leave
     assert [row.seq for row in turn.step.plan.decode] == [first.no]
@@ -167,7 +167,7 @@ def test_a_preempted_sequence_leaves_every_rank_and_is_fed_its_prompt_and_output
     apply(s, turn)
     # Once the first ends, the second is admitted again: its prompt and output so far fed as one prompt, its
     # sampler told what it had produced (so that a seeded stream goes on as it would have).
-    s.cancel(first)
+    s.queues.cancel(first)
     turn = until(s, lambda turn: turn.step is not None and any(c.seq == second.no for c in turn.step.plan.prefill))
     assert turn.step is not None
     chunk = next(c for c in turn.step.plan.prefill if c.seq == second.no)
@@ -179,13 +179,13 @@ def test_the_prefix_cache_gives_way_before_any_sequence_is_preempted() -> None:
     rows = 2 * (120 + RESERVE + STEP)  # two rows padded to the longer one's reservation
     prefix = PrefixIndex(10**12, PER_TOKEN)
     s = scheduler(holding(rows + 50), prefix)
-    s.add(request(100))
+    s.queues.add(request(100))
     run(s, 1)
     # The prompt was saved as an entry, in what the batch leaves of the budget.
     left = rows + 50 - (100 + RESERVE + STEP)
     assert prefix.bytes == 100 * PER_TOKEN and prefix.budget == left * PER_TOKEN
     # A second request's reservation takes what the entry held: the entry is evicted, nobody is preempted.
-    s.add(request(120))
+    s.queues.add(request(120))
     turn = s.schedule()
     assert len(turn.admitted) == 1 and turn.preempted == []
     assert prefix.bytes == 0 and prefix.budget == 50 * PER_TOKEN
@@ -197,10 +197,10 @@ def test_the_prefix_cache_gives_way_before_any_sequence_is_preempted() -> None:
 def test_a_preempted_sequence_goes_to_the_disk_tier_where_one_is_set() -> None:
     row = 100 + RESERVE + STEP
     s = scheduler(holding(2 * row + 40), PrefixIndex(0, PER_TOKEN))
-    s.spill = True
+    s.queues.spill = True
     first, second = request(100), request(100)
     for seq in (first, second):
-        s.add(seq)
+        s.queues.add(seq)
     turn = until(s, lambda turn: bool(turn.preempted))
     assert turn.step is not None
     plan = turn.step.plan
@@ -213,7 +213,7 @@ def test_a_preempted_sequence_goes_to_the_disk_tier_where_one_is_set() -> None:
 def test_one_sequence_alone_that_no_longer_fits_ends_with_an_error() -> None:
     budget = holding(100 + RESERVE + STEP)
     s = scheduler(budget)
-    s.add(request(100))
+    s.queues.add(request(100))
     run(s, 1)
     budget.read({0: reading(50 * PER_TOKEN + HEADROOM_MIN)})  # another process took the host's memory
     turn = s.schedule()
@@ -257,7 +257,7 @@ def test_a_scored_prompt_is_fed_in_chunks_whose_logits_the_calibrated_step_holds
     s.scored_chunk = budget.scored_chunk(vocab)
     scored = request(300)
     scored.params = SamplingParams(temperature=0.0, prompt_logprobs=1)
-    s.add(scored)
+    s.queues.add(scored)
     step = s.schedule().step
     assert step is not None and [len(c.tokens) for c in step.plan.prefill] == [100]
 
@@ -272,11 +272,11 @@ def test_each_of_n_choices_is_reserved_caches_of_its_own() -> None:
     two = request(100)
     two.copies = [request(100)]
     two.copies[0].copy_of = two
-    s.add(three)
-    s.add(two)
+    s.queues.add(three)
+    s.queues.add(two)
     # Three choices need three rows, which the budget does not hold: they wait, and hold back the two behind.
     assert s.schedule().admitted == []
-    s.cancel(three)
+    s.queues.cancel(three)
     assert s.schedule().admitted == [two, *two.copies]
 
 
@@ -285,7 +285,7 @@ def test_a_request_that_no_longer_fits_even_alone_ends_rather_than_waiting_forev
     s = scheduler(budget)
     waiting = request(1000)
     budget.read({0: reading(500 * PER_TOKEN + HEADROOM_MIN)})  # the budget shrank after it was taken in
-    s.add(waiting)
+    s.queues.add(waiting)
     turn = s.schedule()
     assert turn.unfit == [waiting] and waiting.status is Status.FINISHED_ERROR and not s.waiting
 

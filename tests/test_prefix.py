@@ -103,7 +103,7 @@ def test_an_entry_being_restored_is_never_evicted() -> None:
 def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() -> None:
     s = Scheduler(Scheduling(prefill_chunk=4), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     first = request([10, 11, 12, 13, 14, 15])
-    s.add(first)
+    s.queues.add(first)
     step = s.schedule().step
     assert step is not None and step.plan.restore == [] and step.plan.save == []  # the prompt does not end yet
     s.update(step, {}, 1.0)
@@ -113,7 +113,7 @@ def test_plans_restore_the_cached_beginning_and_save_each_prompt_at_its_end() ->
 
     # The next turn: the whole first prompt is restored, and only what follows it counts against the chunk budget.
     second = request([10, 11, 12, 13, 14, 15, 7, 16, 17], repetition_penalty=1.2)
-    s.add(second)
+    s.queues.add(second)
     step = s.schedule().step
     assert step is not None
     plan = step.plan
@@ -132,7 +132,7 @@ def test_no_plan_restores_an_entry_it_saves() -> None:
     s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     a, b = request([5, 6, 7]), request([5, 6, 7, 8])
     for seq in (a, b):
-        s.add(seq)
+        s.queues.add(seq)
     step = s.schedule().step
     assert step is not None and step.plan.restore == []
     plan = step.plan
@@ -168,7 +168,7 @@ def test_a_finished_reply_is_saved_with_its_prompt_as_it_leaves_and_the_next_tur
     s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     first = request([10, 11, 12])
     first.max_tokens = 3
-    s.add(first)
+    s.queues.add(first)
     for token in (20, 21, 22):  # the prompt's step samples 20; two decode steps feed 20 and 21 and sample 21, 22
         step = s.schedule().step
         assert step is not None
@@ -183,7 +183,7 @@ def test_a_finished_reply_is_saved_with_its_prompt_as_it_leaves_and_the_next_tur
     assert s.schedule().step is None
 
     second = request([10, 11, 12, 20, 21, 22, 2, 30])  # the reply as the template writes it back, then a new turn
-    s.add(second)
+    s.queues.add(second)
     step = s.schedule().step
     assert step is not None and step.plan.restore == [Restore(second.no, 2, 5)]
 
@@ -191,7 +191,7 @@ def test_a_finished_reply_is_saved_with_its_prompt_as_it_leaves_and_the_next_tur
 def test_a_reply_ended_by_its_end_of_sequence_token_keeps_every_output_token() -> None:
     s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=1 << 20, bytes_per_token=1))
     seq = request([10, 11, 12])
-    s.add(seq)
+    s.queues.add(seq)
     for token in (20, 2):  # the end-of-sequence token is sampled after 20 is fed
         step = s.schedule().step
         assert step is not None
@@ -223,17 +223,17 @@ def test_with_a_disk_tier_an_entry_made_room_for_is_spilled_and_a_covered_one_ju
     from neuron.engine.prefix import disk_key
 
     s = Scheduler(Scheduling(), {2}, PrefixIndex(budget=8, bytes_per_token=1))
-    s.spill = True
+    s.queues.spill = True
     first = request([10, 11, 12, 13])
     first.max_tokens = 1
-    s.add(first)
+    s.queues.add(first)
     step = s.schedule().step
     assert step is not None and step.plan.save == [Save(first.no, 1)]
     s.update(step, {first.no: Sampled(7, NOT_ASKED)}, 1.0)  # its one token: it ends, nothing past its prompt fed
     s.schedule()
     second = request([20, 21, 22, 23, 24, 25])  # needs the room the first holds
     second.max_tokens = 1
-    s.add(second)
+    s.queues.add(second)
     step = s.schedule().step
     assert step is not None
     assert step.plan.evict == [Evict(1, disk_key([10, 11, 12, 13]))]
@@ -251,7 +251,7 @@ def test_an_entry_read_back_while_serving_makes_room_that_the_next_plan_evicts_t
     assert back is not None and back.evicted == [held.entry] and index.deferred == [back]
     assert index.reach([20, 21, 22, 23, 24, 25]) == 5
     s = Scheduler(Scheduling(), {2}, index)
-    s.spill = True
+    s.queues.spill = True
     step = s.schedule().step  # nothing runs: the plan only evicts, to disk
     assert step is not None and step.plan.evict == [Evict(held.entry, disk_key([10, 11, 12, 13, 14]))]
     assert step.spilled == {disk_key([10, 11, 12, 13, 14]): [10, 11, 12, 13, 14]} and index.deferred == []

@@ -43,11 +43,11 @@ def test_a_paused_sequence_is_fed_its_prompt_and_output_again_and_goes_on_where_
     s = scheduler(max_batch=4, prefill_chunk=64)
     a, b = request(4), request(3)
     for seq in (a, b):
-        s.add(seq)
+        s.queues.add(seq)
     run(s, {a.no: ord("x"), b.no: ord("p")})  # both prompts, a first token each
     run(s, {a.no: ord("y"), b.no: ord("q")})
     assert a.output == [ord("x"), ord("y")] and a.completion_tokens == 2
-    paused, given_up, _ = s.pause(LOST, {a, b}, tries=2)
+    paused, given_up, _ = s.queues.pause(LOST, {a, b}, tries=2)
     assert paused == [a, b] and given_up == [] and list(s.waiting) == [a, b] and not s.batch
     assert a.replay == [*a.prompt, ord("x"), ord("y")] and a.losses == 1 and a.paused == LOST
     assert a.status == Status.WAITING
@@ -69,18 +69,18 @@ def test_a_blamed_sequence_first_in_line_is_fed_without_the_unblamed_ones_behind
     s = scheduler(max_batch=4, prefill_chunk=64)
     a, b = request(4), request(3)
     for seq in (a, b):
-        s.add(seq)
+        s.queues.add(seq)
     run(s, {a.no: ord("x"), b.no: ord("p")})
-    s.pause(LOST, {a}, tries=2)  # only a was blamed: b goes on after it, not beside it
+    s.queues.pause(LOST, {a}, tries=2)  # only a was blamed: b goes on after it, not beside it
     assert [chunk.seq for chunk in next_step(s).plan.prefill] == [a.no]
 
 
 def test_a_sequence_lost_before_its_first_token_starts_afresh() -> None:
     s = scheduler(prefill_chunk=2)
     a = request(5, prompt_logprobs=1)
-    s.add(a)
+    s.queues.add(a)
     run(s)  # two of its five prompt tokens
-    s.pause(LOST, {a}, tries=2)
+    s.queues.pause(LOST, {a}, tries=2)
     step = next_step(s)
     assert step.plan.prefill == [Prefill(a.no, 0, a.prompt[:2], False, [], True)]  # scored: nothing was sent yet
     assert step.starts[a.no] == Start(a.params, (), ())  # its constraint, if any, rewinds to the start
@@ -90,14 +90,14 @@ def test_a_sequence_blamed_more_than_the_tries_is_given_up_and_the_others_resume
     s = scheduler()
     killer, other = request(3), request(3)
     for seq in (killer, other):
-        s.add(seq)
+        s.queues.add(seq)
     run(s)
     for losses in (1, 2):
-        paused, given_up, _ = s.pause(LOST, {killer}, tries=2)
+        paused, given_up, _ = s.queues.pause(LOST, {killer}, tries=2)
         assert paused == [killer, other] and given_up == [] and killer.losses == losses
         s.schedule()
         s.schedule()
-    paused, given_up, _ = s.pause(LOST, {killer}, tries=2)
+    paused, given_up, _ = s.queues.pause(LOST, {killer}, tries=2)
     assert given_up == [killer] and paused == [other] and other.losses == 0
     assert killer.status == Status.FINISHED_ERROR
     assert "3 times" in resume.too_many_losses(killer, 2, "rank 1 died")
@@ -107,9 +107,9 @@ def test_n_choices_resume_each_on_its_own() -> None:
     s = scheduler(max_batch=4)
     original, copy = request(3), request(3)
     original.copies, copy.copy_of = [copy], original
-    s.add(original)
+    s.queues.add(original)
     apply(s, next_step(s), {original.no: Sampled(ord("a"), NOT_ASKED), copy.no: Sampled(ord("b"), NOT_ASKED)})
-    s.pause(LOST, set(), tries=2)
+    s.queues.pause(LOST, set(), tries=2)
     turn = s.schedule()
     assert original.n == 1 and turn.admitted == [original, copy]
     assert turn.step is not None

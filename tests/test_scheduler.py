@@ -37,7 +37,7 @@ def scheduler(**limits: object) -> Scheduler:
 
 def admitted(s: Scheduler, *seqs: Sequence) -> None:
     for seq in seqs:
-        s.add(seq)
+        s.queues.add(seq)
     assert s.schedule().admitted == list(seqs)
 
 
@@ -61,7 +61,7 @@ LETTERS = Letters()
 def rendered(s: Scheduler, deliveries: list[Delivery]) -> list[Event]:
     """What the readers get from ``deliveries`` on the engine's output path (text, stop strings, finishes), in
     order, every sequence's events together."""
-    output = Output(LETTERS, s.finish)
+    output = Output(LETTERS, s.queues.finish)
     for delivery in deliveries:
         output.deliver(delivery)
     events: list[Event] = []
@@ -107,11 +107,11 @@ def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
     s = scheduler(max_batch=2)
     a, b, c = request(3), request(3), request(3)
     for seq in (a, b, c):
-        s.add(seq)
+        s.queues.add(seq)
     assert s.schedule().admitted == [a, b]
     assert list(s.waiting) == [c] and c.status == Status.WAITING and a.status == Status.FILLING
     assert s.schedule().admitted == []  # no place until one leaves
-    s.cancel(a)
+    s.queues.cancel(a)
     assert s.schedule().admitted == [c]  # the cancelled one is dropped in the same turn, freeing its place
     assert a.status == Status.FINISHED_ABORTED
 
@@ -119,12 +119,12 @@ def test_admission_is_first_come_and_bounded_by_the_batch() -> None:
 def test_a_full_queue_refuses_and_a_cancelled_waiter_frees_its_place() -> None:
     s = scheduler(max_batch=1, max_waiting=2)
     first, second = request(3), request(3)
-    s.add(first)
-    s.add(second)
+    s.queues.add(first)
+    s.queues.add(second)
     with pytest.raises(Overloaded, match="2 requests are already waiting"):
-        s.add(request(3))
-    assert s.cancel(second) is True  # still queued: it leaves at once
-    s.add(request(3))
+        s.queues.add(request(3))
+    assert s.queues.cancel(second) is True  # still queued: it leaves at once
+    s.queues.add(request(3))
 
 
 def test_a_long_prompt_is_fed_in_chunks_of_the_step_budget() -> None:
@@ -249,7 +249,7 @@ def test_cancelled_before_its_first_chunk_it_leaves_without_a_word_to_the_ranks(
     admitted(s, a, b)
     run(s)  # the budget went to a; b was admitted but none of its prompt reached a rank
     assert b.fed == 0
-    s.cancel(b)
+    s.queues.cancel(b)
     turn = s.schedule()
     assert turn.cancelled == [(b, 0)] and turn.step is not None
     assert b.no not in turn.step.plan.leave  # no rank holds it: naming it would be a desync
@@ -261,7 +261,7 @@ def test_a_cancelled_running_sequence_is_dropped_at_the_boundary_and_named_to_th
     admitted(s, a, b)
     run(s)
     step = next_step(s)
-    assert s.cancel(a) is False  # admitted, and the step runs: it waits for the step boundary
+    assert s.queues.cancel(a) is False  # admitted, and the step runs: it waits for the step boundary
     apply(s, step, {a.no: Sampled(7, NOT_ASKED), b.no: Sampled(7, NOT_ASKED)})
     turn = s.schedule()
     assert turn.cancelled == [(a, 1)]  # one step ran after its caller left
@@ -274,7 +274,7 @@ def test_a_sequence_taken_out_mid_step_gets_no_token() -> None:
     a = request(2)
     admitted(s, a)
     step = next_step(s)
-    s.clear()  # a shutdown failed everything while the step ran
+    s.queues.clear()  # a shutdown failed everything while the step ran
     assert apply(s, step, {a.no: Sampled(5, NOT_ASKED)}) == []
     assert a.completion_tokens == 0
 
@@ -285,9 +285,9 @@ def test_nothing_admitted_means_no_plan_but_the_departures_are_kept() -> None:
     a = request(2, max_tokens=1)
     admitted(s, a)
     run(s)
-    assert s.leaving == [a.no]
+    assert s.queues.leaving == [a.no]
     turn = s.schedule()
-    assert turn.step is None and turn.clear and s.leaving == []  # the engine clears every rank's cache instead
+    assert turn.step is None and turn.clear and s.queues.leaving == []  # the engine clears every rank's cache instead
     assert not s.schedule().clear
 
 
@@ -329,7 +329,7 @@ def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() ->
     original.copies, copy.copy_of = [copy], original
     other = request(2)
     for seq in (original, other):
-        s.add(seq)
+        s.queues.add(seq)
     # Two places for the request with n = 2, one for the next: all three fit.
     assert s.schedule().admitted == [original, copy, other]
     first = run(s)
@@ -348,7 +348,7 @@ def test_a_request_with_copies_waits_for_places_for_all_of_them() -> None:
     s = scheduler(max_batch=2)
     original, copies = request(2), [request(2), request(2)]
     original.copies = copies
-    s.add(original)
+    s.queues.add(original)
     assert s.schedule().admitted == []
 
 
@@ -359,12 +359,12 @@ def test_a_steady_batch_is_marked_to_run_ahead_and_a_changing_one_is_not() -> No
     assert not next_plan(s).ahead  # a prompt is fed
     run(s)
     assert next_plan(s).ahead  # a decodes alone, nobody waits
-    s.add(request(2))
+    s.queues.add(request(2))
     assert not next_plan(s).ahead  # the newcomer is admitted: its prompt is fed
     run(s)
     run(s)
     last = request(2, max_tokens=1)
-    s.add(last)  # waits: no place
+    s.queues.add(last)  # waits: no place
     assert next_plan(s).ahead
     short = scheduler(run_ahead="on")
     admitted(short, request(2, max_tokens=2))
@@ -389,7 +389,7 @@ def test_auto_runs_ahead_once_steps_of_the_batchs_size_are_timed_short() -> None
     admitted(long, request(2))
     run(long)
     assert not any(timed_run(long, SHORT_STEP_MS * 2).ahead for _ in range(5))  # a step this long: not ahead
-    s.add(request(2))
+    s.queues.add(request(2))
     run(s)  # the newcomer's prompt
     assert not timed_run(s, SHORT_STEP_MS / 2).ahead  # two rows: not timed yet at that size
 

@@ -434,7 +434,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                         else:
                             cause = str(engine.pool.broken or engine.health.reason)
                             # In-process recoveries count as restarts with fresh workers too.
-                            count = (restarted.restarts if restarted else 0) + engine.recoveries + 1
+                            count = (restarted.restarts if restarted else 0) + engine.recovery.recoveries + 1
                             why = _why_restart(engine, options)
                             log.error("group lost; restarting the leader", cause=cause, why=why, restarts=count)
                             notifier.send("RELOADING=1", f"STATUS=restarting: {cause}")  # READY=1 follows

@@ -11,9 +11,9 @@ that followed the last occurrence of the output's last n-gram in the
 output itself, the prediction or the prompt, in that order (prompt lookup). Code edits,
 quoting and extraction repeat their input, and there most drafts are kept.
 
-With a draft model (``--draft-model``) a sequence's proposer only says how many tokens it wants
-(``DRAFTED`` placeholders): the batch's rule cuts them as it cuts any draft, and the engine has rank 0's draft
-model fill them in just before the step (``Pool.draft``). A request that sends a ``prediction`` keeps
+With a draft model (``--draft-model``) a sequence's proposer says how many tokens it wants
+(``Proposer.wanted``), rank 0's draft model proposes them before the step's plan is made (``Scheduler.to_draft``,
+``Pool.draft``), and the batch's rule cuts them as it cuts any draft. A request that sends a ``prediction`` keeps
 its prediction and prompt lookup: the client says what the reply will be.
 
 Adaptive k: a draft costs forward work whether kept or not. Each sequence's
@@ -62,7 +62,6 @@ PREDICTION_PRIOR = 0.9
 # (a CPU), high enough that it is where a width is nearly free (a GPU), so the rate can recover.
 MODEL_PRIOR = 0.7
 MODEL_FLOOR = 0.1
-DRAFTED = -1  # a token the draft model is to propose (never a vocabulary id: a rank refuses it)
 SMOOTHING = 0.1  # the EWMA's weight per observed draft token: about the last 10-20 tokens count
 
 
@@ -94,7 +93,7 @@ class Proposer:
     withheld: list[int] = field(default_factory=list)  # a draft the rule cut whole, checked against the output
     withheld_at: int = 0
     following_withheld: bool = False  # whether it came from the prediction
-    model: bool = False  # the draft model proposes (``DRAFTED``), not prompt lookup
+    model: bool = False  # the draft model proposes (``Scheduler.to_draft``), not prompt lookup
     shared: DraftRate | None = None  # the server's draft-model rate, which this sequence's verdicts move too
 
     @property
@@ -102,14 +101,19 @@ class Proposer:
         """The estimated chance that each token of the last draft is kept, given those before it were."""
         return self.prediction_rate if self.following else self.lookup_rate  # a model's rate is lookup_rate
 
-    def propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
+    def wanted(self, room: int) -> int:
+        """How many tokens the draft model is to propose for the next step (``model``), at most ``room``: none
+        while resting. Changes nothing: ``propose`` takes the proposal."""
+        return 0 if self.resting else max(0, min(self.k, self.limit, room))
+
+    def propose(self, prompt: list[int], output: list[int], room: int, proposed: list[int] | None = None) -> list[int]:
         """Up to k tokens to follow the prompt and ``output`` (the completion so far, up to the token about to be
-        fed), at most ``room``."""
+        fed), at most ``room``; where the draft model proposes (``model``), ``proposed`` is its proposal."""
         self._check_withheld(output)
-        self.last, self.last_at = self._propose(prompt, output, room), len(output)
+        self.last, self.last_at = self._propose(prompt, output, room, proposed or []), len(output)
         return self.last
 
-    def _propose(self, prompt: list[int], output: list[int], room: int) -> list[int]:
+    def _propose(self, prompt: list[int], output: list[int], room: int, proposed: list[int]) -> list[int]:
         k = min(self.k, self.limit, room)
         if k <= 0:
             return []
@@ -117,7 +121,7 @@ class Proposer:
             self.resting -= 1
             return []
         if self.model:
-            return [DRAFTED] * k
+            return proposed[:k]
         context = prompt + output
         done = len(output)
         self.following = bool(self.prediction) and self.prediction[:done] == output and done < len(self.prediction)

@@ -4,6 +4,7 @@ the next step ahead. Decisions only, as the scheduler's (``Scheduler.schedule`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Rows
 
 from neuron.engine import image_prompts
@@ -31,13 +32,15 @@ def plan_step(
     spill: bool = False,
     parking: Rows[tuple[int, list[int]]] = (),
     scored_chunk: int | None = None,
+    proposed: Mapping[int, list[int]] | None = None,
 ) -> Step | None:
     """The next step: who leaves (``keeping``: those of them saved to the prefix cache as they go; ``parking``:
     preempted ones whose caches go to disk, by number with their tokens), which prompt chunks are fed, every
     running sequence's next input, and how each sequence it starts is sampled. ``budget``: the prompt tokens this
     step may feed (the scheduler's ``prefill_budget``), ``scored_chunk`` the most of them a prompt scored
-    (``prompt_logprobs``) is fed; ``spill``: entries evicted to make room are written to disk. None when nothing is
-    admitted and nothing is saved."""
+    (``prompt_logprobs``) is fed; ``proposed``: the draft model's tokens for the rows that draft with it, by
+    sequence (``Scheduler.to_draft``), made before the plan is; ``spill``: entries evicted to make room are written
+    to disk. None when nothing is admitted and nothing is saved."""
     spilled: dict[str, list[int]] = {}
     allowed = budget
     if not filling and not running:
@@ -93,7 +96,7 @@ def plan_step(
             Prefill(seq.no, start, fed, last, copied, scores, images=runs, positions=positions, adapter=seq.adapter)
         )
         budget -= take
-    decode = _decode(running, micro_batches, cost)
+    decode = _decode(running, micro_batches, cost, proposed or {})
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
     # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
     saves, evicts = _keep(keeping, parking, prefix, spill, spilled)
@@ -179,9 +182,11 @@ def _steady(
     return not any(row.draft for row in decode)
 
 
-def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list[Decode]:
+def _decode(
+    running: list[Sequence], micro_batches: int, cost: StepCost, proposed: Mapping[int, list[int]]
+) -> list[Decode]:
     """Every running sequence's row: its token, and its draft cut to the width its micro-batch pays for."""
-    drafts = {seq.no: _draft(seq) for seq in running}
+    drafts = {seq.no: _draft(seq, proposed.get(seq.no, [])) for seq in running}
     share = 1 / micro_batches  # each micro-batch's part of the step's fixed time
     for micro_batch in range(micro_batches):
         rows = [seq for seq in running if seq.micro_batch == micro_batch]
@@ -204,9 +209,10 @@ def _decode(running: list[Sequence], micro_batches: int, cost: StepCost) -> list
     ]
 
 
-def _draft(seq: Sequence) -> list[int]:
-    """The tokens ``seq`` proposes after its next one: never more than ``max_tokens`` leaves room for."""
+def _draft(seq: Sequence, proposed: list[int]) -> list[int]:
+    """The tokens ``seq`` proposes after its next one (``proposed``: what the draft model proposed for it, where
+    one drafts): never more than ``max_tokens`` leaves room for."""
     if seq.proposer is None or seq.next_token is None:
         return []
     room = seq.max_tokens - seq.completion_tokens - 1
-    return seq.proposer.propose(seq.prompt, seq.output, room)
+    return seq.proposer.propose(seq.prompt, seq.output, room, proposed)

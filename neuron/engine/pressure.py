@@ -119,7 +119,7 @@ class Pressure:
         rank = min(error.failures, default=0)
         host = self.pool.hosts[rank] if rank < len(self.pool.hosts) else "?"
         pause = Pause("allocation_failed", rank, host, str(error), time.perf_counter())
-        paused = self.scheduler.pause(pause, (), self.scheduler.limits.resume_tries)
+        paused = self.scheduler.queues.pause(pause, (), self.scheduler.limits.resume_tries)
         metrics.PREEMPTIONS.labels("allocation_failed").inc(len(paused.paused))
         log.error(
             "out of memory",

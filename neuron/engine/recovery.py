@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import structlog
 
 from neuron.engine import resume
 from neuron.engine.output import Output
-from neuron.engine.prefix import PrefixIndex
 from neuron.engine.pressure import Pressure
-from neuron.engine.scheduler import Scheduler, Scheduling
+from neuron.engine.scheduler import Scheduler
 from neuron.log import ms_since
 from neuron.pool import Pool, PoolError, Unrecoverable
 from neuron.rpc import Prefill, StepPlan
@@ -35,6 +35,7 @@ from neuron.step import Start, Step
 log = structlog.get_logger("neuron.engine")
 
 RETRY_S = (1, 2, 4, 8, 15)  # seconds before recovering again after a failed try: soon at first
+EVENTS_KEPT = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,39 +44,50 @@ class Health:
     reason: str  # why not ready, or "ready"
 
 
-class Recovering:
-    """The lost-group methods of ``Engine`` (which holds the state they share with its step loop)."""
+class Recovery:
+    """A lost group's handling and the pool's readiness, for the engine's step loop: the batch paused (its streams
+    open), the group replaced in this process and probed, the paused requests given up past ``resume_timeout``;
+    the health the server's routes read. It fails requests through ``fail_all`` and wakes the loop with ``wake``,
+    the engine's."""
 
-    pool: Pool
-    scheduler: Scheduler
-    output: Output
-    limits: Scheduling
-    health: Health
-    lost: anyio.Event
-    recoveries: int
-    events: deque[dict[str, Any]]  # the latest losses and recoveries, as the status route shows them
-    prefix: PrefixIndex | None
-    pressure: Pressure
-    _in_flight: Step | None
-    _wakeup: anyio.Event
-    _busy_since: float | None
+    def __init__(
+        self,
+        pool: Pool,
+        scheduler: Scheduler,
+        output: Output,
+        pressure: Pressure,
+        fail_all: Callable[[str, str], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.output = output
+        self.pressure = pressure
+        self.limits = scheduler.limits
+        self.fail_all = fail_all
+        self.wake = wake
+        self.health = Health(False, "not probed yet")
+        # Set once the group is lost for good (lost, and not recovered in this process): only a fresh leader
+        # process can serve again.
+        self.lost = anyio.Event()
+        self.in_flight: Step | None = None  # the step the pool is running, whom a loss is blamed on
+        self.recoveries = 0  # lost groups replaced in this process
+        # The latest losses and recoveries, as the status route shows them: a poll may fall between the two.
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
 
-    if TYPE_CHECKING:  # the step loop's, in ``Engine``
+    @property
+    def resumes(self) -> bool:
+        """Whether a lost group pauses the batch (rather than failing it, and the leader restarting)."""
+        return self.limits.resume_timeout > 0 and not self.lost.is_set()
 
-        @property
-        def waiting(self) -> int: ...
-
-        @property
-        def _resumes(self) -> bool: ...
-
-        def _fail_all(self, kind: str, message: str) -> None: ...
-
-    def _pause(self, error: PoolError, step: Step | None) -> None:
+    def pause(self, error: PoolError, step: Step | None) -> None:
         """Put the batch back in the queue to be fed again once the pool is back (``Scheduler.pause``); a request
         blamed for too many losses ends here."""
         lost = resume.lost(error.failures, self.pool.hosts, str(error))
         tries = self.limits.resume_tries
-        paused, given_up, cancelled = self.scheduler.pause(lost, resume.blamed(step, self.scheduler.batch), tries)
+        paused, given_up, cancelled = self.scheduler.queues.pause(
+            lost, resume.blamed(step, self.scheduler.batch), tries
+        )
         for seq, steps_after in cancelled:
             self.output.cancelled(seq, steps_after)
         for seq in given_up:
@@ -83,9 +95,9 @@ class Recovering:
             self.output.failed(seq, "step_failed", resume.too_many_losses(seq, tries, str(error)))
         if paused:
             log.warning("requests paused", requests=len(paused), rank=lost.rank, host=lost.host, cause=str(error))
-        self._wakeup.set()
+        self.wake()
 
-    async def _recover(self) -> None:
+    async def recover(self) -> None:
         """Replace the lost group in this process and probe it; the paused sequences then resume as the loop
         admits them. A try that fails (a host out of reach) is tried again, soon at first, for as long as
         ``resume_timeout`` lasts; paused sequences still waiting that long after their loss end with an error.
@@ -93,8 +105,7 @@ class Recovering:
         ``lost`` is set (the leader restarts its process)."""
         cause = self.pool.broken
         started = time.perf_counter()
-        self._busy_since = None  # not a wedged step: recovering has deadlines of its own
-        log.warning("recovering", cause=str(cause), paused=self.waiting)
+        log.warning("recovering", cause=str(cause), paused=len(self.scheduler.waiting))
         ranks = sorted(cause.failures) if cause is not None else []
         self.events.append({"at": time.time(), "event": "lost", "ranks": ranks, "reason": str(cause)})
         async with anyio.create_task_group() as tg:
@@ -106,11 +117,13 @@ class Recovering:
             self.health = Health(False, f"{cause}; recovery failed: {failure}")
             self.events.append({"at": time.time(), "event": "recovery failed", "ranks": ranks, "reason": failure})
             self.lost.set()
-            self._fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
+            self.fail_all("unavailable", f"{cause}; recovering in this process failed ({failure}): restarting")
             await anyio.sleep_forever()  # the leader cancels the engine and restarts
         self.recoveries += 1
         self.events.append({"at": time.time(), "event": "recovered", "ranks": ranks, "reason": str(cause)})
-        log.info("recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=self.waiting)
+        log.info(
+            "recovered", cause=str(cause), ms=ms_since(started), in_process=True, paused=len(self.scheduler.waiting)
+        )
 
     async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
         """``pool.recover``, a probe and every rank's memory read (the fresh ranks' MLX limits set), tried again after
@@ -119,7 +132,7 @@ class Recovering:
         while True:
             try:
                 await self.pool.recover()
-                if await self._probe():
+                if await self.probe():
                     await self.pressure.read()
                     return None
                 raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
@@ -144,51 +157,53 @@ class Recovering:
             first = min(paused, key=lambda seq: seq.paused.at if seq.paused else 0.0)
             assert first.paused is not None
             await anyio.sleep(max(0.0, first.paused.at + timeout - time.perf_counter()))
-            if first.paused is not None and self.scheduler.cancel(first):  # still waiting: it leaves the queue now
+            if first.paused is not None and self.scheduler.queues.cancel(
+                first
+            ):  # still waiting: it leaves the queue now
                 self.output.failed(first, "unavailable", resume.timed_out(first.paused, timeout))
 
-    def _on_lost(self, error: PoolError) -> None:
+    def on_lost(self, error: PoolError) -> None:
         """A worker exited: pause the batch now (or fail everything), even between steps; a step in flight
         fails on its own."""
-        self._unready(error)
-        if self._resumes:
-            self._pause(error, self._in_flight)
+        self.unready(error)
+        if self.resumes:
+            self.pause(error, self.in_flight)
         else:
-            self._fail_all("unavailable", str(error))
+            self.fail_all("unavailable", str(error))
 
     # Health.
 
-    async def _clear_cache(self, prefixes: bool) -> None:
+    async def clear_cache(self, prefixes: bool) -> None:
         """Free every rank's sequences; with ``prefixes`` (after a failure) the prefix cache too, on the leader
         as on every rank, so that both sides agree on it again."""
         if self.pool.broken is not None:
             return
-        if prefixes and self.prefix is not None:
-            self.prefix.clear()
+        if prefixes and self.scheduler.prefix is not None:
+            self.scheduler.prefix.clear()
         try:
             await self.pool.clear_kv_cache(prefixes)
         except PoolError as e:
-            self._unready(e)
+            self.unready(e)
 
-    async def _probe(self, tokens: int = 1) -> bool:
+    async def probe(self, tokens: int = 1) -> bool:
         """A prompt of ``tokens`` through every rank, from an empty cache (prefix cache included) and back to one."""
-        if self.prefix is not None:
-            self.prefix.clear()
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.clear()
         try:
             await self.pool.clear_kv_cache()
             prompt = [Prefill(0, 0, [0] * tokens, True)]
             await self.pool.step(Step(StepPlan(prefill=prompt), {0: Start(SamplingParams())}))
             await self.pool.clear_kv_cache()
         except PoolError as e:
-            self._unready(e)
+            self.unready(e)
             return False
         if not self.health.ready:
             log.info("ready", world_size=self.pool.world_size)
         self.health = Health(True, "ready")
         return True
 
-    def _unready(self, error: PoolError) -> None:
+    def unready(self, error: PoolError) -> None:
         self.health = Health(False, str(error))
         log.warning("not ready", reason=str(error), broken=error.broken)
-        if error.broken and not self._resumes:
+        if error.broken and not self.resumes:
             self.lost.set()

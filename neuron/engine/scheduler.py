@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from neuron.config.settings import (  # its fields are settings of ``serve``, declared there once
     MIN_PREFILL_CHUNK,
@@ -43,10 +41,10 @@ from neuron.engine.drafts import StepCost, attended
 from neuron.engine.memory import Budget
 from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
-from neuron.engine.refusals import Overloaded
+from neuron.engine.queues import Queues
 from neuron.engine.sequence import Pause, Sequence, Status
 from neuron.sampling_params import Sampled
-from neuron.step import Step
+from neuron.step import DraftRow, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +83,6 @@ class Delivery:
     first: bool
     kept: bool = True
     produced: int = 0
-
-
-class BatchPaused(NamedTuple):
-    """What a lost group did to the batch (``Scheduler.pause``)."""
-
-    paused: list[Sequence]  # back in the queue, to be fed again
-    given_up: list[Sequence]  # blamed for too many losses
-    cancelled: list[tuple[Sequence, int]]  # their callers had gone: they just leave
 
 
 def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int = 0) -> int:
@@ -182,74 +172,45 @@ class Scheduler:
         self.budget = budget
         self.scored_chunk: int | None = None  # the most prompt tokens a step scores (``Budget.scored_chunk``)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.steps = 0  # steps applied; cancellations are measured against it
-        self.waiting: deque[Sequence] = deque()
-        self.filling: list[Sequence] = []  # admitted, prompt being fed
-        self.running: list[Sequence] = []  # decoding, in batch order
-        self.leaving: list[int] = []  # sequences every rank drops in the next plan
-        self.stopping: list[Sequence] = []  # ended by the output path (a stop string): they leave at ``schedule``
-        self.keeping: list[Sequence] = []  # leaving while decoding: the next plan saves each to the prefix cache
-        # Preempted while decoding, with a disk tier: the next plan writes each one's caches there (its tokens).
-        self.parking: list[tuple[int, list[int]]] = []
-        self.spill = False  # whether entries evicted from memory are written to disk (``--prefix-cache-dir``)
+        self.queues = queues = Queues(limits, prefix)  # where every sequence is
+        self.waiting, self.filling, self.running = queues.waiting, queues.filling, queues.running
         self.cost = StepCost()  # what a decode step costs, for the drafts' width, refined from the steps applied
-        self.admission = Admission(limits, budget, self.waiting, self.filling, self.running)
+        self.admission = Admission(limits, budget, queues.waiting, queues.filling, queues.running)
 
     @property
     def batch(self) -> tuple[Sequence, ...]:
-        """Every admitted sequence: prompts being fed, then the decoding ones."""
-        return (*self.filling, *self.running)
-
-    @property
-    def pending(self) -> int:
-        return len(self.waiting) + len(self.filling) + len(self.running)
+        return self.queues.batch
 
     @property
     def steps_short(self) -> bool:
         """Whether the batch's decode steps, as timed, are ``short``: mostly host time."""
         return short(self.cost, len(self.running))
 
-    # Requests, taken up by the next ``schedule``.
-
-    def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` behind the others, or refuse it when the queue is full."""
-        if len(self.waiting) >= self.limits.max_waiting:
-            raise Overloaded(f"{len(self.waiting)} requests are already waiting (the limit); retry shortly")
-        seq.status = Status.WAITING
-        self.waiting.append(seq)
-
-    def cancel(self, seq: Sequence) -> bool:
-        """Mark ``seq`` as abandoned by its caller; True when it was still queued and has left at once (an
-        admitted one leaves at the next ``schedule``)."""
-        if seq.finished or seq.cancelled_at is not None:
-            return False
-        seq.cancelled_at = self.steps
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-            seq.status = Status.FINISHED_ABORTED
-            return True
-        return False
-
-    def finish(self, seq: Sequence, produced: int) -> None:
-        """The output path found a stop string in ``seq``'s text after its ``produced``-th token: it ends there
-        (the tokens after it, drawn in the same step, are not its output), and leaves at the next ``schedule``."""
-        del seq.output[produced:]
-        seq.completion_tokens = min(seq.completion_tokens, produced)
-        if not seq.status.finished:
-            self.stopping.append(seq)
-        seq.status = Status.FINISHED_STOPPED
-
     # The turn: what runs next, and what it did.
 
-    def schedule(self) -> SchedulerOutput:
+    def to_draft(self) -> list[DraftRow]:
+        """The rows the draft model (``--draft-model``) proposes for before the next plan is made: each running
+        sequence that drafts with it, its context (its prompt and output, the token it is about to be fed last) and
+        how many tokens it wants (``Proposer.wanted``). Their proposals go to ``schedule``."""
+        rows = []
+        for seq in self.running:
+            proposer = seq.proposer
+            if proposer is None or not proposer.model or seq.next_token is None or seq.cancelled_at is not None:
+                continue
+            if k := proposer.wanted(seq.max_tokens - seq.completion_tokens - 1):
+                rows.append(DraftRow(seq.no, [*seq.prompt, *seq.output], k, seq.params))
+        return rows
+
+    def schedule(self, proposed: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
         """Drop the cancelled and stopped sequences (they leave in this plan), admit waiting requests while the
-        batch has places, and plan the step; with nothing to run, release who leaves (a clear is owed)."""
+        batch has places and memory, and plan the step, with the draft model's ``proposed`` tokens (``to_draft``);
+        with nothing to run, release who leaves (a clear is owed)."""
         cancelled = [seq for seq in self.batch if seq.cancelled_at is not None]
         for seq in cancelled:
-            self._remove(seq, Status.FINISHED_ABORTED)
-        for seq in self.stopping:
-            self._remove(seq, Status.FINISHED_STOPPED)
-        self.stopping.clear()
+            self.queues.remove(seq, Status.FINISHED_ABORTED)
+        for seq in self.queues.stopping:
+            self.queues.remove(seq, Status.FINISHED_STOPPED)
+        self.queues.stopping.clear()
         preempted, unfit = self._fit()
         admitted = self.admission.admit()
         unfit += self.admission.drop_stuck()
@@ -261,25 +222,26 @@ class Scheduler:
             self.filling,
             self.running,
             self.waiting,
-            self.leaving,
+            self.queues.leaving,
             budget=prefill_budget(limits, self.cost, len(self.running), depth),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
             run_ahead=runs_ahead(limits.run_ahead, self.cost, len(self.running)),
             prefix=self.prefix,
             cost=self.cost,
-            keeping=self.keeping,
-            spill=self.spill,
-            parking=self.parking,
+            keeping=self.queues.keeping,
+            spill=self.queues.spill,
+            parking=self.queues.parking,
             scored_chunk=self.scored_chunk,
+            proposed=proposed,
         )
-        self.keeping.clear()
-        self.parking.clear()
+        self.queues.keeping.clear()
+        self.queues.parking.clear()
         self.size_prefix_cache()  # after the plan's lookups: an entry it restores is pinned, and stays
-        clear = step is None and bool(self.leaving)
+        clear = step is None and bool(self.queues.leaving)
         if clear:  # nothing left to run: clearing every rank's sequences at once drops them all
-            self.leaving.clear()
-        cancels = [(seq, self.steps - (seq.cancelled_at or 0)) for seq in cancelled]
+            self.queues.leaving.clear()
+        cancels = [(seq, self.queues.steps - (seq.cancelled_at or 0)) for seq in cancelled]
         return SchedulerOutput(step, admitted, cancels, clear, preempted, unfit)
 
     def update(self, step: Step, sampled: dict[int, Sampled], ms: float) -> list[Delivery]:
@@ -291,8 +253,8 @@ class Scheduler:
         (cancelled, or failed by a shutdown): its token is not delivered.
         """
         plan = step.plan
-        self.steps += 1
-        self.leaving.clear()
+        self.queues.steps += 1
+        self.queues.leaving.clear()
         if self.prefix is not None:
             self.prefix.unpin()
         if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
@@ -339,7 +301,7 @@ class Scheduler:
                 seq.proposer.update(len(row.draft), len(run) - 1)
         for delivery in out:
             if delivery.finish is not None:
-                self._remove(delivery.seq, _ENDS[delivery.finish])
+                self.queues.remove(delivery.seq, _ENDS[delivery.finish])
         return out
 
     def admissible(self) -> list[Sequence]:
@@ -359,37 +321,14 @@ class Scheduler:
         leaves). One alone that would still pass it ends: it is returned second."""
         preempted, unfit = self.admission.overflow()
         for seq in preempted:
-            self._preempt(seq)
+            assert self.budget is not None
+            rank, host = self.budget.where()
+            cause = f"the batch's caches would pass the memory budget ({self.budget.bytes} bytes on rank {rank})"
+            self.queues.preempt(seq, Pause("memory", rank, host, cause, time.perf_counter()))
         if unfit is None:
             return preempted, []
-        self._remove(unfit, Status.FINISHED_ERROR)
+        self.queues.remove(unfit, Status.FINISHED_ERROR)
         return preempted, [unfit]
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Pause ``seq`` with its stream open: every rank drops it (its caches written to the disk tier first, where
-        one is set), and it waits at the front of the queue, behind those admitted before it, to be fed its prompt
-        and output so far again, as a sequence a lost group paused is (``pause``)."""
-        assert self.budget is not None
-        if seq in self.running:
-            self.running.remove(seq)
-            prefix = self.prefix
-            if self.spill and prefix is not None and not prefix.exact and not seq.adapter and not seq.images:
-                held = min(seq.held, len(seq.prompt) + len(seq.output))
-                self.parking.append((seq.no, [*seq.prompt, *seq.output][:held]))
-        else:
-            self.filling.remove(seq)
-        if seq.fed:
-            self.leaving.append(seq.no)
-        for copy in seq.fed_with:  # its copies waited for its prompt's end: each is fed on its own now
-            copy.alone = True
-        rank, host = self.budget.where()
-        cause = f"the batch's caches would pass the memory budget ({self.budget.bytes} bytes on rank {rank})"
-        _replay_later(seq, Pause("memory", rank, host, cause, time.perf_counter()))
-        waiting = self.waiting
-        at = 0
-        while at < len(waiting) and waiting[at].paused is not None and waiting[at].admitted < seq.admitted:
-            at += 1
-        waiting.insert(at, seq)
 
     def size_prefix_cache(self) -> None:
         """The prefix cache holds what the batch leaves of the memory budget, at most ``--prefix-cache-bytes``."""
@@ -399,69 +338,6 @@ class Scheduler:
         cap = self.limits.prefix_cache_bytes
         self.prefix.shrink(left if cap is None else min(cap, left))
 
-    def _remove(self, seq: Sequence, status: Status) -> None:
-        """Take ``seq`` out of the batch; the ranks drop it in the next plan, if any of its prompt reached them."""
-        if not seq.status.finished:
-            seq.status = status
-        for place in (self.filling, self.running):
-            if seq in place:
-                place.remove(seq)
-                if seq.fed:
-                    self.leaving.append(seq.no)
-                if place is self.running and self.prefix is not None and not self.prefix.exact:
-                    self.keeping.append(seq)
-
-    # A lost group, and a shutdown.
-
-    def pause(self, lost: Pause, blamed: Collection[Sequence], tries: int) -> BatchPaused:
-        """The group was lost under the batch: every admitted sequence goes back to the front of the queue, in
-        order, to be fed again once the ranks are back: its prompt and the tokens it has produced (its stream
-        goes on where it stopped); the ranks' caches are gone, the prefix cache with them. Those ``blamed``
-        count one more loss; one blamed more than ``tries`` times is not resumed. Cancelled ones just leave."""
-        paused, given_up, cancelled = [], [], []
-        for seq in self.batch:
-            if seq.cancelled_at is not None and not seq.finished:
-                seq.status = Status.FINISHED_ABORTED
-                cancelled.append((seq, self.steps - seq.cancelled_at))
-            if seq.finished or seq.cancelled_at is not None:
-                continue
-            if seq in blamed:
-                seq.losses += 1
-            if seq.losses > tries:
-                seq.status = Status.FINISHED_ERROR
-                given_up.append(seq)
-                continue
-            _replay_later(seq, lost)
-            paused.append(seq)
-        self.filling.clear()
-        self.running.clear()
-        self.leaving.clear()
-        self.stopping.clear()
-        self.keeping.clear()
-        self.waiting.extendleft(reversed(paused))
-        if self.prefix is not None:
-            self.prefix.unpin()
-            self.prefix.clear()
-        return BatchPaused(paused, given_up, cancelled)
-
-    def clear(self) -> list[Sequence]:
-        """Forget every request, queued or admitted (the ranks' caches are cleared); returns those unfinished,
-        each marked as cancelled now."""
-        queued = [member for seq in self.waiting for member in (seq, *seq.copies, *seq.group)]
-        unfinished = [seq for seq in (*queued, *self.batch) if not seq.finished]
-        for seq in unfinished:
-            seq.cancelled_at = self.steps
-            seq.status = Status.FINISHED_ABORTED
-        self.waiting.clear()
-        self.filling.clear()
-        self.running.clear()
-        self.leaving.clear()
-        self.stopping.clear()
-        self.keeping.clear()
-        if self.prefix is not None:
-            self.prefix.unpin()
-        return unfinished
-
 
 def _emptiest(running: list[Sequence], micro_batches: int) -> int:
     """The micro-batch a sequence joins: the one with the fewest rows (the first of those), so passes stay even."""
@@ -469,13 +345,3 @@ def _emptiest(running: list[Sequence], micro_batches: int) -> int:
     for seq in running:
         sizes[seq.micro_batch] += 1
     return sizes.index(min(sizes))
-
-
-def _replay_later(seq: Sequence, pause: Pause) -> None:
-    """``seq`` is paused (a lost group, a preemption): it waits to be fed its prompt and its output so far again, on
-    its own, its stream open. Paused again before it resumed, the first pause is what it waits on."""
-    seq.paused = seq.paused or pause
-    seq.replay = [*seq.prompt, *seq.output] if seq.output else None
-    seq.alone = True
-    seq.fed = seq.held = seq.drop = seq.micro_batch = 0
-    seq.status = Status.WAITING

@@ -177,8 +177,8 @@ def status(call: Call) -> dict[str, Any]:
         "pipeline_stages": len(pool.layers) or 1,
         "ranks": ranks(engine),
         "queue": {"waiting": engine.waiting, "running": engine.running},
-        "events": list(engine.events),
-        "recoveries": engine.recoveries,
+        "events": list(engine.recovery.events),
+        "recoveries": engine.recovery.recoveries,
         "recent": engine.recent.seconds(),
         **caches(engine),
     }
