@@ -22,7 +22,6 @@ import base64
 import binascii
 import hashlib
 import io
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -258,28 +257,3 @@ class Inputs:
     @property
     def nbytes(self) -> int:
         return sum(int(getattr(a, "nbytes", 0)) for a in self.arrays.values())
-
-
-class Store:
-    """The images of the requests in flight, by digest, from the leader's intake to rank 0's encoder (the same
-    process: rank 0 runs in the leader). Bounded: the least recently put go first past ``max_bytes``; a prompt
-    whose image was dropped before it was fed is refused by rank 0, never fed without it."""
-
-    def __init__(self, max_bytes: int = 2 * 1024**3) -> None:
-        self.max_bytes = max_bytes
-        self._items: dict[str, Inputs] = {}
-        self._lock = threading.Lock()
-
-    def put(self, digest: str, inputs: Inputs) -> None:
-        with self._lock:
-            self._items.pop(digest, None)
-            self._items[digest] = inputs
-            while len(self._items) > 1 and sum(i.nbytes for i in self._items.values()) > self.max_bytes:
-                del self._items[next(iter(self._items))]
-
-    def get(self, digest: str) -> Inputs | None:
-        with self._lock:
-            return self._items.get(digest)
-
-
-STORE = Store()

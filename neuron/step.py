@@ -4,7 +4,8 @@
 ``rpc.GenerateStep``); ``Step.starts`` is what only rank 0's sampler reads:
 the sampling parameters of each sequence the step starts, and the tokens its
 penalties must see that the step does not feed (a restored prefix's tail).
-Grammars live in those parameters, which is why they never cross a pipe.
+Grammars live in those parameters, which is why they never cross a pipe; and
+``Step.images`` is what only rank 0's image encoder reads.
 
 Nothing reaches a rank from beside the step: the engine passes the ``Step``
 whole, rank 0's ``Head`` follows it and refuses a sequence it does not
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from neuron.images import Inputs
 from neuron.rpc import StepPlan
 from neuron.sampling_params import SamplingParams
 
@@ -40,6 +42,9 @@ class Step:
     # The leader only: each entry the plan spills to disk (``Evict.key``) -> its tokens, for the leader's manifest.
     spilled: dict[str, list[int]] = field(default_factory=dict)
     budget: int = 0  # the leader only: the prompt tokens the scheduler let this step feed (``prefill_budget``)
+    # Rank 0 only: the pixel inputs of the images whose features the plan's prompt chunks put in, by digest (rank 0
+    # encodes them; it runs in the leader, so they never cross a pipe).
+    images: dict[str, Inputs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from neuron.engine.intake import Intake
 from neuron.engine.memory import HEADROOM_MIN, RESERVE, STEP, Budget, Share, rank_budget
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.refusals import RequestError
-from neuron.engine.scheduler import Scheduler, SchedulerOutput, Scheduling
+from neuron.engine.scheduler import Scheduler, Scheduling, Turn
 from neuron.engine.sequence import Sequence, Status, StopText
 from neuron.rpc import Memory
 from neuron.sampling_params import Sampled, SamplingParams
@@ -49,7 +49,7 @@ def scheduler(budget: Budget, prefix: PrefixIndex | None = None, **limits: objec
     return Scheduler(Scheduling(**limits), {EOS}, prefix, budget)  # type: ignore[arg-type]
 
 
-def apply(s: Scheduler, turn: SchedulerOutput) -> None:
+def apply(s: Scheduler, turn: Turn) -> None:
     """Run ``turn``'s step as every rank would: token 7 sampled for every sequence that has logits."""
     if turn.step is None:
         return
@@ -68,7 +68,7 @@ def run(s: Scheduler, steps: int = 1) -> list[Sequence]:
     return preempted
 
 
-def until(s: Scheduler, happens: Callable[[SchedulerOutput], bool], most: int = 2000) -> SchedulerOutput:
+def until(s: Scheduler, happens: Callable[[Turn], bool], most: int = 2000) -> Turn:
     """Turns until one for which ``happens`` holds: that one, not yet run."""
     for _ in range(most):
         turn = s.schedule()

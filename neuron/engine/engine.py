@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import structlog
 
-from neuron import images, metrics
+from neuron import metrics
 from neuron.config.settings import KV_GROUP_SIZE
 from neuron.engine.adapter_registry import Adapters
 from neuron.engine.intake import Intake
@@ -38,7 +38,7 @@ from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
 from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovery
-from neuron.engine.refusals import Unavailable
+from neuron.engine.refusals import Overloaded, Unavailable
 from neuron.engine.scheduler import Scheduler, Scheduling, ahead_for
 from neuron.engine.sequence import Sequence
 from neuron.engine.text import Text
@@ -80,8 +80,7 @@ class Engine:
         self.scheduler = Scheduler(self.limits, text.eos_token_ids, self.prefix, self.budget)
         self.scheduler.queues.spill = self.disk is not None
         self.output = Output(text, self.scheduler.queues.finish, self.prefix is not None)
-        store = images.STORE if self.vision else None
-        self.pressure = Pressure(pool, self.budget, self.scheduler, self.output, self.vocab_size, store)
+        self.pressure = Pressure(pool, self.budget, self.scheduler, self.output, self.vocab_size, self.vision)
         self.recovery = Recovery(pool, self.scheduler, self.output, self.pressure, self._fail_all, self._wake)
         self.loop = Loop(pool, self.scheduler, self.output, self.recovery, self.pressure, self.disk, self._fail_all)
         eos = frozenset(text.eos_token_ids)
@@ -202,6 +201,7 @@ class Engine:
         seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
         for seq in seqs:
             seq.adapter = number
+        self._check_images(seqs[0])
         self._queue(seqs[0])
         return seqs[0]
 
@@ -223,6 +223,20 @@ class Engine:
             # Otherwise it queues: a failed step is followed at once by a probe, and one
             # step's failure should not turn away whoever arrives in the milliseconds it takes.
             raise Unavailable(f"not ready: {self.health.reason}", retry_after=math.ceil(REPROBE_S))
+
+    def _check_images(self, seq: Sequence) -> None:
+        """The images of the requests in flight stay within what the memory budget keeps for them on rank 0 (its
+        encoder's inputs, held until the request ends): one more is refused for now."""
+        if not seq.images:
+            return
+        flight = (*self.scheduler.waiting, *self.scheduler.batch)
+        held = sum(image.inputs.nbytes for other in flight for image in other.images if image.inputs)
+        more = sum(image.inputs.nbytes for image in seq.images if image.inputs)
+        if held + more > self.budget.images:
+            raise Overloaded(
+                f"the images of the requests in flight hold {held >> 20} MiB of the {self.budget.images >> 20} MiB "
+                "this server keeps for them; retry shortly"
+            )
 
     def _queue(self, seq: Sequence) -> None:
         self.scheduler.queues.add(seq)

@@ -1,9 +1,10 @@
 """A chat's images on the leader: mlx-vlm's processor turns the rendered chat and its pictures into the prompt's
 tokens (each image expanded into its placeholder tokens) and each image's pixel inputs.
 
-The pixel inputs stay in this process (``images.STORE``, read by rank 0's encoder, ``rank.model.vision``); the step
-plan carries only where each image's features go (``rpc.ImageRun``): no pixels or features cross the wire. An
-image's tokens are prompt tokens like any other: they count toward the context, admission and memory.
+Each image's pixel inputs go with its prompt (``PromptImage.inputs``) and, in the step that feeds it, to rank 0's
+encoder (``Step.images``: rank 0 runs in the leader, so they never cross a pipe); the step's plan carries only
+where each image's features go (``rpc.ImageRun``). An image's tokens are prompt tokens like any other: they count
+toward the context, admission and memory.
 
 mlx-vlm is imported only when a model has a ``vision_config``: a text-only install never needs it.
 """
@@ -23,10 +24,12 @@ from neuron.rpc import ImageRun
 
 @dataclass(frozen=True, slots=True)
 class PromptImage:
-    """One image of a prompt: its digest and the prompt positions its features fill, in feature order."""
+    """One image of a prompt: its digest, the prompt positions its features fill, in feature order, and its inputs
+    to rank 0's encoder."""
 
     digest: str
     positions: tuple[int, ...]
+    inputs: images.Inputs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,13 @@ class Prompt(list[int]):
 
     images: tuple[PromptImage, ...] = ()
     rope: Rope | None = None  # a model with M-RoPE: the positions where an image makes them other than plain
+
+
+def pixels(prompt_images: tuple[PromptImage, ...], runs: list[ImageRun]) -> dict[str, images.Inputs]:
+    """The inputs of the images whose features ``runs`` put in a chunk, by digest: what rank 0's encoder needs of
+    the step that feeds it."""
+    named = {run.digest for run in runs}
+    return {image.digest: image.inputs for image in prompt_images if image.digest in named and image.inputs}
 
 
 def runs(prompt_images: tuple[PromptImage, ...], start: int, end: int) -> list[ImageRun]:
@@ -148,16 +158,16 @@ class Vision:
         return cls(load_processor(model_path, add_detokenizer=False, trust_remote_code=False), config)
 
     def encode(self, text: str, pictures: list[images.Picture]) -> Prompt:
-        """The prompt of a chat rendered to ``text``, with its ``pictures`` in order; their pixel inputs stored
-        for rank 0. Raises ``RequestError`` where the template rendered another number of images than were sent."""
+        """The prompt of a chat rendered to ``text``, with its ``pictures`` in order and their pixel inputs for rank
+        0. Raises ``RequestError`` where the template rendered another number of images than were sent."""
         ids = self._prepare(text, pictures)["input_ids"]
         positions = [i for i, t in enumerate(ids) if t == self.image_token]
         prompt_images, taken, grids = [], 0, []
         for picture in pictures:
             alone = self._prepare(self.placeholder, [picture])
             count = sum(1 for t in alone["input_ids"] if t == self.image_token)
-            images.STORE.put(picture.digest, images.Inputs(alone["input_ids"], alone["arrays"], self.image_token))
-            prompt_images.append(PromptImage(picture.digest, tuple(positions[taken : taken + count])))
+            inputs = images.Inputs(alone["input_ids"], alone["arrays"], self.image_token)
+            prompt_images.append(PromptImage(picture.digest, tuple(positions[taken : taken + count]), inputs))
             if self.merge and taken < len(positions):
                 t, h, w = (int(n) for n in alone["arrays"]["image_grid_thw"][0])
                 grids.append((positions[taken], (t, h // self.merge, w // self.merge)))

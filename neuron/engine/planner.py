@@ -11,6 +11,7 @@ from neuron.engine import image_prompts
 from neuron.engine.drafts import StepCost, width
 from neuron.engine.prefix import PrefixIndex, Stored, disk_key
 from neuron.engine.sequence import Sequence
+from neuron.images import Inputs
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import PENALTY_WINDOW
 from neuron.step import Start, Step
@@ -50,6 +51,7 @@ def plan_step(
     prefill: list[Prefill] = []
     restore: list[Restore] = []
     starts: dict[int, Start] = {}
+    pixels: dict[str, Inputs] = {}  # the images the chunks put in, for rank 0's encoder
     suspect = False  # whether the step feeds a sequence blamed for a lost group
     for seq in filling:
         if budget <= 0:
@@ -89,6 +91,7 @@ def plan_step(
         for copy in copies:
             starts[copy.no] = Start(copy.params, tuple(copy.prompt[-PENALTY_WINDOW:]))
         runs = image_prompts.runs(seq.images, start, end) if seq.images else []
+        pixels |= image_prompts.pixels(seq.images, runs)
         positions = seq.rope.chunk(start, end) if seq.rope else []
         fed = tokens[start:end]
         copied = [c.no for c in copies]
@@ -109,7 +112,7 @@ def plan_step(
         if stored := prefix.store(image_prompts.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
             plan.evict.extend(_evicts(stored, spill, spilled))
-    return Step(plan, starts, spilled, allowed)
+    return Step(plan, starts, spilled, allowed, pixels)
 
 
 def _keep(

@@ -17,13 +17,13 @@ from neuron.engine.memory import Budget
 from neuron.engine.output import Output
 from neuron.engine.scheduler import Scheduler
 from neuron.engine.sequence import Pause, Sequence
-from neuron.images import Store
 from neuron.pool import Pool, PoolError
 
 log = structlog.get_logger("neuron.engine")
 
 
-# The images of requests in flight (a model that takes images) may hold at most this share of rank 0's memory.
+# The images of the requests in flight (a model that takes images) may hold at most this share of rank 0's memory,
+# which the budget keeps free for them (rank 0 encodes them; the engine refuses more: ``Engine.submit``).
 IMAGES_SHARE = 1 / 8
 
 
@@ -35,14 +35,14 @@ class Pressure:
         scheduler: Scheduler,
         output: Output,
         vocab_size: int,
-        images: Store | None = None,
+        vision: bool = False,
     ) -> None:
         self.pool = pool
         self.budget = budget
         self.scheduler = scheduler
         self.output = output
         self.vocab_size = vocab_size
-        self.images = images  # the images of requests in flight, for rank 0's encoder; None: text only
+        self.vision = vision  # the model takes images: the budget keeps room for them on rank 0
         self._read_at: tuple[float, ...] = ()  # when the readings the budget follows were taken
 
     async def read(self, calibrate: bool = False) -> None:
@@ -50,9 +50,8 @@ class Pressure:
         what a step takes beyond the caches), then keep MLX within each rank's budget where it enforces its limits
         (``RankBudget.mlx_limits``); raises the pool's error if a rank fails to answer."""
         readings = await self.pool.read_memory()
-        if calibrate and self.images is not None:  # kept free on rank 0, and bounded by its memory
-            self.images.max_bytes = min(self.images.max_bytes, int(readings[0].total * IMAGES_SHARE))
-            self.budget.images = self.images.max_bytes
+        if calibrate and self.vision:
+            self.budget.images = int(readings[0].total * IMAGES_SHARE)
         (self.budget.calibrate if calibrate else self.budget.read)(readings)
         readings = await self.pool.read_memory({budget.rank: budget.mlx_limits for budget in self.budget.ranks})
         self.budget.read(readings)

@@ -48,8 +48,8 @@ from neuron.step import DraftRow, Step
 
 
 @dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """What the engine does this turn, in order (vLLM's ``SchedulerOutput``): tell the readers of ``cancelled``
+class Turn:
+    """What the engine does this turn, in order: tell the readers of ``cancelled``
     that their sequences left, start the ``admitted`` ones, then run ``step`` on every rank; with no step,
     ``clear`` says one clear of every rank's caches is owed (it frees the sequences that left at once)."""
 
@@ -201,7 +201,7 @@ class Scheduler:
                 rows.append(DraftRow(seq.no, [*seq.prompt, *seq.output], k, seq.params))
         return rows
 
-    def schedule(self, proposed: Mapping[int, list[int]] | None = None) -> SchedulerOutput:
+    def schedule(self, proposed: Mapping[int, list[int]] | None = None) -> Turn:
         """Drop the cancelled and stopped sequences (they leave in this plan), admit waiting requests while the
         batch has places and memory, and plan the step, with the draft model's ``proposed`` tokens (``to_draft``);
         with nothing to run, release who leaves (a clear is owed)."""
@@ -242,7 +242,7 @@ class Scheduler:
         if clear:  # nothing left to run: clearing every rank's sequences at once drops them all
             self.queues.leaving.clear()
         cancels = [(seq, self.queues.steps - (seq.cancelled_at or 0)) for seq in cancelled]
-        return SchedulerOutput(step, admitted, cancels, clear, preempted, unfit)
+        return Turn(step, admitted, cancels, clear, preempted, unfit)
 
     def update(self, step: Step, sampled: dict[int, Sampled], ms: float) -> list[Delivery]:
         """What ``step`` did, now that every rank ran it in ``ms``: prompts fed, tokens sampled, in plan order, and

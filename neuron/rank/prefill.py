@@ -9,12 +9,14 @@ functions fill: ``seqs``, one ``SeqState`` per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache
 
+from neuron.images import Inputs
 from neuron.rank.kv import caches
 from neuron.rank.model.mrope import placed
 from neuron.rank.runner import Sharded, Stage
@@ -58,6 +60,7 @@ def feed_prompts(
     chunks: list[Prefill],
     shadow: bool = False,
     together: bool = True,
+    pixels: Mapping[str, Inputs] | None = None,
 ) -> dict[int, mx.array]:
     """Feed prompt chunks; rank 0 returns the next-token logits of each prompt that ends here.
 
@@ -68,7 +71,8 @@ def feed_prompts(
     linear-attention state's; decided from the whole model, not this rank's
     stage, so every rank groups alike). The grouping depends on the plan alone,
     so every rank issues the same collectives. ``shadow`` runs the same shapes on
-    throwaway caches and records nothing.
+    throwaway caches and records nothing. ``pixels``: rank 0's, the inputs of the
+    images the chunks put in (``Step.images``).
     """
     out: dict[int, mx.array] = {}
     fresh = [chunk for chunk in chunks if _batched(chunk, together)]
@@ -103,7 +107,7 @@ def feed_prompts(
         else:
             fed, embeddings, deepstack = chunk.tokens, None, None
             if chunk.images and runner.images:
-                embeddings = runner.images.embeddings(chunk.tokens, chunk.images)
+                embeddings = runner.images.embeddings(chunk.tokens, chunk.images, pixels or {})
                 fed = runner.images.tokens(chunk.tokens, chunk.images)
                 deepstack, runner.images.deepstack = runner.images.deepstack, None
             runner.fed_states = None

@@ -14,11 +14,13 @@ holds, and a fingerprint of that state travels back with every step.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from neuron.images import Inputs
 from neuron.models.adapters import AdapterError, find
 from neuron.rank import ahead
 from neuron.rank.agreement import disagreement
@@ -106,9 +108,10 @@ class Rank:
 
     # The step.
 
-    def step(self, plan: StepPlan) -> dict[int, mx.array] | None:
+    def step(self, plan: StepPlan, pixels: Mapping[str, Inputs] | None = None) -> dict[int, mx.array] | None:
         """Apply ``plan``; rank 0 gets each sequence's next-token logits (prompts just finished, and the batch),
-        and keeps the vector of each embedding input finished in ``embedded``.
+        and keeps the vector of each embedding input finished in ``embedded``. ``pixels``: rank 0's, the inputs of
+        the images its encoder turns into the features the plan's chunks put in (``Step.images``).
 
         A plan this rank's state cannot follow still runs, on throwaway caches of
         the same shapes, so that every peer's collectives are matched; the
@@ -140,7 +143,7 @@ class Rank:
         self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
         assert self.runner is not None
         prompts, inputs = _split(plan)
-        out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together)
+        out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together, pixels=pixels)
         self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs, together=self.prompts_together)
         self.entries.evict_and_save(plan, self.seqs)
         if plan.decode and queued is not None:

@@ -46,7 +46,7 @@ def run(rank: Rank, step: Step, head: Head | None = None) -> Stepped:
 
 
 def _run(rank: Rank, step: Step, head: Head | None) -> Stepped:
-    logits = rank.step(step.plan) or {}
+    logits = rank.step(step.plan, step.images) or {}
     if head is None:
         queued = rank.run_ahead(step.plan)  # queued or only built (``Rank.settle``), not waited for
         return Stepped(rank.fingerprint(), queued)

@@ -1,8 +1,8 @@
-"""A step's plan: what the scheduler decided for one batched step, the same for every rank.
+"""A step's plan: what every rank runs of a step (``neuron.step.Step``, the step's one contract, holds it), the
+same for every rank, and the part of the step that crosses the wire.
 
-The plan is the step's whole contract (as vLLM's ``SchedulerOutput`` is): every rank reads what to feed, keep and
-drop from it alone, and it fixes every tensor shape, so the ranks issue the same collectives. It travels inside
-``GenerateStep`` (``rpc.messages``). No MLX here.
+Every rank reads what to feed, keep and drop from it alone, and it fixes every tensor shape, so the ranks issue the
+same collectives. It travels inside ``GenerateStep`` (``rpc.messages``). No MLX here.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,12 @@ class Encoder:
         self.vlm = vlm
         self.features: OrderedDict[str, mx.array] = OrderedDict()
 
-    def of(self, digest: str) -> mx.array | None:
-        """The image's features, (its tokens, hidden); None where its pixels are not here (``images.STORE``)."""
+    def of(self, digest: str, inputs: images.Inputs | None) -> mx.array | None:
+        """The image's features, (its tokens, hidden), from its ``inputs`` (the step's, ``Step.images``) where they
+        are not kept already; None where they are neither."""
         if (kept := self.features.get(digest)) is not None:
             self.features.move_to_end(digest)
             return kept
-        inputs = images.STORE.get(digest)
         if inputs is None:
             return None
         started = time.perf_counter()
@@ -113,8 +114,9 @@ class Images:
             out[run.at : run.at + run.count] = [0] * run.count
         return out
 
-    def embeddings(self, tokens: list[int], runs: list[ImageRun]) -> mx.array:
-        """The chunk's input embeddings, (1, tokens, hidden), the image runs' positions holding their features."""
+    def embeddings(self, tokens: list[int], runs: list[ImageRun], pixels: Mapping[str, images.Inputs]) -> mx.array:
+        """The chunk's input embeddings, (1, tokens, hidden), the image runs' positions holding their features
+        (rank 0 encodes them from ``pixels``, the step's inputs by digest)."""
         embedded = self.embed(mx.array(tokens)[None])
         hidden, dtype = embedded.shape[-1], embedded.dtype
         rows = sum(run.count for run in runs)
@@ -122,7 +124,7 @@ class Images:
         if self.encoder is not None:
             pieces = []
             for run in runs:
-                features = self.encoder.of(run.digest)
+                features = self.encoder.of(run.digest, pixels.get(run.digest))
                 if features is None:
                     self.missing.append(run.digest)
                     features = mx.zeros((run.first + run.count, width), dtype)
@@ -150,8 +152,8 @@ class Images:
             return None
         gone, self.missing = self.missing, []
         return (
-            f"the pixels of image {gone[0][:12]} were no longer held when its prompt was fed (too many images in "
-            "flight); send the request again"
+            f"the step that fed image {gone[0][:12]} carried none of its pixels (a bug upstream: each step carries "
+            "the inputs of the images it feeds); send the request again"
         )
 
 
