@@ -76,14 +76,14 @@ def main() -> None:
             times: dict[str, list[float]] = {"plain": [], "kept": [], "back": []}
             for _ in range(args.rounds):
                 for kind in ("plain", "kept"):
-                    batch = caches.merge([caches.twin(cache) for cache in own])
+                    batch = caches.merge([caches.copied(cache) for cache in own])
                     if kind == "plain":  # mlx-lm's own kind, which the hooks leave alone
                         batch = [_plain(layer) for layer in batch]
                     mx.eval([caches.arrays(layer) for layer in batch])
                     started = time.perf_counter()
-                    states.arm(batch, kind == "kept")
+                    states.record_each_position(batch, kind == "kept")
                     logits = model(tokens, cache=batch)
-                    states.disarm(batch)
+                    states.stop_recording(batch)
                     mx.eval(logits, [caches.arrays(layer) for layer in batch])
                     times[kind].append((time.perf_counter() - started) * 1000)
                 if width > 1:

@@ -39,7 +39,7 @@ def host_reads() -> Iterator[Counter[tuple[str, str]]]:
     """Every call that brings MLX arrays to the host (evaluations and reads), by (call, calling function); the
     sampler's typed readers are seen through, to the function that called them."""
     calls: Counter[tuple[str, str]] = Counter()
-    readers = {reader.__code__ for reader in (readback.ints, readback.floats, readback.real, sampler._on_host)}
+    readers = {reader.__code__ for reader in (readback.ints, readback.floats, readback.scalar, sampler._on_host)}
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str) -> None:

@@ -304,12 +304,12 @@ def test_a_snapshot_restores_only_the_whole_prompt_it_saved(arch: str, arch_mode
 def test_the_table_says_who_splits_each_architecture_as_mlx_lm_and_neuron_have_it() -> None:
     from mlx_lm.utils import _get_classes
 
-    from neuron.rank.model.splits import PLANS
+    from neuron.rank.model.splits import SPLITS
 
     for arch, support in architectures.TABLE.items():
         has_shard = hasattr(_get_classes({"model_type": arch})[0], "shard")
         assert (support.tp == "mlx-lm") == has_shard, arch
-        assert (support.tp == "neuron") == (arch in PLANS), arch
+        assert (support.tp == "neuron") == (arch in SPLITS), arch
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -387,11 +387,11 @@ def test_names_and_paths(model: str | None, parsed: hub.HubName | None) -> None:
 def test_gguf_files_picked_as_llama_cpp_does() -> None:
     files = ["a-Q4_K_M.gguf", "a-Q4_K_S.gguf", "a-Q8_0.gguf", "mmproj-a-f16.gguf", "big-Q6_K-00001-of-00002.gguf"]
     name = hub.HubName("org/a", quant="q4_k_m")
-    assert hub.plan(name, dict.fromkeys(files, 1), "c").gguf == "a-Q4_K_M.gguf"
+    assert hub.to_fetch(name, dict.fromkeys(files, 1), "c").gguf == "a-Q4_K_M.gguf"
     with pytest.raises(hub.HubError, match="split in parts"):
         hub.pick_gguf(hub.HubName("org/a", quant="Q6_K"), files)
     with pytest.raises(hub.HubError, match="GGUF files only"):
-        hub.plan(hub.HubName("org/a"), dict.fromkeys(files, 1), "c")
+        hub.to_fetch(hub.HubName("org/a"), dict.fromkeys(files, 1), "c")
 
 
 @pytest.mark.unit

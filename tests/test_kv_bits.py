@@ -88,7 +88,7 @@ def test_the_batched_quantized_cache_holds_and_attends_as_mlx_lms_one_sequence_c
     for one, drop in zip(alone, [0, 1, 2, 1], strict=True):
         one.trim(drop)
     _same_rows(batch, alone, seed=11)
-    assert caches.cuttable([batch]) and isinstance(caches.twin([alone[0]])[0], QuantizedKVCache)
+    assert caches.cuttable([batch]) and isinstance(caches.copied([alone[0]])[0], QuantizedKVCache)
 
 
 @pytest.mark.unit

@@ -84,13 +84,17 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
-    """``path``'s import statements outside ``if TYPE_CHECKING:`` blocks, at any depth (a function's too)."""
+def _import_nodes(path: Path, typing: bool = False) -> list[ast.Import | ast.ImportFrom]:
+    """``path``'s import statements at any depth (a function's too); outside ``if TYPE_CHECKING:`` blocks unless
+    ``typing``."""
     tree = ast.parse(path.read_text())
     typing_only = {
         id(n)
         for node in ast.walk(tree)
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+        if not typing
+        and isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
         for n in ast.walk(node)
     }
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
@@ -111,12 +115,13 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Which neuron modules each one imports at run time (``from package import module`` names the module)."""
+def import_graph(modules: dict[str, Path], typing: bool = True) -> dict[str, set[str]]:
+    """Which neuron modules each one imports (``from package import module`` names the module): the imports that
+    only name types too, unless not ``typing`` (a module that names another's types cannot be read without it)."""
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges = set()
-        for node in _import_nodes(path):
+        for node in _import_nodes(path, typing):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
@@ -173,12 +178,30 @@ def test_dependencies_point_one_way(room: str) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def deepest_chain(graph: dict[str, set[str]]) -> list[str]:
+    """The longest run of imports, each module importing the next (the graph has no circle)."""
+    longest: dict[str, list[str]] = {}
+
+    def chain(node: str) -> list[str]:
+        if node not in longest:
+            longest[node] = [node, *max((chain(nxt) for nxt in sorted(graph[node])), key=len, default=[])]
+        return longest[node]
+
+    return max((chain(node) for node in sorted(graph)), key=len, default=[])
+
+
 @pytest.mark.unit
 def test_no_module_imports_itself_round_a_circle() -> None:
     """A circle means neither module can be read (or loaded) without the other: one of them holds what belongs
-    to a third, or they are one module."""
-    found = circles(import_graph(_modules()))
+    to a third, or they are one module. An import under ``if TYPE_CHECKING:`` counts: it is there because the
+    module cannot be read without the other's types. Prints the import graph's shape (``pytest -s``)."""
+    graph = import_graph(_modules())
+    found = circles(graph)
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists())
+    deepest = deepest_chain(graph)
+    print(f"circles 0; {len(top)} entries at the top of neuron/; the deepest chain, {len(deepest)} modules: "
+          + " -> ".join(deepest))  # fmt: skip
 
 
 @pytest.mark.unit
@@ -186,6 +209,29 @@ def test_the_circle_check_sees_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert circles(graph) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.unit
+def test_an_import_that_names_only_types_closes_a_circle_too(tmp_path: Path) -> None:
+    """A circle planted through a ``TYPE_CHECKING`` import is found; read without such imports it is not."""
+    package = tmp_path / "neuron"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from neuron.b import B\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from neuron.a import A\n")
+    modules = {f"neuron.{name}": package / f"{name}.py" for name in ("a", "b")}
+    assert circles(import_graph(modules)) == [["neuron.a", "neuron.b"]]
+    assert circles(import_graph(modules, typing=False)) == []
+
+
+# The entries at the top of neuron/: a room per subsystem, and the few leaves every room reads.
+TOP_ENTRIES = 20
+
+
+@pytest.mark.unit
+def test_the_top_of_the_package_holds_rooms_not_a_drawer() -> None:
+    top = sorted(p.name for p in PACKAGE.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists())
+    assert len(top) <= TOP_ENTRIES, f"{len(top)} entries at the top of neuron/: {top}"
 
 
 def test_the_mlx_free_modules_load_no_mlx() -> None:

@@ -239,17 +239,17 @@ def test_a_linear_attention_batch_drops_different_tails_as_if_fed_only_what_it_k
 
     # (rows verified together, the row that leaves after, each staying row's drop): row 3 joins after, dropping none
     for rows, leaving, drops in (([0, 1, 2], None, [0, 2, 3]), ([0, 1, 2], 1, [3, 0])):
-        batch = caches.merge([caches.twin(own[row]) for row in rows])
-        states.arm(batch, True)
+        batch = caches.merge([caches.copied(own[row]) for row in rows])
+        states.record_each_position(batch, True)
         model(fed[mx.array(rows)], cache=batch)
-        states.disarm(batch)
+        states.stop_recording(batch)
         staying = [i for i, row in enumerate(rows) if row != leaving]
         for layer in batch:
             layer.filter(staying)
-        for layer, joining in zip(batch, caches.merge([caches.twin(own[3])]), strict=True):
+        for layer, joining in zip(batch, caches.merge([caches.copied(own[3])]), strict=True):
             layer.extend(joining)
         drop_tail(batch, [*drops, 0])
-        states.arm(batch, False)
+        states.record_each_position(batch, False)
         now = [rows[i] for i in staying] + [3]
         ours = model(after[mx.array(now)], cache=batch)[:, -1]
         for i, row in enumerate(now):

@@ -106,7 +106,7 @@ def offline() -> bool:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Fetch:
     """What to fetch of a repository: its safetensors model (``gguf`` None), or one GGUF file."""
 
     commit: str
@@ -114,15 +114,15 @@ class Plan:
     weight_bytes: int
 
 
-def plan(name: HubName, files: dict[str, int | None], commit: str) -> Plan:
+def to_fetch(name: HubName, files: dict[str, int | None], commit: str) -> Fetch:
     """Refuse a repository neuron cannot read, by its file list alone; else what to fetch of it."""
     ggufs = sorted(f for f in files if f.endswith(".gguf") and "mmproj" not in f.lower())
     if name.quant is not None:
         gguf = pick_gguf(name, ggufs)
-        return Plan(commit, gguf, files.get(gguf) or 0)
+        return Fetch(commit, gguf, files.get(gguf) or 0)
     weights = [f for f in files if _WEIGHTS.match(f)]
     if weights:
-        return Plan(commit, None, sum(files[f] or 0 for f in weights))
+        return Fetch(commit, None, sum(files[f] or 0 for f in weights))
     if ggufs:
         quants = sorted({q for f in ggufs if (q := _quant_of(f))}) or ggufs
         raise HubError(f"{name.repo} holds GGUF files only: name one as {name.repo}:QUANT (it has {', '.join(quants)})")
@@ -253,7 +253,7 @@ def _fetch(name: HubName, download: Download, weights: list[str] | None) -> Path
             raise _explain(e, name) from None
     assert info.sha is not None
     files = {s.rfilename: s.size for s in info.siblings or []}
-    what = plan(name, files, info.sha)
+    what = to_fetch(name, files, info.sha)
     revision = name.revision or "main"
     bars = download.bars()
     if what.gguf is not None:

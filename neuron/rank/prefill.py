@@ -142,7 +142,7 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
     state = seqs[seq]
     assert state.cache is not None
     for no in copies:
-        seqs[no] = SeqState(state.position, state.last, caches.twin(state.cache), True)
+        seqs[no] = SeqState(state.position, state.last, caches.copied(state.cache), True)
         seqs[no].seen = list(state.seen)
 
 

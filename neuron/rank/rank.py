@@ -29,7 +29,7 @@ from neuron.rank.embed import embed_inputs
 from neuron.rank.failures import GroupError, RankError
 from neuron.rank.fingerprint import fingerprint
 from neuron.rank.kv import caches, rollback, states
-from neuron.rank.kv.batch import Batch, fed
+from neuron.rank.kv.batch import Batch, row_inputs
 from neuron.rank.kv.disk import Disk
 from neuron.rank.kv.entries import Entries
 from neuron.rank.model.load import Loaded, load
@@ -268,8 +268,8 @@ class Rank:
             batch = self.batch.micro_batches[micro_batch]
             lags.append([by_seq[seq].rope_delta for seq in batch.ids])
             rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
-            states.arm(batch.cache, widths[micro_batch] > 1)
-            tokens = fed([by_seq[seq] for seq in batch.ids], widths[micro_batch])
+            states.record_each_position(batch.cache, widths[micro_batch] > 1)
+            tokens = row_inputs([by_seq[seq] for seq in batch.ids], widths[micro_batch])
             for seq, fed_row in zip(batch.ids, tokens, strict=True):
                 state = self.seqs[seq]
                 state.position += len(fed_row) - by_seq[seq].drop
@@ -280,7 +280,7 @@ class Rank:
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
         logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags, adapters=adapters)
         for micro_batch in micro_batches:
-            states.disarm(self.batch.micro_batches[micro_batch].cache)
+            states.stop_recording(self.batch.micro_batches[micro_batch].cache)
         out: dict[int, mx.array] = {}
         hidden: list[mx.array | None] = [*self.runner.kept_states] or [None] * len(micro_batches)
         for micro_batch, batch_logits, batch_hidden in zip(micro_batches, logits, hidden, strict=True):

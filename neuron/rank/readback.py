@@ -20,6 +20,6 @@ def floats(a: mx.array) -> list[float]:
     return cast(list[float], a.tolist())
 
 
-def real(a: mx.array) -> float:
+def scalar(a: mx.array) -> float:
     """A real scalar array's value on the host (an ``int`` for an integer array)."""
     return cast(float, a.item())

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from neuron.rank.dist import backends
 from neuron.rank.failures import GroupError, RankError
-from neuron.rank.readback import real
+from neuron.rank.readback import scalar
 
 _in_group = False  # whether this process joined a group it has not left
 
@@ -74,7 +74,7 @@ def join(
             f"expected rank {rank} of {world_size}: check MLX_RANK and the hostfile"
         )
     try:
-        total = real(mx.distributed.all_sum(mx.array(1.0), group=group))
+        total = scalar(mx.distributed.all_sum(mx.array(1.0), group=group))
     except Exception as e:  # NCCL can fail at its first collective too
         raise GroupError(join_failure(backend, dict(os.environ), e)) from e
     return group, total

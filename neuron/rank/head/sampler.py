@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from neuron.rank.readback import floats, ints, real
+from neuron.rank.readback import floats, ints, scalar
 from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
 
 
@@ -251,13 +251,13 @@ def read(draws: dict[int, Draw], runs: Mapping[int, Verdict] | None = None) -> d
 
 def _on_host(d: Draw) -> Sampled:
     """An evaluated draw's token and logprobs as host values."""
-    token = int(real(d.token))
+    token = int(scalar(d.token))
     if d.chosen is None:
         return Sampled(token, NOT_ASKED)
     top: tuple[tuple[int, float], ...] = ()
     if d.top is not None and d.top_logprobs is not None:
         top = tuple(sorted(zip(ints(d.top), floats(d.top_logprobs), strict=True), key=lambda x: -x[1]))
-    return Sampled(token, real(d.chosen), top)
+    return Sampled(token, scalar(d.chosen), top)
 
 
 @dataclasses.dataclass(slots=True)

@@ -50,17 +50,17 @@ class Batch:
             micro_batch.ids = [micro_batch.ids[i] for i in keep]
             for layer in micro_batch.cache:
                 layer.filter(keep)
-            caches.alone(micro_batch.cache, len(keep) == 1)  # the filter shifted the padding rows shared away
+            caches.mark_single_row(micro_batch.cache, len(keep) == 1)  # the filter shifted the padding rows shared away
 
     def join(self, micro_batch: int, seqs: list[int], own: list[list[caches.Layer]]) -> None:
         """Append ``seqs`` (with their own caches, one per layer) to ``micro_batch``, after its rows."""
         merged = caches.merge(own)
         if micro_batch not in self.micro_batches:
             self.micro_batches[micro_batch] = MicroBatch(list(seqs), merged)
-            caches.alone(merged, len(seqs) == 1)
+            caches.mark_single_row(merged, len(seqs) == 1)
             return
         existing = self.micro_batches[micro_batch]
-        caches.alone(existing.cache, False)
+        caches.mark_single_row(existing.cache, False)
         for layer, new in zip(existing.cache, merged, strict=True):
             layer.extend(new)
         existing.ids += seqs
@@ -79,7 +79,7 @@ class Batch:
         self.micro_batches.clear()
 
 
-def fed(rows: list[Decode], width: int) -> list[list[int]]:
+def row_inputs(rows: list[Decode], width: int) -> list[list[int]]:
     """What each row of a micro-batch of ``width`` (``StepPlan.widths``) is fed: its token and draft, padded with
     its last token (rank 0 ignores the padding's logits; the next plan drops it)."""
     return [[row.token, *row.draft] + [(row.draft or [row.token])[-1]] * (width - 1 - len(row.draft)) for row in rows]

@@ -72,7 +72,7 @@ def empty_batch(model: nn.Module, rows: int) -> list[Layer]:
     return merge([fresh(model) for _ in range(rows)])
 
 
-def twin(cache: list[Layer]) -> list[Layer]:
+def copied(cache: list[Layer]) -> list[Layer]:
     """A copy of one sequence's caches with arrays of its own: the copy's writes must not reach the original."""
     out: list[Layer] = []
     for layer in cache:
@@ -118,7 +118,7 @@ def nbytes(held: Any) -> int:
     return sum(int(a.nbytes) for a in arrays(held))
 
 
-def alone(cache: list[Layer], one_row: bool) -> None:
+def mark_single_row(cache: list[Layer], one_row: bool) -> None:
     """Mark a micro-batch's caches as holding one row with no left padding (``one_row``), or no longer.
 
     A batched cache masks every step for its rows' left padding; one row of one token with none needs no mask,

@@ -172,7 +172,7 @@ class Entries:
                 cache.state = (keys[..., :tokens, :], values[..., :tokens, :], tokens)
                 restored.append(cache)
             else:
-                restored.extend(caches.twin([layer]))
+                restored.extend(caches.copied([layer]))
         return restored
 
     def clear(self) -> None:
@@ -211,7 +211,7 @@ def _kept(cache: list[caches.Layer], tokens: int) -> _Entry:
             assert layer.keys is not None and layer.values is not None
             layers.append((_cut(layer.keys, 0, 0, layer.offset), _cut(layer.values, 0, 0, layer.offset)))
         else:
-            layers.extend(caches.twin([layer]))
+            layers.extend(caches.copied([layer]))
     mx.eval([layer if isinstance(layer, tuple) else caches.arrays(layer) for layer in layers])
     return _Entry(tokens, layers)
 

@@ -9,15 +9,14 @@ position it kept. vLLM keeps per-position states for its Mamba speculation in th
 cannot be cut").
 
 Where the states come from, without a copy of mlx-lm's layer code: the batched caches of decoding rows are
-``Recording`` caches, armed (``arm``) while a step that feeds several positions is built, and the layer's first
-read of an armed cache marks it as the one being run. Two hooks then see what mlx-lm's call computes: the
-convolution (its module's class swapped for ``_RecordingConv1d``) keeps its whole input, whose windows are every
-position's convolution state; and ``gated_delta_update`` (replaced in the model's module, a pass-through
-elsewhere) runs the recurrence one position at a time for a step that feeds several, keeping each position's
-state. Where mlx-lm runs no Metal kernel (the CPU, CUDA) its recurrence is that same loop, so the states and the
-outputs are the ones it computes; on a Mac's GPU its kernel runs once per position there. MLX arrays are values:
-keeping them costs no copy, only their memory until the next step (the verify's width times a state per layer
-and row).
+``Recording`` caches, recording (``record_each_position``) while a step that feeds several positions is built, and
+the layer's first read of a recording cache marks it as the one being run. Two hooks then see what mlx-lm's call
+computes: the convolution (its module's class swapped for ``_RecordingConv1d``) keeps its whole input, whose windows
+are every position's convolution state; and ``gated_delta_update`` (replaced in the model's module, a pass-through
+elsewhere) runs the recurrence one position at a time for a step that feeds several, keeping each position's state.
+Where mlx-lm runs no Metal kernel (the CPU, CUDA) its recurrence is that same loop, so the states and the outputs
+are the ones it computes; on a Mac's GPU its kernel runs once per position there. MLX arrays are values: keeping
+them costs no copy, only their memory until the next step (the verify's width times a state per layer and row).
 """
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ class Recording(ArraysCache):
         # The state after each position, (rows, heads, value dim, key dim) each: apart, so that taking a row's back
         # copies that row's alone
         self.states: list[mx.array] | None = None
-        self.armed = False
+        self.recording = False
 
     def __getitem__(self, idx: int) -> Any:
-        if idx == 0 and self.armed:  # the layer's first read: the hooks record into this cache until it advances
+        if idx == 0 and self.recording:  # the layer's first read: the hooks record into this cache until it advances
             _running.cache = self
         return super().__getitem__(idx)
 
@@ -101,23 +100,23 @@ class _RecordingConv1d(nn.Conv1d):
         return super().__call__(x)
 
 
-def arm(cache: list[Any], several: bool) -> None:
+def record_each_position(cache: list[Any], several: bool) -> None:
     """Before a batch's forward is built: its gated delta layers record each position's state where it feeds
     ``several`` positions per row; else they forget what they recorded (nothing of that step can be dropped)."""
     _running.cache = None
     for layer in cache:
         if isinstance(layer, Recording):
-            layer.armed = several
+            layer.recording = several
             if not several:
                 layer.inputs = layer.states = None
 
 
-def disarm(cache: list[Any]) -> None:
+def stop_recording(cache: list[Any]) -> None:
     """Once the forward is built: what it recorded stays for the next step's drops, and nothing records more."""
     _running.cache = None
     for layer in cache:
         if isinstance(layer, Recording):
-            layer.armed = False
+            layer.recording = False
 
 
 def _recording(update: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Tensor-parallel split plans for the architectures mlx-lm has no ``shard()`` for, written as mlx-lm writes its
+"""Tensor-parallel splits for the architectures mlx-lm has no ``shard()`` for, written as mlx-lm writes its
 own (llama's): each rank keeps its heads' rows of the query, key and value projections and its rows of the MLP's
 inner projections, and the output projections' matching columns sum over the group. mlx's sharding helpers
 (``shard_linear``) do the slicing; what differs by architecture is named here.
@@ -19,7 +19,7 @@ def split(model: nn.Module, model_type: str, group: mx.distributed.Group) -> Non
     if hasattr(model, "shard"):
         model.shard(group)
         return
-    PLANS[model_type](model, group)
+    SPLITS[model_type](model, group)
 
 
 def _mlp(mlp: nn.Module, group: mx.distributed.Group) -> None:
@@ -154,7 +154,7 @@ def _gemma_language_model(model: nn.Module, group: mx.distributed.Group) -> None
     _gemma(model.language_model, group)
 
 
-PLANS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
+SPLITS: dict[str, Callable[[nn.Module, mx.distributed.Group], None]] = {
     "mistral3": _language_model,
     "qwen3_vl": _language_model,
     "gemma3": _gemma_language_model,
