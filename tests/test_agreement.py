@@ -1,4 +1,4 @@
-"""Whether a rank's state can follow a step's plan (``rank.agreement``): each way a plan and a rank can disagree,
+"""Whether a rank's state can follow a step's plan (``Holdings.disagreement``): each way a plan and a rank can disagree,
 named; a plan that fits passes. A rank's bookkeeping with a few tiny caches, no model; test_pool.py shows a rank
 that disagrees fail its step on every rank without a hang.
 """
@@ -9,9 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from neuron.rank.agreement import disagreement
-from neuron.rank.kv.batch import Batch
-from neuron.rank.kv.entries import Entries
+from neuron.rank.holdings import Holdings
 from neuron.rank.prefill import SeqState
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 
@@ -30,20 +28,20 @@ def cache(tokens: int) -> list[KVCache]:
     return out
 
 
-def rank_state() -> tuple[dict[int, SeqState], Batch, Entries]:
+def holdings() -> Holdings:
     """Sequences 1 and 2 decode in micro-batch 0, 3 in micro-batch 1; 4's prompt is done, waiting to join; 5 is
     halfway through its prompt (8 of it fed); prefix entry 10 holds 6 tokens."""
-    seqs = {s: SeqState(position=12, last=7, prompt_done=True) for s in (1, 2, 3)}
+    held = Holdings()
+    seqs = held.seqs
+    seqs.update({s: SeqState(position=12, last=7, prompt_done=True) for s in (1, 2, 3)})
     seqs[4] = SeqState(position=9, last=7, cache=cache(9), prompt_done=True)
     seqs[5] = SeqState(position=8, last=7, cache=cache(8))
-    batch = Batch()
-    batch.join(0, [1, 2], [cache(12), cache(12)])
-    batch.join(1, [3], [cache(12)])
-    entries = Entries()
-    entries.evict_and_save(
+    held.batch.join(0, [1, 2], [cache(12), cache(12)])
+    held.batch.join(1, [3], [cache(12)])
+    held.entries.evict_and_save(
         StepPlan(prefill=[Prefill(6, 0, [1] * 6, True)], save=[Save(6, 10)]), {6: SeqState(6, 1, cache(6), True)}
     )
-    return seqs, batch, entries
+    return held
 
 
 DECODING = [Decode(1, 5, 0), Decode(2, 5, 0), Decode(3, 5, 1)]
@@ -89,10 +87,10 @@ DISAGREE = [
 
 @pytest.mark.parametrize("plan", [p for _, p in FITS], ids=[what for what, _ in FITS])
 def test_a_plan_the_rank_can_follow_passes(plan: StepPlan) -> None:
-    assert disagreement(plan, *rank_state()) is None
+    assert holdings().disagreement(plan) is None
 
 
 @pytest.mark.parametrize(("plan", "says"), [(p, s) for _, p, s in DISAGREE], ids=[what for what, *_ in DISAGREE])
 def test_each_disagreement_is_named(plan: StepPlan, says: str) -> None:
-    problem = disagreement(plan, *rank_state())
+    problem = holdings().disagreement(plan)
     assert problem is not None and says in problem, problem

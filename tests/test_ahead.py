@@ -162,11 +162,10 @@ def test_a_plan_that_is_not_the_step_run_ahead_undoes_it(rank: Rank) -> None:
         driver = Driver(rank, ahead)
         driver.start(1)
         driver.decode()  # with ahead, the next step is now queued: its token is in the cache already
-        before = rank.batch.micro_batches[0].cache[0].offset.tolist()
+        before = rank.held.batch.micro_batches[0].cache[0].offset.tolist()
         # The next plan feeds a token the rank did not draw: the step run ahead must go.
         token = driver.step(StepPlan(decode=[Decode(1, driver.next[1] + 1, 0)]))[1].token
-        return token, [
-            after - b for after, b in zip(rank.batch.micro_batches[0].cache[0].offset.tolist(), before, strict=True)
-        ]
+        after = rank.held.batch.micro_batches[0].cache[0].offset.tolist()
+        return token, [a - b for a, b in zip(after, before, strict=True)]
 
     assert run(ahead=True) == (run(ahead=False)[0], [0])  # the queued token undone, the plan's fed in its place

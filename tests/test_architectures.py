@@ -259,7 +259,7 @@ def test_a_rank_that_cannot_follow_a_plan_runs_it_on_throwaway_caches_of_every_k
     )
     with pytest.raises(RankError, match="desync: sequence 2 is fed a prompt chunk at 5"):
         rank.step(plan)
-    assert not rank.seqs and not rank.batch.micro_batches
+    assert not rank.held.seqs and not rank.held.batch.micro_batches
     logits = rank.step(StepPlan(prefill=[Prefill(1, 0, PROMPTS[2], True)]))  # and it serves on
     assert logits is not None and logits[1].shape[-1] == 260
 
@@ -278,7 +278,7 @@ def test_the_prefix_caches_sizes_are_what_a_saved_prompt_holds(arch: str, arch_m
     per_token, per_entry = cache_bytes(arch_models[arch], [], 1)
     for seq, prompt in enumerate(PROMPTS[:3], start=1):  # shorter than a window, and longer
         rank.step(StepPlan(prefill=[Prefill(seq, 0, prompt, True)], save=[Save(seq, seq)]))
-        held = rank.entries._held[seq].layers
+        held = rank.held.entries._held[seq].layers
         measured = sum(sum(a.nbytes for a in layer) if isinstance(layer, tuple) else layer.nbytes for layer in held)
         assert measured == per_token * len(prompt) + per_entry, len(prompt)
 
@@ -340,7 +340,7 @@ def test_every_architecture_embeds_as_mlx_lms_final_states_pool(arch: str, arch_
     first = dict(rank.embedded)
     rank.step(StepPlan(prefill=[Prefill(3, half, long[half:], True, pool="LAST")]))
     got = {**first, **rank.embedded}
-    assert not rank.seqs  # every input dropped at its last chunk
+    assert not rank.held.seqs  # every input dropped at its last chunk
     model, _ = load(path)
     for seq, (ids, pooling) in {1: (PROMPTS[0], "MEAN"), 2: (PROMPTS[1], "MEAN"), 3: (long, "LAST")}.items():
         states = model.model(mx.array([ids]))[0].astype(mx.float32)

@@ -122,13 +122,13 @@ class Worker:
 
                 rank = self._joined()
                 stepped = run(rank, Step(plan))  # the step rank 0 runs too, less the sampling
-                memory = self.memory.fresh(lambda: (rank.cache_bytes(), rank.peak))
+                memory = self.memory.fresh(lambda: (rank.held.nbytes(), rank.peak))
                 return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint, memory=memory)
             case rpc.ReadMemory(id=id, memory_limit=memory_limit, cache_limit=cache_limit):
                 state = self.state
                 if state is not None and memory_limit:
                     state.limit_memory(memory_limit, cache_limit)
-                held = (lambda: (state.cache_bytes(), state.peak)) if state is not None else None
+                held = (lambda: (state.held.nbytes(), state.peak)) if state is not None else None
                 return rpc.MemoryRead(id=id, memory=self.memory.read(held))
             case rpc.ClearKvCache(id=id, prefixes=prefixes):
                 if self.state is not None:
@@ -137,7 +137,7 @@ class Worker:
             case rpc.OpenPrefixDisk(id=id, folder=folder, budget=budget, stamp=stamp):
                 return rpc.PrefixDiskOpened(id=id, saved=self._joined().open_disk(folder, budget, stamp))
             case rpc.LoadPrefixes(id=id, entries=entries, drop=drop):
-                return rpc.PrefixesLoaded(id=id, failed=self._joined().entries.load(entries, drop))
+                return rpc.PrefixesLoaded(id=id, failed=self._joined().held.entries.load(entries, drop))
             case rpc.FlushPrefixDisk(id=id):
                 return rpc.PrefixDiskFlushed(id=id, written=self._joined().flush_disk(rpc.FLUSH_S))
             case rpc.Shutdown(id=id):

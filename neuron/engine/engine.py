@@ -285,7 +285,7 @@ def _caches(
     budget = Budget(shares, pool.hosts, max(1, min(limits.prefill_chunk, context - 1)), context)
     cap = limits.prefix_cache_bytes
     support = architectures.supports(config)
-    # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.entries).
+    # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.kv.entries).
     exact = support is not None and not support.cuttable
     prefix = PrefixIndex(cap or 0, *pool.cache_bytes, exact=exact) if cap != 0 else None
     folder, cached = limits.prefix_cache_dir, prefix is not None

@@ -103,7 +103,7 @@ class Pool(Recovering):
 
         def on_rank(rank: Rank) -> Stepped:
             stepped = run(rank, step, head)
-            read[0] = gauge.fresh(lambda: (rank.cache_bytes(), rank.peak))  # on rank 0's thread, as a worker's
+            read[0] = gauge.fresh(lambda: (rank.held.nbytes(), rank.peak))  # on rank 0's thread, as a worker's
             return stepped
 
         replies = await self._fan_out(
@@ -171,7 +171,7 @@ class Pool(Recovering):
         loaded = await self._fan_out(
             "load_prefixes",
             lambda _, id: rpc.LoadPrefixes(id=id, entries=entries, drop=dropped),
-            lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.entries.load(entries, dropped)),
+            lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.held.entries.load(entries, dropped)),
             self.deadlines.load,
         )
         return {key for reply in loaded.values() for key in reply.failed}

@@ -120,7 +120,7 @@ class Ranks:
         def mine(rank: Rank) -> rpc.Memory:
             if (mlx := limit(0)) is not None:
                 rank.limit_memory(*mlx)
-            return gauge.read(lambda: (rank.cache_bytes(), rank.peak))
+            return gauge.read(lambda: (rank.held.nbytes(), rank.peak))
 
         def request(rank: int, id: int) -> rpc.ReadMemory:
             memory_limit, cache_limit = limit(rank) or (0, 0)

@@ -23,18 +23,16 @@ import mlx.nn as nn
 from neuron.images import Inputs
 from neuron.models.adapters import AdapterError, find
 from neuron.rank import ahead
-from neuron.rank.agreement import disagreement
 from neuron.rank.dist import backends, group
 from neuron.rank.embed import embed_inputs
 from neuron.rank.failures import GroupError, RankError
-from neuron.rank.fingerprint import fingerprint
+from neuron.rank.holdings import Holdings
 from neuron.rank.kv import caches, rollback, states
-from neuron.rank.kv.batch import Batch, row_inputs
+from neuron.rank.kv.batch import row_inputs
 from neuron.rank.kv.disk import Disk
-from neuron.rank.kv.entries import Entries
 from neuron.rank.model.load import Loaded, load
 from neuron.rank.model.lora import Adapters
-from neuron.rank.prefill import SeqState, feed_prompts
+from neuron.rank.prefill import feed_prompts
 from neuron.rank.runner import Sharded, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.system import device
@@ -50,13 +48,12 @@ class Rank:
         self.model: nn.Module | None = None
         self.runner: Sharded | Stage | None = None
         self.vocab_size = 0
-        self.seqs: dict[int, SeqState] = {}
-        self.batch = Batch()
-        self.entries = Entries()
+        self.held = Holdings()
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
         self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
         self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
+        self.recording = False  # the model's gated delta layers record each position's state (``rank.kv.states``)
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
         self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.model.lora``), once a model is
         # The most one step has taken beyond what the rank held before and after it (its activations, a joining
@@ -78,10 +75,10 @@ class Rank:
         start = time.perf_counter()
         self.unload()
         share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits)
-        self.entries.kv_bits = kv_bits
+        self.held.entries.kv_bits = kv_bits
         self.peak = 0
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
-        self.prompts_together = share.prompts_together
+        self.prompts_together, self.recording = share.prompts_together, share.recording
         split = self.group if not layers else None  # a stage holds whole layers: its adapters too
         self.adapters = Adapters(share.model, split, layers[0] if layers else 0, share.layers, share.runner.selection)
         return Loaded(share.parameters, time.perf_counter() - start)
@@ -130,22 +127,21 @@ class Rank:
             raise error
         queued, self._ahead = self._ahead, None
         if queued is not None and not queued.follows(plan):
-            ahead.undo(self.batch.micro_batches[0].cache)
+            ahead.undo(self.held.batch.micro_batches[0].cache)
             queued = None
-        if problem := disagreement(plan, self.seqs, self.batch, self.entries):
+        if problem := self.held.disagreement(plan):
             self._shadow_step(plan)
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
-        self.entries.save_leaving(plan, self.batch)
-        self._leave(plan.leave)
-        for restore in plan.restore:
-            cache = self.entries.restore(restore.entry, restore.tokens)
-            self.seqs[restore.seq] = SeqState(restore.tokens, -1, cache)
-        self.batch.join_rows([row for row in plan.decode if not self.batch.holds(row.seq)], self.seqs)
+        self.held.before_forward(plan)
         assert self.runner is not None
-        prompts, inputs = _split(plan)
-        out = feed_prompts(self.runner, self.model, self.seqs, prompts, together=self.prompts_together, pixels=pixels)
-        self.embedded = embed_inputs(self.runner, self.model, self.seqs, inputs, together=self.prompts_together)
-        self.entries.evict_and_save(plan, self.seqs)
+        out: dict[int, mx.array] = {}
+        self.embedded = {}
+        if plan.prefill:
+            prompts, inputs = _split(plan)
+            seqs, together = self.held.seqs, self.prompts_together
+            out = feed_prompts(self.runner, self.model, seqs, prompts, together=together, pixels=pixels)
+            self.embedded = embed_inputs(self.runner, self.model, seqs, inputs, together=together)
+        self.held.after_prompts(plan)
         if plan.decode and queued is not None:
             out.update(self._take_ahead(queued, plan))
         elif plan.decode:
@@ -159,9 +155,9 @@ class Rank:
         for it (``drawn``, lazy; None on the other ranks, which receive them through an all-reduce in the same
         graph). Only when the plan asks for it and the ranks split every layer; True if queued. Every rank decides
         alike from the plan and the batch it shares, so the collectives match."""
-        if not plan.ahead or not isinstance(self.runner, Sharded) or set(self.batch.micro_batches) != {0}:
+        if not plan.ahead or not isinstance(self.runner, Sharded) or set(self.held.batch.micro_batches) != {0}:
             return False
-        rows = self.batch.micro_batches[0]
+        rows = self.held.batch.micro_batches[0]
         if not ahead.can_undo(rows.cache):
             return False
         if self.rank == 0:
@@ -214,7 +210,7 @@ class Rank:
     def _take_ahead(self, queued: ahead.Ahead, plan: StepPlan) -> dict[int, mx.array]:
         """The step run ahead is this plan's decode: its logits are computed or on their way."""
         for row in plan.decode:
-            state = self.seqs[row.seq]
+            state = self.held.seqs[row.seq]
             state.position += 1
             state.last = row.token
             state.saw(None, [], state.position)  # its hidden states were not kept: the next draft waits for a step's
@@ -230,31 +226,17 @@ class Rank:
             mx.set_memory_limit(memory_limit)
             mx.set_cache_limit(cache_limit)
 
-    def cache_bytes(self) -> int:
-        """Bytes this rank's caches hold: its sequences' own (prompts being fed), the batch's, the prefix entries."""
-        own = sum(caches.nbytes(state.cache) for state in self.seqs.values())
-        batched = sum(caches.nbytes(rows.cache) for rows in self.batch.micro_batches.values())
-        return own + batched + self.entries.nbytes
-
-    def fingerprint(self) -> str:
-        """A digest of what this rank holds (``rank.fingerprint``)."""
-        return fingerprint(self.batch, self.seqs, self.entries)
-
     def _shadow_step(self, plan: StepPlan) -> None:
         assert self.model is not None and self.runner is not None
         prompts, inputs = _split(plan)
-        feed_prompts(self.runner, self.model, self.seqs, prompts, shadow=True, together=self.prompts_together)
-        embed_inputs(self.runner, self.model, self.seqs, inputs, shadow=True, together=self.prompts_together)
+        seqs = self.held.seqs
+        feed_prompts(self.runner, self.model, seqs, prompts, shadow=True, together=self.prompts_together)
+        embed_inputs(self.runner, self.model, seqs, inputs, shadow=True, together=self.prompts_together)
         passes = []
         for micro_batch, width in sorted(plan.widths().items()):
             rows = sum(row.micro_batch == micro_batch for row in plan.decode)
             passes.append((mx.zeros((rows, width), dtype=mx.int32), caches.empty_batch(self.model, rows)))
         self.runner.logits(passes, any(row.draft for row in plan.decode))
-
-    def _leave(self, leaving: list[int]) -> None:
-        for seq in leaving:
-            del self.seqs[seq]
-        self.batch.leave(set(leaving))
 
     def _decode(self, rows: list[Decode], widths: dict[int, int]) -> dict[int, mx.array]:
         """Every row's token (and draft), a pass per micro-batch; rank 0 gets each row's logits, one row of them
@@ -265,13 +247,15 @@ class Rank:
         passes, lags = [], []
         adapters = []
         for micro_batch in micro_batches:
-            batch = self.batch.micro_batches[micro_batch]
+            batch = self.held.batch.micro_batches[micro_batch]
             lags.append([by_seq[seq].rope_delta for seq in batch.ids])
-            rollback.drop_tail(batch.cache, [by_seq[seq].drop for seq in batch.ids])
-            states.record_each_position(batch.cache, widths[micro_batch] > 1)
+            if any(drops := [by_seq[seq].drop for seq in batch.ids]):
+                rollback.drop_tail(batch.cache, drops)
+            if self.recording:
+                states.record_each_position(batch.cache, widths[micro_batch] > 1)
             tokens = row_inputs([by_seq[seq] for seq in batch.ids], widths[micro_batch])
             for seq, fed_row in zip(batch.ids, tokens, strict=True):
-                state = self.seqs[seq]
+                state = self.held.seqs[seq]
                 state.position += len(fed_row) - by_seq[seq].drop
                 state.last = fed_row[-1]
             passes.append((mx.array(tokens), batch.cache))
@@ -279,16 +263,16 @@ class Rank:
         every = any(row.draft for row in rows)
         # One rank alone: its logits stay lazy, and the sampler's one read evaluates them.
         logits = self.runner.logits(passes, every, lazy=self.world_size == 1, lags=lags, adapters=adapters)
-        for micro_batch in micro_batches:
-            states.stop_recording(self.batch.micro_batches[micro_batch].cache)
+        for micro_batch in micro_batches if self.recording else ():
+            states.stop_recording(self.held.batch.micro_batches[micro_batch].cache)
         out: dict[int, mx.array] = {}
         hidden: list[mx.array | None] = [*self.runner.kept_states] or [None] * len(micro_batches)
         for micro_batch, batch_logits, batch_hidden in zip(micro_batches, logits, hidden, strict=True):
             if batch_logits is not None:
-                for i, seq in enumerate(self.batch.micro_batches[micro_batch].ids):
+                for i, seq in enumerate(self.held.batch.micro_batches[micro_batch].ids):
                     row = by_seq[seq]
                     if batch_hidden is not None:
-                        state = self.seqs[seq]
+                        state = self.held.seqs[seq]
                         at = state.position - widths[micro_batch]
                         state.saw(batch_hidden[i, : len(row.draft) + 1], [row.token, *row.draft], at)
                     if every:
@@ -301,20 +285,18 @@ class Rank:
         self.settle()  # every rank computes what it queued, so that the collectives in it stay matched
         self._unsettled_error = None
         self._ahead = None
-        self.seqs.clear()
-        self.batch.clear()
-        if prefixes:
-            self.entries.clear()
+        self.held.clear(prefixes)
 
     def open_disk(self, folder: str, budget: int, stamp: str) -> dict[str, int]:
         """Spill entries to ``folder`` from now on (``rank.kv.disk``); returns the files there this rank may load."""
-        if self.entries.disk is not None:
-            self.entries.disk.close(0.0)
-        self.entries.disk = Disk(Path(folder), budget, stamp, self.rank, self.entries.kv_bits)
-        return self.entries.disk.scan()
+        entries = self.held.entries
+        if entries.disk is not None:
+            entries.disk.close(0.0)
+        entries.disk = Disk(Path(folder), budget, stamp, self.rank, entries.kv_bits)
+        return entries.disk.scan()
 
     def flush_disk(self, timeout: float) -> bool:
-        return self.entries.disk is None or self.entries.disk.flush(timeout)
+        return self.held.entries.disk is None or self.held.entries.disk.flush(timeout)
 
     def unload(self) -> None:
         self.clear_kv_cache()

@@ -49,11 +49,13 @@ def _run(rank: Rank, step: Step, head: Head | None) -> Stepped:
     logits = rank.step(step.plan, step.images) or {}
     if head is None:
         queued = rank.run_ahead(step.plan)  # queued or only built (``Rank.settle``), not waited for
-        return Stepped(rank.fingerprint(), queued)
+        return Stepped(rank.held.fingerprint(), queued)
     draws, runs = head.draw(step, logits)
     if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
         mx.async_eval([draw.arrays() for draw in draws.values()])
     queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
-    sampled = read(draws, runs) | as_sampled(rank.embedded)
+    sampled = read(draws, runs)
+    if rank.embedded:
+        sampled |= as_sampled(rank.embedded)
     rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
-    return Stepped(rank.fingerprint(), queued, sampled)
+    return Stepped(rank.held.fingerprint(), queued, sampled)

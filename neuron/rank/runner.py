@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,7 @@ class Sharded:
     ) -> None:
         """Run the layers over ``tokens``, FORWARD_TOKENS at a time, filling ``cache``; no logits. ``embeddings``:
         the tokens' input embeddings, where images replace some (``rank.model.vision``); ``adapters``: each row's."""
-        self.selection.use(adapters)
+        _select(self.selection, adapters)
         trunk, kept = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
@@ -89,7 +90,7 @@ class Sharded:
 
     def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and rank 0 gets every position's logits, (positions, vocab): prompt scoring."""
-        self.selection.use(adapters)
+        _select(self.selection, adapters)
         trunk, out = backbone(self.model), []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = tokens[:, start : start + FORWARD_TOKENS]
@@ -108,7 +109,7 @@ class Sharded:
         """Like ``feed``, and rank 0 gets the final hidden states (the final norm's output, whole on every rank
         once each layer's all-reduce has joined the slices): every position's, (rows, positions, hidden), or with
         ``every`` false the last one's, (rows, 1, hidden). Embeddings are pooled from them; no head runs."""
-        self.selection.use(None)  # the base model's: no adapter serves embeddings
+        _select(self.selection, None)  # the base model's: no adapter serves embeddings
         trunk, out = backbone(self.model), []
         length = tokens.shape[1]
         for start in range(0, length, FORWARD_TOKENS):
@@ -136,12 +137,12 @@ class Sharded:
         out = []
         self.kept_states = []
         for i, ((tokens, cache), rows) in enumerate(zip(passes, every_pass, strict=True)):
-            with shifted(self.rope, lags[i] if lags else None):
+            with _shifted(self.rope, lags[i] if lags else None):
                 out.append(self._logits(tokens, cache, every, lazy, rows))
         return out
 
     def _logits(self, tokens: mx.array, cache: Cache, every: bool, lazy: bool, adapters: Adapters) -> mx.array | None:
-        self.selection.use(adapters)
+        _select(self.selection, adapters)
         wanted = slice(None) if every else -1
         if self.head is not None:  # every rank projects onto its rows of the vocabulary
             hidden = backbone(self.model)(tokens, cache=cache)[:, wanted, :]
@@ -263,7 +264,7 @@ class Stage:
     def feed(
         self, tokens: mx.array, cache: Cache, embeddings: mx.array | None = None, adapters: Adapters = None
     ) -> None:
-        self.selection.use(adapters)
+        _select(self.selection, adapters)
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = slice(start, start + FORWARD_TOKENS)
             hidden = self._through(tokens[:, piece], cache, None if embeddings is None else embeddings[:, piece])
@@ -273,7 +274,7 @@ class Stage:
 
     def scores(self, tokens: mx.array, cache: Cache, adapters: Adapters = None) -> mx.array | None:
         """Like ``feed`` (one row), and the last stage sends every position back: rank 0 gets their logits."""
-        self.selection.use(adapters)
+        _select(self.selection, adapters)
         out = []
         for start in range(0, tokens.shape[1], FORWARD_TOKENS):
             piece = tokens[:, start : start + FORWARD_TOKENS]
@@ -290,7 +291,7 @@ class Stage:
     def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
         """Like ``feed``, and the last stage sends the final hidden states back, of every position or (``every``
         false) of the last: rank 0 applies the final norm and gets them, as ``Sharded.states`` gives them."""
-        self.selection.use(None)
+        _select(self.selection, None)
         out = []
         length = tokens.shape[1]
         for start in range(0, length, FORWARD_TOKENS):
@@ -326,8 +327,8 @@ class Stage:
         the second, instead of each stage waiting for the whole batch.
         """
         for i, ((tokens, cache), rows) in enumerate(zip(passes, adapters or [None] * len(passes), strict=True)):
-            self.selection.use(rows)
-            with shifted(self.rope, lags[i] if lags else None):
+            _select(self.selection, rows)
+            with _shifted(self.rope, lags[i] if lags else None):
                 hidden = self._through(tokens, cache)
             if self.last:
                 sent = mx.distributed.send(hidden if every else hidden[:, -1:, :], 0, group=self.group)
@@ -352,3 +353,14 @@ class Stage:
             mx.eval(logits)
             out.append(logits)
         return out
+
+
+def _select(selection: Selection, adapters: Adapters) -> None:
+    """The forward's LoRA adapters; nothing to do (the adapters' layers untouched) where none was used nor is."""
+    if selection.active or (adapters and any(adapters)):
+        selection.use(adapters)
+
+
+def _shifted(rope: Positions | None, lags: Sequence[int] | None) -> AbstractContextManager[None]:
+    """``mrope.shifted``, where the model has multimodal rotary positions; nothing to enter otherwise."""
+    return shifted(rope, lags) if rope is not None else nullcontext()

@@ -166,7 +166,7 @@ class MtpDrafter(PerSequence[_Held]):
             assert runner.project is not None
             head = runner.project
         runner.keep_states = True
-        return cls(layer, trunk.embed_tokens, head, rank.seqs, rank.vocab_size)
+        return cls(layer, trunk.embed_tokens, head, rank.held.seqs, rank.vocab_size)
 
     def propose(self, rows: list[DraftRow]) -> dict[int, Proposal]:
         """``k`` tokens for each row whose latest hidden states rank 0 holds; none for the others."""

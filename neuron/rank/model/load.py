@@ -35,6 +35,7 @@ class Share:
     prompts_together: bool  # new prompts fed as one left-padded batch: where every cache can be cut
     parameters: int
     layers: int  # the whole model's, of which a stage holds some
+    recording: bool  # its gated delta layers record each position's state (``rank.kv.states``)
 
 
 def load(
@@ -63,8 +64,9 @@ def load(
         )
     support = architectures.supports(config)
     together = support is None or support.cuttable  # from the whole model: a stage may hold none
-    if support is not None and support.caches == architectures.STATE:
-        states.hook(model)  # its gated delta layers keep each position's state where drafts need it
+    recording = support is not None and support.caches == architectures.STATE
+    if recording:
+        recording = states.hook(model) > 0  # its gated delta layers keep each position's state where drafts need it
     parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
     runner: Sharded | Stage
     if layers:
@@ -80,4 +82,5 @@ def load(
         except architectures.Unsupported as e:
             raise RankError(f"rank {rank}: {e}") from None
         quantize_caches(model, KV_GROUP_SIZE, kv_bits)
-    return Share(model, runner, vocab_size, together, parameters, int(text_config(config)["num_hidden_layers"]))
+    layer_count = int(text_config(config)["num_hidden_layers"])
+    return Share(model, runner, vocab_size, together, parameters, layer_count, recording)
