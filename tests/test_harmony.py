@@ -90,7 +90,7 @@ def test_calls_end_a_reply_with_tool_calls_and_a_cut_call_stays_a_call() -> None
     assert calls is not None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "'}
     assert reason == "length"
     assert harmony.reader(None, None, reply) is None and isinstance(harmony.reader(TOOLS, None, reply), Calls)
-    assert type(harmony.reader(TOOLS, None, None)) is tools.ToolStream
+    assert type(harmony.reader(TOOLS, None, None)) is tools.TextToolStream
 
 
 def test_a_call_s_arguments_stream_as_written_and_add_up_to_the_whole_call() -> None:
@@ -134,7 +134,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call_only() -> None:
         calls = tools.end(reader, "", "stop")[1] or []
         assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
         assert streamed == set(range(len(cities)))
-    plain = tools.ToolStream(dataclasses.replace(TOOLS, parallel=False), None)
+    plain = tools.TextToolStream(dataclasses.replace(TOOLS, parallel=False), None)
     written = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "parameters": {}}]'
     assert len(tools.end(plain, written, "stop")[1] or []) == 1
 

@@ -18,7 +18,7 @@ from openai import OpenAI
 from neuron.sampling_params import SamplingParams
 from neuron.server.common import reasoning
 from neuron.server.common.errors import ApiError
-from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
+from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking, ThinkingSplit
 
 THINK = Thinking("<think>", "</think>", (259,), (260,))
 START, END = "259", "260"  # the markers' token ids in the thinking model (conftest.make_thinking_model)
@@ -29,20 +29,20 @@ def split_all(split: ReasoningSplit, pieces: list[str]) -> tuple[str, str]:
 
 
 def test_split_keeps_markers_out_and_finds_them_across_tokens() -> None:
-    split = ReasoningSplit(THINK, inside=False)
+    split = ThinkingSplit(THINK, inside=False)
     assert split_all(split, ["<th", "ink>wei", "gh</", "thi", "nk>\n\nThe answer", ""]) == ("weigh", "\n\nThe answer")
     assert split.tokens == 4  # the tokens from the one opening the section to the one closing it
 
 
 def test_split_starts_inside_when_the_template_opened_the_section() -> None:
-    assert split_all(ReasoningSplit(THINK, inside=True), ["hmm", "</think>", "yes", ""]) == ("hmm", "yes")
+    assert split_all(ThinkingSplit(THINK, inside=True), ["hmm", "</think>", "yes", ""]) == ("hmm", "yes")
 
 
 def test_split_releases_a_held_marker_beginning_that_never_completes() -> None:
-    split = ReasoningSplit(THINK, inside=True)
+    split = ThinkingSplit(THINK, inside=True)
     assert split.push("a </thi") == ("a ", "")
     assert split.end("") == ("</thi", "")
-    split = ReasoningSplit(THINK, inside=False)
+    split = ThinkingSplit(THINK, inside=False)
     assert split.push("x <") == ("", "x ")
     assert split.end("b") == ("", "<b")
 

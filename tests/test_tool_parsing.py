@@ -35,7 +35,7 @@ def _auto(**body: object) -> tools.Tools:
 
 def _read(markup: tools.ToolMarkup, pieces: list[str], reason: str = "stop", **body: object) -> tuple[str, list, str]:
     """Feed ``pieces`` as a stream would; return all the content released, the calls and the finish reason."""
-    reader = tools.ToolStream(_auto(**body), markup)
+    reader = tools.TextToolStream(_auto(**body), markup)
     released = "".join(reader.push(p) for p in pieces)
     tail, calls, reason = reader.finish(reason)
     return released + tail, calls, reason
@@ -78,7 +78,7 @@ def test_mistral_calls_parse_too() -> None:
     ],
 )
 def test_a_malformed_call_is_a_plain_text_answer(markup: tools.ToolMarkup, text: str) -> None:
-    reader = tools.ToolStream(_auto(), markup)
+    reader = tools.TextToolStream(_auto(), markup)
     released = "".join(reader.push(p) for p in _split(text))
     tail, calls, reason = reader.finish("stop")
     assert (released + tail, calls, reason) == (text, [], "stop")
@@ -97,7 +97,7 @@ def test_text_that_only_looks_like_a_marker_is_released() -> None:
 def test_forced_calls_read_the_constrained_json() -> None:
     required = tools.parse({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
     assert required is not None and required.schema()["maxItems"] == 1  # type: ignore[index]
-    reader = tools.ToolStream(required, None)
+    reader = tools.TextToolStream(required, None)
     assert reader.push('[{"name": "get_time", "parameters": {}}]') == ""
     _, calls, reason = reader.finish("stop")
     assert reason == "tool_calls" and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
@@ -116,7 +116,7 @@ def test_a_forced_call_cut_short_by_max_tokens_stays_a_call_with_reason_length()
         (named, '{"city": "Par', '{"city": "Par'),
         (required, '[{"name": "get_weather", "parameters": {"ci', '{"ci'),
     ):
-        _, calls, reason = tools.end(tools.ToolStream(chosen, None), text, "length")
+        _, calls, reason = tools.end(tools.TextToolStream(chosen, None), text, "length")
         assert reason == "length" and calls is not None
         assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": arguments}]
 
@@ -164,7 +164,7 @@ def test_earlier_calls_reach_a_template_without_tools_as_text() -> None:
 def _neurons(pieces: list[str], reason: str = "stop") -> tuple[str, str, list, str]:
     """Feed ``pieces`` to a reader of neuron's own form; return what it released before the end, the rest, the
     calls and the finish reason."""
-    reader = tools.ToolStream(_auto(), None)
+    reader = tools.TextToolStream(_auto(), None)
     released = "".join(reader.push(p) for p in pieces)
     tail, calls, reason = reader.finish(reason)
     return released, tail, calls, reason

@@ -5,17 +5,25 @@ the sequences are ``common.choices``. No MLX, no HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from neuron.engine.sequence import Chunk
-from neuron.server.common.choices import Replies, Said
+from neuron.engine.sequence import Chunk, Sequence
+from neuron.server.common.choices import Said
+from neuron.server.common.generation import Generation
 
 
-class ChatReplies(Replies):
+class ChatShape:
+    """A chat completion's side of ``choices.Replies`` (a ``choices.Shape``)."""
+
+    def __init__(self, gen: Generation, token_text: Callable[[int], str]) -> None:
+        self.gen = gen
+        self.token_text = token_text
+
     def kind(self, chunk: bool) -> str:
         return "chat.completion.chunk" if chunk else "chat.completion"
 
-    def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict[str, Any] | None:
+    def logprobs(self, chunks: list[Chunk], index: int) -> dict[str, Any] | None:
         if not self.gen.logprobs:
             return None
         return {"content": [self._logprob(c) for c in chunks], "refusal": None}
@@ -50,7 +58,10 @@ class ChatReplies(Replies):
             message["tool_calls"] = calls
         return {"message": message}
 
+    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
+        return "", None  # chat never echoes the prompt
+
     def opening(self, index: int) -> dict[str, Any] | None:
         """Chat streams open each choice with the assistant's role and no text."""
         delta = {"role": "assistant", "content": ""}
-        return self.chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}

@@ -9,7 +9,7 @@ import uuid
 from starlette.responses import Response
 
 from neuron.server.chat_completions import schema
-from neuron.server.chat_completions.render import ChatReplies
+from neuron.server.chat_completions.render import ChatShape
 from neuron.server.common import chat, choices, harmony
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, ref, replies
 from neuron.server.common.submit import submit
@@ -22,7 +22,7 @@ async def create(call: Call) -> Response:
     engine = call.engine
     seqs = await submit(engine, gen, request_id)
     text = engine.text
-    replies_ = ChatReplies(gen, request_id, text.token_text)
+    replies_ = choices.Replies(gen, request_id, ChatShape(gen, text.token_text))
     splits = [harmony.splitter(text.tokenizer, seq.prompt) for seq in seqs]
     readers = [harmony.reader(gen.tools, text.tool_markup, split) for split in splits]
     if gen.stream:

@@ -1,6 +1,6 @@
 """Replies made of choices (chat completions and completions), one choice per sequence: whole, or streamed as
 chunks that carry each choice's ``index``. The loops are here; each family's ``render`` gives a choice its
-shape. No MLX, no HTTP.
+shape (a ``Shape``, which ``Replies`` holds). No MLX, no HTTP.
 
 A request's choices are its prompts times ``n``, indexed as OpenAI does (prompt i's choice j is i * n + j);
 they decode together in the batch, so their events interleave step by step.
@@ -9,9 +9,9 @@ they decode together in the batch, so their events interleave step by step.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -59,22 +59,36 @@ class Said:
     reasoning: str | None
 
 
-class Replies:
-    """Builds one request's reply objects; ``chat_completions.render`` and ``completions.render`` give the shape
-    of each choice, its logprobs and the envelope's ``object``."""
+class Shape(Protocol):
+    """What differs between the families whose replies are made of choices (``chat_completions.render``,
+    ``completions.render``); the loops here and the envelope are the same for both."""
 
-    def __init__(self, gen: Generation, request_id: str, token_text: Callable[[int], str]) -> None:
+    def kind(self, chunk: bool) -> str:
+        """The envelope's ``object``, whole or (``chunk``) streamed."""
+
+    def logprobs(self, chunks: list[Chunk], index: int) -> dict[str, Any] | None:
+        """The scores of choice ``index``'s tokens, in this family's shape; None unless the request asked."""
+
+    def said(self, said: Said, delta: bool) -> dict[str, Any]:
+        """What a choice holds besides its index, logprobs and finish reason."""
+
+    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
+        """The prompt's text and its scores, before the completion: only completions echo."""
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        """The choice a streamed choice opens with, if this family's stream has one."""
+
+
+class Replies:
+    """Builds one request's reply objects: the envelope and the choices in it; ``shape`` is what the family
+    (chat completions or completions) writes differently."""
+
+    def __init__(self, gen: Generation, request_id: str, shape: Shape) -> None:
         self.gen = gen
         self.id = request_id
         self.created = int(time.time())
-        self.token_text = token_text
+        self.shape = shape
         self.shows_reasoning = gen.reasoning is None or gen.reasoning.include  # vLLM's include_reasoning
-
-    def kind(self, chunk: bool) -> str:
-        raise NotImplementedError
-
-    def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict[str, Any] | None:
-        raise NotImplementedError
 
     def choice(
         self,
@@ -89,23 +103,11 @@ class Replies:
     ) -> dict[str, Any]:
         """One choice, whole or (``delta``) as a streamed chunk's piece; ``reasoning`` (a thinking model's, unless
         the request left it out) as vLLM's ``reasoning_content``."""
-        said = self.said(Said(text, finish_reason is None, tool_calls, reasoning), delta)
+        said = self.shape.said(Said(text, finish_reason is None, tool_calls, reasoning), delta)
         return {"index": index, **said, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def said(self, said: Said, delta: bool) -> dict[str, Any]:
-        """What a choice holds besides its index, logprobs and finish reason, in this family's shape."""
-        raise NotImplementedError
-
-    def echo(self, seq: Sequence, index: int) -> tuple[str, dict[str, Any] | None]:
-        """The prompt's text and its scores, before the completion: only completions echo."""
-        return "", None
-
-    def opening(self, index: int) -> dict[str, Any] | None:
-        """The chunk a streamed choice opens with, if its shape has one."""
-        return None
-
     def _envelope(self, chunk: bool) -> dict[str, Any]:
-        return {"id": self.id, "object": self.kind(chunk), "created": self.created, "model": self.gen.model}
+        return {"id": self.id, "object": self.shape.kind(chunk), "created": self.created, "model": self.gen.model}
 
     def chunk(self, choices: list[dict[str, Any]], usage_: dict[str, Any] | None = None) -> dict[str, Any]:
         out = {**self._envelope(chunk=True), "choices": choices}
@@ -156,8 +158,8 @@ async def collect(
                     else (None, "".join(c.text for c in chunks) + event.text)
                 )
                 text, calls, reason = tools.end(reader, answer, event.reason)
-                prompt, scores = replies.echo(seq, index)
-                logprobs = joined(scores, replies.logprobs(chunks, index))
+                prompt, scores = replies.shape.echo(seq, index)
+                logprobs = joined(scores, replies.shape.logprobs(chunks, index))
                 shown = (thought or None) if replies.shows_reasoning else None
                 choice = replies.choice(
                     index, prompt + text, reason, logprobs, delta=False, tool_calls=calls, reasoning=shown
@@ -201,14 +203,14 @@ async def stream(
 ) -> AsyncGenerator[bytes]:
     splits = splits or [None] * len(seqs)
     for index in range(len(seqs)):
-        if opening := replies.opening(index):
-            yield sse(opening)
+        if opening := replies.shape.opening(index):
+            yield sse(replies.chunk([opening]))
     echoed: set[int] = set()
     async for index, event in merged(seqs):
         reader = readers[index]
         if gen.echo and index not in echoed:
             echoed.add(index)
-            prompt, scores = replies.echo(seqs[index], index)
+            prompt, scores = replies.shape.echo(seqs[index], index)
             yield sse(replies.chunk([replies.choice(index, prompt, None, scores, delta=True)]))
         split = splits[index]
         if isinstance(event, Chunk):
@@ -217,7 +219,7 @@ async def stream(
             text = reader.push(answer) if reader else answer
             pieces = reader.deltas() if reader else []
             if text or thought or pieces or gen.logprobs:
-                logprobs = replies.logprobs([event], index)
+                logprobs = replies.shape.logprobs([event], index)
                 choice = replies.choice(
                     index, text, None, logprobs, delta=True, tool_calls=pieces or None, reasoning=thought
                 )

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from neuron.grammar import closed
 from neuron.server.common import reasoning
-from neuron.server.common.reasoning import Options, ReasoningSplit, Thinking
-from neuron.server.common.tools import ToolMarkup, Tools, ToolStream
+from neuron.server.common.reasoning import Options, ReasoningSplit, split_end, split_whole
+from neuron.server.common.tools import TextToolStream, ToolMarkup, Tools, ToolStream
 from neuron.system.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -155,14 +155,15 @@ def prompt(text: Any, messages: list[dict[str, Any]], tools: Tools | None, optio
     return text.encode(render(messages, tools, options))
 
 
-class Reply(ReasoningSplit):
-    """One harmony reply read as it comes, on ``ReasoningSplit``'s terms: (reasoning, answer) text per piece; the
-    tool calls it writes are kept for ``Calls``."""
+class Reply:
+    """One harmony reply read as it comes, as a ``ReasoningSplit``: (reasoning, answer) text per piece; the tool
+    calls it writes are kept for ``Calls``."""
 
     def __init__(self) -> None:
         from openai_harmony import Role, StreamableParser
 
-        super().__init__(Thinking("", "", (), ()), inside=False)
+        self.tokens = 0  # generated tokens that belong to the reasoning
+        self._pending = ""  # the end of the text, which may be the start of a marker
         self.parser = StreamableParser(encoding(), role=Role.ASSISTANT)
         self.calls: list[tuple[str, str, list[str]]] = []  # each call's id, function and its arguments' pieces
         self._in_message = False
@@ -188,6 +189,12 @@ class Reply(ReasoningSplit):
         if not self._opened:
             return "", self._raw
         return reasoning, answer
+
+    def end(self, text: str) -> tuple[str, str]:
+        return split_end(self, text)
+
+    def whole(self, texts: list[str], tail: str) -> tuple[str, str]:
+        return split_whole(self, texts, tail)
 
     def _feed(self, text: str) -> tuple[str, str]:
         from openai_harmony import HarmonyError, StreamState
@@ -247,16 +254,17 @@ def _opens_marker(text: str) -> bool:
     return any(marker.startswith(text) for marker in MARKERS)
 
 
-class Calls(ToolStream):
-    """A harmony reply's tool calls as ``tools.end`` reads a ``ToolStream``'s: the ``Reply`` has already taken
-    them out of the text, so all text passes. Their arguments stream as the model writes them (``deltas``), as
-    OpenAI streams a call's ``function.arguments``."""
+class Calls:
+    """A harmony reply's tool calls, as a ``ToolStream``: the ``Reply`` has already taken them out of the text, so
+    all text passes. Their arguments stream as the model writes them (``deltas``), as OpenAI streams a call's
+    ``function.arguments``."""
 
     streams = True
 
     def __init__(self, tools: Tools, reply: Reply) -> None:
-        super().__init__(tools, None)
+        self.tools = tools
         self.reply = reply
+        self.error: str | None = None  # stays None: harmony's parser read the calls, so none fails to parse here
         self._sent: list[int] = []  # per call, how many of its argument pieces have streamed
 
     def push(self, text: str) -> str:
@@ -339,7 +347,7 @@ def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:
 
 
 def reader(tools: Tools | None, markup: ToolMarkup | None, split: ReasoningSplit | None) -> ToolStream | None:
-    """What reads a reply's tool calls: ``Calls`` for a harmony reply, a ``ToolStream`` for any other."""
+    """What reads a reply's tool calls: ``Calls`` for a harmony reply, a ``TextToolStream`` for any other."""
     if tools is None:
         return None
-    return Calls(tools, split) if isinstance(split, Reply) else ToolStream(tools, markup)
+    return Calls(tools, split) if isinstance(split, Reply) else TextToolStream(tools, markup)

@@ -6,10 +6,10 @@ mlx-lm finds a model's thinking markers (``TokenizerWrapper.think_start``/``thin
 for Qwen3, QwQ and DeepSeek-R1, and the other families it knows) and whether a prompt leaves the model inside a
 thinking section (the last start marker after the last end marker: DeepSeek-R1's template opens it for the
 model). Its own text splitter lives in ``mlx_lm.generate``, which loads MLX, so the few lines of splitting are
-here, in the manner of ``tools.ToolStream``: text released at once, a possible marker's beginning held back.
+here, in the manner of ``tools.TextToolStream``: text released at once, a possible marker's beginning held back.
 
 gpt-oss writes OpenAI's harmony format instead, which mlx-lm does not know: ``harmony`` renders and parses it
-with OpenAI's library; its ``splitter`` gives gpt-oss a ``Reply`` in place of this module's.
+with OpenAI's library; its ``splitter`` gives gpt-oss a ``Reply`` in place of this module's ``ThinkingSplit``.
 
 A model whose tokenizer has no thinking markers is unchanged: no splitter, no template argument added.
 """
@@ -21,7 +21,7 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from neuron.engine.refusals import RequestError
 from neuron.sampling_params import SamplingParams
@@ -148,8 +148,41 @@ def encode_chat(
     return list(tokens)
 
 
-class ReasoningSplit:
-    """Splits one reply's text, as it comes, into reasoning and answer, the markers dropped."""
+class ReasoningSplit(Protocol):
+    """What the reply routes read a reply through to keep its reasoning apart from its answer, whichever way the
+    model marks it: ``ThinkingSplit`` at its thinking markers, ``harmony.Reply`` by harmony's channels."""
+
+    tokens: int  # generated tokens that belong to the reasoning, its markers included
+
+    def push(self, text: str, token: bool = True) -> tuple[str, str]:
+        """Add one token's text (or, not ``token``, the text the end released); return the (reasoning, answer)
+        text it releases."""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the reply is done."""
+
+    def end(self, text: str) -> tuple[str, str]:
+        """The reply's last text (a ``Finish``'s) and what was held back, split."""
+
+    def whole(self, texts: list[str], tail: str) -> tuple[str, str]:
+        """A whole reply, one text per token then the last, split."""
+
+
+def split_end(split: ReasoningSplit, text: str) -> tuple[str, str]:
+    """``ReasoningSplit.end``, written once: the splits differ only in ``push`` and ``finish``."""
+    reasoning, answer = split.push(text, token=False)
+    held_reasoning, held_answer = split.finish()
+    return reasoning + held_reasoning, answer + held_answer
+
+
+def split_whole(split: ReasoningSplit, texts: list[str], tail: str) -> tuple[str, str]:
+    """``ReasoningSplit.whole``, written once: the splits differ only in ``push`` and ``finish``."""
+    parts = [split.push(text) for text in texts] + [split.end(tail)]
+    return "".join(r for r, _ in parts), "".join(a for _, a in parts)
+
+
+class ThinkingSplit:
+    """A ``ReasoningSplit`` at a model's thinking markers (mlx-lm's ``Thinking``), the markers dropped."""
 
     def __init__(self, thinking: Thinking, inside: bool) -> None:
         self.thinking = thinking
@@ -158,8 +191,6 @@ class ReasoningSplit:
         self._pending = ""
 
     def push(self, text: str, token: bool = True) -> tuple[str, str]:
-        """Add one token's text (or, not ``token``, the text the end released); return the (reasoning, answer)
-        text it releases."""
         was_inside = self.inside
         reasoning: list[str] = []
         answer: list[str] = []
@@ -180,20 +211,14 @@ class ReasoningSplit:
         return "".join(reasoning), "".join(answer)
 
     def finish(self) -> tuple[str, str]:
-        """What was held back, once the reply is done."""
         pending, self._pending = self._pending, ""
         return (pending, "") if self.inside else ("", pending)
 
     def end(self, text: str) -> tuple[str, str]:
-        """The reply's last text (a ``Finish``'s) and what was held back, split."""
-        reasoning, answer = self.push(text, token=False)
-        held_reasoning, held_answer = self.finish()
-        return reasoning + held_reasoning, answer + held_answer
+        return split_end(self, text)
 
     def whole(self, texts: list[str], tail: str) -> tuple[str, str]:
-        """A whole reply, one text per token then the last, split."""
-        parts = [self.push(text) for text in texts] + [self.end(tail)]
-        return "".join(r for r, _ in parts), "".join(a for _, a in parts)
+        return split_whole(self, texts, tail)
 
 
 def harmony(tokenizer: Any) -> bool:
@@ -217,7 +242,7 @@ def chat_params(tokenizer: Any, params: SamplingParams) -> SamplingParams:
 
 def splitter(tokenizer: Any, prompt: list[int]) -> ReasoningSplit | None:
     thinking = Thinking.of(tokenizer)
-    return ReasoningSplit(thinking, inside(tokenizer, prompt)) if thinking else None
+    return ThinkingSplit(thinking, inside(tokenizer, prompt)) if thinking else None
 
 
 def grammar(tokenizer: Any, prompt: list[int]) -> Callable[[dict[str, Any], dict[str, Any]], str] | None:

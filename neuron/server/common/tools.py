@@ -27,7 +27,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -188,13 +188,32 @@ def _call(name: Any, arguments: Any, known: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class ToolStream:
-    """Reads a reply's text as it comes: releases the content at once, holds what may be a tool call to the end.
+class ToolStream(Protocol):
+    """What the reply routes read a reply's tool calls through, as it comes, whichever way the model writes them:
+    ``TextToolStream`` out of the text, ``harmony.Calls`` from what harmony's parser took out of it."""
+
+    streams: bool  # whether ``deltas`` gives the calls as they come
+    tools: Tools
+    error: str | None  # why the calls did not parse, when they did not
+
+    def push(self, text: str) -> str:
+        """Add text; return the content that may be released now."""
+
+    def deltas(self) -> list[dict[str, Any]]:
+        """The calls' pieces written since last asked, as chat stream deltas (``tool_calls[]`` with ``index``)."""
+
+    def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
+        """The content still to release, the tool calls, and the finish reason."""
+
+
+class TextToolStream:
+    """A ``ToolStream`` that reads the calls out of the reply's text: releases the content at once, holds what may
+    be a tool call to the end.
 
     ``markup``: the model's own call format, where its template shows it the tools; None where neuron shows them.
     """
 
-    streams = False  # whether ``deltas`` gives the calls as they come
+    streams = False
 
     def __init__(self, tools: Tools, markup: ToolMarkup | None) -> None:
         self.tools = tools
@@ -205,7 +224,6 @@ class ToolStream:
         self.error: str | None = None  # why the calls did not parse, when they did not
 
     def push(self, text: str) -> str:
-        """Add text; return the content that may be released now."""
         if not self.tools.auto or self._held is not None:
             self._held = (self._held or "") + text
             return ""
@@ -234,12 +252,9 @@ class ToolStream:
         return pending if head else ""
 
     def deltas(self) -> list[dict[str, Any]]:
-        """The calls' pieces written since last asked, as chat stream deltas (``tool_calls[]`` with ``index``):
-        none here, where a call is read whole at the end; a reader that parses calls as they come gives them."""
-        return []
+        return []  # a call is read whole at the end
 
     def finish(self, reason: str) -> tuple[str, list[dict[str, Any]], str]:
-        """The content still to release, the tool calls, and the finish reason."""
         held, self._held = self._held or "", None
         if held and reason == "length" and not self.tools.auto and (cut := self._cut(held)):
             # A forced call cut short by max_tokens is still the call, its arguments unfinished.

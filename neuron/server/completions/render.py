@@ -9,22 +9,23 @@ from collections.abc import Callable
 from typing import Any
 
 from neuron.engine.sequence import Chunk, Sequence
-from neuron.server.common.choices import Replies, Said
+from neuron.server.common.choices import Said
 from neuron.server.common.generation import Generation
 
 
-class CompletionReplies(Replies):
-    def __init__(
-        self, gen: Generation, request_id: str, token_text: Callable[[int], str], decode: Callable[[list[int]], str]
-    ) -> None:
-        super().__init__(gen, request_id, token_text)
+class CompletionShape:
+    """A text completion's side of ``choices.Replies`` (a ``choices.Shape``)."""
+
+    def __init__(self, gen: Generation, token_text: Callable[[int], str], decode: Callable[[list[int]], str]) -> None:
+        self.gen = gen
+        self.token_text = token_text
         self.decode = decode
         self._offsets: dict[int, int] = {}  # text_offset, per choice
 
     def kind(self, chunk: bool) -> str:
         return "text_completion"
 
-    def logprobs(self, chunks: list[Chunk], index: int = 0) -> dict[str, Any] | None:
+    def logprobs(self, chunks: list[Chunk], index: int) -> dict[str, Any] | None:
         if not self.gen.logprobs:
             return None
         return self._logprobs(
@@ -57,3 +58,6 @@ class CompletionReplies(Replies):
 
     def said(self, said: Said, delta: bool) -> dict[str, Any]:
         return {"text": said.text}
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return None  # a completion's stream opens with its first text

@@ -13,7 +13,7 @@ from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, 
 from neuron.server.common.submit import submit
 from neuron.server.common.tools import ToolStream
 from neuron.server.completions import parse, schema
-from neuron.server.completions.render import CompletionReplies
+from neuron.server.completions.render import CompletionShape
 from neuron.server.http import Call, Endpoint
 
 
@@ -22,7 +22,8 @@ async def create(call: Call) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     engine = call.engine
     seqs = await submit(engine, gen, request_id)
-    replies_ = CompletionReplies(gen, request_id, engine.text.token_text, engine.text.tokenizer.decode)
+    shape = CompletionShape(gen, engine.text.token_text, engine.text.tokenizer.decode)
+    replies_ = choices.Replies(gen, request_id, shape)
     readers: list[ToolStream | None] = [None] * len(seqs)  # tools are the chat route's
     if gen.stream:
         return call.stream(seqs, choices.stream(seqs, gen, replies_, readers))
