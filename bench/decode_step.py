@@ -65,7 +65,7 @@ def load_rank(model: str, variant: str) -> Rank:
     from neuron.rank.rank import Rank
 
     rank = Rank(0, 1)
-    with mock.patch("neuron.rank.model.shard.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
+    with mock.patch("neuron.rank.model.share.fuse_projections", lambda *_: 0):  # load unfused, then fuse what is asked
         rank.load(model, [])
     assert rank.model is not None
     fuse.fuse_projections(rank.model, _groups(variant))

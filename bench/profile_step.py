@@ -73,7 +73,7 @@ RANK_RULES: list[Rule] = [
     # Where a step waits on the device: rank 0's one read alone (TP=1), or the runner's evaluation with its
     # collectives (TP>1); the innermost Python frame of a long native call.
     ("read (neuron/rank/head/sampler.py", "rank: forward evaluated (tokens read)"),
-    ("Sharded._logits (", "rank: forward evaluated (tokens read)"),
+    ("Sliced._logits (", "rank: forward evaluated (tokens read)"),
     ("_eval_with (", "rank: forward evaluated (tokens read)"),
     ("neuron/rank/head/sampler.py", "rank: step on the host (plan, graph, sampling)"),
     ("neuron/rank/", "rank: step on the host (plan, graph, sampling)"),

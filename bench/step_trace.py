@@ -4,8 +4,8 @@ on a worker: a call trace, not a sample.
 Run: .venv/bin/python bench/step_trace.py [--turn 20 --tp 2]
 A tiny generated llama served at ``--tp`` ranks through ``testkit.trace`` (a profile function on every thread of
 every process, on for one whole turn of the engine's loop on the leader and for the handling of the same step on
-each worker), one greedy stream decoding; prints each process's modules, in the order first entered, with the times each was entered from another
-module.
+each worker), one greedy stream decoding; prints each process's modules, in the order first entered, with the
+times each was entered from another module.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 from testkit.models import make_tiny_model  # noqa: E402
 from testkit.server import Server  # noqa: E402
 from testkit.trace import OUT_ENV, TURN_ENV  # noqa: E402
+
+WHO = {"": "leader (the engine's loop and rank 0's thread)", ".streams": "leader, its HTTP streams meanwhile"}
 
 
 def main() -> None:
@@ -46,8 +48,7 @@ def main() -> None:
             server.stop()
         for path in sorted(Path(tmp).glob("trace.*")):
             entered = [line.split() for line in path.read_text().splitlines()]
-            who = {f"trace.{leader}": "leader (the engine's loop and rank 0's thread)",
-                   f"trace.{leader}.streams": "leader, its HTTP streams meanwhile"}.get(path.name, "a worker")  # fmt: skip
+            who = WHO.get(path.name.removeprefix(f"trace.{leader}"), "a worker")
             times = sum(int(n) for _, n in entered)
             print(f"\n{who}: {len(entered)} modules, entered {times} times\n")
             print(", ".join(f"{m.removeprefix('neuron.')} {n}" for m, n in entered))

@@ -54,7 +54,7 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
     Every rank takes the argmax itself (the logits are identical). BENCH_HEAD=rank0:
     rank 1 stops before the LM head and feeds a fixed token (the cost is the
     same); BENCH_HEAD=split: the head is split over the ranks where neuron splits it
-    (``shard_head``: big enough heads only), else as without it.
+    (``slice_head``: big enough heads only), else as without it.
     """
     from neuron.system import cpu
 
@@ -70,10 +70,10 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
         loaded.shard(mx.distributed.init(backend="ring", strict=True))
     mx.eval(loaded.parameters())
     cache = make_prompt_cache(loaded)
-    from neuron.rank.model.shard import backbone, shard_head
+    from neuron.rank.model.share import backbone, slice_head
 
     mode = os.environ.get("BENCH_HEAD", "")
-    head = shard_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None
+    head = slice_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None
     if head is not None:
         trunk = backbone(loaded)
 

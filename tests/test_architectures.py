@@ -21,7 +21,7 @@ from tiny_archs import ARCHS, config, make_arch_model
 
 from neuron.models import architectures
 from neuron.models.folder import ModelError
-from neuron.rank.model.shard import check_splittable
+from neuron.rank.model.share import check_splittable
 
 
 @pytest.fixture(scope="session")

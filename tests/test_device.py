@@ -174,14 +174,14 @@ def test_nccl_on_a_host_without_enough_gpus_is_refused_before_anything_loads(tin
         "--backend",
         "nccl",
         "--log-level",
-        "info",  # so that a shard loaded would say so
+        "info",  # so that a share loaded would say so
         "hi",
         env=fake,
         module=faults.ENTRY,
     )
     assert done.returncode == 1, done.stderr
     assert "nccl needs a GPU of its own for each rank" in done.stderr and "ranks 0, 1 are placed on it" in done.stderr
-    assert "shard loaded" not in done.stderr
+    assert "share loaded" not in done.stderr
 
 
 @pytest.mark.skipif(device.backend() == "cuda", reason="where nccl can start, it does not fail at init")

@@ -126,7 +126,7 @@ async def test_a_failed_collective_breaks_the_group_for_good(rank0: Rank0Thread)
 
 async def test_rank0s_own_errors_break_the_group_unless_raised_in_step(rank0: Rank0Thread) -> None:
     def refused(rank: Any) -> None:
-        raise RankError("rank 0: no model loaded; send load_shard first")
+        raise RankError("rank 0: no model loaded; send load_share first")
 
     def crashed(rank: Any) -> None:
         raise MemoryError("out of memory")

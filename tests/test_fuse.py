@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 from neuron.rank.model import fuse
-from neuron.rank.model.shard import load_shard, parameter_count
+from neuron.rank.model.share import load_share, parameter_count
 from neuron.system import cpu
 
 
@@ -46,7 +46,7 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_fused_logits_equal_unfused(models: dict[str, Path], arch: str) -> None:
     plain, _ = load_model(models[arch], lazy=False)
-    fused = load_shard(models[arch], None)  # the serving path at TP=1: it fuses
+    fused = load_share(models[arch], None)  # the serving path at TP=1: it fuses
     attention, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
     assert isinstance(attention.q_proj, fuse.FusedLead) and isinstance(attention.v_proj, fuse.FusedFollower)
     assert isinstance(mlp.gate_proj, fuse.FusedLead) and isinstance(mlp.up_proj, fuse.FusedFollower)

@@ -130,7 +130,7 @@ def test_under_systemd_every_rank_logs_its_fields_to_the_journal(
 
     worker = journal.one(RANK="1", EVENT="worker started")
     assert worker["PRIORITY"] == "6" and worker["WORLD_SIZE"] == "2"
-    assert journal.one(RANK="1", EVENT="shard loaded")
+    assert journal.one(RANK="1", EVENT="share loaded")
     started = journal.one(EVENT="request started", REQUEST_ID=request_id, RANK="0")
     assert (started["PROMPT_TOKENS"], started["MAX_TOKENS"], started["TEMPERATURE"], started["TOP_P"]) == (
         "5",

@@ -207,16 +207,16 @@ def test_the_layer_is_given_the_whole_prompts_hidden_states() -> None:
     from mlx_lm.utils import _get_classes
     from tiny_archs import config
 
-    from neuron.rank.model.shard import backbone
+    from neuron.rank.model.share import backbone
     from neuron.rank.prefill import feed_prompts
-    from neuron.rank.runner import Sharded
+    from neuron.rank.runner import Sliced
     from neuron.rpc import Prefill
 
     cfg = config("glm4_moe", 64)
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(6)
     model = model_class(args_class.from_dict(cfg))
-    runner = Sharded(model, None, 0)
+    runner = Sliced(model, None, 0)
     runner.keep_states = True
     prompts = {1: [3, 14, 15, 9, 26, 5, 35], 2: [8, 9, 7], 3: [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]}
     seqs: dict[int, SeqState] = {}

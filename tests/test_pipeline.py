@@ -19,7 +19,7 @@ from test_pool import scenario, scenarios_side_by_side
 
 from neuron.launch.stages import SplitError, check_split, parse_split, split_by_memory
 from neuron.models.folder import ModelError, weight_bytes
-from neuron.rank.model.shard import check_splittable
+from neuron.rank.model.share import check_splittable
 from testkit import run_neuron_side_by_side
 from testkit.faults import FAKE_HOST_ENV
 

@@ -25,7 +25,7 @@ EVERY_MESSAGE = [
     rpc.CheckModel(id=10, model=None),
     rpc.CheckModel(id=11, model="/models/x", share="0123456789abcdef/tp-1-of-2"),
     rpc.CheckModel(id=14, model="org/x@main", weights=["model-00002-of-00003.safetensors"], token="hf_secret"),
-    rpc.LoadShard(id=3, model_path="/models/x", layers=[0, 15]),
+    rpc.LoadShare(id=3, model_path="/models/x", layers=[0, 15]),
     rpc.LoadAdapter(id=12, adapter=1, name="sql", path="/adapters/sql"),
     rpc.UnloadAdapter(id=13, adapter=1),
     rpc.GenerateStep(
@@ -51,7 +51,7 @@ EVERY_MESSAGE = [
     rpc.ModelChecked(id=10, path="/models/x", files={"config.json": "ab12"}),
     rpc.ModelChecked(id=11, path="/nowhere", files={}, share="/cache/shares/0123456789abcdef/tp-1-of-2"),
     rpc.InitOk(id=2, all_sum=2.0),
-    rpc.LoadShardOk(id=3, parameters=1000, seconds=0.5),
+    rpc.LoadShareOk(id=3, parameters=1000, seconds=0.5),
     rpc.AdapterLoaded(id=12, projections=15),
     rpc.AdapterUnloaded(id=13),
     rpc.GenerateStepOk(id=4, fingerprint="0123abcd"),

@@ -18,7 +18,7 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 from neuron.launch import push
 from neuron.models import shares
 from neuron.models.folder import ModelError
-from neuron.rank.model import shard
+from neuron.rank.model.share import ShareSource, Slot, _load_share, load_stage, take_share
 from testkit import file_per_layer
 
 
@@ -37,23 +37,23 @@ def quantized(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFac
 
 def received(model: Path, rank: int, size: int, layers: list[int]) -> Path:
     """The share the leader would push to ``rank``, received into this process's cache."""
-    source = shard.ShareSource(model, rank, size, layers)
+    source = ShareSource(model, rank, size, layers)
     config = (model / "config.json").read_bytes()
-    plan = shares.Plan(
+    contents = shares.Contents(
         shares.share_key("0123456789abcdef", rank, size, layers),
         source.entries(),
         {"config.json": hashlib.sha256(config).hexdigest()},
     )
     stream = b""
-    for entry in plan.entries:
+    for entry in contents.entries:
         data = source.data(entry.name).cast("B")
         line = {"tensor": entry.name, "offset": 0, "sha256": hashlib.sha256(data).hexdigest()}
         stream += json.dumps(line).encode() + b"\n" + bytes(data)
     stream += json.dumps({"file": "config.json", "size": len(config)}).encode() + b"\n" + config + b'{"end": true}\n'
-    where = shares.folder(plan.key)
-    shares.start_over(where, plan)
-    assert push.receive(io.BytesIO(stream), where, plan)
-    shares.seal(where, plan)
+    where = shares.folder(contents.key)
+    shares.start_over(where, contents)
+    assert push.receive(io.BytesIO(stream), where, contents)
+    shares.seal(where, contents)
     return where
 
 
@@ -71,15 +71,15 @@ def test_a_pushed_share_loads_as_the_ranks_own_cut_of_the_whole_model(
 ) -> None:
     monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path))
     model = tiny_models["qwen3"] if which == "plain" else quantized
-    group = shard.Slot(rank, size) if not layers else None
+    group = Slot(rank, size) if not layers else None
     share = received(model, rank, size, layers)
-    loaded = dict(tree_flatten(shard._load_share(share, group, layers, rank).parameters()))  # type: ignore[arg-type]
+    loaded = dict(tree_flatten(_load_share(share, group, layers, rank).parameters()))  # type: ignore[arg-type]
     whole, config = load_model(model, lazy=True)
-    shard.take_share(whole, config, group, layers, rank)
+    take_share(whole, config, group, layers, rank)
     expected = dict(tree_flatten(whole.parameters()))
     assert loaded.keys() == expected.keys()
     assert all(mx.array_equal(loaded[k], expected[k]).item() for k in loaded)
-    sent = sum(e["size"] for e in json.loads((share / shares.PLAN).read_text())["entries"])
+    sent = sum(e["size"] for e in json.loads((share / shares.CONTENTS).read_text())["entries"])
     assert sent == sum(v.nbytes for v in expected.values()) < (model / "model.safetensors").stat().st_size
 
 
@@ -97,10 +97,10 @@ def test_a_stage_loads_from_the_files_its_layers_lie_in_as_from_the_whole_model(
         for name in read:
             (partial / name).symlink_to(model / name)  # as a Hugging Face snapshot links its blobs
         assert len(list(partial.glob("*.safetensors"))) < len(list(model.glob("*.safetensors")))
-        loaded = dict(tree_flatten(shard.load_stage(partial, *layers, rank).parameters()))
-        expected = dict(tree_flatten(shard.load_stage(model, *layers, rank).parameters()))
+        loaded = dict(tree_flatten(load_stage(partial, *layers, rank).parameters()))
+        expected = dict(tree_flatten(load_stage(model, *layers, rank).parameters()))
         assert loaded.keys() == expected.keys()
         assert all(mx.array_equal(loaded[k], expected[k]).item() for k in loaded)
     (partial / read[0]).unlink()
     with pytest.raises(ModelError, match=r"lacks model\.layers\.2\..*stage of layers \[2, 3\)"):
-        shard.load_stage(partial, 2, 3, 1)
+        load_stage(partial, 2, 3, 1)

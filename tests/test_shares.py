@@ -29,9 +29,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def plan() -> shares.Plan:
+def contents() -> shares.Contents:
     entries = [shares.Entry(name, "U8", [len(data)], len(data), [2 * len(data)]) for name, data in TENSORS.items()]
-    return shares.Plan("0123456789abcdef/tp-1-of-2", entries, {"config.json": hashlib.sha256(CONFIG).hexdigest()})
+    return shares.Contents("0123456789abcdef/tp-1-of-2", entries, {"config.json": hashlib.sha256(CONFIG).hexdigest()})
 
 
 def stream(names: list[str], offsets: dict[str, int] | None = None, files: bool = True, end: bool = True) -> bytes:
@@ -47,7 +47,7 @@ def stream(names: list[str], offsets: dict[str, int] | None = None, files: bool 
 
 
 def test_the_layout_is_a_safetensors_file_with_its_data_aligned() -> None:
-    prefix, offsets = shares.layout(plan().entries)
+    prefix, offsets = shares.layout(contents().entries)
     header_length = int.from_bytes(prefix[:8], "little")
     header = json.loads(prefix[8:])
     assert len(prefix) % 8 == 0 and header_length == len(prefix) - 8
@@ -56,7 +56,7 @@ def test_the_layout_is_a_safetensors_file_with_its_data_aligned() -> None:
 
 
 def test_a_cut_push_resumes_inside_the_tensor_it_stopped_in_and_seals_whole(cache: Path) -> None:
-    share = plan()
+    share = contents()
     where = shares.folder(share.key)
     shares.start_over(where, share)
     whole = stream(list(TENSORS))
@@ -64,7 +64,7 @@ def test_a_cut_push_resumes_inside_the_tensor_it_stopped_in_and_seals_whole(cach
     cut = whole[: first_header + 10240 + whole[first_header + 10240 :].index(b"\n") + 1 + 1000]  # 1000 bytes of b
     with pytest.raises(push.PushCut, match=r"ended inside tensor b\.weight"):
         push.receive(io.BytesIO(cut), where, share)
-    have, resume = shares.holdings(where, share)
+    have, resume = shares.held(where, share)
     assert have == {"a.weight"} and resume == {"b.weight": 1000}
     assert not shares.intact(where)
     assert push.needed_bytes(share, {"config.json": _config(where.parent)}, have, resume) == 2000 + 20 + len(CONFIG)
@@ -77,7 +77,7 @@ def test_a_cut_push_resumes_inside_the_tensor_it_stopped_in_and_seals_whole(cach
 
 
 def test_a_changed_tensor_is_no_longer_held_and_the_rest_is(cache: Path) -> None:
-    share = plan()
+    share = contents()
     where = shares.folder(share.key)
     shares.start_over(where, share)
     assert push.receive(io.BytesIO(stream(list(TENSORS))), where, share)
@@ -87,26 +87,26 @@ def test_a_changed_tensor_is_no_longer_held_and_the_rest_is(cache: Path) -> None
         f.seek(end - 1)  # the last byte: a sampled digest of the first bytes would not see it
         f.write(b"\x00")
     assert not shares.intact(where)
-    assert shares.holdings(where, share) == ({"a.weight", "c.bias", "config.json"}, {})
+    assert shares.held(where, share) == ({"a.weight", "c.bias", "config.json"}, {})
 
 
 def test_a_folder_laid_out_for_another_plan_holds_nothing(cache: Path) -> None:
-    share = plan()
+    share = contents()
     where = shares.folder(share.key)
     shares.start_over(where, share)
     assert push.receive(io.BytesIO(stream(list(TENSORS))), where, share)
-    other = shares.Plan(share.key, share.entries[:2], share.files)
-    assert shares.holdings(where, other) == (set(), {})
+    other = shares.Contents(share.key, share.entries[:2], share.files)
+    assert shares.held(where, other) == (set(), {})
 
 
 def test_a_tensor_that_arrives_wrong_is_refused_and_not_counted(cache: Path) -> None:
-    share = plan()
+    share = contents()
     where = shares.folder(share.key)
     shares.start_over(where, share)
     bad = stream(["c.bias"]).replace(b"\x01\x02" * 10, b"\x02\x01" * 10)
     with pytest.raises(shares.ShareError, match=r"c\.bias arrived with another sha256"):
         push.receive(io.BytesIO(bad), where, share)
-    assert shares.holdings(where, share) == (set(), {})
+    assert shares.held(where, share) == (set(), {})
     with pytest.raises(shares.ShareError, match="did not arrive whole"):
         shares.seal(where, share)
 

@@ -100,8 +100,8 @@ def test_error_reply_echoes_the_request_id(serving_worker: WorkerProcess) -> Non
     worker = serving_worker
     reply = worker.request(rpc.GenerateStep(id=5, plan=rpc.StepPlan(prefill=[rpc.Prefill(1, 0, [1], True)])))
     assert isinstance(reply, rpc.Error) and reply.id == 5 and reply.kind == ErrorKind.BAD_STATE
-    assert "load_shard" in reply.message  # says what to do
-    reply = worker.request(rpc.LoadShard(id=6, model_path="/nonexistent", layers=[]))
+    assert "load_share" in reply.message  # says what to do
+    reply = worker.request(rpc.LoadShare(id=6, model_path="/nonexistent", layers=[]))
     assert isinstance(reply, rpc.Error) and reply.id == 6 and reply.kind == ErrorKind.LOAD_FAILED
 
 

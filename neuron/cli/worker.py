@@ -103,13 +103,13 @@ class Worker:
                 files = digest_files(path)
                 same = share.split("/")[0] == model_digest(files)
                 return rpc.ModelChecked(id=id, path=str(path), files=files, share="" if same else self._held(share))
-            case rpc.LoadShard(id=id, model_path=path, layers=layers, kv_bits=kv_bits):
+            case rpc.LoadShare(id=id, model_path=path, layers=layers, kv_bits=kv_bits):
                 loaded = self._joined().load(path, layers, kv_bits)
                 cgroup.forget_file_pages(path, self.memory.group)
                 self.log.info(
-                    "shard loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
+                    "share loaded", model=path, parameters=loaded.parameters, seconds=round(loaded.seconds, 2)
                 )
-                return rpc.LoadShardOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
+                return rpc.LoadShareOk(id=id, parameters=loaded.parameters, seconds=loaded.seconds)
             case rpc.LoadAdapter(id=id, adapter=adapter, name=name, path=path):
                 projections = self._joined().load_adapter(adapter, name, path)
                 self.log.info("adapter loaded", adapter=name, number=adapter, projections=projections)
@@ -187,13 +187,13 @@ class Worker:
 
     def _joined(self) -> Rank:
         if self.state is None:
-            raise NotReady(f"rank {self.rank}: not in a group yet; send init, then load_shard")
+            raise NotReady(f"rank {self.rank}: not in a group yet; send init, then load_share")
         return self.state
 
     def failure_kind(self, request: rpc.Request, error: Exception) -> ErrorKind:
         if isinstance(request, rpc.Listen | rpc.Probe | rpc.Init):
             return ErrorKind.INIT_FAILED
-        if isinstance(request, rpc.CheckModel | rpc.LoadShard | rpc.LoadAdapter | rpc.UnloadAdapter):
+        if isinstance(request, rpc.CheckModel | rpc.LoadShare | rpc.LoadAdapter | rpc.UnloadAdapter):
             return ErrorKind.LOAD_FAILED
         if isinstance(error, self.in_step):
             return ErrorKind.BAD_STATE

@@ -1,6 +1,6 @@
 """The prefix index: which prompt beginnings every rank holds computed, as numbered entries; the leader's alone.
 
-Why the leader owns it: each rank keeps its own shard of an entry's KV cache,
+Why the leader owns it: each rank keeps its own part of an entry's KV cache,
 and ranks that chose for themselves what to keep or drop would drift apart.
 So only this index decides; the step plan tells every rank to restore, save or
 evict an entry, and each rank's fingerprint lists the entries it holds, so a

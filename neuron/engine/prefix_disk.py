@@ -1,7 +1,7 @@
 """The prefix cache's second tier, as the leader runs it: which entries go to disk, and which come back when a
 server starts with ``--prefix-cache-dir``.
 
-Each rank writes its own shard of a spilled entry (``neuron.rank.kv.disk``: its heads, or its stage's layers); the
+Each rank writes its own part of a spilled entry (``neuron.rank.kv.disk``: its heads, or its stage's layers); the
 leader writes a manifest beside rank 0's file, ``KEY.tokens``: the entry's token ids, which no rank knows. On a
 start with the same model and layout, every rank lists the files it may load, the leader keeps the keys every rank
 has (a manifest too), the newest first, as many as the memory budget holds, and every rank loads them; a key that

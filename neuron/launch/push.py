@@ -3,9 +3,9 @@
 The leader runs ``ssh HOST exec <neuron> --receive-share KEY`` beside the
 worker's session and speaks to it on its stdin and stdout:
 
-1. leader: the plan, one JSON line (``shares.Plan``: the share's tensors in file
+1. leader: the contents, one JSON line (``shares.Contents``: the share's tensors in file
    order, its files' digests);
-2. receiver: what it already holds of that plan (tensors and files whose bytes
+2. receiver: what it already holds of those contents (tensors and files whose bytes
    match their recorded digests, tensors partly arrived) and its free bytes;
 3. leader: for each tensor still missing, a JSON line (name, offset, sha256)
    then its bytes from that offset; for each file, a line and its bytes; then
@@ -16,7 +16,7 @@ worker's session and speaks to it on its stdin and stdout:
 A cut session (the ssh process killed, the link down) leaves the receiver's
 progress on disk, so the next attempt sends only what is missing, resuming a
 tensor at the last chunk recorded. No MLX here: the leader's tensors come from
-a ``Source`` (``rank.model.shard.ShareSource``), evaluated one at a time.
+a ``Source`` (``rank.model.share.ShareSource``), evaluated one at a time.
 """
 
 from __future__ import annotations
@@ -70,21 +70,21 @@ def run_receiver(key: str) -> int:
         fcntl.flock(lock, fcntl.LOCK_EX)
         line = stdin.readline()
         if not line:
-            return 0  # the leader left before sending a plan
-        plan = shares.Plan.from_json(json.loads(line))
-        if plan.key != key or any(name not in DECIDING_FILES for name in plan.files):
+            return 0  # the leader left before sending the contents
+        contents = shares.Contents.from_json(json.loads(line))
+        if contents.key != key or any(name not in DECIDING_FILES for name in contents.files):
             raise shares.ShareError(
-                f"the plan for {plan.key} does not fit the share {key} this receiver was started for"
+                f"the contents announced for {contents.key} do not fit the share {key} this receiver was started for"
             )
-        have, resume = shares.holdings(where, plan)
+        have, resume = shares.held(where, contents)
         if have or resume:
             (where / shares.MANIFEST).unlink(missing_ok=True)  # incomplete again until sealed
         else:
-            shares.start_over(where, plan)
+            shares.start_over(where, contents)
         reply(have=sorted(have), resume=resume, free=shutil.disk_usage(where).free, path=str(where))
-        if not receive(stdin, where, plan):
+        if not receive(stdin, where, contents):
             return 0  # the leader stopped before sending (no room): what was held stays
-        digest = shares.seal(where, plan)
+        digest = shares.seal(where, contents)
         reply(ok=True, path=str(where), digest=digest)
         return 0
     except Exception as e:  # noqa: BLE001 - every failure goes back to the leader, in words
@@ -95,9 +95,9 @@ def run_receiver(key: str) -> int:
         return 1
 
 
-def receive(stdin: BinaryIO, where: Path, plan: shares.Plan) -> bool:
+def receive(stdin: BinaryIO, where: Path, contents: shares.Contents) -> bool:
     """Write what the leader sends into ``where``, recording each chunk; False if it sent nothing and left."""
-    _, offsets = shares.layout(plan.entries)
+    _, offsets = shares.layout(contents.entries)
     with (where / shares.WEIGHTS).open("r+b") as weights, (where / shares.PROGRESS).open("a") as progress:
 
         def record(**fields: object) -> None:
@@ -113,8 +113,8 @@ def receive(stdin: BinaryIO, where: Path, plan: shares.Plan) -> bool:
                 return True
             if "file" in header:
                 name = header["file"]
-                if name not in plan.files:
-                    raise shares.ShareError(f"{name} is not a file of the share {plan.key}")
+                if name not in contents.files:
+                    raise shares.ShareError(f"{name} is not a file of the share {contents.key}")
                 data = _read_exactly(stdin, int(header["size"]))
                 (where / f"{name}.part").write_bytes(data)
                 (where / f"{name}.part").replace(where / name)
@@ -168,10 +168,10 @@ class Pushed:
     seconds: float
 
 
-def needed_bytes(plan: shares.Plan, files: dict[str, Path], have: set[str], resume: dict[str, int]) -> int:
+def needed_bytes(contents: shares.Contents, files: dict[str, Path], have: set[str], resume: dict[str, int]) -> int:
     """Bytes still to send: every tensor and file the host does not hold, less what arrived of a tensor already."""
-    tensors = sum(e.size - resume.get(e.name, 0) for e in plan.entries if e.name not in have)
-    return tensors + sum(files[name].stat().st_size for name in plan.files if name not in have)
+    tensors = sum(e.size - resume.get(e.name, 0) for e in contents.entries if e.name not in have)
+    return tensors + sum(files[name].stat().st_size for name in contents.files if name not in have)
 
 
 def room_problem(host: str, where: str, needed: int, free: int) -> str | None:
@@ -184,8 +184,10 @@ def room_problem(host: str, where: str, needed: int, free: int) -> str | None:
     )
 
 
-def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Path], host: str, rank: int) -> Pushed:
-    """Send ``plan``'s share over a session started with ``argv``; blocking (run on a thread of its own).
+def push(
+    argv: list[str], contents: shares.Contents, source: Source, files: dict[str, Path], host: str, rank: int
+) -> Pushed:
+    """Send ``contents``'s share over a session started with ``argv``; blocking (run on a thread of its own).
 
     Raises ``PushCut`` when the session ends early (the next try resumes) and ``Refused`` when the host refuses
     the share or has no room for it.
@@ -203,22 +205,22 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
     assert process.stdin is not None and process.stdout is not None
     sender = _Sender(process.stdin, process.stdout, host, rank, relay)
     try:
-        sender.send_line(plan.to_json())
+        sender.send_line(contents.to_json())
         held = sender.read_line()
         have, resume, path = set(held["have"]), {k: int(v) for k, v in held["resume"].items()}, held["path"]
-        needed = needed_bytes(plan, files, have, resume)
-        total = needed_bytes(plan, files, set(), {})
+        needed = needed_bytes(contents, files, have, resume)
+        total = needed_bytes(contents, files, set(), {})
         if problem := room_problem(host, path, needed, int(held["free"])):
             raise Refused(f"rank {rank} on {problem}")
         sender.needed = needed
         sender.bar.reset(needed)
         log.info(
-            "push started", rank=rank, host=host, share=plan.key, bytes=needed, held_bytes=total - needed, path=path
+            "push started", rank=rank, host=host, share=contents.key, bytes=needed, held_bytes=total - needed, path=path
         )
-        for entry in plan.entries:
+        for entry in contents.entries:
             if entry.name not in have:
                 sender.tensor(entry.name, source.data(entry.name), resume.get(entry.name, 0))
-        for name in plan.files:
+        for name in contents.files:
             if name not in have:
                 data = files[name].read_bytes()
                 sender.send_line({"file": name, "size": len(data)})
@@ -226,7 +228,9 @@ def push(argv: list[str], plan: shares.Plan, source: Source, files: dict[str, Pa
         sender.send_line({"end": True})
         done = sender.read_line()
         pushed = Pushed(done["path"], sender.sent, total - needed, time.perf_counter() - started)
-        log.info("push done", rank=rank, host=host, share=plan.key, bytes=pushed.sent, seconds=round(pushed.seconds, 2))
+        log.info(
+            "push done", rank=rank, host=host, share=contents.key, bytes=pushed.sent, seconds=round(pushed.seconds, 2)
+        )
         return pushed
     finally:
         sender.bar.close()

@@ -1,7 +1,7 @@
 """What neuron serves of each model architecture, and how: the one table every check and the README read.
 
 No MLX here: the leader checks a model against this table before it spawns a
-worker or a worker reads a weight (``rank.model.shard.check_splittable``), and the
+worker or a worker reads a weight (``rank.model.share.check_splittable``), and the
 docs' architectures reference is written from it as the site builds (neuron/cli/reference.py;
 ``python -m neuron.models.architectures`` prints the table).
 

@@ -10,7 +10,7 @@ sends a host exactly that (``launch/push.py``) into the host's neuron cache,
 - ``progress.jsonl``: what has arrived, one record per chunk or tensor, so
   that a cut push resumes where it stopped: ``{"name", "bytes"}`` while a
   tensor arrives, ``{"name", "sha256"}`` once it is whole and checked.
-- ``plan.json``: the layout the leader announced; another layout starts over.
+- ``plan.json``: the contents the leader announced (``Contents``); another layout starts over.
 - ``share.json``, the manifest, written last: every tensor's and file's
   sha256. A share is complete when it exists and every digest in it still
   matches the bytes on disk (checked on every start, so a changed tensor is
@@ -39,7 +39,7 @@ from neuron.system.paths import cache_dir
 SHARES = "shares"
 WEIGHTS = "model.safetensors"
 PROGRESS = "progress.jsonl"
-PLAN = "plan.json"
+CONTENTS = "plan.json"  # its name from before ``Contents`` was named so: the shares pushed then stay good
 MANIFEST = "share.json"
 _KEY = re.compile(r"[0-9a-f]{16}/(tp-\d+-of-\d+|pp-\d+-\d+)")
 _READ = 1 << 20
@@ -113,7 +113,7 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class Contents:
     """What the leader sends a host: the share's tensors (in file order) and its other files' digests."""
 
     key: str
@@ -124,7 +124,7 @@ class Plan:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Plan:
+    def from_json(cls, raw: dict[str, Any]) -> Contents:
         return cls(raw["key"], [Entry(**e) for e in raw["entries"]], dict(raw["files"]))
 
 
@@ -191,17 +191,17 @@ def read_progress(where: Path) -> tuple[dict[str, str], dict[str, int]]:
     return whole, partial
 
 
-def holdings(where: Path, plan: Plan) -> tuple[set[str], dict[str, int]]:
-    """What ``where`` already holds of ``plan``: the tensors and files whose bytes on disk match their recorded
-    digests, and the tensors partly arrived (name -> bytes to resume from). A folder laid out for another plan, or
+def held(where: Path, contents: Contents) -> tuple[set[str], dict[str, int]]:
+    """What ``where`` already holds of ``contents``: the tensors and files whose bytes on disk match their recorded
+    digests, and the tensors partly arrived (name -> bytes to resume from). A folder laid out for other contents, or
     none, holds nothing."""
     try:
-        same = Plan.from_json(json.loads((where / PLAN).read_text())) == plan
+        same = Contents.from_json(json.loads((where / CONTENTS).read_text())) == contents
     except (OSError, ValueError, KeyError, TypeError):
         same = False
     if not same:
         return set(), {}
-    _, offsets = layout(plan.entries)
+    _, offsets = layout(contents.entries)
     whole, partial = read_progress(where)
     have = {
         name
@@ -209,38 +209,40 @@ def holdings(where: Path, plan: Plan) -> tuple[set[str], dict[str, int]]:
         if name in offsets and (where / WEIGHTS).is_file() and sha256_of(where / WEIGHTS, *offsets[name]) == digest
     }
     have |= {
-        name for name, digest in plan.files.items() if (where / name).is_file() and sha256_of(where / name) == digest
+        name
+        for name, digest in contents.files.items()
+        if (where / name).is_file() and sha256_of(where / name) == digest
     }
     resume = {name: n for name, n in partial.items() if name in offsets and 0 < n < offsets[name][1] - offsets[name][0]}
     return have, resume
 
 
-def start_over(where: Path, plan: Plan) -> None:
-    """Empty ``where`` and lay it out for ``plan``: the header written, the data's room reserved (sparse)."""
+def start_over(where: Path, contents: Contents) -> None:
+    """Empty ``where`` and lay it out for ``contents``: the header written, the data's room reserved (sparse)."""
     if where.exists():
         shutil.rmtree(where)
     where.mkdir(parents=True)
-    prefix, offsets = layout(plan.entries)
+    prefix, offsets = layout(contents.entries)
     with (where / WEIGHTS).open("wb") as f:
         f.write(prefix)
         f.truncate(max((end for _, end in offsets.values()), default=len(prefix)))
-    (where / PLAN).write_text(json.dumps(plan.to_json()))
+    (where / CONTENTS).write_text(json.dumps(contents.to_json()))
 
 
-def seal(where: Path, plan: Plan) -> str:
+def seal(where: Path, contents: Contents) -> str:
     """Check every tensor and file against its digest and write the manifest; returns the share's digest.
     Raises ``ShareError`` naming the first that does not match."""
     whole, _ = read_progress(where)
-    _, offsets = layout(plan.entries)
+    _, offsets = layout(contents.entries)
     tensors = {}
     for name, (begin, end) in offsets.items():
         if whole.get(name) is None or sha256_of(where / WEIGHTS, begin, end) != whole[name]:
             raise ShareError(f"{where}: tensor {name} did not arrive whole (its sha256 does not match the leader's)")
         tensors[name] = whole[name]
-    for name, digest in plan.files.items():
+    for name, digest in contents.files.items():
         if sha256_of(where / name) != digest:
             raise ShareError(f"{where}: {name} did not arrive whole (its sha256 does not match the leader's)")
-    manifest = {"key": plan.key, "tensors": tensors, "files": plan.files}
+    manifest = {"key": contents.key, "tensors": tensors, "files": contents.files}
     manifest["digest"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
     (where / MANIFEST).write_text(json.dumps(manifest))
     return str(manifest["digest"])
@@ -250,10 +252,10 @@ def intact(where: Path) -> bool:
     """Whether ``where`` holds a complete share whose every tensor and file still matches its manifest."""
     try:
         manifest = json.loads((where / MANIFEST).read_text())
-        plan = Plan.from_json(json.loads((where / PLAN).read_text()))
+        contents = Contents.from_json(json.loads((where / CONTENTS).read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    _, offsets = layout(plan.entries)
+    _, offsets = layout(contents.entries)
     if set(offsets) != set(manifest["tensors"]) or not (where / WEIGHTS).is_file():
         return False
     if any(sha256_of(where / WEIGHTS, *offsets[n]) != digest for n, digest in manifest["tensors"].items()):
@@ -263,7 +265,7 @@ def intact(where: Path) -> bool:
 
 def whole_shapes(where: Path) -> dict[str, list[int]]:
     """Each tensor of the share at ``where`` -> its shape in the whole model."""
-    return {e.name: e.whole for e in Plan.from_json(json.loads((where / PLAN).read_text())).entries}
+    return {e.name: e.whole for e in Contents.from_json(json.loads((where / CONTENTS).read_text())).entries}
 
 
 def is_share(model_path: str | Path) -> bool:

@@ -1,5 +1,5 @@
 """Loading the model onto every rank: each host checked to hold the same model (or sent the share its rank
-loads, with ``--push-model``), then every rank's shard loaded at once."""
+loads, with ``--push-model``), then every rank's share loaded at once."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from neuron.launch.stages import plan_stages, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import hub
 from neuron.models.folder import DECIDING_FILES, cache_bytes, cache_shares, digest_files, model_digest
-from neuron.models.shares import Plan, files_read, sha256_of, share_key
+from neuron.models.shares import Contents, files_read, sha256_of, share_key
 from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
 from neuron.rank.head.drafter import Drafter
 from neuron.rank.head.mtp import MtpDrafter
-from neuron.rank.model.shard import ShareSource
+from neuron.rank.model.share import ShareSource
 from neuron.rank.rank import Loaded, Rank
 
 log = structlog.get_logger("neuron.pool")
@@ -33,7 +33,7 @@ class Loading(Ranks):
 
     async def load(self) -> dict[int, Loaded]:
         """Check every host holds the same model (or send one that does not the share its rank loads, with
-        ``push``), then load each rank's shard of it, all ranks at once."""
+        ``push``), then load each rank's share of it, all ranks at once."""
         self.loaded = False
         started = time.perf_counter()
         layers = self._stage_layers()
@@ -55,8 +55,8 @@ class Loading(Ranks):
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
             log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
         replies = await self._fan_out(
-            "load_shard",
-            lambda rank, id: rpc.LoadShard(id=id, model_path=paths[rank], layers=layers[rank], kv_bits=self.kv_bits),
+            "load_share",
+            lambda rank, id: rpc.LoadShare(id=id, model_path=paths[rank], layers=layers[rank], kv_bits=self.kv_bits),
             lambda rank: rank.load(self.model_path, layers[0], self.kv_bits),
             self.deadlines.load,
         )
@@ -171,8 +171,8 @@ class Loading(Ranks):
 
         def send(_: Rank) -> Pushed:
             source = ShareSource(self.model_path, rank, self.world_size, layers)
-            plan = Plan(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
-            return push(argv, plan, source, files, host, rank)
+            contents = Contents(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
+            return push(argv, contents, source, files, host, rank)
 
         try:
             pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session

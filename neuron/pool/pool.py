@@ -37,7 +37,7 @@ from neuron.models.folder import read_config, text_config
 from neuron.pool.fanout import PoolError
 from neuron.pool.link import Link
 from neuron.pool.replacement import Recovering, tunnel_lost
-from neuron.rank.model.shard import check_splittable
+from neuron.rank.model.share import check_splittable
 from neuron.rank.rank import Rank
 from neuron.rank.run import Stepped, run
 from neuron.sampling_params import Sampled

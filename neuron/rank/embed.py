@@ -24,7 +24,7 @@ import numpy as np
 
 from neuron.rank.kv import caches
 from neuron.rank.prefill import SeqState
-from neuron.rank.runner import Sharded, Stage
+from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Prefill
 from neuron.sampling_params import NOT_ASKED, Sampled
 
@@ -33,7 +33,7 @@ _NORM_FLOOR = 1e-12
 
 
 def embed_inputs(
-    runner: Sharded | Stage,
+    runner: Sliced | Stage,
     model: nn.Module,
     seqs: dict[int, SeqState],
     chunks: list[Prefill],
@@ -97,7 +97,7 @@ def _groups(whole: list[Prefill]) -> list[list[Prefill]]:
     return [group for group in groups if group]
 
 
-def _embed_together(runner: Sharded | Stage, fresh: list[caches.Layer], group: list[Prefill]) -> dict[int, mx.array]:
+def _embed_together(runner: Sliced | Stage, fresh: list[caches.Layer], group: list[Prefill]) -> dict[int, mx.array]:
     """One forward over inputs left-padded to the longest, in caches of ``fresh``'s kinds (quantized with
     ``--kv-bits``, as an input fed alone); rank 0 pools each over its own positions."""
     width = max(len(chunk.tokens) for chunk in group)

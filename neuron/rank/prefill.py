@@ -19,7 +19,7 @@ from mlx_lm.models.cache import BatchKVCache
 from neuron.images import Inputs
 from neuron.rank.kv import caches
 from neuron.rank.model.mrope import placed
-from neuron.rank.runner import Sharded, Stage
+from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Prefill
 
 MAX_SEEN = 256  # steps' hidden states a sequence keeps for its next draft: one resting that long starts afresh
@@ -54,7 +54,7 @@ class SeqState:
 
 
 def feed_prompts(
-    runner: Sharded | Stage,
+    runner: Sliced | Stage,
     model: nn.Module,
     seqs: dict[int, SeqState],
     chunks: list[Prefill],
@@ -147,7 +147,7 @@ def _copy(seqs: dict[int, SeqState], seq: int, copies: list[int]) -> None:
 
 
 def _forward_new_prompts(
-    runner: Sharded | Stage, fresh: list[caches.Layer], prompts: list[list[int]], adapters: list[int]
+    runner: Sliced | Stage, fresh: list[caches.Layer], prompts: list[list[int]], adapters: list[int]
 ) -> tuple[mx.array | None, list[BatchKVCache]]:
     """All but each prompt's last token, left-padded into one batch of caches of ``fresh``'s kinds (a new
     sequence's); then the last tokens together. ``adapters``: each prompt's LoRA adapter."""
@@ -161,7 +161,7 @@ def _forward_new_prompts(
 
 
 def _forward_prompt(
-    runner: Sharded | Stage,
+    runner: Sliced | Stage,
     tokens: list[int],
     last: bool,
     cache: list[caches.Layer],

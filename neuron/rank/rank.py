@@ -33,7 +33,7 @@ from neuron.rank.kv.disk import Disk
 from neuron.rank.model.load import Loaded, load
 from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
-from neuron.rank.runner import Sharded, Stage
+from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.system import device
 
@@ -46,7 +46,7 @@ class Rank:
         self.world_size = world_size
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
-        self.runner: Sharded | Stage | None = None
+        self.runner: Sliced | Stage | None = None
         self.vocab_size = 0
         self.held = Holdings()
         self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
@@ -71,7 +71,7 @@ class Rank:
         """This rank's share of the model (``rank.model.load``): a slice of every layer, or (``layers`` = [first, end))
         a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` (``--kv-bits``) where given."""
         if self.world_size > 1 and self.group is None:
-            raise RankError(f"rank {self.rank}: load_shard before init; send init first")
+            raise RankError(f"rank {self.rank}: load_share before init; send init first")
         start = time.perf_counter()
         self.unload()
         share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits)
@@ -87,7 +87,7 @@ class Rank:
         """Load the LoRA adapter at ``path`` as ``number`` (``rank.model.lora``): this rank's slice of it. Returns how
         many of this rank's projections it adapts."""
         if self.adapters is None:
-            raise RankError(f"rank {self.rank}: no model loaded; send load_shard before load_adapter")
+            raise RankError(f"rank {self.rank}: no model loaded; send load_share before load_adapter")
         self.settle()  # a step run ahead was built with the projections as they are
         try:
             spec = find(name, path)
@@ -115,7 +115,7 @@ class Rank:
         mismatch is raised after.
         """
         if self.model is None:
-            raise RankError(f"rank {self.rank}: no model loaded; send load_shard first")
+            raise RankError(f"rank {self.rank}: no model loaded; send load_share first")
         for chunk in plan.prefill:
             if not chunk.tokens or not all(0 <= t < self.vocab_size for t in chunk.tokens):
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
@@ -155,7 +155,7 @@ class Rank:
         for it (``drawn``, lazy; None on the other ranks, which receive them through an all-reduce in the same
         graph). Only when the plan asks for it and the ranks split every layer; True if queued. Every rank decides
         alike from the plan and the batch it shares, so the collectives match."""
-        if not plan.ahead or not isinstance(self.runner, Sharded) or set(self.held.batch.micro_batches) != {0}:
+        if not plan.ahead or not isinstance(self.runner, Sliced) or set(self.held.batch.micro_batches) != {0}:
             return False
         rows = self.held.batch.micro_batches[0]
         if not ahead.can_undo(rows.cache):

@@ -1,6 +1,6 @@
 """How one rank runs a forward pass, and where its hidden states and logits go.
 
-``Sharded`` is tensor parallelism: every rank holds a slice of every layer, and
+``Sliced`` is tensor parallelism: every rank holds a slice of every layer, and
 the all-reduces ``shard()`` put in each layer join the slices. ``Stage`` is
 pipeline parallelism: every rank holds a run of whole layers, receives the
 hidden states of the rank before it, and sends its own to the next; the last
@@ -26,7 +26,7 @@ from neuron.rank.kv import caches
 from neuron.rank.model import staged
 from neuron.rank.model.lora import Selection
 from neuron.rank.model.mrope import shifted
-from neuron.rank.model.shard import VocabShard, backbone, head_gathers
+from neuron.rank.model.share import VocabSlice, backbone, head_gathers
 
 if TYPE_CHECKING:
     from neuron.rank.model.mrope import Positions
@@ -48,13 +48,13 @@ def _eval_with(cache: Cache, *arrays: mx.array) -> None:
     mx.eval(*arrays, [caches.arrays(c) for c in cache])
 
 
-class Sharded:
+class Sliced:
     """Tensor parallel: a slice of every layer here; the vocabulary projection split too where that pays."""
 
     images: Images | None = None  # a vision-language model's images, where this rank embeds them
     rope: Positions | None = None  # a model with multimodal rotary positions (Qwen3-VL's): the plan's positions
 
-    def __init__(self, model: nn.Module, head: VocabShard | None, rank: int) -> None:
+    def __init__(self, model: nn.Module, head: VocabSlice | None, rank: int) -> None:
         self.model = model
         self.head = head
         self.rank = rank
@@ -193,7 +193,7 @@ class _Received(nn.Module):
 class Stage:
     """Pipeline parallel: layers ``[first, end)`` of the model here, whole; rank 0 also embeds and projects.
 
-    ``model`` was loaded with only this stage's layers (``shard.load_stage``).
+    ``model`` was loaded with only this stage's layers (``share.load_stage``).
     Its inner model's own call runs them, embedding first on rank 0 and taking
     the received hidden states elsewhere (mlx-lm's ``input_embeddings``), with
     its final norm taken out: rank 0 applies it once, after the last stage.
@@ -204,7 +204,7 @@ class Stage:
 
     def __init__(self, model: nn.Module, rank: int, stages: int, group: mx.distributed.Group) -> None:
         # Rank 0 keeps the final hidden states it receives from the last stage (the final norm's output), as
-        # ``Sharded`` keeps them, where the model's own prediction layers draft (rank.mtp).
+        # ``Sliced`` keeps them, where the model's own prediction layers draft (rank.mtp).
         self.keep_states = False
         self.kept_states: list[mx.array] = []
         self.fed_states: mx.array | None = None  # never: the last stage sends back only what rank 0 projects
@@ -290,7 +290,7 @@ class Stage:
 
     def states(self, tokens: mx.array, cache: Cache, every: bool) -> mx.array | None:
         """Like ``feed``, and the last stage sends the final hidden states back, of every position or (``every``
-        false) of the last: rank 0 applies the final norm and gets them, as ``Sharded.states`` gives them."""
+        false) of the last: rank 0 applies the final norm and gets them, as ``Sliced.states`` gives them."""
         _select(self.selection, None)
         out = []
         length = tokens.shape[1]

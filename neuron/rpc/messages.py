@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from neuron.rpc.plan import Decode, Evict, ImageRun, Prefill, Restore, Save, StepPlan
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 FLUSH_S = 20.0  # seconds a rank waits for its spilled prefix-cache entries to be written (``FlushPrefixDisk``)
 
 # A generous cap: the largest honest line is a step carrying a whole prompt
@@ -167,11 +167,11 @@ class CheckModel:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadShard:
+class LoadShare:
     """Load this rank's share: a slice of every layer (``layers`` empty), or layers ``[first, end)`` whole, a
     pipeline stage. ``kv_bits``: its KV caches quantized to these bits (``--kv-bits``); None: not."""
 
-    op: ClassVar[str] = "load_shard"
+    op: ClassVar[str] = "load_share"
     id: int
     model_path: str
     layers: list[int]
@@ -317,8 +317,8 @@ class InitOk:
 
 
 @dataclass(frozen=True, slots=True)
-class LoadShardOk:
-    op: ClassVar[str] = "load_shard_ok"
+class LoadShareOk:
+    op: ClassVar[str] = "load_share_ok"
     id: int
     parameters: int
     seconds: float
@@ -407,7 +407,7 @@ Request = (
     | Probe
     | Init
     | CheckModel
-    | LoadShard
+    | LoadShare
     | LoadAdapter
     | UnloadAdapter
     | GenerateStep
@@ -424,7 +424,7 @@ Reply = (
     | Probed
     | InitOk
     | ModelChecked
-    | LoadShardOk
+    | LoadShareOk
     | AdapterLoaded
     | AdapterUnloaded
     | GenerateStepOk
@@ -442,7 +442,7 @@ REQUESTS: tuple[type[Request], ...] = (
     Probe,
     Init,
     CheckModel,
-    LoadShard,
+    LoadShare,
     LoadAdapter,
     UnloadAdapter,
     GenerateStep,
@@ -459,7 +459,7 @@ REPLIES: tuple[type[Reply], ...] = (
     Probed,
     InitOk,
     ModelChecked,
-    LoadShardOk,
+    LoadShareOk,
     AdapterLoaded,
     AdapterUnloaded,
     GenerateStepOk,
@@ -479,7 +479,7 @@ EXPECTED_REPLY: dict[type[Request], type[Reply]] = {
     Probe: Probed,
     Init: InitOk,
     CheckModel: ModelChecked,
-    LoadShard: LoadShardOk,
+    LoadShare: LoadShareOk,
     LoadAdapter: AdapterLoaded,
     UnloadAdapter: AdapterUnloaded,
     GenerateStep: GenerateStepOk,
@@ -510,7 +510,7 @@ __all__ = [
     "Evict",
     "Ping",
     "Init",
-    "LoadShard",
+    "LoadShare",
     "LoadAdapter",
     "UnloadAdapter",
     "GenerateStep",
@@ -522,7 +522,7 @@ __all__ = [
     "Shutdown",
     "Pong",
     "InitOk",
-    "LoadShardOk",
+    "LoadShareOk",
     "AdapterLoaded",
     "AdapterUnloaded",
     "GenerateStepOk",

@@ -29,7 +29,7 @@ fields = st.sampled_from(
 )  # fmt: skip
 requests = st.builds(
     lambda op, extra: json.dumps({"op": op, **extra}).encode(),
-    st.sampled_from(["ping", "generate_step", "clear_kv_cache", "unload", "load_shard", "teleport", "", "PING"]),
+    st.sampled_from(["ping", "generate_step", "clear_kv_cache", "unload", "load_share", "teleport", "", "PING"]),
     st.dictionaries(fields, values, max_size=6),
 )
 raw = st.binary(max_size=200).map(lambda b: b.replace(b"\n", b" "))

@@ -92,8 +92,8 @@ def test_qwen3_tp2_across_two_hosts_equals_tp1_and_the_remote_workers_log_reache
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout == tiny_alone("qwen3")
-        wait_until(lambda: journal.entries(EVENT="shard loaded", RANK="1"), 10, "the remote shard's journal entry")
-    entry = journal.one(EVENT="shard loaded", RANK="1")
+        wait_until(lambda: journal.entries(EVENT="share loaded", RANK="1"), 10, "the remote shard's journal entry")
+    entry = journal.one(EVENT="share loaded", RANK="1")
     assert entry["HOST"] == f"root@{bed.ip(0)}" and entry["PRIORITY"] == "6"
     assert journal.entries(EVENT="worker started", HOST=f"root@{bed.ip(0)}")
 
@@ -162,7 +162,7 @@ def test_the_data_plane_binds_only_the_named_addresses_and_workers_log_their_hos
     ring = [s for s in tcp_sockets(worker) if s[0] == bed.ip(0)]
     assert ring, "the remote worker holds no socket on its host's address"
     host = f"root@{bed.ip(0)}"
-    assert cluster.find_log("shard loaded", rank=1, host=host) is not None  # relayed from host 0's worker
+    assert cluster.find_log("share loaded", rank=1, host=host) is not None  # relayed from host 0's worker
     metrics = cluster.metrics()
     assert metrics[("neuron_rank_info", (("host", host), ("rank", "1")))] == 1
 

@@ -32,7 +32,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k
 from neuron.models.folder import read_config, text_config
 from neuron.rank.failures import RankError
 from neuron.rank.head.sampler import nucleus
-from neuron.rank.model.shard import load_shard
+from neuron.rank.model.share import load_share
 from neuron.rank.runner import FORWARD_TOKENS
 from neuron.step import DraftRow
 
@@ -80,7 +80,7 @@ class Drafter(PerSequence[_Held]):
     def load(cls, path: str, vocab_size: int) -> Drafter:
         """The draft model at ``path``, whole; refused where its caches cannot be cut back to a shorter length."""
         config = read_config(path)
-        model = load_shard(path, None)
+        model = load_share(path, None)
         if not all(type(c) is KVCache for c in make_prompt_cache(model)):
             raise RankError(
                 f"rank 0: the draft model {path} ({text_config(config).get('model_type')}) keeps a sliding window "

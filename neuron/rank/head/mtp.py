@@ -23,7 +23,7 @@ checkpoints). As vLLM's ``qwen3_next_mtp.py`` computes it:
 with nothing zeroed, and the recursion runs on g (the normed output).
 
 Where the hidden states come from: rank 0's runner keeps those of every position it feeds
-(``runner.Sharded.keep_states``, ``fed_states``): a prompt's, its layers computed them anyway, and every position
+(``runner.Sliced.keep_states``, ``fed_states``): a prompt's, its layers computed them anyway, and every position
 a decode step feeds, draft included; each sequence's state collects them (``prefill.SeqState.seen``). A
 sequence's layer cache is fed the positions the target kept, in order, each with the target's hidden state (the
 whole prompt in the first pass, as vLLM fills its MTP layer's cache); the positions a proposal adds are cut back
@@ -55,7 +55,7 @@ from neuron.models.architectures import MTP
 from neuron.models.folder import read_config, text_config
 from neuron.rank.failures import RankError
 from neuron.rank.head.drafter import PerSequence, Proposal, draw, new_key
-from neuron.rank.model.shard import backbone
+from neuron.rank.model.share import backbone
 from neuron.rank.runner import Stage
 from neuron.step import DraftRow
 

@@ -1,4 +1,4 @@
-"""A rank's prefix-cache entries on disk: its own shard of each entry the leader spills, one file per entry, read
+"""A rank's prefix-cache entries on disk: its own part of each entry the leader spills, one file per entry, read
 back by a restarted server with the same model and layout.
 
 Why a thread writes: an entry can hold gigabytes, and the step loop must not wait on a disk. The step only hands

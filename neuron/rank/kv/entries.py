@@ -1,4 +1,4 @@
-"""A rank's prefix-cache entries: its own shard of each saved prompt's KV cache, by the leader's entry id.
+"""A rank's prefix-cache entries: its own part of each saved prompt's KV cache, by the leader's entry id.
 
 The rank decides nothing here: the plan names every entry to save, restore or
 evict, and the leader sized them all. A rank holds only its layers' share (its

@@ -15,8 +15,8 @@ from neuron.rank.failures import RankError
 from neuron.rank.kv import states
 from neuron.rank.kv.quantized import quantize_caches
 from neuron.rank.model import mrope, vision
-from neuron.rank.model.shard import load_shard, load_stage, parameter_count, shard_head
-from neuron.rank.runner import Sharded, Stage
+from neuron.rank.model.share import load_share, load_stage, parameter_count, slice_head
+from neuron.rank.runner import Sliced, Stage
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class Share:
     """A rank's share of the model, ready to step."""
 
     model: nn.Module
-    runner: Sharded | Stage
+    runner: Sliced | Stage
     vocab_size: int
     prompts_together: bool  # new prompts fed as one left-padded batch: where every cache can be cut
     parameters: int
@@ -48,14 +48,14 @@ def load(
 ) -> Share:
     """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
     a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given."""
-    config = read_config(model_path)  # the leader checked it can be split (rank.shard.check_splittable)
+    config = read_config(model_path)  # the leader checked it can be split (rank.model.share.check_splittable)
     vocab_size = text_config(config)["vocab_size"]
     if layers:
         if group is None:
             raise RankError(f"rank {rank}: a pipeline stage needs a group of at least two ranks")
         model = load_stage(model_path, layers[0], layers[1], rank)
     else:
-        model = load_shard(model_path, group)
+        model = load_share(model_path, group)
     if architectures.supports(config) is None and not all(type(c) is KVCache for c in make_prompt_cache(model)):
         raise RankError(
             f"rank {rank}: {model_path} ({architectures.architecture(config)!r}, outside neuron's table of "
@@ -68,12 +68,12 @@ def load(
     if recording:
         recording = states.hook(model) > 0  # its gated delta layers keep each position's state where drafts need it
     parameters = parameter_count(model)  # before a stage takes its final norm out of the tree
-    runner: Sharded | Stage
+    runner: Sliced | Stage
     if layers:
         assert group is not None
         runner = Stage(model, rank, world_size, group)
     else:
-        runner = Sharded(model, shard_head(model, config.get("model_type", ""), group), rank)
+        runner = Sliced(model, slice_head(model, config.get("model_type", ""), group), rank)
     runner.images = vision.attach(model_path, config, model, rank, group, staged=bool(layers))
     runner.rope = mrope.attach(config, model, rank, layers[0] if layers else 0)
     if kv_bits is not None:

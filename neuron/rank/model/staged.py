@@ -1,7 +1,7 @@
 """A pipeline stage's layers run by neuron, for a model whose own call cannot run a stage of them.
 
 Most models' own call runs a stage as it runs the whole model, once the stage's
-layer list and its kinds are sliced (``shard.load_stage``). gemma3's cannot: it
+layer list and its kinds are sliced (``share.load_stage``). gemma3's cannot: it
 scales the hidden states it is given by the square root of their width (the
 embedding's scale, which a later stage would apply a second time), and it picks
 each layer's mask and cache kind by the layer's number in the list (every

@@ -72,7 +72,7 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
 def backbone(model: nn.Module) -> nn.Module:
     """The model without its final projection to the vocabulary (the final norm included).
 
-    Where the head is not split (``VocabShard``), workers run only this: mlx-lm's
+    Where the head is not split (``VocabSlice``), workers run only this: mlx-lm's
     ``shard()`` replicates the head, and skipping it spares workers the largest
     single matrix product of a decode step, whose result only rank 0 would use.
     """
@@ -99,7 +99,7 @@ SPLIT_HEAD_MIN_PARAMS = 8_000_000
 
 
 @dataclass(frozen=True, slots=True)
-class VocabShard:
+class VocabSlice:
     """This rank's rows of the projection to the vocabulary; each rank projects onto its rows, then all gather.
 
     Why split what ``shard()`` replicates: on a CPU host the head is read once per
@@ -118,7 +118,7 @@ class VocabShard:
         return mx.distributed.all_gather(local.T, group=self.group).T[:, : self.vocab]
 
 
-def shard_head(model: nn.Module, model_type: str, group: mx.distributed.Group | None) -> VocabShard | None:
+def slice_head(model: nn.Module, model_type: str, group: mx.distributed.Group | None) -> VocabSlice | None:
     """Split the vocabulary projection over the group, or None where it must stay whole on rank 0."""
     if group is None or group.size() == 1 or model_type not in PLAIN_HEAD:
         return None
@@ -138,10 +138,10 @@ def shard_head(model: nn.Module, model_type: str, group: mx.distributed.Group | 
     if mine.shape[0] < rows:
         mine = mx.concatenate([mine, mx.zeros((rows - mine.shape[0], hidden), dtype=mine.dtype)])
     mx.eval(mine)
-    return VocabShard(mine, vocab, group)
+    return VocabSlice(mine, vocab, group)
 
 
-def load_shard(model_path: str | Path, group: mx.distributed.Group | None) -> nn.Module:
+def load_share(model_path: str | Path, group: mx.distributed.Group | None) -> nn.Module:
     """Load the model lazily, keep this rank's slices, then materialize only those.
 
     One tensor at a time: evaluating a slice reads its whole tensor from disk,
