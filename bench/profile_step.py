@@ -67,7 +67,7 @@ LEADER_RULES: list[Rule] = [
 ]
 RANK_RULES: list[Rule] = [
     ("Rank0Thread._run (", "rank 0: waiting for a job"),
-    ("Rank.settle", "rank: forward run ahead, evaluated (settle)"),
+    ("RunAhead.settle", "rank: forward run ahead, evaluated (settle)"),
     ("_signaller", "rank 0: waking the event loop"),
     ("call_soon_threadsafe", "rank 0: waking the event loop"),
     # Where a step waits on the device: rank 0's one read alone (TP=1), or the runner's evaluation with its

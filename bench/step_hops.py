@@ -10,7 +10,7 @@ The engine runs in this process, as ``bench/http_decode.py``'s engine path does,
 starts it, where its step function returns and where the event loop learns of it; the medians over the steady
 steps of each round (the first and last twenty steps left out) are printed, round by round, with mlx-lm's
 own step in the same process for scale. With run-ahead on, rank 0 computes the next step after its reply
-(``Rank.settle``): the wait for a job then holds that computation.
+(``RunAhead.settle``): the wait for a job then holds that computation.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Driver:
 
     def step(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
         sampled = self.lead(plan, starts)
-        self.rank.settle(wait=False)  # as rank 0's thread does once the reply is on its way
+        self.rank.ahead.settle(wait=False)  # as rank 0's thread does once the reply is on its way
         return sampled
 
     def lead(self, plan: StepPlan, starts: dict[int, Start] | None = None) -> dict[int, Sampled]:
@@ -136,10 +136,10 @@ def test_a_steady_decode_step_reads_the_device_once(rank: Rank) -> None:
     outside = {call: n for call, n in calls.items() if call[1] != "read"}
     assert outside == {}, f"host reads outside sampler.read in a steady step: {outside}"
     assert calls[("eval", "read")] == 1
-    assert rank._ahead is not None  # the next step is queued
+    assert rank.ahead.queued is not None  # the next step is queued
     if not EVALUATES_ASYNC:  # the CPU computes it after the reply, not before, and rank 0's thread waits for none
         with host_reads() as calls:
-            rank.settle(wait=False)
+            rank.ahead.settle(wait=False)
         assert calls == {}
 
 

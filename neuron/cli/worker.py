@@ -240,6 +240,6 @@ def run_worker(rank: int, world_size: int) -> int:
                 worker.log.info("shutdown requested; bye")
                 return 0
             if worker.state is not None:
-                worker.state.settle()
+                worker.state.ahead.settle()
     finally:
         release()  # leaving in order: its connections' holder leaves too, answering nothing

@@ -128,7 +128,7 @@ class Rank0Thread:
             except RuntimeError:
                 pass  # the event loop is gone; nobody is waiting
             if self.rank is not None and not self._abandoned.is_set():
-                self.rank.settle(wait=False)  # the step run ahead, beside the event loop's work on this reply
+                self.rank.ahead.settle(wait=False)  # the step run ahead, beside the event loop's work on this reply
 
         self._jobs.put(job)
         if abandon is not None:

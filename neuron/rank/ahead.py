@@ -18,7 +18,7 @@ needed and leaves with the next plan, as in mlx-lm.
 Where the backend evaluates in the caller (MLX's CPU backend computes inside
 ``async_eval``), queueing would compute step n+1 before step n's tokens reach
 the leader. There the rank builds the step, replies, and only then computes it
-(``Rank.settle``): the leader's host work runs beside that computation, on
+(``RunAhead.settle``): the leader's host work runs beside that computation, on
 another core; a rank alone queues it then, so that its last operations run
 while the rank builds the step after.
 
@@ -38,7 +38,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from neuron.rank.kv import caches
+from neuron.rank.kv.batch import MicroBatch
 from neuron.rank.readback import ints
+from neuron.rank.runner import Sliced
 from neuron.rpc import StepPlan
 
 # Whether ``mx.async_eval`` returns before the computation ends: on a GPU it does; the CPU computes in the caller.
@@ -71,6 +73,90 @@ class Ahead:
             return self.logits
         gone = set(leaving)
         return self.logits[mx.array([i for i, seq in enumerate(self.ids) if seq not in gone])]
+
+
+class RunAhead:
+    """One rank's step run ahead, from queued to taken by its plan or undone."""
+
+    def __init__(self, rank: int, group: mx.distributed.Group | None) -> None:
+        self.rank = rank
+        self.group = group
+        self.queued: Ahead | None = None  # the next decode step, queued before its plan came
+        self._unsettled: mx.array | None = None  # built but not yet evaluated (``settle``)
+        self._error: Exception | None = None  # what evaluating it raised: the next step raises it
+
+    def queue(self, runner: Sliced, rows: MicroBatch, plan: StepPlan, drawn: dict[int, mx.array] | None) -> bool:
+        """Queue the step after ``plan`` for the batch's ``rows``: each fed the token rank 0 has just drawn for it
+        (``drawn``, lazy; None on the other ranks, which receive them through an all-reduce in the same graph).
+        True if queued: not where the rows' caches cannot drop a token again."""
+        if not can_undo(rows.cache):
+            return False
+        if self.rank == 0:
+            assert drawn is not None
+            # A row drawn nothing (its constraint failed) ends now: any token will do for the step it leaves.
+            tokens = mx.stack([drawn.get(seq, mx.array(0)) for seq in rows.ids]).astype(mx.int32)
+        else:
+            tokens = mx.zeros((len(rows.ids),), dtype=mx.int32)
+        if self.group is not None:  # rank 0's tokens on every rank's device, never through the host
+            tokens = mx.distributed.all_sum(tokens, group=self.group)
+        lags = {row.seq: row.rope_delta for row in plan.decode}
+        adapter = {row.seq: row.adapter for row in plan.decode}
+        (logits,) = runner.logits(
+            [(tokens.reshape(-1, 1), rows.cache)],
+            lazy=True,
+            lags=[[lags.get(seq, 0) for seq in rows.ids]],
+            adapters=[[adapter.get(seq, 0) for seq in rows.ids]],
+        )
+        queued = tokens if logits is None else logits
+        if EVALUATES_ASYNC:
+            mx.async_eval(queued)
+        else:
+            self._unsettled = queued
+        self.queued = Ahead(list(rows.ids), tokens, queued if logits is not None else None)
+        return True
+
+    def settle(self, wait: bool = True) -> None:
+        """Compute the step run ahead, where the backend evaluates in the caller (the CPU): called once this
+        step's reply is on its way, so that the host's work on it (the leader's text, streams and next plan)
+        runs beside the computation instead of before it. A failure (a peer lost inside its collectives) is
+        raised by the next step (``take``).
+
+        Without ``wait``, one rank alone queues it (``mx.async_eval``), as mlx-lm's loop does: MLX's CPU backend
+        still computes most of it in this call, but returns with the last of its operations queued, and those run
+        while this thread takes the next plan and builds the step after (the Python of a step's graph). Across
+        ranks it is always waited for, so that no collective is left in flight between two plans."""
+        queued, self._unsettled = self._unsettled, None
+        if queued is None:
+            return
+        try:
+            (mx.eval if wait or self.group is not None else mx.async_eval)(queued)
+        except Exception as e:  # noqa: BLE001 - raised by the next step, whose reply reports it
+            self._error = e
+
+    def fed(self, tokens: dict[int, int]) -> None:
+        """The tokens the step run ahead was fed, now that the host has read them: its plan must name the same."""
+        if self.queued is not None:
+            self.queued.fed = [tokens[seq] for seq in self.queued.ids]
+
+    def take(self, plan: StepPlan, rows: MicroBatch | None) -> Ahead | None:
+        """The step run ahead, settled, where ``plan`` is that step; else undone from the batch's ``rows``. Raises
+        what settling it raised."""
+        self.settle()  # one nobody settled yet: computed now, before anything else is queued
+        if (error := self._error) is not None:
+            self._error = None
+            raise error
+        queued, self.queued = self.queued, None
+        if queued is not None and not queued.follows(plan):
+            assert rows is not None
+            undo(rows.cache)
+            return None
+        return queued
+
+    def clear(self) -> None:
+        """Every rank computes what it queued, so that the collectives in it stay matched; then forgets it."""
+        self.settle()
+        self._error = None
+        self.queued = None
 
 
 def can_undo(cache: list[BatchKVCache]) -> bool:

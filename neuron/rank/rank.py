@@ -49,9 +49,7 @@ class Rank:
         self.runner: Sliced | Stage | None = None
         self.vocab_size = 0
         self.held = Holdings()
-        self._ahead: ahead.Ahead | None = None  # the next decode step, queued before its plan came
-        self._unsettled: mx.array | None = None  # the step run ahead, built but not yet evaluated (``settle``)
-        self._unsettled_error: Exception | None = None  # what evaluating it raised: the next step raises it
+        self.ahead = ahead.RunAhead(rank, None)  # the next decode step, queued before its plan came
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self.recording = False  # the model's gated delta layers record each position's state (``rank.kv.states``)
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
@@ -65,6 +63,7 @@ class Rank:
         if self.world_size == 1:
             return 1.0
         self.group, total = group.join(self.rank, self.world_size, backend, env, files)
+        self.ahead = ahead.RunAhead(self.rank, self.group)
         return total
 
     def load(self, model_path: str, layers: list[int], kv_bits: int | None = None) -> Loaded:
@@ -88,7 +87,7 @@ class Rank:
         many of this rank's projections it adapts."""
         if self.adapters is None:
             raise RankError(f"rank {self.rank}: no model loaded; send load_share before load_adapter")
-        self.settle()  # a step run ahead was built with the projections as they are
+        self.ahead.settle()  # a step run ahead was built with the projections as they are
         try:
             spec = find(name, path)
         except AdapterError as e:
@@ -100,7 +99,7 @@ class Rank:
 
     def unload_adapter(self, number: int) -> None:
         if self.adapters is not None:
-            self.settle()
+            self.ahead.settle()
             self.adapters.unload(number)
 
     # The step.
@@ -121,14 +120,7 @@ class Rank:
                 raise RankError(f"rank {self.rank}: prompt chunks need token ids in [0, {self.vocab_size})")
         if not all(0 <= t < self.vocab_size for row in plan.decode for t in (row.token, *row.draft)):
             raise RankError(f"rank {self.rank}: token ids must lie in [0, {self.vocab_size})")
-        self.settle()  # a step run ahead that nobody settled yet: computed now, before anything else is queued
-        if (error := self._unsettled_error) is not None:
-            self._unsettled_error = None
-            raise error
-        queued, self._ahead = self._ahead, None
-        if queued is not None and not queued.follows(plan):
-            ahead.undo(self.held.batch.micro_batches[0].cache)
-            queued = None
+        queued = self.ahead.take(plan, self.held.batch.micro_batches.get(0))
         if problem := self.held.disagreement(plan):
             self._shadow_step(plan)
             raise RankError(f"rank {self.rank}: desync: {problem}; clear_kv_cache to resynchronize")
@@ -157,55 +149,7 @@ class Rank:
         alike from the plan and the batch it shares, so the collectives match."""
         if not plan.ahead or not isinstance(self.runner, Sliced) or set(self.held.batch.micro_batches) != {0}:
             return False
-        rows = self.held.batch.micro_batches[0]
-        if not ahead.can_undo(rows.cache):
-            return False
-        if self.rank == 0:
-            assert drawn is not None
-            # A row drawn nothing (its constraint failed) ends now: any token will do for the step it leaves.
-            tokens = mx.stack([drawn.get(seq, mx.array(0)) for seq in rows.ids]).astype(mx.int32)
-        else:
-            tokens = mx.zeros((len(rows.ids),), dtype=mx.int32)
-        if self.group is not None:  # rank 0's tokens on every rank's device, never through the host
-            tokens = mx.distributed.all_sum(tokens, group=self.group)
-        lags = {row.seq: row.rope_delta for row in plan.decode}
-        adapter = {row.seq: row.adapter for row in plan.decode}
-        (logits,) = self.runner.logits(
-            [(tokens.reshape(-1, 1), rows.cache)],
-            lazy=True,
-            lags=[[lags.get(seq, 0) for seq in rows.ids]],
-            adapters=[[adapter.get(seq, 0) for seq in rows.ids]],
-        )
-        queued = tokens if logits is None else logits
-        if ahead.EVALUATES_ASYNC:
-            mx.async_eval(queued)
-        else:
-            self._unsettled = queued
-        self._ahead = ahead.Ahead(list(rows.ids), tokens, queued if logits is not None else None)
-        return True
-
-    def settle(self, wait: bool = True) -> None:
-        """Compute the step run ahead, where the backend evaluates in the caller (the CPU): called once this
-        step's reply is on its way, so that the host's work on it (the leader's text, streams and next plan)
-        runs beside the computation instead of before it. A failure (a peer lost inside its collectives) is
-        raised by the next step.
-
-        Without ``wait``, one rank alone queues it (``mx.async_eval``), as mlx-lm's loop does: MLX's CPU backend
-        still computes most of it in this call, but returns with the last of its operations queued, and those run
-        while this thread takes the next plan and builds the step after (the Python of a step's graph). Across
-        ranks it is always waited for, so that no collective is left in flight between two plans."""
-        queued, self._unsettled = self._unsettled, None
-        if queued is None:
-            return
-        try:
-            (mx.eval if wait or self.world_size > 1 else mx.async_eval)(queued)
-        except Exception as e:  # noqa: BLE001 - raised by the next step, whose reply reports it
-            self._unsettled_error = e
-
-    def ran_ahead_with(self, tokens: dict[int, int]) -> None:
-        """The tokens the step run ahead was fed, now that the host has read them: its plan must name the same."""
-        if self._ahead is not None:
-            self._ahead.fed = [tokens[seq] for seq in self._ahead.ids]
+        return self.ahead.queue(self.runner, self.held.batch.micro_batches[0], plan, drawn)
 
     def _take_ahead(self, queued: ahead.Ahead, plan: StepPlan) -> dict[int, mx.array]:
         """The step run ahead is this plan's decode: its logits are computed or on their way."""
@@ -282,9 +226,7 @@ class Rank:
         return out
 
     def clear_kv_cache(self, prefixes: bool = True) -> None:
-        self.settle()  # every rank computes what it queued, so that the collectives in it stay matched
-        self._unsettled_error = None
-        self._ahead = None
+        self.ahead.clear()
         self.held.clear(prefixes)
 
     def open_disk(self, folder: str, budget: int, stamp: str) -> dict[str, int]:
@@ -310,6 +252,7 @@ class Rank:
         (``rank.dist.group.leave``), so that ``init_group`` can join a fresh one in this process."""
         self.unload()
         self.group = None
+        self.ahead = ahead.RunAhead(self.rank, None)
         group.leave()
 
 

@@ -48,7 +48,7 @@ def run(rank: Rank, step: Step, head: Head | None = None) -> Stepped:
 def _run(rank: Rank, step: Step, head: Head | None) -> Stepped:
     logits = rank.step(step.plan, step.images) or {}
     if head is None:
-        queued = rank.run_ahead(step.plan)  # queued or only built (``Rank.settle``), not waited for
+        queued = rank.run_ahead(step.plan)  # queued or only built (``RunAhead.settle``), not waited for
         return Stepped(rank.held.fingerprint(), queued)
     draws, runs = head.draw(step, logits)
     if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
@@ -57,5 +57,5 @@ def _run(rank: Rank, step: Step, head: Head | None) -> Stepped:
     sampled = read(draws, runs)
     if rank.embedded:
         sampled |= as_sampled(rank.embedded)
-    rank.ran_ahead_with({no: one.token for no, one in sampled.items()})
+    rank.ahead.fed({no: one.token for no, one in sampled.items()})
     return Stepped(rank.held.fingerprint(), queued, sampled)
