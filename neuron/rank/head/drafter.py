@@ -22,7 +22,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,7 +36,6 @@ from neuron.rank.model.share import load_share
 from neuron.rank.runner import FORWARD_TOKENS
 from neuron.step import DraftRow
 
-H = TypeVar("H")
 MAX_BATCHED = 8  # tokens a row may lack and still be fed batched with the others, each lacking as many
 
 
@@ -53,26 +52,9 @@ class _Held:
     key: mx.array | None = None
 
 
-class PerSequence(Generic[H]):
-    """What a drafter holds for each sequence, dropped as the sequence leaves."""
-
-    def __init__(self) -> None:
-        self._held: dict[int, H] = {}
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def drop(self, seqs: list[int]) -> None:
-        for seq in seqs:
-            self._held.pop(seq, None)
-
-    def clear(self) -> None:
-        self._held.clear()
-
-
-class Drafter(PerSequence[_Held]):
+class Drafter:
     def __init__(self, model: nn.Module, vocab_size: int) -> None:
-        super().__init__()
+        self.held: dict[int, _Held] = {}  # by sequence; the head drops a sequence's as it leaves
         self.model = model
         self.vocab_size = vocab_size  # the target's: draft ids past it are never proposed
 
@@ -131,9 +113,9 @@ class Drafter(PerSequence[_Held]):
     def _sync(self, row: DraftRow) -> _Held:
         """The row's held cache, cut back to the longest beginning its tokens share with the context, leaving at
         least the context's last token to feed (its logits draw the first draft token)."""
-        h = self._held.get(row.seq)
+        h = self.held.get(row.seq)
         if h is None:
-            h = self._held[row.seq] = _Held(make_prompt_cache(self.model), [], new_key(row))
+            h = self.held[row.seq] = _Held(make_prompt_cache(self.model), [], new_key(row))
         same = min(len(h.tokens), len(row.context) - 1)
         if h.tokens[:same] != row.context[:same]:  # compared in C first: a rejected draft differs only at the end
             same = next(i for i, (a, b) in enumerate(zip(h.tokens, row.context, strict=False)) if a != b)

@@ -53,7 +53,8 @@ class Head:
         for seq in plan.leave:
             self._by_seq.pop(seq, None)
         if self.drafter is not None:
-            self.drafter.drop(plan.leave)
+            for seq in plan.leave:
+                self.drafter.held.pop(seq, None)
         proposed, self._proposed = self._proposed, {}
         for seq, start in step.starts.items():
             self._by_seq[seq] = Sampler(start.params, start.produced)
@@ -88,4 +89,4 @@ class Head:
         self._by_seq.clear()
         self._proposed = {}
         if self.drafter is not None:
-            self.drafter.clear()
+            self.drafter.held.clear()

@@ -54,7 +54,7 @@ from mlx_lm.models.cache import KVCache
 from neuron.models.architectures import MTP
 from neuron.models.folder import read_config, text_config
 from neuron.rank.failures import RankError
-from neuron.rank.head.drafter import PerSequence, Proposal, draw, new_key
+from neuron.rank.head.drafter import Proposal, draw, new_key
 from neuron.rank.model.share import backbone
 from neuron.rank.runner import Stage
 from neuron.step import DraftRow
@@ -127,7 +127,7 @@ class _Held:
     key: mx.array | None
 
 
-class MtpDrafter(PerSequence[_Held]):
+class MtpDrafter:
     """Rank 0's drafts from the model's prediction layer, one sequence at a time, each with its layer cache."""
 
     def __init__(
@@ -138,7 +138,7 @@ class MtpDrafter(PerSequence[_Held]):
         seqs: dict[int, SeqState],
         vocab_size: int,
     ) -> None:
-        super().__init__()
+        self.held: dict[int, _Held] = {}  # by sequence; the head drops a sequence's as it leaves
         self.layer: MtpLayer | NextMtpLayer = layer
         self.embed = embed
         self.head = head
@@ -179,9 +179,9 @@ class MtpDrafter(PerSequence[_Held]):
             if (pairs := _pairs(seen, row.context)) is None:
                 continue
             at, hidden, following = pairs
-            h = self._held.get(row.seq)
+            h = self.held.get(row.seq)
             if h is None or not (h.end - h.cache.offset <= at <= h.end):  # it cannot continue there: afresh
-                h = self._held[row.seq] = _Held(KVCache(), at, h.key if h is not None else new_key(row))
+                h = self.held[row.seq] = _Held(KVCache(), at, h.key if h is not None else new_key(row))
             if cut := h.end - at:
                 h.cache.trim(cut)
             out[row.seq] = self._draft(row, h, at, hidden, following)
