@@ -73,7 +73,7 @@ def main() -> None:
         figures: dict[str, list[float]] = {}
         limits = Scheduling(prefix_cache_bytes=0, prefill_chunk=args.prefill_chunk)
         async with Engine.open(resolve(args.model), limits=limits) as engine:
-            rank = engine.pool._rank0.rank  # read by its own thread between steps: a flag for the one-by-one case
+            rank = engine.pool._ranks.rank0.rank  # read by its own thread between steps: a flag for the one-by-one case
             assert rank is not None
             short = [engine.text.encode(text) for text in SHORT]
             long = engine.text.encode(LONG)

@@ -73,7 +73,7 @@ def pooled(
             for _ in range(tokens):
                 sampled = await pool.step(Step(StepPlan(decode=[Decode(seq, last[seq], 0) for seq in seqs])))
                 last = {seq: sampled[seq].token for seq in seqs}
-                timing = pool._fan_out.timing
+                timing = pool._ranks.fan_out.timing
                 for name in parts:
                     parts[name].append(getattr(timing, name))
             return {name: statistics.median(values) * 1000 for name, values in parts.items()}

@@ -130,7 +130,7 @@ async def one_rank_disagrees(pool: Pool, count: int) -> dict[str, Any]:
     or rank 1 would wait inside them until the deadline."""
     await pool.clear_kv_cache()
     first = (await pool.step(start(PROMPT)))[1]
-    await pool._rank0.call(lambda rank: rank.held.seqs.pop(1), 30)
+    await pool._ranks.rank0.call(lambda rank: rank.held.seqs.pop(1), 30)
     started = time.monotonic()
     try:
         await pool.step(follow(first.token))

@@ -8,6 +8,7 @@ fresh interpreter to see that MLX stays out.
 from __future__ import annotations
 
 import ast
+import builtins
 import subprocess
 import sys
 from pathlib import Path
@@ -373,6 +374,98 @@ def test_no_class_runs_past_the_limit() -> None:
         if isinstance(node, ast.ClassDef) and node.end_lineno and node.end_lineno - node.lineno + 1 > CLASS_LINES
     ]
     assert not long, f"classes past {CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+# No class of neuron inherits another of neuron's: each job is an object of its own (the developer guide).
+
+
+def _neuron_names(tree: ast.Module, module: str) -> dict[str, str]:
+    """What each name a module binds stands for, in full, where it is neuron's: the module's own classes, and what
+    it imports from neuron (a module, or a name taken from one)."""
+    names = {node.name: f"{module}.{node.name}" for node in tree.body if isinstance(node, ast.ClassDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("neuron"):
+            names.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("neuron"):
+                    names[alias.asname or "neuron"] = alias.name if alias.asname else "neuron"
+    return names
+
+
+def _base_name(base: ast.expr, names: dict[str, str]) -> str:
+    """A base class in full (``neuron.x.Y``) where it is neuron's, else as written (``Generic``, ``RuntimeError``)."""
+    while isinstance(base, ast.Subscript):  # Generic[T], PerSequence[_Held]
+        base = base.value
+    written = ast.unparse(base)
+    head, _, rest = written.partition(".")
+    return ".".join(filter(None, [names[head], rest])) if head in names else written
+
+
+def neuron_inheritance(sources: dict[str, str]) -> list[tuple[str, str, str]]:
+    """Every class in ``sources`` (each file's text, by its path from the repository's root) with a base that is
+    a class of neuron's, as (path, class, base); a class is known by its own name wherever a module re-exports it.
+    Exceptions deriving from neuron's own are left out: that is what an exception's base is for."""
+    bases_of: dict[str, list[str]] = {}  # class name -> its bases, in full, for every class defined in ``sources``
+    found: list[tuple[str, str, list[str]]] = []
+    for path, text in sources.items():
+        tree = ast.parse(text)
+        names = _neuron_names(tree, _module_name(ROOT / path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [_base_name(base, names) for base in node.bases]
+                bases_of.setdefault(node.name, []).extend(bases)
+                found.append((path, node.name, bases))
+    builtin = {name for name, value in vars(builtins).items() if isinstance(value, type)}
+    exceptions = {name for name in builtin if issubclass(getattr(builtins, name), BaseException)}
+    while True:  # a class is an exception when a base is one, builtin or neuron's
+        more = {
+            name
+            for name, bases in bases_of.items()
+            if any(b in exceptions or (b.startswith("neuron.") and b.rpartition(".")[2] in exceptions) for b in bases)
+        }
+        if more <= exceptions:
+            break
+        exceptions |= more
+    return [
+        (path, name, base)
+        for path, name, bases in found
+        for base in bases
+        if base.startswith("neuron.") and base.rpartition(".")[2] in bases_of.keys() - exceptions
+    ]
+
+
+@pytest.mark.unit
+def test_no_class_inherits_another_of_neurons() -> None:
+    """A class that inherits another of neuron's borrows attributes a reader must look for up the chain: each job
+    is an object of its own, held and called (the developer guide)."""
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in sorted(PACKAGE.rglob("*.py"))}
+    found = [f"{path}: {name}({base})" for path, name, base in neuron_inheritance(sources)]
+    assert not found, "classes that inherit one of neuron's:\n" + "\n".join(found)
+
+
+@pytest.mark.unit
+def test_the_inheritance_check_sees_a_chain() -> None:
+    sources = {
+        "neuron/a.py": "class Base: ...\nclass Same(Base): ...\nclass AError(RuntimeError): ...\n",
+        "neuron/b/__init__.py": "from neuron.a import Base\n",
+        "neuron/b/c.py": (
+            "import neuron.a\nimport neuron.a as aa\nfrom neuron import a\nfrom neuron.b import Base as Other\n"
+            "from typing import Generic, TypeVar\nT = TypeVar('T')\n"
+            "class Dotted(neuron.a.Base): ...\nclass Aliased(aa.Base): ...\nclass Module(a.Base): ...\n"
+            "class Reexported(Other): ...\nclass Kept(Generic[T]): ...\nclass BError(a.AError): ...\n"
+            "class Sub(Kept[int]): ...\nclass Free(Exception): ...\n"
+        ),
+    }
+    found = {(path, name) for path, name, _ in neuron_inheritance(sources)}
+    assert found == {
+        ("neuron/a.py", "Same"),
+        ("neuron/b/c.py", "Dotted"),
+        ("neuron/b/c.py", "Aliased"),
+        ("neuron/b/c.py", "Module"),
+        ("neuron/b/c.py", "Reexported"),
+        ("neuron/b/c.py", "Sub"),
+    }
 
 
 @pytest.mark.unit

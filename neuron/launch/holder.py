@@ -4,9 +4,10 @@ Why: MLX's ring gives each socket a thread that, after ten failed transfers in a
 row, fails what is pending on it and ends. A collective queued on that socket
 afterwards (the rest of a step rank 0 had already built) waits forever, with
 rank 0's thread, and through MLX's scheduler, which counts every stream's queued
-work, every other thread of the leader (``pool.Pool._abandon_rank0``). A worker
-that dies closes its sockets, and its peers see that within microseconds: sooner
-than the leader can put its stand-in (``dataplane.Sink``) under its own ends.
+work, every other thread of the leader (``pool.replacement``'s
+``Replacement._abandon_rank0``). A worker that dies closes its sockets, and its
+peers see that within microseconds: sooner than the leader can put its stand-in
+(``dataplane.Sink``) under its own ends.
 
 So a worker, once in a ring, hands copies of its connections to a tiny process
 of its own, the holder. While the worker lives the holder only waits. The moment

@@ -1,9 +1,10 @@
 """The leader's pool of ranks: rank 0 in this process, a worker process per other rank.
 
-``pool.py`` is the pool (every step as a fan-out and a drain, the watch on
-worker processes, shutdown), built on ``ranks.py`` (spawning the workers and
-forming the group), ``load.py`` (loading the model onto every rank) and
-``recovery.py`` (replacing a lost group in this process);
+``pool.py`` is the pool (every step as a fan-out and a drain, and the face the
+engine sees), which holds one object per job: ``ranks.py`` (spawning the
+workers, forming the group, shutting them down), ``loading.py`` (loading the
+model onto every rank), ``replacement.py`` (replacing a lost group in this
+process) and ``watch.py`` (the watch on the worker processes);
 ``rank0.py`` the thread rank 0's MLX work runs on; ``link.py`` the leader's
 end of one worker's pipes. How a worker's process is started lives beside the
 pool, in ``neuron.launch``.

@@ -1,5 +1,10 @@
 """Loading the model onto every rank: each host checked to hold the same model (or sent the share its rank
-loads, with ``--push-model``), then every rank's share loaded at once."""
+loads, with ``--push-model``), then every rank's share loaded at once.
+
+``Loader`` also remembers what the ranks hold beside the model (its LoRA
+adapters, the draft model, the prediction layers, the KV cache's bits), so
+that a recovery's load (``replacement.py``) loads it all again.
+"""
 
 from __future__ import annotations
 
@@ -13,27 +18,67 @@ from neuron import rpc
 from neuron.launch import cgroup
 from neuron.launch.checks import Unreachable, check_memory, check_models, model_differences
 from neuron.launch.push import PushCut, Pushed, push
-from neuron.launch.stages import plan_stages, weights_per_rank
+from neuron.launch.stages import check_split, plan_stages, weights_per_rank
 from neuron.log import ms_since
-from neuron.models import hub
-from neuron.models.folder import DECIDING_FILES, cache_bytes, cache_shares, digest_files, model_digest
+from neuron.models import architectures, hub
+from neuron.models.folder import (
+    DECIDING_FILES,
+    cache_bytes,
+    cache_shares,
+    digest_files,
+    model_digest,
+    read_config,
+    text_config,
+)
 from neuron.models.shares import Contents, files_read, sha256_of, share_key
 from neuron.pool.fanout import PoolError
 from neuron.pool.ranks import Ranks
 from neuron.rank.head.drafter import Drafter
 from neuron.rank.head.mtp import MtpDrafter
-from neuron.rank.model.share import ShareSource
+from neuron.rank.model.share import ShareSource, check_splittable
 from neuron.rank.rank import Loaded, Rank
 
 log = structlog.get_logger("neuron.pool")
 
 
-class Loading(Ranks):
-    """The ranks, and the model loaded onto them, with its LoRA adapters."""
+class Loader:
+    """Loads ``model_path`` onto ``ranks``, and keeps what each rank holds of it.
+
+    Why it keeps what was asked beside the model (adapters, draft model, MTP,
+    KV bits): a fresh group knows none of it, and every load, a recovery's
+    too, must leave the ranks as they were.
+    """
+
+    def __init__(self, ranks: Ranks, model_path: str, model: str | None) -> None:
+        self._ranks = ranks
+        self.model_path = model_path
+        self.model = model  # what --model said: a host of its own resolves it there
+        self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
+        self.loaded = False
+        # The LoRA adapters every rank holds, by number: (name, folder); a load (a recovery's too) loads them again.
+        self.adapters: dict[int, tuple[str, str]] = {}
+        self.draft_path: Path | None = None  # the draft model (--draft-model), loaded whole on rank 0 with the model
+        self.mtp = False  # the model's own prediction layers draft (--speculate mtp), loaded on rank 0 with the model
+        self.kv_bits: int | None = None  # every rank's KV cache quantized to these bits (--kv-bits); None: not
+        self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
+
+    def forget(self) -> None:
+        """The group that held the model is gone: no step may run until ``load`` has loaded it again."""
+        self.loaded = False
+
+    def check_split(self) -> None:
+        """Refuse a model the layout cannot split, before any worker exists to be told so."""
+        layout = self._ranks.layout
+        config = read_config(self.model_path)
+        check_splittable(config, self._ranks.world_size, layout.stages)
+        if layout.stages > 1:
+            layers = int(text_config(config)["num_hidden_layers"])
+            check_split(list(layout.split), layers, layout.stages, architectures.kept_together(config))
 
     async def load(self) -> dict[int, Loaded]:
         """Check every host holds the same model (or send one that does not the share its rank loads, with
         ``push``), then load each rank's share of it, all ranks at once."""
+        ranks = self._ranks
         self.loaded = False
         started = time.perf_counter()
         layers = self._stage_layers()
@@ -41,26 +86,26 @@ class Loading(Ranks):
         shares = self._share_keys(model_digest(mine), layers)
         # What each rank loads from: a host fetching the model from the Hub fetches only that.
         reads = [files_read(self.model_path, stage, rank) if stage else [] for rank, stage in enumerate(layers)]
-        checked = await self._fan_out(
+        checked = await ranks.fan_out(
             "check_model",
             lambda rank, id: self._check(rank, id, shares[rank], reads[rank]),
             lambda _: rpc.ModelChecked(id=0, path=self.model_path, files=mine),
-            self.deadlines.load,
+            ranks.deadlines.load,
         )
         paths = {rank: reply.path for rank, reply in checked.items()}
-        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, self.hosts, reads)
-        self.weights = weights_per_rank(self.model_path, self.world_size, self.layers)
-        check_memory(self.weights, self._hosts_said, self.hosts)
-        for rank in sorted(model_differences(checked, self.hosts, reads)):  # each may take its share from the leader
+        check_models({r: c for r, c in checked.items() if r == 0 or not shares[r]}, ranks.hosts, reads)
+        self.weights = weights_per_rank(self.model_path, ranks.world_size, self.layers)
+        check_memory(self.weights, list(ranks.said), ranks.hosts)
+        for rank in sorted(model_differences(checked, ranks.hosts, reads)):  # each may take its share from the leader
             paths[rank] = checked[rank].share or await self._push(rank, shares[rank], layers[rank])
-            log.info("loading a pushed share", rank=rank, host=self.hosts[rank], path=paths[rank])
-        replies = await self._fan_out(
+            log.info("loading a pushed share", rank=rank, host=ranks.hosts[rank], path=paths[rank])
+        replies = await ranks.fan_out(
             "load_share",
             lambda rank, id: rpc.LoadShare(id=id, model_path=paths[rank], layers=layers[rank], kv_bits=self.kv_bits),
             lambda rank: rank.load(self.model_path, layers[0], self.kv_bits),
-            self.deadlines.load,
+            ranks.deadlines.load,
         )
-        cgroup.forget_file_pages(self.model_path, self._memory.group)
+        cgroup.forget_file_pages(self.model_path, ranks.gauge.group)
         if self.draft_path is not None:
             await self._load_draft(self.draft_path)
         if self.mtp:
@@ -70,12 +115,12 @@ class Loading(Ranks):
             await self._load_adapter(number, name, path)
         loaded = {
             0: replies[0],
-            **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in self.workers},
+            **{w.rank: Loaded(replies[w.rank].parameters, replies[w.rank].seconds) for w in ranks.workers},
         }
         log.info(
             "model loaded",
             model=self.model_path,
-            world_size=self.world_size,
+            world_size=ranks.world_size,
             parameters_per_rank=[loaded[r].parameters for r in sorted(loaded)],
             ms=ms_since(started),
         )
@@ -95,87 +140,94 @@ class Loading(Ranks):
         return projections
 
     async def _load_adapter(self, number: int, name: str, path: str) -> list[int]:
-        replies = await self._fan_out(
+        ranks = self._ranks
+        replies = await ranks.fan_out(
             "load_adapter",
             lambda _, id: rpc.LoadAdapter(id=id, adapter=number, name=name, path=path),
             lambda rank: rank.load_adapter(number, name, path),
-            self.deadlines.load,
+            ranks.deadlines.load,
         )
-        projections = [replies[0], *(replies[w.rank].projections for w in self.workers)]
+        projections = [replies[0], *(replies[w.rank].projections for w in ranks.workers)]
         log.info("adapter loaded", adapter=name, number=number, path=path, projections_per_rank=projections)
         return projections
 
     async def unload_adapter(self, number: int) -> None:
         """Drop adapter ``number`` on every rank."""
+        ranks = self._ranks
         self.adapters.pop(number, None)
-        await self._fan_out(
+        await ranks.fan_out(
             "unload_adapter",
             lambda _, id: rpc.UnloadAdapter(id=id, adapter=number),
             lambda rank: rank.unload_adapter(number),
-            self.deadlines.control,
+            ranks.deadlines.control,
         )
 
     async def _load_draft(self, path: Path) -> None:
         """The draft model, whole on rank 0 (``rank.head.drafter``), checked to cut back as speculation needs."""
+        ranks = self._ranks
         started = time.perf_counter()
-        head = self._rank0.head
+        head = ranks.rank0.head
 
         def load_draft(rank: Rank) -> None:
             head.drafter = Drafter.load(str(path), rank.vocab_size)
 
         try:
-            await self._rank0.call(load_draft, self.deadlines.load)
+            await ranks.rank0.call(load_draft, ranks.deadlines.load)
         except Exception as e:  # any reason is the operator's to read, as a failed step's
-            raise PoolError("load_draft", {0: f"{path}: {e}"}, broken=False, hosts=self.hosts) from e
+            raise PoolError("load_draft", {0: f"{path}: {e}"}, broken=False, hosts=ranks.hosts) from e
         log.info("draft model loaded", model=str(path), ms=ms_since(started))
 
     async def _load_mtp(self) -> None:
         """The model's own prediction layer, whole on rank 0 (``rank.head.mtp``), which drafts from now on."""
-        head = self._rank0.head
+        ranks = self._ranks
+        head = ranks.rank0.head
 
         def load_mtp(rank: Rank) -> None:
             head.drafter = MtpDrafter.load(self.model_path, rank)
 
         try:
-            await self._rank0.call(load_mtp, self.deadlines.load)
+            await ranks.rank0.call(load_mtp, ranks.deadlines.load)
         except Exception as e:  # any reason is the operator's to read, as a failed step's
-            raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=self.hosts) from e
+            raise PoolError("load_mtp", {0: str(e)}, broken=False, hosts=ranks.hosts) from e
         log.info("the model's multi-token-prediction layer drafts", model=self.model_path)
 
     def _check(self, rank: int, id: int, share: str, weights: list[str]) -> rpc.CheckModel:
         """What ``rank`` is asked to find: the model, with the leader's Hugging Face token where its host fetches
         it from the Hub itself (``hub.token``)."""
-        model = self.launcher.model(rank, self.model, self.model_path)
-        token = "" if self.launcher.hosts[rank].local else hub.token(model, self.layout.push)
+        ranks = self._ranks
+        model = ranks.launcher.model(rank, self.model, self.model_path)
+        token = "" if ranks.launcher.hosts[rank].local else hub.token(model, ranks.layout.push)
         return rpc.CheckModel(id=id, model=model, share=share, weights=weights, token=token)
 
     def _share_keys(self, digest: str, layers: list[list[int]]) -> list[str]:
         """Each rank's share of the model (``neuron.models.shares``) where the leader may push it: on another host, with
         ``push``; empty elsewhere."""
+        ranks = self._ranks
         return [
-            share_key(digest, rank, self.world_size, layers[rank])
-            if hub.leader_may_push(self.model, self.layout.push) and not self.launcher.hosts[rank].local
+            share_key(digest, rank, ranks.world_size, layers[rank])
+            if hub.leader_may_push(self.model, ranks.layout.push) and not ranks.launcher.hosts[rank].local
             else ""
-            for rank in range(self.world_size)
+            for rank in range(ranks.world_size)
         ]
 
     async def _push(self, rank: int, key: str, layers: list[int]) -> str:
         """Send ``rank``'s host the share it lacks; the share's folder there. The tensors are cut on rank 0's
         thread (MLX's), as that rank cuts them when it loads; a cut session is a host out of reach, and the
         next try resumes where it stopped."""
-        host = self.hosts[rank]
-        argv = self.launcher.receiver(rank, key)
+        ranks = self._ranks
+        host = ranks.hosts[rank]
+        argv = ranks.launcher.receiver(rank, key)
         files = {
             name: Path(self.model_path) / name for name in DECIDING_FILES if (Path(self.model_path) / name).is_file()
         }
 
         def send(_: Rank) -> Pushed:
-            source = ShareSource(self.model_path, rank, self.world_size, layers)
+            source = ShareSource(self.model_path, rank, ranks.world_size, layers)
             contents = Contents(key, source.entries(), {name: sha256_of(path) for name, path in files.items()})
             return push(argv, contents, source, files, host, rank)
 
         try:
-            pushed = await self._rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
+            pushed = await ranks.rank0.call(send, math.inf)  # ssh's keep-alive ends a dead session
         except PushCut as e:
             raise Unreachable(f"rank {rank} on {host}: {e}", [host]) from e
         return pushed.path
@@ -184,7 +236,8 @@ class Loading(Ranks):
     def cache_shares(self) -> list[tuple[int, int]]:
         """What a prompt's caches hold on each rank (``models.cache_shares``), rank 0's with its draft model's (whole
         there, a cache per sequence beside the model's)."""
-        shares = cache_shares(self.model_path, self.layers, self.world_size, self.kv_bits)
+        ranks = self._ranks
+        shares = cache_shares(self.model_path, self.layers, ranks.world_size, self.kv_bits)
         if self.draft_path is not None:
             per_token, per_sequence = cache_bytes(self.draft_path, [], 1)
             shares[0] = (shares[0][0] + per_token, shares[0][1] + per_sequence)
@@ -195,12 +248,14 @@ class Loading(Ranks):
         """What a prompt's caches cost the rank holding the largest share, per token and whatever the length,
         computed here so that no rank measures anything (the prefix cache's budget must hold on all of them
         alike)."""
-        return cache_bytes(self.model_path, self.layers, self.world_size, self.kv_bits)
+        ranks = self._ranks
+        return cache_bytes(self.model_path, self.layers, ranks.world_size, self.kv_bits)
 
     def _stage_layers(self) -> list[list[int]]:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
-        if self.layout.stages == 1:
-            return [[] for _ in range(self.world_size)]
-        free = [info.free_memory for info in self._hosts_said]
-        self.layers = plan_stages(self.model_path, list(self.layout.split), free, self.hosts)
+        ranks = self._ranks
+        if ranks.layout.stages == 1:
+            return [[] for _ in range(ranks.world_size)]
+        free = [info.free_memory for info in ranks.said]
+        self.layers = plan_stages(self.model_path, list(ranks.layout.split), free, ranks.hosts)
         return [list(r) for r in self.layers]

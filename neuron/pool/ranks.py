@@ -1,8 +1,10 @@
 """The pool's ranks: rank 0 on a thread here, one worker process per other rank, and the group they form.
 
 ``Ranks`` spawns the workers, checks each answers as the rank it was told,
-and brings up the group; ``load.py`` adds loading the model onto them, and
-``pool.py`` the steps, the watch on the workers and recovery.
+brings up the group, and shuts it all down again. It holds the fan-out every
+operation goes through, and what the ranks said of themselves (their hosts,
+their memory). Loading the model onto them is ``loading.py``'s, replacing a
+lost group ``replacement.py``'s, and the pool (``pool.py``) holds them all.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,7 +21,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import metrics, rpc
 from neuron.config.settings import default
-from neuron.launch.checks import check_gpus, check_handshake
+from neuron.launch.checks import Unreachable, check_gpus, check_handshake
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import MemoryGauge, describe_host
 from neuron.launch.launcher import Launcher
@@ -40,6 +41,12 @@ log = structlog.get_logger("neuron.pool")
 BACKENDS = ("ring", "jaccl", "nccl")
 
 
+def check_backend(backend: str) -> None:
+    """Refused before anything is resolved or started, as a setting that could never form a group."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Where the ranks run, how they talk, and how the model is split over them."""
@@ -56,52 +63,50 @@ class Layout:
 
 
 class Ranks:
-    """The ranks of ``layout`` serving ``model_path``: rank 0 on a thread here, ranks 1.. as worker processes."""
+    """The ranks of ``layout``: rank 0 on a thread here, ranks 1.. as worker processes.
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        layout: Layout | None = None,
-        deadlines: Deadlines | None = None,
-        model: str | None = None,
-    ) -> None:
-        self.layout = layout or Layout.local(1)
-        if self.layout.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.layout.backend!r}; choose one of {', '.join(BACKENDS)}")
-        self.launcher = self.layout.launcher
+    Why the fan-out is here: it holds rank 0's thread and the workers' links,
+    which are the ranks; every other part of the pool reaches them through it.
+    ``model`` (what ``--model`` said) only shapes a remote worker's environment.
+    """
+
+    def __init__(self, layout: Layout, deadlines: Deadlines, model: str | None) -> None:
+        self.layout = layout
+        self.launcher = layout.launcher
         self.world_size = world_size = self.launcher.world_size
-        self.backend = self.layout.backend
-        self.model_path = str(Path(model_path).resolve())
-        self.model = hub.pinned(model, self.model_path)  # what --model said: a host of its own resolves it there
-        self.layers: list[tuple[int, int]] = []  # each rank's [first, end) once loaded in stages
-        self.deadlines = deadlines or Deadlines()
+        self.backend = layout.backend
+        self.deadlines = deadlines
+        self.model = model
         self.hosts = [self.launcher.host(rank) for rank in range(world_size)]
-        self.loaded = False
-        # The LoRA adapters every rank holds, by number: (name, folder); a load (a recovery's too) loads them again.
-        self.adapters: dict[int, tuple[str, str]] = {}
-        self.draft_path: Path | None = None  # the draft model (--draft-model), loaded whole on rank 0 with the model
-        self.mtp = False  # the model's own prediction layers draft (--speculate mtp), loaded on rank 0 with the model
-        self.kv_bits: int | None = None  # every rank's KV cache quantized to these bits (--kv-bits); None: not
-        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
-        self._rank0 = Rank0Thread(world_size, cpus or None)
-        self._fan_out = FanOut(self._rank0, self.hosts)
-        self._tunnels = Tunnels(self.launcher)  # --data-plane ssh's connections
-        self._closing = False
+        self.fan_out = FanOut(self._thread(), self.hosts)
+        self.tunnels = Tunnels(self.launcher)  # --data-plane ssh's connections
+        self.closing = False  # set by ``shutdown``: a worker or tunnel that exits now was asked to
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
         self.memory: dict[int, rpc.Memory] = {}  # each rank's latest reading since its handshake, from the steps
-        self._memory = MemoryGauge()  # rank 0's, read as a worker reads its own
-        self._renewed = anyio.Event()  # set when ``recover`` has replaced the workers: the watch follows them
-        self._addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
-        self.weights: list[int] = []  # bytes of the model each rank holds, once checked before loading
-        self._abandoned: list[Rank0Thread] = []  # rank-0 threads left wedged inside a lost group (``Pool.recover``)
-        self.unrecoverable: str | None = None  # why the lost group could not be replaced in this process
+        self.gauge = MemoryGauge()  # rank 0's, read as a worker reads its own
+        self.addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
+
+    def _thread(self) -> Rank0Thread:
+        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
+        return Rank0Thread(self.world_size, cpus or None)
+
+    @property
+    def rank0(self) -> Rank0Thread:
+        """Rank 0's thread; the fan-out owns it, as it owns the workers' links."""
+        return self.fan_out.rank0
+
+    def replace_rank0(self) -> Rank0Thread:
+        """A fresh thread for rank 0, where its last is left wedged in a lost group (``Replacement``); every later
+        operation runs rank 0's part on it."""
+        self.fan_out.rank0 = self._thread()
+        return self.fan_out.rank0
 
     @property
     def workers(self) -> tuple[Link, ...]:
         """The workers' links, by rank; the fan-out owns the list."""
-        return tuple(self._fan_out.workers)
+        return tuple(self.fan_out.workers)
 
-    def _read_memory(self, mine: rpc.Memory | None, replies: dict[int, Any]) -> None:
+    def keep_memory(self, mine: rpc.Memory | None, replies: dict[int, Any]) -> None:
         """Keep each rank's latest memory reading from a step: the workers' ride on their replies, rank 0 read its
         own the same way (``mine``, on its thread)."""
         if mine is not None:
@@ -114,7 +119,7 @@ class Ranks:
         """Every rank's memory read now (``rpc.ReadMemory``), kept as the steps' readings are; by rank. ``limits``:
         by rank, the bytes MLX may hold in all and the freed buffers it may keep, set first where MLX enforces
         them."""
-        gauge = self._memory
+        gauge = self.gauge
         limit = (limits or {}).get
 
         def mine(rank: Rank) -> rpc.Memory:
@@ -126,7 +131,7 @@ class Ranks:
             memory_limit, cache_limit = limit(rank) or (0, 0)
             return rpc.ReadMemory(id=id, memory_limit=memory_limit, cache_limit=cache_limit)
 
-        replies = await self._fan_out("read_memory", request, mine, self.deadlines.control)
+        replies = await self.fan_out("read_memory", request, mine, self.deadlines.control)
         self.memory = {rank: reply if rank == 0 else reply.memory for rank, reply in replies.items()}
         return dict(self.memory)
 
@@ -138,9 +143,25 @@ class Ranks:
     @property
     def broken(self) -> PoolError | None:
         """Why the group can no longer be trusted, or None while it can."""
-        return self._fan_out.broken
+        return self.fan_out.broken
 
     # Spawning and the group.
+
+    async def open(self) -> None:
+        """Start the workers and form the group. Whatever fails, every rank is shut down first, so that no worker
+        outlives a pool that never opened; a remote rank that failed is named as a host out of reach."""
+        try:
+            pongs = await self.start()
+            await self.init_group(pongs)
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+            if isinstance(e, PoolError) and self.launcher.remote:
+                # Before the group forms, a remote rank that fails is a host out of reach: the caller retries.
+                failing = list(dict.fromkeys(self.hosts[r] for r in e.failures if not self.launcher.hosts[r].local))
+                if failing:
+                    raise Unreachable(f"cannot reach {', '.join(failing)}: {e}", failing) from e
+            raise
 
     async def start(self) -> dict[int, rpc.Pong]:
         """Spawn a worker per rank above 0 (with nccl, each given its GPU as it starts); each must answer a ping as
@@ -169,7 +190,7 @@ class Ranks:
                 read_file=read_file,
                 over_ssh=spawned.relay is not None,
             )
-            self._fan_out.workers.append(link)
+            self.fan_out.workers.append(link)
         pongs = await self.ping()
         mine = describe_host(0)
         check_handshake(pongs, mine, self.world_size, self.hosts)
@@ -193,15 +214,29 @@ class Ranks:
     async def init_group(self, pongs: dict[int, rpc.Pong]) -> None:
         """Check every data-plane link answers, then bring up the group (``group.py``)."""
         if self.world_size > 1:
-            self._addresses = await form_group(
-                self._fan_out,
+            self.addresses = await form_group(
+                self.fan_out,
                 self.launcher,
                 self.backend,
                 pongs,
                 self.deadlines,
-                self._tunnels,
+                self.tunnels,
             )
 
     async def ping(self) -> dict[int, rpc.Pong]:
         """A round trip to every worker with no MLX work: who each says it is, and the pipes' own cost."""
-        return await self._fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
+        return await self.fan_out("ping", lambda _, id: rpc.Ping(id=id), None, self.deadlines.ping)
+
+    async def shutdown(self) -> None:
+        """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""
+        self.closing = True
+        workers, self.fan_out.workers = self.fan_out.workers, []
+
+        async with anyio.create_task_group() as tg:
+            for worker in workers:
+                tg.start_soon(worker.stop, self.deadlines.shutdown, self.broken is not None)
+        # A broken group may hold rank 0 inside a collective forever: do not wait long for it.
+        await self.rank0.close(1.0 if self.broken else self.deadlines.shutdown)
+        await self.tunnels.close()
+        if workers:
+            log.info("workers stopped", world_size=self.world_size)

@@ -1,4 +1,5 @@
-"""Recovery: replacing a lost group in this process, on top of ``load.py``'s loading.
+"""Recovery: replacing a lost group in this process, with the ranks (``ranks.py``) and the model loaded onto them
+again (``loading.py``).
 
 Every worker is stopped, rank 0 leaves the group and MLX forgets it (``rank.dist.backends``), then fresh workers
 start, a fresh group forms on fresh data-plane ports, and the model loads again on every rank. A rank-0 thread that
@@ -23,11 +24,11 @@ from neuron.launch.stages import weights_per_rank
 from neuron.log import ms_since
 from neuron.pool.fanout import PoolError
 from neuron.pool.link import describe_exit
-from neuron.pool.loading import Loading
+from neuron.pool.loading import Loader
 from neuron.pool.rank0 import Rank0Thread
+from neuron.pool.ranks import Ranks
 from neuron.rank.dist import backends, group
 from neuron.rank.dist.backends import NoClearBackends
-from neuron.system import cpu
 
 log = structlog.get_logger("neuron.pool")
 
@@ -43,8 +44,19 @@ class Unrecoverable(RuntimeError):
     """The lost group cannot be replaced in this process: only a fresh leader process can serve again."""
 
 
-class Recovering(Loading):
-    """The pool's ranks, loaded, and the means to replace them all when their group is lost."""
+class Replacement:
+    """Replaces every rank of a lost group, and loads the model onto them again.
+
+    Why it keeps the rank-0 threads it left behind: each holds its share of the
+    weights for good, so their count, and the memory left, bound how often a
+    group can be replaced in this process; past that, ``unrecoverable`` says why.
+    """
+
+    def __init__(self, ranks: Ranks, loader: Loader) -> None:
+        self._ranks = ranks
+        self._loader = loader
+        self._abandoned: list[Rank0Thread] = []  # rank-0 threads left wedged inside a lost group
+        self.unrecoverable: str | None = None  # why the lost group could not be replaced in this process
 
     async def recover(self) -> None:
         """Replace a lost group in this process: stop every worker, have rank 0 leave the group and forget it, then
@@ -52,24 +64,25 @@ class Recovering(Loading):
         (mlx-lm's sharded layers hold the group they were made with). ``Unrecoverable`` when this MLX cannot
         forget a group, or too many wedged rank-0 threads are left behind; any other error from starting,
         joining or loading as those raise it."""
+        ranks = self._ranks
         started = time.perf_counter()
         # First, before any worker is killed (a dead peer's sockets fail rank 0's, and that can wedge it: ``Sink``),
         # rank 0's ends of the lost group's connections are handed to a stand-in that lets every collective queued
         # on them complete; then whatever is left is shut down.
         sink = Sink()
-        sunk = sink.replace(self._addresses)
-        old, self._fan_out.workers = self._fan_out.workers, []
+        sunk = sink.replace(ranks.addresses)
+        old, ranks.fan_out.workers = ranks.fan_out.workers, []
         async with anyio.create_task_group() as tg:
             for worker in old:
-                tg.start_soon(worker.stop, self.deadlines.shutdown, True)  # killed: each may sit in a collective
+                tg.start_soon(worker.stop, ranks.deadlines.shutdown, True)  # killed: each may sit in a collective
         # Its forwards were the lost group's links; the next group gets its own. One that had ended by itself is
         # said here where a step broke the group before the watch saw it end.
-        for host, process, relay in await self._tunnels.close():
-            tunnel_lost(self.hosts.index(host), host, process, relay)
-        shut = cut(self._addresses)
-        log.info("data plane cut", sunk=sunk, shut=shut, addresses=self._addresses)
+        for host, process, relay in await ranks.tunnels.close():
+            tunnel_lost(ranks.hosts.index(host), host, process, relay)
+        shut = cut(ranks.addresses)
+        log.info("data plane cut", sunk=sunk, shut=shut, addresses=ranks.addresses)
         try:
-            await self._rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
+            await ranks.rank0.call(lambda rank: rank.leave_group(), LEAVE_S)
         except TimeoutError:
             await self._abandon_rank0()
         except NoClearBackends as e:
@@ -77,12 +90,12 @@ class Recovering(Loading):
             raise Unrecoverable(str(e)) from e
         finally:
             sink.close()
-        self.loaded = False
-        self._fan_out.renew()
-        log.info("group left", world_size=self.world_size, backend=self.backend, ms=ms_since(started))
-        pongs = await self.start()
+        self._loader.forget()
+        ranks.fan_out.renew()
+        log.info("group left", world_size=ranks.world_size, backend=ranks.backend, ms=ms_since(started))
+        pongs = await ranks.start()
         try:
-            await self.init_group(pongs)
+            await ranks.init_group(pongs)
         except PoolError as e:
             if 0 in e.failures and any(t.alive for t in self._abandoned):
                 # MLX's scheduler counts every stream's queued operations, the wedged one's too, and past a few it
@@ -90,9 +103,7 @@ class Recovering(Loading):
                 self.unrecoverable = f"rank 0 could not join a fresh group beside a thread left wedged in MLX ({e})"
                 raise Unrecoverable(self.unrecoverable) from e
             raise
-        await self.load()
-        self._renewed.set()
-        metrics.WORKER_RESTARTS.inc()
+        await self._loader.load()
 
     async def _abandon_rank0(self) -> None:
         """Rank 0's thread did not come out of the lost group: leave it behind, and go on with a fresh one.
@@ -105,17 +116,18 @@ class Recovering(Loading):
         (per-thread since MLX 0.31.2), so a fresh thread gets a fresh stream; the
         old one keeps its share of the weights, so only ``MAX_ABANDONED`` may be
         left before the leader restarts to free them."""
+        ranks = self._ranks
         wedged = [t for t in self._abandoned if t.alive]
-        share = weights_per_rank(self.model_path, self.world_size, self.layers)[0]
+        share = weights_per_rank(self._loader.model_path, ranks.world_size, self._loader.layers)[0]
         free = describe_host(0).free_memory
         if len(wedged) >= MAX_ABANDONED or free < 2 * share:
             self.unrecoverable = (
-                f"rank 0 is still inside a collective of the lost {self.backend} group {LEAVE_S:g} s after every "
+                f"rank 0 is still inside a collective of the lost {ranks.backend} group {LEAVE_S:g} s after every "
                 f"worker was stopped and its connections were cut, and {len(wedged)} such thread(s), each holding "
                 f"its share of the weights ({size(share)}), were already left behind ({size(free)} available)"
             )
             raise Unrecoverable(self.unrecoverable)
-        old = self._rank0
+        old = ranks.rank0
         old.abandon()
         backends.stream_left_wedged()
         self._abandoned = [*wedged, old]
@@ -126,18 +138,17 @@ class Recovering(Loading):
             left_behind=len(self._abandoned),
             stuck_in=old.where(),
         )
-        cpus = self.launcher.cpus(0) if cpu.is_linux_cpu_backend() else []
-        self._rank0 = self._fan_out.rank0 = Rank0Thread(self.world_size, cpus or None)
+        fresh = ranks.replace_rank0()
         try:  # MLX forgets the group from here (its cache is the process's), without waiting on the old stream
-            await self._rank0.call(lambda _: group.leave(), LEAVE_S)
-            await self._rank0.call(lambda _: backends.evaluates(), LEAVE_S)
+            await fresh.call(lambda _: group.leave(), LEAVE_S)
+            await fresh.call(lambda _: backends.evaluates(), LEAVE_S)
         except NoClearBackends as e:
             self.unrecoverable = str(e)
             raise Unrecoverable(str(e)) from e
         except TimeoutError as e:  # at once, rather than after a group that could never form
             self.unrecoverable = (
                 f"rank 0's fresh thread could not evaluate within {LEAVE_S:g} s beside the one left inside the lost "
-                f"{self.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
+                f"{ranks.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
             )
             raise Unrecoverable(self.unrecoverable) from e
 
