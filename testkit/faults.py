@@ -190,22 +190,22 @@ def _faulty_ranks(rank: ModuleType) -> None:
             self.steps_sent = 0
             return super().load(model_path, layers, kv_bits)
 
-        def step(self, plan: StepPlan) -> Any:
+        def step(self, plan: StepPlan, pixels: Any = None) -> Any:
             self.steps_sent += 1
             if (run := crash_tokens(self.rank)) and any(feeds(chunk.tokens, run) for chunk in plan.prefill):
                 os.kill(os.getpid(), signal.SIGKILL)
             wedged = _wedge(self)
             try:
-                out = super().step(plan)
+                out = super().step(plan, pixels)
             finally:
                 if wedged is not None:
                     import mlx.core as mx
 
                     mx.eval(wedged)  # never returns: see WEDGE_ENV
-            if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.seqs:
-                self.seqs[min(self.seqs)].last += 1
-            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := list(self.entries)):
-                self.entries.evict_and_save(StepPlan(evict=[Evict(held[0])]), {})
+            if self.steps_sent in steps(DESYNC_ENV, self.rank) and self.held.seqs:
+                self.held.seqs[min(self.held.seqs)].last += 1
+            if self.steps_sent in steps(DROP_ENTRY_ENV, self.rank) and (held := list(self.held.entries)):
+                self.held.entries.evict_and_save(StepPlan(evict=[Evict(held[0])]), {})
             if self.steps_sent in steps(FAIL_ENV, self.rank):
                 raise rank.RankError(f"rank {self.rank}: injected failure after step {self.steps_sent} ({FAIL_ENV})")
             if (path := os.environ.get(OOM_ENV)) and Path(f"{path}.{self.rank}").exists():
