@@ -70,7 +70,8 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
         loaded.shard(mx.distributed.init(backend="ring", strict=True))
     mx.eval(loaded.parameters())
     cache = make_prompt_cache(loaded)
-    from neuron.rank.model.share import backbone, slice_head
+    from neuron.rank.model.parts import backbone
+    from neuron.rank.model.share import slice_head
 
     mode = os.environ.get("BENCH_HEAD", "")
     head = slice_head(loaded, "qwen3", mx.distributed.init()) if mode == "split" else None

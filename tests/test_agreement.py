@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from neuron.rank.holdings import Holdings
-from neuron.rank.prefill import SeqState
+from neuron.rank.kv.sequence import SeqState
 from neuron.rpc import Decode, Evict, Prefill, Restore, Save, StepPlan
 
 pytestmark = pytest.mark.unit

@@ -24,7 +24,7 @@ from tiny_archs import make_arch_model
 
 from neuron.models import architectures
 from neuron.rank.head.mtp import MtpDrafter, MtpLayer, _pairs
-from neuron.rank.prefill import Seen, SeqState
+from neuron.rank.kv.sequence import Seen, SeqState
 from neuron.sampling_params import SamplingParams
 from neuron.step import DraftRow
 from testkit import add_prediction_layer, make_tiny_model, quiet_layers, run_neuron_side_by_side
@@ -207,7 +207,7 @@ def test_the_layer_is_given_the_whole_prompts_hidden_states() -> None:
     from mlx_lm.utils import _get_classes
     from tiny_archs import config
 
-    from neuron.rank.model.share import backbone
+    from neuron.rank.model.parts import backbone
     from neuron.rank.prefill import feed_prompts
     from neuron.rank.runner import Sliced
     from neuron.rpc import Prefill

@@ -16,7 +16,7 @@ from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
 from neuron.rank.kv.batch import Batch, MicroBatch
 from neuron.rank.kv.entries import Entries
-from neuron.rank.prefill import SeqState
+from neuron.rank.kv.sequence import SeqState
 from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
 from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
 

@@ -183,7 +183,7 @@ class Loader:
         head = ranks.rank0.head
 
         def load_mtp(rank: Rank) -> None:
-            head.drafter = MtpDrafter.load(self.model_path, rank)
+            head.drafter = MtpDrafter.load(self.model_path, rank.model, rank.runner, rank.held.seqs, rank.vocab_size)
 
         try:
             await ranks.rank0.call(load_mtp, ranks.deadlines.load)

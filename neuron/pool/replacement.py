@@ -19,14 +19,13 @@ from neuron import metrics
 from neuron.launch.checks import size
 from neuron.launch.dataplane import Sink, cut
 from neuron.launch.hosts import describe_host
-from neuron.launch.ssh import StderrRelay
 from neuron.launch.stages import weights_per_rank
 from neuron.log import ms_since
 from neuron.pool.fanout import PoolError
-from neuron.pool.link import describe_exit
 from neuron.pool.loading import Loader
 from neuron.pool.rank0 import Rank0Thread
 from neuron.pool.ranks import Ranks
+from neuron.pool.watch import tunnel_lost
 from neuron.rank.dist import backends, group
 from neuron.rank.dist.backends import NoClearBackends
 
@@ -151,14 +150,3 @@ class Replacement:
                 f"{ranks.backend} group: MLX's scheduler keeps it waiting behind the wedged thread's queued work"
             )
             raise Unrecoverable(self.unrecoverable) from e
-
-
-def tunnel_lost(rank: int, host: str, process: anyio.abc.Process, relay: StderrRelay) -> str:
-    """Log that the data plane's tunnel connection to ``host`` ended by itself; the reason, for the pool's error."""
-    said = relay.last_words()
-    why = (
-        f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
-        f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
-    )
-    log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
-    return why

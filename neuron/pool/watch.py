@@ -16,9 +16,8 @@ import structlog
 
 from neuron.launch.ssh import StderrRelay
 from neuron.pool.fanout import PoolError
-from neuron.pool.link import Link
+from neuron.pool.link import Link, describe_exit
 from neuron.pool.ranks import Ranks
-from neuron.pool.replacement import tunnel_lost
 
 log = structlog.get_logger("neuron.pool")
 
@@ -84,3 +83,14 @@ class Watch:
                     tg.start_soon(wait_tunnel, host, process, relay)
                 await renewed.wait()
                 tg.cancel_scope.cancel()
+
+
+def tunnel_lost(rank: int, host: str, process: anyio.abc.Process, relay: StderrRelay) -> str:
+    """Log that the data plane's tunnel connection to ``host`` ended by itself; the reason, for the pool's error."""
+    said = relay.last_words()
+    why = (
+        f"the SSH connection carrying the data plane's tunnels to {host} (ssh pid {process.pid}) "
+        f"{describe_exit(process.returncode)}" + (f" (ssh: {said})" if said else "")
+    )
+    log.error("ssh tunnel lost", rank=rank, host=host, pid=process.pid, status=why)
+    return why

@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from neuron.rank.kv import caches
-from neuron.rank.prefill import SeqState
+from neuron.rank.kv.sequence import SeqState
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Prefill
 from neuron.sampling_params import NOT_ASKED, Sampled

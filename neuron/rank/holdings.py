@@ -16,7 +16,7 @@ import hashlib
 from neuron.rank.kv import caches
 from neuron.rank.kv.batch import Batch
 from neuron.rank.kv.entries import Entries
-from neuron.rank.prefill import SeqState
+from neuron.rank.kv.sequence import SeqState
 from neuron.rpc import StepPlan
 
 

@@ -3,14 +3,13 @@ logits, and ``n`` choices copied from one prompt's cache.
 
 Every call here issues the same collectives on every rank for the same plan (the
 grouping depends on the plan alone), and rank 0 gets the logits of each prompt
-that ends in this step. Split from ``rank.py``, which owns the state these
-functions fill: ``seqs``, one ``SeqState`` per sequence.
+that ends in this step. The rank's holdings own the state these functions
+fill: ``seqs``, one ``SeqState`` per sequence (``rank.kv.sequence``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,39 +17,10 @@ from mlx_lm.models.cache import BatchKVCache
 
 from neuron.images import Inputs
 from neuron.rank.kv import caches
+from neuron.rank.kv.sequence import SeqState
 from neuron.rank.model.mrope import placed
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Prefill
-
-MAX_SEEN = 256  # steps' hidden states a sequence keeps for its next draft: one resting that long starts afresh
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    at: int  # the position of the first token fed
-    tokens: list[int]
-    hidden: mx.array  # (positions, hidden size)
-
-
-@dataclass(slots=True)
-class SeqState:
-    position: int = 0  # tokens in its cache
-    last: int = -1  # the last token it was fed
-    cache: list[caches.Layer] | None = None  # its own, while the prompt is fed; None once in the batch
-    prompt_done: bool = False
-    pooled: mx.array | None = None  # an embedding input's final hidden states summed so far (rank 0, MEAN)
-    # Rank 0, drafting with the model's prediction layers (rank.mtp): what each step since the last draft fed and
-    # the final hidden states it computed there, oldest first, until the drafter takes them.
-    seen: list[Seen] = field(default_factory=list)
-
-    def saw(self, hidden: mx.array | None, tokens: list[int], at: int) -> None:
-        """A step fed ``tokens`` from position ``at`` and computed ``hidden`` (positions, hidden size) at them;
-        None: it kept none, and what came before no longer joins what comes after."""
-        if hidden is None:
-            self.seen.clear()
-            return
-        self.seen.append(Seen(at, tokens, hidden))
-        del self.seen[:-MAX_SEEN]
 
 
 def feed_prompts(

@@ -26,7 +26,8 @@ from neuron.rank.kv import caches
 from neuron.rank.model import staged
 from neuron.rank.model.lora import Selection
 from neuron.rank.model.mrope import shifted
-from neuron.rank.model.share import VocabSlice, backbone, head_gathers
+from neuron.rank.model.parts import backbone, head_gathers
+from neuron.rank.model.share import VocabSlice
 
 if TYPE_CHECKING:
     from neuron.rank.model.mrope import Positions

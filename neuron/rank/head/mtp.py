@@ -24,7 +24,7 @@ with nothing zeroed, and the recursion runs on g (the normed output).
 
 Where the hidden states come from: rank 0's runner keeps those of every position it feeds
 (``runner.Sliced.keep_states``, ``fed_states``): a prompt's, its layers computed them anyway, and every position
-a decode step feeds, draft included; each sequence's state collects them (``prefill.SeqState.seen``). A
+a decode step feeds, draft included; each sequence's state collects them (``rank.kv.sequence.SeqState.seen``). A
 sequence's layer cache is fed the positions the target kept, in order, each with the target's hidden state (the
 whole prompt in the first pass, as vLLM fills its MTP layer's cache); the positions a proposal adds are cut back
 after it, since the target's states replace the layer's own guesses there. Where a step kept no hidden states (a
@@ -55,13 +55,12 @@ from neuron.models.architectures import MTP
 from neuron.models.folder import read_config, text_config
 from neuron.rank.failures import RankError
 from neuron.rank.head.drafter import Proposal, draw, new_key
-from neuron.rank.model.share import backbone
-from neuron.rank.runner import Stage
+from neuron.rank.model.parts import backbone
+from neuron.rank.runner import Sliced, Stage
 from neuron.step import DraftRow
 
 if TYPE_CHECKING:
-    from neuron.rank.prefill import Seen, SeqState
-    from neuron.rank.rank import Rank
+    from neuron.rank.kv.sequence import Seen, SeqState
 
 # Each architecture's decoder layer class in mlx-lm, built as the layer at index num_hidden_layers.
 BLOCKS = {"deepseek_v3": "DeepseekV3DecoderLayer", "glm4_moe": "DecoderLayer", "qwen3_next": "Qwen3NextDecoderLayer"}
@@ -146,12 +145,13 @@ class MtpDrafter:
         self.vocab_size = vocab_size
 
     @classmethod
-    def load(cls, path: str, rank: Rank) -> MtpDrafter:
-        """The prediction layer of the model at ``path``, which ``rank`` (rank 0) has loaded; from now on rank 0's
-        runner keeps the hidden states it drafts from."""
+    def load(
+        cls, path: str, model: nn.Module | None, runner: Sliced | Stage | None, seqs: dict[int, SeqState], vocab: int
+    ) -> MtpDrafter:
+        """The prediction layer of the model at ``path``, which rank 0 has loaded (``model``, run by ``runner``, its
+        sequences ``seqs``); from now on rank 0's runner keeps the hidden states it drafts from."""
         config = text_config(read_config(path))
         arch, layers = str(config.get("model_type")), int(config["num_hidden_layers"])
-        model, runner = rank.model, rank.runner
         if arch not in MTP or model is None:
             raise RankError(f"rank 0: neuron runs the prediction layers of {', '.join(sorted(MTP))} only, not {arch}")
         if runner is None:
@@ -166,7 +166,7 @@ class MtpDrafter:
             assert runner.project is not None
             head = runner.project
         runner.keep_states = True
-        return cls(layer, trunk.embed_tokens, head, rank.held.seqs, rank.vocab_size)
+        return cls(layer, trunk.embed_tokens, head, seqs, vocab)
 
     def propose(self, rows: list[DraftRow]) -> dict[int, Proposal]:
         """``k`` tokens for each row whose latest hidden states rank 0 holds; none for the others."""

@@ -16,7 +16,7 @@ from neuron.rank.kv import caches
 from neuron.rpc import Decode
 
 if TYPE_CHECKING:
-    from neuron.rank.prefill import SeqState
+    from neuron.rank.kv.sequence import SeqState
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ from neuron.rpc import StepPlan
 
 if TYPE_CHECKING:
     from neuron.rank.kv.batch import Batch
-    from neuron.rank.prefill import SeqState
+    from neuron.rank.kv.sequence import SeqState
 
 
 @dataclass(frozen=True, slots=True)

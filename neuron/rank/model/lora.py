@@ -36,7 +36,7 @@ from mlx.nn.layers.distributed import (
 from neuron.models.adapters import AdapterError, AdapterSpec
 from neuron.rank.failures import RankError
 from neuron.rank.model.fuse import FusedFollower, FusedLead
-from neuron.rank.model.share import backbone
+from neuron.rank.model.parts import backbone
 
 _MLX_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.lora_(a|b)$")
 _PEFT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.lora_(A|B)\.weight$")

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from neuron.rank.failures import RankError
-from neuron.rank.model.share import backbone
+from neuron.rank.model.parts import backbone
 
 
 class Positions:

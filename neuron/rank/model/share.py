@@ -17,6 +17,7 @@ from neuron.models.folder import ModelError, text_config
 from neuron.rank.dist import backends
 from neuron.rank.model import splits, staged
 from neuron.rank.model.fuse import fuse_projections
+from neuron.rank.model.parts import backbone
 
 
 def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
@@ -67,26 +68,6 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
-
-
-def backbone(model: nn.Module) -> nn.Module:
-    """The model without its final projection to the vocabulary (the final norm included).
-
-    Where the head is not split (``VocabSlice``), workers run only this: mlx-lm's
-    ``shard()`` replicates the head, and skipping it spares workers the largest
-    single matrix product of a decode step, whose result only rank 0 would use.
-    """
-    inner = getattr(model, "model", None)
-    if inner is None and isinstance(language := getattr(model, "language_model", None), nn.Module):
-        inner = getattr(language, "model", None)  # a vision-language model's (mistral3's) language model
-    return inner if isinstance(inner, nn.Module) and hasattr(inner, "layers") else model
-
-
-def head_gathers(model: nn.Module) -> bool:
-    """Whether mlx-lm's ``shard()`` split the projection to the vocabulary, which then gathers its rows inside the
-    model's own call (qwen3_5's, where the embedding is not tied)."""
-    language = getattr(model, "language_model", model)
-    return getattr(language, "sharding_group", None) is not None
 
 
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:

@@ -31,7 +31,7 @@ import structlog
 
 from neuron import images
 from neuron.rank.model import mrope
-from neuron.rank.model.share import backbone
+from neuron.rank.model.parts import backbone
 from neuron.rpc import ImageRun
 
 log = structlog.get_logger("neuron.vision")
