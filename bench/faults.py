@@ -2,7 +2,7 @@
 with ``--resume-timeout 0`` (the leader restarts; ``bench/resume.py`` measures requests that resume instead).
 
 Run: .venv/bin/python bench/faults.py [--trials 20] [--seed 1]
-Each trial is tests/faults/test_recovery.py's: every client must get a clean
+Each trial is tests/e2e/faults/test_recovery.py's: every client must get a clean
 error event within 2 s of the kill, the server must be ready again with no
 operator, and the next greedy completion must equal a clean run's. Prints
 time-to-ready (kill to /ready 200) p50 and max, and the recovery the server

@@ -247,7 +247,7 @@ def main() -> None:
     if not args.skip_tests:
         print("\ntests marked gpu:", flush=True)
         # Only the modules marked gpu: collecting the others would import what only the test extra installs.
-        marked = [str(p) for p in sorted((ROOT / "tests").glob("test_*.py")) if "mark.gpu" in p.read_text()]
+        marked = [str(p) for p in sorted((ROOT / "tests").rglob("test_*.py")) if "mark.gpu" in p.read_text()]
         code = subprocess.call([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", *marked], cwd=ROOT)
         if code:
             raise SystemExit(code)

@@ -1,4 +1,4 @@
-"""Schemathesis against the served OpenAPI schema, the long run of tests/faults/test_hostile_http.py.
+"""Schemathesis against the served OpenAPI schema, the long run of tests/e2e/faults/test_hostile_http.py.
 
 Run: .venv/bin/python bench/http_fuzz.py [--examples 200] [--seed 1]
 
@@ -17,8 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The fuzzing run itself is the hostile-input test's (tests/faults/test_hostile_http.py).
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "faults")]
+sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
@@ -27,9 +26,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
-    from test_hostile_http import KEY, run_schemathesis
-
     from testkit import Server, make_tiny_model
+    from testkit.fuzzing import KEY, run_schemathesis  # the fuzzing run itself is the hostile-HTTP test's
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(Path(tmp) / "qwen3", "qwen3")

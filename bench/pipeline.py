@@ -8,7 +8,7 @@ runs): TP=1 on both cores; TP=2 and PP=2 with a rank per core; PP=2 with one
 decode pass per step (``--micro-batches 1``) and with two (the default), so
 that stage 1 works on one half of the batch while rank 0 works on the other.
 With ``--hosts`` (root, sshd), the two-rank setups also run across two hosts
-made of network namespaces (tests/testbed.py). Rounds alternate; figures are
+made of network namespaces (testkit/testbed.py). Rounds alternate; figures are
 medians.
 
 Decode rate: completion tokens after each stream's first, over the time from

@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # testkit, and the leader scenarios the tests run
+sys.path.insert(0, str(ROOT))  # testkit, the leader scenarios the tests run among it
 
 
 def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
@@ -32,9 +32,8 @@ def peak_rss_mb(pid: int | str, field: str = "VmHWM") -> float:
 
 async def _measure(model: str, world_size: int, stages: int) -> dict:
     """In a fresh leader process: load, generate 16 tokens, read every rank's RSS."""
-    from leader_scenarios import PROMPT, greedy
-
     from neuron.pool import Layout, Pool
+    from testkit.leader_scenarios import PROMPT, greedy
 
     async with Pool(model, Layout.local(world_size, stages)) as pool:
         loaded = await pool.load()

@@ -106,10 +106,8 @@ def bare(model: str, tokens: int, blas_threads: int, cpus: list[int] | None) -> 
 
 async def pooled(model: str, world_size: int, tokens: int) -> dict[str, float]:
     """neuron's pool: one ``Pool.step`` per token, and ``Pool.ping`` round trips."""
-    sys.path.insert(0, str(ROOT / "tests"))  # the leader scenarios the tests run
-    from leader_scenarios import greedy_timed
-
     from neuron.pool import Layout, Pool
+    from testkit.leader_scenarios import greedy_timed  # the leader scenarios the tests run
 
     async with Pool(model, Layout.local(world_size)) as pool:
         await pool.load()

@@ -1,7 +1,7 @@
 """Agent sessions replayed against a real ``neuron serve``: a system prompt, tool definitions, and a history of
 tool calls, results and replies that grows by one request each turn, as coding agents send them; in OpenAI's Chat
 form and Anthropic's Messages form, with a template that writes the date into the system prompt, and with thinking
-that later turns drop. Shared by tests/test_agent_sessions.py and bench/agents.py.
+that later turns drop. Shared by tests/e2e/caching/test_agent_sessions.py and bench/agents.py.
 
 Each turn's replies are the server's own (a forced tool call, or a short text), sent back as an agent sends them.
 What counts as reusable: the longest beginning a turn's prompt shares, token for token, with any sequence the

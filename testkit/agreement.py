@@ -1,5 +1,5 @@
 """How close a served model's greedy choices stay to another server's (``--kv-bits`` against unquantized): shared
-by tests/test_kv_bits.py and bench/kv_bits.py.
+by tests/e2e/caching/test_kv_bits.py and bench/kv_bits.py.
 
 Teacher-forced (``agreement``): the reference server answers each question greedily, and both servers then score
 that same history (``echo`` with ``logprobs``); agreement is the share of the answer's positions where both rank the

@@ -148,6 +148,21 @@ class LocalHub:
             self.requests.append(request)
 
 
+TOKEN = "hf_granted"  # a token the tests' gated repositories grant
+
+
+def hub_env(server: LocalHub | None, home: Path, **extra: str) -> dict[str, str]:
+    """A neuron's environment for the Hub at ``server`` (None: nothing listens there), its cache under ``home``."""
+    return {
+        "HF_ENDPOINT": server.url if server else "http://127.0.0.1:9",  # the discard port: nothing listens
+        "HF_HOME": str(home),
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_TOKEN": "",
+        **extra,
+    }
+
+
 def _sha1(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
 

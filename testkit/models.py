@@ -133,6 +133,28 @@ def make_tiny_model(
     return folder
 
 
+# A Qwen3-style thinking model: `<think>` and `</think>` are tokens of its own (added, not special, as Qwen3's), its
+# template renders tools and opens the thinking section for the model unless `enable_thinking` is false.
+THINKING_TEMPLATE = TOOLS_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}",
+)
+
+
+def make_thinking_model(folder: Path) -> Path:
+    """A tiny qwen3 whose tokenizer has thinking markers and whose template thinks (THINKING_TEMPLATE)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    make_tiny_model(folder, "qwen3", seed=3, vocab=len(SPECIALS) + 256 + 8)  # room for the two markers
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    return folder
+
+
 def cut_layers(model: Path, folder: Path, layers: int) -> Path:
     """A copy of ``model`` with only its first ``layers`` layers (its embedding, final norm and head kept): a draft
     model cut from the model itself, whose tokenizer is the model's."""

@@ -1,5 +1,5 @@
 """A rank lost for real under streaming clients, and the time until the server is ready again: the recovery
-test's trial (tests/faults/test_recovery.py), which ``bench/faults.py`` repeats."""
+test's trial (tests/e2e/faults/test_recovery.py), which ``bench/faults.py`` repeats."""
 
 from __future__ import annotations
 

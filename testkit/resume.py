@@ -1,5 +1,5 @@
 """Streams that must outlive a lost rank: four concurrent requests (greedy and seeded) streamed from a real server
-while a rank is killed, stopped or cut off; the resume tests (tests/faults/test_resume.py, tests/hosts/) and
+while a rank is killed, stopped or cut off; the resume tests (tests/e2e/faults/test_resume.py, tests/e2e/hosts/) and
 ``bench/resume.py`` share it."""
 
 from __future__ import annotations

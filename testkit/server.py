@@ -236,3 +236,21 @@ def serving_side_by_side(
         codes = [server.stop() for server in servers]
     for server, rc in zip(servers, codes, strict=True):
         assert rc == 0, server.stderr()
+
+
+def sigterm_mid_stream(server: Server, max_tokens: int) -> list[dict | str]:
+    """SIGTERM once a greedy stream of the tiny qwen3 has begun; the rest of the stream (a cut connection raises)."""
+    body = {"model": "qwen3", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        events = sse_events(response)
+        next(events)
+        server.process.terminate()
+        return list(events)
+
+
+# The embedded SmolLM2, found with no --model, asked one question on one rank (tests/conftest.py's smollm2_paris runs
+# it once a session): the CLI test checks the answer; the pipeline, multi-host and HTTP tests hold theirs to its words.
+PARIS = ("--chat", "--max-tokens", "24", "What is the capital of France?")
+
+# One rank; every layer sliced over two; two pipeline stages, whose decode runs in two micro-batches.
+SPLITS = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "pp2": ("--pp", "2", "--micro-batches", "2")}

@@ -1,5 +1,5 @@
 """Decoding streams timed token by token while a long prompt prefills beside them, against a real ``neuron serve``.
-Shared by tests/test_long_prompt.py and bench/long_prompt.py.
+Shared by tests/e2e/serving/test_long_prompt.py and bench/long_prompt.py.
 
 Each stream is a streamed ``/v1/completions`` request that generates past end-of-sequence (``ignore_eos``), with
 ``logprobs`` so that every token is counted where its text is held back (a byte of a longer character). Once every

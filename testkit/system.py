@@ -1,9 +1,11 @@
-"""What the operating system shows of a process: liveness, TCP sockets, and datagrams sent to a Unix socket."""
+"""What the operating system shows of a process: liveness, TCP sockets, and datagrams sent to a Unix socket (the
+systemd notifications and journal entries a server sends)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,51 @@ class DatagramSink:
         self._stop.set()
         self._thread.join()
         self.sock.close()
+
+
+class FakeSystemd(DatagramSink):
+    """Reads sd_notify datagrams: ``KEY=value`` lines, each stamped with the time it arrived."""
+
+    @property
+    def messages(self) -> list[tuple[float, str]]:
+        return [(t, line) for t, data in list(self.datagrams) for line in data.decode().splitlines()]
+
+    def seen(self, prefix: str) -> list[float]:
+        return [t for t, line in self.messages if line.startswith(prefix)]
+
+    def statuses(self, since: float = 0.0) -> list[str]:
+        return [line.removeprefix("STATUS=") for t, line in self.messages if line.startswith("STATUS=") and t > since]
+
+
+def parse_entry(data: bytes) -> dict[str, str]:
+    """One native-protocol datagram: ``KEY=value`` lines, or ``KEY``, a 64-bit length, and a value with newlines."""
+    fields: dict[str, str] = {}
+    while data:
+        end = data.index(b"\n")
+        line = data[:end]
+        if b"=" in line:
+            name, value = line.split(b"=", 1)
+            data = data[end + 1 :]
+        else:
+            (size,) = struct.unpack("<Q", data[end + 1 : end + 9])
+            name, value = line, data[end + 9 : end + 9 + size]
+            assert data[end + 9 + size : end + 10 + size] == b"\n"
+            data = data[end + 10 + size :]
+        fields[name.decode()] = value.decode()
+    return fields
+
+
+class Journal(DatagramSink):
+    """The journal's socket (``NEURON_JOURNAL_SOCKET``): each datagram read as one entry's fields."""
+
+    def entries(self, **match: str) -> list[dict[str, str]]:
+        parsed = [parse_entry(data) for _, data in list(self.datagrams)]
+        return [e for e in parsed if all(e.get(k) == v for k, v in match.items())]
+
+    def one(self, **match: str) -> dict[str, str]:
+        found = self.entries(**match)
+        assert found, f"no journal entry with {match}"
+        return found[0]
 
 
 def alive(pid: int) -> bool:

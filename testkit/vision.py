@@ -7,9 +7,17 @@ image parts: the folder is a model either library serves, no download.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import struct
+import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
 
 from testkit.models import SPECIALS
 
@@ -326,6 +334,29 @@ def png(width: int = 64, height: int = 64, seed: int = 0, fmt: str = "PNG") -> b
     return out.getvalue()
 
 
+def data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+# Hostile pictures: what reading an image must refuse before it decodes the pixels.
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_claiming(width: int, height: int, rows: int = 1) -> bytes:
+    """A grey PNG whose header claims ``width`` x ``height``, with ``rows`` rows of zeros compressed behind it."""
+    header = _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+    pixels = zlib.compress((b"\x00" + b"\x00" * width) * rows, 9)
+    return b"\x89PNG\r\n\x1a\n" + header + _png_chunk(b"IDAT", pixels) + _png_chunk(b"IEND", b"")
+
+
+def truncated_jpeg() -> bytes:
+    whole = png(64, 64, fmt="JPEG")
+    return whole[: len(whole) // 2]  # past the header: the size reads, the pixels do not
+
+
 # Qwen's vision markers: an image part renders as <|vision_start|><|image_pad|><|vision_end|>, and the processor
 # expands <|image_pad|> into one per merged patch.
 QWEN_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -475,3 +506,27 @@ def mlx_vlm_tokens(model_path: Path, messages: list[dict], pictures: list[bytes]
 def as_mlx_vlm(content: list[dict]) -> list[dict]:
     """A chat message's parts as mlx-vlm's templates take them: each ``image_url`` part a ``{"type": "image"}``."""
     return [{"type": "image"} if p["type"] == "image_url" else p for p in content]
+
+
+def tokens_of(reply: dict) -> list[str]:
+    return [t["token"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+async def solo_and_together(url: str, bodies: list[dict]) -> tuple[list[list[str]], list[list[str]]]:
+    """Each chat's tokens sent alone, one after the other, then all of them at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+        solo = [tokens_of((await client.post("/v1/chat/completions", json=b)).json()) for b in bodies]
+        together: list[list[str]] = [[] for _ in bodies]
+
+        async def one(i: int) -> None:
+            together[i] = tokens_of((await client.post("/v1/chat/completions", json=bodies[i])).json())
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(bodies)):
+                tg.start_soon(one, i)
+    return solo, together
+
+
+# ``once(key, make)``, tests/e2e/vision/conftest.py's fixture: what ``make`` gives, made the first time a module asks
+# for ``key``.
+Once = Callable[[object, Callable[[], Any]], Any]

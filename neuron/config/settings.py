@@ -7,7 +7,7 @@ annotation is the type, its value the default, and ``setting(...)`` (``neuron.co
 what a setting is) adds the help, the bounds and the commands that take it. The flags (config.py), the
 reference table of the docs (neuron/cli/reference.py) and the defaults of
 ``Scheduling``, ``HttpLimits``, ``Serving`` and ``Deadlines.step`` all come from
-here: a default written anywhere else is a bug (tests/test_settings.py looks).
+here: a default written anywhere else is a bug (tests/unit/config/test_settings.py looks).
 
 Plain data, no MLX, no engine: the engine imports ``Scheduling`` from here, not
 the other way round.

@@ -53,7 +53,8 @@ MAX_REST = 128
 WINDOW = 4096  # tokens searched back for an n-gram: a lookup stays cheap on long contexts
 # Per-token acceptance estimates (the chance a draft token is kept given those before it were), before evidence:
 # a coin for prompt lookup; high for a prediction the output has matched so far, since the client says the reply
-# will be that text, and where it is right most of it is kept (test_speculate: 3+ tokens kept per verify step).
+# will be that text, and where it is right most of it is kept (tests/e2e/speculation/test_speculate.py: 3+ tokens
+# kept per verify step).
 LOOKUP_PRIOR = 0.5
 PREDICTION_PRIOR = 0.9
 # A draft model made to agree with its target: most of its tokens are kept until the evidence says otherwise.

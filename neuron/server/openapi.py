@@ -3,7 +3,7 @@
 It is written out rather than derived from the handlers because the handlers check by hand, to answer in
 OpenAI's error shape. To keep the two from drifting, each family writes its part beside its checks, every
 bound read from where the check reads it (``RANGES``, the engine's context and vocabulary), and
-tests/faults/test_hostile_http.py runs schemathesis against a live server: whatever the schema allows must be
+tests/e2e/faults/test_hostile_http.py runs schemathesis against a live server: whatever the schema allows must be
 answered 2xx, whatever it forbids 4xx, and every reply must match it. No MLX.
 """
 

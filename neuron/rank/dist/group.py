@@ -4,7 +4,7 @@ Why a module of its own: MLX keeps one distributed group per process. A
 second ``mx.distributed.init`` hands back the first group (or a dead one after
 a failure), so this process joins again only after ``leave`` has made MLX
 forget the first (``rank.dist.backends``). That state belongs to the process, not to
-any ``Rank``, and this is the only module that touches it (tests/test_layout.py
+any ``Rank``, and this is the only module that touches it (tests/unit/test_layout.py
 checks that).
 """
 
