@@ -47,7 +47,7 @@ def test_a_default_changed_in_its_declaration_changes_everything_that_shows_it(t
     environment nor the file setting it (and with either), the docs' row and the engine's ``Scheduling`` follow."""
     copy = tmp_path / "neuron"
     shutil.copytree(ROOT / "neuron", copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    declaration = copy / "settings.py"
+    declaration = copy / "config" / "settings.py"
     source, count = re.subn(r"max_batch: int = setting\(\s*8,", "max_batch: int = setting(13,", declaration.read_text())
     assert count == 1, "max_batch's declaration is not where this test looks"
     declaration.write_text(source)

@@ -24,7 +24,7 @@ ALIASES = {
     ("configure", "fmt"): "log_format",
 }
 # The declarations themselves, and the API's sampling defaults that generate's sampling settings read.
-DECLARING = {ROOT / "neuron" / "settings.py", ROOT / "neuron" / "sampling_params.py"}
+DECLARING = {ROOT / "neuron" / "config" / "settings.py", ROOT / "neuron" / "sampling_params.py"}
 
 
 def _second_literals(path: Path, root: Path = ROOT) -> list[str]:
