@@ -122,8 +122,8 @@ class Engine:
             engine = cls(pool, text, config, limits)
             for name, where in adapters or []:
                 await engine.adapters.load(name, where)
-            # The first probe feeds a whole chunk: what a step takes on each rank beyond its caches (``engine.memory``).
-            if not await engine.recovery.probe(engine.budget.chunk):
+            # The first probe calibrates: what a step takes on each rank beyond its caches (``engine.memory``).
+            if not await engine.recovery.probe(engine.budget.calibration_tokens):
                 raise ModelError(f"the model loaded but its first step failed: {engine.health.reason}")
             await engine.pressure.read(calibrate=True)
             if engine.disk is not None and engine.prefix is not None:

@@ -13,10 +13,10 @@ GPU's, else its host's), what its caches hold, and the most one step has taken b
 
 ``room`` is read live, so the weights, a draft model, LoRA adapters, the images held and every other process on
 the host are counted as they are; what the caches hold now can be given back, so it is budget. ``steps`` is kept
-free for one step's transient memory: the most a step took on the rank, at least what the calibration step (a
-``--prefill-chunk`` prompt, fed when the engine starts) took, with the attention scores of such a chunk at the
-longest context the budget holds. ``headroom`` is ``HEADROOM_SHARE`` of the rank's memory, at least
-``HEADROOM_MIN``: the allocator's slack, the Python heap, the HTTP server's buffers.
+free for one step's transient memory: the most a step took on the rank, at least what a ``--prefill-chunk``
+prompt takes (scaled from the calibration step, a share of a chunk fed when the engine starts), with the attention
+scores of such a chunk at the longest context the budget holds. ``headroom`` is ``HEADROOM_SHARE`` of the rank's
+memory, at least ``HEADROOM_MIN``: the allocator's slack, the Python heap, the HTTP server's buffers.
 
 Ranks hold different shares (pipeline stages of different lengths; a draft model beside rank 0). Each rank's
 budget is turned into the reference share's bytes (the most any rank holds of a token's keys and values, and of a
@@ -32,6 +32,7 @@ outgrow the budget. The prefix cache takes what the batch leaves, and is evicted
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ RESERVE = STEP
 HEADROOM_SHARE = 0.05
 HEADROOM_MIN = 64 << 20
 SCORE_BYTES = 4  # an attention score, at the worst in float32
+# The calibration step feeds a chunk's share this small and scales what it took up by as much: what a step takes
+# beyond its caches grows with its tokens (attention scores, which grow with the context, are counted apart), and a
+# whole chunk made every start pay a long prefill, the longer on a slow BLAS or ranks sharing cores.
+CALIBRATION_SHARE = 8
 # After an allocation failed anyway, the batch resumes within this share of what its caches held then, for this
 # long: the budget read a moment before missed something (another process's burst, a transient of MLX's own), and
 # what it missed may pass.
@@ -237,9 +242,16 @@ class Budget:
         """Whether every rank has been read."""
         return len(self.ranks) == len(self.shares)
 
+    @property
+    def calibration_tokens(self) -> int:
+        """The prompt the calibration step feeds: ``CALIBRATION_SHARE`` of a chunk."""
+        return -(-self.chunk // CALIBRATION_SHARE)
+
     def calibrate(self, readings: Mapping[int, Memory]) -> None:
-        """The readings right after the calibration step: what it took on each rank beyond the caches."""
-        self.calibrated = {rank: memory.peak for rank, memory in readings.items()}
+        """The readings right after the calibration step: what a chunk's step takes on each rank beyond the caches,
+        scaled up from the calibration step's share of a chunk (``calibration_tokens``)."""
+        scale = self.chunk / self.calibration_tokens
+        self.calibrated = {rank: math.ceil(memory.peak * scale) for rank, memory in readings.items()}
         self.read(readings)
 
     def read(self, readings: Mapping[int, Memory], now: float | None = None) -> None:

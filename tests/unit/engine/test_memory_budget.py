@@ -250,7 +250,9 @@ def test_after_an_allocation_failed_the_budget_stays_below_what_the_batch_held_f
 def test_a_scored_prompt_is_fed_in_chunks_whose_logits_the_calibrated_step_holds() -> None:
     budget = Budget([Share(PER_TOKEN, 0, 0)], ["here"], chunk=512, context=100_000)
     vocab = 1000
-    budget.calibrate({0: reading(10**9, peak=100 * vocab * memory.SCORE_BYTES)})
+    # the calibration step fed an eighth of a chunk: a chunk's step takes eight times what it took
+    budget.calibrate({0: reading(10**9, peak=100 * vocab * memory.SCORE_BYTES // memory.CALIBRATION_SHARE)})
+    assert budget.calibration_tokens == 512 // memory.CALIBRATION_SHARE
     assert budget.scored_chunk(vocab) == 100
     s = scheduler(budget, prefill_chunk=512)
     s.scored_chunk = budget.scored_chunk(vocab)
