@@ -25,6 +25,7 @@ import pytest
 
 from neuron.models.folder import weight_bytes
 from testkit import Server, cgroups, faults, make_tiny_model, wait_until
+from testkit.adapters import make_adapter
 from testkit.testbed import Namespaces, unavailable
 
 pytestmark = [
@@ -152,16 +153,20 @@ def test_two_limited_hosts_serve_a_model_neither_can_hold(
 def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
     bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Path
 ) -> None:
-    """The leader's host (1 GiB) and host 1 (512 MiB) serve a model whose keys and values are wide, TP=2 then PP=2,
-    four streams each: the caches' budget that rules is the one holding the fewest tokens (under tensor parallelism
-    the smaller host's; in stages each rank's for its layers), every request is answered alike both ways, and the
-    OOM killer ends nothing."""
+    """The leader's host (1 GiB) and host 1 (512 MiB) serve a model whose keys and values are wide, with a LoRA
+    adapter, TP=2 then PP=2, four requests at once (one through the adapter and one without it on the same prompt,
+    one asking two choices): the caches' budget that rules is the one holding the fewest tokens (under tensor
+    parallelism the smaller host's; in stages each rank's for its layers), every request is answered alike both
+    ways, and the OOM killer ends nothing."""
     model = make_tiny_model(tmp_path / "wide", "llama", hidden=256, layers=4, heads=32)
+    adapter = make_adapter(model, tmp_path / "adapter", seed=1)
     hostfile = bed.hostfile([bed.entry(LEADER), bed.entry(1)], "smaller.json")
     kills = [limit.oom_kills() for limit in limits.values()]
     texts = {}
     for split in (("--tp", "2"), ("--pp", "2")):
-        server = start(bed, limits, tmp_path, "--model", str(model), "--hosts", str(hostfile), *split)
+        server = start(
+            bed, limits, tmp_path, "--model", str(model), "--adapter", f"a={adapter}", "--hosts", str(hostfile), *split
+        )
         try:
             server.port = server.wait_log("serving", timeout=240)["port"]
             said = server.find_log("memory budget")
@@ -175,13 +180,15 @@ def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
                 assert fewest == 1, ranks  # the same share on each: the smaller host holds fewer tokens
 
             def ask(i: int, url: str = f"{server.url}/v1/completions") -> httpx.Response:
-                body = {"model": model.name, "prompt": f"{i} hello", "max_tokens": 64, "temperature": 0.0}
-                return httpx.post(url, json=body, timeout=240)
+                prompt = f"{1 if i == 3 else i} hello"
+                body = {"model": "a" if i == 1 else model.name, "prompt": prompt, "max_tokens": 64}
+                return httpx.post(url, json={**body, "temperature": 0.0, "n": 2 if i == 2 else 1}, timeout=240)
 
             with ThreadPoolExecutor(4) as pool:
                 replies = list(pool.map(ask, range(4)))
             assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
-            texts[split] = [r.json()["choices"][0]["text"] for r in replies]
+            texts[split] = [[c["text"] for c in r.json()["choices"]] for r in replies]
+            assert len(texts[split][2]) == 2 and texts[split][1] != texts[split][3], texts[split]  # the adapter acts
         finally:
             assert server.stop() == 0, server.stderr()[-3000:]
         nothing_left(bed)
