@@ -299,3 +299,13 @@ def test_a_stage_holding_another_kind_of_cache_than_the_others_is_counted_in_its
     assert budget.reference == Share(1000, 50_000, 0)
     assert budget.bytes > 0 and budget.fits([[100] * 2])
     assert not budget.fits([[100] * 11])  # stage b holds ten windows
+
+
+def test_rank_0_keeps_room_for_the_images_of_requests_in_flight_and_the_other_ranks_do_not() -> None:
+    """A model that takes images decodes them on rank 0 (``Pressure`` sets ``images`` from its total): that rank's
+    caches get what is left after them, so that under tensor parallelism it rules where the others have as much."""
+    tp = Budget([Share(1000, 0, 0)] * 2, ["a", "b"], 16, 100_000)
+    tp.images = 100 * MIB
+    tp.read({0: reading(400 * MIB + HEADROOM_MIN), 1: reading(400 * MIB + HEADROOM_MIN)})
+    assert [rank.images for rank in tp.ranks] == [100 * MIB, 0]
+    assert tp.where() == (0, "a") and tp.bytes == 300 * MIB
