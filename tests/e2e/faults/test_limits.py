@@ -164,7 +164,7 @@ def test_the_descriptor_limit_survives_mlx_lm() -> None:
     code = (
         "import resource\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 9000))\n"
-        "from neuron import descriptors\n"
+        "from neuron.system import descriptors\n"
         "descriptors.raise_soft_limit()\n"
         "descriptors.import_mlx_lm()\n"
         "print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"

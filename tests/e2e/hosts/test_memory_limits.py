@@ -154,10 +154,10 @@ def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
     bed: Namespaces, limits: dict[int, cgroups.MemoryLimit], tmp_path: Path
 ) -> None:
     """The leader's host (1 GiB) and host 1 (512 MiB) serve a model whose keys and values are wide, with a LoRA
-    adapter, TP=2 then PP=2, four requests at once (one through the adapter and one without it on the same prompt,
-    one asking two choices): the caches' budget that rules is the one holding the fewest tokens (under tensor
-    parallelism the smaller host's; in stages each rank's for its layers), every request is answered alike both
-    ways, and the OOM killer ends nothing."""
+    adapter and a disk tier, TP=2 then PP=2, four requests at once (one through the adapter and one without it on
+    the same prompt, one asking two choices): the caches' budget that rules is the one holding the fewest tokens
+    (under tensor parallelism the smaller host's; in stages each rank's for its layers), every request is answered
+    alike both ways, each rank writes its disk tier, and the OOM killer ends nothing."""
     model = make_tiny_model(tmp_path / "wide", "llama", hidden=256, layers=4, heads=32)
     adapter = make_adapter(model, tmp_path / "adapter", seed=1)
     hostfile = bed.hostfile([bed.entry(LEADER), bed.entry(1)], "smaller.json")
@@ -165,8 +165,9 @@ def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
     texts = {}
     for split in (("--tp", "2"), ("--pp", "2")):
         server = start(
-            bed, limits, tmp_path, "--model", str(model), "--adapter", f"a={adapter}", "--hosts", str(hostfile), *split
-        )
+            bed, limits, tmp_path, "--model", str(model), "--adapter", f"a={adapter}", "--hosts", str(hostfile), *split,
+            "--prefix-cache-dir", str(disk := tmp_path / f"kv{split[0]}"),
+        )  # fmt: skip
         try:
             server.port = server.wait_log("serving", timeout=240)["port"]
             said = server.find_log("memory budget")
@@ -192,6 +193,7 @@ def test_a_smaller_host_rules_the_caches_budget_tensor_parallel_and_in_stages(
         finally:
             assert server.stop() == 0, server.stderr()[-3000:]
         nothing_left(bed)
+        assert {path.name.split(".")[1] for path in disk.glob("*.kv")} == {"r0", "r1"}  # each rank's disk tier
     assert texts[("--tp", "2")] == texts[("--pp", "2")]
     assert [limit.oom_kills() for limit in limits.values()] == kills
 
