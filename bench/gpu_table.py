@@ -246,9 +246,10 @@ def main() -> None:
                     print(f"| {name} | {streams} | {label} | {rate:.1f} | {rate / rates[(streams, base)]:.2f}x |")
     if not args.skip_tests:
         print("\ntests marked gpu:", flush=True)
-        # Only the modules marked gpu: collecting the others would import what only the test extra installs.
+        # Only the modules marked gpu: collecting the others would import what only the test extra installs. One
+        # at a time (`-n 0`): side by side they would share the one device and its memory.
         marked = [str(p) for p in sorted((ROOT / "tests").rglob("test_*.py")) if "mark.gpu" in p.read_text()]
-        code = subprocess.call([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", *marked], cwd=ROOT)
+        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "0", "-m", "gpu", "-q", "-x", *marked], cwd=ROOT)
         if code:
             raise SystemExit(code)
 
