@@ -141,6 +141,19 @@ def post(spec: Spec, summary: str, body: Schema, responses: Schema) -> Schema:
     return {"post": {"summary": summary, "requestBody": request, "responses": responses, **spec.secured}}
 
 
+ADMIN = (
+    "An admin route: it needs the API key where the server has one; with none set, it answers clients on the "
+    "server's own host (loopback) only, and refuses others with 403."
+)
+
+
+def admin_post(spec: Spec, summary: str, body: Schema, responses: Schema) -> Schema:
+    """An admin route's POST (``http.authorize_admin``): tagged, and saying who may call it."""
+    operation = post(spec, summary, body, responses)
+    operation["post"] |= {"tags": ["admin"], "description": ADMIN}
+    return operation
+
+
 def replies_with(errors: Schema, ok: Schema, stream: bool = False) -> Schema:
     """Replies whose errors have their own ``errors`` shape and whose stream names each event."""
     content = {"application/json": {"schema": ok}}
