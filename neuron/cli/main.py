@@ -135,12 +135,15 @@ def _main(argv: list[str] | None) -> int:
 
 def _read_hosts(args: argparse.Namespace) -> list[str]:
     """Read ``--hosts`` and settle ``--tp`` (ranks = tp x pp); the problems found."""
-    from neuron.launch.hosts import HostsError, check_hosts, local_hosts, read_hostfile
+    from neuron.launch.hostfile import read_hostfile
+    from neuron.launch.hosts import Host, HostsError, check_hosts, local_hosts
     from neuron.launch.stages import SplitError, parse_split
 
+    spares: tuple[Host, ...] = ()
     try:
         if args.hosts:
-            hosts = read_hostfile(args.hosts)
+            hostfile = read_hostfile(args.hosts)
+            hosts, spares = list(hostfile.hosts), hostfile.spares
             tp = args.tp or len(hosts) // args.pp
             if tp * args.pp != len(hosts):
                 raise HostsError(
@@ -155,7 +158,7 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
                 f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which MLX's "
                 f"{args.backend} backend cannot make (of its backends only MPI can); use --tp or --pp alone"
             )
-        check_hosts(hosts, args.backend, args.data_plane)
+        check_hosts(hosts, args.backend, args.data_plane, spares)
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
         if args.split and args.pp == 1:
             raise HostsError("--pp-layers splits pipeline stages: give --pp too")
@@ -165,6 +168,7 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
         return [str(e)]
     args.tp = tp
     args.host_list = hosts
+    args.spares = spares
     return []
 
 
