@@ -135,7 +135,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _read_hosts(args: argparse.Namespace) -> list[str]:
     """Read ``--hosts`` and settle ``--tp`` (ranks = tp x pp); the problems found."""
-    from neuron.launch.hostfile import read_hostfile
+    from neuron.launch.hostfile import check_spare_timeout, read_hostfile
     from neuron.launch.hosts import Host, HostsError, check_hosts, local_hosts
     from neuron.launch.stages import SplitError, parse_split
 
@@ -159,6 +159,8 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
                 f"{args.backend} backend cannot make (of its backends only MPI can); use --tp or --pp alone"
             )
         check_hosts(hosts, args.backend, args.data_plane, spares)
+        if spares and args.command == "serve":
+            check_spare_timeout(args.spare_timeout, args.resume_timeout)
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
         if args.split and args.pp == 1:
             raise HostsError("--pp-layers splits pipeline stages: give --pp too")
@@ -175,7 +177,9 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
 def _layout(args: argparse.Namespace, launcher: Launcher) -> Layout:
     from neuron.pool import Layout
 
-    return Layout(launcher, args.backend, args.pp, args.split, args.push_model)
+    timeout = getattr(args, "spare_timeout", None)  # serve's alone: generate has no recovery to move a rank in
+    extra = {"spare_timeout": timeout} if timeout is not None else {}
+    return Layout(launcher, args.backend, args.pp, args.split, args.push_model, args.spares, **extra)
 
 
 def _run(args: argparse.Namespace) -> int:

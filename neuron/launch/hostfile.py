@@ -137,6 +137,20 @@ def check_distinct(hostfile: Hostfile, where: str) -> None:
                 )
 
 
+def check_spare_timeout(spare_timeout: float, resume_timeout: float) -> None:
+    """A rank moves to a spare while the requests in flight still wait for it: within ``--resume-timeout``."""
+    if resume_timeout <= 0:
+        raise HostsError(
+            "the hostfile names spares, but --resume-timeout is 0, so a lost rank ends every request and restarts "
+            "the leader before any spare could take its place: give --resume-timeout a number of seconds"
+        )
+    if spare_timeout >= resume_timeout:
+        raise HostsError(
+            f"--spare-timeout {spare_timeout:g} must be shorter than --resume-timeout {resume_timeout:g}: the "
+            "requests in flight wait for a lost rank only that long, so its spare must be brought in sooner"
+        )
+
+
 def entry(h: Host) -> dict[str, Any]:
     """A host as a hostfile entry: the keys it was given, as an operator would write them."""
     out: dict[str, Any] = {"ssh": h.ssh}

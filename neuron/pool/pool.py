@@ -37,6 +37,7 @@ from neuron.pool.link import Link
 from neuron.pool.loading import Loader
 from neuron.pool.ranks import Layout, Ranks, check_backend
 from neuron.pool.replacement import Replacement
+from neuron.pool.spares import Move, Spares
 from neuron.pool.watch import Watch
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.run import Stepped, run
@@ -74,6 +75,7 @@ class Pool:
         self._loader = Loader(ranks, self.model_path, model)
         self._replacement = Replacement(ranks, self._loader)
         self._watch = Watch(ranks)
+        self.spares = Spares(self.launcher.hosts, self.layout.spares, self.layout.spare_timeout)
 
     async def __aenter__(self) -> Pool:
         self._loader.check_split()
@@ -204,6 +206,15 @@ class Pool:
         await self._replacement.recover()
         self._watch.follow()
         metrics.WORKER_RESTARTS.inc()
+
+    def move_to_spares(self, reason: str) -> list[Move]:
+        """Between tries to recover: move every rank whose host has been out of reach past ``--spare-timeout`` to a
+        spare (``Spares``), which the next try starts it on."""
+        moves = self.spares.move(reason)
+        for move in moves:
+            self._ranks.place(move.rank, move.host)
+            metrics.RANK_MOVES.labels("unreachable").inc()
+        return moves
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

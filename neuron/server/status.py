@@ -48,6 +48,9 @@ def _sample(name: str, **labels: str) -> float:
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+EVENTS_KEPT = 20  # the moves listed, as the recovery's events
+
+
 def counters() -> dict[str, float]:
     return {
         "steps": _sample("neuron_step_seconds_count", part="total"),
@@ -179,6 +182,8 @@ def status(call: Call) -> dict[str, Any]:
         "queue": {"waiting": engine.waiting, "running": engine.running},
         "events": list(engine.recovery.events),
         "recoveries": engine.recovery.recoveries,
+        "spares": pool.spares.describe(),
+        "moves": [move.describe() for move in pool.spares.moves[-EVENTS_KEPT:]],
         "recent": engine.recent.seconds(),
         **caches(engine),
     }
@@ -248,7 +253,7 @@ def openapi(spec: Spec) -> OpenApi:
         "required": ["at", "event", "ranks", "reason"],
         "properties": {
             "at": {"type": "number"},
-            "event": {"enum": ["lost", "recovered", "recovery failed"]},
+            "event": {"enum": ["lost", "recovered", "recovery failed", "moved"]},
             "ranks": {"type": "array", "items": integer},
             "reason": text,
         },
@@ -297,6 +302,32 @@ def openapi(spec: Spec) -> OpenApi:
             },
             "events": {"type": "array", "items": event},
             "recoveries": integer,
+            "spares": {
+                "type": "array",
+                "description": "the hostfile's spares, in the order they are taken: standing by, or returning (a host "
+                "that lost its rank, a spare again, tried after the others)",
+                "items": {
+                    "type": "object",
+                    "required": ["host", "state"],
+                    "properties": {"host": text, "state": {"enum": ["standing by", "returning"]}},
+                },
+            },
+            "moves": {
+                "type": "array",
+                "description": "the ranks moved to a spare since the leader started, the latest last",
+                "items": {
+                    "type": "object",
+                    "required": ["rank", "from", "to", "out_s", "reason", "at"],
+                    "properties": {
+                        "rank": integer,
+                        "from": text,
+                        "to": text,
+                        "out_s": {"type": "number"},
+                        "reason": text,
+                        "at": {"type": "number"},
+                    },
+                },
+            },
             "now": {"type": "number", "description": "the server's clock, in unix seconds, for ``recent``"},
             "recent": {
                 "description": "the last minutes' seconds that had steps: [unix second, steps, step seconds, tokens]",
