@@ -1,4 +1,5 @@
-"""The ``neuron`` command: ``serve`` and ``generate`` (and, hidden, ``--worker`` for the leader's subprocesses).
+"""The ``neuron`` command: ``serve`` and ``generate``, ``hosts`` for a running leader's hosts, the model cache's
+commands (and, hidden, ``--worker`` for the leader's subprocesses).
 
 Imports stay light until the command is known: on the Linux CPU backend a worker
 must pin itself to its cores before MLX starts any thread, and the leader may
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", metavar="PROMPT")
     sources.add_arguments(gen, "generate")
     catalog.add_commands(commands)  # pull, models, models rm: the Hugging Face cache (neuron/models/catalog.py)
+    from neuron.cli import hosts
+
+    hosts.add_command(commands)  # the running leader's hosts, through its admin routes (neuron/cli/hosts.py)
     return parser
 
 
@@ -102,6 +106,10 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     if args.command in catalog.COMMANDS:
         return catalog.run(args)
+    if args.command == "hosts":
+        from neuron.cli import hosts
+
+        return hosts.run(args)
     problems = sources.resolve(args, args.command)
     if args.command == "serve":
         from neuron.models.folder import outside
@@ -179,7 +187,9 @@ def _layout(args: argparse.Namespace, launcher: Launcher) -> Layout:
 
     timeout = getattr(args, "spare_timeout", None)  # serve's alone: generate has no recovery to move a rank in
     extra = {"spare_timeout": timeout} if timeout is not None else {}
-    return Layout(launcher, args.backend, args.pp, args.split, args.push_model, args.spares, **extra)
+    return Layout(
+        launcher, args.backend, args.pp, args.split, args.push_model, args.spares, hostfile=args.hosts, **extra
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

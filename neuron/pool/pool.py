@@ -37,6 +37,7 @@ from neuron.pool.link import Link
 from neuron.pool.loading import Loader
 from neuron.pool.ranks import Layout, Ranks, check_backend
 from neuron.pool.replacement import Replacement
+from neuron.pool.roster import Roster
 from neuron.pool.spares import Move, Spares
 from neuron.pool.watch import Watch
 from neuron.rank.rank import Loaded, Rank
@@ -76,6 +77,7 @@ class Pool:
         self._replacement = Replacement(ranks, self._loader)
         self._watch = Watch(ranks)
         self.spares = Spares(self.launcher.hosts, self.layout.spares, self.layout.spare_timeout)
+        self.roster = Roster(self.launcher, self.spares, self.backend, self.layout.hostfile)
 
     async def __aenter__(self) -> Pool:
         self._loader.check_split()
@@ -214,6 +216,8 @@ class Pool:
         for move in moves:
             self._ranks.place(move.rank, move.host)
             metrics.RANK_MOVES.labels("unreachable").inc()
+        if moves:
+            self.roster.save()  # a restarted leader starts each rank where it runs now
         return moves
 
     async def shutdown(self) -> None:

@@ -59,6 +59,7 @@ class Layout:
     push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
     spares: tuple[Host, ...] = ()  # hosts that take a rank's place when its own stays out of reach (``spares.py``)
     spare_timeout: float = default("spare_timeout")  # how long it may, first
+    hostfile: str | None = None  # where the hosts and spares are written back as they change (``roster.py``)
 
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:

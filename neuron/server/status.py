@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from neuron import metrics
 from neuron.models.folder import ModelError, read_config, text_config
-from neuron.server.common.readiness import not_ready_because
+from neuron.server.common.readiness import not_ready_because, rank_state
 from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
@@ -70,16 +70,6 @@ def _device(info: HostInfo, backend: str) -> str:
     """What the rank computes on, and where: nccl places one rank on each GPU."""
     kind = "metal" if info.platform.startswith("darwin") else "cuda" if backend == "nccl" and info.gpus else "cpu"
     return f"{kind} ({info.platform})"
-
-
-def rank_state(rank: int, failures: dict[int, str] | None, loaded: bool) -> tuple[str, str | None]:
-    """A rank's state and why: ``lost`` where the broken group names it, ``starting`` while the group is broken
-    by another rank or (re)loading the model, else ``ok``."""
-    if failures is not None and rank in failures:
-        return "lost", failures[rank]
-    if failures is not None or not loaded:
-        return "starting", None
-    return "ok", None
 
 
 def ranks(engine: Engine) -> list[dict[str, Any]]:

@@ -81,8 +81,10 @@ def ref(name: str) -> Schema:
 ERROR_MEANINGS = {
     400: "a field is wrong; `error.param` names it",
     401: "no API key, or the wrong one",
-    403: "a web page's origin, or the Host header, is not allowed (settings allowed_origins, allowed_hosts)",
-    404: "no such model",
+    403: "a web page's origin, or the Host header, is not allowed (settings allowed_origins, allowed_hosts), or an "
+    "admin route was called from another host while no API key is set",
+    404: "no such model (or, for the hosts' routes, no such spare)",
+    409: "the change conflicts with the group as it stands (a host already in it; a rank's host named as a spare)",
     413: "the body is too large",
     415: "the body is not sent as application/json",
     429: "the queue is full; retry after Retry-After seconds",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -15,9 +16,18 @@ from neuron.server.http import loopback
 
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
-BODIES = {LOAD: {"lora_name": "a", "lora_path": "/adapters/a"}, UNLOAD: {"lora_name": "a"}}
-# Every route that changes what is served, or where: each must be an admin route, and none other is.
-ADMIN_ROUTES = {LOAD, UNLOAD}
+HOSTS = "/v1/hosts"
+ADD, REMOVE = f"{HOSTS}/add", f"{HOSTS}/remove"
+BODIES = {
+    LOAD: {"lora_name": "a", "lora_path": "/adapters/a"},
+    UNLOAD: {"lora_name": "a"},
+    HOSTS: None,  # a GET
+    ADD: {"ssh": "me@mac3", "ips": ["10.0.0.3"]},
+    REMOVE: {"host": "me@mac3"},
+}
+# Every route that changes what is served, or where (or lists the hosts): each must be an admin route, and none
+# other is.
+ADMIN_ROUTES = set(BODIES)
 REMOTE = ("10.1.2.3", 40000)
 LOCAL = ("127.0.0.1", 40000)
 
@@ -36,15 +46,41 @@ class Adapters:
         self.calls.append(("unload", name))
 
 
+class Roster:
+    """What the hosts' routes call on the pool: it records, and changes nothing."""
+
+    def __init__(self, calls: list[tuple[str, ...]]) -> None:
+        self.calls = calls
+        self.path = None
+
+    def add(self, entry: dict) -> SimpleNamespace:
+        self.calls.append(("add", entry["ssh"]))
+        return SimpleNamespace(ssh=entry["ssh"])
+
+    def remove(self, ssh: str) -> SimpleNamespace:
+        self.calls.append(("remove", ssh))
+        return SimpleNamespace(ssh=ssh)
+
+
 @pytest.fixture
 def adapters() -> Adapters:
     return Adapters()
 
 
 def client(adapters: Adapters, key: str | None, address: tuple[str, int]) -> Iterator[TestClient]:
-    state = ServerState("qwen3", api_key=key, engine=SimpleNamespace(adapters=adapters))  # type: ignore[arg-type]
+    spares = SimpleNamespace(describe=lambda: [])
+    pool = SimpleNamespace(hosts=["localhost"], broken=None, loaded=True, spares=spares, roster=Roster(adapters.calls))
+    engine = SimpleNamespace(adapters=adapters, pool=pool)
+    state = ServerState("qwen3", api_key=key, engine=engine)  # type: ignore[arg-type]
     with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1", client=address) as c:
         yield c
+
+
+def call(c: TestClient, path: str, headers: dict[str, str] | None = None) -> Any:
+    """The route as ``neuron hosts`` or a client calls it: a GET where it takes no body."""
+    if BODIES[path] is None:
+        return c.get(path, headers=headers)
+    return c.post(path, json=BODIES[path], headers=headers)
 
 
 @pytest.mark.parametrize("path", sorted(ADMIN_ROUTES))
@@ -52,14 +88,14 @@ def test_with_no_key_a_loopback_client_is_served_and_another_is_refused_saying_w
     adapters: Adapters, path: str
 ) -> None:
     for c in client(adapters, None, LOCAL):
-        assert c.post(path, json=BODIES[path]).status_code == 200
-    assert len(adapters.calls) == 1
+        assert call(c, path).status_code == 200
+    calls = len(adapters.calls)
     for c in client(adapters, None, REMOTE):
-        response = c.post(path, json=BODIES[path])
+        response = call(c, path)
     assert response.status_code == 403, response.text
     error = response.json()["error"]
     assert error["code"] == "admin_needs_key" and "--api-key" in error["message"] and "10.1.2.3" in error["message"]
-    assert len(adapters.calls) == 1  # the refused call changed nothing
+    assert len(adapters.calls) == calls  # the refused call changed nothing
 
 
 @pytest.mark.parametrize("address", [LOCAL, REMOTE], ids=["loopback", "remote"])
@@ -68,12 +104,12 @@ def test_with_a_key_set_every_client_needs_it_loopback_too(
     adapters: Adapters, path: str, address: tuple[str, int]
 ) -> None:
     for c in client(adapters, "secret", address):
-        missing = c.post(path, json=BODIES[path])
-        wrong = c.post(path, json=BODIES[path], headers={"authorization": "Bearer nope"})
-        right = c.post(path, json=BODIES[path], headers={"authorization": "Bearer secret"})
+        missing = call(c, path)
+        wrong = call(c, path, {"authorization": "Bearer nope"})
+        assert adapters.calls == []
+        right = call(c, path, {"authorization": "Bearer secret"})
     assert missing.status_code == 401 and "Authorization: Bearer KEY" in missing.json()["error"]["message"]
     assert wrong.status_code == 401 and right.status_code == 200, (wrong.text, right.text)
-    assert len(adapters.calls) == 1
 
 
 def test_a_generation_route_stays_open_to_a_remote_client_with_no_key(adapters: Adapters) -> None:

@@ -1,0 +1,73 @@
+"""Spares added and removed while serving (``pool.roster``): each checked as a hostfile entry is, refused where it
+conflicts with the group as it stands, and every change written back to the hostfile in its object form."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neuron.launch.hostfile import read_hostfile
+from neuron.launch.hosts import Host, HostsError
+from neuron.launch.launcher import Launcher
+from neuron.pool.roster import HostsConflict, NoSuchSpare, Roster
+from neuron.pool.spares import Spares
+
+LEADER = Host("localhost", ("10.0.0.1",))
+MAC2 = Host("me@mac2", ("10.0.0.2",))
+MAC3 = {"ssh": "me@mac3", "ips": ["10.0.0.3"]}
+
+
+def roster(path: Path | None, spares: tuple[Host, ...] = ()) -> Roster:
+    launcher = Launcher([LEADER, MAC2])
+    return Roster(launcher, Spares(launcher.hosts, spares, 20.0), "ring", path)
+
+
+def test_a_spare_added_then_removed_is_written_back_each_time(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([{"ssh": "localhost", "ips": ["10.0.0.1"]}, {"ssh": "me@mac2", "ips": ["10.0.0.2"]}]))
+    r = roster(path)
+    assert r.add(MAC3) == Host("me@mac3", ("10.0.0.3",))
+    assert read_hostfile(path).spares == (Host("me@mac3", ("10.0.0.3",)),)
+    assert read_hostfile(path).hosts == (LEADER, MAC2)
+    assert r.remove("me@mac3").ssh == "me@mac3"
+    assert json.loads(path.read_text())["spares"] == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "kind", "says"),
+    [
+        ({"ssh": "me@mac2", "ips": ["10.0.0.2"]}, HostsConflict, "me@mac2 is already in the group (rank 1)"),
+        ({"ssh": "localhost", "ips": ["10.0.0.1"]}, HostsConflict, "already in the group (rank 0)"),
+        ({"ssh": "me@mac4", "ips": ["10.0.0.4"]}, HostsConflict, "me@mac4 is already a spare"),
+        ({"ssh": "me@mac3"}, HostsError, "has 0 'ips' where the hosts have 1"),
+        ({"ssh": "me@mac3", "ips": ["10.0.0.2"]}, HostsError, "both give the address 10.0.0.2"),
+        ({"ssh": "me@mac3", "port": 22}, HostsError, "the new spare has unknown keys ['port']"),
+        ("me@mac3", HostsError, "the new spare must be an object"),
+    ],
+)
+def test_a_bad_or_conflicting_spare_is_refused_and_nothing_changes(
+    tmp_path: Path, entry: object, kind: type[Exception], says: str
+) -> None:
+    path = tmp_path / "hosts.json"
+    path.write_text("unchanged")
+    r = roster(path, (Host("me@mac4", ("10.0.0.4",)),))
+    with pytest.raises(kind) as caught:
+        r.add(entry)
+    assert says in str(caught.value), str(caught.value)
+    assert [s.ssh for s in r.spares.spares] == ["me@mac4"] and path.read_text() == "unchanged"
+
+
+def test_removing_a_ranks_host_or_an_unknown_spare_is_refused(tmp_path: Path) -> None:
+    r = roster(tmp_path / "hosts.json", (Host("me@mac4", ("10.0.0.4",)),))
+    with pytest.raises(HostsConflict, match="me@mac2 runs rank 1, it is not a spare"):
+        r.remove("me@mac2")
+    with pytest.raises(NoSuchSpare, match=r"me@mac9 is not a spare \(the spares: me@mac4\)"):
+        r.remove("me@mac9")
+    assert (HostsConflict.status, NoSuchSpare.status) == (409, 404)
+
+
+def test_a_leader_started_without_a_hostfile_has_no_spares_to_keep() -> None:
+    with pytest.raises(HostsConflict, match="started without --hosts"):
+        roster(None).add(MAC3)
