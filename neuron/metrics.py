@@ -66,7 +66,7 @@ LEADER_RESTARTS = Counter(
 RANK_MOVES = Counter(
     "neuron_rank_moves",
     "Times a rank moved to another host, by cause: unreachable (its host out of reach past --spare-timeout, the rank "
-    "moved to a spare)",
+    "moved to a spare), drained (its host drained by the operator, neuron hosts drain)",
     ["cause"],
     registry=REGISTRY,
 )

@@ -23,7 +23,13 @@ CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min
 MESSAGES = ("but the context holds", "the schema cannot be enforced", "must name one of the tools given")
 IMAGE_PARTS = ("image_url", "input_image", "image")  # chat's, the Responses API's and Anthropic's
 # They name a folder, an adapter held, or a host (the hosts' routes refuse a group started without --hosts).
-ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/hosts/add", "/v1/hosts/remove")
+ADMIN_ROUTES = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/hosts/add",
+    "/v1/hosts/remove",
+    "/v1/hosts/drain",
+)
 
 
 def _holds_an_image(value: Any) -> bool:

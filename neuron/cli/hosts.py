@@ -2,7 +2,8 @@
 
 ``neuron hosts`` lists each rank's host and state, and the spares; ``neuron
 hosts add HOST --ip IP`` adds a spare (an ssh destination and its data-plane
-addresses); ``neuron hosts remove HOST`` forgets one. The leader is found from
+addresses); ``neuron hosts remove HOST`` forgets one; ``neuron hosts drain
+HOST`` moves that host's ranks to spares while serving. The leader is found from
 the same settings as ``serve`` reads (``--host``, ``--port`` and ``--api-key``
 as ``NEURON_*`` variables or keys of its TOML file), or from ``--url``; the
 key, where one is set, goes with every call. No MLX, no HTTP client library:
@@ -21,6 +22,7 @@ from typing import Any
 EXIT_REFUSED = 1
 EXIT_USAGE = 2
 TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_S = 3600.0  # a drain loads the model on a spare: the leader's own --resume-timeout bounds it
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # a server on every address answers on loopback
 
 
@@ -52,6 +54,10 @@ def add_command(commands: Any) -> None:
     add.add_argument("--cpus", help="the cores its rank is pinned to, comma-separated")
     remove = actions.add_parser("remove", parents=[common], help="forget a spare host")
     remove.add_argument("host", metavar="HOST", help="the spare's ssh destination, as the hostfile gives it")
+    drain = actions.add_parser(
+        "drain", parents=[common], help="move a host's ranks to spares while serving, then stop its workers"
+    )
+    drain.add_argument("host", metavar="HOST", help="the host's ssh destination, as the hostfile gives it")
 
 
 def leader(url: str | None, config: str | None) -> tuple[str, str | None]:
@@ -70,7 +76,9 @@ def leader(url: str | None, config: str | None) -> tuple[str, str | None]:
     return f"http://{f'[{host}]' if ':' in host else host}:{settings.port}", key
 
 
-def ask(base: str, key: str | None, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+def ask(
+    base: str, key: str | None, path: str, body: dict[str, Any] | None = None, timeout: float = TIMEOUT_S
+) -> dict[str, Any]:
     """One admin call; its JSON reply, or ``LeaderError`` with the leader's own reason."""
     headers = {"accept": "application/json"}
     if key:
@@ -81,7 +89,7 @@ def ask(base: str, key: str | None, path: str, body: dict[str, Any] | None = Non
         headers["content-type"] = "application/json"
     request = urllib.request.Request(f"{base}{path}", data=data, headers=headers, method="POST" if data else "GET")
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as e:
         try:
@@ -133,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.action == "add":
             done = ask(base, key, "/v1/hosts/add", entry(args))
-        else:
+        elif args.action == "remove":
             done = ask(base, key, "/v1/hosts/remove", {"host": args.host})
+        else:  # the leader answers once the group serves again: a model loads meanwhile
+            done = ask(base, key, "/v1/hosts/drain", {"host": args.host}, timeout=DRAIN_TIMEOUT_S)
     except LeaderError as e:
         print(f"neuron hosts: {e}", file=sys.stderr)
         return EXIT_REFUSED

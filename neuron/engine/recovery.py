@@ -80,14 +80,14 @@ class Recovery:
         """Whether a lost group pauses the batch (rather than failing it, and the leader restarting)."""
         return self.limits.resume_timeout > 0 and not self.lost.is_set()
 
-    def pause(self, error: PoolError, step: Step | None) -> None:
+    def pause(self, error: PoolError, step: Step | None, blame: bool = True) -> None:
         """Put the batch back in the queue to be fed again once the pool is back (``Scheduler.pause``); a request
-        blamed for too many losses ends here."""
+        blamed for too many losses ends here. Without ``blame`` (a drained host: nothing failed) no request counts
+        a loss."""
         lost = resume.lost(error.failures, self.pool.hosts, str(error))
         tries = self.limits.resume_tries
-        paused, given_up, cancelled = self.scheduler.queues.pause(
-            lost, resume.blamed(step, self.scheduler.batch), tries
-        )
+        blamed = resume.blamed(step, self.scheduler.batch) if blame else set()
+        paused, given_up, cancelled = self.scheduler.queues.pause(lost, blamed, tries)
         for seq, steps_after in cancelled:
             self.output.cancelled(seq, steps_after)
         for seq in given_up:
@@ -107,7 +107,8 @@ class Recovery:
         started = time.perf_counter()
         log.warning("recovering", cause=str(cause), paused=len(self.scheduler.waiting))
         ranks = sorted(cause.failures) if cause is not None else []
-        self.events.append({"at": time.time(), "event": "lost", "ranks": ranks, "reason": str(cause)})
+        event = "drained" if cause is not None and cause.op == "drain" else "lost"
+        self.events.append({"at": time.time(), "event": event, "ranks": ranks, "reason": str(cause)})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._expire_paused)
             failure = await self._try_to_recover(cause, started)

@@ -220,6 +220,21 @@ class Pool:
             self.roster.save()  # a restarted leader starts each rank where it runs now
         return moves
 
+    def stand_down(self, ranks: list[int], reason: str) -> PoolError:
+        """At a step boundary: set the group aside for ``ranks``' host is drained, as if it were lost, so that the
+        next ``recover`` replaces it (and stops every worker of that host); why, naming the drained host."""
+        return self._ranks.fan_out.stand_down({rank: reason for rank in ranks})
+
+    def move_drained(self, ranks: list[int], reason: str) -> list[Move]:
+        """Give each of ``ranks``, whose host is drained, a spare (``Spares.take``), which ``recover`` starts it on;
+        the drained host leaves the hostfile."""
+        moves = self.spares.take(ranks, reason)
+        for move in moves:
+            self._ranks.place(move.rank, move.host)
+            metrics.RANK_MOVES.labels("drained").inc()
+        self.roster.save()
+        return moves
+
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""
         await self._ranks.shutdown()

@@ -29,7 +29,7 @@ class HostsConflict(HostsError):
 
 
 class NoSuchSpare(HostsError):
-    """No spare by that name: 404."""
+    """No spare (or host) by that name: 404."""
 
     status = 404
 
@@ -81,6 +81,30 @@ class Roster:
         self.save()
         log.info("spare removed", host=ssh, spares=len(self.spares.spares))
         return removed
+
+    def drain_plan(self, ssh: str) -> list[int]:
+        """The ranks that run on ``ssh``, each of which a spare will take when it is drained; refused for a host
+        not in the group, the leader's own host (rank 0 runs inside the leader), and where too few spares stand
+        by (the group does not shrink yet)."""
+        self._hostfile_needed("drain a host")
+        hosts = self.launcher.hosts
+        ranks = [rank for rank, h in enumerate(hosts) if h.ssh == ssh]
+        if not ranks:
+            if any(s.ssh == ssh for s in self.spares.spares):
+                raise HostsConflict(f"{ssh} is a spare, no rank runs there: `neuron hosts remove {ssh}` forgets it")
+            names = ", ".join(dict.fromkeys(h.ssh for h in hosts))
+            raise NoSuchSpare(f"{ssh} is not a host of the group (the hosts: {names})")
+        if any(hosts[rank].machine == hosts[0].machine for rank in ranks):
+            raise HostsConflict(
+                f"{ssh} is the leader's own host (rank 0 runs inside the leader): drain another host, or stop the "
+                "leader to take this one down"
+            )
+        if len(self.spares.spares) < len(ranks):
+            raise HostsConflict(
+                f"{ssh} runs rank {', '.join(map(str, ranks))}, but {len(self.spares.spares)} spare(s) stand by to "
+                "take its place: add one first with `neuron hosts add` (shrinking the group instead is not there yet)"
+            )
+        return ranks
 
     def save(self) -> None:
         """Write the ranks' hosts and the spares back to the hostfile (nothing without one)."""

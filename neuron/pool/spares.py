@@ -111,6 +111,18 @@ class Spares:
         self.moves += moves
         return moves
 
+    def take(self, ranks: list[int], reason: str) -> list[Move]:
+        """A spare for each of ``ranks``, whose host the operator drains (``Roster.drain_plan`` checked there are
+        enough): the drained host leaves the group and the spares alike, and each spare gets its own bound."""
+        now = self.clock()
+        moves = []
+        for rank in ranks:
+            spare = self.spares.pop(0)
+            moves.append(Move(rank, self.hosts[rank].ssh, spare.ssh, 0.0, reason, time.time(), spare))
+            self.out[rank] = now
+        self.moves += moves
+        return moves
+
     def add(self, host: Host) -> None:
         self.spares.append(host)
 

@@ -1,11 +1,13 @@
 """The hosts' admin routes, which ``neuron hosts`` talks to: ``GET /v1/hosts`` (each rank's host and state, and the
-spares), ``POST /v1/hosts/add`` (a spare, its body a hostfile entry) and ``POST /v1/hosts/remove`` (``{"host"}``: a
-spare forgotten). Admin routes (``http.authorize_admin``): the API key, or with none set a loopback client. What
-they change is written back to the hostfile (``pool/roster.py``). No MLX.
+spares), ``POST /v1/hosts/add`` (a spare, its body a hostfile entry), ``POST /v1/hosts/remove`` (``{"host"}``: a
+spare forgotten) and ``POST /v1/hosts/drain`` (``{"host"}``: its ranks moved to spares at a step boundary; it
+answers once the group serves again). Admin routes (``http.authorize_admin``): the API key, or with none set a
+loopback client. What they change is written back to the hostfile (``pool/roster.py``). No MLX.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
@@ -32,16 +34,24 @@ def listing(engine: Engine) -> dict[str, Any]:
     return {"ranks": ranks, "spares": pool.spares.describe(), "hostfile": str(path) if path else None}
 
 
-def _changed(call: Call, change: Any) -> Response:
-    """``change`` run on the roster; its refusal (a ``HostsError``, which says what to fix and carries its status
+async def _changed(call: Call, change: Callable[[Engine], Awaitable[str]]) -> Response:
+    """``change`` run on the engine; its refusal (a ``HostsError``, which says what to fix and carries its status
     where it is not 400) as an error reply. The server may not import the pool's types: it reads the status."""
     engine = call.engine
     try:
-        done = change(engine.pool.roster)
+        done = await change(engine)
     except ValueError as e:
         status = getattr(e, "status", 400)
         raise ApiError(status, str(e), code="hosts_refused" if status != 404 else "not_found") from None
     return OrjsonResponse({"done": done, **listing(engine)})
+
+
+def _host(body: Any) -> str:
+    body = an_object(body)
+    name = body.get("host")
+    if set(body) != {"host"} or not isinstance(name, str) or not name.strip():
+        raise bad("host", "the body is {`host`: the host's ssh name, as the hostfile gives it}")
+    return name.strip()
 
 
 async def list_hosts(call: Call) -> Response:
@@ -50,21 +60,37 @@ async def list_hosts(call: Call) -> Response:
 
 async def add_host(call: Call) -> Response:
     entry = an_object(call.body)
-    return _changed(call, lambda roster: f"added the spare {roster.add(entry).ssh}")
+
+    async def add(engine: Engine) -> str:
+        return f"added the spare {engine.pool.roster.add(entry).ssh}"
+
+    return await _changed(call, add)
 
 
 async def remove_host(call: Call) -> Response:
-    body = an_object(call.body)
-    name = body.get("host")
-    if set(body) != {"host"} or not isinstance(name, str) or not name.strip():
-        raise bad("host", "the body is {`host`: the spare's ssh name, as the hostfile gives it}")
-    return _changed(call, lambda roster: f"removed the spare {roster.remove(name.strip()).ssh}")
+    name = _host(call.body)
+
+    async def remove(engine: Engine) -> str:
+        return f"removed the spare {engine.pool.roster.remove(name).ssh}"
+
+    return await _changed(call, remove)
+
+
+async def drain_host(call: Call) -> Response:
+    name = _host(call.body)
+
+    async def drain(engine: Engine) -> str:
+        moves = await engine.drains.drain(name)
+        return f"drained {name}: " + ", ".join(f"rank {m.rank} moved to {m.spare}" for m in moves)
+
+    return await _changed(call, drain)
 
 
 ENDPOINTS = (
     Endpoint("/v1/hosts", list_hosts, method="GET", admin=True),
     Endpoint("/v1/hosts/add", add_host, strict_json=True, admin=True),
     Endpoint("/v1/hosts/remove", remove_host, strict_json=True, admin=True),
+    Endpoint("/v1/hosts/drain", drain_host, strict_json=True, admin=True),
 )
 
 
@@ -131,4 +157,10 @@ def openapi(spec: Spec) -> OpenApi:
         "/v1/hosts": listing_op,
         "/v1/hosts/add": admin_post(spec, "add a spare host", entry, changed),
         "/v1/hosts/remove": admin_post(spec, "forget a spare host", remove, changed),
+        "/v1/hosts/drain": admin_post(
+            spec,
+            "move a host's ranks to spares at a step boundary; answers once the group serves again",
+            remove,
+            changed,
+        ),
     }, {"Hosts": listed}

@@ -243,7 +243,7 @@ def openapi(spec: Spec) -> OpenApi:
         "required": ["at", "event", "ranks", "reason"],
         "properties": {
             "at": {"type": "number"},
-            "event": {"enum": ["lost", "recovered", "recovery failed", "moved"]},
+            "event": {"enum": ["lost", "recovered", "recovery failed", "moved", "drained"]},
             "ranks": {"type": "array", "items": integer},
             "reason": text,
         },

@@ -71,3 +71,24 @@ def test_removing_a_ranks_host_or_an_unknown_spare_is_refused(tmp_path: Path) ->
 def test_a_leader_started_without_a_hostfile_has_no_spares_to_keep() -> None:
     with pytest.raises(HostsConflict, match="started without --hosts"):
         roster(None).add(MAC3)
+
+
+def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_and_is_refused_where_it_cannot(tmp_path: Path) -> None:
+    launcher = Launcher([LEADER, MAC2, MAC2, Host("me@mac5", ("10.0.0.5",))])
+    spares = Spares(launcher.hosts, (Host("me@mac3", ("10.0.0.3",)), Host("me@mac4", ("10.0.0.4",))), 20.0)
+    r = Roster(launcher, spares, "ring", tmp_path / "hosts.json")
+    assert r.drain_plan("me@mac2") == [1, 2]
+    for host, kind, says in (
+        ("localhost", HostsConflict, "is the leader's own host (rank 0 runs inside the leader)"),
+        ("me@mac3", HostsConflict, "me@mac3 is a spare, no rank runs there"),
+        ("me@mac9", NoSuchSpare, "me@mac9 is not a host of the group (the hosts: localhost, me@mac2, me@mac5)"),
+    ):
+        with pytest.raises(kind) as caught:
+            r.drain_plan(host)
+        assert says in str(caught.value), str(caught.value)
+    spares.take([3], "drained")  # one spare left, two ranks on mac2
+    with pytest.raises(HostsConflict, match=r"me@mac2 runs rank 1, 2, but 1 spare\(s\) stand by"):
+        r.drain_plan("me@mac2")
+    local = Launcher([LEADER, Host("127.0.0.1", ("10.0.0.1",))])
+    with pytest.raises(HostsConflict, match="the leader's own host"):  # another name for the leader's machine
+        Roster(local, Spares(local.hosts, spares.spares, 20.0), "ring", tmp_path / "h.json").drain_plan("127.0.0.1")

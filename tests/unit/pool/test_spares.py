@@ -153,3 +153,13 @@ def test_the_spare_timeout_must_be_shorter_than_the_resume_timeout(
         return
     with pytest.raises(HostsError, match=says):
         check_spare_timeout(spare_s, resume_s)
+
+
+def test_a_drained_hosts_ranks_take_the_first_spares_and_the_host_leaves_them(clock: Clock) -> None:
+    hosts = [LEADER, MAC2, MAC2]
+    s = spares(clock, hosts, [MAC3, MAC4, MAC5])
+    moves = s.take([1, 2], "mac2 drained")
+    assert [(m.rank, m.lost, m.spare, m.out_s) for m in moves] == [(1, "mac2", "mac3", 0.0), (2, "mac2", "mac4", 0.0)]
+    assert s.describe() == [{"host": "mac5", "state": "standing by"}]  # mac2 is not a spare: it was taken out
+    clock.now += BOUND  # a spare that does not answer passes its rank on, as after a loss
+    assert s.due() == [1]

@@ -17,13 +17,14 @@ from neuron.server.http import loopback
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
 HOSTS = "/v1/hosts"
-ADD, REMOVE = f"{HOSTS}/add", f"{HOSTS}/remove"
+ADD, REMOVE, DRAIN = f"{HOSTS}/add", f"{HOSTS}/remove", f"{HOSTS}/drain"
 BODIES = {
     LOAD: {"lora_name": "a", "lora_path": "/adapters/a"},
     UNLOAD: {"lora_name": "a"},
     HOSTS: None,  # a GET
     ADD: {"ssh": "me@mac3", "ips": ["10.0.0.3"]},
     REMOVE: {"host": "me@mac3"},
+    DRAIN: {"host": "me@mac2"},
 }
 # Every route that changes what is served, or where (or lists the hosts): each must be an admin route, and none
 # other is.
@@ -62,6 +63,17 @@ class Roster:
         return SimpleNamespace(ssh=ssh)
 
 
+class Drains:
+    """What the drain route calls on the engine: it records, and moves nothing."""
+
+    def __init__(self, calls: list[tuple[str, ...]]) -> None:
+        self.calls = calls
+
+    async def drain(self, host: str) -> list[SimpleNamespace]:
+        self.calls.append(("drain", host))
+        return [SimpleNamespace(rank=1, spare="me@mac3")]
+
+
 @pytest.fixture
 def adapters() -> Adapters:
     return Adapters()
@@ -70,7 +82,7 @@ def adapters() -> Adapters:
 def client(adapters: Adapters, key: str | None, address: tuple[str, int]) -> Iterator[TestClient]:
     spares = SimpleNamespace(describe=lambda: [])
     pool = SimpleNamespace(hosts=["localhost"], broken=None, loaded=True, spares=spares, roster=Roster(adapters.calls))
-    engine = SimpleNamespace(adapters=adapters, pool=pool)
+    engine = SimpleNamespace(adapters=adapters, pool=pool, drains=Drains(adapters.calls))
     state = ServerState("qwen3", api_key=key, engine=engine)  # type: ignore[arg-type]
     with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1", client=address) as c:
         yield c
