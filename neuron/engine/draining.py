@@ -6,7 +6,7 @@ changed in place (MLX's sharded layers hold the group they were made with), so
 moving a rank means a fresh group, which is what recovering a lost one builds.
 At a step boundary the batch is paused as for a loss, though no request counts
 a loss (nothing failed); the group is set aside naming the drained host; each
-of its ranks is given a spare (``Pool.move_drained``); and the recovery starts
+of its ranks is given a spare (``Roster.move_drained``); and the recovery starts
 every worker afresh (the drained host's are stopped), re-forms the group and
 resumes the paused requests with the text they would have had. The drained host
 leaves the hostfile; ``neuron hosts add`` brings it back as a spare.
@@ -82,10 +82,10 @@ class Drains:
         assert drain is not None
         reason = f"{drain.host} drained by the operator (neuron hosts drain)"
         try:
-            error = self.pool.stand_down(drain.ranks, reason)
+            error = self.pool.roster.stand_down(drain.ranks, reason)
             self.recovery.unready(error)
             self.recovery.pause(error, None, blame=False)
-            drain.moves = self.pool.move_drained(drain.ranks, reason)
+            drain.moves = self.pool.roster.move_drained(drain.ranks, reason)
             for move in drain.moves:
                 log.warning("rank moved to a spare", rank=move.rank, host=move.lost, spare=move.spare, reason=reason)
                 self.recovery.events.append(

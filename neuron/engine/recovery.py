@@ -163,7 +163,7 @@ class Recovery:
     def _move_to_spares(self, error: str) -> bool:
         """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""
         bound = self.pool.spares.bound_s
-        moves = self.pool.move_to_spares(f"out of reach for over {bound:g} s (--spare-timeout): {error}")
+        moves = self.pool.roster.move_due(f"out of reach for over {bound:g} s (--spare-timeout): {error}")
         for move in moves:
             log.warning(
                 "rank moved to a spare",

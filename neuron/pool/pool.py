@@ -31,14 +31,16 @@ import anyio
 import structlog
 
 from neuron import metrics, rpc
+from neuron.launch.hosts import Host
 from neuron.models import hub
 from neuron.pool.fanout import Deadlines, PoolError
 from neuron.pool.link import Link
 from neuron.pool.loading import Loader
+from neuron.pool.probe import probe_spare
 from neuron.pool.ranks import Layout, Ranks, check_backend
 from neuron.pool.replacement import Replacement
 from neuron.pool.roster import Roster
-from neuron.pool.spares import Move, Spares
+from neuron.pool.spares import Spares
 from neuron.pool.watch import Watch
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.run import Stepped, run
@@ -77,7 +79,8 @@ class Pool:
         self._replacement = Replacement(ranks, self._loader)
         self._watch = Watch(ranks)
         self.spares = Spares(self.launcher.hosts, self.layout.spares, self.layout.spare_timeout)
-        self.roster = Roster(self.launcher, self.spares, self.backend, self.layout.hostfile)
+        # The hosts as they change while serving: moves to spares, and what the operator adds, drains or removes.
+        self.roster = Roster(ranks, self.spares, self.layout.hostfile, self._probe_spare)
 
     async def __aenter__(self) -> Pool:
         self._loader.check_split()
@@ -209,31 +212,9 @@ class Pool:
         self._watch.follow()
         metrics.WORKER_RESTARTS.inc()
 
-    def move_to_spares(self, reason: str) -> list[Move]:
-        """Between tries to recover: move every rank whose host has been out of reach past ``--spare-timeout`` to a
-        spare (``Spares``), which the next try starts it on."""
-        moves = self.spares.move(reason)
-        for move in moves:
-            self._ranks.place(move.rank, move.host)
-            metrics.RANK_MOVES.labels("unreachable").inc()
-        if moves:
-            self.roster.save()  # a restarted leader starts each rank where it runs now
-        return moves
-
-    def stand_down(self, ranks: list[int], reason: str) -> PoolError:
-        """At a step boundary: set the group aside for ``ranks``' host is drained, as if it were lost, so that the
-        next ``recover`` replaces it (and stops every worker of that host); why, naming the drained host."""
-        return self._ranks.fan_out.stand_down({rank: reason for rank in ranks})
-
-    def move_drained(self, ranks: list[int], reason: str) -> list[Move]:
-        """Give each of ``ranks``, whose host is drained, a spare (``Spares.take``), which ``recover`` starts it on;
-        the drained host leaves the hostfile."""
-        moves = self.spares.take(ranks, reason)
-        for move in moves:
-            self._ranks.place(move.rank, move.host)
-            metrics.RANK_MOVES.labels("drained").inc()
-        self.roster.save()
-        return moves
+    async def _probe_spare(self, spare: Host) -> rpc.HostInfo:
+        """A new spare asked who it is, with room needed for the largest rank's share of the weights."""
+        return await probe_spare(self._ranks, spare, max(self._loader.weights, default=0))
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

@@ -62,7 +62,7 @@ async def add_host(call: Call) -> Response:
     entry = an_object(call.body)
 
     async def add(engine: Engine) -> str:
-        return f"added the spare {engine.pool.roster.add(entry).ssh}"
+        return f"added the spare {(await engine.pool.roster.add(entry)).ssh}"
 
     return await _changed(call, add)
 
@@ -145,7 +145,7 @@ def openapi(spec: Spec) -> OpenApi:
         "properties": {"host": text},
         "additionalProperties": False,
     }
-    changed = replies(400, 401, 403, 404, 409, 413, 415, 503, ok=ref("Hosts"))
+    changed = replies(400, 401, 403, 404, 409, 413, 415, 422, 503, ok=ref("Hosts"))
     listing_op = get(
         "the ranks' hosts and states, and the spares",
         replies(401, 403, 503, ok=ref("Hosts")),

@@ -87,6 +87,7 @@ ERROR_MEANINGS = {
     409: "the change conflicts with the group as it stands (a host already in it; a rank's host named as a spare)",
     413: "the body is too large",
     415: "the body is not sent as application/json",
+    422: "a host that cannot serve: out of reach, other versions, too little memory (the message says which)",
     429: "the queue is full; retry after Retry-After seconds",
     500: "a step failed; the server log has the details",
     503: "not ready (loading, recovering or shutting down); retry after Retry-After seconds",

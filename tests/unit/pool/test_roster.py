@@ -5,30 +5,52 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import anyio
 import pytest
 
 from neuron.launch.hostfile import read_hostfile
-from neuron.launch.hosts import Host, HostsError
+from neuron.launch.hosts import Host, HostsError, describe_host
 from neuron.launch.launcher import Launcher
-from neuron.pool.roster import HostsConflict, NoSuchSpare, Roster
+from neuron.pool.probe import SpareUnfit
+from neuron.pool.roster import HostsConflict, NoSuchSpare, Probe, Roster
 from neuron.pool.spares import Spares
+from neuron.rpc import HostInfo
 
 LEADER = Host("localhost", ("10.0.0.1",))
 MAC2 = Host("me@mac2", ("10.0.0.2",))
 MAC3 = {"ssh": "me@mac3", "ips": ["10.0.0.3"]}
 
 
+async def answers(spare: Host) -> HostInfo:
+    """A spare that answers the probe as a worker would (``pool.probe``: tests/e2e/hosts/ runs it for real)."""
+    return describe_host(1)
+
+
+async def unfit(spare: Host) -> HostInfo:
+    raise SpareUnfit(f"cannot reach the spare {spare.ssh} as a worker")
+
+
+def on(launcher: Launcher, spares: Spares, path: Path | None, probe: Probe = answers) -> Roster:
+    """A roster over ``launcher``'s hosts; what it reads of the ranks is their launcher and backend (no rank runs)."""
+    return Roster(SimpleNamespace(launcher=launcher, backend="ring"), spares, path, probe)  # type: ignore[arg-type]
+
+
+def add(r: Roster, entry: object) -> Host:
+    return anyio.run(r.add, entry)
+
+
 def roster(path: Path | None, spares: tuple[Host, ...] = ()) -> Roster:
     launcher = Launcher([LEADER, MAC2])
-    return Roster(launcher, Spares(launcher.hosts, spares, 20.0), "ring", path)
+    return on(launcher, Spares(launcher.hosts, spares, 20.0), path)
 
 
 def test_a_spare_added_then_removed_is_written_back_each_time(tmp_path: Path) -> None:
     path = tmp_path / "hosts.json"
     path.write_text(json.dumps([{"ssh": "localhost", "ips": ["10.0.0.1"]}, {"ssh": "me@mac2", "ips": ["10.0.0.2"]}]))
     r = roster(path)
-    assert r.add(MAC3) == Host("me@mac3", ("10.0.0.3",))
+    assert add(r, MAC3) == Host("me@mac3", ("10.0.0.3",))
     assert read_hostfile(path).spares == (Host("me@mac3", ("10.0.0.3",)),)
     assert read_hostfile(path).hosts == (LEADER, MAC2)
     assert r.remove("me@mac3").ssh == "me@mac3"
@@ -54,9 +76,19 @@ def test_a_bad_or_conflicting_spare_is_refused_and_nothing_changes(
     path.write_text("unchanged")
     r = roster(path, (Host("me@mac4", ("10.0.0.4",)),))
     with pytest.raises(kind) as caught:
-        r.add(entry)
+        add(r, entry)
     assert says in str(caught.value), str(caught.value)
     assert [s.ssh for s in r.spares.spares] == ["me@mac4"] and path.read_text() == "unchanged"
+
+
+def test_a_spare_the_probe_finds_unfit_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.json"
+    path.write_text("unchanged")
+    launcher = Launcher([LEADER, MAC2])
+    r = on(launcher, Spares(launcher.hosts, (), 20.0), path, unfit)
+    with pytest.raises(SpareUnfit, match="cannot reach the spare me@mac3"):
+        add(r, MAC3)
+    assert r.spares.spares == [] and path.read_text() == "unchanged" and SpareUnfit.status == 422
 
 
 def test_removing_a_ranks_host_or_an_unknown_spare_is_refused(tmp_path: Path) -> None:
@@ -70,13 +102,13 @@ def test_removing_a_ranks_host_or_an_unknown_spare_is_refused(tmp_path: Path) ->
 
 def test_a_leader_started_without_a_hostfile_has_no_spares_to_keep() -> None:
     with pytest.raises(HostsConflict, match="started without --hosts"):
-        roster(None).add(MAC3)
+        add(roster(None), MAC3)
 
 
 def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_and_is_refused_where_it_cannot(tmp_path: Path) -> None:
     launcher = Launcher([LEADER, MAC2, MAC2, Host("me@mac5", ("10.0.0.5",))])
     spares = Spares(launcher.hosts, (Host("me@mac3", ("10.0.0.3",)), Host("me@mac4", ("10.0.0.4",))), 20.0)
-    r = Roster(launcher, spares, "ring", tmp_path / "hosts.json")
+    r = on(launcher, spares, tmp_path / "hosts.json")
     assert r.drain_plan("me@mac2") == [1, 2]
     for host, kind, says in (
         ("localhost", HostsConflict, "is the leader's own host (rank 0 runs inside the leader)"),
@@ -91,4 +123,4 @@ def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_and_is_refused_where_i
         r.drain_plan("me@mac2")
     local = Launcher([LEADER, Host("127.0.0.1", ("10.0.0.1",))])
     with pytest.raises(HostsConflict, match="the leader's own host"):  # another name for the leader's machine
-        Roster(local, Spares(local.hosts, spares.spares, 20.0), "ring", tmp_path / "h.json").drain_plan("127.0.0.1")
+        on(local, Spares(local.hosts, spares.spares, 20.0), tmp_path / "h.json").drain_plan("127.0.0.1")

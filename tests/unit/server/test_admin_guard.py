@@ -54,7 +54,7 @@ class Roster:
         self.calls = calls
         self.path = None
 
-    def add(self, entry: dict) -> SimpleNamespace:
+    async def add(self, entry: dict) -> SimpleNamespace:
         self.calls.append(("add", entry["ssh"]))
         return SimpleNamespace(ssh=entry["ssh"])
 
