@@ -72,11 +72,11 @@ class Spares:
         self.returning: set[str] = set()  # hosts that lost a rank, spares again (tried last) until one answers
         self.moves: list[Move] = []
 
-    def failed(self, ranks: Iterable[int], answered: bool = True) -> None:
+    def failed(self, ranks: Iterable[int], answered: bool = True, since: float | None = None) -> None:
         """A try (or the loss itself) could not reach ``ranks``. Each is out of reach from the first time it was
-        named; with ``answered``, a rank no longer named reached its host, and its outage ends. Rank 0 is the
-        leader's own: it never moves."""
-        now = self.clock()
+        named (``since``, where an earlier leader process named it); with ``answered``, a rank no longer named
+        reached its host, and its outage ends. Rank 0 is the leader's own: it never moves."""
+        now = self.clock() if since is None else since
         named = {rank: self.out.get(rank, now) for rank in ranks if rank != 0}
         self.out = named if answered else {**self.out, **named}
 

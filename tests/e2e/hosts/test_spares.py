@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -21,11 +21,24 @@ pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=
 
 SPARE_S = 4  # short, so the test is; well under --resume-timeout
 RESUMING = resume.shorter(120)
+GREEDY = {"prompt": "hello", "max_tokens": 24, "temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_alone: Callable[[str], str]) -> str:
+    """GREEDY's completion on one rank (``neuron generate``), which every split must give."""
+    return tiny_alone("qwen3").removesuffix("\n")
+
+
+def complete(server: Server) -> str:
+    response = httpx.post(f"{server.url}/v1/completions", json={"model": "qwen3", **GREEDY}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
 
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Namespaces]:
-    with started(2, tmp_path_factory.mktemp("testbed")) as testbed:
+    with started(3, tmp_path_factory.mktemp("testbed")) as testbed:
         yield testbed
 
 
@@ -41,7 +54,11 @@ def with_a_spare(
     )
     with serving(tmp_path_factory, *args) as server:
         yield server
-    wait_until(lambda: not bed.workers(0) and not bed.workers(1), 10, "no neuron worker left on either host")
+    nothing_left(bed)
+
+
+def nothing_left(bed: Namespaces) -> None:
+    wait_until(lambda: not any(bed.workers(i) for i in range(3)), 10, "no neuron worker left on any host")
 
 
 def test_a_host_gone_for_good_gives_its_rank_to_the_spare_and_every_stream_goes_on(
@@ -106,3 +123,69 @@ def test_a_host_added_then_a_working_host_drained_and_every_stream_goes_on(
         assert not [e for e in server.logs() if e.get("event") == "not resumed"]
     written = json.loads(hostfile.read_text())
     assert [h["ssh"] for h in written["hosts"]] == ["localhost", added] and written["spares"] == []
+
+
+def test_a_spare_that_dies_as_it_is_brought_in_passes_the_rank_to_the_next_and_every_stream_goes_on(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Host 0 dies for good with its rank; the first spare, host 1, is dead too: out of reach in its turn, it passes
+    the rank on to host 2 after another ``--spare-timeout``, and both lost hosts are spares again, tried last."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "chain.json", spares=[bed.entry(1), bed.entry(2)])
+    args = (
+        *("--model", str(tiny_models["qwen3"]), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
+        *("--step-timeout", "3", "--spare-timeout", str(SPARE_S), "--resume-timeout", "90"),
+    )
+    lost, dead_spare, last = (f"root@{bed.ip(i)}" for i in range(3))
+    try:
+        with serving(tmp_path_factory, *args) as server:
+            undisturbed = resume.references(server.url, RESUMING)
+            bed.gone_for_good(1)  # the first spare, dead before it is needed
+
+            resume.disturb(server, undisturbed, lambda: bed.gone_for_good(0), bases=RESUMING)
+            moved = [
+                (e["rank"], e["host"], e["spare"]) for e in server.logs() if e.get("event") == "rank moved to a spare"
+            ]
+            assert moved == [(1, lost, dead_spare), (1, dead_spare, last)], moved
+            status = httpx.get(f"{server.url}/v1/status", timeout=10).json()
+            assert [r["host"] for r in status["ranks"]] == ["localhost", last]
+            assert status["spares"] == [
+                {"host": lost, "state": "returning"},
+                {"host": dead_spare, "state": "returning"},
+            ]
+            assert server.metrics()[("neuron_rank_moves_total", (("cause", "unreachable"),))] == 2
+            assert server.find_log("restarting") is None
+        written = json.loads(hostfile.read_text())  # where a restarted leader starts: rank 1 on host 2
+        assert [h["ssh"] for h in written["hosts"]] == ["localhost", last]
+        assert [h["ssh"] for h in written["spares"]] == [lost, dead_spare]
+    finally:
+        bed.back(0)
+        bed.back(1)
+    nothing_left(bed)
+
+
+def test_a_host_dead_when_the_leader_starts_gives_its_rank_to_a_spare(
+    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, reference: str
+) -> None:
+    """Out of reach from the start, host 0 is waited for (the leader restarts to try again) for ``--spare-timeout``,
+    then its rank moves to the spare in the hostfile, which the fresh leader starts from, and serves."""
+    hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "start.json", spares=[bed.entry(1)])
+    lost, spare = f"root@{bed.ip(0)}", f"root@{bed.ip(1)}"
+    args = (
+        *("--model", str(tiny_models["qwen3"]), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
+        *("--spare-timeout", str(SPARE_S)),
+    )
+    bed.gone_for_good(0)
+    try:
+        with serving(tmp_path_factory, *args) as server:
+            moved = server.find_log("rank moved to a spare")
+            assert moved is not None and (moved["rank"], moved["host"], moved["spare"]) == (1, lost, spare), moved
+            assert "out of reach at start" in moved["reason"]
+            assert complete(server) == reference
+            assert server.metrics()[("neuron_rank_moves_total", (("cause", "unreachable"),))] == 1
+            assert bed.workers(1)
+    finally:
+        bed.back(0)
+    written = json.loads(hostfile.read_text())
+    assert [h["ssh"] for h in written["hosts"]] == ["localhost", spare]
+    assert [h["ssh"] for h in written["spares"]] == [lost]
+    nothing_left(bed)
