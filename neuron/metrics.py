@@ -63,6 +63,13 @@ LEADER_RESTARTS = Counter(
     ["cause"],
     registry=REGISTRY,
 )
+RANK_MOVES = Counter(
+    "neuron_rank_moves",
+    "Times a rank moved to another host, by cause: unreachable (its host out of reach past --spare-timeout, the rank "
+    "moved to a spare), drained (its host drained by the operator, neuron hosts drain)",
+    ["cause"],
+    registry=REGISTRY,
+)
 RANK0_ABANDONED = Counter(
     "neuron_rank0_threads_abandoned",
     "Times rank 0's thread stayed inside a lost group's collective and a fresh one took its place",

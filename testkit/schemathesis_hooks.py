@@ -22,7 +22,14 @@ CODES = ("context_length_exceeded", "unsupported_schema", "tool_not_found", "min
 # server/common/submit.py, server/common/tools.py).
 MESSAGES = ("but the context holds", "the schema cannot be enforced", "must name one of the tools given")
 IMAGE_PARTS = ("image_url", "input_image", "image")  # chat's, the Responses API's and Anthropic's
-ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # they name a folder, or an adapter held
+# They name a folder, an adapter held, or a host (the hosts' routes refuse a group started without --hosts).
+ADMIN_ROUTES = (
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/v1/hosts/add",
+    "/v1/hosts/remove",
+    "/v1/hosts/drain",
+)
 
 
 def _holds_an_image(value: Any) -> bool:

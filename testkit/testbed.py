@@ -10,6 +10,7 @@ namespace. ``unavailable()`` says why a machine cannot host it, for a skip.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,22 @@ class Namespaces:
             process.terminate()
             process.wait(10)
 
+    def gone_for_good(self, host: int) -> None:
+        """Host ``i`` dies as a machine does: its link down first (nothing it says gets out), then every process in
+        its namespace killed, its sshd with them. ``back`` undoes it."""
+        self.link(host, up=False)
+        listener = self._sshd.pop(host, None)
+        for pid in _run("ip", "netns", "pids", self.namespaces[host], check=False).stdout.split():
+            _kill(int(pid))
+        if listener is not None:
+            listener.wait(10)
+
+    def back(self, host: int) -> None:
+        """Host ``i`` boots again: its link up and its sshd listening."""
+        self.link(host, up=True)
+        if host not in self._sshd:
+            self.start_sshd(host)
+
     def link(self, host: int, up: bool) -> None:
         _run("ip", "link", "set", self.veth(host), "up" if up else "down")
 
@@ -188,9 +206,11 @@ class Namespaces:
             return {"ssh": "localhost", "ips": [self.leader_ip], **extra}
         return {"ssh": f"root@{self.ip(host)}", "ips": [self.ip(host)], "neuron": self.neuron_command(), **extra}
 
-    def hostfile(self, entries: list[dict[str, Any]], name: str = "hosts.json") -> Path:
-        """A hostfile of ``entries``, each rank on a core of this machine's own where there are enough to go round
-        (an entry's own ``cpus`` stand).
+    def hostfile(
+        self, entries: list[dict[str, Any]], name: str = "hosts.json", spares: list[dict[str, Any]] | None = None
+    ) -> Path:
+        """A hostfile of ``entries`` (in the object form, with ``spares``, where given), each rank on a core of this
+        machine's own where there are enough to go round (an entry's own ``cpus`` stand).
 
         Why the cores: the hosts share this machine's cores, and a rank alone on its host takes every core it
         sees, with as many BLAS threads, which spin between a step's products, and ring threads that poll while a
@@ -202,8 +222,10 @@ class Namespaces:
         cores = sorted(os.sched_getaffinity(0))
         if len(entries) <= len(cores):
             entries = [{"cpus": [core], **entry} for core, entry in zip(cores, entries, strict=False)]
+            # A spare takes a remote rank's place, and its core: the last rank's, which it most likely replaces.
+            spares = [{"cpus": [cores[len(entries) - 1]], **spare} for spare in spares or []]
         path = self.root / name
-        path.write_text(json.dumps(entries))
+        path.write_text(json.dumps({"hosts": entries, "spares": spares} if spares is not None else entries))
         return path
 
     def pids(self, host: int) -> list[int]:
@@ -234,6 +256,16 @@ class Namespaces:
         for i in range(len(self.namespaces)):
             _run("ip", "link", "del", self.veth(i), check=False)
         _run("ip", "link", "del", self.bridge, check=False)
+
+
+@contextlib.contextmanager
+def started(hosts: int, root: Path) -> Iterator[Namespaces]:
+    """A bed of ``hosts`` hosts under ``root``, torn down on exit whatever happened: a test module's fixture."""
+    testbed = Namespaces(hosts, root)
+    try:
+        yield testbed.start()
+    finally:
+        testbed.close()
 
 
 def _children_of(pid: int) -> set[int]:

@@ -1,4 +1,5 @@
-"""The ``neuron`` command: ``serve`` and ``generate`` (and, hidden, ``--worker`` for the leader's subprocesses).
+"""The ``neuron`` command: ``serve`` and ``generate``, ``hosts`` for a running leader's hosts, the model cache's
+commands (and, hidden, ``--worker`` for the leader's subprocesses).
 
 Imports stay light until the command is known: on the Linux CPU backend a worker
 must pin itself to its cores before MLX starts any thread, and the leader may
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", metavar="PROMPT")
     sources.add_arguments(gen, "generate")
     catalog.add_commands(commands)  # pull, models, models rm: the Hugging Face cache (neuron/models/catalog.py)
+    from neuron.cli import hosts
+
+    hosts.add_command(commands)  # the running leader's hosts, through its admin routes (neuron/cli/hosts.py)
     return parser
 
 
@@ -102,6 +106,10 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_USAGE
     if args.command in catalog.COMMANDS:
         return catalog.run(args)
+    if args.command == "hosts":
+        from neuron.cli import hosts
+
+        return hosts.run(args)
     problems = sources.resolve(args, args.command)
     if args.command == "serve":
         from neuron.models.folder import outside
@@ -135,12 +143,15 @@ def _main(argv: list[str] | None) -> int:
 
 def _read_hosts(args: argparse.Namespace) -> list[str]:
     """Read ``--hosts`` and settle ``--tp`` (ranks = tp x pp); the problems found."""
-    from neuron.launch.hosts import HostsError, check_hosts, local_hosts, read_hostfile
+    from neuron.launch.hostfile import check_spare_timeout, read_hostfile
+    from neuron.launch.hosts import Host, HostsError, check_hosts, local_hosts
     from neuron.launch.stages import SplitError, parse_split
 
+    spares: tuple[Host, ...] = ()
     try:
         if args.hosts:
-            hosts = read_hostfile(args.hosts)
+            hostfile = read_hostfile(args.hosts)
+            hosts, spares = list(hostfile.hosts), hostfile.spares
             tp = args.tp or len(hosts) // args.pp
             if tp * args.pp != len(hosts):
                 raise HostsError(
@@ -155,7 +166,9 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
                 f"--tp {tp} with --pp {args.pp} needs sub-groups of the ranks (MLX's Group.split), which MLX's "
                 f"{args.backend} backend cannot make (of its backends only MPI can); use --tp or --pp alone"
             )
-        check_hosts(hosts, args.backend, args.data_plane)
+        check_hosts(hosts, args.backend, args.data_plane, spares)
+        if spares and args.command == "serve":
+            check_spare_timeout(args.spare_timeout, args.resume_timeout)
         args.split = tuple(parse_split(args.pp_layers)) if args.pp_layers else ()
         if args.split and args.pp == 1:
             raise HostsError("--pp-layers splits pipeline stages: give --pp too")
@@ -165,13 +178,18 @@ def _read_hosts(args: argparse.Namespace) -> list[str]:
         return [str(e)]
     args.tp = tp
     args.host_list = hosts
+    args.spares = spares
     return []
 
 
 def _layout(args: argparse.Namespace, launcher: Launcher) -> Layout:
     from neuron.pool import Layout
 
-    return Layout(launcher, args.backend, args.pp, args.split, args.push_model)
+    timeout = getattr(args, "spare_timeout", None)  # serve's alone: generate has no recovery to move a rank in
+    extra = {"spare_timeout": timeout} if timeout is not None else {}
+    return Layout(
+        launcher, args.backend, args.pp, args.split, args.push_model, args.spares, hostfile=args.hosts, **extra
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

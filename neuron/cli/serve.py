@@ -66,8 +66,10 @@ from neuron import metrics
 from neuron.config.settings import HttpLimits, Scheduling, Serving
 from neuron.engine.engine import Engine
 from neuron.launch.checks import Unreachable
+from neuron.launch.hostfile import Hostfile, write_hostfile
 from neuron.models.adapters import AdapterError, parse_list
 from neuron.pool import Deadlines, Layout
+from neuron.pool.spares import Move, Spares
 from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
 from neuron.server.guard import Allowed, split_list
@@ -126,6 +128,10 @@ class Recovery:
     restarts: int
     # Re-executions of the leader so far, by why (``metrics.LEADER_RESTARTS``' labels), this one included.
     leader_restarts: dict[str, int] = field(default_factory=dict)
+    # Since when the hosts out of reach at start have been (time.time()): a rank moves to a spare past
+    # --spare-timeout, whatever the restarts between; None where none is out.
+    out_since: float | None = None
+    rank_moves: int = 0  # ranks moved to spares at start so far (``metrics.RANK_MOVES``)
 
     def counted(self, why: str, previous: Recovery | None) -> Recovery:
         """This recovery, with ``previous``' counts of leader restarts carried on and this one added."""
@@ -241,20 +247,49 @@ def _status(options: ServeOptions, state: ServerState, engine: Engine | None) ->
 RETRY_S = (1, 2, 4, 8, 15)
 
 
+def spare_at_start(layout: Layout, error: Unreachable, since: float, now: float) -> list[Move]:
+    """At start, hosts out of reach since ``since``: past ``--spare-timeout``, each of their ranks moves to a spare
+    (``Spares``), written to the hostfile, which the fresh leader reads. Nothing without spares or a hostfile."""
+    if not layout.spares or not layout.hostfile:
+        return []
+    hosts = layout.launcher.hosts
+    spares = Spares(hosts, layout.spares, layout.spare_timeout, clock=lambda: now)
+    spares.failed([rank for rank, host in enumerate(hosts) if host.ssh in error.hosts], since=since)
+    moves = spares.move(f"out of reach at start for over {layout.spare_timeout:g} s (--spare-timeout): {error}")
+    if moves:
+        placed = list(hosts)
+        for move in moves:
+            placed[move.rank] = move.host
+            log.warning("rank moved to a spare", rank=move.rank, host=move.lost, spare=move.spare, reason=move.reason)
+        try:
+            write_hostfile(layout.hostfile, Hostfile(tuple(placed), tuple(spares.spares)))
+        except OSError as e:  # the fresh leader reads the hostfile: unwritten, nothing moved
+            log.error("hostfile not written: no rank moves to a spare", path=layout.hostfile, error=str(e))
+            return []
+    return moves
+
+
 async def _wait_to_retry(
     error: Unreachable,
     restarted: Recovery | None,
     state: ServerState,
     notifier: systemd.Notifier,
     stopping: anyio.Event,
+    layout: Layout,
 ) -> Recovery | None:
     """A host is out of reach: say which, wait, and hand back the ``Recovery`` for a fresh try (None on a signal).
+    Past ``--spare-timeout``, its ranks move to spares first (``spare_at_start``), and the try comes at once.
 
     The retry is a fresh process, as after a lost group: rank 0 may already have
     joined a group, and MLX allows one per process.
     """
     count = restarted.restarts + 1 if restarted else 1
-    delay = RETRY_S[min(count, len(RETRY_S)) - 1]
+    now = time.time()
+    since = restarted.out_since if restarted and restarted.out_since is not None else now
+    moves = spare_at_start(layout, error, since, now)
+    if moves:
+        since = now  # the spare's own bound starts here
+    delay = RETRY_S[0] if moves else RETRY_S[min(count, len(RETRY_S)) - 1]
     state.status = f"waiting for {', '.join(error.hosts)} (next try in {delay} s): {error}"
     log.error("host unreachable; trying again", hosts=error.hosts, error=str(error), retry_s=delay, restarts=count)
     notifier.send(f"STATUS={state.status}")
@@ -262,9 +297,9 @@ async def _wait_to_retry(
         await stopping.wait()
     if stopping.is_set():
         return None
-    return Recovery(str(error), restarted.lost_at if restarted else time.time(), count).counted(
-        "unreachable", restarted
-    )
+    moved = (restarted.rank_moves if restarted else 0) + len(moves)
+    lost_at = restarted.lost_at if restarted else now
+    return Recovery(str(error), lost_at, count, out_since=since, rank_moves=moved).counted("unreachable", restarted)
 
 
 def _why_restart(engine: Engine, options: ServeOptions) -> str:
@@ -353,6 +388,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     restarted = _restarted()
     if restarted:
         metrics.WORKER_RESTARTS.inc(restarted.restarts)
+        metrics.RANK_MOVES.labels("unreachable").inc(restarted.rank_moves)
         for why, count in restarted.leader_restarts.items():
             metrics.LEADER_RESTARTS.labels(why).inc(count)
     activated = systemd.activated_socket()
@@ -443,7 +479,8 @@ async def run_leader(options: ServeOptions) -> Restart | None:
                             restart = Restart(os.dup(sock.fileno()), lost)
                             _stop_accepting(server)
                 except Unreachable as e:
-                    if (recovery := await _wait_to_retry(e, restarted, state, notifier, stopping)) is not None:
+                    waited = await _wait_to_retry(e, restarted, state, notifier, stopping, options.layout)
+                    if (recovery := waited) is not None:
                         restart = Restart(os.dup(sock.fileno()), recovery)
                         _stop_accepting(server)
         finally:

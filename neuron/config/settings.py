@@ -123,6 +123,12 @@ class Launch:
     step_timeout: float = setting(
         120.0, "seconds a step may take on any rank before it is declared lost", commands=BOTH, positive=True
     )
+    spare_timeout: float = setting(
+        20.0,
+        "seconds a rank's host may stay out of reach, once its rank is lost, before the rank moves to one of the "
+        "hostfile's spares (a host back sooner keeps its rank); shorter than --resume-timeout",
+        positive=True,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import structlog
 from neuron import metrics
 from neuron.config.settings import KV_GROUP_SIZE
 from neuron.engine.adapter_registry import Adapters
+from neuron.engine.draining import Drains
 from neuron.engine.intake import Intake
 from neuron.engine.loop import REPROBE_S, Loop
 from neuron.engine.memory import Budget, Share
@@ -82,7 +83,10 @@ class Engine:
         self.output = Output(text, self.scheduler.queues.finish, self.prefix is not None)
         self.pressure = Pressure(pool, self.budget, self.scheduler, self.output, self.vocab_size, self.vision)
         self.recovery = Recovery(pool, self.scheduler, self.output, self.pressure, self._fail_all, self._wake)
-        self.loop = Loop(pool, self.scheduler, self.output, self.recovery, self.pressure, self.disk, self._fail_all)
+        self.drains = Drains(pool, self.recovery)  # the hosts the operator drains (neuron hosts drain)
+        self.loop = Loop(
+            pool, self.scheduler, self.output, self.recovery, self.pressure, self.disk, self._fail_all, self.drains
+        )
         eos = frozenset(text.eos_token_ids)
         self.intake = Intake(self.limits, self.context_length, self.vocab_size, eos, text.tokenizer, self.budget)
         # The LoRA adapters served, by name; one that requests queued or running use stays.

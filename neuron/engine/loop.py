@@ -25,6 +25,7 @@ import anyio
 import structlog
 
 from neuron import metrics
+from neuron.engine.draining import Drains
 from neuron.engine.output import Output
 from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
@@ -50,11 +51,13 @@ class Loop:
         pressure: Pressure,
         disk: PrefixDisk | None,
         fail_all: Callable[[str, str], None],
+        drains: Drains,
     ) -> None:
         self.pool = pool
         self.scheduler = scheduler
         self.output = output
         self.recovery = recovery
+        self.drains = drains
         self.pressure = pressure
         self.disk = disk
         self.fail_all = fail_all
@@ -81,6 +84,10 @@ class Loop:
             if self.pool.broken is not None and recovery.resumes:
                 self.busy_since = None  # not a wedged step: recovering has deadlines of its own
                 await recovery.recover()
+                continue
+            if self.drains.asked is not None:  # a step boundary: the operator's drain runs here (``draining``)
+                self.busy_since = None
+                await self.drains.run()
                 continue
             if not recovery.health.ready and self.pool.broken is None and not await recovery.probe():
                 self.fail_all("unavailable", f"not ready: {recovery.health.reason}")

@@ -27,7 +27,7 @@ from neuron.engine.output import Output
 from neuron.engine.pressure import Pressure
 from neuron.engine.scheduler import Scheduler
 from neuron.log import ms_since
-from neuron.pool import Pool, PoolError, Unrecoverable
+from neuron.pool import Pool, PoolError, Unrecoverable, ranks_named
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -80,14 +80,14 @@ class Recovery:
         """Whether a lost group pauses the batch (rather than failing it, and the leader restarting)."""
         return self.limits.resume_timeout > 0 and not self.lost.is_set()
 
-    def pause(self, error: PoolError, step: Step | None) -> None:
+    def pause(self, error: PoolError, step: Step | None, blame: bool = True) -> None:
         """Put the batch back in the queue to be fed again once the pool is back (``Scheduler.pause``); a request
-        blamed for too many losses ends here."""
+        blamed for too many losses ends here. Without ``blame`` (a drained host: nothing failed) no request counts
+        a loss."""
         lost = resume.lost(error.failures, self.pool.hosts, str(error))
         tries = self.limits.resume_tries
-        paused, given_up, cancelled = self.scheduler.queues.pause(
-            lost, resume.blamed(step, self.scheduler.batch), tries
-        )
+        blamed = resume.blamed(step, self.scheduler.batch) if blame else set()
+        paused, given_up, cancelled = self.scheduler.queues.pause(lost, blamed, tries)
         for seq, steps_after in cancelled:
             self.output.cancelled(seq, steps_after)
         for seq in given_up:
@@ -107,7 +107,8 @@ class Recovery:
         started = time.perf_counter()
         log.warning("recovering", cause=str(cause), paused=len(self.scheduler.waiting))
         ranks = sorted(cause.failures) if cause is not None else []
-        self.events.append({"at": time.time(), "event": "lost", "ranks": ranks, "reason": str(cause)})
+        event = "drained" if cause is not None and cause.op == "drain" else "lost"
+        self.events.append({"at": time.time(), "event": event, "ranks": ranks, "reason": str(cause)})
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._expire_paused)
             failure = await self._try_to_recover(cause, started)
@@ -127,25 +128,54 @@ class Recovery:
 
     async def _try_to_recover(self, cause: PoolError | None, started: float) -> str | None:
         """``pool.recover``, a probe and every rank's memory read (the fresh ranks' MLX limits set), tried again after
-        each failure while ``resume_timeout`` allows; None once the pool is back, else why not."""
+        each failure while ``resume_timeout`` allows; None once the pool is back, else why not. Between tries, a
+        rank whose host has stayed out of reach past ``--spare-timeout`` moves to a spare (``pool.spares``), and
+        the next try follows at once."""
+        spares = self.pool.spares
+        spares.failed(sorted(cause.failures) if cause is not None else [])
         delays = iter(RETRY_S)
         while True:
             try:
                 await self.pool.recover()
                 if await self.probe():
                     await self.pressure.read()
+                    spares.recovered()
                     return None
                 raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
             except Unrecoverable as e:
                 return str(e)
             except Exception as e:  # noqa: BLE001 - tried again while the time allows
                 error = f"{type(e).__name__}: {e}"
-                delay = next(delays, RETRY_S[-1])
+                named = ranks_named(e, self.pool.hosts)
+                spares.failed(named or [], answered=named is not None)
+                if self._move_to_spares(error):
+                    delays = iter(RETRY_S)
+                    continue
+                delay: float = next(delays, RETRY_S[-1])
+                if (due := spares.until_due()) is not None:
+                    delay = min(delay, due)  # a move is not put off by a long pause between tries
                 if time.perf_counter() - started + delay > self.limits.resume_timeout:
                     return error
-                log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=delay)
-                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay} s")
+                log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=round(delay, 1))
+                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay:.0f} s")
                 await anyio.sleep(delay)
+
+    def _move_to_spares(self, error: str) -> bool:
+        """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""
+        bound = self.pool.spares.bound_s
+        moves = self.pool.roster.move_due(f"out of reach for over {bound:g} s (--spare-timeout): {error}")
+        for move in moves:
+            log.warning(
+                "rank moved to a spare",
+                rank=move.rank,
+                host=move.lost,
+                spare=move.spare,
+                out_s=round(move.out_s, 1),
+                reason=move.reason,
+            )
+            reason = f"rank {move.rank} moved from {move.lost} to the spare {move.spare}: {move.reason}"
+            self.events.append({"at": move.at, "event": "moved", "ranks": [move.rank], "reason": reason})
+        return bool(moves)
 
     async def _expire_paused(self) -> None:
         """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""

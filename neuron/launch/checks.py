@@ -21,7 +21,12 @@ log = structlog.get_logger("neuron.launch")
 
 
 class Refused(RuntimeError):
-    """A host that must not serve with the others; the message names the rank, the host and both values."""
+    """A host that must not serve with the others; the message names the rank, the host and both values, and
+    ``ranks`` the ranks refused where one check names them (a spare is then passed over for the next)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class Unreachable(RuntimeError):
@@ -37,18 +42,22 @@ def check_handshake(pongs: dict[int, rpc.Pong], mine: rpc.HostInfo, world_size: 
     for rank, pong in sorted(pongs.items()):
         where = f"rank {rank} on {hosts[rank]}"
         if (pong.rank, pong.world_size) != (rank, world_size):
-            raise Refused(f"{where} answered as rank {pong.rank} of {pong.world_size}, not {rank} of {world_size}")
+            raise Refused(
+                f"{where} answered as rank {pong.rank} of {pong.world_size}, not {rank} of {world_size}", (rank,)
+            )
         if pong.protocol != rpc.PROTOCOL_VERSION:
             raise Refused(
                 f"{where} speaks protocol {pong.protocol}, the leader {rpc.PROTOCOL_VERSION}: "
-                "install the same neuron version on every host"
+                "install the same neuron version on every host",
+                (rank,),
             )
         for name in SAME_VERSIONS:
             theirs, ours = getattr(pong.host, name), getattr(mine, name)
             if theirs != ours:
                 raise Refused(
                     f"{where} ({pong.host.hostname}) runs {name.replace('_', '-')} {theirs}, the leader {ours}: "
-                    "install the same version on every host"
+                    "install the same version on every host",
+                    (rank,),
                 )
         for name in ("python", "platform"):
             if getattr(pong.host, name) != getattr(mine, name):
@@ -111,10 +120,11 @@ def _as_read(files: dict[str, str], read: list[str]) -> dict[str, str]:
 def check_models(checked: dict[int, rpc.ModelChecked], hosts: list[str], reads: list[list[str]] | None = None) -> None:
     """Every host holds the model rank 0 holds: the same config, tokenizer and weights (those its ranks load,
     ``reads``), file by file."""
-    for message in model_differences(checked, hosts, reads).values():
+    for rank, message in model_differences(checked, hosts, reads).items():
         raise Refused(
             f"{message}; copy the same model folder to every host, or pass --push-model to have the leader send "
-            "each host the share its ranks load"
+            "each host the share its ranks load",
+            (rank,),
         )
 
 
@@ -148,7 +158,8 @@ def check_memory(needs: list[int], infos: list[rpc.HostInfo], hosts: list[str]) 
                 f"rank {rank} on {hosts[rank]} ({info.hostname}) needs {size(need)} for its share of the model's "
                 f"weights, but has {size(info.free_memory)} available{limit}: split the model over more ranks "
                 "(--tp or --pp, with more hosts in the hostfile), give that host more memory (or a higher limit), "
-                "or serve a smaller or quantized model"
+                "or serve a smaller or quantized model",
+                (rank,),
             )
 
 

@@ -1,20 +1,17 @@
-"""The hosts a model is split over: the hostfile an operator writes, and what each host says about itself.
+"""The hosts a model is split over: one host as a hostfile entry describes it (``Host``), what every backend needs
+of them, and what each host says about itself. Reading and writing the hostfile is ``hostfile.py``'s.
 
-The hostfile is ``mlx.launch``'s: a JSON list with one entry per rank,
-``{"ssh": "user@mac2", "ips": ["10.0.0.2"]}``, or an object whose ``hosts`` is
-that list. Entry 0 is the leader's own host. neuron reads a few more keys of
-an entry, all optional: ``rdma`` (jaccl's device names, as ``mlx.launch``
-reads them), ``neuron`` (the command that starts neuron there; default: the
-leader's own interpreter, ``python -m neuron``), ``model`` (the model's path
-on that host, when it differs from ``--model``), and ``cpus`` (the cores this
-rank is pinned to; by default the ranks of a host split its cores). MLX is imported only to ask a GPU's
-free memory, on a GPU backend.
+An entry is ``mlx.launch``'s, ``{"ssh": "user@mac2", "ips": ["10.0.0.2"]}``; neuron
+reads a few more keys, all optional: ``rdma`` (jaccl's device names, as
+``mlx.launch`` reads them), ``neuron`` (the command that starts neuron there;
+default: the leader's own interpreter, ``python -m neuron``), ``model`` (the
+model's path on that host, when it differs from ``--model``), and ``cpus`` (the
+cores this rank is pinned to; by default the ranks of a host split its cores).
+MLX is imported only to ask a GPU's free memory, on a GPU backend.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
 import os
 import platform
 import socket
@@ -33,7 +30,6 @@ from neuron.rpc import HostInfo, Memory
 from neuron.system import device
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-KEYS = frozenset({"ssh", "ips", "rdma", "neuron", "model", "cpus"})
 
 
 class HostsError(ValueError):
@@ -54,52 +50,17 @@ class Host:
         """Spawned as a subprocess of the leader rather than over SSH."""
         return self.ssh in LOCAL_NAMES
 
-
-def read_hostfile(path: str | Path) -> list[Host]:
-    """Parse and check a hostfile; every problem is a ``HostsError`` naming the entry."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise HostsError(f"cannot read the hostfile {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise HostsError(f"the hostfile {path} is not valid JSON: {e}") from None
-    if isinstance(raw, dict):
-        raw = raw.get("hosts")
-    if not isinstance(raw, list) or not raw:
-        raise HostsError(f"the hostfile {path} must be a non-empty JSON list of hosts (or an object with one, 'hosts')")
-    return [_host(entry, f"{path}, entry {i}") for i, entry in enumerate(raw)]
+    @property
+    def machine(self) -> str:
+        """Which machine it is, for telling hosts apart: every local name is this one."""
+        return "localhost" if self.local else self.ssh
 
 
-def _host(entry: Any, where: str) -> Host:
-    if not isinstance(entry, dict):
-        raise HostsError(f'{where} must be an object like {{"ssh": "mac2", "ips": ["10.0.0.2"]}}')
-    if unknown := sorted(set(entry) - KEYS):
-        raise HostsError(f"{where} has unknown keys {unknown}; known: {sorted(KEYS)}")
-    ssh = entry.get("ssh")
-    if not isinstance(ssh, str) or not ssh or ssh.startswith("-") or any(c.isspace() for c in ssh):
-        raise HostsError(f"{where}: 'ssh' must be a host to reach over SSH (user@host), got {ssh!r}")
-    ips = entry.get("ips", [])
-    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
-        raise HostsError(f"{where}: 'ips' must be a list of addresses, got {ips!r}")
-    for ip in ips:
-        try:
-            ipaddress.ip_address(ip)
-        except ValueError:
-            raise HostsError(f"{where}: {ip!r} in 'ips' is not an IP address") from None
-    rdma = entry.get("rdma", [])
-    if not isinstance(rdma, list):
-        raise HostsError(f"{where}: 'rdma' must be a list (one cell per rank), got {rdma!r}")
-    cpus = entry.get("cpus", [])
-    if not isinstance(cpus, list) or not all(type(c) is int and c >= 0 for c in cpus):
-        raise HostsError(f"{where}: 'cpus' must be a list of core numbers, got {cpus!r}")
-    for key in ("neuron", "model"):
-        if key in entry and (not isinstance(entry[key], str) or not entry[key].strip()):
-            raise HostsError(f"{where}: {key!r} must be a non-empty string, got {entry[key]!r}")
-    return Host(ssh, tuple(ips), tuple(rdma), entry.get("neuron"), entry.get("model"), tuple(cpus))
-
-
-def check_hosts(hosts: list[Host], backend: str, data_plane: str = default("data_plane")) -> None:
-    """What a backend (and the data plane) needs of every host, checked before anything starts."""
+def check_hosts(
+    hosts: list[Host], backend: str, data_plane: str = default("data_plane"), spares: tuple[Host, ...] = ()
+) -> None:
+    """What a backend (and the data plane) needs of every host, and of every spare (which may take any rank but
+    0's), checked before anything starts."""
     if not hosts[0].local:
         raise HostsError(
             f"entry 0 of the hostfile is the leader's own host (rank 0 runs inside the leader): its 'ssh' must be "
@@ -117,6 +78,17 @@ def check_hosts(hosts: list[Host], backend: str, data_plane: str = default("data
         counts = {len(h.ips) for h in hosts}
         if len(counts) > 1:
             raise HostsError("every host needs as many 'ips' as the others: the ring stripes over matching links")
+        for i, spare in enumerate(spares):
+            if len(spare.ips) != len(hosts[0].ips):
+                raise HostsError(
+                    f"spare {i} ({spare.ssh}) has {len(spare.ips)} 'ips' where the hosts have {len(hosts[0].ips)}: "
+                    "a spare takes a rank's place in the ring, over as many links"
+                )
+    if spares and backend == "jaccl":
+        raise HostsError(
+            "spares need --backend ring or nccl: jaccl's 'rdma' matrix names each rank's devices on each peer, "
+            "which a spare taking any rank's place cannot have; remove 'spares' from the hostfile"
+        )
     if backend == "jaccl":
         for rank, host in enumerate(hosts):
             if len(host.rdma) != len(hosts) or host.rdma[rank] is not None:

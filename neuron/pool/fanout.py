@@ -58,6 +58,9 @@ class PoolError(RuntimeError):
         self.broken = broken
         where = (lambda r: f"rank {r} on {hosts[r]}") if hosts else (lambda r: f"rank {r}")
         detail = "; ".join(f"{where(r)}: {m}" for r, m in self.failures.items())
+        if op == "drain":  # nothing failed: the operator set the group aside (``FanOut.stand_down``)
+            super().__init__(f"the group is set aside to move ranks off a drained host: {detail}")
+            return
         super().__init__(f"{op} failed: {detail}" + (" (the group is lost)" if broken else ""))
 
 
@@ -118,6 +121,12 @@ class FanOut:
     def lose(self) -> None:
         """A worker exited: rank 0 stops waiting inside the operation in flight, if any."""
         self._lost.set()
+
+    def stand_down(self, failures: dict[int, str]) -> PoolError:
+        """The operator takes ranks out (a drain): the group is replaced as a lost one is, though nothing failed,
+        so nothing is logged as an error."""
+        self.broken = PoolError("drain", failures, broken=True, hosts=self.hosts)
+        return self.broken
 
     def break_group(self, op: str, failures: dict[int, str], out_of_memory: bool = False) -> PoolError:
         self.broken = PoolError(op, failures, broken=True, hosts=self.hosts, out_of_memory=out_of_memory)

@@ -31,12 +31,16 @@ import anyio
 import structlog
 
 from neuron import metrics, rpc
+from neuron.launch.hosts import Host
 from neuron.models import hub
 from neuron.pool.fanout import Deadlines, PoolError
 from neuron.pool.link import Link
 from neuron.pool.loading import Loader
+from neuron.pool.probe import probe_spare
 from neuron.pool.ranks import Layout, Ranks, check_backend
 from neuron.pool.replacement import Replacement
+from neuron.pool.roster import Roster
+from neuron.pool.spares import Spares
 from neuron.pool.watch import Watch
 from neuron.rank.rank import Loaded, Rank
 from neuron.rank.run import Stepped, run
@@ -74,6 +78,9 @@ class Pool:
         self._loader = Loader(ranks, self.model_path, model)
         self._replacement = Replacement(ranks, self._loader)
         self._watch = Watch(ranks)
+        self.spares = Spares(self.launcher.hosts, self.layout.spares, self.layout.spare_timeout)
+        # The hosts as they change while serving: moves to spares, and what the operator adds, drains or removes.
+        self.roster = Roster(ranks, self.spares, self.layout.hostfile, self._probe_spare)
 
     async def __aenter__(self) -> Pool:
         self._loader.check_split()
@@ -204,6 +211,10 @@ class Pool:
         await self._replacement.recover()
         self._watch.follow()
         metrics.WORKER_RESTARTS.inc()
+
+    async def _probe_spare(self, spare: Host) -> rpc.HostInfo:
+        """A new spare asked who it is, with room needed for the largest rank's share of the weights."""
+        return await probe_spare(self._ranks, spare, max(self._loader.weights, default=0))
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

@@ -9,6 +9,7 @@ lost group ``replacement.py``'s, and the pool (``pool.py``) holds them all.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -23,7 +24,7 @@ from neuron import metrics, rpc
 from neuron.config.settings import default
 from neuron.launch.checks import Unreachable, check_gpus, check_handshake
 from neuron.launch.dataplane import spawn_env
-from neuron.launch.hosts import MemoryGauge, describe_host
+from neuron.launch.hosts import Host, MemoryGauge, describe_host
 from neuron.launch.launcher import Launcher
 from neuron.launch.tunnels import Tunnels
 from neuron.log import ms_since
@@ -56,6 +57,9 @@ class Layout:
     stages: int = 1  # pipeline stages, one per rank; 1: every rank holds a slice of every layer
     split: tuple[int, ...] = ()  # layers per stage, as asked; empty: by each rank's free memory
     push: bool = False  # send a host that lacks the model the share its ranks load (--push-model)
+    spares: tuple[Host, ...] = ()  # hosts that take a rank's place when its own stays out of reach (``spares.py``)
+    spare_timeout: float = default("spare_timeout")  # how long it may, first
+    hostfile: str | None = None  # where the hosts and spares are written back as they change (``roster.py``)
 
     @classmethod
     def local(cls, world_size: int, stages: int = 1, split: tuple[int, ...] = ()) -> Layout:
@@ -100,6 +104,17 @@ class Ranks:
         operation runs rank 0's part on it."""
         self.fan_out.rank0 = self._thread()
         return self.fan_out.rank0
+
+    def place(self, rank: int, host: Host) -> None:
+        """Put ``host`` in ``rank``'s place (a spare taking a lost host's, while no worker runs): the next start
+        spawns the rank there, and every error, log line and metric names it."""
+        old = self.hosts[rank]
+        self.launcher.hosts[rank] = host
+        self.hosts[rank] = host.ssh  # the list the fan-out and the pool name hosts from
+        with contextlib.suppress(KeyError):
+            metrics.RANKS.remove(str(rank), old)
+        with contextlib.suppress(KeyError):
+            metrics.STAGE_LAYERS.remove(str(rank), old)
 
     @property
     def workers(self) -> tuple[Link, ...]:

@@ -1,7 +1,8 @@
 """The HTTP application: every family's routes put together on Starlette, behind the guard and CORS. No MLX.
 
-The routes (17, and the page's 2): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the
-model list (``models``), vLLM's routes that load and unload LoRA adapters (``adapters``), and one family per API:
+The routes (20, and the page's 2): the probes and the scrape (``health``), the OpenAPI document (``openapi``), the
+model list (``models``), vLLM's routes that load and unload LoRA adapters (``adapters``), the hosts' admin routes
+(``hosts``), and one family per API:
 ``chat_completions``, ``completions``, ``responses``, ``messages`` (Anthropic's, with ``count_tokens``),
 ``embeddings`` and ``tokenize`` (with ``/detokenize``); the cluster's ``status``, and the ``page`` for people at
 ``/`` that shows it beside a chat. Each family holds its body's checks, its replies and its part of the OpenAPI
@@ -21,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from neuron.server import embeddings, health, lora_adapters, models, openapi, status, tokenize
+from neuron.server import embeddings, health, hosts, lora_adapters, models, openapi, status, tokenize
 from neuron.server.chat_completions import routes as chat_completions
 from neuron.server.common.schema import Schema, Spec
 from neuron.server.completions import routes as completions
@@ -37,6 +38,7 @@ FAMILIES = (
     health,
     models,
     lora_adapters,
+    hosts,
     status,
     chat_completions,
     completions,

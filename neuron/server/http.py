@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
@@ -131,11 +132,14 @@ class Endpoint:
     error_body: ErrorBody = openai_body  # the family's error shape
     images: bool = False  # its body may carry images: it may be as large as --max-image-body-bytes
     challenge: str = "Bearer"  # the 401's WWW-Authenticate: a page's Basic one makes a browser ask for the key
+    admin: bool = False  # changes what is served: the API key, or with none set a loopback client (``authorize_admin``)
 
     def route(self) -> Route:
         async def run(request: Request) -> Response:
             state: ServerState = request.app.state.neuron
-            if self.keyed:
+            if self.admin:
+                authorize_admin(request, state)
+            elif self.keyed:
                 authorize(request, state, self.challenge)
             body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
             return await self.handler(Call(request, state, body))
@@ -182,6 +186,39 @@ def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -
     # Constant time: how long the compare takes must not tell how much of the key matched.
     if not hmac.compare_digest(key, state.api_key.encode()):
         raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": challenge})
+
+
+def authorize_admin(request: Request, state: ServerState) -> None:
+    """An admin route (one that changes what is served or where: adapters, hosts): the API key where one is set;
+    with none, a client on this machine's loopback only. Why not open as ``/v1`` is without a key: a server bound
+    to a routable address with no key serves anyone its model, which is the operator's choice, but must not let
+    anyone reshape it."""
+    if state.api_key is not None:
+        authorize(request, state)
+        return
+    client = request.client.host if request.client is not None else None
+    if not loopback(client):
+        raise ApiError(
+            403,
+            f"{request.url.path} is an admin route, and with no API key set the server takes admin requests from "
+            f"its own host only (loopback), not from {client or 'an unknown address'}: call it from the server's "
+            "host, or start the server with --api-key KEY (NEURON_API_KEY) and send that key",
+            type="permission_error",
+            code="admin_needs_key",
+        )
+
+
+def loopback(address: str | None) -> bool:
+    """Whether a client's address is this machine's loopback (127.0.0.0/8, ::1, or v4 mapped in v6)."""
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 async def read_json(request: Request, limit: tuple[int, str] = (MAX_BODY_BYTES, "")) -> Any:

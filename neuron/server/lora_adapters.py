@@ -1,6 +1,7 @@
 """vLLM's admin routes for LoRA adapters while serving: ``POST /v1/load_lora_adapter`` (``lora_name``,
 ``lora_path``: a folder in mlx-lm's or PEFT's format, or a Hub name) and ``POST /v1/unload_lora_adapter``
-(``lora_name``), behind the API key like every ``/v1`` route. A loaded adapter is a model of its own in
+(``lora_name``). They are admin routes (``http.authorize_admin``): behind the API key, and with no key set,
+open to loopback clients only. A loaded adapter is a model of its own in
 ``/v1/models`` at once; a bad one is refused with a 400 that says why, and nothing changes. No MLX.
 """
 
@@ -12,7 +13,7 @@ from neuron.engine.refusals import Unavailable
 from neuron.models.adapters import AdapterError
 from neuron.server.common.errors import refused
 from neuron.server.common.fields import an_object, bad, known
-from neuron.server.common.schema import OpenApi, Spec, post, replies
+from neuron.server.common.schema import OpenApi, Spec, admin_post, replies
 from neuron.server.http import Call, Endpoint
 
 
@@ -53,8 +54,8 @@ async def unload_lora_adapter(call: Call) -> Response:
 
 
 ENDPOINTS = (
-    Endpoint("/v1/load_lora_adapter", load_lora_adapter, strict_json=True),
-    Endpoint("/v1/unload_lora_adapter", unload_lora_adapter, strict_json=True),
+    Endpoint("/v1/load_lora_adapter", load_lora_adapter, strict_json=True, admin=True),
+    Endpoint("/v1/unload_lora_adapter", unload_lora_adapter, strict_json=True, admin=True),
 )
 
 
@@ -84,6 +85,6 @@ def openapi(spec: Spec) -> OpenApi:
     done = {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     errors = replies(400, 401, 403, 413, 415, 500, 503)
     return {
-        "/v1/load_lora_adapter": post(spec, "serve a LoRA adapter as a model of its own", load, done | errors),
-        "/v1/unload_lora_adapter": post(spec, "stop serving a LoRA adapter", unload, done | errors),
+        "/v1/load_lora_adapter": admin_post(spec, "serve a LoRA adapter as a model of its own", load, done | errors),
+        "/v1/unload_lora_adapter": admin_post(spec, "stop serving a LoRA adapter", unload, done | errors),
     }, {}

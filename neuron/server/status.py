@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from neuron import metrics
 from neuron.models.folder import ModelError, read_config, text_config
-from neuron.server.common.readiness import not_ready_because
+from neuron.server.common.readiness import not_ready_because, rank_state
 from neuron.server.common.schema import OpenApi, Schema, Spec, get, ref, replies
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 
@@ -48,6 +48,9 @@ def _sample(name: str, **labels: str) -> float:
     return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+EVENTS_KEPT = 20  # the moves listed, as the recovery's events
+
+
 def counters() -> dict[str, float]:
     return {
         "steps": _sample("neuron_step_seconds_count", part="total"),
@@ -67,16 +70,6 @@ def _device(info: HostInfo, backend: str) -> str:
     """What the rank computes on, and where: nccl places one rank on each GPU."""
     kind = "metal" if info.platform.startswith("darwin") else "cuda" if backend == "nccl" and info.gpus else "cpu"
     return f"{kind} ({info.platform})"
-
-
-def rank_state(rank: int, failures: dict[int, str] | None, loaded: bool) -> tuple[str, str | None]:
-    """A rank's state and why: ``lost`` where the broken group names it, ``starting`` while the group is broken
-    by another rank or (re)loading the model, else ``ok``."""
-    if failures is not None and rank in failures:
-        return "lost", failures[rank]
-    if failures is not None or not loaded:
-        return "starting", None
-    return "ok", None
 
 
 def ranks(engine: Engine) -> list[dict[str, Any]]:
@@ -179,6 +172,8 @@ def status(call: Call) -> dict[str, Any]:
         "queue": {"waiting": engine.waiting, "running": engine.running},
         "events": list(engine.recovery.events),
         "recoveries": engine.recovery.recoveries,
+        "spares": pool.spares.describe(),
+        "moves": [move.describe() for move in pool.spares.moves[-EVENTS_KEPT:]],
         "recent": engine.recent.seconds(),
         **caches(engine),
     }
@@ -248,7 +243,7 @@ def openapi(spec: Spec) -> OpenApi:
         "required": ["at", "event", "ranks", "reason"],
         "properties": {
             "at": {"type": "number"},
-            "event": {"enum": ["lost", "recovered", "recovery failed"]},
+            "event": {"enum": ["lost", "recovered", "recovery failed", "moved", "drained"]},
             "ranks": {"type": "array", "items": integer},
             "reason": text,
         },
@@ -297,6 +292,32 @@ def openapi(spec: Spec) -> OpenApi:
             },
             "events": {"type": "array", "items": event},
             "recoveries": integer,
+            "spares": {
+                "type": "array",
+                "description": "the hostfile's spares, in the order they are taken: standing by, or returning (a host "
+                "that lost its rank, a spare again, tried after the others)",
+                "items": {
+                    "type": "object",
+                    "required": ["host", "state"],
+                    "properties": {"host": text, "state": {"enum": ["standing by", "returning"]}},
+                },
+            },
+            "moves": {
+                "type": "array",
+                "description": "the ranks moved to a spare since the leader started, the latest last",
+                "items": {
+                    "type": "object",
+                    "required": ["rank", "from", "to", "out_s", "reason", "at"],
+                    "properties": {
+                        "rank": integer,
+                        "from": text,
+                        "to": text,
+                        "out_s": {"type": "number"},
+                        "reason": text,
+                        "at": {"type": "number"},
+                    },
+                },
+            },
             "now": {"type": "number", "description": "the server's clock, in unix seconds, for ``recent``"},
             "recent": {
                 "description": "the last minutes' seconds that had steps: [unix second, steps, step seconds, tokens]",

@@ -46,6 +46,7 @@ FAMILIES = (
     "tokenize",
     "models",
     "lora_adapters",
+    "hosts",
     "health",
     "status",
     "page",

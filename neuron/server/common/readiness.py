@@ -1,4 +1,5 @@
-"""Why the server cannot generate yet, as the probes and the status route both say it. No MLX."""
+"""Why the server cannot generate yet, as the probes and the status route both say it, and each rank's state, as
+the status and the hosts' routes both give it. No MLX."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ def not_ready_because(state: ServerState) -> str | None:
     if not engine.accepting:
         return "shutting down"
     return None if engine.health.ready else engine.health.reason
+
+
+def rank_state(rank: int, failures: dict[int, str] | None, loaded: bool) -> tuple[str, str | None]:
+    """A rank's state and why: ``lost`` where the broken group names it, ``starting`` while the group is broken
+    by another rank or (re)loading the model, else ``ok``."""
+    if failures is not None and rank in failures:
+        return "lost", failures[rank]
+    if failures is not None or not loaded:
+        return "starting", None
+    return "ok", None

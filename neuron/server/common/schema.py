@@ -81,10 +81,13 @@ def ref(name: str) -> Schema:
 ERROR_MEANINGS = {
     400: "a field is wrong; `error.param` names it",
     401: "no API key, or the wrong one",
-    403: "a web page's origin, or the Host header, is not allowed (settings allowed_origins, allowed_hosts)",
-    404: "no such model",
+    403: "a web page's origin, or the Host header, is not allowed (settings allowed_origins, allowed_hosts), or an "
+    "admin route was called from another host while no API key is set",
+    404: "no such model (or, for the hosts' routes, no such spare)",
+    409: "the change conflicts with the group as it stands (a host already in it; a rank's host named as a spare)",
     413: "the body is too large",
     415: "the body is not sent as application/json",
+    422: "a host that cannot serve: out of reach, other versions, too little memory (the message says which)",
     429: "the queue is full; retry after Retry-After seconds",
     500: "a step failed; the server log has the details",
     503: "not ready (loading, recovering or shutting down); retry after Retry-After seconds",
@@ -139,6 +142,19 @@ def get(summary: str, responses: Schema, **extra: Any) -> Schema:
 def post(spec: Spec, summary: str, body: Schema, responses: Schema) -> Schema:
     request = {"required": True, "content": {"application/json": {"schema": body}}}
     return {"post": {"summary": summary, "requestBody": request, "responses": responses, **spec.secured}}
+
+
+ADMIN = (
+    "An admin route: it needs the API key where the server has one; with none set, it answers clients on the "
+    "server's own host (loopback) only, and refuses others with 403."
+)
+
+
+def admin_post(spec: Spec, summary: str, body: Schema, responses: Schema) -> Schema:
+    """An admin route's POST (``http.authorize_admin``): tagged, and saying who may call it."""
+    operation = post(spec, summary, body, responses)
+    operation["post"] |= {"tags": ["admin"], "description": ADMIN}
+    return operation
 
 
 def replies_with(errors: Schema, ok: Schema, stream: bool = False) -> Schema:

@@ -14,7 +14,8 @@ import pytest
 
 from neuron import rpc
 from neuron.launch import checks, dataplane, stages
-from neuron.launch.hosts import Host, HostsError, MemoryGauge, check_hosts, describe_host, local_hosts, read_hostfile
+from neuron.launch.hostfile import read_hostfile
+from neuron.launch.hosts import Host, HostsError, MemoryGauge, check_hosts, describe_host, local_hosts
 from neuron.launch.launcher import Launcher
 
 
@@ -30,7 +31,7 @@ def test_a_hostfile_as_mlx_launch_writes_it_with_neurons_own_keys(tmp_path: Path
         {"ssh": "me@mac2", "ips": ["10.0.0.2"], "neuron": "/opt/neuron/bin/neuron", "model": "/m", "cpus": [0, 1]},
     ]
     assert read_hostfile(hostfile(tmp_path, entries)) == read_hostfile(hostfile(tmp_path, {"hosts": entries}))
-    leader, other = read_hostfile(hostfile(tmp_path, entries))
+    leader, other = read_hostfile(hostfile(tmp_path, entries)).hosts
     assert leader.local and not other.local
     assert other == Host("me@mac2", ("10.0.0.2",), (), "/opt/neuron/bin/neuron", "/m", (0, 1))
 

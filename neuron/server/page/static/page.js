@@ -335,6 +335,7 @@ function renderStatus(status) {
     ["KV heads", arch.kv_heads],
     ["context", status.model.context_length],
     ["ranks", status.world_size],
+    ["spares", (status.spares || []).map((s) => `${s.host} (${s.state})`).join(", ") || "none"],
     ["pipeline stages", status.pipeline_stages],
     ["images", status.model.vision ? "yes" : "no"],
   ]);
@@ -395,7 +396,8 @@ function renderStatus(status) {
   for (const event of status.events) {
     const when = new Date(event.at * 1000).toLocaleTimeString();
     const who = event.ranks.length ? `rank ${event.ranks.join(", ")}` : "the group";
-    const cause = event.event === "lost" ? event.reason : "after " + event.reason;
+    // A loss, a move to a spare and a drain say why; a recovery says what it came after.
+    const cause = ["lost", "moved", "drained"].includes(event.event) ? event.reason : "after " + event.reason;
     events.append(el("li", { cls: event.event.replace(" ", "-"), text: `${when} ${who} ${event.event}: ${cause}` }));
   }
   if (!status.events.length) events.append(el("li", { cls: "muted", text: "none" }));

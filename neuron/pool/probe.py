@@ -1,0 +1,76 @@
+"""A spare asked who it is before it is added (``neuron hosts add``): a worker started there as rank 1 of 2, pinged,
+and stopped. No MLX here, none on the spare (a worker imports MLX only to load).
+
+Why before, not when a rank needs it: a spare found unfit only when a host is
+lost costs the streams in flight another ``--spare-timeout``; found now, the
+operator is told at once what to fix, and nothing serving is touched (the probe
+runs beside the group, which it never joins).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import anyio
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from neuron import rpc
+from neuron.launch.checks import Refused, check_handshake, size
+from neuron.launch.dataplane import spawn_env
+from neuron.launch.hosts import Host, HostsError, describe_host
+from neuron.launch.launcher import Launcher
+from neuron.models import hub
+from neuron.pool.link import Link
+from neuron.pool.ranks import Ranks
+
+
+class SpareUnfit(HostsError):
+    """A spare that cannot take a rank's place: out of reach, other versions, too little memory. 422."""
+
+    status = 422
+
+
+async def probe_spare(ranks: Ranks, spare: Host, need: int) -> rpc.HostInfo:
+    """What ``spare`` says of itself, once it is known to answer as a worker would, to run the leader's versions,
+    and to have ``need`` bytes (the largest rank's share of the weights) available; ``SpareUnfit`` saying which
+    and what to do otherwise."""
+    launcher = ranks.launcher
+    trial = Launcher([launcher.hosts[0], spare], shlex.join(launcher.ssh_command), launcher.data_plane)
+    env = spawn_env(ranks.backend, 1, trial.hosts, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    env.update(hub.host_env(ranks.model, ranks.layout.push))
+    deadlines = ranks.deadlines
+    try:
+        spawned = await trial.spawn(1, env)
+    except OSError as e:
+        raise SpareUnfit(f"cannot start a worker on the spare {spare.ssh}: {e}") from None
+    assert spawned.process.stdout is not None
+    link = Link(1, spare.ssh, spawned.process, BufferedByteReceiveStream(spawned.process.stdout), spawned.last_words)
+    try:
+        request = await link.send(rpc.Ping(id=link.take_id()), deadlines.ping)
+        pong = await link.receive(request, deadlines.ping)
+    except Exception as e:  # noqa: BLE001 - any way it fails, the spare cannot serve: say how
+        with anyio.move_on_after(2.0):
+            await spawned.process.wait()
+        said = spawned.last_words()
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise SpareUnfit(
+            f"cannot reach the spare {spare.ssh} as a worker ({why}{f'; it said: {said}' if said else ''}): check "
+            "that `ssh` reaches it by key with the leader's --ssh-command, and that its 'neuron' command starts neuron"
+        ) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await link.stop(deadlines.shutdown, broken=False)
+    if not isinstance(pong, rpc.Pong):
+        raise SpareUnfit(f"the spare {spare.ssh} answered the leader's ping with an error: {pong}")
+    try:
+        check_handshake({1: pong}, describe_host(0), 2, [launcher.hosts[0].ssh, spare.ssh])
+    except Refused as e:
+        raise SpareUnfit(str(e).replace(f"rank 1 on {spare.ssh}", f"the spare {spare.ssh}")) from None
+    info = pong.host
+    if need > info.free_memory:
+        raise SpareUnfit(
+            f"the spare {spare.ssh} ({info.hostname}) has {size(info.free_memory)} available, but a rank's share of "
+            f"the model's weights takes up to {size(need)}: give it more memory, or choose another spare"
+        )
+    return info
