@@ -69,6 +69,7 @@ from neuron.launch.checks import Unreachable
 from neuron.launch.hostfile import Hostfile, write_hostfile
 from neuron.models.adapters import AdapterError, parse_list
 from neuron.pool import Deadlines, Layout
+from neuron.pool.roster import log_move
 from neuron.pool.spares import Move, Spares
 from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
@@ -260,7 +261,7 @@ def spare_at_start(layout: Layout, error: Unreachable, since: float, now: float)
         placed = list(hosts)
         for move in moves:
             placed[move.rank] = move.host
-            log.warning("rank moved to a spare", rank=move.rank, host=move.lost, spare=move.spare, reason=move.reason)
+            log_move(move)
         try:
             write_hostfile(layout.hostfile, Hostfile(tuple(placed), tuple(spares.spares)))
         except OSError as e:  # the fresh leader reads the hostfile: unwritten, nothing moved

@@ -86,11 +86,7 @@ class Drains:
             self.recovery.unready(error)
             self.recovery.pause(error, None, blame=False)
             drain.moves = self.pool.roster.move_drained(drain.ranks, reason)
-            for move in drain.moves:
-                log.warning("rank moved to a spare", rank=move.rank, host=move.lost, spare=move.spare, reason=reason)
-                self.recovery.events.append(
-                    {"at": move.at, "event": "moved", "ranks": [move.rank], "reason": f"to {move.spare}: {reason}"}
-                )
+            self.recovery.record_moves(drain.moves)
             await self.recovery.recover()
         except BaseException as e:
             cancelled = isinstance(e, anyio.get_cancelled_exc_class())

@@ -28,6 +28,8 @@ from neuron.engine.pressure import Pressure
 from neuron.engine.scheduler import Scheduler
 from neuron.log import ms_since
 from neuron.pool import Pool, PoolError, Unrecoverable, ranks_named
+from neuron.pool.roster import log_move
+from neuron.pool.spares import Move
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
 from neuron.step import Start, Step
@@ -164,18 +166,15 @@ class Recovery:
         """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""
         bound = self.pool.spares.bound_s
         moves = self.pool.roster.move_due(f"out of reach for over {bound:g} s (--spare-timeout): {error}")
+        self.record_moves(moves)
+        return bool(moves)
+
+    def record_moves(self, moves: list[Move]) -> None:
+        """Say each rank's move in the log and in the status's events, whether a loss or a drain moved it."""
         for move in moves:
-            log.warning(
-                "rank moved to a spare",
-                rank=move.rank,
-                host=move.lost,
-                spare=move.spare,
-                out_s=round(move.out_s, 1),
-                reason=move.reason,
-            )
+            log_move(move)
             reason = f"rank {move.rank} moved from {move.lost} to the spare {move.spare}: {move.reason}"
             self.events.append({"at": move.at, "event": "moved", "ranks": [move.rank], "reason": reason})
-        return bool(moves)
 
     async def _expire_paused(self) -> None:
         """End each paused sequence still waiting ``resume_timeout`` s after the loss it waits on."""

@@ -29,6 +29,18 @@ log = structlog.get_logger("neuron.pool")
 Probe = Callable[[Host], Awaitable[HostInfo]]
 
 
+def log_move(move: Move) -> None:
+    """Say in the log which rank moved where, and why: at start, in a recovery and in a drain alike."""
+    log.warning(
+        "rank moved to a spare",
+        rank=move.rank,
+        host=move.lost,
+        spare=move.spare,
+        out_s=round(move.out_s, 1),
+        reason=move.reason,
+    )
+
+
 class HostsConflict(HostsError):
     """A change the group as it stands refuses (a host already in it, a rank's host named as a spare): 409."""
 
