@@ -13,12 +13,17 @@ holds a newline.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import contextvars
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
@@ -50,14 +55,18 @@ def debugging() -> bool:
     return _debugging
 
 
-def configure(level: str, fmt: str, **bound: object) -> str:
+def configure(level: str, fmt: str, native_stderr: bool = False, **bound: object) -> str:
     """Set up this process's logging; returns the format in use (``auto`` resolved).
 
     ``fmt`` is ``json``, ``console``, ``journal``, or ``auto``: the journal when
     stderr is the journal (``$JOURNAL_STREAM``, as systemd sets it), console on
     a terminal, JSON otherwise. ``trace`` is below ``debug``: one event per step.
+    ``native_stderr`` relays what native code writes to descriptor 2 as entries
+    of their own (``NativeStderr``), from then on for the process's life.
     """
-    global _tracing, _debugging, _configured
+    global _tracing, _debugging, _configured, _native_stderr
+    if native_stderr and _native_stderr is None:
+        _native_stderr = NativeStderr()  # first: the logger below binds to the real stderr it leaves in sys.stderr
     if fmt == "auto":
         fmt = "journal" if stderr_is_journal() else "console" if sys.stderr.isatty() else "json"
     _tracing = level == "trace"
@@ -94,6 +103,8 @@ def configure(level: str, fmt: str, **bound: object) -> str:
     structlog.contextvars.clear_contextvars()
     if bound:
         structlog.contextvars.bind_contextvars(**bound)
+    if _native_stderr is not None:
+        _native_stderr.start()
     return fmt
 
 
@@ -129,14 +140,30 @@ class RateLimit(logging.Filter):
 
 
 def _bound_library_logs() -> None:
-    """Library records (``logging``) go to stderr as before, through ``RateLimit``."""
+    """Library records (``logging``: uvicorn's, a library's warnings) become entries of ours, through
+    ``RateLimit``: a plain line would break a JSON log."""
     root = logging.getLogger()
     if root.handlers:  # configured already, by an earlier call or by a host program such as pytest
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LibraryRecords()
     handler.setLevel(logging.WARNING)  # what logging's last-resort handler wrote
     handler.addFilter(RateLimit())
     root.addHandler(handler)
+
+
+class LibraryRecords(logging.Handler):
+    """A library's record as an entry in this process's format, its logger's name in ``logger`` and its traceback
+    (uvicorn's "Exception in ASGI application") in ``exception``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            logger = structlog.get_logger(record.name)
+            fields: dict[str, Any] = {"logger": record.name}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info
+            getattr(logger, record.levelname.lower(), logger.warning)(record.getMessage(), **fields)
+        except Exception:  # noqa: BLE001 - logging's own way: a record that cannot be written never raises
+            self.handleError(record)
 
 
 def trace(logger: Any, event: str, **fields: object) -> None:
@@ -217,6 +244,98 @@ class JournalLogger:
             sys.stderr.write(entry.decode(errors="replace").replace("\n", " ") + "\n")
 
     debug = info = warning = error = critical = exception = log = msg
+
+
+class NativeStderr:
+    """Takes file descriptor 2 from native code: what MLX's C++ writes there (``[ring] Socket 16 failed with errno
+    32``, in pieces, from its own threads) comes back as ``native output`` entries, one per line.
+
+    Why: the logger and native code shared one stderr, so a piece could land inside a JSON line and break it. Now
+    descriptor 2 is a pipe that a thread reads; ``sys.stderr``, which the logger writes to, is a copy of the real
+    stderr (the same journald stream under systemd, so ``stderr_is_journal`` still holds). ``release`` puts
+    descriptor 2 back before an exec or an exit and relays what the pipe still holds: the thread never has to
+    outlive the process, and a writer never blocks on a pipe nobody reads. A process killed outright (SIGKILL,
+    abort) loses what the thread had not read yet.
+    """
+
+    LONGEST = 64 * 1024  # a line without its end, relayed in parts, so that a runaway writer cannot grow memory
+
+    def __init__(self) -> None:
+        sys.stderr.flush()
+        self.real = os.dup(2)  # not inheritable: children are handed it by name (``sys.stderr``)
+        self._read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._stop_read, self._stop_write = os.pipe()
+        self._released = False
+        self._lock = threading.Lock()
+        sys.stderr = open(self.real, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+        for handler in logging.getLogger().handlers:  # library records too go to the real stderr
+            if isinstance(handler, logging.StreamHandler):
+                with contextlib.suppress(AttributeError, ValueError, OSError):
+                    if handler.stream.fileno() == 2:
+                        handler.setStream(sys.stderr)
+        self._thread: threading.Thread | None = None
+        atexit.register(self.release)
+
+    def start(self) -> None:
+        """Start relaying, once the logger is configured; the entries carry the fields bound by then (``rank=0``),
+        as a thread starts with no context of its own."""
+        if self._thread is None:
+            run = contextvars.copy_context().run
+            self._thread = threading.Thread(target=run, args=(self._run,), name="neuron-stderr", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        logger = structlog.get_logger("neuron.mlx")
+        pending = b""
+        stopping = False
+        while True:
+            if not stopping:
+                ready, _, _ = select.select([self._read, self._stop_read], [], [])
+                stopping = self._stop_read in ready
+                if stopping:  # descriptor 2 is the real one again: read what is left without waiting
+                    os.set_blocking(self._read, False)
+            try:
+                chunk = os.read(self._read, 65536)
+            except BlockingIOError:
+                chunk = b""
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            while len(pending) > self.LONGEST:
+                lines.append(pending[: self.LONGEST])
+                pending = pending[self.LONGEST :]
+            if not chunk and pending:  # the end of it: a piece without its newline is still a line
+                lines.append(pending)
+                pending = b""
+            for raw in lines:
+                if line := raw.decode(errors="replace").rstrip():
+                    logger.warning("native output", line=line)
+            if not chunk:
+                os.close(self._read)  # a writer left holding descriptor 2 (a child) fails rather than blocks
+                return
+
+    def release(self, timeout: float = 2.0) -> None:
+        """Give descriptor 2 back to the real stderr and relay what the pipe holds. Idempotent."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            os.dup2(self.real, 2)  # native writes from now on go straight out; the pipe's last writer is gone
+            os.write(self._stop_write, b"x")
+        if self._thread is None:  # never started: what the pipe holds is read here, before it is lost
+            self._run()
+        else:
+            self._thread.join(timeout)
+
+
+_native_stderr: NativeStderr | None = None
+
+
+def release_native_stderr() -> None:
+    """Before an exec or ``os._exit``: descriptor 2 back to the real stderr, the pipe's last lines relayed."""
+    if _native_stderr is not None:
+        _native_stderr.release()
 
 
 @contextmanager

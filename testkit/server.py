@@ -139,16 +139,19 @@ class Server:
         self.port = 0
 
     def logs(self) -> list[dict]:
-        """The log's JSON entries. Rank 0's MLX writes to the same stderr (``[ring] ...`` when a peer is lost), in
-        pieces, unsynchronized with the logger: an entry can follow such a piece on its line, and is read there."""
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                out.append(json.loads(line))
-            elif line.startswith("[") and (start := line.find('{"')) > 0:
-                with contextlib.suppress(json.JSONDecodeError):  # where the piece holds JSON of its own
-                    out.append(json.loads(line[start:]))
-        return out
+        """The log's entries. Every whole line of the leader's stderr must be one: what MLX's C++ (or a helper
+        process) writes there arrives as ``native output`` entries, never as a piece of a line. The last line,
+        while it is still being written, is left for the next read."""
+        *whole, _ = self.log_path.read_text().split("\n")
+        entries = []
+        for line in filter(None, whole):
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                entry = None
+            assert isinstance(entry, dict), f"a line of the leader's stderr is no log entry: {line[:300]!r}"
+            entries.append(entry)
+        return entries
 
     def find_log(self, event: str, **fields: object) -> dict | None:
         for entry in self.logs():

@@ -199,8 +199,9 @@ def _run(args: argparse.Namespace) -> int:
     from neuron.config import sources
     from neuron.system import descriptors, device
 
-    # The leader is rank 0; its workers log at its level, in its format (they share its stderr).
-    fmt = logging_setup.configure(args.log_level, args.log_format, rank=0)
+    # The leader is rank 0; its workers log at its level, in its format (they share its stderr). What MLX's C++
+    # writes to stderr (``[ring] ...`` when a peer is lost) becomes entries of its own, never half a JSON line.
+    fmt = logging_setup.configure(args.log_level, args.log_format, native_stderr=True, rank=0)
     os.environ[sources.SETTINGS["log_level"].env] = args.log_level
     os.environ[sources.SETTINGS["log_format"].env] = fmt
     import structlog
@@ -257,6 +258,9 @@ def leave_if_rank0_is_busy(code: int) -> None:
     aborts the process (SIGABRT) after its output was written. A restart's exec skips the teardown the same way.
     """
     if any(thread.name == "neuron-rank0" and thread.is_alive() for thread in threading.enumerate()):
+        from neuron import log
+
+        log.release_native_stderr()  # os._exit runs no atexit: the pipe's last lines are relayed here
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

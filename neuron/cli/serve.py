@@ -62,6 +62,7 @@ import anyio.lowlevel
 import structlog
 import uvicorn
 
+from neuron import log as logging_setup
 from neuron import metrics
 from neuron.config.settings import HttpLimits, Scheduling, Serving
 from neuron.engine.engine import Engine
@@ -151,6 +152,9 @@ class Restart:
 
 def restart_leader(restart: Restart) -> NoReturn:
     """Replace this process with a fresh leader that inherits the listening socket as file descriptor 3."""
+    # First, the real stderr back as descriptor 2 (the pipe's reader does not survive the exec): its saved copy may
+    # be descriptor 3, which the listening socket takes next.
+    logging_setup.release_native_stderr()
     os.dup2(restart.listener_fd, systemd.LISTEN_FDS_START)  # inheritable, unlike every other descriptor
     note = json.dumps(asdict(restart.recovery))
     reexec({**os.environ, "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1", RESTART_ENV: note})

@@ -207,9 +207,13 @@ def run_worker(rank: int, world_size: int) -> int:
     protocol_out = _take_stdout()
     stdin = sys.stdin.buffer
     start_sentinel()  # ends this process if the leader goes while MLX holds it (``launch.watchdog``)
-    # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON.
+    # Until the leader's settings arrive (in init), log as a local leader configured us, else as JSON. MLX's own
+    # writes to stderr become entries, as in the leader: a local worker shares the leader's stderr, and a piece
+    # of MLX's output would otherwise land inside another process's JSON line.
     level, fmt = SETTINGS["log_level"], SETTINGS["log_format"]
-    logging_setup.configure(os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), rank=rank)
+    logging_setup.configure(
+        os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), native_stderr=True, rank=rank
+    )
     worker = Worker(rank, world_size)
     try:
         while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import anyio
 import anyio.abc
@@ -26,6 +27,8 @@ async def spawn_local(rank: int, world_size: int, extra: dict[str, str]) -> anyi
         [*reexec.command(), *worker_command(rank, world_size)],
         stdin=-1,
         stdout=-1,
-        stderr=None,  # inherited: an unread stderr pipe would block the worker once full
+        # The real stderr, not a pipe of ours: an unread one would block the worker once full. Not descriptor 2
+        # either, which the leader's own native output goes through (log.NativeStderr).
+        stderr=sys.stderr,
         env=env,
     )

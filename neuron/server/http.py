@@ -23,7 +23,7 @@ import orjson
 import structlog
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -141,7 +141,10 @@ class Endpoint:
                 authorize_admin(request, state)
             elif self.keyed:
                 authorize(request, state, self.challenge)
-            body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
+            try:
+                body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
+            except ClientDisconnect:  # gone before its body arrived: nothing was asked, and nobody reads an answer
+                return Response("the client disconnected before its body arrived", status_code=400)
             return await self.handler(Call(request, state, body))
 
         return Route(self.path, run, methods=[self.method])
