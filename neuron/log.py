@@ -140,7 +140,7 @@ class RateLimit(logging.Filter):
 
 
 def _bound_library_logs() -> None:
-    """Library records (``logging``: uvicorn's, a library's warnings) become entries of ours, through
+    """Library records (``logging``: uvicorn's; and ``warnings``, a library's) become entries of ours, through
     ``RateLimit``: a plain line would break a JSON log."""
     root = logging.getLogger()
     if root.handlers:  # configured already, by an earlier call or by a host program such as pytest
@@ -149,6 +149,7 @@ def _bound_library_logs() -> None:
     handler.setLevel(logging.WARNING)  # what logging's last-resort handler wrote
     handler.addFilter(RateLimit())
     root.addHandler(handler)
+    logging.captureWarnings(True)  # a library's ``warnings.warn`` too, which would print a plain line
 
 
 class LibraryRecords(logging.Handler):

@@ -71,7 +71,7 @@ def test_under_systemd_every_rank_logs_its_fields_to_the_journal(
 # A leader in small: a thread writes to descriptor 2 at the C level, in pieces as MLX's std::cerr does, while the
 # main thread logs; then the process ends the way the leader does, normally or through os._exit.
 NATIVE_WRITER = """
-import logging, os, sys, threading
+import logging, os, sys, threading, warnings
 import structlog
 from neuron import log
 
@@ -97,6 +97,7 @@ try:  # a library's record with its traceback, as uvicorn logs an exception in a
     raise ValueError("boom")
 except ValueError:
     logging.getLogger("uvicorn.error").exception("Exception in ASGI application")
+warnings.warn("a library's warning", UserWarning, stacklevel=1)
 print(ticks)
 if ending == "os._exit":
     log.release_native_stderr()
@@ -124,12 +125,14 @@ def test_native_writes_to_stderr_are_entries_of_their_own(ending: str) -> None:
     library = [entry for entry in entries if entry.get("logger") == "uvicorn.error"]
     assert len(library) == 1 and library[0]["event"] == "Exception in ASGI application", library
     assert library[0]["level"] == "error" and "ValueError: boom" in library[0]["exception"]
+    (warned,) = [entry for entry in entries if entry.get("logger") == "py.warnings"]
+    assert "UserWarning: a library's warning" in warned["event"] and warned["level"] == "warning", warned
 
 
 def test_native_writes_reach_the_journal_as_entries(journal: Journal) -> None:
     """Under systemd the relayed lines are journal entries with their fields, like any other."""
     ticks, stderr = _native_writer("return", "journal")
     assert stderr == ""
-    wait_until(lambda: len(journal.datagrams) == ticks + len(NATIVE_LINES) + 1, 10, "every entry in the journal")
+    wait_until(lambda: len(journal.datagrams) == ticks + len(NATIVE_LINES) + 2, 10, "every entry in the journal")
     assert [entry["LINE"] for entry in journal.entries(EVENT="native output")] == NATIVE_LINES
     assert {entry["RANK"] for entry in journal.entries(EVENT="native output")} == {"0"}
