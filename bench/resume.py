@@ -1,6 +1,7 @@
 """Requests that outlive a lost rank: the time from the kill to the next token of each resumed stream.
 
-Run: .venv/bin/python bench/resume.py [--trials 3] [--hosts]   (--hosts: as root, with openssh-server and iproute2)
+Run: .venv/bin/python bench/resume.py [--trials 3] [--hosts] [--spare]
+(--hosts, --spare: as root, with openssh-server and iproute2)
 
 A TP=2 server of the tiny qwen3 (testkit's, random weights, a real tokenizer) streams testkit/resume.py's four
 requests (two greedy, two seeded, 300 tokens each; 60 across hosts, where a step is slower); once every stream
@@ -10,22 +11,35 @@ after it is taken. One host: the worker is a local process. ``--hosts``: rank 1 
 testkit/testbed.py, started over SSH, and the fault is killing its SSH session. The server logs its own part
 (``recovered``: loss noticed to the group probed again); the rest is the replay of each stream (its prompt and
 output fed again, one blamed stream per step).
+
+``--spare``: the host that runs rank 1 dies for good (its link down, every process in its namespace killed), and
+rank 1 moves to the hostfile's spare once the host has been out of reach for ``--spare-timeout``; the dead host then
+comes back, a spare in turn, and the next trial kills the other. Its table gives each part of the time from the
+death to each stream's next token, from the leader's log: detect (to ``recovering``: the step deadline runs out),
+out of reach (to ``rank moved to a spare``: the rest of ``--spare-timeout``, with the tries to reach the host),
+start the spare (to ``workers started``: a worker over SSH on the spare, pinged), re-form, load, probe (the group
+formed, the model loaded on every rank, a probe step: ``recovered``), and replay (to each stream's next token).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import signal
 import statistics
 import sys
 import tempfile
+import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from neuron.config.settings import default
 from testkit import Server, make_tiny_model
 from testkit.resume import disturb, kill, reference, shorter, worker_pid
-from testkit.testbed import children
+from testkit.testbed import Namespaces, children
 
 
 def trials(server: Server, count: int, across: bool, tokens: int) -> tuple[list[float], list[float]]:
@@ -48,13 +62,55 @@ def report(name: str, to_next: list[float], recoveries: list[float]) -> None:
     )
 
 
+def wall(entry: dict) -> float:
+    return datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def spare_trials(server: Server, bed: Namespaces, count: int, tokens: int) -> dict[str, list[float]]:
+    """Each part of the time from rank 1's host's death to each stream's next token, over ``count`` moves."""
+    bases = shorter(tokens)
+    references = [reference(server.url, base) for base in bases]
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
+    for trial in range(count):
+        host = trial % 2  # rank 1's: host 0 first, the spare since the last move after
+        seen = len(server.logs())
+        died = time.time()
+        streams, at = disturb(server, references, functools.partial(bed.gone_for_good, host), bases=bases)
+        bed.back(host)  # a spare again, for the next trial's move
+        for name, seconds in zip(PARTS, itertools.pairwise(marks(server.logs()[seen:], died)), strict=False):
+            parts[name].append(seconds[1] - seconds[0])
+        recovered = at + parts["detect"][-1] + sum(parts[name][-1] for name in PARTS[1:4])  # on the streams' clock
+        parts["replay"] += [t for s in streams if (t := s.first_after(recovered)) is not None]
+        parts["death → next token"] += [t for s in streams if (t := s.first_after(at)) is not None]
+    return parts
+
+
+def marks(logs: list[dict], died: float) -> list[float]:
+    """When the host died, the loss was noticed, the rank moved, the spare's worker started, and the group was
+    back, from the leader's log entries since."""
+
+    def first(event: str, after: float = died) -> float:
+        return next(t for e in logs if e.get("event") == event and (t := wall(e)) >= after)
+
+    moved = first("rank moved to a spare")
+    return [died, first("recovering"), moved, first("workers started", moved), first("recovered", moved)]
+
+
+PARTS = ["detect", "out of reach", "start the spare", "re-form, load, probe", "replay", "death → next token"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--hosts", action="store_true", help="also across namespace hosts (root)")
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request on one host")
     parser.add_argument("--hosts-tokens", type=int, default=60, help="tokens per request across hosts")
+    parser.add_argument("--spare", action="store_true", help="only a host's death and the move to a spare (root)")
+    parser.add_argument("--spare-timeout", type=float, default=default("spare_timeout"))
     args = parser.parse_args()
+    if args.spare:
+        spare(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = make_tiny_model(root / "qwen3", "qwen3")
@@ -66,8 +122,6 @@ def main() -> None:
         finally:
             server.stop()
         if args.hosts:
-            from testkit.testbed import Namespaces
-
             (root / "bed").mkdir()
             bed = Namespaces(1, root / "bed")
             try:
@@ -82,6 +136,32 @@ def main() -> None:
                     server.stop()
             finally:
                 bed.close()
+
+
+def spare(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = make_tiny_model(root / "qwen3", "qwen3")
+        bed = Namespaces(2, root)
+        try:
+            bed.start()
+            hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "spare.json", spares=[bed.entry(1)])
+            server = Server(
+                *("--model", str(model), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
+                *("--step-timeout", "3", "--spare-timeout", str(args.spare_timeout), "--resume-timeout", "120"),
+                log_path=root / "spare.log",
+            )
+            try:
+                parts = spare_trials(server.start(), bed, args.trials, args.hosts_tokens)
+            finally:
+                server.stop()
+        finally:
+            bed.close()
+    print(f"TP=2 over two hosts and a spare, --step-timeout 3, --spare-timeout {args.spare_timeout:g}, {args.trials} "
+          f"moves, {len(parts['replay'])} streams; seconds, median (max):")  # fmt: skip
+    print("| " + " | ".join(PARTS) + " |")
+    print("|" + "---|" * len(PARTS))
+    print("| " + " | ".join(f"{statistics.median(v):.2f} ({max(v):.2f})" for v in parts.values()) + " |")
 
 
 if __name__ == "__main__":

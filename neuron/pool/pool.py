@@ -214,7 +214,7 @@ class Pool:
 
     async def _probe_spare(self, spare: Host) -> rpc.HostInfo:
         """A new spare asked who it is, with room needed for the largest rank's share of the weights."""
-        return await probe_spare(self._ranks, spare, max(self._loader.weights, default=0))
+        return await probe_spare(self._ranks, spare, max(self._loader.weights, default=0), self._loader.model_path)
 
     async def shutdown(self) -> None:
         """Ask every worker to leave, reap it, and kill any that has not exited by the deadline."""

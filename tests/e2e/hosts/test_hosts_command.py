@@ -1,7 +1,8 @@
 """``neuron hosts`` against a real leader, as an operator runs it: it lists the group, adds and removes a spare through
-the guarded admin routes, refuses a host already in the group, out of reach, on other versions or short of memory
-with the leader's reason, and what it changed is in the hostfile that the next leader starts from. The group is one
-rank on this host; the spares are namespaces of the test bed (testkit/testbed.py), asked who they are over real SSH.
+the guarded admin routes, refuses a host already in the group, out of reach, on other versions, short of memory or
+without the leader's model with the leader's reason, and what it changed is in the hostfile that the next leader
+starts from. The group is one rank on this host; the spares are namespaces of the test bed (testkit/testbed.py),
+asked who they are over real SSH.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def test_hosts_lists_adds_refuses_and_removes_and_the_next_leader_starts_from_th
     spare, other = f"root@{bed.ip(0)}", f"root@{bed.ip(1)}"
     args = ("--model", str(tiny_models["qwen3"]), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command)
 
-    def add(host: int, neuron: str) -> tuple[int, str, str]:
-        return hosts(server.url, "add", f"root@{bed.ip(host)}", "--ip", bed.ip(host), "--neuron", neuron)
+    def add(host: int, neuron: str, *more: str) -> tuple[int, str, str]:
+        return hosts(server.url, "add", f"root@{bed.ip(host)}", "--ip", bed.ip(host), "--neuron", neuron, *more)
 
     with serving(tmp_path_factory, *args) as server:
         code, out, _ = hosts(server.url)
@@ -63,6 +64,12 @@ def test_hosts_lists_adds_refuses_and_removes_and_the_next_leader_starts_from_th
         small = bed.neuron_command({faults.FAKE_HOST_ENV: "free_memory=1000"}, faults.ENTRY)
         code, _, err = add(1, small)
         assert code == 1 and "has 0 MiB available, but a rank's share" in err, err
+        # Without --push-model, the spare must hold the leader's model: none at its path, or another one.
+        code, _, err = add(1, bed.neuron_command(), "--model", str(tmp_path / "nowhere"))
+        assert code == 1 and f"refused (422): the spare {other} cannot load the model" in err, err
+        code, _, err = add(1, bed.neuron_command(), "--model", str(tiny_models["llama"]))
+        assert code == 1 and f"the spare {other} holds another model than the leader" in err, err
+        assert "has a different config.json" in err and "--push-model" in err, err
         bed.link(1, up=False)
         try:
             code, _, err = add(1, bed.neuron_command())
