@@ -24,13 +24,13 @@ formed, the model loaded on every rank, a probe step: ``recovered``), and replay
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -74,15 +74,25 @@ def spare_trials(server: Server, bed: Namespaces, count: int, tokens: int) -> di
     for trial in range(count):
         host = trial % 2  # rank 1's: host 0 first, the spare since the last move after
         seen = len(server.logs())
-        died = time.time()
-        streams, at = disturb(server, references, functools.partial(bed.gone_for_good, host), bases=bases)
+        died: list[float] = []
+        streams, at = disturb(server, references, dying(bed, host, died), bases=bases)
         bed.back(host)  # a spare again, for the next trial's move
-        for name, seconds in zip(PARTS, itertools.pairwise(marks(server.logs()[seen:], died)), strict=False):
+        for name, seconds in zip(PARTS, itertools.pairwise(marks(server.logs()[seen:], died[0])), strict=False):
             parts[name].append(seconds[1] - seconds[0])
         recovered = at + parts["detect"][-1] + sum(parts[name][-1] for name in PARTS[1:4])  # on the streams' clock
         parts["replay"] += [t for s in streams if (t := s.first_after(recovered)) is not None]
         parts["death → next token"] += [t for s in streams if (t := s.first_after(at)) is not None]
     return parts
+
+
+def dying(bed: Namespaces, host: int, died: list[float]) -> Callable[[], None]:
+    """The fault: ``host`` dies for good, its moment (the leader's log's clock) noted in ``died``."""
+
+    def die() -> None:
+        died.append(time.time())
+        bed.gone_for_good(host)
+
+    return die
 
 
 def marks(logs: list[dict], died: float) -> list[float]:

@@ -161,6 +161,10 @@ class Recovery:
                 log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=round(delay, 1))
                 self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay:.0f} s")
                 await anyio.sleep(delay)
+                # A move that came due during the pause goes first: another try at the lost host would wait out
+                # its SSH connection timeout before the move.
+                if self._move_to_spares(error):
+                    delays = iter(RETRY_S)
 
     def _move_to_spares(self, error: str) -> bool:
         """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""
