@@ -57,7 +57,7 @@ async def probe_spare(ranks: Ranks, spare: Host, need: int, model_path: str) -> 
             with anyio.move_on_after(2.0):
                 await spawned.process.wait()
             said = spawned.last_words()
-            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            why = _what(e)
             raise SpareUnfit(
                 f"cannot reach the spare {spare.ssh} as a worker ({why}{f'; it said: {said}' if said else ''}): "
                 "check that `ssh` reaches it by key with the leader's --ssh-command, and that its 'neuron' command "
@@ -96,7 +96,7 @@ async def _holds_the_model(link: Link, model: str | None, model_path: str, spare
         request = await link.send(rpc.CheckModel(id=link.take_id(), model=model), deadline)
         reply = await link.receive(request, deadline)
     except Exception as e:  # noqa: BLE001 - any way it fails, the spare cannot be trusted with a rank
-        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        why = _what(e)
         raise SpareUnfit(f"the spare {spare.ssh} did not say whether it holds the model ({why})") from None
     if isinstance(reply, rpc.Error):
         raise SpareUnfit(f"the spare {spare.ssh} cannot load the model: {reply.message}")
@@ -108,3 +108,8 @@ async def _holds_the_model(link: Link, model: str | None, model_path: str, spare
             + "; copy the leader's model folder there (or name its path with --model), or start the leader with "
             "--push-model to have it send the spare its share"
         )
+
+
+def _what(error: Exception) -> str:
+    """How a failed exchange with the spare's worker failed, in words: its kind, and its message where it has one."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
