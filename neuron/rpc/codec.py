@@ -10,6 +10,7 @@ first line it sends, never half-understood.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -36,6 +37,11 @@ class _Schema:
 
 
 def _fields(cls: Any) -> dict[str, Any]:
+    return _resolved_fields(cls)
+
+
+@functools.cache  # resolving the hints was most of a message's decoding, and a step's plan nests dataclasses
+def _resolved_fields(cls: Any) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
