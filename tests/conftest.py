@@ -27,6 +27,10 @@ from testkit.system import Journal
 TESTS = Path(__file__).resolve().parent
 
 os.environ.setdefault("NEURON_LOG_LEVEL", "warning")
+# The suite runs one file per core. A leader alone on its host keeps OpenBLAS's default of a thread per core, and
+# between calls the idle one spins (sched_yield) on the core the other file's processes need. Ranks given cores
+# (``--cpus``) still set their own count (``cpu.set_blas_threads``).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # Test modules import mlx_lm.utils, which would lower this process's hard descriptor limit for good; the
 # idle-connection tests open thousands of sockets, and start servers under limits of their own.
