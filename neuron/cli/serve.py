@@ -75,6 +75,7 @@ from neuron.pool.spares import Move, Spares
 from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
 from neuron.server.guard import Allowed, split_list
+from neuron.server.http import open_to_others
 from neuron.system import systemd
 from neuron.system.reexec import reexec
 
@@ -447,6 +448,15 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             ranks=options.layout.launcher.world_size,
             socket="inherited" if restarted else "systemd" if activated else "bound",
         )
+        if open_to_others(host, state.api_key):
+            log.warning(
+                "open to the network",
+                host=host,
+                port=port,
+                open="every client that reaches this address may generate with the model (/v1, the page) and "
+                "read /metrics; the admin routes still answer loopback clients only",
+                fix="set an API key (--api-key or $NEURON_API_KEY), or listen on 127.0.0.1 (--host)",
+            )
         restart = None
         try:
             with lifetime:

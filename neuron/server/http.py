@@ -224,6 +224,12 @@ def loopback(address: str | None) -> bool:
     return ip.is_loopback
 
 
+def open_to_others(address: str, api_key: str | None) -> bool:
+    """Whether a server listening on ``address`` answers other machines' clients with no key asked: bound beyond
+    loopback (an interface's address, or every interface's: ``0.0.0.0``, ``::``) with no API key set."""
+    return api_key is None and not loopback(address)
+
+
 async def read_json(request: Request, limit: tuple[int, str] = (MAX_BODY_BYTES, "")) -> Any:
     most, setting = limit
     too_large = ApiError(413, f"the body is over {most:,} bytes{setting}", code="body_too_large")

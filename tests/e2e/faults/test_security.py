@@ -102,3 +102,19 @@ def test_every_socket_of_every_rank_stays_on_loopback(tp2: Server) -> None:
         assert any(state == "ESTABLISHED" for _, _, state in sockets), sockets
         assert all(address == "127.0.0.1" for address, _, _ in sockets), (pid, sockets)
     assert ("127.0.0.1", tp2.port, "LISTEN") in tcp_sockets(tp2.process.pid)
+    # Bound to loopback (the default), nothing is open to other machines: no warning.
+    assert tp2.find_log("open to the network") is None
+
+
+def test_a_server_bound_beyond_loopback_without_a_key_says_what_is_open_and_how_to_close_it(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    server = Server("--model", str(tiny_models["qwen3"]), "--host", "0.0.0.0", log_path=tmp_path / "serve.log")
+    try:
+        warned = server.wait_log("open to the network")
+        port = server.wait_log("listening")["port"]
+        assert warned["level"] == "warning" and warned["host"] == "0.0.0.0" and warned["port"] == port
+        assert "generate with the model" in warned["open"] and "loopback clients only" in warned["open"]
+        assert "--api-key" in warned["fix"] and "127.0.0.1" in warned["fix"]
+    finally:
+        assert server.stop() == 0, server.stderr()[-3000:]

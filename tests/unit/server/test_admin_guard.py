@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from neuron.server.app import ServerState, build_app, describe, endpoints
-from neuron.server.http import loopback
+from neuron.server.http import loopback, open_to_others
 
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
@@ -158,3 +158,21 @@ def test_the_admin_routes_are_exactly_those_that_reshape_the_server_and_the_open
 )
 def test_loopback_is_what_only_this_machine_can_send_from(address: str | None, local: bool) -> None:
     assert loopback(address) is local
+
+
+@pytest.mark.parametrize(
+    ("address", "api_key", "open_"),
+    [
+        ("0.0.0.0", None, True),  # every interface
+        ("::", None, True),
+        ("192.168.1.5", None, True),  # one interface's address
+        ("0.0.0.0", "sesame", False),  # a key closes it
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("::ffff:127.0.0.1", None, False),
+    ],
+)
+def test_a_listener_is_open_to_others_beyond_loopback_without_a_key(
+    address: str, api_key: str | None, open_: bool
+) -> None:
+    assert open_to_others(address, api_key) is open_
