@@ -15,7 +15,9 @@ while idle connections keep their places.
 
 from __future__ import annotations
 
+import sys
 import time
+from http import HTTPStatus
 from typing import Any, ClassVar
 
 import h11
@@ -28,10 +30,35 @@ log = structlog.get_logger("neuron.server")
 LOG_EVERY_S = 1.0  # at most one line a second about connections closed or refused, with the count
 
 
-def _raw_response(status: str, message: str, code: str, extra: bytes = b"") -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}})
-    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+def _raw_response(status: int, message: str, code: str, extra: bytes = b"") -> bytes:
+    """A whole response, written past h11 on a connection about to close, in OpenAI's error body."""
+    kind = "invalid_request_error" if status < 500 or status == HTTPStatus.NOT_IMPLEMENTED else "server_error"
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+    )
     return head.encode() + extra + b"connection: close\r\n\r\n" + body
+
+
+def unparsed(error: BaseException | None) -> tuple[int, str, str]:
+    """The status, message and code for a request h11 could not parse (``error``, its exception): its status hint
+    (431 for a head over its buffer, 501 for a transfer coding it does not take, else 400), and what to change."""
+    said = str(error) if error is not None else "unreadable"
+    status = getattr(error, "error_status_hint", HTTPStatus.BAD_REQUEST)
+    if status == HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE:
+        return (
+            status,
+            "the request's head (its request line and headers) is too large: send fewer or shorter headers",
+            "headers_too_large",
+        )
+    if status == HTTPStatus.NOT_IMPLEMENTED:
+        return (
+            status,
+            f"{said}: only `Transfer-Encoding: chunked` is taken, given once",
+            "unsupported_transfer_encoding",
+        )
+    return HTTPStatus.BAD_REQUEST, f"the request is not valid HTTP/1.1 ({said})", "invalid_http"
 
 
 class _Tally:
@@ -100,9 +127,7 @@ class BoundedH11Protocol(H11Protocol):
             else:
                 self.refused = True
                 message = f"the server holds its {self.max_connections} connections; try again shortly"
-                refusal = _raw_response(
-                    "503 Service Unavailable", message, "too_many_connections", b"retry-after: 1\r\n"
-                )
+                refusal = _raw_response(503, message, "too_many_connections", b"retry-after: 1\r\n")
                 transport.write(refusal)
                 transport.close()
                 self.tally.add("refused", self.open_count, self.max_connections)
@@ -135,6 +160,13 @@ class BoundedH11Protocol(H11Protocol):
         self.waiting.pop(self, None)
         super().connection_lost(exc)
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, in the JSON error body every other refusal has, not its
+        plain text. uvicorn calls it inside its ``except h11.RemoteProtocolError``: the error handled is h11's."""
+        status, message, code = unparsed(sys.exc_info()[1])
+        self.transport.write(_raw_response(status, message, code))
+        self.transport.close()
+
     def _arm(self) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_late)
@@ -150,7 +182,7 @@ class BoundedH11Protocol(H11Protocol):
             return
         if self.partial and self.conn.our_state is h11.IDLE:
             message = f"no complete request head within {self.header_timeout:g} s"
-            self.transport.write(_raw_response("408 Request Timeout", message, "request_timeout"))
+            self.transport.write(_raw_response(408, message, "request_timeout"))
         self.transport.close()
 
 

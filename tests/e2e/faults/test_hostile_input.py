@@ -198,6 +198,33 @@ def test_a_request_framed_two_ways_is_refused_and_its_connection_closed(server: 
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "code"),
+    [
+        # A head still unfinished past h11's buffer for one (16 KiB): 431, not its plain-text 400. (A whole head
+        # that arrives at once is read whatever its size.)
+        (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Padding: " + b"a" * 20_000, 431, "headers_too_large"),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: gzip\r\n\r\n",
+            501,
+            "unsupported_transfer_encoding",
+        ),
+        (b"GET /health HTTP/1.1\r\nHost 127.0.0.1\r\n\r\n", 400, "invalid_http"),  # a header line with no colon
+    ],
+    ids=["oversized head", "transfer coding", "malformed header"],
+)
+def test_what_the_http_parser_refuses_gets_the_json_error_body_and_the_connection_closes(
+    server: Server, request_bytes: bytes, status: int, code: str
+) -> None:
+    answer = _raw(server, request_bytes)  # returns only once the server closed the connection
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"content-type: application/json" in head, answer
+    error = json.loads(body)["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error" and error["message"], error
+    assert alive(server.process.pid) and httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_a_request_head_that_does_not_finish_in_time_is_answered_408_and_closed(server: Server) -> None:
     started = time.monotonic()
     answer = _raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-")
