@@ -151,7 +151,18 @@ class Output:
             decoding = time.perf_counter() - seq.first_token_at
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
         rejected = proposed - accepted
-        seq.emit(Finish(reason, len(seq.prompt), seq.completion_tokens, tail, seq.cached, accepted, rejected))
+        seq.emit(
+            Finish(
+                reason,
+                len(seq.prompt),
+                seq.completion_tokens,
+                tail,
+                seq.cached,
+                _written(seq),
+                accepted,
+                rejected,
+            )
+        )
 
     def embedded(self, seq: Sequence, sampled: Sampled) -> None:
         """An embedding input's vector is ready: its one event."""
@@ -175,8 +186,14 @@ class Output:
             metrics.SPECULATIVE_PROPOSED.inc(seq.proposer.proposed)
             metrics.SPECULATIVE_ACCEPTED.inc(seq.proposer.accepted)
         metrics.REQUESTS.labels("cancelled").inc()
-        seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached))
+        seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached, _written(seq)))
 
     def failed(self, seq: Sequence, kind: str, message: str) -> None:
         metrics.REQUESTS.labels("failed").inc()
         seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))
+
+
+def _written(seq: Sequence) -> int:
+    """The prompt tokens ``seq`` wrote to the prefix cache: its entry's, past those it restored (known only once
+    the step that restored them came back, so counted here rather than when the entry is planned)."""
+    return max(0, seq.cache_saved - seq.cached)

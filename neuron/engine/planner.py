@@ -111,6 +111,7 @@ def plan_step(
         seq = by_no[chunk.seq]
         if stored := prefix.store(image_prompts.keyed(seq.tokens, seq.images), seq.adapter):
             plan.save.append(Save(chunk.seq, stored.entry))
+            seq.cache_saved = min(len(seq.tokens), len(seq.prompt))
             plan.evict.extend(_evicts(stored, spill, spilled))
     return Step(plan, starts, spilled, allowed, pixels)
 

@@ -40,6 +40,7 @@ class Finish:
     completion_tokens: int
     text: str  # the last text released (held back until the end)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not computed
+    cache_write_tokens: int = 0  # prompt tokens it wrote to the prefix cache: those saved past those restored
     # Speculation's draft tokens kept and rejected (OpenAI's accepted/rejected_prediction_tokens).
     accepted_tokens: int = 0
     rejected_tokens: int = 0
@@ -140,6 +141,7 @@ class Sequence:
     stop: StopText
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
+    cache_saved: int = 0  # prompt tokens the prefix-cache entry saved as its prompt ended holds (0: none saved)
     held: int = 0  # tokens every rank's cache holds for it that it keeps: its prompt, then the output fed
     next_token: int | None = None  # sampled, to be fed in the next step
     micro_batch: int = 0  # the micro-batch it decodes in, from the step its prompt ends

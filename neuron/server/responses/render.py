@@ -115,7 +115,10 @@ def usage(finish: Finish, reasoning_tokens: int = 0) -> dict[str, Any]:
     prompt_tokens, completion_tokens = finish.prompt_tokens, finish.completion_tokens
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": finish.cached_tokens},
+        "input_tokens_details": {
+            "cached_tokens": finish.cached_tokens,
+            "cache_write_tokens": finish.cache_write_tokens,
+        },
         "output_tokens": completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + completion_tokens,

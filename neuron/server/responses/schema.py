@@ -125,9 +125,14 @@ def reply(model_id: str) -> dict[str, Any]:
             },
             "usage": {
                 "type": "object",
-                "required": ["input_tokens", "output_tokens", "total_tokens"],
+                "required": ["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"],
                 "properties": {
-                    k: {"type": "integer", "minimum": 0} for k in ("input_tokens", "output_tokens", "total_tokens")
+                    **{k: COUNT for k in ("input_tokens", "output_tokens", "total_tokens")},
+                    "input_tokens_details": {
+                        "type": "object",
+                        "required": ["cached_tokens", "cache_write_tokens"],
+                        "properties": {"cached_tokens": COUNT, "cache_write_tokens": COUNT},
+                    },
                 },
             },
         },
@@ -135,4 +140,5 @@ def reply(model_id: str) -> dict[str, Any]:
 
 
 TOP = INT64[1]
+COUNT = {"type": "integer", "minimum": 0}
 OUTPUT_TYPES = ["reasoning", "message", "function_call"]

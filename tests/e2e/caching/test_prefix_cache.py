@@ -17,6 +17,7 @@ import anyio
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseUsage
 
 from testkit import Server, faults, serving, serving_side_by_side
 from testkit.closeness import TOP, Scored, assert_same
@@ -144,6 +145,32 @@ async def test_eight_concurrent_requests_sharing_a_system_prompt_are_unchanged(
     assert metrics[("neuron_prefix_cache_cached_tokens_total", ())] >= 6 * len(SYSTEM)
     assert metrics[("neuron_prefix_cache_bytes", ())] > 0
     assert off.metrics()[("neuron_prefix_cache_hits_total", ())] == 0
+
+
+@pytest.mark.anyio
+async def test_responses_usage_counts_the_prompt_tokens_written_to_the_cache_and_those_read(
+    pair: tuple[str, Server, Server],
+) -> None:
+    """OpenAI's Responses usage requires ``cache_write_tokens`` beside ``cached_tokens`` (its published spec, which
+    the SDK's ``ResponseUsage`` is generated from, and validated here): the first request writes its prompt, the
+    same one again reads all of it it can and writes nothing; with the cache off, neither."""
+    model, off, on = pair
+    question = "Which lamp burns longest at the top of the tower?"
+
+    async def usage(server: Server) -> ResponseUsage:
+        async with _client(server) as client:
+            reply = await client.responses.create(model=model, input=question, max_output_tokens=4, temperature=0.0)
+        assert reply.usage is not None
+        return ResponseUsage.model_validate(reply.usage.model_dump())  # every field OpenAI's spec requires
+
+    first, again = await usage(on), await usage(on)
+    # The module's other tests may have left entries that share the template's first tokens.
+    cached = first.input_tokens_details.cached_tokens
+    assert 0 < first.input_tokens_details.cache_write_tokens == first.input_tokens - cached
+    assert cached < again.input_tokens_details.cached_tokens < again.input_tokens  # the last token is computed
+    assert again.input_tokens_details.cache_write_tokens == 0
+    for alone in (await usage(off), await usage(off)):
+        assert alone.input_tokens_details.cached_tokens == alone.input_tokens_details.cache_write_tokens == 0
 
 
 def _complete(server: Server, prompt: str) -> dict:
