@@ -141,7 +141,7 @@ KV_CACHE_USAGE = Gauge(
 PREEMPTIONS = Counter(
     "neuron_num_preemptions",
     "Sequences paused with their streams open and resumed later: memory (the batch outgrew the budget), "
-    "allocation_failed (a rank failed to allocate anyway)",
+    "allocation_failed (a rank failed to allocate anyway), priority (a request of higher priority took the place)",
     ["reason"],
     registry=REGISTRY,
 )

@@ -59,6 +59,8 @@ BAD_REQUESTS = [
     ("temperature out of range", CHAT, {**GOOD_CHAT, "temperature": 5}, "secret", 400, "temperature", "[0, 2]"),
     ("top_logprobs alone", CHAT, {**GOOD_CHAT, "top_logprobs": 2}, "secret", 400, "top_logprobs", "logprobs"),
     ("n above --max-n", CHAT, {**GOOD_CHAT, "n": 9}, "secret", 400, "n", "--max-n"),
+    ("priority not an integer", CHAT, {**GOOD_CHAT, "priority": 1.5}, "secret", 400, "priority", "integer"),
+    ("priority out of bounds", CHAT, {**GOOD_CHAT, "priority": 2**31}, "secret", 400, "priority", "lower is sooner"),
     ("tool without function", CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, "secret", 400, "tools[0]", "must"),
     (
         "tools on completions",

@@ -261,6 +261,13 @@ class Scheduling:
     max_batch: int = setting(8, "sequences decoding together; more wait in the queue", at_least=1)
     max_n: int = setting(8, "choices per request (n), at most --max-batch; more get 400", at_least=1)
     max_waiting: int = setting(64, "requests queued beyond the batch; more get 429", at_least=0)
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: requests join the batch in arrival order; priority: by each request's `priority` (lower is sooner, "
+        "then arrival), and a waiting request preempts the batch's lowest-priority one when the batch or the memory "
+        "is full (vLLM's flag and meanings)",
+        choices=("fcfs", "priority"),
+    )
     prefill_chunk: int = setting(
         512,
         "prompt tokens fed per step at most, across all prompts being fed, so long prompts do not stall running "

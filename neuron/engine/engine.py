@@ -189,12 +189,14 @@ class Engine:
         request_id: str | None = None,
         n: int = 1,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
         With ``n`` > 1, ``seq.copies`` are the other n - 1 choices: the prompt is computed once, and they start
         from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request). ``adapter``:
-        the LoRA adapter to generate with, by name (None: the base model).
+        the LoRA adapter to generate with, by name (None: the base model). ``priority``: where it waits under the
+        priority policy (lower is sooner).
 
         The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
         a finished sequence ignores it, a queued one leaves the queue at once, and a
@@ -205,6 +207,7 @@ class Engine:
         seqs = self.intake.sequences(prompt, params or SamplingParams(), request_id or uuid.uuid4().hex, n)
         for seq in seqs:
             seq.adapter = number
+            seq.priority = priority
         self._check_images(seqs[0])
         self._queue(seqs[0])
         return seqs[0]

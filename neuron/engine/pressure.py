@@ -86,19 +86,15 @@ class Pressure:
         return held / self.budget.bytes if self.budget.bytes else 0.0
 
     def said(self, preempted: list[Sequence], unfit: list[Sequence]) -> None:
-        """Say what the budget did to the batch this turn: who was preempted, who cannot go on at all."""
+        """Say what the budget (or a request of higher priority) did to the batch this turn: who was preempted,
+        who cannot go on at all."""
         rank, host = self.budget.where()
         for seq in preempted:
-            metrics.PREEMPTIONS.labels("memory").inc()
-            log.warning(
-                "preempted",
-                request_id=seq.request_id,
-                reason="memory",
-                tokens=len(seq.tokens),
-                budget_bytes=self.budget.bytes,
-                rank=rank,
-                host=host,
-            )
+            reason = seq.paused.reason if seq.paused is not None else "memory"
+            metrics.PREEMPTIONS.labels(reason).inc()
+            where = {"budget_bytes": self.budget.bytes, "rank": rank, "host": host} if reason == "memory" else {}
+            cause = {"cause": seq.paused.cause} if seq.paused is not None and reason != "memory" else {}
+            log.warning("preempted", request_id=seq.request_id, reason=reason, tokens=len(seq.tokens), **where, **cause)
         for seq in unfit:
             self.output.failed(
                 seq,

@@ -6,7 +6,7 @@ scheduler decides each move (``engine.scheduler``, ``engine.admission``); nothin
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from neuron.config.settings import Scheduling
@@ -50,11 +50,19 @@ class Queues:
     # Requests, taken up by the next ``Scheduler.schedule``.
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` behind the others, or refuse it when the queue is full."""
+        """Queue ``seq`` behind the others (under the priority policy, behind those of its priority or better), or
+        refuse it when the queue is full."""
         if len(self.waiting) >= self.limits.max_waiting:
             raise Overloaded(f"{len(self.waiting)} requests are already waiting (the limit); retry shortly")
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            self.waiting.insert(_behind(self.waiting, lambda w: w.priority <= seq.priority), seq)
+        else:
+            self.waiting.append(seq)
+
+    @property
+    def by_priority(self) -> bool:
+        return self.limits.scheduling_policy == "priority"
 
     def cancel(self, seq: Sequence) -> bool:
         """Mark ``seq`` as abandoned by its caller; True when it was still queued and has left at once (an
@@ -106,11 +114,13 @@ class Queues:
         for copy in seq.fed_with:  # its copies waited for its prompt's end: each is fed on its own now
             copy.alone = True
         _replay_later(seq, pause)
-        waiting = self.waiting
-        at = 0
-        while at < len(waiting) and waiting[at].paused is not None and waiting[at].admitted < seq.admitted:
-            at += 1
-        waiting.insert(at, seq)
+
+        def ahead(waiting: Sequence) -> bool:  # paused, admitted before it, and (by priority) of its priority
+            if self.by_priority and waiting.priority != seq.priority:
+                return waiting.priority < seq.priority
+            return waiting.paused is not None and waiting.admitted < seq.admitted
+
+        self.waiting.insert(_behind(self.waiting, ahead), seq)
 
     # A lost group, and a shutdown.
 
@@ -158,6 +168,14 @@ class Queues:
     def _empty_batch(self) -> None:
         for place in (self.filling, self.running, self.leaving, self.stopping, self.keeping):
             place.clear()
+
+
+def _behind(waiting: deque[Sequence], ahead: Callable[[Sequence], bool]) -> int:
+    """Where a sequence joins the queue: after the run of those at its front that go ``ahead`` of it."""
+    at = 0
+    while at < len(waiting) and ahead(waiting[at]):
+        at += 1
+    return at
 
 
 def _replay_later(seq: Sequence, pause: Pause) -> None:

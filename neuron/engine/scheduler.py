@@ -212,6 +212,7 @@ class Scheduler:
             self.queues.remove(seq, Status.FINISHED_STOPPED)
         self.queues.stopping.clear()
         preempted, unfit = self._fit()
+        preempted += self._make_room()
         admitted = self.admission.admit()
         unfit += self.admission.drop_stuck()
         limits = self.limits
@@ -329,6 +330,27 @@ class Scheduler:
             return preempted, []
         self.queues.remove(unfit, Status.FINISHED_ERROR)
         return preempted, [unfit]
+
+    def _make_room(self) -> list[Sequence]:
+        """Under the priority policy: while the best waiting request (the queue's first generating one) cannot join,
+        preempt the batch's lowest-priority sequence of a lower priority than its own, the newest admitted of
+        those; none of the same priority or better is ever preempted for it."""
+        if self.limits.scheduling_policy != "priority":
+            return []
+        preempted: list[Sequence] = []
+        while (head := next((seq for seq in self.waiting if seq.pooling is None), None)) is not None:
+            if head in self.admission.admissible():
+                break
+            lower = [seq for seq in self.batch if seq.pooling is None and seq.priority > head.priority]
+            if not lower:
+                break
+            seq = max(lower, key=lambda seq: (seq.priority, seq.admitted))
+            cause = (
+                f"request {head.request_id} of priority {head.priority} took its place (its priority {seq.priority})"
+            )
+            self.queues.preempt(seq, Pause("priority", 0, "", cause, time.perf_counter()))
+            preempted.append(seq)
+        return preempted
 
     def size_prefix_cache(self) -> None:
         """The prefix cache holds what the batch leaves of the memory budget, at most ``--prefix-cache-bytes``."""

@@ -120,7 +120,7 @@ class Status(enum.Enum):
 class Pause:
     """Why a sequence is paused, its stream open, waiting to be fed its prompt and output again: the group was lost
     under it (``reason`` "lost": ``engine.resume``), or it was preempted ("memory": the batch's caches would pass
-    the memory budget, ``engine.memory``)."""
+    the memory budget, ``engine.memory``; "priority": a waiting request of higher priority took its place)."""
 
     reason: str
     rank: int  # the rank whose loss broke the group, or whose budget it would have passed
@@ -141,6 +141,7 @@ class Sequence:
     stop: StopText
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
+    priority: int = 0  # the request's: lower is sooner (``--scheduling-policy priority``)
     cache_saved: int = 0  # prompt tokens the prefix-cache entry saved as its prompt ended holds (0: none saved)
     held: int = 0  # tokens every rank's cache holds for it that it keeps: its prompt, then the output fed
     next_token: int | None = None  # sampled, to be fed in the next step

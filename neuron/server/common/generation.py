@@ -64,11 +64,14 @@ SAMPLING_FIELDS = frozenset(
         "stream",
         "stream_options",
         "model",
+        "priority",
         *EXTENSIONS,
         *SPECULATION,
     }
 )
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+# A request's ``priority`` (vLLM's field: lower is sooner), bounded as a signed 32-bit integer.
+PRIORITY = (-(2**31), 2**31 - 1)
 
 
 @dataclass(slots=True)
@@ -89,6 +92,7 @@ class Generation:
     schema: dict[str, Any] | None = None  # what the output must match (response_format)
     tools: Tools | None = None  # for a chat that may call them
     reasoning: Options | None = None  # for a chat
+    priority: int = 0  # where it waits under ``--scheduling-policy priority``: lower is sooner
 
 
 def begin(
@@ -113,6 +117,11 @@ def begin(
     gen.adapter = gen.model if gen.model != served_model else None
     if gen.n < 1:
         raise bad("n", f"`n` must be at least 1, got {gen.n}")
+    gen.priority = integer(body, "priority", 0)
+    if not PRIORITY[0] <= gen.priority <= PRIORITY[1]:
+        raise bad(
+            "priority", f"`priority` must lie in [{PRIORITY[0]}, {PRIORITY[1]}] (lower is sooner), got {gen.priority}"
+        )
     return gen
 
 
@@ -292,7 +301,17 @@ def sampling_properties(vocab_size: int | None, max_n: int | None) -> Schema:
         **_extension_properties(vocab_size),
         "stream": or_null({"type": "boolean"}),
         "stream_options": or_null({"type": "object", "properties": {"include_usage": or_null({"type": "boolean"})}}),
+        "priority": PRIORITY_SCHEMA,
     }
+
+
+PRIORITY_SCHEMA: Schema = or_null(
+    {
+        **integer_schema(*PRIORITY),
+        "description": "extension (vLLM's): where the request waits under --scheduling-policy priority; lower is "
+        "sooner, 0 by default",
+    }
+)
 
 
 def passthrough(unsupported: dict[str, tuple[str, tuple[Any, ...]]]) -> Schema:

@@ -43,7 +43,8 @@ async def submit(engine: Engine, gen: Generation, request_id: str) -> list[Seque
             prompts = [p if isinstance(p, list) else text.encode(p) for p in gen.prompts]
         for i, prompt in enumerate(prompts):
             try:
-                seq = engine.submit(prompt, await _constrained(engine, gen, prompt), request_id, gen.n, gen.adapter)
+                params = await _constrained(engine, gen, prompt)
+                seq = engine.submit(prompt, params, request_id, gen.n, gen.adapter, gen.priority)
             except RequestError as e:
                 if e.param == "prompt" and len(prompts) > 1:
                     e.param = f"prompt[{i}]"

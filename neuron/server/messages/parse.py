@@ -21,7 +21,7 @@ from neuron.server.common.content import anthropic_block, anthropic_part, anthro
 from neuron.server.common.errors import ApiError, bad
 from neuron.server.common.fields import an_object, is_int64, type_of
 
-PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")
+PASSED = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "priority")
 ACCEPTED = frozenset(
     {*PASSED, "system", "messages", "stop_sequences", "tools", "tool_choice", "thinking", "output_config"}
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from neuron.sampling_params import MAX_STOPS
 from neuron.server.common.content import ANTHROPIC_IMAGE as IMAGE
 from neuron.server.common.content import ANTHROPIC_TEXT as TEXT
-from neuron.server.common.generation import CHAT_MAX_TOKENS
+from neuron.server.common.generation import CHAT_MAX_TOKENS, PRIORITY_SCHEMA
 from neuron.server.common.schema import Schema, integer, or_null, ranged, served_names
 from neuron.server.common.tools import NAME
 from neuron.server.messages.parse import IGNORED_HERE, TOOL_IGNORED
@@ -141,6 +141,7 @@ def messages_request(model_id: str, counting: bool = False) -> Schema:
             "top_p": or_null(ranged("top_p", "number")),
             "top_k": or_null(ranged("top_k", "integer")),
             "stream": or_null({"type": "boolean"}),
+            "priority": PRIORITY_SCHEMA,
         } | {name: {"description": "accepted and ignored"} for name in sorted(IGNORED_HERE)}
     return {
         "type": "object",

@@ -18,7 +18,7 @@ from neuron.server.common.errors import ApiError, bad, within_limits
 from neuron.server.common.fields import IGNORED, an_object, type_of
 
 ROLES = ("user", "system", "developer", "assistant")
-PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls")
+PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "priority")
 FIELDS = frozenset({*PASSED, "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning"})
 # Chat names in errors raised by the chat route's checks, as this route calls them.
 RENAMED = {

@@ -10,7 +10,7 @@ from neuron.sampling_params import RANGES
 from neuron.server.common import limits
 from neuron.server.common.content import RESPONSES_PART
 from neuron.server.common.fields import IGNORED, INT64
-from neuron.server.common.generation import CHAT_MAX_TOKENS
+from neuron.server.common.generation import CHAT_MAX_TOKENS, PRIORITY_SCHEMA
 from neuron.server.common.reasoning import EFFORTS
 from neuron.server.common.schema import served_names
 from neuron.server.common.tools import FUNCTION, request_rules
@@ -86,6 +86,7 @@ def request(model_id: str, reasons: bool = True) -> dict[str, Any]:
         "temperature": ranged("temperature"),
         "top_p": ranged("top_p"),
         "stream": optional({"type": "boolean"}),
+        "priority": PRIORITY_SCHEMA,
         "tools": optional({"type": "array", "items": function}),
         "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, named, {"type": "null"}]},
         "parallel_tool_calls": optional({"type": "boolean"}),

@@ -56,9 +56,17 @@ class StandInEngine:
         self.adapters = SimpleNamespace(names=[])  # no LoRA adapter served
 
     def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str, n: int = 1, adapter: str | None = None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        n: int = 1,
+        adapter: str | None = None,
+        priority: int = 0,
     ) -> Sequence:
         seqs = self.intake.sequences(prompt, params, request_id, n)
+        for seq in seqs:
+            seq.priority = priority
         self.submitted += seqs
         if self.refuse is not None:
             raise self.refuse
@@ -136,12 +144,17 @@ def test_the_parsed_request_reaches_intake_with_its_settings(client: TestClient,
     """A good request queues: what the engine receives is the request as parsed, end-of-sequence ids added."""
     engine.refuse = Overloaded("the queue holds 64 requests (--max-waiting)")  # so that no reply is awaited
     body = {"model": "qwen3", "prompt": "hi", "max_tokens": 3, "temperature": 0.5, "stop": ["x"], "n": 2, "seed": 7}
-    assert post(client, COMPLETIONS, body).status_code == 429
+    assert post(client, COMPLETIONS, body | {"priority": -3}).status_code == 429
     first, second = engine.submitted
+    assert first.priority == second.priority == -3
     assert first.prompt == engine.text.encode("hi") and first.max_tokens == 3
     assert (first.params.temperature, first.params.stop, first.params.seed, second.params.seed) == (0.5, ("x",), 7, 8)
     assert set(engine.text.eos_token_ids) <= set(first.params.stop_token_ids)
     assert second.copy_of is first
+    # The Responses and Messages bodies pass it on as the chat's.
+    assert post(client, "/v1/responses", {"model": "qwen3", "input": "hi", "priority": 4}).status_code == 429
+    assert post(client, "/v1/messages", {**GOOD_CHAT, "priority": -9}).status_code == 429
+    assert [seq.priority for seq in engine.submitted[2:]] == [4, -9]
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_cancels_what_queued(
