@@ -53,7 +53,7 @@ def plan_step(
     starts: dict[int, Start] = {}
     pixels: dict[str, Inputs] = {}  # the images the chunks put in, for rank 0's encoder
     suspect = False  # whether the step feeds a sequence blamed for a lost group
-    for seq in filling:
+    for seq in sorted(filling, key=_feeding_order):
         if budget <= 0:
             break
         if seq.copy_of is not None and not seq.alone:
@@ -99,6 +99,10 @@ def plan_step(
             Prefill(seq.no, start, fed, last, copied, scores, images=runs, positions=positions, adapter=seq.adapter)
         )
         budget -= take
+    # Planned in admission order all the same: prompts that end in this step join the batch in that order.
+    admitted = {seq.no: i for i, seq in enumerate(filling)}
+    prefill.sort(key=lambda chunk: admitted[chunk.seq])
+    restore.sort(key=lambda entry: admitted[entry.seq])
     decode = _decode(running, micro_batches, cost, proposed or {})
     ahead = run_ahead and _steady(prefill, decode, filling, running, waiting, max_batch, micro_batches)
     # Saved only after every lookup: a rank restores before it saves, so no plan may restore what it saves.
@@ -114,6 +118,17 @@ def plan_step(
             seq.cache_saved = min(len(seq.tokens), len(seq.prompt))
             plan.evict.extend(_evicts(stored, spill, spilled))
     return Step(plan, starts, spilled, allowed, pixels)
+
+
+def _feeding_order(seq: Sequence) -> tuple[int, int]:
+    """Which prompt a step's budget feeds first (the plan lists the chunks in admission order). Sequences paused
+    and resuming (a lost group, a preemption) first, as admitted: they were running, and one blamed for a loss is
+    fed alone. Then the prompts with the fewest tokens left: a short one admitted while a long one is fed is fed
+    whole in the next step, not after every chunk of the long one (head-of-line blocking), and the long one takes
+    what is left."""
+    if seq.paused is not None or seq.losses:
+        return 0, 0
+    return 1, len(seq.tokens) - seq.fed
 
 
 def _keep(

@@ -1,5 +1,5 @@
 """``--scheduling-policy priority``'s decisions, checked on the scheduler directly: who waits where, who joins, and
-who is preempted for whom (the end-to-end run is tests/e2e/serving/test_priority.py)."""
+who is preempted for whom (the end-to-end run is tests/e2e/serving/test_scheduling.py)."""
 
 from __future__ import annotations
 

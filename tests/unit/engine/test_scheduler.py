@@ -112,6 +112,23 @@ def test_the_prefill_budget_is_shared_in_admission_order() -> None:
     assert plan.decode == [Decode(a.no, 7, 0)]  # a decodes while b's prompt is still fed
 
 
+def test_a_short_prompt_admitted_while_a_long_one_is_fed_is_fed_whole_in_the_next_step() -> None:
+    s = scheduler(prefill_chunk=8)
+    long = request(40)
+    admitted(s, long)
+    run(s)
+    short = request(3)
+    admitted(s, short)
+    plan = run(s)
+    # No head-of-line blocking: the short prompt is fed whole now, the long one takes what is left of the budget;
+    # the plan lists them as admitted.
+    assert [(c.seq, c.position, len(c.tokens), c.last) for c in plan.prefill] == [
+        (long.no, 8, 5, False),
+        (short.no, 0, 3, True),
+    ]
+    assert [r.seq for r in run(s).decode] == [short.no]  # decoding while the long prompt is still fed
+
+
 def test_a_prompt_that_ends_joins_the_batch_after_the_running_rows() -> None:
     s = scheduler()
     a = request(2)
@@ -289,7 +306,7 @@ def test_copies_wait_for_their_originals_prompt_then_start_from_it_together() ->
     s = scheduler(max_batch=4, prefill_chunk=3)
     original, copy = request(5), request(5)
     original.copies, copy.copy_of = [copy], original
-    other = request(2)
+    other = request(6)  # longer than the original: fed after it (the fewest tokens left first)
     for seq in (original, other):
         s.queues.add(seq)
     # Two places for the request with n = 2, one for the next: all three fit.

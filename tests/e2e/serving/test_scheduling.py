@@ -1,6 +1,8 @@
-"""``--scheduling-policy priority`` on real ranks: with the batch full of low-priority streams, an urgent request
-preempts one of them and has its first token within a couple of steps, and every stream, the preempted one too,
-ends with the text it gets alone (greedy: exactly, on the CPU). The decisions are tests/unit/engine/test_priority.py's.
+"""Who is fed and decoded first, on real ranks. ``--scheduling-policy priority``: with the batch full of
+low-priority streams, an urgent request preempts one of them and has its first token within a couple of steps, and
+every stream, the preempted one too, ends with the text it gets alone (greedy: exactly, on the CPU). Whatever the
+policy, a short request sent while a long prompt is fed is answered before that prompt's first token: no
+head-of-line blocking. The decisions are tests/unit/engine/test_priority.py's and test_scheduler.py's.
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ from pathlib import Path
 import httpx
 import pytest
 
-from testkit import Server, serving, sse_events
+from testkit import Server, serving, sse_events, wait_until
 
 LOW = ["The keeper climbs the stairs at dusk", "Waves fold over the old stone pier"]
 URGENT = "Is the lamp lit?"
-LOW_TOKENS, URGENT_TOKENS = 48, 8
+LOW_TOKENS, URGENT_TOKENS = 64, 8
 
 
 @pytest.fixture(scope="module", params=[("--tp", "2"), ("--pp", "2")], ids=["tp2", "pp2"])
 def server(
     request: pytest.FixtureRequest, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    # Speculation off: one token a step, so that the tokens a stream gets count the steps.
-    args = ("--scheduling-policy", "priority", "--max-batch", "2", "--speculate", "off", *request.param)
+    # Speculation off: one token a step, so that the tokens a stream gets count the steps. Small prompt chunks: a
+    # long prompt is fed over many steps.
+    args = ("--scheduling-policy", "priority", "--max-batch", "2", "--speculate", "off", "--prefill-chunk", "64")
+    args = (*args, *request.param)
     with serving(tmp_path_factory, "--model", str(tiny_models["qwen3"]), *args) as started:
         yield started
 
@@ -87,14 +91,30 @@ def test_an_urgent_request_preempts_a_full_batch_of_low_priority_streams_and_eve
     before = [len(low.pieces) for low in lows]
     urgent = Stream(server, URGENT, URGENT_TOKENS, priority=-1)
     assert urgent.started.wait(60)
-    # Its first token within the step running as it came and the one that fed it (and a token or two of client
-    # skew): a stream of the batch got no more tokens than that meanwhile, where waiting for a place would have
-    # let both run to their end.
+    # Its first token within the step running as it came and the one that fed it: a stream of the batch got a
+    # few tokens meanwhile (those two steps, a pipeline's passes, and the skew of four clients' threads on a
+    # loaded 2-core box), where waiting for a place let each get 20 to 30 (measured under fcfs).
     gained = [len(low.pieces) - n for low, n in zip(lows, before, strict=True)]
-    assert max(gained) <= 4, gained
+    assert max(gained) <= 8, gained
     assert urgent.text() == urgent_alone
     assert [low.text() for low in lows] == undisturbed
     preemptions = server.metrics()[("neuron_num_preemptions_total", (("reason", "priority"),))]
     assert preemptions >= 1
     paused = server.find_log("preempted", reason="priority")
     assert paused is not None and "priority -1" in paused["cause"], paused
+
+
+def test_a_short_request_sent_while_a_long_prompt_is_fed_is_answered_before_that_prompts_first_token(
+    server: Server,
+) -> None:
+    def fed() -> float:
+        return server.metrics()[("neuron_prefill_tokens_total", ())]
+
+    before = fed()
+    long = Stream(server, "tide " * 380, 1, priority=0)  # about 1,900 tokens: some thirty chunks of 64
+    wait_until(lambda: fed() >= before + 64, 60, "the long prompt's feeding to begin")
+    short = httpx.post(f"{server.url}/v1/completions", json=_body("Hi", 2, 0, False), timeout=120)
+    assert short.status_code == 200, short.text
+    assert not long.started.is_set(), "the short request waited for the long prompt"
+    assert short.json()["usage"]["completion_tokens"] == 2
+    assert long.text()
