@@ -78,6 +78,7 @@ from neuron.server.guard import Allowed, split_list
 from neuron.server.http import open_to_others
 from neuron.system import systemd
 from neuron.system.reexec import reexec
+from neuron.tracing import Tracing
 
 log = structlog.get_logger("neuron.server")
 
@@ -402,7 +403,9 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     host, port = sock.getsockname()[:2]
     notifier = systemd.Notifier()
     api_key = options.serving.api_key
-    state = ServerState(options.model_id, api_key.strip() if api_key else None)
+    endpoint = options.serving.otlp_traces_endpoint
+    tracing = Tracing(endpoint, options.serving.trace_step_ratio) if endpoint else None
+    state = ServerState(options.model_id, api_key.strip() if api_key else None, tracing=tracing)
     http = options.http
     allowed = Allowed.build(
         split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
@@ -506,5 +509,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             helpers.cancel()
             server.stop()  # closes the listener and lets the last responses finish
     notifier.close()
+    if tracing is not None:
+        tracing.close()  # the spans still batched are exported before the process ends or restarts
     log.info("restarting" if restart else "stopped")
     return restart

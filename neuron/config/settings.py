@@ -168,6 +168,18 @@ class Serving:
         check=_not_blank,
         unset="no key",
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        "where each request's OpenTelemetry trace is sent, over OTLP/HTTP (a collector's /v1/traces URL; vLLM's "
+        "flag); needs neuron[traces]",
+        unset="no traces",
+    )
+    trace_step_ratio: float = setting(
+        0.05,
+        "the share of a traced request's steps whose time on each rank is a span of its own, so that a slow rank shows",
+        at_least=0,
+        at_most=1,
+    )
     adapter: str | None = setting(
         None,
         "a LoRA adapter served as a model of its own, NAME=PATH (a folder in mlx-lm's or PEFT's format, or a Hub "

@@ -51,6 +51,7 @@ from neuron.models.folder import ModelError, embedding, read_config, resolve, te
 from neuron.pool import Deadlines, Layout, Pool
 from neuron.sampling_params import SamplingParams
 from neuron.system import device
+from neuron.tracing import RequestSpan
 
 log = structlog.get_logger("neuron.engine")
 
@@ -190,13 +191,15 @@ class Engine:
         n: int = 1,
         adapter: str | None = None,
         priority: int = 0,
+        trace: RequestSpan | None = None,
     ) -> Sequence:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
         With ``n`` > 1, ``seq.copies`` are the other n - 1 choices: the prompt is computed once, and they start
         from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request). ``adapter``:
         the LoRA adapter to generate with, by name (None: the base model). ``priority``: where it waits under the
-        priority policy (lower is sooner).
+        priority policy (lower is sooner). ``trace``: its request's span (``neuron.tracing``), which the first
+        sequence closes.
 
         The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
         a finished sequence ignores it, a queued one leaves the queue at once, and a
@@ -208,7 +211,9 @@ class Engine:
         for seq in seqs:
             seq.adapter = number
             seq.priority = priority
+            seq.trace_id = trace.trace_id if trace is not None else None
         self._check_images(seqs[0])
+        seqs[0].trace = trace
         self._queue(seqs[0])
         return seqs[0]
 

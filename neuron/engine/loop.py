@@ -149,6 +149,9 @@ class Loop:
         cost = self.scheduler.cost
         cost.observe_draft(draft_steps, draft_ms)  # priced apart from the step's own time (``drafts.width``)
         deliveries = self.scheduler.update(step, sampled, ms)
+        for seq in dict.fromkeys((*self.scheduler.batch, *(d.seq for d in deliveries))):
+            if seq.trace is not None:  # before its deliveries: the last one closes its span
+                seq.trace.stepped(started, self.pool.timing.ranks)
         if self.scheduler.running:  # between requests it stays as the last batch left it
             self.pool.keep_loop_off_rank0(self.scheduler.steps_short)
         self.recent.add((ms + draft_ms) / 1000, sum(1 for d in deliveries if d.kept))

@@ -45,12 +45,12 @@ class Output:
         seq.started = time.perf_counter()
         metrics.PROMPT_TOKENS.inc(len(seq.prompt))
         if seq.pooling is not None:  # one of up to thousands of inputs of one request: not a line each at info
-            log.debug("embedding started", request_id=seq.request_id, prompt_tokens=len(seq.prompt))
+            log.debug("embedding started", **seq.ids, prompt_tokens=len(seq.prompt))
             return
         self.text.start(seq)
         log.info(
             "request started",
-            request_id=seq.request_id,
+            **seq.ids,
             prompt_tokens=len(seq.prompt),
             max_tokens=seq.max_tokens,
             temperature=seq.params.temperature,
@@ -72,7 +72,7 @@ class Output:
         if delivery.first:
             log.info(
                 "prefill done",
-                request_id=seq.request_id,
+                **seq.ids,
                 prompt_tokens=len(seq.prompt),
                 cached_tokens=seq.cached,
                 ms=ms_since(seq.started),
@@ -81,7 +81,7 @@ class Output:
                 (metrics.PREFIX_HITS if seq.cached else metrics.PREFIX_MISSES).inc()
                 metrics.PREFIX_CACHED_TOKENS.inc(seq.cached)
         if delivery.finish == "error":
-            log.warning("constraint failed", request_id=seq.request_id, error=sampled.error)
+            log.warning("constraint failed", **seq.ids, error=sampled.error)
             self.failed(seq, "constraint", sampled.error or "the output constraint failed")
             return
         reason = delivery.finish
@@ -112,7 +112,7 @@ class Output:
         replayed = len(seq.tokens)
         log.info(
             "resumed",
-            request_id=seq.request_id,
+            **seq.ids,
             reason=seq.paused.reason,
             rank=seq.paused.rank,
             host=seq.paused.host,
@@ -122,6 +122,8 @@ class Output:
         )
         metrics.RESUMED.inc()
         metrics.REPLAYED_TOKENS.inc(replayed)
+        if seq.trace is not None:
+            seq.trace.resumed(seq.paused.reason, seq.paused.at)
         seq.paused = None
 
     def finish(self, seq: Sequence, reason: str, tail: str) -> None:
@@ -130,7 +132,7 @@ class Output:
         if seq.first_token_at:
             log.info(
                 "decode done",
-                request_id=seq.request_id,
+                **seq.ids,
                 tokens=seq.completion_tokens,
                 ms=ms_since(seq.first_token_at),
                 proposed_tokens=proposed,
@@ -140,7 +142,7 @@ class Output:
         metrics.SPECULATIVE_ACCEPTED.inc(accepted)
         log.info(
             "request done",
-            request_id=seq.request_id,
+            **seq.ids,
             prompt_tokens=len(seq.prompt),
             completion_tokens=seq.completion_tokens,
             finish_reason=reason,
@@ -151,6 +153,7 @@ class Output:
             decoding = time.perf_counter() - seq.first_token_at
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
         rejected = proposed - accepted
+        _end_trace(seq, reason)
         seq.emit(
             Finish(
                 reason,
@@ -166,7 +169,7 @@ class Output:
 
     def embedded(self, seq: Sequence, sampled: Sampled) -> None:
         """An embedding input's vector is ready: its one event."""
-        log.debug("embedding done", request_id=seq.request_id, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
+        log.debug("embedding done", **seq.ids, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
         metrics.REQUESTS.labels("stop").inc()
         seq.emit(Finish("stop", len(seq.prompt), 0, "", embedding=sampled.embedding))
 
@@ -177,7 +180,7 @@ class Output:
         if seq.started:
             log.info(
                 "request cancelled",
-                request_id=seq.request_id,
+                **seq.ids,
                 completion_tokens=seq.completion_tokens,
                 steps_after_cancel=steps_after_cancel,
                 ms=ms_since(seq.started),
@@ -186,10 +189,12 @@ class Output:
             metrics.SPECULATIVE_PROPOSED.inc(seq.proposer.proposed)
             metrics.SPECULATIVE_ACCEPTED.inc(seq.proposer.accepted)
         metrics.REQUESTS.labels("cancelled").inc()
+        _end_trace(seq, "cancelled")
         seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached, _written(seq)))
 
     def failed(self, seq: Sequence, kind: str, message: str) -> None:
         metrics.REQUESTS.labels("failed").inc()
+        _end_trace(seq, "error")
         seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))
 
 
@@ -197,3 +202,12 @@ def _written(seq: Sequence) -> int:
     """The prompt tokens ``seq`` wrote to the prefix cache: its entry's, past those it restored (known only once
     the step that restored them came back, so counted here rather than when the entry is planned)."""
     return max(0, seq.cache_saved - seq.cached)
+
+
+def _end_trace(seq: Sequence, reason: str) -> None:
+    """Close ``seq``'s request span, if it has one, with its children (``tracing.RequestSpan.end``)."""
+    if seq.trace is not None:
+        trace, seq.trace = seq.trace, None
+        trace.end(
+            seq.submitted, seq.started, seq.first_token_at, len(seq.prompt), seq.cached, seq.completion_tokens, reason
+        )

@@ -94,7 +94,7 @@ class Pressure:
             metrics.PREEMPTIONS.labels(reason).inc()
             where = {"budget_bytes": self.budget.bytes, "rank": rank, "host": host} if reason == "memory" else {}
             cause = {"cause": seq.paused.cause} if seq.paused is not None and reason != "memory" else {}
-            log.warning("preempted", request_id=seq.request_id, reason=reason, tokens=len(seq.tokens), **where, **cause)
+            log.warning("preempted", **seq.ids, reason=reason, tokens=len(seq.tokens), **where, **cause)
         for seq in unfit:
             self.output.failed(
                 seq,

@@ -93,7 +93,7 @@ class Recovery:
         for seq, steps_after in cancelled:
             self.output.cancelled(seq, steps_after)
         for seq in given_up:
-            log.warning("not resumed", request_id=seq.request_id, losses=seq.losses, rank=lost.rank, host=lost.host)
+            log.warning("not resumed", **seq.ids, losses=seq.losses, rank=lost.rank, host=lost.host)
             self.output.failed(seq, "step_failed", resume.too_many_losses(seq, tries, str(error)))
         if paused:
             log.warning("requests paused", requests=len(paused), rank=lost.rank, host=lost.host, cause=str(error))

@@ -14,6 +14,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from neuron.engine.drafts import Proposer
 from neuron.sampling_params import SamplingParams
+from neuron.tracing import RequestSpan
 
 if TYPE_CHECKING:
     from neuron.engine.image_prompts import PromptImage, Rope
@@ -142,6 +143,10 @@ class Sequence:
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
     priority: int = 0  # the request's: lower is sooner (``--scheduling-policy priority``)
+    # Its request's OpenTelemetry span (``--otlp-traces-endpoint``), on the request's first sequence only; the
+    # span's trace id on each of them, for their log entries.
+    trace: RequestSpan | None = None
+    trace_id: str | None = None
     cache_saved: int = 0  # prompt tokens the prefix-cache entry saved as its prompt ended holds (0: none saved)
     held: int = 0  # tokens every rank's cache holds for it that it keeps: its prompt, then the output fed
     next_token: int | None = None  # sampled, to be fed in the next step
@@ -206,6 +211,11 @@ class Sequence:
     def tokens(self) -> list[int]:
         """What its cache must hold before it samples: its prompt, and since a loss its output so far too."""
         return self.prompt if self.replay is None else self.replay
+
+    @property
+    def ids(self) -> dict[str, str]:
+        """What names it in a log entry: its request's id, and its trace's where traces are on."""
+        return {"request_id": self.request_id} | ({"trace_id": self.trace_id} if self.trace_id else {})
 
     def emit(self, event: Event) -> None:
         """Hand an event to the reader; a reader that has gone away counts as a cancellation."""

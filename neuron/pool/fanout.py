@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -96,6 +96,7 @@ class Timing:
     rank0: float  # rank 0's part, from the last write to its result (its share of every collective included)
     drain: float  # after rank 0's result, until the last worker's reply
     total: float
+    ranks: dict[int, float] = field(default_factory=dict)  # each rank's, from the last write to its result or reply
 
 
 class FanOut:
@@ -159,6 +160,7 @@ class FanOut:
             if debug:
                 log.debug("fan-out", op=op, sent=len(sent), failed=len(failures), ms=round((started - began) * 1000, 2))
             lost = self._lost = Alarm()
+            replied: dict[int, float] = {}
 
             async def run_rank0(fn: Callable[[Rank], Any]) -> None:
                 nonlocal rank0_done
@@ -187,7 +189,9 @@ class FanOut:
                     lost.set()  # first: describing a dead worker may read its host's OOM count, over SSH
                     failures[worker.rank] = await self._worker_failure(worker, op, e)
                     return
-                self.last_reply = max(self.last_reply, time.perf_counter())
+                now = time.perf_counter()
+                self.last_reply = max(self.last_reply, now)
+                replied[worker.rank] = now - started
                 if isinstance(reply, rpc.Error):
                     message = reply.message.removeprefix(f"rank {worker.rank}: ")
                     failures[worker.rank] = _RankFailure(
@@ -215,7 +219,8 @@ class FanOut:
                 log.debug("drain", op=op, ms=ms_since(started), errors=len(failures))
             ended = time.perf_counter()
             drained = max(0.0, self.last_reply - rank0_done) if sent else 0.0
-            self.timing = Timing(started - began, rank0_done - started, drained, ended - began)
+            replied[0] = rank0_done - started
+            self.timing = Timing(started - began, rank0_done - started, drained, ended - began, replied)
             if failures:
                 messages = {rank: str(f) for rank, f in failures.items()}
                 oom = any(f.out_of_memory for f in failures.values())

@@ -33,7 +33,7 @@ import structlog
 from neuron import metrics, rpc
 from neuron.launch.hosts import Host
 from neuron.models import hub
-from neuron.pool.fanout import Deadlines, PoolError
+from neuron.pool.fanout import Deadlines, PoolError, Timing
 from neuron.pool.link import Link
 from neuron.pool.loading import Loader
 from neuron.pool.probe import probe_spare
@@ -94,6 +94,11 @@ class Pool:
     def keep_loop_off_rank0(self, off: bool) -> None:
         """Keep the event loop's thread off rank 0's core, or let it float again (``Rank0Thread.keep_loop_off``)."""
         self._ranks.rank0.keep_loop_off(off)
+
+    @property
+    def timing(self) -> Timing:
+        """Where the latest operation's seconds went, each rank's among them (a step's, after ``step``)."""
+        return self._ranks.fan_out.timing
 
     async def step(self, step: Step) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.

@@ -33,8 +33,10 @@ from neuron.engine.sequence import Sequence
 from neuron.server.common import limits
 from neuron.server.common.errors import ApiError, not_ready, openai_body, within_limits
 from neuron.server.common.fields import Served
+from neuron.server.common.generation import Generation
 from neuron.server.common.submit import cancel
 from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
+from neuron.tracing import RequestSpan, Tracing
 
 if TYPE_CHECKING:
     from neuron.engine.engine import Engine
@@ -57,6 +59,7 @@ class ServerState:
     started: int = 0
     # While a model named on the Hub is fetched: its progress, which /ready answers with (neuron.models.progress).
     download: Download | None = None
+    tracing: Tracing | None = None  # requests' OpenTelemetry traces (--otlp-traces-endpoint); None: off
 
 
 class OrjsonResponse(JSONResponse):
@@ -85,6 +88,15 @@ class Call:
         """The base model's id, with the LoRA adapters a generation may name instead (``fields.served``)."""
         engine = self.state.engine
         return Served(self.state.model_id, tuple(engine.adapters.names) if engine is not None else ())
+
+    def trace(self, gen: Generation) -> RequestSpan | None:
+        """The request's span where traces are on (``--otlp-traces-endpoint``), continuing its ``traceparent``."""
+        tracing = self.state.tracing
+        if tracing is None:
+            return None
+        params = gen.params
+        asked = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        return tracing.start(self.request.headers, "chat" if gen.chat else "text_completion", gen.model, asked)
 
     @property
     def engine(self) -> Engine:

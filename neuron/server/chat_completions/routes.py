@@ -20,7 +20,7 @@ async def create(call: Call) -> Response:
     gen = chat.parse(call.body, call.served)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id)
+    seqs = await submit(engine, gen, request_id, call.trace(gen))
     text = engine.text
     replies_ = choices.Replies(gen, request_id, ChatShape(gen, text.token_text))
     splits = [harmony.splitter(text.tokenizer, seq.prompt) for seq in seqs]

@@ -19,6 +19,7 @@ from neuron.sampling_params import SamplingParams
 from neuron.server.common import content, harmony, reasoning, tools
 from neuron.server.common.errors import ApiError, refused
 from neuron.server.common.generation import Generation
+from neuron.tracing import RequestSpan
 
 if TYPE_CHECKING:
     from neuron.engine.engine import Engine
@@ -29,10 +30,22 @@ def cancel(engine: Engine, seqs: list[Sequence]) -> None:
         engine.cancel(seq)
 
 
-async def submit(engine: Engine, gen: Generation, request_id: str) -> list[Sequence]:
-    """Queue a checked request in the engine, a sequence per choice; refusals as OpenAI's errors."""
-    chat = gen.chat
+async def submit(engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None = None) -> list[Sequence]:
+    """Queue a checked request in the engine, a sequence per choice, the first holding its ``trace`` (its span,
+    where traces are on); refusals as OpenAI's errors."""
     structlog.contextvars.bind_contextvars(request_id=request_id)
+    if trace is not None:
+        structlog.contextvars.bind_contextvars(trace_id=trace.trace_id)
+    try:
+        return await _submit(engine, gen, request_id, trace)
+    except BaseException as e:
+        if trace is not None:
+            trace.refused(str(e))
+        raise
+
+
+async def _submit(engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None) -> list[Sequence]:
+    chat = gen.chat
     text = engine.text
     seqs: list[Sequence] = []
     try:
@@ -44,7 +57,8 @@ async def submit(engine: Engine, gen: Generation, request_id: str) -> list[Seque
         for i, prompt in enumerate(prompts):
             try:
                 params = await _constrained(engine, gen, prompt)
-                seq = engine.submit(prompt, params, request_id, gen.n, gen.adapter, gen.priority)
+                first = trace if i == 0 else None  # the span ends with the first prompt's first choice
+                seq = engine.submit(prompt, params, request_id, gen.n, gen.adapter, gen.priority, first)
             except RequestError as e:
                 if e.param == "prompt" and len(prompts) > 1:
                     e.param = f"prompt[{i}]"

@@ -21,7 +21,7 @@ async def create(call: Call) -> Response:
     gen = parse.parse(call.body, call.served)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id)
+    seqs = await submit(engine, gen, request_id, call.trace(gen))
     shape = CompletionShape(gen, engine.text.token_text, engine.text.tokenizer.decode)
     replies_ = choices.Replies(gen, request_id, shape)
     readers: list[ToolStream | None] = [None] * len(seqs)  # tools are the chat route's

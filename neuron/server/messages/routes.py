@@ -30,7 +30,7 @@ async def create(call: Call) -> Response:
     gen = _chat(call.body, call.served)
     request_id = f"msg_{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id)
+    seqs = await submit(engine, gen, request_id, call.trace(gen))
     (seq,) = seqs
     split = harmony.splitter(engine.text.tokenizer, seq.prompt)
     reader = harmony.reader(gen.tools, engine.text.tool_markup, split)

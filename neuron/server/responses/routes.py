@@ -23,7 +23,7 @@ async def create(call: Call) -> Response:
         raise parse.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id)
+    seqs = await submit(engine, gen, request_id, call.trace(gen))
     (seq,) = seqs
     split = harmony.splitter(engine.text.tokenizer, seq.prompt)
     replies_ = render.ResponseReplies(gen, call.body, request_id, split)

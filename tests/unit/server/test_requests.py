@@ -63,6 +63,7 @@ class StandInEngine:
         n: int = 1,
         adapter: str | None = None,
         priority: int = 0,
+        trace: object = None,  # never given: no tracing here
     ) -> Sequence:
         seqs = self.intake.sequences(prompt, params, request_id, n)
         for seq in seqs:
