@@ -1,7 +1,7 @@
 """Decode speed of one streaming HTTP client against raw mlx-lm, on the same model, in the same run.
 
 Run: .venv/bin/python bench/http_decode.py [--model FOLDER | --generate 2048,8,32,5888] [--tokens 128] [--rounds 5]
-         [--serve '--run-ahead off' ...] [--checkout DIR ...] [--light-client]
+         [--serve '--run-ahead off' ...] [--checkout DIR ...] [--light-client] [--otlp-sink]
 
 The baseline is ``mlx_lm.stream_generate`` in its own process with the same
 BLAS neuron uses (OpenBLAS preloaded when present, behind neuron's one-row
@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +128,25 @@ def take_round(child: subprocess.Popen[str]) -> dict:
     return json.loads(child.stdout.readline())
 
 
+def _otlp_sink() -> str:
+    """Start a loopback receiver that answers every OTLP/HTTP export with 200 and keeps nothing; its URL."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", nargs=2, metavar=("MODEL", "TOKENS"), help=argparse.SUPPRESS)
@@ -147,6 +167,12 @@ def main() -> None:
         action="append",
         metavar="DIR",
         help="a neuron serve run from another checkout of neuron, beside this one's; repeatable",
+    )
+    parser.add_argument(
+        "--otlp-sink",
+        action="store_true",
+        help="a receiver that takes OTLP/HTTP exports and drops them; {otlp} in a --serve row is its URL, so that a "
+        "row measures requests traced with --otlp-traces-endpoint",
     )
     parser.add_argument(
         "--light-client",
@@ -172,7 +198,8 @@ def main() -> None:
     path = resolve(args.model)
     served_id = model_id(args.model)
     common = [*(["--model", args.model] if args.model else []), "--tp", str(args.tp)]
-    variants = {"": [], **{flags: flags.split() for flags in args.serve or []}}
+    sink = _otlp_sink() if args.otlp_sink else ""
+    variants = {"": [], **{flags: flags.format(otlp=sink).split() for flags in args.serve or []}}
     servers = {
         name: Server(*common, *flags, log_path=scratch / f"log{i}") for i, (name, flags) in enumerate(variants.items())
     }
