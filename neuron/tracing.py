@@ -91,9 +91,13 @@ class RequestSpan:
         self.pauses.append((reason, paused_at, time.perf_counter()))
 
     def refused(self, message: str) -> None:
-        """The request never reached the engine (a 4xx, or a full queue): its span ends with the reason."""
+        """The request never reached the engine (a 4xx, or a full queue): its span ends with the reason. A span its
+        first sequence already closed (a later prompt of the request refused, the queued ones cancelled) stays as
+        it ended."""
         from opentelemetry.trace import Status, StatusCode
 
+        if not self.span.is_recording():
+            return
         self.span.set_status(Status(StatusCode.ERROR, message))
         self.span.end()
 
@@ -110,6 +114,8 @@ class RequestSpan:
         """Write the children from the times the request kept (``perf_counter``), set the usage, and close."""
         from opentelemetry import trace
 
+        if not self.span.is_recording():  # refused already (``refused``): nothing more to write
+            return
         offset = _clock_offset()
         now = time.perf_counter()
         parent = trace.set_span_in_context(self.span)

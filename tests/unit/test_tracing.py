@@ -31,3 +31,25 @@ def test_the_steps_kept_follow_the_ratio() -> None:
         for i in range(1000):
             span.stepped(float(i), {0: 0.01, 1: 0.012})
         assert low <= len(span.steps) <= high, (ratio, len(span.steps))
+
+
+def test_a_span_closed_once_stays_as_it_ended() -> None:
+    """A request refused after its first sequence was queued: ``refused`` ends the span, and the sequence's
+    cancellation writes nothing more (nor the other way round)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    tracer = provider.get_tracer("test")
+    refused_first = RequestSpan(tracer.start_span("text_completion tiny"), tracer, 0.0)
+    refused_first.refused("the second prompt is too long")
+    refused_first.end(1.0, 2.0, 0.0, 5, 0, 0, "cancelled")
+    assert [span.name for span in exported.get_finished_spans()] == ["text_completion tiny"]
+    exported.clear()
+    ended_first = RequestSpan(tracer.start_span("chat tiny"), tracer, 0.0)
+    ended_first.end(1.0, 2.0, 0.0, 5, 0, 0, "cancelled")
+    ended_first.refused("too late")
+    assert sorted(span.name for span in exported.get_finished_spans()) == ["chat tiny", "prefill", "queue"]
