@@ -22,6 +22,22 @@ REQUESTS = Counter(
     registry=REGISTRY,
 )
 PROMPT_TOKENS = Counter("neuron_prompt_tokens", "Prompt tokens of admitted requests", registry=REGISTRY)
+# Usage by API key, named (--api-key, --api-keys-file): counted as each request ends, never for a server without keys.
+KEY_REQUESTS = Counter(
+    "neuron_key_requests",
+    "Requests ended, by the name of the API key they came with and by outcome (as neuron_requests)",
+    ["key", "outcome"],
+    registry=REGISTRY,
+)
+KEY_PROMPT_TOKENS = Counter(
+    "neuron_key_prompt_tokens", "Prompt tokens of the requests ended, by API key name", ["key"], registry=REGISTRY
+)
+KEY_COMPLETION_TOKENS = Counter(
+    "neuron_key_completion_tokens",
+    "Tokens generated for the requests ended, by API key name",
+    ["key"],
+    registry=REGISTRY,
+)
 PREFILL_TOKENS = Counter(
     "neuron_prefill_tokens", "Prompt tokens computed by the model (n > 1 computes a prompt once)", registry=REGISTRY
 )
@@ -141,7 +157,8 @@ KV_CACHE_USAGE = Gauge(
 PREEMPTIONS = Counter(
     "neuron_num_preemptions",
     "Sequences paused with their streams open and resumed later: memory (the batch outgrew the budget), "
-    "allocation_failed (a rank failed to allocate anyway), priority (a request of higher priority took the place)",
+    "allocation_failed (a rank failed to allocate anyway), priority (a request of higher priority took the place), "
+    "fair_share (a request of an API key under its share of the batch took the place)",
     ["reason"],
     registry=REGISTRY,
 )

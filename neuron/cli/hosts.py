@@ -67,7 +67,7 @@ def leader(url: str | None, config: str | None) -> tuple[str, str | None]:
     settings = argparse.Namespace(config=config)
     if problems := sources.resolve(settings, "serve"):
         raise LeaderError("; ".join(problems))
-    key = settings.api_key.strip() if settings.api_key else None
+    key = settings.api_key.split(",")[0].strip() if settings.api_key else None  # the first: each may call admin routes
     if url:
         return url.rstrip("/"), key
     if settings.port == 0:

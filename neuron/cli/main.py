@@ -113,9 +113,14 @@ def _main(argv: list[str] | None) -> int:
     problems = sources.resolve(args, args.command)
     if args.command == "serve":
         from neuron.models.folder import outside
+        from neuron.server.keys import KeysError, load
 
         if problem := outside(args.model, args.model_dirs):
             problems.append(problem)
+        try:  # read again as the server starts (and as a restarted leader starts: an edit takes effect then)
+            load(args.api_key, args.api_keys_file)
+        except KeysError as e:
+            problems.append(str(e))
     if "hosts" in sources.names(args.command):
         problems += _read_hosts(args)
     if args.command == "generate":

@@ -76,6 +76,7 @@ from neuron.server.app import ServerState, build_app
 from neuron.server.connections import bounded
 from neuron.server.guard import Allowed, split_list
 from neuron.server.http import open_to_others
+from neuron.server.keys import load as load_keys
 from neuron.system import systemd
 from neuron.system.reexec import reexec
 from neuron.tracing import Tracing
@@ -402,10 +403,10 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     sock = activated or bind(options.serving.host, options.serving.port)
     host, port = sock.getsockname()[:2]
     notifier = systemd.Notifier()
-    api_key = options.serving.api_key
     endpoint = options.serving.otlp_traces_endpoint
     tracing = Tracing(endpoint, options.serving.trace_step_ratio) if endpoint else None
-    state = ServerState(options.model_id, api_key.strip() if api_key else None, tracing=tracing)
+    keys = load_keys(options.serving.api_key, options.serving.api_keys_file)
+    state = ServerState(options.model_id, keys, tracing=tracing)
     http = options.http
     allowed = Allowed.build(
         split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
@@ -451,7 +452,13 @@ async def run_leader(options: ServeOptions) -> Restart | None:
             ranks=options.layout.launcher.world_size,
             socket="inherited" if restarted else "systemd" if activated else "bound",
         )
-        if open_to_others(host, state.api_key):
+        if (keys_file := options.serving.api_keys_file) and os.stat(keys_file).st_mode & 0o077:
+            log.warning(
+                "keys file readable by others",
+                path=keys_file,
+                fix=f"chmod 600 {keys_file} (its owner: the user neuron runs as)",
+            )
+        if open_to_others(host, state.keys):
             log.warning(
                 "open to the network",
                 host=host,

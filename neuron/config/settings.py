@@ -32,6 +32,12 @@ def _not_blank(v: str) -> str | None:
     return None if v.strip() else "is empty; give a value or leave it unset"
 
 
+def _key_list(v: str) -> str | None:
+    if not v.strip():
+        return _not_blank(v)
+    return None if all(key.strip() for key in v.split(",")) else "has an empty key; give each key, or leave it unset"
+
+
 def _absolute_paths(v: str) -> str | None:
     relative = [p for p in v.split(":") if not os.path.isabs(p)]
     return (
@@ -164,9 +170,19 @@ class Serving:
     port: int = setting(8000, "TCP port; 0 picks a free one", at_least=0, at_most=65535)
     api_key: str | None = setting(
         None,
-        "require `Authorization: Bearer KEY` on /v1 and the page (a browser gives it as Basic's password)",
-        check=_not_blank,
+        "require `Authorization: Bearer KEY` on /v1 and the page (a browser gives it as Basic's password); repeat "
+        "the flag for several keys, named key-1, key-2, ... (each may call the admin routes), or separate them with "
+        "commas",
+        check=_key_list,
         unset="no key",
+        repeatable=True,
+    )
+    api_keys_file: str | None = setting(
+        None,
+        'a JSON file of named API keys, {"keys": [{"name": N, "key": K, "admin": false, "best_priority": null}]}: '
+        "each key's usage is counted under its name and no key holds more than its share of the batch and of the "
+        "queue while others have requests in flight; beside --api-key's keys",
+        unset="none",
     )
     otlp_traces_endpoint: str | None = setting(
         None,

@@ -1,4 +1,5 @@
-"""Admission: which waiting requests join the batch, in arrival order, while it has places (``--max-batch``) and
+"""Admission: which waiting requests join the batch, in arrival order (with requests of several API keys waiting,
+in the order their fair share gives: ``engine.fairness``), while it has places (``--max-batch``) and
 the memory budget room for each one's reservation (``engine.memory``); and, as the batch grows, which of its
 sequences must step out for memory (the newest admitted first). Decisions only, as the scheduler's, whose queues it
 reads and fills (``Scheduler`` applies a preemption: every rank drops the sequence, and it waits to resume).
@@ -11,9 +12,10 @@ theirs), so it is admitted past a generation that waits for a place: that one ge
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 from neuron.config.settings import Scheduling
-from neuron.engine import memory
+from neuron.engine import fairness, memory
 from neuron.engine.memory import Budget
 from neuron.engine.sequence import Sequence, Status
 
@@ -33,13 +35,18 @@ class Admission:
         self.waiting, self.filling, self.running = waiting, filling, running
         self.admissions = 0  # sequences admitted so far: each one's ``admitted``, the newest preempted first
 
+    def order(self) -> Iterable[Sequence]:
+        """The waiting requests in the order ``admit`` takes them (``fairness.order``)."""
+        by_priority = self.limits.scheduling_policy == "priority"
+        return fairness.order(self.waiting, [*self.filling, *self.running], by_priority)
+
     def admissible(self) -> list[Sequence]:
-        """The waiting requests ``admit`` takes now, in arrival order."""
+        """The waiting requests ``admit`` takes now, in the order it takes them (``order``)."""
         out = []
         places = len(self.running) + sum(seq.pooling is None for seq in self.filling)
         rows = self.rows()
         blocked = False
-        for seq in self.waiting:
+        for seq in self.order():
             if seq.pooling is None:
                 blocked = blocked or places + seq.n > self.limits.max_batch
                 if blocked:

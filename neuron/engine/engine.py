@@ -192,6 +192,7 @@ class Engine:
         adapter: str | None = None,
         priority: int = 0,
         trace: RequestSpan | None = None,
+        key: str | None = None,
     ) -> Sequence:
         """Queue a request; read ``seq.events`` until a ``Finish`` or a ``Failure``.
 
@@ -199,7 +200,7 @@ class Engine:
         from a copy of its cache, each sampled on its own (``Intake.sequences`` checks the request). ``adapter``:
         the LoRA adapter to generate with, by name (None: the base model). ``priority``: where it waits under the
         priority policy (lower is sooner). ``trace``: its request's span (``neuron.tracing``), which the first
-        sequence closes.
+        sequence closes. ``key``: the name of the API key it came with (its fair share: ``engine.fairness``).
 
         The caller must ``cancel`` each sequence when it stops reading (a ``finally``):
         a finished sequence ignores it, a queued one leaves the queue at once, and a
@@ -211,18 +212,21 @@ class Engine:
         for seq in seqs:
             seq.adapter = number
             seq.priority = priority
+            seq.key = key
             seq.trace_id = trace.trace_id if trace is not None else None
         self._check_images(seqs[0])
         seqs[0].trace = trace
         self._queue(seqs[0])
         return seqs[0]
 
-    def embed(self, prompts: list[list[int]], request_id: str) -> list[Sequence]:
+    def embed(self, prompts: list[list[int]], request_id: str, key: str | None = None) -> list[Sequence]:
         """Queue an embedding request, one sequence per input in order, as one request; read each one's events
         until its ``Finish`` (``embedding``: the vector) or a ``Failure``, and ``cancel`` each as ``submit`` says.
         Its inputs are fed in the steps that decode the running sequences, pooled on rank 0."""
         self._check_open()
         seqs = self.intake.embeddings(prompts, self.embedding.pooling, request_id)
+        for seq in seqs:
+            seq.key = key
         self._queue(seqs[0])
         return seqs
 

@@ -149,6 +149,7 @@ class Output:
             ms=ms_since(seq.started),
         )
         metrics.REQUESTS.labels(reason).inc()
+        _used(seq, reason)
         if seq.completion_tokens > 1:
             decoding = time.perf_counter() - seq.first_token_at
             metrics.TIME_PER_OUTPUT_TOKEN.observe(decoding / (seq.completion_tokens - 1))
@@ -171,6 +172,7 @@ class Output:
         """An embedding input's vector is ready: its one event."""
         log.debug("embedding done", **seq.ids, prompt_tokens=len(seq.prompt), ms=ms_since(seq.started))
         metrics.REQUESTS.labels("stop").inc()
+        _used(seq, "stop")
         seq.emit(Finish("stop", len(seq.prompt), 0, "", embedding=sampled.embedding))
 
     def cancelled(self, seq: Sequence, steps_after_cancel: int) -> None:
@@ -189,13 +191,23 @@ class Output:
             metrics.SPECULATIVE_PROPOSED.inc(seq.proposer.proposed)
             metrics.SPECULATIVE_ACCEPTED.inc(seq.proposer.accepted)
         metrics.REQUESTS.labels("cancelled").inc()
+        _used(seq, "cancelled")
         _end_trace(seq, "cancelled")
         seq.emit(Finish("cancelled", len(seq.prompt), seq.completion_tokens, "", seq.cached, _written(seq)))
 
     def failed(self, seq: Sequence, kind: str, message: str) -> None:
         metrics.REQUESTS.labels("failed").inc()
+        _used(seq, "failed")
         _end_trace(seq, "error")
         seq.emit(Failure(kind, message, len(seq.prompt), seq.completion_tokens))
+
+
+def _used(seq: Sequence, outcome: str) -> None:
+    """Count what ``seq`` used against its API key, where it came with one."""
+    if seq.key is not None:
+        metrics.KEY_REQUESTS.labels(seq.key, outcome).inc()
+        metrics.KEY_PROMPT_TOKENS.labels(seq.key).inc(len(seq.prompt))
+        metrics.KEY_COMPLETION_TOKENS.labels(seq.key).inc(seq.completion_tokens)
 
 
 def _written(seq: Sequence) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 from neuron.config.settings import Scheduling
+from neuron.engine import fairness
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.refusals import Overloaded
 from neuron.engine.sequence import Pause, Sequence, Status
@@ -51,9 +52,9 @@ class Queues:
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` behind the others (under the priority policy, behind those of its priority or better), or
-        refuse it when the queue is full."""
-        if len(self.waiting) >= self.limits.max_waiting:
-            raise Overloaded(f"{len(self.waiting)} requests are already waiting (the limit); retry shortly")
+        refuse it when the queue is full, or its API key has its share of the queue waiting (``fairness.refusal``)."""
+        if (why := fairness.refusal(seq, self.waiting, self.batch, self.limits.max_waiting)) is not None:
+            raise Overloaded(why)
         seq.status = Status.WAITING
         if self.by_priority:
             self.waiting.insert(_behind(self.waiting, lambda w: w.priority <= seq.priority), seq)

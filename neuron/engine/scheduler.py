@@ -36,6 +36,7 @@ from neuron.config.settings import (  # its fields are settings of ``serve``, de
     MIN_PREFILL_CHUNK,
     Scheduling,
 )
+from neuron.engine import fairness
 from neuron.engine.admission import Admission
 from neuron.engine.drafts import StepCost, attended
 from neuron.engine.memory import Budget
@@ -332,23 +333,32 @@ class Scheduler:
         return preempted, [unfit]
 
     def _make_room(self) -> list[Sequence]:
-        """Under the priority policy: while the best waiting request (the queue's first generating one) cannot join,
-        preempt the batch's lowest-priority sequence of a lower priority than its own, the newest admitted of
-        those; none of the same priority or better is ever preempted for it."""
-        if self.limits.scheduling_policy != "priority":
-            return []
+        """While the next request admission takes (``Admission.order``: the first generating one) cannot join,
+        preempt a sequence of the batch for it: under the priority policy the lowest-priority one of a lower
+        priority than its own, the newest admitted of those (none of the same priority or better is ever preempted
+        for it); else, with requests of several API keys in flight, the newest of the key holding more than its
+        share of the batch (``fairness.victim``)."""
+        by_priority = self.limits.scheduling_policy == "priority"
+        if not by_priority and len(fairness.keyed((*self.waiting, *self.batch))) < 2:
+            return []  # first come, first served: nothing to preempt for
         preempted: list[Sequence] = []
-        while (head := next((seq for seq in self.waiting if seq.pooling is None), None)) is not None:
+        while (head := next((seq for seq in self.admission.order() if seq.pooling is None), None)) is not None:
             if head in self.admission.admissible():
                 break
             lower = [seq for seq in self.batch if seq.pooling is None and seq.priority > head.priority]
-            if not lower:
+            if by_priority and lower:
+                seq = max(lower, key=lambda seq: (seq.priority, seq.admitted))
+                reason = "priority"
+                cause = (
+                    f"request {head.request_id} of priority {head.priority} took its place "
+                    f"(its priority {seq.priority})"
+                )
+            elif (unfair := fairness.victim(head, self.batch, by_priority)) is not None:
+                seq, reason = unfair, "fair_share"
+                cause = f"request {head.request_id} of API key {head.key!r} took its place, over its key's share"
+            else:
                 break
-            seq = max(lower, key=lambda seq: (seq.priority, seq.admitted))
-            cause = (
-                f"request {head.request_id} of priority {head.priority} took its place (its priority {seq.priority})"
-            )
-            self.queues.preempt(seq, Pause("priority", 0, "", cause, time.perf_counter()))
+            self.queues.preempt(seq, Pause(reason, 0, "", cause, time.perf_counter()))
             preempted.append(seq)
         return preempted
 

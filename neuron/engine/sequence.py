@@ -121,7 +121,8 @@ class Status(enum.Enum):
 class Pause:
     """Why a sequence is paused, its stream open, waiting to be fed its prompt and output again: the group was lost
     under it (``reason`` "lost": ``engine.resume``), or it was preempted ("memory": the batch's caches would pass
-    the memory budget, ``engine.memory``; "priority": a waiting request of higher priority took its place)."""
+    the memory budget, ``engine.memory``; "priority": a waiting request of higher priority took its place; "fair_share":
+    one of an API key holding less than its share of the batch did, ``engine.fairness``)."""
 
     reason: str
     rank: int  # the rank whose loss broke the group, or whose budget it would have passed
@@ -143,6 +144,9 @@ class Sequence:
     fed: int = 0  # prompt tokens fed so far, those restored from the prefix cache included
     cached: int = 0  # prompt tokens restored from the prefix cache
     priority: int = 0  # the request's: lower is sooner (``--scheduling-policy priority``)
+    # The name of the API key it came with (``--api-key``, ``--api-keys-file``): its fair share (``engine.fairness``)
+    # and usage; None where the server has no keys.
+    key: str | None = None
     # Its request's OpenTelemetry span (``--otlp-traces-endpoint``), on the request's first sequence only; the
     # span's trace id on each of them, for their log entries.
     trace: RequestSpan | None = None
@@ -214,8 +218,14 @@ class Sequence:
 
     @property
     def ids(self) -> dict[str, str]:
-        """What names it in a log entry: its request's id, and its trace's where traces are on."""
-        return {"request_id": self.request_id} | ({"trace_id": self.trace_id} if self.trace_id else {})
+        """What names it in a log entry: its request's id, its trace's where traces are on, its API key's name where
+        it came with one."""
+        ids = {"request_id": self.request_id}
+        if self.trace_id:
+            ids["trace_id"] = self.trace_id
+        if self.key is not None:
+            ids["key"] = self.key
+        return ids
 
     def emit(self, event: Event) -> None:
         """Hand an event to the reader; a reader that has gone away counts as a cancellation."""

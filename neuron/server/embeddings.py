@@ -239,7 +239,7 @@ async def create(call: Call) -> Response:
     structlog.contextvars.bind_contextvars(request_id=request_id)
     started = time.perf_counter()
     try:
-        seqs = engine.embed(inputs, request_id)
+        seqs = engine.embed(inputs, request_id, call.key.name if call.key is not None else None)
     except RequestError as e:
         raise request_error(e, chat=False) from e
     except (Overloaded, Unavailable) as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hmac
 import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from collections.abc import Sequence as Sequence_
@@ -34,8 +33,9 @@ from neuron.server.common import limits
 from neuron.server.common.errors import ApiError, not_ready, openai_body, within_limits
 from neuron.server.common.fields import Served
 from neuron.server.common.generation import Generation
-from neuron.server.common.submit import cancel
+from neuron.server.common.submit import cancel, submit
 from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
+from neuron.server.keys import Key, Keys
 from neuron.tracing import RequestSpan, Tracing
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ ErrorBody = Callable[[ApiError], dict[str, Any]]
 @dataclass(slots=True)
 class ServerState:
     model_id: str
-    api_key: str | None = None
+    keys: Keys | None = None  # the API keys it takes (``server.keys``); None: it asks none
     engine: Engine | None = None  # None while the model loads
     status: str = "loading the model"
     started: int = 0
@@ -78,6 +78,7 @@ class Call:
     request: Request
     state: ServerState
     body: Any = None
+    key: Key | None = None  # the API key it came with; None where the server asks none
 
     @property
     def model_id(self) -> str:
@@ -97,6 +98,20 @@ class Call:
         params = gen.params
         asked = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
         return tracing.start(self.request.headers, "chat" if gen.chat else "text_completion", gen.model, asked)
+
+    async def submit(self, gen: Generation, request_id: str) -> list[Sequence]:
+        """Queue ``gen`` in the engine (``common.submit``) as this call's: traced where traces are on, with its API
+        key's name (its fair share, its usage), within the best priority its key may ask for."""
+        key = self.key
+        if key is not None and key.best_priority is not None and gen.priority < key.best_priority:
+            raise ApiError(
+                400,
+                f"`priority` {gen.priority} is sooner than the API key {key.name!r} may ask for: give "
+                f"{key.best_priority} or more (lower is sooner)",
+                param="priority",
+                code="priority_not_allowed",
+            )
+        return await submit(self.engine, gen, request_id, self.trace(gen), key.name if key is not None else None)
 
     @property
     def engine(self) -> Engine:
@@ -149,15 +164,18 @@ class Endpoint:
     def route(self) -> Route:
         async def run(request: Request) -> Response:
             state: ServerState = request.app.state.neuron
+            key = None
             if self.admin:
-                authorize_admin(request, state)
+                key = authorize_admin(request, state)
             elif self.keyed:
-                authorize(request, state, self.challenge)
+                key = authorize(request, state, self.challenge)
+            if key is not None:  # its refusals count against it (``exception_handlers``)
+                request.state.key = key.name
             try:
                 body = await read_json(request, self.body_limit(state)) if self.method == "POST" else None
             except ClientDisconnect:  # gone before its body arrived: nothing was asked, and nobody reads an answer
                 return Response("the client disconnected before its body arrived", status_code=400)
-            return await self.handler(Call(request, state, body))
+            return await self.handler(Call(request, state, body, key))
 
         return Route(self.path, run, methods=[self.method])
 
@@ -186,11 +204,13 @@ def given_key(headers: Headers) -> bytes:
     return headers.get("x-api-key", "").strip().encode()
 
 
-def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -> None:
-    if state.api_key is None:
-        return
-    key = given_key(request.headers)
-    if not key:
+def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -> Key | None:
+    """The API key the request gave, where the server asks one (None where it asks none); a 401 where it gave
+    none of them."""
+    if state.keys is None:
+        return None
+    given = given_key(request.headers)
+    if not given:
         raise ApiError(
             401,
             "no API key given: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`, or the key as "
@@ -198,19 +218,27 @@ def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -
             code="invalid_api_key",
             headers={"www-authenticate": challenge},
         )
-    # Constant time: how long the compare takes must not tell how much of the key matched.
-    if not hmac.compare_digest(key, state.api_key.encode()):
+    if (key := state.keys.find(given)) is None:
         raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"www-authenticate": challenge})
+    return key
 
 
-def authorize_admin(request: Request, state: ServerState) -> None:
-    """An admin route (one that changes what is served or where: adapters, hosts): the API key where one is set;
-    with none, a client on this machine's loopback only. Why not open as ``/v1`` is without a key: a server bound
-    to a routable address with no key serves anyone its model, which is the operator's choice, but must not let
-    anyone reshape it."""
-    if state.api_key is not None:
-        authorize(request, state)
-        return
+def authorize_admin(request: Request, state: ServerState) -> Key | None:
+    """An admin route (one that changes what is served or where: adapters, hosts): an API key with the admin right
+    where keys are set (each ``--api-key``, those the keys file marks ``"admin": true``); with none, a client on this
+    machine's loopback only. Why not open as ``/v1`` is without a key: a server bound to a routable address with no
+    key serves anyone its model, which is the operator's choice, but must not let anyone reshape it."""
+    if state.keys is not None:
+        key = authorize(request, state)
+        if key is not None and not key.admin:
+            raise ApiError(
+                403,
+                f"{request.url.path} is an admin route, and the API key {key.name!r} may not call it: use a key the "
+                'keys file (--api-keys-file) marks "admin": true, or one given with --api-key',
+                type="permission_error",
+                code="admin_needs_key",
+            )
+        return key
     client = request.client.host if request.client is not None else None
     if not loopback(client):
         raise ApiError(
@@ -221,6 +249,7 @@ def authorize_admin(request: Request, state: ServerState) -> None:
             type="permission_error",
             code="admin_needs_key",
         )
+    return None
 
 
 def loopback(address: str | None) -> bool:
@@ -236,10 +265,10 @@ def loopback(address: str | None) -> bool:
     return ip.is_loopback
 
 
-def open_to_others(address: str, api_key: str | None) -> bool:
+def open_to_others(address: str, keys: Keys | None) -> bool:
     """Whether a server listening on ``address`` answers other machines' clients with no key asked: bound beyond
     loopback (an interface's address, or every interface's: ``0.0.0.0``, ``::``) with no API key set."""
-    return api_key is None and not loopback(address)
+    return keys is None and not loopback(address)
 
 
 async def read_json(request: Request, limit: tuple[int, str] = (MAX_BODY_BYTES, "")) -> Any:
@@ -368,6 +397,8 @@ def exception_handlers(endpoints: Sequence_[Endpoint]) -> dict[Any, ExceptionHan
         assert isinstance(exc, ApiError)
         if request.url.path in generating:
             metrics.REQUESTS.labels("rejected").inc()
+            if (key := getattr(request.state, "key", None)) is not None:
+                metrics.KEY_REQUESTS.labels(key, "rejected").inc()
         log.info("request refused", path=request.url.path, status=exc.status, param=exc.param, error=exc.message)
         return respond(request, exc)
 

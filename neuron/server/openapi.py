@@ -44,12 +44,12 @@ def spec(call: Call) -> Spec:
     """What the document describes: before the model loads, only what the settings say."""
     state, engine = call.state, call.state.engine
     if engine is None:
-        return Spec(state.model_id, keyed=state.api_key is not None)
+        return Spec(state.model_id, keyed=state.keys is not None)
     return Spec(
         call.served,  # with the LoRA adapters a request's ``model`` may name
         vocab_size=engine.vocab_size,
         context=engine.context_length,
-        keyed=state.api_key is not None,
+        keyed=state.keys is not None,
         max_n=min(engine.limits.max_n, engine.limits.max_batch),
         reasons=reasoning.reasons(engine.text.tokenizer),
         embedding=engine.embedding,

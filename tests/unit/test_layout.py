@@ -213,7 +213,7 @@ def test_every_folder_of_modules_is_a_package() -> None:
 
 def test_every_server_module_is_a_family_common_or_the_skeleton() -> None:
     """A new module is placed on purpose: in a family, in common/, or beside app.py as the HTTP plumbing."""
-    plumbing = {"__init__", "app", "http", "openapi", "guard", "connections", "keepalive"}
+    plumbing = {"__init__", "app", "http", "openapi", "guard", "keys", "connections", "keepalive"}
     owned = {path for family in FAMILIES for path in _family_paths(family)}
     stray = [
         str(path.relative_to(ROOT))

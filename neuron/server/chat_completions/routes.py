@@ -12,7 +12,6 @@ from neuron.server.chat_completions import schema
 from neuron.server.chat_completions.render import ChatShape
 from neuron.server.common import chat, choices, harmony
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, ref, replies
-from neuron.server.common.submit import submit
 from neuron.server.http import Call, Endpoint
 
 
@@ -20,7 +19,7 @@ async def create(call: Call) -> Response:
     gen = chat.parse(call.body, call.served)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id, call.trace(gen))
+    seqs = await call.submit(gen, request_id)
     text = engine.text
     replies_ = choices.Replies(gen, request_id, ChatShape(gen, text.token_text))
     splits = [harmony.splitter(text.tokenizer, seq.prompt) for seq in seqs]

@@ -30,21 +30,25 @@ def cancel(engine: Engine, seqs: list[Sequence]) -> None:
         engine.cancel(seq)
 
 
-async def submit(engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None = None) -> list[Sequence]:
+async def submit(
+    engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None = None, key: str | None = None
+) -> list[Sequence]:
     """Queue a checked request in the engine, a sequence per choice, the first holding its ``trace`` (its span,
-    where traces are on); refusals as OpenAI's errors."""
+    where traces are on), each its API ``key``'s name (None: the server asks none); refusals as OpenAI's errors."""
     structlog.contextvars.bind_contextvars(request_id=request_id)
     if trace is not None:
         structlog.contextvars.bind_contextvars(trace_id=trace.trace_id)
     try:
-        return await _submit(engine, gen, request_id, trace)
+        return await _submit(engine, gen, request_id, trace, key)
     except BaseException as e:
         if trace is not None:
             trace.refused(str(e))
         raise
 
 
-async def _submit(engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None) -> list[Sequence]:
+async def _submit(
+    engine: Engine, gen: Generation, request_id: str, trace: RequestSpan | None, key: str | None
+) -> list[Sequence]:
     chat = gen.chat
     text = engine.text
     seqs: list[Sequence] = []
@@ -58,7 +62,7 @@ async def _submit(engine: Engine, gen: Generation, request_id: str, trace: Reque
             try:
                 params = await _constrained(engine, gen, prompt)
                 first = trace if i == 0 else None  # the span ends with the first prompt's first choice
-                seq = engine.submit(prompt, params, request_id, gen.n, gen.adapter, gen.priority, first)
+                seq = engine.submit(prompt, params, request_id, gen.n, gen.adapter, gen.priority, first, key)
             except RequestError as e:
                 if e.param == "prompt" and len(prompts) > 1:
                     e.param = f"prompt[{i}]"

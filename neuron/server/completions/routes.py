@@ -10,7 +10,6 @@ from starlette.responses import Response
 
 from neuron.server.common import choices
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, ref, replies
-from neuron.server.common.submit import submit
 from neuron.server.common.tools import ToolStream
 from neuron.server.completions import parse, schema
 from neuron.server.completions.render import CompletionShape
@@ -21,7 +20,7 @@ async def create(call: Call) -> Response:
     gen = parse.parse(call.body, call.served)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id, call.trace(gen))
+    seqs = await call.submit(gen, request_id)
     shape = CompletionShape(gen, engine.text.token_text, engine.text.tokenizer.decode)
     replies_ = choices.Replies(gen, request_id, shape)
     readers: list[ToolStream | None] = [None] * len(seqs)  # tools are the chat route's

@@ -14,7 +14,7 @@ from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.generation import Generation
 from neuron.server.common.schema import OpenApi, Spec, integer, post, replies_with
-from neuron.server.common.submit import chat_prompt_with_images, request_error, submit
+from neuron.server.common.submit import chat_prompt_with_images, request_error
 from neuron.server.http import Call, Endpoint, OrjsonResponse
 from neuron.server.messages import parse, render, schema
 
@@ -30,7 +30,7 @@ async def create(call: Call) -> Response:
     gen = _chat(call.body, call.served)
     request_id = f"msg_{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id, call.trace(gen))
+    seqs = await call.submit(gen, request_id)
     (seq,) = seqs
     split = harmony.splitter(engine.text.tokenizer, seq.prompt)
     reader = harmony.reader(gen.tools, engine.text.tool_markup, split)

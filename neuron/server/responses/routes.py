@@ -11,7 +11,6 @@ from starlette.responses import Response
 from neuron.server.common import chat, harmony
 from neuron.server.common.errors import ApiError
 from neuron.server.common.schema import GENERATION_ERRORS, OpenApi, Spec, post, replies
-from neuron.server.common.submit import submit
 from neuron.server.http import Call, Endpoint
 from neuron.server.responses import parse, render, schema
 
@@ -23,7 +22,7 @@ async def create(call: Call) -> Response:
         raise parse.renamed(e) from None
     request_id = f"resp_{uuid.uuid4().hex}"
     engine = call.engine
-    seqs = await submit(engine, gen, request_id, call.trace(gen))
+    seqs = await call.submit(gen, request_id)
     (seq,) = seqs
     split = harmony.splitter(engine.text.tokenizer, seq.prompt)
     replies_ = render.ResponseReplies(gen, call.body, request_id, split)

@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from neuron.server.app import ServerState, build_app
+from neuron.server.keys import load
 from testkit import Server, serving
 from testkit.models import make_thinking_model
 
@@ -228,7 +229,7 @@ def test_a_claude_code_style_request_is_answered(thinking_server: Server) -> Non
 
 def test_x_api_key_is_a_key_too() -> None:
     """The leader's HTTP layer alone, not loaded: a right key gets past the check to the not-ready answer."""
-    with TestClient(build_app(ServerState(model_id=MODEL, api_key="k")), base_url="http://127.0.0.1") as http:
+    with TestClient(build_app(ServerState(model_id=MODEL, keys=load("k", None))), base_url="http://127.0.0.1") as http:
         body = {"model": MODEL, "max_tokens": 4, "messages": HI}
         for headers, status, kind in [
             ({}, 401, "authentication_error"),

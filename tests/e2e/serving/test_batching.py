@@ -188,10 +188,11 @@ async def test_smollm2_eight_concurrent_chats_equal_each_alone(smollm2_server: S
 
 @pytest.mark.anyio
 async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the_batch(split_qwen3: Server) -> None:
-    # A 200-token prompt takes 13 steps at 16 tokens per step; a request admitted meanwhile waits for its first
-    # chunk. If its client leaves then, no rank ever held it: it must simply vanish. The prompt is new to the
-    # server (a cached one would be restored in one step); what it gives alone is asked after.
-    long_prompt = "the " * 50
+    # A long prompt takes several steps at 16 tokens per step; a longer one admitted meanwhile waits for its first
+    # chunk (the prompt with the fewest tokens left is fed first). If its client leaves then, no rank ever held it:
+    # it must simply vanish. Both prompts are new to the server (a cached one would be restored in one step); what
+    # the first gives alone is asked after.
+    long_prompt, longer_prompt = "the " * 50, "a " * 150
 
     def count(event: str) -> int:
         return sum(e.get("event") == event for e in split_qwen3.logs())
@@ -200,7 +201,7 @@ async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the
 
     def leave_once_admitted() -> None:
         wait_until(lambda: count("request started") == started + 1, 30, "the long request's admission")
-        body = {"model": "qwen3", "prompt": "hello", "max_tokens": 8, "stream": True}
+        body = {"model": "qwen3", "prompt": longer_prompt, "max_tokens": 8, "stream": True}
         with httpx.stream("POST", f"{split_qwen3.url}/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             wait_until(lambda: count("request started") == started + 2, 30, "the short request's admission")
@@ -214,6 +215,8 @@ async def test_a_request_cancelled_before_its_prompt_is_fed_does_not_disturb_the
         tg.start_soon(long_one)
         await anyio.to_thread.run_sync(leave_once_admitted)
     assert count("request cancelled") == cancelled + 1
+    left = [e for e in split_qwen3.logs() if e.get("event") == "request cancelled"][-1]
+    assert left["completion_tokens"] == 0, left  # it left before its prompt was fed
     assert len(runs) == 1
     assert_same(await _scored(split_qwen3, "qwen3", long_prompt, 8), runs[0], "beside a cancelled request")
     assert split_qwen3.find_log("desync") is None

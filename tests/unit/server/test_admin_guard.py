@@ -4,7 +4,9 @@ is set; with none, a client on loopback only. The refusals say what to do; a ref
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +15,7 @@ from starlette.testclient import TestClient
 
 from neuron.server.app import ServerState, build_app, describe, endpoints
 from neuron.server.http import loopback, open_to_others
+from neuron.server.keys import load
 
 LOAD = "/v1/load_lora_adapter"
 UNLOAD = "/v1/unload_lora_adapter"
@@ -79,11 +82,13 @@ def adapters() -> Adapters:
     return Adapters()
 
 
-def client(adapters: Adapters, key: str | None, address: tuple[str, int]) -> Iterator[TestClient]:
+def client(
+    adapters: Adapters, key: str | None, address: tuple[str, int], keys_file: Path | None = None
+) -> Iterator[TestClient]:
     spares = SimpleNamespace(describe=lambda: [])
     pool = SimpleNamespace(hosts=["localhost"], broken=None, loaded=True, spares=spares, roster=Roster(adapters.calls))
     engine = SimpleNamespace(adapters=adapters, pool=pool, drains=Drains(adapters.calls))
-    state = ServerState("qwen3", api_key=key, engine=engine)  # type: ignore[arg-type]
+    state = ServerState("qwen3", keys=load(key, keys_file and str(keys_file)), engine=engine)  # type: ignore[arg-type]
     with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1", client=address) as c:
         yield c
 
@@ -175,4 +180,19 @@ def test_loopback_is_what_only_this_machine_can_send_from(address: str | None, l
 def test_a_listener_is_open_to_others_beyond_loopback_without_a_key(
     address: str, api_key: str | None, open_: bool
 ) -> None:
-    assert open_to_others(address, api_key) is open_
+    assert open_to_others(address, load(api_key, None)) is open_
+
+
+@pytest.mark.parametrize("path", sorted(ADMIN_ROUTES))
+def test_the_keys_file_says_which_keys_may_call_admin_routes(adapters: Adapters, path: str, tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    keys = [{"name": "ops", "key": "ops-secret", "admin": True}, {"name": "agents", "key": "agent-secret"}]
+    keys_file.write_text(json.dumps({"keys": keys}))
+    for c in client(adapters, None, LOCAL, keys_file):
+        refused = call(c, path, {"authorization": "Bearer agent-secret"})
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "admin_needs_key" and "'agents' may not call it" in error["message"]
+        assert not adapters.calls  # the refused call changed nothing
+        assert call(c, path, {"authorization": "Bearer ops-secret"}).status_code == 200
+        assert call(c, path).status_code == 401  # loopback or not, a keyed server asks a key

@@ -20,6 +20,7 @@ from neuron.cli.main import _parser
 from neuron.config import sources
 from neuron.engine.recent import Recent
 from neuron.server.app import ServerState, build_app
+from neuron.server.keys import load
 from neuron.server.page.routes import FILES
 from neuron.server.status import rank_state
 
@@ -34,7 +35,7 @@ def basic(user: str, password: str) -> dict[str, str]:
 
 @pytest.fixture
 def client() -> Iterator[TestClient]:
-    state = ServerState("tiny", api_key=KEY)
+    state = ServerState("tiny", keys=load(KEY, None))
     with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         yield client
 

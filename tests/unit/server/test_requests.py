@@ -25,6 +25,7 @@ from neuron.engine.text import Text
 from neuron.grammar import Grammars
 from neuron.sampling_params import SamplingParams
 from neuron.server.app import ServerState, build_app
+from neuron.server.keys import load
 from testkit import tokenizer_files
 from testkit.bad_requests import BAD_REQUESTS, CHAT, COMPLETIONS, GOOD_CHAT
 
@@ -64,10 +65,11 @@ class StandInEngine:
         adapter: str | None = None,
         priority: int = 0,
         trace: object = None,  # never given: no tracing here
+        key: str | None = None,
     ) -> Sequence:
         seqs = self.intake.sequences(prompt, params, request_id, n)
         for seq in seqs:
-            seq.priority = priority
+            seq.priority, seq.key = priority, key
         self.submitted += seqs
         if self.refuse is not None:
             raise self.refuse
@@ -91,7 +93,7 @@ def engine(text: Text) -> StandInEngine:
 
 @pytest.fixture
 def client(engine: StandInEngine) -> Iterator[TestClient]:
-    state = ServerState("qwen3", api_key="secret", engine=engine)  # type: ignore[arg-type]
+    state = ServerState("qwen3", keys=load("secret", None), engine=engine)  # type: ignore[arg-type]
     with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1") as client:
         yield client
 
@@ -156,6 +158,28 @@ def test_the_parsed_request_reaches_intake_with_its_settings(client: TestClient,
     assert post(client, "/v1/responses", {"model": "qwen3", "input": "hi", "priority": 4}).status_code == 429
     assert post(client, "/v1/messages", {**GOOD_CHAT, "priority": -9}).status_code == 429
     assert [seq.priority for seq in engine.submitted[2:]] == [4, -9]
+
+
+def test_a_request_carries_its_keys_name_and_no_sooner_priority_than_its_key_may_ask(
+    engine: StandInEngine, tmp_path: Path
+) -> None:
+    keys_file = tmp_path / "keys.json"
+    keys = [{"name": "people", "key": "p-secret"}, {"name": "agents", "key": "a-secret", "best_priority": 5}]
+    keys_file.write_text(json.dumps({"keys": keys}))
+    state = ServerState("qwen3", keys=load(None, str(keys_file)), engine=engine)  # type: ignore[arg-type]
+    engine.refuse = Overloaded("the queue is full")  # so that no reply is awaited
+    with TestClient(build_app(state), raise_server_exceptions=False, base_url="http://127.0.0.1") as c:
+        soon = {"model": "qwen3", "prompt": "hi", "priority": 4}
+        refused = post(c, COMPLETIONS, soon, key="a-secret")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("priority", "priority_not_allowed")
+        assert "'agents'" in error["message"] and "give 5 or more" in error["message"]
+        assert engine.submitted == []
+        assert post(c, COMPLETIONS, soon | {"priority": 5}, key="a-secret").status_code == 429
+        assert post(c, CHAT, {**GOOD_CHAT, "priority": -100}, key="p-secret").status_code == 429  # no bound
+        assert post(c, COMPLETIONS, soon, key="nobody").status_code == 401
+    assert [(seq.key, seq.priority) for seq in engine.submitted] == [("agents", 5), ("people", -100)]
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_cancels_what_queued(
