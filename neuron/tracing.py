@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import structlog
 log = structlog.get_logger("neuron.server")
 
 EXPORT_WARNING_EVERY_S = 60.0  # an unreachable collector is said at most this often
+CLOSE_S = 2.0  # what a stopping server waits for its last spans to be exported
 
 
 class TracingUnavailable(RuntimeError):
@@ -171,7 +173,8 @@ class Tracing:
                 f"--otlp-traces-endpoint needs OpenTelemetry's SDK ({e.name} is missing): pip install 'neuron[traces]'"
             ) from e
         self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self.exporter = OTLPSpanExporter(endpoint=endpoint)
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer = trace.get_tracer("neuron", tracer_provider=self.provider)
         self.step_ratio = step_ratio
         once = _Once(EXPORT_WARNING_EVERY_S)
@@ -190,5 +193,12 @@ class Tracing:
         return RequestSpan(span, self.tracer, self.step_ratio)
 
     def close(self) -> None:
-        """Export what is left, within the processor's own timeout."""
-        self.provider.shutdown()
+        """Export what is left, for ``CLOSE_S`` at most: a collector out of reach must not hold a stopping server
+        through the exporter's retries, so the exporter is shut then, which ends the retry under way (what is left
+        is dropped). The SDK's own bounds do not do it: its flush ignores its timeout, its shutdown waits 30 s."""
+        cutoff = threading.Timer(CLOSE_S, self.exporter.shutdown)
+        cutoff.start()
+        try:
+            self.provider.shutdown()
+        finally:
+            cutoff.cancel()

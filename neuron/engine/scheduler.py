@@ -86,25 +86,35 @@ class Delivery:
     produced: int = 0
 
 
-def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int = 0) -> int:
+def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int = 0, beside: int | None = None) -> int:
     """The prompt tokens the next step feeds, across all prompts being fed, beside ``decoding`` running sequences,
-    the prompts fed from ``depth`` on (the deepest).
+    the prompts fed from ``depth`` on (the deepest). ``beside``: where several prompts are being fed, the tokens
+    all but the longest have left (None: one prompt, or none).
 
-    With none decoding there is no stream's latency to protect: ``prefill_chunk``. Otherwise as many as the
-    step's time after its decode rows leaves room for under ``itl_target_ms``, priced by what the last steps'
+    With none decoding and one prompt there is no one's latency to protect: ``prefill_chunk``. Otherwise as many as
+    the step's time after its decode rows leaves room for under ``itl_target_ms``, priced by what the last steps'
     prompt tokens cost (``StepCost.observe_prompt``), within ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``: the
     floor keeps a prompt moving where the decode rows alone fill the target. A chunk at most doubles the largest
     one priced, since a price fitted on small chunks says little of one many times their size. Until a prompt
     token is priced (a cold start), the floor: a chunk too small costs the prompt a few steps, one too large
     would stall every stream for as long as it takes.
+
+    With none decoding, the prompts fed beside the longest (fed first: ``planner``) are fed whole, and the longest
+    as far as the target leaves room past them: the step that gives a short request, sent while a long prompt is
+    fed, its first token never takes seconds. Until a prompt token is priced, where none decodes, the cap: prompts
+    that arrive together as the server starts are fed together.
     """
     cap = limits.prefill_chunk
-    if not decoding or not limits.itl_target_ms:
+    if (not decoding and (beside is None or cost.token_ms is None)) or not limits.itl_target_ms:
         return cap
     if cost.token_ms is None:
-        return min(cap, MIN_PREFILL_CHUNK)
-    fits = cost.prompt_fits(limits.itl_target_ms - cost.ms(decoding), depth)
-    return min(cap, max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap)))))
+        sized = MIN_PREFILL_CHUNK
+    else:
+        fits = cost.prompt_fits(limits.itl_target_ms - cost.ms(decoding), depth)
+        sized = max(MIN_PREFILL_CHUNK, min(2 * cost.largest_chunk, math.floor(min(fits, cap))))
+    if not decoding and beside is not None:
+        sized += beside
+    return min(cap, sized)
 
 
 # A decode step measured at most this long is mostly host time. On MLX's CPU backend a rank alone then runs the
@@ -220,12 +230,14 @@ class Scheduler:
         # The deepest position a prompt is fed from. One not yet started may restore a cached beginning of any
         # length (the plan looks it up): priced as fed from its end, its first chunk errs small.
         depth = max((seq.fed or len(seq.tokens) for seq in self.filling), default=0)
+        left = sorted(len(seq.tokens) - seq.fed for seq in self.filling)
+        beside = sum(left[:-1]) if len(left) > 1 else None
         step = plan_step(
             self.filling,
             self.running,
             self.waiting,
             self.queues.leaving,
-            budget=prefill_budget(limits, self.cost, len(self.running), depth),
+            budget=prefill_budget(limits, self.cost, len(self.running), depth, beside),
             max_batch=limits.max_batch,
             micro_batches=limits.micro_batches,
             run_ahead=runs_ahead(limits.run_ahead, self.cost, len(self.running)),

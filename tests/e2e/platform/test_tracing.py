@@ -4,7 +4,9 @@ client's ``traceparent``, with its queue, prefill and decode, and the step on ev
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -123,3 +125,34 @@ def test_without_a_traceparent_a_request_starts_a_trace_of_its_own(traced: tuple
     wait_until(lambda: any(s["name"] == "chat qwen3" for s in receiver.spans), 30, "the chat's span")
     (chat,) = [s for s in receiver.spans if s["name"] == "chat qwen3"]
     assert chat["parent"] == "" and chat["trace_id"] != TRACE_ID
+
+
+def test_an_unreachable_collector_costs_the_requests_nothing_and_is_said_once(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Nothing listens where the traces go: every request is answered, the exporter's failures (a batch every
+    100 ms) are logged once, not once a batch, and the server still stops at once on SIGTERM."""
+    with socket.socket() as closed:  # a port bound, then released: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    args = ("--model", str(tiny_models["qwen3"]), "--otlp-traces-endpoint", f"http://127.0.0.1:{port}/v1/traces")
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    with serving(tmp_path_factory, *args, env=env) as server:
+        for _ in range(6):
+            body = {"model": "qwen3", "prompt": "hello", "max_tokens": 4}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: _export_failures(server) >= 1, 30, "the exporter's failure in the log")
+        for _ in range(3):  # more batches fail, and are not said again within the minute
+            body = {"model": "qwen3", "prompt": "hello again", "max_tokens": 4}
+            assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 10  # serving() waited for its exit 0: no retry held the stop back
+    assert _export_failures(server) == 1, [e for e in server.logs() if e.get("level") in ("warning", "error")]
+
+
+def _export_failures(server: Server) -> int:
+    return sum(
+        1
+        for entry in server.logs()
+        if entry.get("level") in ("warning", "error") and "export" in str(entry.get("event", "")).lower()
+    )

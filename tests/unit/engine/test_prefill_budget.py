@@ -56,6 +56,25 @@ def test_no_stream_decoding_means_no_latency_to_protect_the_prompt_is_fed_at_the
     assert prefill_budget(limits, StepCost(), decoding=0) == 4096  # cold too
 
 
+def test_a_request_fed_beside_a_long_prompt_is_fed_whole_and_the_long_one_within_the_target() -> None:
+    """No stream decodes, but a short prompt is fed beside a long one: the step that feeds it (and gives its first
+    token) feeds it whole, and the long one only as far as the target leaves room, not at the cap."""
+    limits = Scheduling(prefill_chunk=4096, itl_target_ms=200.0)
+    cost = measured(40.0, 5.0, 2.0)
+    assert prefill_budget(limits, cost, decoding=0, beside=4) == 4 + (200 - 40) // 2
+    assert prefill_budget(limits, cost, decoding=0, beside=300) == 300 + 80  # a burst that came together: whole
+    assert prefill_budget(limits, StepCost(), decoding=0, beside=4) == 4096  # cold: a burst at start goes whole
+
+
+def test_the_scheduler_sizes_the_step_by_the_target_once_a_second_prompt_is_fed() -> None:
+    s = scheduler(prefill_chunk=4096, itl_target_ms=200.0)
+    s.cost = measured(40.0, 5.0, 2.0)
+    admitted(s, request(6000))
+    assert next_step(s).budget == 4096  # alone: the cap
+    s.queues.add(request(4))
+    assert next_step(s).budget == 4 + (200 - 40) // 2
+
+
 def test_prefill_chunk_stays_the_hard_cap() -> None:
     cheap = measured(fixed_ms=5.0, row_ms=0.1, token_ms=0.01)  # an accelerator: 19000 tokens would fit
     assert prefill_budget(Scheduling(prefill_chunk=512, itl_target_ms=200.0), cheap, decoding=3) == 512
