@@ -49,7 +49,7 @@ def main() -> None:
     if args.model is None:
         from neuron.models.folder import resolve
 
-        args.model = resolve("SmolLM2-135M-Instruct")
+        args.model = resolve(None)
     log = Path(tempfile.mkdtemp()) / "serve.log"
     server = Server("--model", str(args.model), "--prefix-cache-bytes", "0", "--log-level", "trace", log_path=log)
     name = args.model.name
