@@ -41,6 +41,10 @@ ANSWER_S = 10  # a collective on a lost peer fails within a second or two; one t
 # How many send errors one failed collective costs depends on the machine and its timing, so the
 # test runs enough collectives that a socket's thread passes its ten errors wherever it runs.
 ATTEMPTS = 30
+# Now and then, on a loaded machine, every collective of a pair ends all the same (seen in CI and in the multi-host
+# loop): the limit is a race, so a pair that shows no stuck collective is tried again
+# before the test says MLX has fixed it.
+TRIALS = 3
 
 
 def _free_ports(count: int) -> list[int]:
@@ -69,7 +73,15 @@ def _lines(process: subprocess.Popen[str]) -> queue.Queue[str]:
 
 @pytest.mark.xfail(strict=True, reason="MLX ring: a transfer queued after its socket's thread ended waits forever")
 def test_every_collective_after_a_lost_peer_ends(tmp_path: Path) -> None:
-    hostfile = tmp_path / "hosts.json"
+    for trial in range(TRIALS):
+        if (stuck := _stuck_collective(tmp_path / f"trial{trial}")) is not None:
+            pytest.fail(f"collective {stuck} after the peer was lost did not end within {ANSWER_S} s")
+
+
+def _stuck_collective(folder: Path) -> int | None:
+    """One survivor's collectives after its peer left: the first that did not end, or None where all ended."""
+    folder.mkdir()
+    hostfile = folder / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in _free_ports(2)]))
     ranks = [
         subprocess.Popen(
@@ -94,8 +106,9 @@ def test_every_collective_after_a_lost_peer_ends(tmp_path: Path) -> None:
             try:
                 answer = said.get(timeout=ANSWER_S)
             except queue.Empty:
-                pytest.fail(f"collective {attempt} after the peer was lost did not end within {ANSWER_S} s")
+                return attempt
             assert answer.startswith(f"{attempt} "), answer
+        return None
     finally:
         for process in ranks:
             process.kill()
