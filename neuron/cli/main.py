@@ -89,12 +89,13 @@ def _main(argv: list[str] | None) -> int:
     if args.worker:
         if args.rank is None or args.world_size is None or not 0 < args.rank < args.world_size:
             parser.error("--worker needs --rank R and --world-size N with 0 < R < N")
-        from neuron.cli.worker import run_worker
+        from neuron.cli.worker import models_without_tokenizers, run_worker
 
         try:
             cpu.reexec_with_blas()  # on a host of its own a worker picks its BLAS there, as the leader did here
         except cpu.BlasError as e:
             parser.error(f"rank {args.rank}: {e}")
+        models_without_tokenizers()
         descriptors.import_mlx_lm()
         return run_worker(args.rank, args.world_size)
     if args.receive_share:

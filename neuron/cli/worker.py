@@ -12,8 +12,10 @@ any library lands in the logs instead of corrupting the stream.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import types
 from typing import TYPE_CHECKING, BinaryIO
 
 import structlog
@@ -34,6 +36,31 @@ from neuron.system import cpu, device
 
 if TYPE_CHECKING:
     from neuron.rank.rank import Rank
+
+
+def models_without_tokenizers() -> None:
+    """Let this process import mlx-lm's models, its loader and caches without transformers.
+
+    mlx-lm's package ``__init__`` imports its generate and convert modules, and ``mlx_lm.utils`` imports its
+    tokenizer module: each imports transformers, whose start reads every model file it ships, most of a CPU-second
+    on each worker's start. A worker loads and runs its share but never tokenizes (rank 0 does, in the leader), so
+    here the package is registered without running its ``__init__``, and the tokenizer module is one that says so
+    if anything calls it.
+    """
+    if "mlx_lm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None:
+        return  # the import below names what is missing
+    sys.modules["mlx_lm"] = importlib.util.module_from_spec(spec)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a worker does not tokenize: rank 0, in the leader, does")
+
+    tokenizers = types.ModuleType("mlx_lm.tokenizer_utils", "mlx-lm's tokenizers, which a worker never uses")
+    tokenizers.TokenizerWrapper = refuse  # type: ignore[attr-defined]
+    tokenizers.load = refuse  # type: ignore[attr-defined]
+    sys.modules["mlx_lm.tokenizer_utils"] = tokenizers
 
 
 def _take_stdout() -> BinaryIO:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,26 @@ def test_a_stray_print_lands_in_stderr_not_in_the_protocol(tmp_path: Path) -> No
     assert done.returncode == 0
     assert [rpc.decode_reply(line).op for line in done.stdout.splitlines()] == ["pong", "bye"]
     assert b"STRAY PRINT" in done.stderr and b"STRAY FD1" in done.stderr
+
+
+def test_a_worker_loads_mlx_lm_and_its_rank_without_transformers() -> None:
+    """A worker never tokenizes, and transformers' import is most of a CPU-second on each worker's start."""
+    done = subprocess.run(
+        neuron_command("--worker", "--rank", "1", "--world-size", "2"),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+        input=rpc.encode(rpc.Ping(id=1)) + rpc.encode(rpc.Shutdown(id=2)),
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.decode().splitlines() if "|" in line}
+    assert "mlx_lm.utils" in imported and "transformers" not in imported
+    # What a rank imports when it joins (in init) brings it back through no other door.
+    rank = "from neuron.cli.worker import models_without_tokenizers as m; m(); import neuron.rank.rank, sys; "
+    rank += "print('transformers' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", rank], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert loaded.stdout.strip() == "False", loaded.stderr
 
 
 def _children() -> set[int]:
