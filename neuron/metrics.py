@@ -86,6 +86,12 @@ RANK_MOVES = Counter(
     ["cause"],
     registry=REGISTRY,
 )
+GROUP_SHRINKS = Counter(
+    "neuron_group_shrinks",
+    "Times the group went on without ranks whose hosts stayed out of reach past --spare-timeout with no spare left: "
+    "the model split again over the ranks that remain",
+    registry=REGISTRY,
+)
 RANK0_ABANDONED = Counter(
     "neuron_rank0_threads_abandoned",
     "Times rank 0's thread stayed inside a lost group's collective and a fresh one took its place",

@@ -1,12 +1,13 @@
 """A host the operator drains while serving (``neuron hosts drain HOST``): its ranks move to spares at a step
-boundary, and no stream ends.
+boundary, or, with too few spares, the group goes on without them, and no stream ends.
 
 Why a drain is a recovery the operator asks for: the ranks' group cannot be
 changed in place (MLX's sharded layers hold the group they were made with), so
 moving a rank means a fresh group, which is what recovering a lost one builds.
 At a step boundary the batch is paused as for a loss, though no request counts
 a loss (nothing failed); the group is set aside naming the drained host; each
-of its ranks is given a spare (``Roster.move_drained``); and the recovery starts
+of its ranks is given a spare (``Roster.move_drained``), or the group drops them
+(``Roster.shrink_drained``: the model split again over the ranks left); and the recovery starts
 every worker afresh (the drained host's are stopped), re-forms the group and
 resumes the paused requests with the text they would have had. The drained host
 leaves the hostfile; ``neuron hosts add`` brings it back as a spare.
@@ -20,7 +21,7 @@ import anyio
 import structlog
 
 from neuron.engine.recovery import Recovery
-from neuron.pool import Pool
+from neuron.pool import Layout, Pool
 from neuron.pool.roster import HostsConflict
 from neuron.pool.spares import Move
 
@@ -39,6 +40,7 @@ class Drain:
 
     host: str
     ranks: list[int]
+    shrunk: Layout | None  # the layout without ``ranks``, where too few spares stand by to take them
     done: anyio.Event = field(default_factory=anyio.Event)
     moves: list[Move] = field(default_factory=list)
     failure: str | None = None
@@ -53,10 +55,11 @@ class Drains:
         self.recovery = recovery
         self.asked: Drain | None = None
 
-    async def drain(self, host: str) -> list[Move]:
-        """Drain ``host``: returns once its ranks run on spares and the group serves again. Refused (a
-        ``HostsError`` saying why) while another drain or a recovery runs, and where ``Roster.drain_plan``
-        refuses: a host not in the group, the leader's own, too few spares."""
+    async def drain(self, host: str) -> Drain:
+        """Drain ``host``: returns once its ranks run on spares (or the group went on without them) and the group
+        serves again. Refused (a ``HostsError`` saying why) while another drain or a recovery runs, and where
+        ``Roster.drain_plan`` refuses (a host not in the group, the leader's own) or, with too few spares,
+        ``Roster.shrink_plan`` (the ranks left cannot serve the model)."""
         if self.asked is not None:
             raise HostsConflict(f"a drain of {self.asked.host} is under way: wait for it to finish")
         if not self.recovery.resumes:
@@ -67,13 +70,27 @@ class Drains:
         health = self.recovery.health
         if not health.ready or self.pool.broken is not None:
             raise HostsConflict(f"the group is not serving ({health.reason}): drain once it is ready")
-        self.asked = drain = Drain(host, self.pool.roster.drain_plan(host))
+        roster = self.pool.roster
+        ranks = roster.drain_plan(host)
+        shrunk = roster.shrink_plan(ranks) if len(roster.spares.spares) < len(ranks) else None
+        self.asked = drain = Drain(host, ranks, shrunk)
         log.info("draining", host=host, ranks=drain.ranks)
         self.recovery.wake()
         await drain.done.wait()
         if drain.failure is not None:
-            raise DrainFailed(f"{host}'s ranks moved to spares, but the group did not form again: {drain.failure}")
-        return drain.moves
+            done = "moved to spares" if shrunk is None else "were left out"
+            raise DrainFailed(f"{host}'s ranks {done}, but the group did not form again: {drain.failure}")
+        return drain
+
+    @staticmethod
+    def said(drain: Drain) -> str:
+        """What a drain did, as ``neuron hosts drain`` prints it."""
+        if drain.shrunk is None:
+            return f"drained {drain.host}: " + ", ".join(f"rank {m.rank} moved to {m.spare}" for m in drain.moves)
+        ranks = ", ".join(map(str, drain.ranks))
+        layout = drain.shrunk
+        over = f"{layout.stages} pipeline stages" if layout.stages > 1 else f"{layout.launcher.world_size} rank(s)"
+        return f"drained {drain.host}: no spare stood by, so the group went on without rank {ranks}, over {over}"
 
     async def run(self) -> None:
         """On the loop, between steps: pause the batch without blame, set the group aside, give each of the host's
@@ -85,8 +102,12 @@ class Drains:
             error = self.pool.roster.stand_down(drain.ranks, reason)
             self.recovery.unready(error)
             self.recovery.pause(error, None, blame=False)
-            drain.moves = self.pool.roster.move_drained(drain.ranks, reason)
-            self.recovery.record_moves(drain.moves)
+            if drain.shrunk is None:
+                drain.moves = self.pool.roster.move_drained(drain.ranks, reason)
+                self.recovery.record_moves(drain.moves)
+            else:
+                shrink = await self.pool.roster.shrink_drained(drain.ranks, drain.shrunk, reason)
+                self.recovery.record_shrink(shrink)
             await self.recovery.recover()
         except BaseException as e:
             cancelled = isinstance(e, anyio.get_cancelled_exc_class())

@@ -83,7 +83,9 @@ class Engine:
         self.scheduler.queues.spill = self.disk is not None
         self.output = Output(text, self.scheduler.queues.finish, self.prefix is not None)
         self.pressure = Pressure(pool, self.budget, self.scheduler, self.output, self.vocab_size, self.vision)
-        self.recovery = Recovery(pool, self.scheduler, self.output, self.pressure, self._fail_all, self._wake)
+        self.recovery = Recovery(
+            pool, self.scheduler, self.output, self.pressure, self._fail_all, self._wake, lambda: self._reshape(config)
+        )
         self.drains = Drains(pool, self.recovery)  # the hosts the operator drains (neuron hosts drain)
         self.loop = Loop(
             pool, self.scheduler, self.output, self.recovery, self.pressure, self.disk, self._fail_all, self.drains
@@ -280,9 +282,24 @@ class Engine:
             return True
         return False
 
+    def _reshape(self, config: dict[str, Any]) -> None:
+        """The group shrank and loaded the model again (``Recovery``): each rank's share of the caches is the smaller
+        group's, and the prefix cache counts in its bytes; the calibration step that follows reads every rank."""
+        self.budget.reshape(_shares(config, self.pool), self.pool.hosts)
+        if self.prefix is not None:
+            self.prefix.reshape(*self.pool.cache_bytes)
+
     def _fail_all(self, kind: str, message: str) -> None:
         for seq in self.scheduler.queues.clear():
             self.output.failed(seq, kind, message)
+
+
+def _shares(config: dict[str, Any], pool: Pool) -> list[Share]:
+    """Each rank's share of a sequence's caches (``Pool.cache_shares``), and the query heads of a layer it computes:
+    a slice of them under tensor parallelism, all of them in a pipeline stage."""
+    heads = int(text_config(config).get("num_attention_heads") or 1)
+    mine = heads if pool.layers else max(1, heads // pool.world_size)
+    return [Share(per_token, per_sequence, mine) for per_token, per_sequence in pool.cache_shares]
 
 
 def _caches(
@@ -291,14 +308,10 @@ def _caches(
     """What every rank's caches may hold (``engine.memory``: known once the calibration step has run, in ``open``,
     and followed as the steps read each rank's memory again), the prefix cache, and its disk tier.
 
-    Each rank's share of a sequence's caches is ``Pool.cache_shares``; the query heads of a layer it computes, a
-    slice of them under tensor parallelism, all of them in a pipeline stage. The prefix cache holds what the batch
-    leaves of the budget, at most ``--prefix-cache-bytes`` (0: none).
+    Each rank's share is ``_shares``'. The prefix cache holds what the batch leaves of the budget, at most
+    ``--prefix-cache-bytes`` (0: none).
     """
-    heads = int(text_config(config).get("num_attention_heads") or 1)
-    mine = heads if pool.layers else max(1, heads // pool.world_size)
-    shares = [Share(per_token, per_sequence, mine) for per_token, per_sequence in pool.cache_shares]
-    budget = Budget(shares, pool.hosts, max(1, min(limits.prefill_chunk, context - 1)), context)
+    budget = Budget(_shares(config, pool), pool.hosts, max(1, min(limits.prefill_chunk, context - 1)), context)
     cap = limits.prefix_cache_bytes
     support = architectures.supports(config)
     # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.kv.entries).

@@ -216,10 +216,15 @@ class Budget:
     holds of each kind of cache, what the prefix index counts in)."""
 
     def __init__(self, shares: Sequence[Share], hosts: Sequence[str], chunk: int, context: int) -> None:
-        self.shares = list(shares)
-        self.hosts = list(hosts)
         self.chunk = chunk
         self.context = context
+        self.reshape(shares, hosts)
+
+    def reshape(self, shares: Sequence[Share], hosts: Sequence[str]) -> None:
+        """Each rank's share of a sequence's caches, on its host: at start, and again when the group shrank
+        (``Roster.shrink_due``); nothing is known of any rank until the calibration step has run again."""
+        self.shares = list(shares)
+        self.hosts = list(hosts)
         # The most any rank holds of each kind (``models.cache_bytes``): a sequence's bytes on this scale are at
         # least its bytes on any rank scaled up by the ratio ``_scaled`` uses, so a budget counted in them holds on
         # every rank, whichever kind of cache each holds (a pipeline stage of sliding windows only holds no bytes

@@ -217,6 +217,13 @@ class PrefixIndex:
         self.deferred.clear()
         self.bytes = 0
 
+    def reshape(self, bytes_per_token: int, bytes_per_entry: int) -> None:
+        """The group shrank: an entry costs the rank holding the largest share what the smaller group's shares hold.
+        Every rank's entries went with the group it left."""
+        self.clear()
+        self.bytes_per_token = bytes_per_token
+        self.bytes_per_entry = bytes_per_entry
+
     def _insert(self, entry: int, prompt: list[int], adapter: int) -> None:
         node = self._roots.setdefault(adapter, _Node())
         self._adapter[entry] = adapter

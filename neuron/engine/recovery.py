@@ -27,8 +27,8 @@ from neuron.engine.output import Output
 from neuron.engine.pressure import Pressure
 from neuron.engine.scheduler import Scheduler
 from neuron.log import ms_since
-from neuron.pool import Pool, PoolError, Unrecoverable, ranks_named
-from neuron.pool.roster import log_move
+from neuron.pool import NotShrunk, Pool, PoolError, Unrecoverable, ranks_named
+from neuron.pool.roster import Shrink, log_move
 from neuron.pool.spares import Move
 from neuron.rpc import Prefill, StepPlan
 from neuron.sampling_params import SamplingParams
@@ -60,8 +60,11 @@ class Recovery:
         pressure: Pressure,
         fail_all: Callable[[str, str], None],
         wake: Callable[[], None],
+        reshape: Callable[[], None],
     ) -> None:
         self.pool = pool
+        self.reshape = reshape  # the engine's: its budget and prefix cache follow a group that shrank
+        self.reshaped = False  # the group shrank since it last served: the recovery calibrates the budget again
         self.scheduler = scheduler
         self.output = output
         self.pressure = pressure
@@ -136,11 +139,16 @@ class Recovery:
         spares = self.pool.spares
         spares.failed(sorted(cause.failures) if cause is not None else [])
         delays = iter(RETRY_S)
+        refused: str | None = None  # why the group could not shrink, this recovery
         while True:
             try:
                 await self.pool.recover()
-                if await self.probe():
-                    await self.pressure.read()
+                reshaped = self.reshaped
+                if reshaped:
+                    self.reshape()
+                if await self.probe(self.pressure.budget.calibration_tokens if reshaped else 1):
+                    await self.pressure.read(calibrate=reshaped)
+                    self.reshaped = False
                     spares.recovered()
                     return None
                 raise RuntimeError(f"the first step after recovering failed: {self.health.reason}")
@@ -153,18 +161,29 @@ class Recovery:
                 if self._move_to_spares(error):
                     delays = iter(RETRY_S)
                     continue
+                if refused is None:
+                    shrunk, refused = await self._shrink(error)
+                    if shrunk:
+                        delays = iter(RETRY_S)
+                        continue
                 delay: float = next(delays, RETRY_S[-1])
-                if (due := spares.until_due()) is not None:
-                    delay = min(delay, due)  # a move is not put off by a long pause between tries
+                for due in (spares.until_due(), None if refused else spares.until_stranded()):
+                    if due is not None:
+                        delay = min(delay, due)  # a move (or a shrink) is not put off by a long pause between tries
                 if time.perf_counter() - started + delay > self.limits.resume_timeout:
                     return error
                 log.warning("recovery failed; trying again", cause=str(cause), error=error, retry_s=round(delay, 1))
-                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay:.0f} s")
+                missing = f"; the group cannot shrink: {refused}" if refused else ""
+                self.health = Health(False, f"{cause}; recovering failed ({error}), next try in {delay:.0f} s{missing}")
                 await anyio.sleep(delay)
                 # A move that came due during the pause goes first: another try at the lost host would wait out
                 # its SSH connection timeout before the move.
                 if self._move_to_spares(error):
                     delays = iter(RETRY_S)
+                elif refused is None:
+                    shrunk, refused = await self._shrink(error)
+                    if shrunk:
+                        delays = iter(RETRY_S)
 
     def _move_to_spares(self, error: str) -> bool:
         """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""
@@ -172,6 +191,30 @@ class Recovery:
         moves = self.pool.roster.move_due(f"out of reach for over {bound:g} s (--spare-timeout): {error}")
         self.record_moves(moves)
         return bool(moves)
+
+    async def _shrink(self, error: str) -> tuple[bool, str | None]:
+        """With no spare left, go on without the ranks whose hosts have been out of reach past ``--spare-timeout``
+        (``Roster.shrink_due``), and say so; whether the group shrank, and why it could not (once: the ranks that
+        remain do not change while it waits)."""
+        reason = f"out of reach for over {self.pool.spares.bound_s:g} s (--spare-timeout), and no spare left: {error}"
+        try:
+            shrink = await self.pool.roster.shrink_due(reason)
+        except NotShrunk as e:
+            log.error("group not shrunk", reason=str(e))
+            self.events.append({"at": time.time(), "event": "not shrunk", "ranks": e.ranks, "reason": str(e)})
+            return False, str(e)
+        if shrink is None:
+            return False, None
+        self.record_shrink(shrink)
+        return True, None
+
+    def record_shrink(self, shrink: Shrink) -> None:
+        """Say in the status's events that the group shrank (the roster logged it), and calibrate the budget at the
+        next recovery's end, whether a loss or a drain shrank it."""
+        what = f"{shrink.stages} pipeline stages" if shrink.stages > 1 else f"{shrink.world_size} rank(s)"
+        reason = f"went on without {', '.join(shrink.hosts)} over {what}: {shrink.reason}"
+        self.events.append({"at": shrink.at, "event": "shrunk", "ranks": shrink.ranks, "reason": reason})
+        self.reshaped = True
 
     def record_moves(self, moves: list[Move]) -> None:
         """Say each rank's move in the log and in the status's events, whether a loss or a drain moved it."""

@@ -38,8 +38,7 @@ class Launcher:
     def __init__(
         self, hosts: list[Host], ssh_command: str = DEFAULT_SSH, data_plane: str = default("data_plane")
     ) -> None:
-        self.hosts = hosts
-        self.world_size = len(hosts)
+        self.hosts = hosts  # by rank; a group that shrinks drops its lost ranks' entries (``Ranks.shrink``)
         self.ssh_command = shlex.split(ssh_command)
         self.data_plane = data_plane
         self._early: dict[int, tuple[dict[str, str], anyio.abc.Process]] = {}  # by rank: started ahead, with env
@@ -47,6 +46,10 @@ class Launcher:
     @classmethod
     def local(cls, world_size: int) -> Launcher:
         return cls(local_hosts(world_size))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
 
     @property
     def remote(self) -> bool:

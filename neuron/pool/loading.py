@@ -8,6 +8,7 @@ that a recovery's load (``replacement.py``) loads it all again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -16,23 +17,33 @@ import structlog
 
 from neuron import rpc
 from neuron.launch import cgroup
-from neuron.launch.checks import Unreachable, check_memory, check_models, model_differences
+from neuron.launch.checks import Refused, Unreachable, check_memory, check_models, model_differences
 from neuron.launch.push import PushCut, Pushed, push
-from neuron.launch.stages import check_split, plan_stages, weights_per_rank
+from neuron.launch.stages import (
+    SplitError,
+    check_split,
+    keep_together,
+    plan_stages,
+    ranges,
+    split_by_memory,
+    weights_per_rank,
+)
 from neuron.log import ms_since
 from neuron.models import architectures, hub
 from neuron.models.folder import (
     DECIDING_FILES,
+    ModelError,
     cache_bytes,
     cache_shares,
     digest_files,
     model_digest,
     read_config,
     text_config,
+    weight_bytes,
 )
 from neuron.models.shares import Contents, files_read, sha256_of, share_key
 from neuron.pool.fanout import PoolError
-from neuron.pool.ranks import Ranks
+from neuron.pool.ranks import Layout, Ranks
 from neuron.rank.head.drafter import Drafter
 from neuron.rank.head.mtp import MtpDrafter
 from neuron.rank.model.share import ShareSource, check_splittable
@@ -74,6 +85,49 @@ class Loader:
         if layout.stages > 1:
             layers = int(text_config(config)["num_hidden_layers"])
             check_split(list(layout.split), layers, layout.stages, architectures.kept_together(config))
+
+    def shrunk(self, lost: list[int]) -> Layout:
+        """The layout of the group without ``lost`` ranks: a pipeline's stages planned again over the ranks left, by
+        their memory, or a tensor-parallel split over fewer ranks. ``Refused``, saying what is missing, where the
+        model cannot be split so or a rank left lacks the memory for its larger share of the weights."""
+        ranks = self._ranks
+        layout = ranks.layout
+        world = ranks.world_size - len(lost)
+        stages = world if layout.stages > 1 else 1
+        config = read_config(self.model_path)
+        hosts = ", ".join(ranks.hosts[rank] for rank in lost)
+        try:
+            check_splittable(config, world, stages)
+            if stages > 1:
+                layers = int(text_config(config)["num_hidden_layers"])
+                check_split([], layers, stages, architectures.kept_together(config))
+        except (ModelError, SplitError) as e:
+            split = f"{stages} pipeline stages" if stages > 1 else f"tensor parallel over {world} rank(s)"
+            raise Refused(
+                f"the group cannot go on without {hosts}: the model cannot be split as {split} ({e}); bring the "
+                "host back, or add a spare with `neuron hosts add`",
+                tuple(lost),
+            ) from None
+        kept = [rank for rank in range(ranks.world_size) if rank not in lost]
+        # Each rank left gives its present share back as it loads the larger one: rank 0 holds its own now.
+        infos = [
+            dataclasses.replace(ranks.said[rank], free_memory=ranks.said[rank].free_memory + (self.weights or [0])[0])
+            if rank == 0
+            else ranks.said[rank]
+            for rank in kept
+        ]
+        stage_ranges: list[tuple[int, int]] = []
+        if stages > 1:
+            per_layer, rest = weight_bytes(self.model_path, int(text_config(config)["num_hidden_layers"]))
+            by_memory = split_by_memory(per_layer, rest, [info.free_memory for info in infos])
+            counts = keep_together(by_memory, architectures.kept_together(config)) or by_memory
+            stage_ranges = ranges(counts)
+        needs = weights_per_rank(self.model_path, world, stage_ranges)
+        try:
+            check_memory(needs, infos, [ranks.hosts[rank] for rank in kept])
+        except Refused as e:
+            raise Refused(f"the group cannot go on without {hosts}: {e}", tuple(lost)) from None
+        return dataclasses.replace(layout, stages=stages, split=())
 
     async def load(self) -> dict[int, Loaded]:
         """Check every host holds the same model (or send one that does not the share its rank loads, with
@@ -255,6 +309,7 @@ class Loader:
         """Each rank's ``[first, end)`` of layers in a pipeline; empty lists (every layer, sliced) otherwise."""
         ranks = self._ranks
         if ranks.layout.stages == 1:
+            self.layers = []  # a pipeline shrunk to one rank holds every layer, as tensor parallelism does
             return [[] for _ in range(ranks.world_size)]
         free = [info.free_memory for info in ranks.said]
         self.layers = plan_stages(self.model_path, list(ranks.layout.split), free, ranks.hosts)

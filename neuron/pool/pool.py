@@ -72,7 +72,6 @@ class Pool:
         self.deadlines = deadlines or Deadlines()
         self._ranks = ranks = Ranks(self.layout, self.deadlines, model)
         self.launcher = ranks.launcher
-        self.world_size = ranks.world_size
         self.backend = ranks.backend
         self.hosts = ranks.hosts
         self._loader = Loader(ranks, self.model_path, model)
@@ -80,7 +79,7 @@ class Pool:
         self._watch = Watch(ranks)
         self.spares = Spares(self.launcher.hosts, self.layout.spares, self.layout.spare_timeout)
         # The hosts as they change while serving: moves to spares, and what the operator adds, drains or removes.
-        self.roster = Roster(ranks, self.spares, self.layout.hostfile, self._probe_spare)
+        self.roster = Roster(ranks, self.spares, self.layout.hostfile, self._probe_spare, self._loader.shrunk)
 
     async def __aenter__(self) -> Pool:
         self._loader.check_split()
@@ -226,6 +225,11 @@ class Pool:
         await self._ranks.shutdown()
 
     # What the parts know, read here as the rest of neuron reads the pool.
+
+    @property
+    def world_size(self) -> int:
+        """The group's size, which shrinks where hosts stay out of reach with no spare left (``Roster.shrink_due``)."""
+        return self._ranks.world_size
 
     @property
     def workers(self) -> tuple[Link, ...]:

@@ -105,6 +105,27 @@ class Ranks:
         self.fan_out.rank0 = self._thread()
         return self.fan_out.rank0
 
+    async def shrink(self, lost: list[int], layout: Layout) -> None:
+        """Drop ``lost`` ranks (their hosts out of reach or drained, no spare left) between steps, over ``layout``
+        (their stages re-planned over the hosts that remain): each rank above them moves down past them, and rank 0
+        gets a fresh thread, with its own ``Rank`` and pinning for the smaller group. The next start forms the group
+        over the hosts that remain."""
+        for rank in sorted(lost, reverse=True):
+            del self.launcher.hosts[rank]
+            del self.hosts[rank]  # the list the fan-out and the pool name hosts from
+        # The ranks above a lost one are numbered anew: the next start names each, as the next load its stages.
+        metrics.RANKS.clear()
+        metrics.STAGE_LAYERS.clear()
+        self.world_size = self.launcher.world_size
+        self.layout = layout
+        self.memory = {}
+        old, self.fan_out.rank0 = self.fan_out.rank0, self._thread()
+        # Out of the group it was in, if it still is (a drained host's, at a step boundary), so that MLX forgets it.
+        # A lost group's rank 0 has left already (``Replacement``), or was left behind there for a fresh thread.
+        with contextlib.suppress(TimeoutError):
+            await old.call(lambda rank: rank.leave_group(), self.deadlines.control)
+        await old.close(self.deadlines.shutdown)
+
     def place(self, rank: int, host: Host) -> None:
         """Put ``host`` in ``rank``'s place (a spare taking a lost host's, while no worker runs): the next start
         spawns the rank there, and every error, log line and metric names it."""

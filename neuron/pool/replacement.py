@@ -77,7 +77,8 @@ class Replacement:
         # Its forwards were the lost group's links; the next group gets its own. One that had ended by itself is
         # said here where a step broke the group before the watch saw it end.
         for host, process, relay in await ranks.tunnels.close():
-            tunnel_lost(ranks.hosts.index(host), host, process, relay)
+            if host in ranks.hosts:  # not a host the group went on without (``Ranks.shrink``)
+                tunnel_lost(ranks.hosts.index(host), host, process, relay)
         shut = cut(ranks.addresses)
         log.info("data plane cut", sunk=sunk, shut=shut, addresses=ranks.addresses)
         try:

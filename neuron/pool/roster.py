@@ -10,23 +10,50 @@ is where each rank runs now and which hosts stand by.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from neuron import metrics
+from neuron.launch.checks import Refused
 from neuron.launch.hostfile import Hostfile, check_distinct, host, write_hostfile
 from neuron.launch.hosts import Host, HostsError, check_hosts
 from neuron.pool.fanout import PoolError
-from neuron.pool.ranks import Ranks
+from neuron.pool.ranks import Layout, Ranks
 from neuron.pool.spares import Move, Spares
 from neuron.rpc import HostInfo
 
 log = structlog.get_logger("neuron.pool")
 
 Probe = Callable[[Host], Awaitable[HostInfo]]
+Shrunk = Callable[[list[int]], Layout]
+
+
+@dataclass(frozen=True, slots=True)
+class Shrink:
+    """The group went on without ranks whose hosts stayed out of reach with no spare left, as the log, ``/v1/status``
+    and the metrics tell it."""
+
+    ranks: list[int]  # the ranks that left, as numbered before
+    hosts: list[str]  # their hosts
+    world_size: int  # the group's size after
+    stages: int  # its pipeline stages after (1: tensor parallel)
+    reason: str
+    at: float  # unix seconds
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "ranks": self.ranks,
+            "hosts": self.hosts,
+            "world_size": self.world_size,
+            "stages": self.stages,
+            "reason": self.reason,
+            "at": self.at,
+        }
 
 
 def log_move(move: Move) -> None:
@@ -47,6 +74,15 @@ class HostsConflict(HostsError):
     status = 409
 
 
+class NotShrunk(RuntimeError):
+    """The group cannot go on without ``ranks``: the ranks that remain cannot serve the model (it does not split so,
+    or a rank lacks the memory); the message says what is missing."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
 class NoSuchSpare(HostsError):
     """No spare (or host) by that name: 404."""
 
@@ -57,9 +93,11 @@ class Roster:
     """The ranks (their hosts are the launcher's), the spares (``Spares``') and the hostfile they are written back
     to; ``path`` is None for a group started without ``--hosts``, which has no hosts to reshape."""
 
-    def __init__(self, ranks: Ranks, spares: Spares, path: str | Path | None, probe: Probe) -> None:
+    def __init__(self, ranks: Ranks, spares: Spares, path: str | Path | None, probe: Probe, shrunk: Shrunk) -> None:
         self._ranks = ranks
         self._probe = probe  # asks a new spare who it is (``probe.probe_spare``), refusing one unfit to serve
+        self._shrunk = shrunk  # the layout without some ranks (``Loader.shrunk``), refused where it cannot serve
+        self.shrinks: list[Shrink] = []
         self.launcher = ranks.launcher
         self.spares = spares
         self.backend = ranks.backend
@@ -75,6 +113,51 @@ class Roster:
         if moves:
             self.save()  # a restarted leader starts each rank where it runs now
         return moves
+
+    async def shrink_due(self, reason: str) -> Shrink | None:
+        """Between tries to recover, with no spare left: the group goes on without every rank whose host has been out
+        of reach past ``--spare-timeout`` (``Spares.stranded``), the model split again over the ranks that remain
+        (``Loader.shrunk``), which the next try starts; their hosts become spares, should they come back. None where
+        no rank is stranded; ``NotShrunk``, saying what is missing, where the ranks that remain cannot serve."""
+        lost = self.spares.stranded()
+        if not lost:
+            return None
+        try:
+            layout = self._shrunk(lost)
+        except Refused as e:
+            raise NotShrunk(str(e), lost) from None
+        return await self._shrink(lost, layout, reason, spares=True)
+
+    def shrink_plan(self, ranks: list[int]) -> Layout:
+        """The layout without ``ranks``, whose host the operator drains with too few spares to take them; refused
+        (409, saying what is missing) where the ranks that remain cannot serve the model."""
+        try:
+            return self._shrunk(ranks)
+        except Refused as e:
+            raise HostsConflict(f"{e}, and {len(self.spares.spares)} spare(s) stand by") from None
+
+    async def shrink_drained(self, ranks: list[int], layout: Layout, reason: str) -> Shrink:
+        """The group goes on without ``ranks``, whose host is drained (``shrink_plan`` chose ``layout``); the host
+        leaves the hostfile, as a drained host does."""
+        return await self._shrink(ranks, layout, reason, spares=False)
+
+    async def _shrink(self, lost: list[int], layout: Layout, reason: str, spares: bool) -> Shrink:
+        hosts = [self.launcher.hosts[rank] for rank in lost]
+        await self._ranks.shrink(lost, layout)
+        self.spares.dropped(lost, hosts if spares else [])
+        metrics.GROUP_SHRINKS.inc()
+        self.save()  # a restarted leader starts the smaller group
+        shrink = Shrink(lost, [h.ssh for h in hosts], self.launcher.world_size, layout.stages, reason, time.time())
+        self.shrinks.append(shrink)
+        log.warning(
+            "group shrunk",
+            ranks=lost,
+            hosts=shrink.hosts,
+            world_size=shrink.world_size,
+            stages=shrink.stages,
+            reason=reason,
+        )
+        return shrink
 
     def stand_down(self, ranks: list[int], reason: str) -> PoolError:
         """At a step boundary: set the group aside for ``ranks``' host is drained, as if it were lost, so that the
@@ -138,9 +221,9 @@ class Roster:
         return removed
 
     def drain_plan(self, ssh: str) -> list[int]:
-        """The ranks that run on ``ssh``, each of which a spare will take when it is drained; refused for a host
-        not in the group, the leader's own host (rank 0 runs inside the leader), and where too few spares stand
-        by (the group does not shrink yet)."""
+        """The ranks that run on ``ssh``, each of which a spare takes when it is drained, or, with too few spares,
+        which the group goes on without (``shrink_plan``); refused for a host not in the group and the leader's own
+        host (rank 0 runs inside the leader)."""
         self._hostfile_needed("drain a host")
         hosts = self.launcher.hosts
         ranks = [rank for rank, h in enumerate(hosts) if h.ssh == ssh]
@@ -153,11 +236,6 @@ class Roster:
             raise HostsConflict(
                 f"{ssh} is the leader's own host (rank 0 runs inside the leader): drain another host, or stop the "
                 "leader to take this one down"
-            )
-        if len(self.spares.spares) < len(ranks):
-            raise HostsConflict(
-                f"{ssh} runs rank {', '.join(map(str, ranks))}, but {len(self.spares.spares)} spare(s) stand by to "
-                "take its place: add one first with `neuron hosts add` (shrinking the group instead is not there yet)"
             )
         return ranks
 

@@ -90,11 +90,36 @@ class Spares:
         now = self.clock()
         return sorted(rank for rank, since in self.out.items() if now - since >= self.bound_s)[: len(self.spares)]
 
+    def stranded(self) -> list[int]:
+        """The ranks out of reach for the bound or longer that no spare is left to take: the group may shrink
+        without them (``Roster.shrink_due``)."""
+        now = self.clock()
+        due = sorted(rank for rank, since in self.out.items() if now - since >= self.bound_s)
+        return due[len(self.spares) :]
+
+    def dropped(self, ranks: list[int], hosts: list[Host]) -> None:
+        """``ranks`` left the group (it shrank: ``hosts`` were theirs): their outages end, each rank above them
+        moves down past them, and their hosts become spares, tried last, should they come back."""
+        gone = sorted(ranks)
+        self.out = {
+            rank - sum(1 for g in gone if g < rank): since for rank, since in self.out.items() if rank not in gone
+        }
+        for host in hosts:
+            self.spares.append(host)
+            self.returning.add(host.ssh)
+
     def until_due(self) -> float | None:
         """Seconds until the next rank out of reach is due to move, where a spare could take it; None if none."""
         if not self.out or not self.spares:
             return None
         return max(0.0, min(self.out.values()) + self.bound_s - self.clock())
+
+    def until_stranded(self) -> float | None:
+        """Seconds until a rank out of reach passes the bound with no spare left to take it (``stranded``); None
+        where the spares can take every rank out of reach."""
+        if len(self.out) <= len(self.spares):
+            return None
+        return max(0.0, sorted(self.out.values())[len(self.spares)] + self.bound_s - self.clock())
 
     def move(self, reason: str) -> list[Move]:
         """Every rank that is due, each given the first spare: its host goes to the back of the spares, and its

@@ -80,8 +80,7 @@ async def drain_host(call: Call) -> Response:
     name = _host(call.body)
 
     async def drain(engine: Engine) -> str:
-        moves = await engine.drains.drain(name)
-        return f"drained {name}: " + ", ".join(f"rank {m.rank} moved to {m.spare}" for m in moves)
+        return engine.drains.said(await engine.drains.drain(name))
 
     return await _changed(call, drain)
 

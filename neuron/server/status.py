@@ -174,6 +174,7 @@ def status(call: Call) -> dict[str, Any]:
         "recoveries": engine.recovery.recoveries,
         "spares": pool.spares.describe(),
         "moves": [move.describe() for move in pool.spares.moves[-EVENTS_KEPT:]],
+        "shrinks": [shrink.describe() for shrink in pool.roster.shrinks[-EVENTS_KEPT:]],
         "recent": engine.recent.seconds(),
         **caches(engine),
     }
@@ -243,7 +244,7 @@ def openapi(spec: Spec) -> OpenApi:
         "required": ["at", "event", "ranks", "reason"],
         "properties": {
             "at": {"type": "number"},
-            "event": {"enum": ["lost", "recovered", "recovery failed", "moved", "drained"]},
+            "event": {"enum": ["lost", "recovered", "recovery failed", "moved", "drained", "shrunk", "not shrunk"]},
             "ranks": {"type": "array", "items": integer},
             "reason": text,
         },
@@ -313,6 +314,23 @@ def openapi(spec: Spec) -> OpenApi:
                         "from": text,
                         "to": text,
                         "out_s": {"type": "number"},
+                        "reason": text,
+                        "at": {"type": "number"},
+                    },
+                },
+            },
+            "shrinks": {
+                "type": "array",
+                "description": "the times the group went on without ranks whose hosts stayed out of reach with no "
+                "spare left, the model split again over the ranks that remain; the latest last",
+                "items": {
+                    "type": "object",
+                    "required": ["ranks", "hosts", "world_size", "stages", "reason", "at"],
+                    "properties": {
+                        "ranks": {"type": "array", "items": integer},
+                        "hosts": {"type": "array", "items": text},
+                        "world_size": integer,
+                        "stages": integer,
                         "reason": text,
                         "at": {"type": "number"},
                     },

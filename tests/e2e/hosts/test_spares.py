@@ -93,7 +93,8 @@ def test_a_host_added_then_a_working_host_drained_and_every_stream_goes_on(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """``neuron hosts add`` brings in a spare; ``neuron hosts drain`` moves the working host's rank to it at a step
-    boundary while streams run, stops its worker, and leaves it out of the hostfile."""
+    boundary while streams run, stops its worker, and leaves it out of the hostfile; drained in its turn with no
+    spare left, the spare's rank leaves the group, and rank 0 serves alone."""
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "drain.json")
     working, added = f"root@{bed.ip(0)}", f"root@{bed.ip(1)}"
     args = ("--model", str(tiny_models["qwen3"]), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command)
@@ -115,14 +116,23 @@ def test_a_host_added_then_a_working_host_drained_and_every_stream_goes_on(
         assert drained[0].returncode == 0 and f"drained {working}: rank 1 moved to {added}" in drained[0].stdout
         wait_until(lambda: not alive(old), 15, "the drained host's worker to be stopped")
         assert bed.workers(1) and not bed.workers(0)
-        no_spare = hosts("drain", added)
-        assert no_spare.returncode == 1 and "0 spare(s) stand by" in no_spare.stderr, no_spare.stderr
+        # No spare stands by now: draining the host the rank moved to leaves rank 0 alone, the whole model on it.
+        (moved,) = bed.workers(1)
+        shrunk: list[subprocess.CompletedProcess[str]] = []
+        resume.disturb(server, undisturbed, lambda: shrunk.append(hosts("drain", added)), bases=RESUMING)
+        went_on = f"drained {added}: no spare stood by, so the group went on without rank 1, over 1 rank(s)"
+        assert shrunk[0].returncode == 0 and went_on in shrunk[0].stdout, shrunk[0]
+        wait_until(lambda: not alive(moved), 15, "the drained host's worker to be stopped")
+        assert not bed.workers(1)
+        status = httpx.get(f"{server.url}/v1/status", timeout=10).json()
+        assert [r["host"] for r in status["ranks"]] == ["localhost"] and status["spares"] == []
         metrics = server.metrics()
         assert metrics[("neuron_rank_moves_total", (("cause", "drained"),))] == 1
+        assert metrics[("neuron_group_shrinks_total", ())] == 1
         assert server.find_log("restarting") is None
         assert not [e for e in server.logs() if e.get("event") == "not resumed"]
-    written = json.loads(hostfile.read_text())
-    assert [h["ssh"] for h in written["hosts"]] == ["localhost", added] and written["spares"] == []
+    written = json.loads(hostfile.read_text())  # neither drained host stays: a restarted leader serves alone
+    assert [h["ssh"] for h in written["hosts"]] == ["localhost"] and written["spares"] == []
 
 
 def test_a_spare_that_dies_as_it_is_brought_in_passes_the_rank_to_the_next_and_every_stream_goes_on(

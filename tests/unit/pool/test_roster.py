@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
+from neuron.launch.checks import Refused
 from neuron.launch.hostfile import read_hostfile
 from neuron.launch.hosts import Host, HostsError, describe_host
 from neuron.launch.launcher import Launcher
 from neuron.pool.probe import SpareUnfit
-from neuron.pool.roster import HostsConflict, NoSuchSpare, Probe, Roster
+from neuron.pool.ranks import Layout
+from neuron.pool.roster import HostsConflict, NoSuchSpare, NotShrunk, Probe, Roster
 from neuron.pool.spares import Spares
 from neuron.rpc import HostInfo
 
@@ -32,9 +34,15 @@ async def unfit(spare: Host) -> HostInfo:
     raise SpareUnfit(f"cannot reach the spare {spare.ssh} as a worker")
 
 
+def shrunk(lost: list[int]) -> Layout:
+    """The model does not split over the ranks left (``Loader.shrunk``, which tests/e2e/hosts/ runs for real)."""
+    raise Refused(f"the group cannot go on without rank(s) {lost}: 14 heads do not divide over 2 ranks", tuple(lost))
+
+
 def on(launcher: Launcher, spares: Spares, path: Path | None, probe: Probe = answers) -> Roster:
     """A roster over ``launcher``'s hosts; what it reads of the ranks is their launcher and backend (no rank runs)."""
-    return Roster(SimpleNamespace(launcher=launcher, backend="ring"), spares, path, probe)  # type: ignore[arg-type]
+    ranks = SimpleNamespace(launcher=launcher, backend="ring")
+    return Roster(ranks, spares, path, probe, shrunk)  # type: ignore[arg-type]
 
 
 def add(r: Roster, entry: object) -> Host:
@@ -105,7 +113,9 @@ def test_a_leader_started_without_a_hostfile_has_no_spares_to_keep() -> None:
         add(roster(None), MAC3)
 
 
-def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_and_is_refused_where_it_cannot(tmp_path: Path) -> None:
+def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_or_leaves_them_out_and_is_refused_where_it_cannot(
+    tmp_path: Path,
+) -> None:
     launcher = Launcher([LEADER, MAC2, MAC2, Host("me@mac5", ("10.0.0.5",))])
     spares = Spares(launcher.hosts, (Host("me@mac3", ("10.0.0.3",)), Host("me@mac4", ("10.0.0.4",))), 20.0)
     r = on(launcher, spares, tmp_path / "hosts.json")
@@ -118,9 +128,34 @@ def test_a_drain_takes_each_of_the_hosts_ranks_to_a_spare_and_is_refused_where_i
         with pytest.raises(kind) as caught:
             r.drain_plan(host)
         assert says in str(caught.value), str(caught.value)
-    spares.take([3], "drained")  # one spare left, two ranks on mac2
-    with pytest.raises(HostsConflict, match=r"me@mac2 runs rank 1, 2, but 1 spare\(s\) stand by"):
-        r.drain_plan("me@mac2")
+    spares.take([3], "drained")  # one spare left, two ranks on mac2: the group would go on without them
+    assert r.drain_plan("me@mac2") == [1, 2]
+    with pytest.raises(HostsConflict, match=r"14 heads do not divide over 2 ranks, and 1 spare\(s\) stand by"):
+        r.shrink_plan([1, 2])
     local = Launcher([LEADER, Host("127.0.0.1", ("10.0.0.1",))])
     with pytest.raises(HostsConflict, match="the leader's own host"):  # another name for the leader's machine
         on(local, Spares(local.hosts, spares.spares, 20.0), tmp_path / "h.json").drain_plan("127.0.0.1")
+
+
+def test_with_no_spare_left_a_stranded_rank_the_model_cannot_do_without_is_refused_and_nothing_changes(
+    tmp_path: Path,
+) -> None:
+    clock = [0.0]
+    hosts = [LEADER, MAC2, Host("me@mac4", ("10.0.0.4",))]
+    launcher = Launcher(hosts)
+    spares = Spares(launcher.hosts, [], 20.0, lambda: clock[0])
+    r = on(launcher, spares, tmp_path / "hosts.json")
+    spares.failed([2])
+    assert anyio.run(r.shrink_due, "gone") is None  # not out of reach for the bound yet
+    clock[0] += 20.0
+    with pytest.raises(NotShrunk, match="14 heads do not divide over 2 ranks") as refused:
+        anyio.run(r.shrink_due, "gone")
+    assert refused.value.ranks == [2]
+    assert launcher.hosts == hosts and r.shrinks == [] and spares.stranded() == [2]
+    assert not (tmp_path / "hosts.json").exists()  # nothing written back: nothing changed
+
+
+def test_a_drain_with_too_few_spares_that_the_model_cannot_do_without_is_refused_saying_what_is_missing() -> None:
+    r = roster(None)
+    with pytest.raises(HostsConflict, match=r"14 heads do not divide over 2 ranks, and 0 spare\(s\) stand by"):
+        r.shrink_plan([1])

@@ -112,6 +112,36 @@ def test_with_no_spare_left_nothing_moves_and_rank_0_never_does(clock: Clock) ->
     assert empty.due() == [] and empty.until_due() is None and place([LEADER, MAC2], empty) == []
 
 
+def test_with_no_spare_left_a_rank_out_past_the_bound_is_stranded_and_once_dropped_its_host_is_a_spare(
+    clock: Clock,
+) -> None:
+    hosts = [LEADER, MAC2, MAC3, MAC4]
+    s = spares(clock, hosts, [MAC5])
+    s.failed([1, 3])
+    assert s.stranded() == [] and s.until_stranded() == pytest.approx(BOUND)  # one spare for two: one stranded
+    clock.now += BOUND
+    assert s.stranded() == [3]  # the spare takes rank 1, the first due; none is left for rank 3
+    assert place(hosts, s) == [(1, "mac2", "mac5")]
+    assert s.due() == [3] and s.stranded() == []  # the lost mac2 is a spare now, which rank 3 may have
+    assert place(hosts, s) == [(3, "mac4", "mac2")]
+    s.failed([1, 3], answered=False)
+    clock.now += BOUND
+    assert s.due() == [1] and s.stranded() == [3]  # mac4 is the one spare left: rank 1 takes it, rank 3 is stranded
+    # The group goes on without rank 3 (the pool drops its host): its outage ends, and its host stands by, last.
+    lost = hosts.pop(3)
+    s.dropped([3], [lost])
+    assert s.out == {1: clock.now - BOUND} and [h.ssh for h in s.spares] == ["mac4", "mac2"]
+    assert s.describe()[-1] == {"host": "mac2", "state": "returning"}
+    # A rank below the one that left keeps its number; one above it moves down past it.
+    t = spares(clock, [LEADER, MAC2, MAC3, MAC4], [])
+    t.failed([1, 3])
+    clock.now += BOUND
+    assert t.stranded() == [1, 3] and t.until_stranded() == 0.0 and t.until_due() is None
+    t.failed([1, 2, 3], answered=False)
+    t.dropped([1], [MAC2])
+    assert sorted(t.out) == [1, 2]  # rank 2 (now 1) and rank 3 (now 2)
+
+
 def test_a_failure_that_names_no_rank_leaves_the_outages_as_they_were(clock: Clock) -> None:
     s = spares(clock, [LEADER, MAC2], [MAC3])
     s.failed([1])

@@ -72,9 +72,12 @@ class Drains:
     def __init__(self, calls: list[tuple[str, ...]]) -> None:
         self.calls = calls
 
-    async def drain(self, host: str) -> list[SimpleNamespace]:
+    async def drain(self, host: str) -> str:
         self.calls.append(("drain", host))
-        return [SimpleNamespace(rank=1, spare="me@mac3")]
+        return host
+
+    def said(self, drained: str) -> str:
+        return f"drained {drained}"
 
 
 @pytest.fixture

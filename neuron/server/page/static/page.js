@@ -396,8 +396,9 @@ function renderStatus(status) {
   for (const event of status.events) {
     const when = new Date(event.at * 1000).toLocaleTimeString();
     const who = event.ranks.length ? `rank ${event.ranks.join(", ")}` : "the group";
-    // A loss, a move to a spare and a drain say why; a recovery says what it came after.
-    const cause = ["lost", "moved", "drained"].includes(event.event) ? event.reason : "after " + event.reason;
+    // A loss, a move to a spare, a drain and a shrink (or its refusal) say why; a recovery says what it came after.
+    const why = ["lost", "moved", "drained", "shrunk", "not shrunk"];
+    const cause = why.includes(event.event) ? event.reason : "after " + event.reason;
     events.append(el("li", { cls: event.event.replace(" ", "-"), text: `${when} ${who} ${event.event}: ${cause}` }));
   }
   if (!status.events.length) events.append(el("li", { cls: "muted", text: "none" }));
