@@ -1,7 +1,7 @@
 """Requests that outlive a lost rank: the time from the kill to the next token of each resumed stream.
 
-Run: .venv/bin/python bench/resume.py [--trials 3] [--hosts] [--spare]
-(--hosts, --spare: as root, with openssh-server and iproute2)
+Run: .venv/bin/python bench/resume.py [--trials 3] [--hosts] [--spare] [--shrink]
+(--hosts, --spare, --shrink: as root, with openssh-server and iproute2)
 
 A TP=2 server of the tiny qwen3 (testkit's, random weights, a real tokenizer) streams testkit/resume.py's four
 requests (two greedy, two seeded, 300 tokens each; 60 across hosts, where a step is slower); once every stream
@@ -19,6 +19,10 @@ death to each stream's next token, from the leader's log: detect (to ``recoverin
 out of reach (to ``rank moved to a spare``: the rest of ``--spare-timeout``, with the tries to reach the host),
 start the spare (to ``workers started``: a worker over SSH on the spare, pinged), re-form, load, probe (the group
 formed, the model loaded on every rank, a probe step: ``recovered``), and replay (to each stream's next token).
+
+``--shrink``: three pipeline stages over the leader and two hosts with no spare; the last host dies for good, and
+once it has been out of reach for ``--spare-timeout`` the group goes on as two stages (``group shrunk``), a fresh
+server each trial. The same parts, the workers started being the smaller group's.
 """
 
 from __future__ import annotations
@@ -66,18 +70,18 @@ def wall(entry: dict) -> float:
     return datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
-def spare_trials(server: Server, bed: Namespaces, count: int, tokens: int) -> dict[str, list[float]]:
-    """Each part of the time from rank 1's host's death to each stream's next token, over ``count`` moves."""
+def death_trials(server: Server, bed: Namespaces, hosts: list[int], tokens: int, event: str) -> dict[str, list[float]]:
+    """Each part of the time from a host's death (each of ``hosts`` in turn, brought back after) to each stream's
+    next token, the group taking its new shape at the leader's log ``event``."""
     bases = shorter(tokens)
     references = [reference(server.url, base) for base in bases]
     parts: dict[str, list[float]] = {name: [] for name in PARTS}
-    for trial in range(count):
-        host = trial % 2  # rank 1's: host 0 first, the spare since the last move after
+    for host in hosts:
         seen = len(server.logs())
         died: list[float] = []
         streams, at = disturb(server, references, dying(bed, host, died), bases=bases)
         bed.back(host)  # a spare again, for the next trial's move
-        for name, seconds in zip(PARTS, itertools.pairwise(marks(server.logs()[seen:], died[0])), strict=False):
+        for name, seconds in zip(PARTS, itertools.pairwise(marks(server.logs()[seen:], died[0], event)), strict=False):
             parts[name].append(seconds[1] - seconds[0])
         recovered = at + parts["detect"][-1] + sum(parts[name][-1] for name in PARTS[1:4])  # on the streams' clock
         parts["replay"] += [t for s in streams if (t := s.first_after(recovered)) is not None]
@@ -95,18 +99,18 @@ def dying(bed: Namespaces, host: int, died: list[float]) -> Callable[[], None]:
     return die
 
 
-def marks(logs: list[dict], died: float) -> list[float]:
-    """When the host died, the loss was noticed, the rank moved, the spare's worker started, and the group was
-    back, from the leader's log entries since."""
+def marks(logs: list[dict], died: float, event: str) -> list[float]:
+    """When the host died, the loss was noticed, the group took its new shape (``event``: a rank moved, the group
+    shrank), its workers started, and it was back, from the leader's log entries since."""
 
-    def first(event: str, after: float = died) -> float:
-        return next(t for e in logs if e.get("event") == event and (t := wall(e)) >= after)
+    def first(name: str, after: float = died) -> float:
+        return next(t for e in logs if e.get("event") == name and (t := wall(e)) >= after)
 
-    moved = first("rank moved to a spare")
-    return [died, first("recovering"), moved, first("workers started", moved), first("recovered", moved)]
+    reshaped = first(event)
+    return [died, first("recovering"), reshaped, first("workers started", reshaped), first("recovered", reshaped)]
 
 
-PARTS = ["detect", "out of reach", "start the spare", "re-form, load, probe", "replay", "death → next token"]
+PARTS = ["detect", "out of reach", "start the workers", "re-form, load, probe", "replay", "death → next token"]
 
 
 def main() -> None:
@@ -116,10 +120,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300, help="tokens per request on one host")
     parser.add_argument("--hosts-tokens", type=int, default=60, help="tokens per request across hosts")
     parser.add_argument("--spare", action="store_true", help="only a host's death and the move to a spare (root)")
+    parser.add_argument("--shrink", action="store_true", help="only a host's death with no spare: PP=3 to 2 (root)")
     parser.add_argument("--spare-timeout", type=float, default=default("spare_timeout"))
     args = parser.parse_args()
     if args.spare:
         spare(args)
+        return
+    if args.shrink:
+        shrink(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -162,13 +170,51 @@ def spare(args: argparse.Namespace) -> None:
                 log_path=root / "spare.log",
             )
             try:
-                parts = spare_trials(server.start(), bed, args.trials, args.hosts_tokens)
+                # Rank 1's host: host 0 first, then the spare it moved to (host 1), and so on.
+                hosts = [trial % 2 for trial in range(args.trials)]
+                parts = death_trials(server.start(), bed, hosts, args.hosts_tokens, "rank moved to a spare")
             finally:
                 server.stop()
         finally:
             bed.close()
-    print(f"TP=2 over two hosts and a spare, --step-timeout 3, --spare-timeout {args.spare_timeout:g}, {args.trials} "
-          f"moves, {len(parts['replay'])} streams; seconds, median (max):")  # fmt: skip
+    table(f"TP=2 over two hosts and a spare, --step-timeout 3, --spare-timeout {args.spare_timeout:g}, {args.trials} "
+          f"moves, {len(parts['replay'])} streams; seconds, median (max):", parts)  # fmt: skip
+
+
+def shrink(args: argparse.Namespace) -> None:
+    """Three pipeline stages over the leader and two hosts, no spare: the last host dies for good, and the group
+    goes on as two stages. A fresh server each trial (a group of three shrinks once)."""
+    parts: dict[str, list[float]] = {name: [] for name in PARTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = make_tiny_model(root / "qwen3", "qwen3")
+        bed = Namespaces(2, root)
+        try:
+            bed.start()
+            for trial in range(args.trials):
+                hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], f"shrink{trial}.json")
+                server = Server(
+                    *("--model", str(model), "--pp", "3", "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
+                    *("--step-timeout", "3", "--spare-timeout", str(args.spare_timeout), "--resume-timeout", "120"),
+                    log_path=root / f"shrink{trial}.log",
+                )
+                try:
+                    found = death_trials(server.start(), bed, [1], args.hosts_tokens, "group shrunk")
+                finally:
+                    server.stop()
+                for name, seconds in found.items():
+                    parts[name] += seconds
+        finally:
+            bed.close()
+    title = (
+        f"PP=3 over the leader and two hosts, no spare, shrunk to PP=2, --step-timeout 3, --spare-timeout "
+        f"{args.spare_timeout:g}, {args.trials} trials, {len(parts['replay'])} streams; seconds, median (max):"
+    )
+    table(title, parts)
+
+
+def table(title: str, parts: dict[str, list[float]]) -> None:
+    print(title)
     print("| " + " | ".join(PARTS) + " |")
     print("|" + "---|" * len(PARTS))
     print("| " + " | ".join(f"{statistics.median(v):.2f} ({max(v):.2f})" for v in parts.values()) + " |")

@@ -2,8 +2,9 @@
 spare left to take its place, leaves the group once it has been out of reach for ``--spare-timeout``. The model is
 split again over the ranks that remain (a pipeline's stages planned again by their memory, a tensor-parallel group
 over fewer ranks), every stream in flight ends with the text of an undisturbed run, the leader never restarts, and
-``/v1/status``, the log, the metrics and the hostfile say what changed. The decisions are
-tests/unit/pool/test_spares.py's and test_roster.py's.
+``/v1/status``, the log, the metrics and the hostfile say what changed. A tensor-parallel group shrinking from two
+ranks to one is tests/e2e/hosts/test_spares.py's drain with no spare left (the same ``Loader.shrunk`` and recovery,
+the operator's cause). The decisions are tests/unit/pool/test_spares.py's and test_roster.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from testkit import Server, resume, serving, wait_until
+from testkit import resume, serving, wait_until
 from testkit.testbed import Namespaces, started, unavailable
 
 pytestmark = [pytest.mark.hosts, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "")]
@@ -35,70 +36,46 @@ def nothing_left(bed: Namespaces) -> None:
     wait_until(lambda: not any(bed.workers(i) for i in range(2)), 10, "no neuron worker left on any host")
 
 
-def shrinks_without_the_last_host(
-    bed: Namespaces, server: Server, hostfile: Path, world_size: int, stages: int
-) -> dict[str, object]:
-    """Kill the last host for good mid-stream; every stream ends as undisturbed. Returns ``/v1/status``."""
-    gone = len(bed.namespaces) - 1
-    lost = f"root@{bed.ip(gone)}"
-    undisturbed = resume.references(server.url, RESUMING)
-    try:
-        resume.disturb(server, undisturbed, lambda: bed.gone_for_good(gone), bases=RESUMING)
-    finally:
-        bed.back(gone)
-    shrunk = server.find_log("group shrunk")
-    assert shrunk is not None and shrunk["hosts"] == [lost], shrunk
-    assert (shrunk["world_size"], shrunk["stages"]) == (world_size, stages), shrunk
-    assert "--spare-timeout" in shrunk["reason"] and "no spare left" in shrunk["reason"]
-    assert server.find_log("restarting") is None  # the leader never restarted
-    assert not bed.workers(gone)
-    status = httpx.get(f"{server.url}/v1/status", timeout=10).json()
-    document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
-    schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
-    jsonschema.validate(status, {**schema, "components": document["components"]})  # the shrink and its event too
-    assert status["world_size"] == world_size and len(status["ranks"]) == world_size
-    assert status["pipeline_stages"] == stages
-    (shrink,) = status["shrinks"]
-    assert shrink["hosts"] == [lost] and shrink["world_size"] == world_size
-    assert any(e["event"] == "shrunk" for e in status["events"]), status["events"]
-    assert status["spares"] == [{"host": lost, "state": "returning"}]  # a spare again, should it come back
-    metrics = server.metrics()
-    assert metrics[("neuron_group_shrinks_total", ())] == 1
-    assert not [key for key in metrics if key[0] == "neuron_rank_info" and ("host", lost) in key[1]]
-    written = json.loads(hostfile.read_text())  # where a restarted leader starts: the smaller group
-    assert len(written["hosts"]) == world_size and [h["ssh"] for h in written["spares"]] == [lost]
-    return status
-
-
 def test_a_pipeline_stage_whose_host_is_gone_for_good_is_planned_away_and_every_stream_goes_on(
     bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Three stages, one per host; the last host dies for good with no spare: two stages, planned again over the
     two hosts left by their memory, serve the same tokens."""
     hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], "pp3.json")
+    lost = f"root@{bed.ip(1)}"
     args = (
         *("--model", str(tiny_models["qwen3"]), "--pp", "3"),
         *("--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
         *("--step-timeout", "3", "--spare-timeout", str(SPARE_S), "--resume-timeout", "90"),
     )
     with serving(tmp_path_factory, *args) as server:
-        status = shrinks_without_the_last_host(bed, server, hostfile, world_size=2, stages=2)
+        undisturbed = resume.references(server.url, RESUMING)
+        try:
+            resume.disturb(server, undisturbed, lambda: bed.gone_for_good(1), bases=RESUMING)
+        finally:
+            bed.back(1)
+        shrunk = server.find_log("group shrunk")
+        assert shrunk is not None and (shrunk["ranks"], shrunk["hosts"]) == ([2], [lost]), shrunk
+        assert (shrunk["world_size"], shrunk["stages"]) == (2, 2), shrunk
+        assert "--spare-timeout" in shrunk["reason"] and "no spare left" in shrunk["reason"]
+        assert server.find_log("restarting") is None  # the leader never restarted
+        assert not bed.workers(1)
+        status = httpx.get(f"{server.url}/v1/status", timeout=10).json()
+        document = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+        schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.validate(status, {**schema, "components": document["components"]})  # the shrink and its event too
+        assert (status["world_size"], status["pipeline_stages"]) == (2, 2)
         layers = [r["layers"] for r in status["ranks"]]
+        assert [r["host"] for r in status["ranks"]] == ["localhost", f"root@{bed.ip(0)}"]
         assert sum(end - first for first, end in layers) == 4 and layers[0][0] == 0, layers  # every layer, once
-    nothing_left(bed)
-
-
-def test_a_tensor_parallel_rank_whose_host_is_gone_for_good_leaves_rank_0_alone_and_every_stream_goes_on(
-    bed: Namespaces, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """Two ranks splitting every layer, the second on host 1; it dies for good with no spare: rank 0 alone holds the
-    whole model (it fits), and the streams end as they did split, since TP=2 gives TP=1's tokens."""
-    hostfile = bed.hostfile([bed.entry(-1), bed.entry(1)], "tp2.json")
-    args = (
-        *("--model", str(tiny_models["qwen3"]), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
-        *("--step-timeout", "3", "--spare-timeout", str(SPARE_S), "--resume-timeout", "90"),
-    )
-    with serving(tmp_path_factory, *args) as server:
-        status = shrinks_without_the_last_host(bed, server, hostfile, world_size=1, stages=1)
-        assert [r["host"] for r in status["ranks"]] == ["localhost"]
+        (shrink,) = status["shrinks"]
+        assert shrink["hosts"] == [lost] and shrink["world_size"] == 2
+        assert any(e["event"] == "shrunk" for e in status["events"]), status["events"]
+        assert status["spares"] == [{"host": lost, "state": "returning"}]  # a spare again, should it come back
+        metrics = server.metrics()
+        assert metrics[("neuron_group_shrinks_total", ())] == 1
+        assert not [key for key in metrics if key[0] == "neuron_rank_info" and ("host", lost) in key[1]]
+    written = json.loads(hostfile.read_text())  # where a restarted leader starts: the smaller group
+    assert [h["ssh"] for h in written["hosts"]] == ["localhost", f"root@{bed.ip(0)}"]
+    assert [h["ssh"] for h in written["spares"]] == [lost]
     nothing_left(bed)
