@@ -156,19 +156,23 @@ def main() -> None:
                 bed.close()
 
 
+def across(root: Path, bed: Namespaces, args: argparse.Namespace, hostfile: Path, *more: str) -> Server:
+    """A server of the tiny model over ``hostfile``'s hosts, with the deadlines a host's death is measured under."""
+    return Server(
+        *("--model", str(root / "qwen3"), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command, *more),
+        *("--step-timeout", "3", "--spare-timeout", str(args.spare_timeout), "--resume-timeout", "120"),
+        log_path=hostfile.with_suffix(".log"),
+    )
+
+
 def spare(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = make_tiny_model(root / "qwen3", "qwen3")
+        make_tiny_model(root / "qwen3", "qwen3")
         bed = Namespaces(2, root)
         try:
             bed.start()
-            hostfile = bed.hostfile([bed.entry(-1), bed.entry(0)], "spare.json", spares=[bed.entry(1)])
-            server = Server(
-                *("--model", str(model), "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
-                *("--step-timeout", "3", "--spare-timeout", str(args.spare_timeout), "--resume-timeout", "120"),
-                log_path=root / "spare.log",
-            )
+            server = across(root, bed, args, bed.hostfile([bed.entry(-1), bed.entry(0)], "spare.json", [bed.entry(1)]))
             try:
                 # Rank 1's host: host 0 first, then the spare it moved to (host 1), and so on.
                 hosts = [trial % 2 for trial in range(args.trials)]
@@ -187,17 +191,13 @@ def shrink(args: argparse.Namespace) -> None:
     parts: dict[str, list[float]] = {name: [] for name in PARTS}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = make_tiny_model(root / "qwen3", "qwen3")
+        make_tiny_model(root / "qwen3", "qwen3")
         bed = Namespaces(2, root)
         try:
             bed.start()
             for trial in range(args.trials):
                 hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], f"shrink{trial}.json")
-                server = Server(
-                    *("--model", str(model), "--pp", "3", "--hosts", str(hostfile), "--ssh-command", bed.ssh_command),
-                    *("--step-timeout", "3", "--spare-timeout", str(args.spare_timeout), "--resume-timeout", "120"),
-                    log_path=root / f"shrink{trial}.log",
-                )
+                server = across(root, bed, args, hostfile, "--pp", "3")
                 try:
                     found = death_trials(server.start(), bed, [1], args.hosts_tokens, "group shrunk")
                 finally:
