@@ -275,6 +275,19 @@ def main() -> None:
             else ""
         )
         print(row + f"| {cpus[name]:.2f} | {cpus[name] / cpus['mlx_lm']:.2f}x | {client} |")
+    # A --serve row against the plain server, round by round (each pair ran back to back): what the flags cost.
+    for client in clients:
+        for name in servers:
+            if not name:
+                continue
+            pairs = list(zip(results[f"{client}{name}"], results[client], strict=True))
+            slower = sorted(rate(b) / rate(r) for r, b in pairs)
+            cpu = sorted(cpu_ms(r) / cpu_ms(b) for r, b in pairs)
+            print(
+                f"\n{client} `{name}` against the plain server, round by round: time per token "
+                f"{statistics.median(slower):.3f}x (median; {slower[0]:.3f}-{slower[-1]:.3f}x), CPU per token "
+                f"{statistics.median(cpu):.3f}x ({cpu[0]:.3f}-{cpu[-1]:.3f}x), over {len(pairs)} rounds"
+            )
 
 
 if __name__ == "__main__":
