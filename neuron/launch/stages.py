@@ -110,19 +110,21 @@ def ranges(counts: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def by_memory(model_path: str, free: list[int]) -> list[int]:
+    """Layers per stage in proportion to each rank's free memory (``split_by_memory``), with the layers the
+    architecture keeps together in one stage."""
+    config = read_config(model_path)
+    per_layer, rest = weight_bytes(model_path, int(text_config(config)["num_hidden_layers"]))
+    kept = keep_together(split_by_memory(per_layer, rest, free), architectures.kept_together(config))
+    if kept is None:  # check_split refuses this before any rank is spawned
+        raise SplitError(f"no split of the model into {len(free)} stages keeps together the layers that must be")
+    return kept
+
+
 def plan_stages(model_path: str, asked: list[int], free: list[int], hosts: list[str]) -> list[tuple[int, int]]:
     """Each stage's ``[first, end)``: as asked (``--pp-layers``), else by each rank's free memory; logged and
     shown in ``/metrics``, so an operator sees where the layers went."""
-    if asked:  # checked against the model before any rank was spawned
-        counts = asked
-    else:
-        config = read_config(model_path)
-        per_layer, rest = weight_bytes(model_path, int(text_config(config)["num_hidden_layers"]))
-        by_memory = split_by_memory(per_layer, rest, free)
-        kept = keep_together(by_memory, architectures.kept_together(config))
-        if kept is None:  # check_split refused this before any rank was spawned
-            raise SplitError(f"no split of the model into {len(free)} stages keeps together the layers that must be")
-        counts = kept
+    counts = asked or by_memory(model_path, free)  # as asked: checked against the model before any rank was spawned
     log.info("pipeline split", layers=counts, hosts=hosts, by="asked" if asked else "free memory")
     for rank, count in enumerate(counts):
         metrics.STAGE_LAYERS.labels(str(rank), hosts[rank]).set(count)

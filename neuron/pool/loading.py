@@ -19,15 +19,7 @@ from neuron import rpc
 from neuron.launch import cgroup
 from neuron.launch.checks import Refused, Unreachable, check_memory, check_models, model_differences
 from neuron.launch.push import PushCut, Pushed, push
-from neuron.launch.stages import (
-    SplitError,
-    check_split,
-    keep_together,
-    plan_stages,
-    ranges,
-    split_by_memory,
-    weights_per_rank,
-)
+from neuron.launch.stages import SplitError, by_memory, check_split, plan_stages, ranges, weights_per_rank
 from neuron.log import ms_since
 from neuron.models import architectures, hub
 from neuron.models.folder import (
@@ -39,7 +31,6 @@ from neuron.models.folder import (
     model_digest,
     read_config,
     text_config,
-    weight_bytes,
 )
 from neuron.models.shares import Contents, files_read, sha256_of, share_key
 from neuron.pool.fanout import PoolError
@@ -116,12 +107,7 @@ class Loader:
             else ranks.said[rank]
             for rank in kept
         ]
-        stage_ranges: list[tuple[int, int]] = []
-        if stages > 1:
-            per_layer, rest = weight_bytes(self.model_path, int(text_config(config)["num_hidden_layers"]))
-            by_memory = split_by_memory(per_layer, rest, [info.free_memory for info in infos])
-            counts = keep_together(by_memory, architectures.kept_together(config)) or by_memory
-            stage_ranges = ranges(counts)
+        stage_ranges = ranges(by_memory(self.model_path, [info.free_memory for info in infos])) if stages > 1 else []
         needs = weights_per_rank(self.model_path, world, stage_ranges)
         try:
             check_memory(needs, infos, [ranks.hosts[rank] for rank in kept])

@@ -87,15 +87,16 @@ class Spares:
 
     def due(self) -> list[int]:
         """The ranks out of reach for the bound or longer, while a spare is left to take them."""
-        now = self.clock()
-        return sorted(rank for rank, since in self.out.items() if now - since >= self.bound_s)[: len(self.spares)]
+        return self._past_bound()[: len(self.spares)]
 
     def stranded(self) -> list[int]:
         """The ranks out of reach for the bound or longer that no spare is left to take: the group may shrink
         without them (``Roster.shrink_due``)."""
+        return self._past_bound()[len(self.spares) :]
+
+    def _past_bound(self) -> list[int]:
         now = self.clock()
-        due = sorted(rank for rank, since in self.out.items() if now - since >= self.bound_s)
-        return due[len(self.spares) :]
+        return sorted(rank for rank, since in self.out.items() if now - since >= self.bound_s)
 
     def dropped(self, ranks: list[int], hosts: list[Host]) -> None:
         """``ranks`` left the group (it shrank: ``hosts`` were theirs): their outages end, each rank above them
