@@ -34,7 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -165,22 +166,28 @@ def across(root: Path, bed: Namespaces, args: argparse.Namespace, hostfile: Path
     )
 
 
-def spare(args: argparse.Namespace) -> None:
+@contextmanager
+def two_hosts() -> Iterator[tuple[Path, Namespaces]]:
+    """A folder holding the tiny model, and a bed of two namespace hosts, removed after."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_tiny_model(root / "qwen3", "qwen3")
         bed = Namespaces(2, root)
         try:
-            bed.start()
-            server = across(root, bed, args, bed.hostfile([bed.entry(-1), bed.entry(0)], "spare.json", [bed.entry(1)]))
-            try:
-                # Rank 1's host: host 0 first, then the spare it moved to (host 1), and so on.
-                hosts = [trial % 2 for trial in range(args.trials)]
-                parts = death_trials(server.start(), bed, hosts, args.hosts_tokens, "rank moved to a spare")
-            finally:
-                server.stop()
+            yield root, bed.start()
         finally:
             bed.close()
+
+
+def spare(args: argparse.Namespace) -> None:
+    with two_hosts() as (root, bed):
+        server = across(root, bed, args, bed.hostfile([bed.entry(-1), bed.entry(0)], "spare.json", [bed.entry(1)]))
+        try:
+            # Rank 1's host: host 0 first, then the spare it moved to (host 1), and so on.
+            hosts = [trial % 2 for trial in range(args.trials)]
+            parts = death_trials(server.start(), bed, hosts, args.hosts_tokens, "rank moved to a spare")
+        finally:
+            server.stop()
     table(f"TP=2 over two hosts and a spare, --step-timeout 3, --spare-timeout {args.spare_timeout:g}, {args.trials} "
           f"moves, {len(parts['replay'])} streams; seconds, median (max):", parts)  # fmt: skip
 
@@ -189,23 +196,16 @@ def shrink(args: argparse.Namespace) -> None:
     """Three pipeline stages over the leader and two hosts, no spare: the last host dies for good, and the group
     goes on as two stages. A fresh server each trial (a group of three shrinks once)."""
     parts: dict[str, list[float]] = {name: [] for name in PARTS}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        make_tiny_model(root / "qwen3", "qwen3")
-        bed = Namespaces(2, root)
-        try:
-            bed.start()
-            for trial in range(args.trials):
-                hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], f"shrink{trial}.json")
-                server = across(root, bed, args, hostfile, "--pp", "3")
-                try:
-                    found = death_trials(server.start(), bed, [1], args.hosts_tokens, "group shrunk")
-                finally:
-                    server.stop()
-                for name, seconds in found.items():
-                    parts[name] += seconds
-        finally:
-            bed.close()
+    with two_hosts() as (root, bed):
+        for trial in range(args.trials):
+            hostfile = bed.hostfile([bed.entry(-1), bed.entry(0), bed.entry(1)], f"shrink{trial}.json")
+            server = across(root, bed, args, hostfile, "--pp", "3")
+            try:
+                found = death_trials(server.start(), bed, [1], args.hosts_tokens, "group shrunk")
+            finally:
+                server.stop()
+            for name, seconds in found.items():
+                parts[name] += seconds
     title = (
         f"PP=3 over the leader and two hosts, no spare, shrunk to PP=2, --step-timeout 3, --spare-timeout "
         f"{args.spare_timeout:g}, {args.trials} trials, {len(parts['replay'])} streams; seconds, median (max):"
