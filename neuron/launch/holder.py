@@ -18,13 +18,26 @@ zeros, so every collective they have queued completes, with values nobody reads
 when every peer has closed its end (they left the group, or the leader's sink
 took their ends over) or ``HOLD_S`` after the worker, and at once where the
 worker leaves in order (``release``).
+
+With ``--data-plane ssh`` rank 0's peers on its own machine are the leader's
+ssh connections, whose forwards carry its links to other hosts: a tunnel
+killed closes rank 0's connections as a dead worker's would. So the leader
+holds those too (``hold_tunnel``), with copies taken out of the ssh process
+(``pidfd_getfd``), but silently: the workers behind a tunnel live on, and one
+can finish a step whose last bytes to rank 0 died with ssh, so zeros there
+would be read as a step's values. Unanswered, rank 0's transfers wait, as on a
+stopped peer, for the leader, which notices the tunnel's end, to put its
+``Sink`` under rank 0's ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
+import socket
 import subprocess
 
 from neuron.launch.dataplane import group_sockets
@@ -64,6 +77,35 @@ while ends and time.monotonic() < deadline:
 """
 
 
+# The tunnel's holder: argv: the pipe's read end (a byte when the leader closes the tunnel in order, EOF when the
+# leader is gone), ``HOLD_S``, the ssh process's pidfd (readable once it has ended), then the connections'
+# descriptors. It reads and drops what rank 0 sends, answering nothing, until rank 0 closes its ends.
+TUNNEL_HOLDER = """
+import os, select, socket, sys, time
+life, most, ssh = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+ends = [socket.socket(fileno=int(fd)) for fd in sys.argv[4:]]
+if life in select.select([life, ssh], [], [])[0]:
+    sys.exit(0)  # closed in order, or the leader is gone: nobody waits on these connections
+for end in ends:
+    end.setblocking(False)
+deadline = time.monotonic() + most
+while ends and time.monotonic() < deadline:
+    readable, _, _ = select.select([life, *ends], [], [], 0.5)
+    if life in readable:
+        sys.exit(0)
+    for end in readable:
+        try:
+            if not end.recv(1 << 16):
+                raise ConnectionError("closed by rank 0")
+        except BlockingIOError:
+            continue
+        except OSError:
+            ends.remove(end)
+            end.close()
+"""
+PIDFD_GETFD = 438  # the syscall's number, the same on every architecture Linux has added it to (5.6 on)
+
+
 def hold(hostfile: str) -> int:
     """Start this worker's holder on its connections to the ring ``hostfile`` (the ring's addresses, JSON, as this
     rank sees them); how many it holds. None is started where the worker has none (a group of one)."""
@@ -73,6 +115,63 @@ def hold(hostfile: str) -> int:
     write_end, holder = companion(HOLDER, str(HOLD_S), *map(str, fds), pass_fds=tuple(fds))
     _keep[write_end] = holder
     return len(fds)
+
+
+def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]]:
+    """Start a holder behind this process's connections ``ours`` (descriptors) whose other ends are in process
+    ``pid`` (an ssh carrying the ring's links); returns its pipe's write end, which ``release_tunnel`` closes in
+    order, and the holder. ``OSError`` where the kernel will not lend the ends (before Linux 5.6, or a process
+    this one may not trace), or none of ``ours`` ends there."""
+    wanted = set()
+    for fd in ours:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            wanted.add((sock.getpeername()[:2], sock.getsockname()[:2]))
+    pidfd = os.pidfd_open(pid)
+    copies: list[int] = []
+    try:
+        for name in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{name}").startswith("socket:"):
+                    continue
+            except OSError:
+                continue  # closed since the listing
+            copy = _copy_of(pidfd, int(name))
+            if copy is None:
+                continue
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(copy)) as sock:
+                if (sock.getsockname()[:2], sock.getpeername()[:2]) in wanted:
+                    copies.append(copy)
+                    continue
+            os.close(copy)
+        if not copies:
+            raise OSError(f"none of rank 0's {len(ours)} connection(s) ends in process {pid}")
+        return companion(TUNNEL_HOLDER, str(HOLD_S), str(pidfd), *map(str, copies), pass_fds=(pidfd, *copies))
+    finally:
+        for fd in (pidfd, *copies):
+            os.close(fd)
+
+
+def release_tunnel(write_end: int) -> None:
+    """The tunnel closes in order: its holder ends without holding anything."""
+    with contextlib.suppress(OSError):
+        os.write(write_end, b"x")
+    os.close(write_end)
+
+
+def _copy_of(pidfd: int, fd: int) -> int | None:
+    """A copy, in this process, of the descriptor ``fd`` of the process ``pidfd`` names; None where it was closed
+    meanwhile. ``OSError`` where the kernel refuses the copy."""
+    copy = _libc().syscall(PIDFD_GETFD, pidfd, fd, 0)
+    if copy >= 0:
+        return int(copy)
+    error = ctypes.get_errno()
+    if error == errno.EBADF:  # closed since the listing
+        return None
+    raise OSError(error, f"pidfd_getfd: {os.strerror(error)}")
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def release() -> None:

@@ -45,7 +45,8 @@ import anyio.abc
 import structlog
 
 from neuron.launch.checks import Refused, Unreachable
-from neuron.launch.dataplane import join_address, machine_ranks, split_address
+from neuron.launch.dataplane import group_sockets, join_address, machine_ranks, split_address
+from neuron.launch.holder import hold_tunnel, release_tunnel
 from neuron.launch.hosts import Host
 from neuron.launch.launcher import Launcher
 from neuron.launch.ssh import ForwardError, StderrRelay, forward_argv, run_forward, spawn_tunnel
@@ -135,6 +136,7 @@ class Tunnels:
         self._helpers: list[tuple[Link, anyio.abc.Process]] = []
         self._opened_connections = 0
         self._forgotten: list[anyio.abc.Process] = []  # connections that ended by themselves, said lost
+        self._holders: list[int] = []  # each connection's holder of rank 0's links (``holder.hold_tunnel``)
 
     async def open(self, links: list[Link]) -> list[str]:
         """Add every link's forwards; each rank's entry (the address it connects to for its next rank). A port
@@ -216,6 +218,23 @@ class Tunnels:
                 )
             await helper.aclose()
 
+    def hold(self, addresses: list[list[str]]) -> None:
+        """Once the group formed over the tunnels: put a holder behind rank 0's links (rank 0's view of the ring,
+        ``addresses``) in each connection's ssh, so that a tunnel killed leaves them open, unanswered, for the
+        leader to notice and stand in for (``launch.holder``). Where the kernel refuses, the tunnels go on
+        unheld, as before, with a warning."""
+        ours = group_sockets(addresses, connected=True)
+        for host, (_, process, _) in self._connections.items():
+            try:
+                self._holders.append(hold_tunnel(process.pid, ours)[0])
+            except OSError as e:
+                log.warning(
+                    "ssh tunnel not held",
+                    host=host,
+                    reason=str(e),
+                    risk="a tunnel killed closes rank 0's links at once, which can leave rank 0 inside the group",
+                )
+
     def connections(self) -> list[tuple[str, anyio.abc.Process, StderrRelay]]:
         """Each tunnel connection now open: its host, its ssh process, and what ssh said. Its process ending is
         a lost link: every forward on it is gone (ssh's keep-alive ends one whose host stopped answering)."""
@@ -268,6 +287,9 @@ class Tunnels:
         had ended by themselves (lost, where nobody has said so yet), as ``connections`` lists them."""
         await self.settle()
         self._opened = []
+        for holder in self._holders:
+            release_tunnel(holder)
+        self._holders = []
         connections, self._connections = self._connections, {}
         listed = [(host, process, relay) for host, (_, process, relay) in connections.items()]
         ended = [(host, process, relay) for host, process, relay in listed if exited(process)]

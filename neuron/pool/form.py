@@ -66,6 +66,8 @@ async def form_group(
     wrong = {r: f"sanity all-reduce gave {s:g}, expected {world_size}" for r, s in sums.items() if s != world_size}
     if wrong:
         raise fan_out.break_group("init", wrong)
+    if launcher.tunnelled:
+        tunnels.hold(views[0])
     log.info(
         "group ready",
         backend=backend,

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -306,6 +307,10 @@ class TestTheSshDataPlane:
         peers = {(ip, port) for _, _, ip, port, _ in mine}
         assert peers and all(port == 22 for ip, port in peers if ip == bed.ip(1)), peers
         assert len(children(server.process.pid, "ssh")) == 2  # the worker's session and the tunnels'
+        # Behind rank 0's links, in the tunnels' ssh, a holder: a tunnel killed leaves them open (``launch.holder``).
+        python = Path(sys.executable).name
+        holders = [p for p in children(server.process.pid, python) if b"closed by rank 0" in _cmdline(p)]
+        assert len(holders) == 1 and server.find_log("ssh tunnel not held") is None, holders
 
     def test_over_the_ssh_data_plane_a_killed_tunnel_or_session_and_every_stream_goes_on(
         self, bed: Namespaces, ssh_plane: Server, undisturbed: list[str]

@@ -1,7 +1,9 @@
-"""A worker's ring connections outlive it, answered with zeros, until the peer lets go (``neuron.launch.holder``).
+"""A worker's ring connections outlive it, answered with zeros, until the peer lets go; and rank 0's links through
+a killed ssh tunnel outlive it, unanswered (``neuron.launch.holder``).
 
-Real processes and a real TCP connection: a stand-in worker connects to this test's listener, hands its connection to
-a holder, and is SIGKILLed; the test's end must then read zeros where it would have read the end of the connection.
+Real processes and a real TCP connection: a stand-in worker (or ssh) connects to this test's listener, its end is
+handed to a holder, and it is SIGKILLed; the test's end must then read zeros (or nothing) where it would have read
+the end of the connection.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+from neuron.launch.holder import hold_tunnel, release_tunnel
 from testkit.server import wait_until
 
 WORKER = """
@@ -78,4 +83,78 @@ def test_a_worker_that_leaves_in_order_takes_its_holder_with_it_and_the_connecti
         wait_until(lambda: not _alive(holder), 10, "the holder to end with a worker that left in order")
         conn.settimeout(10)
         assert conn.recv(16) == b""  # the end of the connection, no zeros
+        conn.close()
+
+
+# A stand-in for the leader's ssh: it connects to this test's listener, as ssh's ``-R`` forward connects to rank
+# 0's, and says how many bytes it read from the connection once its stdin closes.
+SSH = """
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print(sock.getsockname()[1], flush=True)
+sys.stdin.readline()
+sock.settimeout(10)
+got = 0
+while got < 1000:
+    got += len(sock.recv(1 << 16))
+print(got, flush=True)
+sys.stdin.read()
+"""
+
+
+def _tunnel(listener: socket.socket) -> tuple[subprocess.Popen[str], socket.socket]:
+    ssh = subprocess.Popen(
+        [sys.executable, "-c", SSH, str(listener.getsockname()[1])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    conn, _ = listener.accept()
+    assert ssh.stdout is not None
+    assert int(ssh.stdout.readline()) == conn.getpeername()[1]
+    return ssh, conn
+
+
+def test_a_killed_tunnels_end_of_rank_0s_connection_stays_open_unanswered_until_rank_0_lets_go() -> None:
+    """The leader's side of ``--data-plane ssh`` (``hold_tunnel``): the holder takes copies of the ssh process's
+    ends and, once ssh is gone, keeps them open, reading what rank 0 sends and answering nothing: rank 0's
+    transfers wait, as on a stopped peer, for the leader's stand-in, rather than fail."""
+    with socket.create_server(("127.0.0.1", 0)) as listener, socket.create_server(("127.0.0.1", 0)) as other:
+        ssh, conn = _tunnel(listener)
+        unrelated = socket.create_connection(other.getsockname())
+        try:
+            with pytest.raises(OSError, match="none of rank 0's 1 connection"):
+                hold_tunnel(ssh.pid, [unrelated.fileno()])  # a connection that does not end in the ssh process
+            write_end, holder = hold_tunnel(ssh.pid, [conn.fileno()])
+            assert ssh.stdin is not None and ssh.stdout is not None
+            conn.sendall(b"x" * 1000)  # while ssh lives, the holder leaves its connection alone
+            ssh.stdin.write("go\n")
+            ssh.stdin.flush()
+            assert int(ssh.stdout.readline()) == 1000
+            ssh.kill()
+            ssh.wait(10)
+            conn.sendall(bytes(1 << 20))  # read and dropped: a megabyte does not block
+            conn.settimeout(0.5)
+            with pytest.raises(TimeoutError):
+                conn.recv(16)  # neither the end of the connection nor any answer
+            conn.close()
+            wait_until(lambda: holder.poll() is not None, 10, "the holder to end once rank 0 closed its end")
+            release_tunnel(write_end)
+        finally:
+            unrelated.close()
+            if ssh.poll() is None:
+                ssh.kill()
+                ssh.wait(10)
+
+
+def test_a_tunnel_closed_in_order_takes_its_holder_with_it_and_the_connection_ends() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ssh, conn = _tunnel(listener)
+        write_end, holder = hold_tunnel(ssh.pid, [conn.fileno()])
+        release_tunnel(write_end)  # the leader closes its tunnels: ``Tunnels.close``
+        wait_until(lambda: holder.poll() is not None, 10, "the holder to end with the tunnel closed in order")
+        ssh.kill()
+        ssh.wait(10)
+        conn.settimeout(10)
+        assert conn.recv(16) == b""  # the end of the connection: nothing held it
         conn.close()
