@@ -287,8 +287,8 @@ def _children_of(pid: int) -> set[int]:
     return family
 
 
-def children(pid: int, name: str) -> list[int]:
-    """``pid``'s child processes whose command is ``name`` (a leader's ``ssh`` sessions)."""
+def children(pid: int, name: str | None = None) -> list[int]:
+    """``pid``'s child processes whose command is ``name`` (a leader's ``ssh`` sessions), or all of them."""
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -297,6 +297,6 @@ def children(pid: int, name: str) -> list[int]:
                 comm = (entry / "comm").read_text().strip()
             except OSError:
                 continue
-            if int(stat[1]) == pid and comm == name:
+            if int(stat[1]) == pid and name in (None, comm):
                 out.append(int(entry.name))
     return out

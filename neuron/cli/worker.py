@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 import types
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, NoReturn
 
 import structlog
 
@@ -25,7 +25,7 @@ from neuron import rpc
 from neuron.config.settings import SETTINGS
 from neuron.launch import cgroup
 from neuron.launch.dataplane import Listeners, probe
-from neuron.launch.holder import hold, release
+from neuron.launch.holder import hold, hold_silently, release
 from neuron.launch.hosts import MemoryGauge, describe_host
 from neuron.launch.watchdog import start_sentinel
 from neuron.models import shares
@@ -229,6 +229,17 @@ class Worker:
         return ErrorKind.INTERNAL
 
 
+def _leave_held() -> NoReturn:
+    """Leave with the ring's connections held open, unanswered (``holder.hold_silently``): a pipe to the leader
+    that closed may be an SSH session cut under a leader that lives on, its rank 0 still in the group, perhaps
+    inside a step. At once, without the interpreter's teardown: MLX's would shut the connections down, under the
+    holder's copies too."""
+    hold_silently()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_worker(rank: int, world_size: int) -> int:
     """Serve the leader's requests until it says shutdown or goes away; the exit status."""
     protocol_out = _take_stdout()
@@ -242,35 +253,33 @@ def run_worker(rank: int, world_size: int) -> int:
         os.environ.get(level.env, level.default), os.environ.get(fmt.env, fmt.default), native_stderr=True, rank=rank
     )
     worker = Worker(rank, world_size)
-    try:
-        while True:
-            request: rpc.Request | None = None
-            try:
-                line = read_line(stdin)
-                if line is None:
-                    worker.log.info("stdin closed; the leader is gone, exiting")
-                    return 0
-                request = rpc.decode_request(line)
-                reply = worker.handle(request)
-            except rpc.ProtocolError as e:
-                worker.log.warning("bad request", kind=e.kind.value, error=e.message)
-                reply = rpc.Error(id=e.request_id, kind=e.kind, message=f"rank {rank}: {e.message}")
-            except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
-                assert request is not None
-                kind = worker.failure_kind(request, e)
-                worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
-                message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
-                reply = rpc.Error(id=request.id, kind=kind, message=message)
-            try:
-                protocol_out.write(rpc.encode(reply))
-                protocol_out.flush()
-            except BrokenPipeError:
-                worker.log.info("stdout closed; the leader is gone, exiting")
-                return 0
-            if isinstance(request, rpc.Shutdown):
-                worker.log.info("shutdown requested; bye")
-                return 0
-            if worker.state is not None:
-                worker.state.ahead.settle()
-    finally:
-        release()  # leaving in order: its connections' holder leaves too, answering nothing
+    while True:
+        request: rpc.Request | None = None
+        try:
+            line = read_line(stdin)
+            if line is None:
+                worker.log.info("stdin closed; the leader is gone, exiting")
+                _leave_held()
+            request = rpc.decode_request(line)
+            reply = worker.handle(request)
+        except rpc.ProtocolError as e:
+            worker.log.warning("bad request", kind=e.kind.value, error=e.message)
+            reply = rpc.Error(id=e.request_id, kind=e.kind, message=f"rank {rank}: {e.message}")
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error reply
+            assert request is not None
+            kind = worker.failure_kind(request, e)
+            worker.log.error("request failed", op=request.op, kind=kind.value, error=str(e))
+            message = str(e) if str(e).startswith(f"rank {rank}") else f"rank {rank}: {type(e).__name__}: {e}"
+            reply = rpc.Error(id=request.id, kind=kind, message=message)
+        try:
+            protocol_out.write(rpc.encode(reply))
+            protocol_out.flush()
+        except BrokenPipeError:
+            worker.log.info("stdout closed; the leader is gone, exiting")
+            _leave_held()
+        if isinstance(request, rpc.Shutdown):
+            worker.log.info("shutdown requested; bye")
+            release()  # leaving in order: its connections' holder leaves too, answering nothing
+            return 0
+        if worker.state is not None:
+            worker.state.ahead.settle()

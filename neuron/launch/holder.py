@@ -1,4 +1,5 @@
-"""A worker's ring connections, held open and answered once the worker is gone, so that no peer waits on them forever.
+"""Ring connections held open once the process behind them is gone, so that no peer's transfers fail before the
+leader stands in for them.
 
 Why: MLX's ring gives each socket a thread that, after ten failed transfers in a
 row, fails what is pending on it and ends. A collective queued on that socket
@@ -10,24 +11,31 @@ peers see that within microseconds: sooner than the leader can put its stand-in
 (``dataplane.Sink``) under its own ends.
 
 So a worker, once in a ring, hands copies of its connections to a tiny process
-of its own, the holder. While the worker lives the holder only waits. The moment
-the worker is gone (killed, crashed, out of memory) its copies keep the
-connections open, and it reads and drops every byte its peers send and sends
-zeros, so every collective they have queued completes, with values nobody reads
-(the leader breaks the pool on the loss), and their threads come out. It ends
-when every peer has closed its end (they left the group, or the leader's sink
-took their ends over) or ``HOLD_S`` after the worker, and at once where the
-worker leaves in order (``release``).
+of its own, the holder. While the worker lives the holder only waits. Then:
+
+- the worker is gone (killed, crashed, out of memory): its copies keep the
+  connections open, and it reads and drops every byte its peers send and sends
+  zeros, so every collective they have queued completes, with values nobody
+  reads (a dead worker never replies to the step, so the leader breaks the
+  pool), and their threads come out;
+- the worker's pipe to its leader closed (``hold_silently``): the leader may
+  live on behind a cut SSH session, rank 0 still in the group, so the holder
+  keeps the connections open but answers nothing (below); and two holders of
+  workers whose leader is gone never answer each other;
+- the worker leaves in order, told so by its leader (``release``): it ends.
+
+It ends when every peer has closed its end (they left the group, or the
+leader's sink took their ends over) or ``HOLD_S`` after the worker.
 
 With ``--data-plane ssh`` rank 0's peers on its own machine are the leader's
 ssh connections, whose forwards carry its links to other hosts: a tunnel
 killed closes rank 0's connections as a dead worker's would. So the leader
 holds those too (``hold_tunnel``), with copies taken out of the ssh process
-(``pidfd_getfd``), but silently: the workers behind a tunnel live on, and one
-can finish a step whose last bytes to rank 0 died with ssh, so zeros there
-would be read as a step's values. Unanswered, rank 0's transfers wait, as on a
-stopped peer, for the leader, which notices the tunnel's end, to put its
-``Sink`` under rank 0's ends.
+(``pidfd_getfd``), silently: the workers behind a tunnel live on, and one can
+finish a step whose last bytes to rank 0 died with ssh, so zeros there would be
+read as a step's values. Unanswered, rank 0's transfers wait, as on a stopped
+peer, for the leader, which notices the loss, to put its ``Sink`` under rank
+0's ends.
 """
 
 from __future__ import annotations
@@ -43,60 +51,40 @@ import subprocess
 from neuron.launch.dataplane import group_sockets
 from neuron.launch.watchdog import companion
 
-# Seconds a holder keeps answering after its worker is gone: past the leader's leaving a lost group, which it does
-# within seconds of noticing the loss.
+# Seconds a holder keeps the connections after the process behind them is gone: past the leader's leaving a lost
+# group, which it does within seconds of noticing the loss.
 HOLD_S = 60.0
 
-# The holder's program: argv: the pipe's read end (a byte when the worker leaves in order, EOF when it is gone),
-# ``HOLD_S``, then the connections' descriptors. Standard library only (it runs with ``-S``), and none of the words a
-# process listing looks for to find workers.
+# The holder's program: argv: the pipe's read end (the worker's, or the leader's for a tunnel: ``RELEASE`` or
+# ``SILENT`` written, or its end of file), ``HOLD_S``, the pidfd of the ssh process whose ends it holds (-1 for a
+# worker's holder), then the connections' descriptors. It answers with zeros only for a worker that is gone without a
+# word. Standard library only (it runs with ``-S``), and none of the words a process listing looks for to find
+# workers.
+RELEASE, SILENT = b"x", b"s"
 HOLDER = """
 import os, select, socket, sys, time
-life, most = int(sys.argv[1]), float(sys.argv[2])
-ends = [socket.socket(fileno=int(fd)) for fd in sys.argv[3:]]
-select.select([life], [], [])
-if os.read(life, 1):
-    sys.exit(0)  # the worker left in order: nobody waits on its connections
+life, most, ssh = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+ends = [socket.socket(fileno=int(fd)) for fd in sys.argv[4:]]
+ready = select.select([life] + ([ssh] if ssh >= 0 else []), [], [])[0]
+said = os.read(life, 1) if life in ready else b""
+if said == b"x" or (ssh >= 0 and life in ready):
+    sys.exit(0)  # left in order, or the leader is gone with its rank 0: nobody waits on these connections
+answer = ssh < 0 and not said  # the worker is gone without a word
+watch = [life] if ssh >= 0 else []  # the leader, alive, may still close the tunnel in order
 for end in ends:
     end.setblocking(False)
 zeros = bytes(1 << 16)
 deadline = time.monotonic() + most
 while ends and time.monotonic() < deadline:
-    readable, writable, _ = select.select(ends, ends, [], 0.5)
+    readable, writable, _ = select.select(watch + ends, ends if answer else [], [], 0.5)
+    if set(watch) & set(readable):
+        sys.exit(0)
     for end in set(readable) | set(writable):
         try:
             if end in readable and not end.recv(1 << 16):
                 raise ConnectionError("closed by the peer")
             if end in writable:
                 end.send(zeros)
-        except BlockingIOError:
-            continue
-        except OSError:
-            ends.remove(end)
-            end.close()
-"""
-
-
-# The tunnel's holder: argv: the pipe's read end (a byte when the leader closes the tunnel in order, EOF when the
-# leader is gone), ``HOLD_S``, the ssh process's pidfd (readable once it has ended), then the connections'
-# descriptors. It reads and drops what rank 0 sends, answering nothing, until rank 0 closes its ends.
-TUNNEL_HOLDER = """
-import os, select, socket, sys, time
-life, most, ssh = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-ends = [socket.socket(fileno=int(fd)) for fd in sys.argv[4:]]
-if life in select.select([life, ssh], [], [])[0]:
-    sys.exit(0)  # closed in order, or the leader is gone: nobody waits on these connections
-for end in ends:
-    end.setblocking(False)
-deadline = time.monotonic() + most
-while ends and time.monotonic() < deadline:
-    readable, _, _ = select.select([life, *ends], [], [], 0.5)
-    if life in readable:
-        sys.exit(0)
-    for end in readable:
-        try:
-            if not end.recv(1 << 16):
-                raise ConnectionError("closed by rank 0")
         except BlockingIOError:
             continue
         except OSError:
@@ -112,7 +100,7 @@ def hold(hostfile: str) -> int:
     fds = group_sockets(json.loads(hostfile), connected=True)
     if not fds:
         return 0
-    write_end, holder = companion(HOLDER, str(HOLD_S), *map(str, fds), pass_fds=tuple(fds))
+    write_end, holder = companion(HOLDER, str(HOLD_S), "-1", *map(str, fds), pass_fds=tuple(fds))
     _keep[write_end] = holder
     return len(fds)
 
@@ -145,7 +133,7 @@ def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]
             os.close(copy)
         if not copies:
             raise OSError(f"none of rank 0's {len(ours)} connection(s) ends in process {pid}")
-        return companion(TUNNEL_HOLDER, str(HOLD_S), str(pidfd), *map(str, copies), pass_fds=(pidfd, *copies))
+        return companion(HOLDER, str(HOLD_S), str(pidfd), *map(str, copies), pass_fds=(pidfd, *copies))
     finally:
         for fd in (pidfd, *copies):
             os.close(fd)
@@ -154,7 +142,7 @@ def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]
 def release_tunnel(write_end: int) -> None:
     """The tunnel closes in order: its holder ends without holding anything."""
     with contextlib.suppress(OSError):
-        os.write(write_end, b"x")
+        os.write(write_end, RELEASE)
     os.close(write_end)
 
 
@@ -175,10 +163,19 @@ def _libc() -> ctypes.CDLL:
 
 
 def release() -> None:
-    """This worker leaves in order (its leader said so, or is gone): its holder ends without answering for it."""
+    """This worker leaves in order, its leader said so: its holder ends without answering for it."""
+    _say(RELEASE)
+
+
+def hold_silently() -> None:
+    """This worker leaves because its pipe to the leader closed: its holder keeps the connections, unanswered."""
+    _say(SILENT)
+
+
+def _say(word: bytes) -> None:
     for write_end in _keep:
         with contextlib.suppress(OSError):
-            os.write(write_end, b"x")
+            os.write(write_end, word)
 
 
 _keep: dict[int, subprocess.Popen[bytes]] = {}  # the pipe's write end, open for the life of this process

@@ -14,11 +14,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from neuron import rpc
 from neuron.launch.holder import hold_tunnel, release_tunnel
+from testkit import ROOT
 from testkit.server import wait_until
+from testkit.testbed import children
+from testkit.worker import WorkerProcess
 
 WORKER = """
 import json, sys
@@ -66,7 +72,7 @@ def test_a_dead_workers_connection_stays_open_and_answers_zeros_until_the_peer_c
                 worker.wait(10)
 
 
-def test_a_worker_that_leaves_in_order_takes_its_holder_with_it_and_the_connection_ends() -> None:
+def test_a_worker_told_to_leave_takes_its_holder_with_it_and_the_connection_ends() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         leaving = WORKER.replace(
@@ -78,12 +84,101 @@ def test_a_worker_that_leaves_in_order_takes_its_holder_with_it_and_the_connecti
         conn, _ = listener.accept()
         assert worker.stdin is not None and worker.stdout is not None
         (holder,) = json.loads(worker.stdout.readline())["holder"]
-        worker.stdin.close()  # the leader is gone: the worker leaves in order
+        worker.stdin.close()  # the stand-in's cue: its leader said shutdown
         assert worker.wait(10) == 0
         wait_until(lambda: not _alive(holder), 10, "the holder to end with a worker that left in order")
         conn.settimeout(10)
         assert conn.recv(16) == b""  # the end of the connection, no zeros
         conn.close()
+
+
+# Rank 0 of a two-rank ring beside a real ``neuron --worker``: once joined, each line on its stdin asks how its ring
+# connections stand: "open" (nothing to read), "data" (something was sent), or "closed".
+RANK0 = """
+import json, os, socket, sys
+import mlx.core as mx
+from neuron.launch.dataplane import group_sockets
+mx.distributed.init(backend="ring", strict=True)
+mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # the worker's sanity all-reduce
+fds = group_sockets(json.loads(open(os.environ["MLX_HOSTFILE"]).read()), connected=True)
+print(len(fds), flush=True)
+for _ in sys.stdin:
+    states = []
+    for fd in fds:
+        with socket.socket(fileno=os.dup(fd)) as end:
+            try:
+                states.append("closed" if end.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"" else "data")
+            except BlockingIOError:
+                states.append("open")
+            except OSError:
+                states.append("closed")
+    print(" ".join(states), flush=True)
+"""
+
+
+def _ring(tmp_path: Path) -> tuple[subprocess.Popen[str], WorkerProcess, dict[str, str]]:
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ring = [[f"127.0.0.1:{a.getsockname()[1]}"], [f"127.0.0.1:{b.getsockname()[1]}"]]
+    hostfile = tmp_path / "ring.json"
+    hostfile.write_text(json.dumps(ring))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0", "MLX_WORLD_SIZE": "2"}
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    worker = WorkerProcess()
+    settings = rpc.WorkerSettings(host="localhost", log_level="info", log_format="json", cpus=[])
+    init = rpc.Init(
+        id=1,
+        backend="ring",
+        env={"MLX_RANK": "1", "MLX_WORLD_SIZE": "2"},
+        files={"MLX_HOSTFILE": json.dumps(ring)},
+        settings=settings,
+    )
+    return rank0, worker, init
+
+
+def test_a_real_worker_whose_pipe_closes_leaves_its_ring_connections_held_open_and_unanswered(tmp_path: Path) -> None:
+    """A worker's pipe to its leader that closes may be an SSH session cut under a leader that lives on, its rank 0
+    still in the group and perhaps inside a step: the worker leaves, and its holder keeps rank 0's connections
+    open, answering nothing (zeros could end a step the worker never finished), until rank 0 lets go."""
+    rank0, worker, init = _ring(tmp_path)
+    try:
+        assert rank0.stdin is not None and rank0.stdout is not None and worker.proc.stdin is not None
+        reply = worker.request(init)
+        assert isinstance(reply, rpc.InitOk) and reply.all_sum == 2, reply
+        assert int(rank0.stdout.readline()) == 2
+        (holder,) = [p for p in children(worker.proc.pid) if _holds(p)]
+        worker.proc.stdin.close()  # the session is cut: the worker's stdin ends
+        assert worker.proc.wait(30) == 0
+
+        def states() -> str:
+            rank0.stdin.write("?\n")
+            rank0.stdin.flush()
+            return rank0.stdout.readline().strip()
+
+        # Open, and a second later still (a released holder ends within milliseconds, closing them; one answering
+        # would have sent zeros).
+        held = time.monotonic() + 1.0
+        while time.monotonic() < held:
+            assert states() == "open open"
+        assert _alive(holder)
+        rank0.stdin.close()  # rank 0 leaves: the holder ends
+        rank0.wait(30)
+        wait_until(lambda: not _alive(holder), 10, "the holder to end once rank 0 let go")
+    finally:
+        for process in (rank0, worker.proc):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+
+def _holds(pid: int) -> bool:
+    try:
+        return b"closed by the peer" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 # A stand-in for the leader's ssh: it connects to this test's listener, as ssh's ``-R`` forward connects to rank
