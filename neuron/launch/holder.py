@@ -105,11 +105,12 @@ def hold(hostfile: str) -> int:
     return len(fds)
 
 
-def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]]:
+def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]] | None:
     """Start a holder behind this process's connections ``ours`` (descriptors) whose other ends are in process
     ``pid`` (an ssh carrying the ring's links); returns its pipe's write end, which ``release_tunnel`` closes in
-    order, and the holder. ``OSError`` where the kernel will not lend the ends (before Linux 5.6, or a process
-    this one may not trace), or none of ``ours`` ends there."""
+    order, and the holder; None where none of ``ours`` ends there (a connection that carries only links relayed
+    between two other hosts). ``OSError`` where the kernel will not lend the ends (before Linux 5.6, or a process
+    this one may not trace)."""
     wanted = set()
     for fd in ours:
         with socket.socket(fileno=os.dup(fd)) as sock:
@@ -132,7 +133,7 @@ def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]
                     continue
             os.close(copy)
         if not copies:
-            raise OSError(f"none of rank 0's {len(ours)} connection(s) ends in process {pid}")
+            return None
         return companion(HOLDER, str(HOLD_S), str(pidfd), *map(str, copies), pass_fds=(pidfd, *copies))
     finally:
         for fd in (pidfd, *copies):

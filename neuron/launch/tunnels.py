@@ -226,7 +226,7 @@ class Tunnels:
         ours = group_sockets(addresses, connected=True)
         for host, (_, process, _) in self._connections.items():
             try:
-                self._holders.append(hold_tunnel(process.pid, ours)[0])
+                held = hold_tunnel(process.pid, ours)
             except OSError as e:
                 log.warning(
                     "ssh tunnel not held",
@@ -234,6 +234,9 @@ class Tunnels:
                     reason=str(e),
                     risk="a tunnel killed closes rank 0's links at once, which can leave rank 0 inside the group",
                 )
+                continue
+            if held is not None:
+                self._holders.append(held[0])
 
     def connections(self) -> list[tuple[str, anyio.abc.Process, StderrRelay]]:
         """Each tunnel connection now open: its host, its ssh process, and what ssh said. Its process ending is
