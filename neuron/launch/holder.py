@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import json
 import os
 import socket
@@ -142,8 +143,7 @@ def hold_tunnel(pid: int, ours: list[int]) -> tuple[int, subprocess.Popen[bytes]
 
 def release_tunnel(write_end: int) -> None:
     """The tunnel closes in order: its holder ends without holding anything."""
-    with contextlib.suppress(OSError):
-        os.write(write_end, RELEASE)
+    _tell(write_end, RELEASE)
     os.close(write_end)
 
 
@@ -159,6 +159,7 @@ def _copy_of(pidfd: int, fd: int) -> int | None:
     raise OSError(error, f"pidfd_getfd: {os.strerror(error)}")
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -175,8 +176,12 @@ def hold_silently() -> None:
 
 def _say(word: bytes) -> None:
     for write_end in _keep:
-        with contextlib.suppress(OSError):
-            os.write(write_end, word)
+        _tell(write_end, word)
+
+
+def _tell(write_end: int, word: bytes) -> None:
+    with contextlib.suppress(OSError):  # the holder already gone
+        os.write(write_end, word)
 
 
 _keep: dict[int, subprocess.Popen[bytes]] = {}  # the pipe's write end, open for the life of this process
