@@ -21,6 +21,7 @@ from testkit.models import (
 from testkit.server import (
     ROOT,
     Server,
+    greedy_body,
     neuron_command,
     run_neuron,
     run_neuron_side_by_side,
@@ -44,6 +45,7 @@ __all__ = [
     "alive",
     "cut_layers",
     "file_per_layer",
+    "greedy_body",
     "make_tiny_model",
     "neuron_command",
     "quiet_layers",

@@ -241,6 +241,19 @@ def serving_side_by_side(
         assert rc == 0, server.stderr()
 
 
+def greedy_body(prompt: str, max_tokens: int, priority: int = 0, stream: bool = False) -> dict:
+    """A completion of the tiny qwen3's, greedy and to its full length, at ``priority``."""
+    return {
+        "model": "qwen3",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "priority": priority,
+        "stream": stream,
+    }
+
+
 def sigterm_mid_stream(server: Server, max_tokens: int) -> list[dict | str]:
     """SIGTERM once a greedy stream of the tiny qwen3 has begun; the rest of the stream (a cut connection raises)."""
     body = {"model": "qwen3", "prompt": "hello", "max_tokens": max_tokens, "temperature": 0.0, "stream": True}

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from testkit import Server, serving, sse_events, wait_until
+from testkit import Server, greedy_body, serving, sse_events, wait_until
 
 LOW = ["The keeper climbs the stairs at dusk", "Waves fold over the old stone pier"]
 URGENT = "Is the lamp lit?"
@@ -33,20 +33,8 @@ def server(
         yield started
 
 
-def _body(prompt: str, max_tokens: int, priority: int, stream: bool) -> dict:
-    return {
-        "model": "qwen3",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "priority": priority,
-        "stream": stream,
-    }
-
-
 def _alone(server: Server, prompt: str, max_tokens: int) -> str:
-    reply = httpx.post(f"{server.url}/v1/completions", json=_body(prompt, max_tokens, 0, False), timeout=120)
+    reply = httpx.post(f"{server.url}/v1/completions", json=greedy_body(prompt, max_tokens, 0, False), timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["text"]
 
@@ -58,7 +46,7 @@ class Stream:
         self.pieces: list[str] = []
         self.started = threading.Event()
         self.error: str | None = None
-        body = _body(prompt, max_tokens, priority, True)
+        body = greedy_body(prompt, max_tokens, priority, True)
         self.thread = threading.Thread(target=self._read, args=(server, body), daemon=True)
         self.thread.start()
 
@@ -113,7 +101,7 @@ def test_a_short_request_sent_while_a_long_prompt_is_fed_is_answered_before_that
     before = fed()
     long = Stream(server, "tide " * 380, 1, priority=0)  # about 1,900 tokens: some thirty chunks of 64
     wait_until(lambda: fed() >= before + 64, 60, "the long prompt's feeding to begin")
-    short = httpx.post(f"{server.url}/v1/completions", json=_body("Hi", 2, 0, False), timeout=120)
+    short = httpx.post(f"{server.url}/v1/completions", json=greedy_body("Hi", 2, 0, False), timeout=120)
     assert short.status_code == 200, short.text
     assert not long.started.is_set(), "the short request waited for the long prompt"
     assert short.json()["usage"]["completion_tokens"] == 2
