@@ -113,6 +113,13 @@ def _main(argv: list[str] | None) -> int:
         return hosts.run(args)
     problems = sources.resolve(args, args.command)
     if args.command == "serve":
+        from neuron.cli import router
+
+        if router.several(args):  # a router of several models, each in a server of its own: no MLX here
+            problems += [] if problems else router.problems(args)
+            if problems:
+                parser.error("; ".join(problems))
+            return router.run(args)
         from neuron.models.folder import outside
         from neuron.server.keys import KeysError, load
 
@@ -126,6 +133,9 @@ def _main(argv: list[str] | None) -> int:
         problems += _read_hosts(args)
     if args.command == "generate":
         from neuron.sampling_params import SamplingParams
+
+        if args.model is not None and "," in args.model:
+            problems.append("generate runs one model: give --model once (serve takes several)")
 
         args.sampling = sources.build(SamplingParams, args)
         # Each problem starts with the field's name: say it as the flag the user typed.

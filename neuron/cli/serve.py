@@ -46,12 +46,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -73,10 +71,10 @@ from neuron.pool import Deadlines, Layout
 from neuron.pool.roster import log_move
 from neuron.pool.spares import Move, Spares
 from neuron.server.app import ServerState, build_app
-from neuron.server.connections import bounded
 from neuron.server.guard import Allowed, split_list
 from neuron.server.http import open_to_others
 from neuron.server.keys import load as load_keys
+from neuron.server.listener import HttpServer, bind
 from neuron.system import systemd
 from neuron.system.reexec import reexec
 from neuron.tracing import Tracing
@@ -85,24 +83,6 @@ log = structlog.get_logger("neuron.server")
 
 STATUS_EVERY_S = 1.0
 T = TypeVar("T")
-
-
-# Descriptors kept for everything but client connections: the listener, workers' pipes, model files, the journal.
-RESERVED_DESCRIPTORS = 128
-
-
-def connection_limit(wanted: int) -> int:
-    """``wanted``, or fewer when the descriptor limit could not hold that many: accept() must never run out."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    room = max(1, soft - RESERVED_DESCRIPTORS)
-    if wanted > room:
-        log.warning(
-            "max_connections lowered to fit the descriptor limit; raise LimitNOFILE= (ulimit -n) for more",
-            max_connections=room,
-            asked=wanted,
-            descriptor_limit=soft,
-        )
-    return min(wanted, room)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +95,6 @@ class ServeOptions:
     http: HttpLimits = field(default_factory=HttpLimits)
     deadlines: Deadlines = field(default_factory=Deadlines)
     limits: Scheduling = field(default_factory=Scheduling)
-
-
-class ServeError(RuntimeError):
-    pass
 
 
 RESTART_ENV = "NEURON_RESTART"  # set by restart_leader for the fresh leader: why, when, and how many times
@@ -177,67 +153,6 @@ async def _first(*events: anyio.Event) -> None:
 
         for event in events:
             tg.start_soon(wait, event)
-
-
-# How often a stopping server looks whether its last connections have closed.
-CLOSED_POLL_S = 0.005
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, less its signal handlers, and quick to stop. uvicorn's own loop looks at ``should_exit``
-    every tenth of a second, and its shutdown pauses a tenth before it looks, again every tenth, whether the
-    connections have closed: every stop or restart of a leader waited out those tenths. ``stop`` ends the loop at
-    once, and the shutdown, uvicorn's otherwise, looks every few milliseconds."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self._ticking = anyio.CancelScope()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield  # neuron handles SIGTERM and SIGINT itself (see the module's docstring)
-
-    async def main_loop(self) -> None:
-        with self._ticking:
-            await super().main_loop()
-
-    def stop(self) -> None:
-        """Close the listener and let the last responses finish (within ``timeout_graceful_shutdown``), now."""
-        self.should_exit = True
-        self._ticking.cancel()
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()  # an idle connection closes now, a busy one once its response is sent
-        with anyio.move_on_after(self.config.timeout_graceful_shutdown):
-            while self.server_state.connections or self.server_state.tasks:
-                await anyio.sleep(CLOSED_POLL_S)
-        if self.server_state.tasks:
-            log.warning("responses cut short: the graceful shutdown timed out", tasks=len(self.server_state.tasks))
-        for task in self.server_state.tasks:
-            task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
-        for server in self.servers:
-            await server.wait_closed()
-        await self.lifespan.shutdown()
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # The protocol named, not left 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections whose
-    # socket says IPPROTO_TCP, and accepted ones take the listener's. With Nagle on, a response written in two parts
-    # (head, then body) waited for the client's delayed ACK: about 40 ms on every request of a kept-alive connection.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --port or --host") from e
-    return sock
 
 
 def _status(options: ServeOptions, state: ServerState, engine: Engine | None) -> str:
@@ -411,17 +326,7 @@ async def run_leader(options: ServeOptions) -> Restart | None:
     allowed = Allowed.build(
         split_list(http.allowed_origins), split_list(http.allowed_hosts), listen=options.serving.host
     )
-    config = uvicorn.Config(
-        build_app(state, allowed, with_page=not http.no_page),
-        http=bounded(connection_limit(http.max_connections), http.header_timeout),
-        ws="none",
-        lifespan="off",
-        log_config=None,
-        access_log=False,
-        timeout_keep_alive=http.keep_alive_timeout,  # type: ignore[arg-type]  # a float works: it goes to call_later
-        timeout_graceful_shutdown=5,
-    )
-    server = _Server(config)
+    server = HttpServer.listening(build_app(state, allowed, with_page=not http.no_page), http)
     lifetime, helpers, stopping = anyio.CancelScope(), anyio.CancelScope(), anyio.Event()
 
     async def on_signals() -> None:

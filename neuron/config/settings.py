@@ -74,7 +74,12 @@ class Launch:
     """Where the model comes from and how its ranks start (neuron.launch, neuron.pool)."""
 
     model: str | None = setting(
-        None, "model folder or .gguf file", commands=BOTH, unset="the embedded SmolLM2-135M-Instruct"
+        None,
+        "model folder, .gguf file or Hub name; serve takes it more than once (or a settings file's [[models]] "
+        "tables) for several models, each in a server of its own behind this one",
+        commands=BOTH,
+        unset="the embedded SmolLM2-135M-Instruct",
+        repeatable=True,
     )
     tp: int | None = setting(
         None, "tensor-parallel ranks", commands=BOTH, at_least=1, unset="one per --hosts entry, else 1"
@@ -424,7 +429,26 @@ class Sampling:
     )
 
 
-GROUPS: tuple[type, ...] = (Launch, Logging, Serving, HttpLimits, ImageLimits, Scheduling, Sampling)
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """Which of several models stay loaded (neuron.router); one model is always loaded."""
+
+    models_max: int | None = setting(
+        None,
+        "how many of the models may be loaded at once; asked for one more, the least recently used idle one unloads",
+        at_least=1,
+        unset="no cap",
+    )
+    keep_alive: float | None = setting(
+        None,
+        "seconds a model stays loaded with no request before it unloads (a [[models]] table's keep_alive, or a "
+        "request's, Ollama's field, overrides it); negative: never",
+        unset="never",
+    )
+    preload: bool = setting(False, "load every model at start, not on its first request")
+
+
+GROUPS: tuple[type, ...] = (Launch, Logging, Serving, HttpLimits, ImageLimits, Scheduling, Residency, Sampling)
 
 
 def _collect() -> dict[str, Setting]:

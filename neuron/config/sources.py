@@ -45,6 +45,7 @@ DEFAULT_CONFIG = Path("/etc/neuron/neuron.toml")
 CONFIG_ENV = "NEURON_CONFIG"
 SERVE_SETTINGS = names("serve")
 LAYERED = ("serve",)  # the commands that read the environment and the file, not only their flags
+MODEL_TABLES = "models"  # a settings file's [[models]]: one table per model a router serves
 
 T = TypeVar("T")
 
@@ -93,13 +94,16 @@ def resolve(args: argparse.Namespace, command: str) -> list[str]:
     problems: list[str] = []
     file: dict[str, Any] = {}
     file_name = ""
+    args.model_tables = None
     if layered:
         path, explicit = _config_path(getattr(args, "config", None))
         if path is not None:
-            file_name = str(path)
+            file_name = args.config_file = str(path)
             file, problem = _read_toml(path, explicit)
             if problem:
                 return [problem]
+            # Several models' tables, each with settings of its own: read by ``router.declared``, not here.
+            args.model_tables = file.pop(MODEL_TABLES, None)
             known = set(wanted)
             for key in file:
                 if key not in known:

@@ -9,8 +9,6 @@ engine drops the request at the next step boundary.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from collections.abc import Sequence as Sequence_
@@ -20,7 +18,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import orjson
 import structlog
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -35,7 +32,7 @@ from neuron.server.common.fields import Served
 from neuron.server.common.generation import Generation
 from neuron.server.common.submit import cancel, submit
 from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
-from neuron.server.keys import Key, Keys
+from neuron.server.keys import Key, Keys, given_key
 from neuron.tracing import RequestSpan, Tracing
 
 if TYPE_CHECKING:
@@ -185,23 +182,6 @@ class Endpoint:
         if self.images and (state.engine is None or state.engine.vision):
             return images.LIMITS.max_image_body_bytes, " (--max-image-body-bytes): send smaller images"
         return MAX_BODY_BYTES, ""
-
-
-def given_key(headers: Headers) -> bytes:
-    """The key a request carries, or b"": `Authorization: Bearer KEY`, `x-api-key: KEY` (Anthropic's clients), or
-    HTTP Basic with the key as the password and any user name (what a browser asked by the page's challenge sends,
-    and resends with the page's own requests)."""
-    scheme, _, value = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip().encode()
-    if scheme.lower() == "basic":
-        try:
-            _, _, password = base64.b64decode(value.strip(), validate=True).partition(b":")
-        except (binascii.Error, ValueError):
-            password = b""
-        if password.strip():
-            return password.strip()
-    return headers.get("x-api-key", "").strip().encode()
 
 
 def authorize(request: Request, state: ServerState, challenge: str = "Bearer") -> Key | None:

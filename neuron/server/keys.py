@@ -9,11 +9,15 @@ its digest, so that how long the lookup takes tells nothing of how much of a key
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from starlette.datastructures import Headers
 
 FIELDS = {"name", "key", "admin", "best_priority"}
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -37,7 +41,7 @@ class Keys:
         self.names = tuple(key.name for key in keys.values())
 
     def find(self, given: bytes) -> Key | None:
-        """The key a request gave (``http.given_key``), or None when it is none of these."""
+        """The key a request gave (``given_key``), or None when it is none of these."""
         return self._by_digest.get(_digest(given))
 
 
@@ -102,3 +106,20 @@ def _read(path: Path) -> list[tuple[str, str, Key]]:
             raise KeysError(f'{where}: "best_priority" must be an integer (lower is sooner) or null, got {best!r}')
         out.append((where, secret, Key(name, admin, best)))
     return out
+
+
+def given_key(headers: Headers) -> bytes:
+    """The key a request carries, or b"": `Authorization: Bearer KEY`, `x-api-key: KEY` (Anthropic's clients), or
+    HTTP Basic with the key as the password and any user name (what a browser asked by the page's challenge sends,
+    and resends with the page's own requests)."""
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip().encode()
+    if scheme.lower() == "basic":
+        try:
+            _, _, password = base64.b64decode(value.strip(), validate=True).partition(b":")
+        except (binascii.Error, ValueError):
+            password = b""
+        if password.strip():
+            return password.strip()
+    return headers.get("x-api-key", "").strip().encode()

@@ -21,14 +21,25 @@ from testkit.layout import PACKAGE, SERVER, module_name, tier_problem
 # the commands, the HTTP server, the engine, the pool, then the ranks and the launching beside each other, and
 # under them all the protocol, where models come from, the settings and the machine.
 ABOVE_ALL = ("neuron.cli",)
-BELOW_ONLY = ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", *ABOVE_ALL)
+BELOW_ONLY = (
+    "neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.router", *ABOVE_ALL
+)  # fmt: skip
 FORBIDDEN = {
     "neuron.rpc": ("neuron.",),  # the protocol stands alone (bar itself)
-    "neuron.server": ("neuron.rank", "neuron.pool", "neuron.engine.engine", "neuron.launch", *ABOVE_ALL),
-    "neuron.engine": ("neuron.rank", "neuron.server", "neuron.launch", *ABOVE_ALL),
-    "neuron.pool": ("neuron.engine", "neuron.server", *ABOVE_ALL),
-    "neuron.rank": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", *ABOVE_ALL),
-    "neuron.launch": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", *ABOVE_ALL),
+    "neuron.server": (
+        "neuron.rank",
+        "neuron.pool",
+        "neuron.engine.engine",
+        "neuron.launch",
+        "neuron.router",
+        *ABOVE_ALL,
+    ),
+    # The router forwards to each model's server and loads none itself: no engine, pool, rank or launching.
+    "neuron.router": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.launch", *ABOVE_ALL),
+    "neuron.engine": ("neuron.rank", "neuron.server", "neuron.launch", "neuron.router", *ABOVE_ALL),
+    "neuron.pool": ("neuron.engine", "neuron.server", "neuron.router", *ABOVE_ALL),
+    "neuron.rank": ("neuron.pool", "neuron.engine", "neuron.server", "neuron.launch", "neuron.router", *ABOVE_ALL),
+    "neuron.launch": ("neuron.rank", "neuron.pool", "neuron.engine", "neuron.server", "neuron.router", *ABOVE_ALL),
     "neuron.models": BELOW_ONLY,
     "neuron.config": BELOW_ONLY,
     "neuron.system": (*BELOW_ONLY, "neuron.models", "neuron.config"),
@@ -213,7 +224,7 @@ def test_every_folder_of_modules_is_a_package() -> None:
 
 def test_every_server_module_is_a_family_common_or_the_skeleton() -> None:
     """A new module is placed on purpose: in a family, in common/, or beside app.py as the HTTP plumbing."""
-    plumbing = {"__init__", "app", "http", "openapi", "guard", "keys", "connections", "keepalive"}
+    plumbing = {"__init__", "app", "http", "openapi", "guard", "keys", "connections", "keepalive", "listener"}
     owned = {path for family in FAMILIES for path in _family_paths(family)}
     stray = [
         str(path.relative_to(ROOT))

@@ -34,6 +34,8 @@ MLX_FREE = [
     "neuron.engine.sequence",
     "neuron.launch",
     "neuron.system.reexec",
+    "neuron.router.run",  # and through it the whole router: it loads no model
+    "neuron.cli.router",
 ]
 
 

@@ -1,5 +1,5 @@
 """The leader's HTTP server stops at once when told to, and still lets a response in flight finish
-(``leader._Server``); its listener's connections send without waiting for acknowledgements (``leader.bind``).
+(``listener.HttpServer``); its listener's connections send without waiting for acknowledgements (``listener.bind``).
 
 uvicorn's own loop would notice a stop only at its next tick, and its shutdown would pause before it looked whether
 the connections had closed; the leader's ends the loop on ``stop`` and looks every few milliseconds instead.
@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from neuron.cli.serve import _Server, bind
 from neuron.server.connections import bounded
+from neuron.server.listener import HttpServer, bind
 
 pytestmark = pytest.mark.anyio
 
@@ -62,7 +62,7 @@ async def test_stop_lets_the_response_in_flight_finish_closes_an_idle_connection
     # As the leader configures it: its own protocol, no lifespan; a timeout that an idle connection left open
     # would hold the shutdown for, past this test's deadline.
     config = uvicorn.Config(app, http=bounded(16, 10.0), lifespan="off", log_config=None, timeout_graceful_shutdown=60)
-    server = _Server(config)
+    server = HttpServer(config)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(server.serve, [sock])

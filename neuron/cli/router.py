@@ -1,0 +1,106 @@
+"""``neuron serve`` with several models: the models declared (``router.declared``), each one's server command
+made from this command's settings, and the router run. Reached before MLX is imported: a router loads none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from neuron.config.settings import SETTINGS
+from neuron.config.sources import CONFIG_ENV, names
+from neuron.router.child import NOT_INHERITED
+from neuron.router.declared import Declared, conflicts, from_flags, from_tables
+
+# The router's own settings, or ones it sets for each model's server itself.
+NOT_PASSED = ("model", "host", "port", "log_format", "api_key", "models_max", "keep_alive", "preload")
+
+
+def several(args: argparse.Namespace) -> bool:
+    """Whether this ``serve`` routes: more than one ``--model``, or ``[[models]]`` tables."""
+    return bool(args.model_tables) or (args.model is not None and "," in args.model)
+
+
+def declare(args: argparse.Namespace) -> tuple[list[Declared], list[str]]:
+    """The models, and every problem with them at once."""
+    keep_alive = None if args.keep_alive is None or args.keep_alive < 0 else args.keep_alive
+    if args.model_tables:
+        if args.model is not None:
+            return [], ["give the models either as --model (or NEURON_MODEL) or as [[models]] tables, not both"]
+        declared, problems = from_tables(args.model_tables, args.config_file, keep_alive)
+        if args.preload:
+            declared = [d if d.preload else _preloaded(d) for d in declared]
+    else:
+        sources = [source.strip() for source in args.model.split(",") if source.strip()]
+        declared, problems = from_flags(sources, args.preload, keep_alive), []
+    return declared, problems + conflicts(declared)
+
+
+def server_flags(args: argparse.Namespace, model: Declared) -> list[str]:
+    """``model``'s server's command line: every serve setting resolved here that is not its default, the model's
+    own table's over the server's. The server reads no other layer (``server_env``)."""
+    own = dict(model.own)
+    flags: list[str] = []
+    for name in names("serve"):
+        value = own[name] if name in own else getattr(args, name)
+        if name in NOT_PASSED or value is None or value is False or value == SETTINGS[name].default_for("serve"):
+            continue
+        flags += [SETTINGS[name].flag] if value is True else [SETTINGS[name].flag, str(value)]
+    return flags
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """A model's server's environment: this one's, less every setting's variable (its flags say them all, its
+    model's own over them) and what ties this process to systemd; the API keys, which no command line shows."""
+    settings = {s.env for s in SETTINGS.values()} | {CONFIG_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in settings and k not in NOT_INHERITED}
+    if args.api_key:
+        env[SETTINGS["api_key"].env] = args.api_key
+    return env
+
+
+def _preloaded(model: Declared) -> Declared:
+    return Declared(model.name, model.source, model.own, True, model.keep_alive)
+
+
+def problems(args: argparse.Namespace) -> list[str]:
+    """Everything wrong with the models and the keys, at once, before anything starts."""
+    from neuron.models.folder import outside
+    from neuron.server.keys import KeysError, load
+
+    declared, found = declare(args)
+    found += [problem for model in declared if (problem := outside(model.source, args.model_dirs))]
+    try:
+        load(args.api_key, args.api_keys_file)
+    except KeysError as e:
+        found.append(str(e))
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from neuron import log as logging_setup
+    from neuron.config.settings import HttpLimits
+    from neuron.config.sources import build
+    from neuron.router.app import Router
+    from neuron.router.child import Child
+    from neuron.router.fleet import Fleet
+    from neuron.router.run import serve
+    from neuron.server.keys import load
+    from neuron.server.listener import ListenError
+
+    logging_setup.configure(args.log_level, args.log_format)
+    declared, _ = declare(args)
+    env = server_env(args)
+    fleet = Fleet([Child(m, server_flags(args, m), env) for m in declared], args.models_max, args.max_waiting)
+    router = Router(fleet, load(args.api_key, args.api_keys_file))
+    try:
+        anyio.run(serve, router, fleet, args.host, args.port, build(HttpLimits, args))
+    except ListenError as e:
+        print(f"neuron: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,90 @@
+"""Which models stay loaded (issue 63): ``--models-max 1`` with requests alternating between two models swaps them
+each time, every answer as it was alone; a model is never unloaded under a stream, the other model's request
+waiting for it instead; a request's ``keep_alive`` (Ollama's field) unloads its model once it has idled that
+long. Swaps and states are in /metrics. The decisions: tests/unit/router/test_residency.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from testkit import Server, serving, sse_events
+
+
+@pytest.fixture(scope="module")
+def router(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    models = ("--model", str(tiny_models["qwen3"]), "--model", str(tiny_models["llama"]))
+    # No drain: a model's server stopped under a stream would cut it at once, rather than let it finish.
+    args = (*models, "--models-max", "1", "--speculate", "off", "--drain-timeout", "0")
+    with serving(tmp_path_factory, *args) as started:
+        yield started
+
+
+def _complete(router: Server, model: str, **extra: object) -> str:
+    body = {"model": model, "prompt": "The lamp", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
+    reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
+
+
+def _loaded(router: Server) -> list[str]:
+    listed = httpx.get(f"{router.url}/v1/models").json()["data"]
+    return [entry["id"] for entry in listed if entry["status"]["value"] == "loaded"]
+
+
+def _last(router: Server, event: str, **fields: object) -> dict:
+    found = [e for e in router.logs() if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+    assert found, (event, fields)
+    return found[-1]
+
+
+def _metric(router: Server, name: str, **labels: str) -> float:
+    return router.metrics()[(name, tuple(sorted(labels.items())))]
+
+
+def test_alternating_requests_under_a_cap_of_one_swap_every_time_and_answer_alike(router: Server) -> None:
+    first = {model: _complete(router, model) for model in ("qwen3", "llama")}
+    swaps = _metric(router, "neuron_model_swaps_total")
+    for model in ("qwen3", "llama", "qwen3", "llama"):
+        assert _complete(router, model) == first[model]
+        assert _loaded(router) == [model]
+    assert _metric(router, "neuron_model_swaps_total") == swaps + 4
+    assert _metric(router, "neuron_model_state", model="qwen3", state="unloaded") == 1
+    assert router.find_log("model state", model="qwen3", state="unloaded", why="least recently used: room for llama")
+
+
+def test_a_model_is_never_unloaded_under_a_stream_the_other_waits_for_it(router: Server) -> None:
+    _complete(router, "qwen3")
+    body = {"model": "qwen3", "prompt": "The lamp", "max_tokens": 400, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    finishes: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as reply:
+            for event in sse_events(reply):
+                if isinstance(event, dict):
+                    finishes.extend(c["finish_reason"] for c in event["choices"] if c["finish_reason"])
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    other = _complete(router, "llama")  # waits for the stream to end, then swaps
+    reader.join(120)
+    assert other
+    assert finishes == ["length"]  # the stream ended whole, all its tokens out, not cut by the swap
+    unloaded = _last(router, "model state", model="qwen3", state="unloaded")
+    ended = _last(router, "request done", model="qwen3", completion_tokens=400)
+    assert ended["timestamp"] < unloaded["timestamp"]
+
+
+def test_a_requests_keep_alive_unloads_its_model_once_idle_that_long(router: Server) -> None:
+    _complete(router, "llama", keep_alive="1s")
+    router.wait_log("model state", 30, model="llama", state="unloaded", why="idle for its keep_alive (1 s)")
+    assert _loaded(router) == []

@@ -1,0 +1,125 @@
+"""Several models in one server (issue 63): a router in front of a ``neuron serve`` per model, each split its own
+way. Two tiny models at once, the qwen3 at TP=2 and the llama at PP=2, each answering as mlx-lm's greedy
+generation does on the same weights; a third whose load fails, answering with why while the others go on; routing
+by ``model`` on every family, refusals in each family's shape, the admin routes, and a stream asked of a model that
+is not loaded. Residency under a cap: tests/e2e/models/test_residency.py. The decisions: tests/unit/router/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from testkit import Server, serving, sse_events
+from testkit.arch_checks import PROMPTS, reference
+
+PROMPT = PROMPTS[0]
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("broken")
+    (folder / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    return folder
+
+
+@pytest.fixture(scope="module")
+def router(tiny_models: dict[str, Path], broken: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = tmp_path_factory.mktemp("config") / "neuron.toml"
+    config.write_text(
+        "speculate = 'off'\n"
+        f"[[models]]\nmodel = '{tiny_models['qwen3']}'\ntp = 2\n"
+        f"[[models]]\nmodel = '{tiny_models['llama']}'\npp = 2\n"
+        f"[[models]]\nmodel = '{broken}'\nname = 'broken'\n"
+    )
+    with serving(tmp_path_factory, "--config", str(config)) as started:
+        yield started
+
+
+def _greedy_text(model: Path) -> str:
+    return AutoTokenizer.from_pretrained(model).decode(reference(str(model))["prompts"][0])
+
+
+def _complete(router: Server, model: str, **extra: object) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, **extra}
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+
+
+def _states(router: Server) -> dict[str, str]:
+    listed = httpx.get(f"{router.url}/v1/models").json()["data"]
+    return {entry["id"]: entry["status"]["value"] for entry in listed}
+
+
+def test_two_models_at_once_each_split_its_own_way_answer_as_mlx_lm(
+    router: Server, tiny_models: dict[str, Path]
+) -> None:
+    assert _states(router) == {"qwen3": "unloaded", "llama": "unloaded", "broken": "unloaded"}
+    for name in ("qwen3", "llama"):
+        reply = _complete(router, name)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["model"] == name
+        assert reply.json()["choices"][0]["text"] == _greedy_text(tiny_models[name])
+    assert _states(router) == {"qwen3": "loaded", "llama": "loaded", "broken": "unloaded"}
+    status = {
+        m["id"]: m["server"]["ranks"] for m in httpx.get(f"{router.url}/v1/status").json()["models"] if m["server"]
+    }
+    assert [r["heads"] for r in status["qwen3"]] == [2, 2]  # TP=2: each rank half the heads of every layer
+    assert [r["layers"] for r in status["llama"]] == [[0, 2], [2, 4]]  # PP=2: each rank its run of layers
+    for name in ("qwen3", "llama"):  # every entry of a model's server names its model
+        assert router.find_log("request started", model=name) is not None
+        assert router.find_log("group ready", model=name) is not None
+
+
+def test_a_model_whose_load_fails_answers_why_and_the_others_go_on(router: Server) -> None:
+    reply = _complete(router, "broken")
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert error["code"] == "model_load_failed" and "has no model*.safetensors weights" in error["message"], error
+    listed = {e["id"]: e["status"] for e in httpx.get(f"{router.url}/v1/models").json()["data"]}
+    assert listed["broken"]["value"] == "failed" and "safetensors" in listed["broken"]["reason"]
+    assert _complete(router, "qwen3").status_code == 200
+
+
+def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shape(router: Server) -> None:
+    chat = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()["model"] == "llama"
+    messages = httpx.post(f"{router.url}/v1/messages", json=chat, timeout=60)
+    assert messages.status_code == 200 and messages.json()["model"] == "llama", messages.text
+    tokens = httpx.post(f"{router.url}/tokenize", json={"model": "qwen3", "prompt": "hello"}, timeout=60)
+    assert tokens.status_code == 200 and tokens.json()["count"] > 0, tokens.text
+    unknown = _complete(router, "gpt-4")
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["message"] == (
+        "the model 'gpt-4' does not exist; this server serves qwen3, llama, broken"
+    )
+    anthropic = httpx.post(f"{router.url}/v1/messages", json={**chat, "model": "claude"}, timeout=60)
+    assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
+    unnamed = httpx.post(f"{router.url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["code"] == "model_required"
+
+
+def test_a_stream_asked_of_an_unloaded_model_loads_it_and_streams(router: Server, tiny_models: dict[str, Path]) -> None:
+    assert _complete(router, "llama").status_code == 200
+    unloaded = httpx.post(f"{router.url}/models/unload", json={"model": "llama"}, timeout=60)
+    assert unloaded.status_code == 200 and unloaded.json()["status"]["value"] == "unloaded", unloaded.text
+    assert _states(router)["llama"] == "unloaded"
+    body = {
+        "model": "llama",
+        "prompt": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as reply:
+        events = [e for e in sse_events(reply) if isinstance(e, dict)]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == _greedy_text(tiny_models["llama"])
+    assert _states(router)["llama"] == "loaded"
+    loaded = httpx.post(f"{router.url}/models/load", json={"model": "llama"}, timeout=60)
+    assert loaded.status_code == 200 and loaded.json()["status"]["value"] == "loaded"
+    nothing = httpx.post(f"{router.url}/models/load", json={"model": "nothing"}, timeout=60)
+    assert nothing.status_code == 404

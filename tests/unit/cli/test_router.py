@@ -1,0 +1,68 @@
+"""``neuron serve`` with several models (``cli.router``): when it routes, what each model's server is told on its
+command line and in its environment, and what is refused before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from neuron.cli import router
+from neuron.cli.main import _parser
+from neuron.config import sources
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NEURON_LOG_LEVEL", raising=False)  # the tests' own (tests/conftest.py)
+
+
+def _args(tmp_path: Path, *argv: str, toml: str = "") -> argparse.Namespace:
+    config = tmp_path / "neuron.toml"
+    config.write_text(toml)
+    args = _parser().parse_args(["serve", "--config", str(config), *argv])
+    assert sources.resolve(args, "serve") == []
+    return args
+
+
+def test_one_model_does_not_route_and_two_do(tmp_path: Path) -> None:
+    assert not router.several(_args(tmp_path, "--model", "/m/a"))
+    assert not router.several(_args(tmp_path))
+    assert router.several(_args(tmp_path, "--model", "/m/a", "--model", "/m/b"))
+    assert router.several(_args(tmp_path, toml='[[models]]\nmodel = "/m/a"\n'))
+
+
+def test_each_server_gets_the_settings_given_here_and_its_own_table_over_them(tmp_path: Path) -> None:
+    toml = 'max_batch = 4\ntp = 2\n[[models]]\nmodel = "/m/a"\n[[models]]\nmodel = "/m/b"\ntp = 1\npp = 2\n'
+    args = _args(tmp_path, "--speculate", "off", "--models-max", "1", "--api-key", "secret", toml=toml)
+    (a, b), problems = router.declare(args)
+    assert problems == []
+    assert router.server_flags(args, a) == ["--tp", "2", "--max-batch", "4", "--speculate", "off"]
+    assert router.server_flags(args, b) == ["--tp", "1", "--pp", "2", "--max-batch", "4", "--speculate", "off"]
+
+
+def test_a_server_reads_no_setting_from_the_environment_and_gets_the_keys_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NEURON_TP", "2")
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("HOME_OF_THE_TEST", "kept")
+    env = router.server_env(_args(tmp_path, "--model", "/m/a", "--model", "/m/b", "--api-key", "secret"))
+    assert "NEURON_TP" not in env and "NOTIFY_SOCKET" not in env
+    assert env["HOME_OF_THE_TEST"] == "kept" and env["NEURON_API_KEY"] == "secret"
+
+
+def test_models_both_as_flags_and_as_tables_are_refused(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--model", "/m/a", toml='[[models]]\nmodel = "/m/b"\n')
+    assert router.problems(args)[0].startswith("give the models either as --model")
+
+
+def test_the_same_name_twice_is_refused_at_start(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--model", "/a/qwen3", "--model", "/b/qwen3")
+    assert any("declared more than once" in p for p in router.problems(args))
+
+
+def test_preload_loads_every_table_at_start(tmp_path: Path) -> None:
+    args = _args(tmp_path, "--preload", toml='[[models]]\nmodel = "/m/a"\n[[models]]\nmodel = "/m/b"\n')
+    assert [m.preload for m in router.declare(args)[0]] == [True, True]
