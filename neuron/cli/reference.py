@@ -13,10 +13,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client.metrics_core import Metric
+
 from neuron import metrics, rpc
 from neuron.config.setting import Setting
 from neuron.config.settings import GROUPS, SETTINGS, title
 from neuron.models import architectures
+from neuron.router.metrics import RouterMetrics
 
 _TYPES = {int: "integer", float: "number", str: "string", bool: "switch"}
 
@@ -83,13 +86,25 @@ def metrics_page() -> str:
         "|---|---|---|---|",
     ]
     for metric in metrics.REGISTRY.collect():
-        name = f"{metric.name}_total" if metric.type == "counter" else metric.name
         labels = sorted({label for sample in metric.samples for label in sample.labels} - {"le"})
-        labels = labels or _labels(metric.name)
-        out.append(
-            f"| `{name}` | {metric.type} | {', '.join(f'`{x}`' for x in labels)} | {_cell(metric.documentation)} |"
-        )
+        out.append(_metric_row(metric, labels or _labels(metric.name)))
+    router = RouterMetrics()
+    out += [
+        "",
+        "A router of several models ([Several models](../several-models.md)) serves these, and beside them every "
+        "loaded model's server's own, each sample with a `model` label:",
+        "",
+        "| metric | type | labels | what it counts |",
+        "|---|---|---|---|",
+    ]
+    named = {m._name: list(m._labelnames) for m in (router.state, router.loads, router.swaps, router.in_flight)}
+    out += [_metric_row(metric, named.get(metric.name, [])) for metric in router.registry.collect()]
     return "\n".join(out) + "\n"
+
+
+def _metric_row(metric: Metric, labels: list[str]) -> str:
+    name = f"{metric.name}_total" if metric.type == "counter" else metric.name
+    return f"| `{name}` | {metric.type} | {', '.join(f'`{x}`' for x in labels)} | {_cell(metric.documentation)} |"
 
 
 def _labels(name: str) -> list[str]:

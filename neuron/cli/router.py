@@ -37,10 +37,11 @@ def declare(args: argparse.Namespace) -> tuple[list[Declared], list[str]]:
     return declared, problems + conflicts(declared)
 
 
-def server_flags(args: argparse.Namespace, model: Declared) -> list[str]:
+def server_flags(args: argparse.Namespace, model: Declared, at_once: int) -> list[str]:
     """``model``'s server's command line: every serve setting resolved here that is not its default, the model's
-    own table's over the server's. The server reads no other layer (``server_env``)."""
-    own = dict(model.own)
+    own table's over the server's. The server reads no other layer (``server_env``). Of the memory, each server
+    budgets its part: ``at_once`` models may be loaded together, each sizing its caches from as much."""
+    own = dict(model.own) | {"memory_share": round(args.memory_share / at_once, 4)}
     flags: list[str] = []
     for name in names("serve"):
         value = own[name] if name in own else getattr(args, name)
@@ -48,6 +49,11 @@ def server_flags(args: argparse.Namespace, model: Declared) -> list[str]:
             continue
         flags += [SETTINGS[name].flag] if value is True else [SETTINGS[name].flag, str(value)]
     return flags
+
+
+def at_once(args: argparse.Namespace, declared: list[Declared]) -> int:
+    """How many models may be loaded together: ``--models-max``, else every one."""
+    return min(args.models_max or len(declared), len(declared))
 
 
 def server_env(args: argparse.Namespace) -> dict[str, str]:
@@ -94,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
     logging_setup.configure(args.log_level, args.log_format)
     declared, _ = declare(args)
     env = server_env(args)
-    fleet = Fleet([Child(m, server_flags(args, m), env) for m in declared], args.models_max, args.max_waiting)
+    together = at_once(args, declared)
+    children = [Child(m, server_flags(args, m, together), env) for m in declared]
+    fleet = Fleet(children, args.models_max, args.max_waiting)
     router = Router(fleet, load(args.api_key, args.api_keys_file))
     try:
         anyio.run(serve, router, fleet, args.host, args.port, build(HttpLimits, args))

@@ -332,6 +332,13 @@ class Scheduling:
         why="decode reads every weight once per pass, and on memory-bound hosts a second pass costs more than the "
         "overlap buys",
     )
+    memory_share: float = setting(
+        1.0,
+        "the share of each rank's memory (what is free of it and what its caches hold) this server's caches may "
+        "budget; a router of several models gives each of the models it may hold at once its part of it",
+        at_least=0.01,
+        at_most=1,
+    )
     prefix_cache_bytes: int | None = setting(
         None,
         "bytes of KV cache at most, on the rank holding the largest share, kept for prompts' shared beginnings, "

@@ -311,7 +311,8 @@ def _caches(
     Each rank's share is ``_shares``'. The prefix cache holds what the batch leaves of the budget, at most
     ``--prefix-cache-bytes`` (0: none).
     """
-    budget = Budget(_shares(config, pool), pool.hosts, max(1, min(limits.prefill_chunk, context - 1)), context)
+    chunk = max(1, min(limits.prefill_chunk, context - 1))
+    budget = Budget(_shares(config, pool), pool.hosts, chunk, context, limits.memory_share)
     cap = limits.prefix_cache_bytes
     support = architectures.supports(config)
     # A sliding window's or a linear-attention state's cache is restored whole or not at all (rank.kv.entries).

@@ -114,17 +114,27 @@ def headroom(total: int) -> int:
 
 
 def rank_budget(
-    rank: int, host: str, memory: Memory, share: Share, calibrated: int, chunk: int, context: int, images: int = 0
+    rank: int,
+    host: str,
+    memory: Memory,
+    share: Share,
+    calibrated: int,
+    chunk: int,
+    context: int,
+    images: int = 0,
+    part: float = 1.0,
 ) -> RankBudget:
     """``rank``'s budget from its reading ``memory``: ``calibrated`` is what the calibration step took beyond the
     caches, ``chunk`` the prompt tokens a step feeds at most, ``context`` the longest sequence the model takes,
-    ``images`` what the images of the requests in flight may take.
+    ``images`` what the images of the requests in flight may take, ``part`` this server's part of what is free and
+    what its caches hold (``--memory-share``: servers of several models on one host, each sizing from its part,
+    together never budget more than there is).
 
     The longest sequence its caches can hold is the longest whose own keys and values, with a chunk's attention
     scores at its end kept free beside them, fit: no sequence grows past that, so no step computes longer scores.
     """
     spare = headroom(memory.total)
-    available = memory.free + memory.caches - spare - images
+    available = int((memory.free + memory.caches) * part) - spare - images
     scores = chunk * share.heads * SCORE_BYTES  # a chunk's attention scores, per token of context
     fixed = available - calibrated - STEP * share.per_token - share.per_sequence
     longest = max(0, min(context, fixed // max(1, share.per_token + scores)))
@@ -215,9 +225,12 @@ class Budget:
     """Every rank's budget, and the one that rules, in the reference share's bytes (``reference``: the most any rank
     holds of each kind of cache, what the prefix index counts in)."""
 
-    def __init__(self, shares: Sequence[Share], hosts: Sequence[str], chunk: int, context: int) -> None:
+    def __init__(
+        self, shares: Sequence[Share], hosts: Sequence[str], chunk: int, context: int, part: float = 1.0
+    ) -> None:
         self.chunk = chunk
         self.context = context
+        self.part = part  # of each rank's memory (``rank_budget``)
         self.reshape(shares, hosts)
 
     def reshape(self, shares: Sequence[Share], hosts: Sequence[str]) -> None:
@@ -271,6 +284,7 @@ class Budget:
                 self.chunk,
                 self.context,
                 self.images if rank == 0 else 0,
+                self.part,
             )
             for rank, share in enumerate(self.shares)
             if rank in readings

@@ -27,6 +27,9 @@ from neuron.router.child import Child, LoadFailed
 from neuron.router.declared import duration
 from neuron.router.fleet import Crowded, Fleet
 from neuron.router.metrics import RouterMetrics
+from neuron.server.app import describe
+from neuron.server.common.fields import Served
+from neuron.server.common.schema import ADMIN, Spec, post
 from neuron.server.keys import Key, Keys, given_key
 
 log = structlog.get_logger("neuron.router")
@@ -86,6 +89,7 @@ class Router:
             Route("/models/load", self.load, methods=["POST"]),
             Route("/models/unload", self.unload, methods=["POST"]),
             Route("/v1/status", self.status, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
             *(Route(path, self.forward, methods=["POST"]) for path in FORWARDED),
         ]
         return Starlette(routes=routes)
@@ -142,6 +146,20 @@ class Router:
             models.append({**self._entry(name), "in_flight": child.in_flight, "waiting": child.waiting,
                            "loads": child.loads, "server": orjson.loads(own) if own else None})  # fmt: skip
         return JSONResponse({"models": models, "swaps": self.fleet.swaps, "models_max": self.fleet.models_max})
+
+    async def openapi(self, request: Request) -> Response:
+        """A single server's document with every model a request may name, and the router's own routes."""
+        names = self.fleet.names()
+        document = describe(Served(names[0], tuple(names[1:])))
+        named = {"type": "object", "required": ["model"], "properties": {"model": {"enum": list(self.fleet.children)}}}
+        entry = {
+            "200": {"description": "the model's entry, as /v1/models lists it"},
+            "404": {"description": "no such model"},
+        }
+        for path, summary in (("/models/load", "load a model now"), ("/models/unload", "unload a model once idle")):
+            document["paths"][path] = post(Spec("", keyed=self.keys is not None), summary, named, entry)
+            document["paths"][path]["post"]["description"] = ADMIN
+        return JSONResponse(document)
 
     async def prometheus(self, request: Request) -> Response:
         servers = {}

@@ -16,6 +16,7 @@ from neuron.cli.main import _parser
 from neuron.cli.reference import PAGES as GENERATED
 from neuron.cli.reference import openapi
 from neuron.config.settings import SETTINGS
+from neuron.router.metrics import RouterMetrics
 from testkit import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -57,7 +58,8 @@ def _variables() -> frozenset[str]:
 
 @functools.cache
 def _metric_names() -> frozenset[str]:
-    return frozenset({metric.name for metric in metrics.REGISTRY.collect()})
+    registries = (metrics.REGISTRY, RouterMetrics().registry)  # a server's, and a router's of several models
+    return frozenset({metric.name for registry in registries for metric in registry.collect()})
 
 
 @functools.cache

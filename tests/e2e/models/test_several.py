@@ -7,6 +7,9 @@ is not loaded. Residency under a cap: tests/e2e/models/test_residency.py. The de
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from testkit import Server, serving, sse_events
+from testkit import Server, serving, sse_events, wait_until
 from testkit.arch_checks import PROMPTS, reference
 
 PROMPT = PROMPTS[0]
@@ -123,3 +126,81 @@ def test_a_stream_asked_of_an_unloaded_model_loads_it_and_streams(router: Server
     assert loaded.status_code == 200 and loaded.json()["status"]["value"] == "loaded"
     nothing = httpx.post(f"{router.url}/models/load", json={"model": "nothing"}, timeout=60)
     assert nothing.status_code == 404
+
+
+def test_the_openapi_document_names_every_model_and_the_routers_own_routes(router: Server) -> None:
+    document = httpx.get(f"{router.url}/openapi.json", timeout=60).json()
+    assert {"/models/load", "/models/unload", "/v1/chat/completions", "/v1/messages"} <= set(document["paths"])
+    load = document["paths"]["/models/load"]["post"]
+    assert load["requestBody"]["content"]["application/json"]["schema"]["properties"]["model"]["enum"] == [
+        "qwen3",
+        "llama",
+        "broken",
+    ]
+    assert "admin route" in load["description"]
+
+
+def test_embeddings_beside_chat_through_both_sdks(router: Server, tiny_models: dict[str, Path]) -> None:
+    """One model embeds (the qwen3, at TP=2: its vectors as mlx-lm computes them on the same weights) while the
+    other chats, through OpenAI's and Anthropic's own clients."""
+    import anthropic
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+    from openai import OpenAI
+
+    openai_client = OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    got = openai_client.embeddings.create(model="qwen3", input=[PROMPT], encoding_format="float")
+    model, _ = load(str(tiny_models["qwen3"]))
+    states = model.model(mx.array([PROMPT]))[0].astype(mx.float32).mean(axis=0)
+    expected = np.array(states / mx.linalg.norm(states))
+    assert np.abs(np.array(got.data[0].embedding) - expected).max() < 1e-4
+    turn = [{"role": "user", "content": "Hello"}]
+    chat = openai_client.chat.completions.create(model="llama", messages=turn, max_tokens=4)  # type: ignore[arg-type]
+    assert chat.model == "llama" and chat.choices[0].message.content is not None
+    claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    message = claude.messages.create(model="llama", max_tokens=4, messages=turn)  # type: ignore[arg-type]
+    assert message.model == "llama" and message.content
+
+
+def test_one_models_recovery_leaves_the_others_stream_undisturbed(router: Server, tiny_models: dict[str, Path]) -> None:
+    """A worker of the qwen3's group is killed while the llama streams: the qwen3's server recovers in its own
+    process, and the llama's stream goes on as if nothing happened, ending with its text alone."""
+    assert _complete(router, "qwen3").status_code == 200
+    alone = _complete(router, "llama", max_tokens=600).json()["choices"][0]["text"]
+    body = {
+        "model": "llama",
+        "prompt": PROMPT,
+        "max_tokens": 600,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    pieces: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as reply:
+            for event in sse_events(reply):
+                if isinstance(event, dict):
+                    pieces.extend(choice["text"] for choice in event["choices"])
+                    started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(60)
+    readies = len(_entries(router, "ready", model="qwen3"))
+    worker = _entries(router, "workers started", model="qwen3")[-1]["pids"][0]
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: len(_entries(router, "ready", model="qwen3")) > readies, 60, "the qwen3 to recover")
+    reader.join(120)
+    assert "".join(pieces) == alone
+    recovering = _entries(router, "recovering", model="qwen3")[-1]
+    ended = _entries(router, "request done", model="llama", completion_tokens=600)[-1]
+    assert recovering["timestamp"] < ended["timestamp"]  # the stream was in flight as the other model recovered
+    assert not _entries(router, "recovering", model="llama")
+    assert _complete(router, "qwen3").json()["choices"][0]["text"] == _greedy_text(tiny_models["qwen3"])
+
+
+def _entries(router: Server, event: str, **fields: object) -> list[dict]:
+    return [e for e in router.logs() if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]

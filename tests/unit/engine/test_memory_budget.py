@@ -98,6 +98,18 @@ def test_a_ranks_caches_get_its_room_and_what_they_hold_less_a_step_and_the_head
     assert (small.longest + STEP) * share.per_token <= small.budget
 
 
+def test_servers_that_share_a_host_each_budget_their_part_and_together_no_more_than_there_is() -> None:
+    """``--memory-share``: a router's models on one host. Each reads the same free memory, its own caches beside
+    it; each part is taken of both, so that the budgets add up to no more than the host holds for caches."""
+    share = Share(per_token=1000, per_sequence=0, heads=2)
+    gib = 1 << 30
+    whole = rank_budget(0, "h", reading(free=4 * gib, caches=gib, total=8 * gib), share, 40 * MIB, 64, 4096)
+    half = rank_budget(0, "h", reading(free=4 * gib, caches=gib, total=8 * gib), share, 40 * MIB, 64, 4096, part=0.5)
+    assert half.budget == int(5 * gib * 0.5) - half.headroom - half.steps
+    other = rank_budget(0, "h", reading(free=4 * gib, caches=0, total=8 * gib), share, 40 * MIB, 64, 4096, part=0.5)
+    assert half.budget + other.budget <= 5 * gib and whole.budget > half.budget
+
+
 def test_the_smallest_rank_rules_tensor_parallelism_and_each_stage_its_layers() -> None:
     tp = Budget([Share(1000, 0, 0)] * 2, ["a", "b"], 16, 100_000)
     tp.read({0: reading(900 * MIB), 1: reading(300 * MIB)})
