@@ -321,7 +321,7 @@ async def _serve(args: argparse.Namespace, launcher: Launcher) -> Restart | None
         ServeOptions(
             model_path=None if parse(args.model) else resolve(args.model),  # a Hub name is fetched once serving
             model=args.model,
-            model_id=model_id(args.model),
+            model_id=args.served_model_name or model_id(args.model),
             layout=_layout(args, launcher),
             serving=sources.build(Serving, args),
             http=sources.build(HttpLimits, args),

@@ -15,6 +15,7 @@ from neuron.router.declared import Declared, conflicts, from_flags, from_tables
 
 # The router's own settings, or ones it sets for each model's server itself.
 NOT_PASSED = ("model", "host", "port", "log_format", "api_key", "models_max", "keep_alive", "preload")
+# served_model_name is each model's own: its name here (``server_flags``).
 
 
 def several(args: argparse.Namespace) -> bool:
@@ -41,7 +42,7 @@ def server_flags(args: argparse.Namespace, model: Declared, at_once: int) -> lis
     """``model``'s server's command line: every serve setting resolved here that is not its default, the model's
     own table's over the server's. The server reads no other layer (``server_env``). Of the memory, each server
     budgets its part: ``at_once`` models may be loaded together, each sizing its caches from as much."""
-    own = dict(model.own) | {"memory_share": round(args.memory_share / at_once, 4)}
+    own = dict(model.own) | {"memory_share": round(args.memory_share / at_once, 4), "served_model_name": model.name}
     flags: list[str] = []
     for name in names("serve"):
         value = own[name] if name in own else getattr(args, name)
@@ -64,6 +65,14 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     if args.api_key:
         env[SETTINGS["api_key"].env] = args.api_key
     return env
+
+
+def local_ranks(args: argparse.Namespace, model: Declared) -> int | None:
+    """How many ranks ``model``'s server runs on this host: all of them, or None where a hostfile places them."""
+    own = dict(model.own)
+    if own.get("hosts") or (args.hosts and "hosts" not in own):
+        return None
+    return int(own.get("tp") or args.tp or 1) * int(own.get("pp") or args.pp or 1)
 
 
 def _preloaded(model: Declared) -> Declared:
@@ -90,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from neuron import log as logging_setup
     from neuron.config.settings import HttpLimits
     from neuron.config.sources import build
+    from neuron.launch import cgroup
+    from neuron.launch.hosts import free_memory
     from neuron.router.app import Router
     from neuron.router.child import Child
     from neuron.router.fleet import Fleet
@@ -101,8 +112,11 @@ def run(args: argparse.Namespace) -> int:
     declared, _ = declare(args)
     env = server_env(args)
     together = at_once(args, declared)
-    children = [Child(m, server_flags(args, m, together), env) for m in declared]
-    fleet = Fleet(children, args.models_max, args.max_waiting)
+    children = [Child(m, server_flags(args, m, together), env, local_ranks(args, m)) for m in declared]
+    group = cgroup.own_group()
+    fleet = Fleet(
+        children, args.models_max, args.max_waiting, lambda: free_memory(cgroup.room(group) if group else None)
+    )
     router = Router(fleet, load(args.api_key, args.api_keys_file))
     try:
         anyio.run(serve, router, fleet, args.host, args.port, build(HttpLimits, args))

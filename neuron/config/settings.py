@@ -171,6 +171,12 @@ class Serving:
         check=_absolute_paths,
         unset="anywhere",
     )
+    served_model_name: str | None = setting(
+        None,
+        "the name clients send as `model` and replies carry (vLLM's flag); a router of several models gives each "
+        "its [[models]] table's name",
+        unset="the model folder's name, the .gguf file's stem, or the Hub name",
+    )
     host: str = setting("127.0.0.1", "address to listen on", why="loopback only")
     port: int = setting(8000, "TCP port; 0 picks a free one", at_least=0, at_most=65535)
     api_key: str | None = setting(

@@ -25,12 +25,13 @@ from starlette.routing import Route
 
 from neuron.router.child import Child, LoadFailed
 from neuron.router.declared import duration
-from neuron.router.fleet import Crowded, Fleet
+from neuron.router.fleet import CannotFit, Crowded, Fleet
 from neuron.router.metrics import RouterMetrics
 from neuron.server.app import describe
 from neuron.server.common.fields import Served
 from neuron.server.common.schema import ADMIN, Spec, post
 from neuron.server.keys import Key, Keys, given_key
+from neuron.server.page.routes import CHALLENGE, FILES, HEADERS, TYPES
 
 log = structlog.get_logger("neuron.router")
 
@@ -90,6 +91,8 @@ class Router:
             Route("/models/unload", self.unload, methods=["POST"]),
             Route("/v1/status", self.status, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
+            Route("/", self.page, methods=["GET"]),
+            Route("/page/{name}", self.page, methods=["GET"]),
             *(Route(path, self.forward, methods=["POST"]) for path in FORWARDED),
         ]
         return Starlette(routes=routes)
@@ -122,8 +125,8 @@ class Router:
             await self.fleet.load(child.model.name)
         except Refused as e:
             return e.response(request.url.path)
-        except LoadFailed as e:
-            return Refused(503, f"{child.model.name} failed to load: {e}", "model_load_failed").response("")
+        except (LoadFailed, CannotFit) as e:
+            return _refusal(child, e).response("")
         return JSONResponse({"success": True, **self._entry(child.model.name)})
 
     async def unload(self, request: Request) -> Response:
@@ -136,16 +139,36 @@ class Router:
         return JSONResponse({"success": True, **self._entry(child.model.name)})
 
     async def status(self, request: Request) -> Response:
+        """Every model's state and its server's own status; with ``?model=NAME``, that model's server's status
+        alone, as a single server answers it, and the models beside it (what the page shows, its picker too)."""
         try:
             self._authorize(request)
+            name = request.query_params.get("model")
+            child = None if name is None else self._child(name)
         except Refused as e:
             return e.response(request.url.path)
+        entries = [self._entry(n) for n in self.fleet.names()]
+        if child is not None:
+            own = await self._ask(child, "/v1/status", request)
+            return JSONResponse({**(orjson.loads(own) if own else _not_loaded(child)), "models": entries})
         models = []
         for name, child in self.fleet.children.items():
             own = await self._ask(child, "/v1/status", request)
             models.append({**self._entry(name), "in_flight": child.in_flight, "waiting": child.waiting,
                            "loads": child.loads, "server": orjson.loads(own) if own else None})  # fmt: skip
         return JSONResponse({"models": models, "swaps": self.fleet.swaps, "models_max": self.fleet.models_max})
+
+    async def page(self, request: Request) -> Response:
+        """The page every model's server serves, served here: it picks a model and shows that one."""
+        try:
+            if self.keys is not None and self.keys.find(given_key(request.headers)) is None:
+                raise Refused(401, "the page needs the API key", "invalid_api_key", {"www-authenticate": CHALLENGE})
+        except Refused as e:
+            return e.response(request.url.path)
+        name = request.path_params.get("name", "index.html")
+        if name not in FILES:
+            return Refused(404, f"the page has no file {name!r}; open / for the page", "not_found").response("")
+        return Response(FILES[name], media_type=TYPES["." + name.rsplit(".", 1)[1]], headers=HEADERS)
 
     async def openapi(self, request: Request) -> Response:
         """A single server's document with every model a request may name, and the router's own routes."""
@@ -192,7 +215,7 @@ class Router:
         except Refused as e:
             await stack.aclose()
             return e.response(path)
-        except (LoadFailed, Crowded) as e:
+        except (LoadFailed, Crowded, CannotFit) as e:
             await stack.aclose()
             return _refusal(child, e).response(path)
         except BaseException:
@@ -315,6 +338,24 @@ class Router:
             )
 
 
+def _not_loaded(child: Child) -> dict[str, Any]:
+    """A model's status while its server is not running, in the shape of a server's (the page reads it so)."""
+    state = child.state
+    reason = f"{state}: {child.why}" if child.why else f"{state}: it loads on its first request"
+    return {
+        "model": {"id": child.model.name},
+        "ready": False,
+        "reason": reason,
+        "now": time.time(),
+        "queue": {"waiting": child.waiting, "running": child.in_flight},
+        "counters": {"preemptions": 0, "prefix_cache_hits": 0, "prefix_cache_misses": 0},
+        "recoveries": 0,
+        "ranks": [],
+        "events": [],
+        "recent": [],
+    }
+
+
 def _event(refused: Refused, request: Request) -> bytes:
     return b"data: " + bytes(refused.response(request.url.path).body) + b"\n\n"
 
@@ -322,6 +363,8 @@ def _event(refused: Refused, request: Request) -> bytes:
 def _refusal(child: Child, error: Exception) -> Refused:
     if isinstance(error, Crowded):
         return Refused(503, f"{error}; try again shortly", "model_queue_full", {"retry-after": "5"})
+    if isinstance(error, CannotFit):
+        return Refused(503, str(error), "model_too_large")
     return Refused(503, f"{child.model.name} failed to load: {error}", "model_load_failed")
 
 

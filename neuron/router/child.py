@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -35,6 +36,11 @@ NOT_INHERITED = (
     "JOURNAL_STREAM",
 )
 LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warning", "error": "error"}
+# What a model's server holds beside its weights, as a share of them and in bytes per process: Python, MLX's
+# buffers, the first steps' caches. A guess that errs high: a model refused for it could have loaded, one let in
+# under it could not.
+BESIDE_WEIGHTS = 0.2
+PER_PROCESS = 256 << 20
 STOP_GRACE_S = 30.0  # after SIGTERM (its own drain is then over, the router waits for idle first), then SIGKILL
 
 
@@ -46,8 +52,9 @@ class Child:
     """``model``'s server process: its state (unloaded, loading, loaded, failed), the port it answers on, and how
     many requests are in flight for it."""
 
-    def __init__(self, model: Declared, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, model: Declared, argv: list[str], env: dict[str, str], ranks: int | None) -> None:
         self.model = model
+        self.ranks = ranks  # its ranks, all on this host; None where a hostfile places them
         self.argv = argv  # the server's settings and the model's own, as ``neuron serve`` flags
         self.env = env  # its whole environment
         self.state = "unloaded"
@@ -62,6 +69,23 @@ class Child:
         self.process: anyio.abc.Process | None = None
         self._served = anyio.Event()
         self._exited = anyio.Event()
+
+    def need(self) -> int | None:
+        """The bytes its server will hold on this host, from its weights' files; None where that is not known
+        before it loads (a Hub name) or not here (ranks on other hosts)."""
+        path = Path(self.model.source).expanduser()
+        files = [*path.glob("*.safetensors"), *path.glob("*.gguf")] if path.is_dir() else [path]
+        if self.ranks is None or not files or not all(f.is_file() for f in files):
+            return None
+        weights = sum(f.stat().st_size for f in files)
+        return int(weights * (1 + BESIDE_WEIGHTS)) + self.ranks * PER_PROCESS
+
+    def held(self) -> int:
+        """The bytes its server's processes hold now (their resident sets, from /proc): the leader's and its
+        workers'."""
+        if self.process is None:
+            return 0
+        return sum(_resident_bytes(pid) for pid in _tree(self.process.pid))
 
     def command(self) -> list[str]:
         return [
@@ -178,3 +202,26 @@ class Child:
         if level == "error" and not self._served.is_set():
             self.why = str(entry.get("error") or entry.get("cause") or event)
         getattr(log, level)(event, model=self.model.name, **entry)
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        try:
+            queue += [int(c) for c in Path(f"/proc/{current}/task/{current}/children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _resident_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -10,7 +10,7 @@ for the model to load again).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -18,13 +18,18 @@ import anyio.abc
 import structlog
 
 from neuron.router.child import Child, LoadFailed
-from neuron.router.residency import Resident, expired, make_room
+from neuron.router.residency import Resident, expired, make_room, unload_to_fit
 
 log = structlog.get_logger("neuron.router")
 
 
 class Crowded(RuntimeError):
     """Too many requests already wait for this model to load."""
+
+
+class CannotFit(RuntimeError):
+    """The model does not fit this host's memory, even with every idle model unloaded; the message says how much
+    it needs and which models hold the rest."""
 
 
 class Holding:
@@ -34,14 +39,14 @@ class Holding:
     def __init__(self, fleet: Fleet, child: Child) -> None:
         self.fleet, self.child = fleet, child
         self.done = anyio.Event()
-        self.error: LoadFailed | Crowded | None = None
+        self.error: LoadFailed | Crowded | CannotFit | None = None
         self._held = self._released = False
 
     async def run(self) -> None:
         try:
             await self.fleet.hold(self.child)
             self._held = True
-        except (LoadFailed, Crowded) as e:
+        except (LoadFailed, Crowded, CannotFit) as e:
             self.error = e
         finally:
             self.done.set()
@@ -56,7 +61,10 @@ class Holding:
 
 
 class Fleet:
-    def __init__(self, children: list[Child], models_max: int | None, max_waiting: int) -> None:
+    def __init__(
+        self, children: list[Child], models_max: int | None, max_waiting: int, free: Callable[[], int]
+    ) -> None:
+        self.free = free  # bytes this host's memory has free now (``launch.hosts.free_memory``)
         self.children = {child.model.name: child for child in children}
         self.adapters = {adapter: child for child in children for adapter in child.model.adapters()}
         self.models_max = models_max
@@ -89,8 +97,8 @@ class Fleet:
     async def _preload(self, child: Child) -> None:
         try:
             await self.ensure(child)
-        except LoadFailed:
-            pass  # logged by the child; a request for it tries again
+        except (LoadFailed, CannotFit) as e:
+            log.error("model not preloaded", model=child.model.name, error=str(e))  # a request tries again
 
     async def hold(self, child: Child) -> None:
         """``child`` loaded and held for one request, never unloaded until ``release``: ``Crowded`` when too
@@ -139,6 +147,7 @@ class Fleet:
                     raise LoadFailed(child.why)
                 victims = make_room(self._resident(), child.model.name, self.models_max)
                 if victims is not None:
+                    victims += self._to_fit(child, victims)
                     for name in victims:
                         self.swaps += 1
                         await self._unload(self.children[name], f"least recently used: room for {child.model.name}")
@@ -184,10 +193,31 @@ class Fleet:
 
     def _resident(self) -> list[Resident]:
         return [
-            Resident(c.model.name, c.waiting + c.in_flight, c.last_used, c.keep_alive)
+            Resident(c.model.name, c.waiting + c.in_flight, c.last_used, c.keep_alive, c.held())
             for c in self.children.values()
             if c.state in ("loaded", "loading")
         ]
 
+    def _to_fit(self, child: Child, victims: list[str]) -> list[str]:
+        """The idle models to unload beyond ``victims`` so that ``child`` fits this host's memory; ``CannotFit``
+        when it cannot."""
+        if (need := child.need()) is None:
+            return []
+        resident = [r for r in self._resident() if r.name != child.model.name]
+        free = self.free() + sum(r.held for r in resident if r.name in victims)
+        more = unload_to_fit([r for r in resident if r.name not in victims], need, free)
+        if more is not None:
+            return more
+        holders = [f"{r.name} holds {_gib(r.held)}{' (in use)' if r.busy else ''}" for r in resident]
+        raise CannotFit(
+            f"{child.model.name} needs about {_gib(need)} here (its weights and its server), and this host has "
+            f"{_gib(free)} free{'; ' + ', '.join(holders) if holders else ''}: unload one (/models/unload), wait "
+            "for the busy ones, or serve it on more hosts (a [[models]] table's hosts)"
+        )
+
     def _idle(self, name: str) -> str:
         return f"{self.children[name].keep_alive:g} s"
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"

@@ -1,8 +1,10 @@
 """Several models in one server (issue 63): a router in front of a ``neuron serve`` per model, each split its own
-way. Two tiny models at once, the qwen3 at TP=2 and the llama at PP=2, each answering as mlx-lm's greedy
-generation does on the same weights; a third whose load fails, answering with why while the others go on; routing
-by ``model`` on every family, refusals in each family's shape, the admin routes, and a stream asked of a model that
-is not loaded. Residency under a cap: tests/e2e/models/test_residency.py. The decisions: tests/unit/router/.
+way. Two tiny models at once, the qwen3 at TP=2 and the llama at PP=2 (served under the name "little"), each
+answering as mlx-lm's greedy generation does on the same weights; one whose load fails, answering with why while
+the others go on; one too large for the host, refused with what it needs and who holds the memory; routing by
+``model`` on every family, refusals in each family's shape, the admin routes, the page's status, a stream asked of
+a model that is not loaded, embeddings beside chat through both SDKs, and one model's recovery beside the other's
+stream. Residency under a cap: tests/e2e/models/test_residency.py. The decisions: tests/unit/router/.
 """
 
 from __future__ import annotations
@@ -31,13 +33,26 @@ def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def router(tiny_models: dict[str, Path], broken: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def huge(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model whose weights (a sparse file: nothing is written) no host here holds."""
+    folder = tmp_path_factory.mktemp("huge")
+    (folder / "config.json").write_text((tiny_models["qwen3"] / "config.json").read_text())
+    with open(folder / "model.safetensors", "wb") as weights:
+        weights.truncate(1 << 40)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def router(
+    tiny_models: dict[str, Path], broken: Path, huge: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("config") / "neuron.toml"
     config.write_text(
         "speculate = 'off'\n"
         f"[[models]]\nmodel = '{tiny_models['qwen3']}'\ntp = 2\n"
-        f"[[models]]\nmodel = '{tiny_models['llama']}'\npp = 2\n"
+        f"[[models]]\nmodel = '{tiny_models['llama']}'\nname = 'little'\npp = 2\n"
         f"[[models]]\nmodel = '{broken}'\nname = 'broken'\n"
+        f"[[models]]\nmodel = '{huge}'\nname = 'huge'\n"
     )
     with serving(tmp_path_factory, "--config", str(config)) as started:
         yield started
@@ -60,19 +75,19 @@ def _states(router: Server) -> dict[str, str]:
 def test_two_models_at_once_each_split_its_own_way_answer_as_mlx_lm(
     router: Server, tiny_models: dict[str, Path]
 ) -> None:
-    assert _states(router) == {"qwen3": "unloaded", "llama": "unloaded", "broken": "unloaded"}
-    for name in ("qwen3", "llama"):
+    assert _states(router) == {"qwen3": "unloaded", "little": "unloaded", "broken": "unloaded", "huge": "unloaded"}
+    for name, folder in (("qwen3", "qwen3"), ("little", "llama")):  # the llama served under a name of its own
         reply = _complete(router, name)
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == name
-        assert reply.json()["choices"][0]["text"] == _greedy_text(tiny_models[name])
-    assert _states(router) == {"qwen3": "loaded", "llama": "loaded", "broken": "unloaded"}
+        assert reply.json()["choices"][0]["text"] == _greedy_text(tiny_models[folder])
+    assert _states(router) == {"qwen3": "loaded", "little": "loaded", "broken": "unloaded", "huge": "unloaded"}
     status = {
         m["id"]: m["server"]["ranks"] for m in httpx.get(f"{router.url}/v1/status").json()["models"] if m["server"]
     }
     assert [r["heads"] for r in status["qwen3"]] == [2, 2]  # TP=2: each rank half the heads of every layer
-    assert [r["layers"] for r in status["llama"]] == [[0, 2], [2, 4]]  # PP=2: each rank its run of layers
-    for name in ("qwen3", "llama"):  # every entry of a model's server names its model
+    assert [r["layers"] for r in status["little"]] == [[0, 2], [2, 4]]  # PP=2: each rank its run of layers
+    for name in ("qwen3", "little"):  # every entry of a model's server names its model
         assert router.find_log("request started", model=name) is not None
         assert router.find_log("group ready", model=name) is not None
 
@@ -87,17 +102,28 @@ def test_a_model_whose_load_fails_answers_why_and_the_others_go_on(router: Serve
     assert _complete(router, "qwen3").status_code == 200
 
 
+def test_a_model_that_cannot_fit_says_what_it_needs_and_who_holds_the_memory(router: Server) -> None:
+    assert _complete(router, "qwen3").status_code == 200
+    reply = _complete(router, "huge")
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "model_too_large"
+    assert error["message"].startswith("huge needs about 1229.0 GiB here (its weights and its server)"), error
+    assert "qwen3 holds" in error["message"] and "GiB free" in error["message"]
+    assert _states(router)["huge"] == "unloaded" and _states(router)["qwen3"] == "loaded"  # nothing was unloaded
+
+
 def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shape(router: Server) -> None:
-    chat = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-    assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()["model"] == "llama"
+    chat = {"model": "little", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()["model"] == "little"
     messages = httpx.post(f"{router.url}/v1/messages", json=chat, timeout=60)
-    assert messages.status_code == 200 and messages.json()["model"] == "llama", messages.text
+    assert messages.status_code == 200 and messages.json()["model"] == "little", messages.text
     tokens = httpx.post(f"{router.url}/tokenize", json={"model": "qwen3", "prompt": "hello"}, timeout=60)
     assert tokens.status_code == 200 and tokens.json()["count"] > 0, tokens.text
     unknown = _complete(router, "gpt-4")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["message"] == (
-        "the model 'gpt-4' does not exist; this server serves qwen3, llama, broken"
+        "the model 'gpt-4' does not exist; this server serves qwen3, little, broken, huge"
     )
     anthropic = httpx.post(f"{router.url}/v1/messages", json={**chat, "model": "claude"}, timeout=60)
     assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
@@ -106,12 +132,12 @@ def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shap
 
 
 def test_a_stream_asked_of_an_unloaded_model_loads_it_and_streams(router: Server, tiny_models: dict[str, Path]) -> None:
-    assert _complete(router, "llama").status_code == 200
-    unloaded = httpx.post(f"{router.url}/models/unload", json={"model": "llama"}, timeout=60)
+    assert _complete(router, "little").status_code == 200
+    unloaded = httpx.post(f"{router.url}/models/unload", json={"model": "little"}, timeout=60)
     assert unloaded.status_code == 200 and unloaded.json()["status"]["value"] == "unloaded", unloaded.text
-    assert _states(router)["llama"] == "unloaded"
+    assert _states(router)["little"] == "unloaded"
     body = {
-        "model": "llama",
+        "model": "little",
         "prompt": PROMPT,
         "max_tokens": 12,
         "temperature": 0.0,
@@ -121,8 +147,8 @@ def test_a_stream_asked_of_an_unloaded_model_loads_it_and_streams(router: Server
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as reply:
         events = [e for e in sse_events(reply) if isinstance(e, dict)]
     assert "".join(c["text"] for e in events for c in e["choices"]) == _greedy_text(tiny_models["llama"])
-    assert _states(router)["llama"] == "loaded"
-    loaded = httpx.post(f"{router.url}/models/load", json={"model": "llama"}, timeout=60)
+    assert _states(router)["little"] == "loaded"
+    loaded = httpx.post(f"{router.url}/models/load", json={"model": "little"}, timeout=60)
     assert loaded.status_code == 200 and loaded.json()["status"]["value"] == "loaded"
     nothing = httpx.post(f"{router.url}/models/load", json={"model": "nothing"}, timeout=60)
     assert nothing.status_code == 404
@@ -132,11 +158,8 @@ def test_the_openapi_document_names_every_model_and_the_routers_own_routes(route
     document = httpx.get(f"{router.url}/openapi.json", timeout=60).json()
     assert {"/models/load", "/models/unload", "/v1/chat/completions", "/v1/messages"} <= set(document["paths"])
     load = document["paths"]["/models/load"]["post"]
-    assert load["requestBody"]["content"]["application/json"]["schema"]["properties"]["model"]["enum"] == [
-        "qwen3",
-        "llama",
-        "broken",
-    ]
+    model = load["requestBody"]["content"]["application/json"]["schema"]["properties"]["model"]
+    assert model["enum"] == ["qwen3", "little", "broken", "huge"]
     assert "admin route" in load["description"]
 
 
@@ -156,20 +179,20 @@ def test_embeddings_beside_chat_through_both_sdks(router: Server, tiny_models: d
     expected = np.array(states / mx.linalg.norm(states))
     assert np.abs(np.array(got.data[0].embedding) - expected).max() < 1e-4
     turn = [{"role": "user", "content": "Hello"}]
-    chat = openai_client.chat.completions.create(model="llama", messages=turn, max_tokens=4)  # type: ignore[arg-type]
-    assert chat.model == "llama" and chat.choices[0].message.content is not None
+    chat = openai_client.chat.completions.create(model="little", messages=turn, max_tokens=4)  # type: ignore[arg-type]
+    assert chat.model == "little" and chat.choices[0].message.content is not None
     claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
-    message = claude.messages.create(model="llama", max_tokens=4, messages=turn)  # type: ignore[arg-type]
-    assert message.model == "llama" and message.content
+    message = claude.messages.create(model="little", max_tokens=4, messages=turn)  # type: ignore[arg-type]
+    assert message.model == "little" and message.content
 
 
 def test_one_models_recovery_leaves_the_others_stream_undisturbed(router: Server, tiny_models: dict[str, Path]) -> None:
     """A worker of the qwen3's group is killed while the llama streams: the qwen3's server recovers in its own
     process, and the llama's stream goes on as if nothing happened, ending with its text alone."""
     assert _complete(router, "qwen3").status_code == 200
-    alone = _complete(router, "llama", max_tokens=600).json()["choices"][0]["text"]
+    alone = _complete(router, "little", max_tokens=600).json()["choices"][0]["text"]
     body = {
-        "model": "llama",
+        "model": "little",
         "prompt": PROMPT,
         "max_tokens": 600,
         "temperature": 0.0,
@@ -196,11 +219,24 @@ def test_one_models_recovery_leaves_the_others_stream_undisturbed(router: Server
     reader.join(120)
     assert "".join(pieces) == alone
     recovering = _entries(router, "recovering", model="qwen3")[-1]
-    ended = _entries(router, "request done", model="llama", completion_tokens=600)[-1]
+    ended = _entries(router, "request done", model="little", completion_tokens=600)[-1]
     assert recovering["timestamp"] < ended["timestamp"]  # the stream was in flight as the other model recovered
-    assert not _entries(router, "recovering", model="llama")
+    assert not _entries(router, "recovering", model="little")
     assert _complete(router, "qwen3").json()["choices"][0]["text"] == _greedy_text(tiny_models["qwen3"])
 
 
 def _entries(router: Server, event: str, **fields: object) -> list[dict]:
     return [e for e in router.logs() if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
+
+
+def test_the_page_is_served_with_each_models_status_for_its_picker(router: Server) -> None:
+    page = httpx.get(f"{router.url}/", timeout=60)
+    assert page.status_code == 200 and 'id="model-picker"' in page.text
+    assert httpx.get(f"{router.url}/page/page.js", timeout=60).status_code == 200
+    assert _complete(router, "qwen3").status_code == 200
+    qwen3 = httpx.get(f"{router.url}/v1/status", params={"model": "qwen3"}, timeout=60).json()
+    assert qwen3["model"]["id"] == "qwen3" and qwen3["ready"] is True and len(qwen3["ranks"]) == 2
+    assert [m["id"] for m in qwen3["models"]] == ["qwen3", "little", "broken", "huge"]
+    broken = httpx.get(f"{router.url}/v1/status", params={"model": "broken"}, timeout=60).json()
+    assert broken["model"]["id"] == "broken" and broken["ready"] is False and broken["ranks"] == []
+    assert httpx.get(f"{router.url}/v1/status", params={"model": "nope"}, timeout=60).status_code == 404

@@ -22,7 +22,7 @@ import httpx
 import jsonschema
 import pytest
 
-from testkit import ROOT, Server
+from testkit import ROOT, Server, serving
 from testkit.resume import worker_pid
 from testkit.server import wait_until
 
@@ -262,3 +262,31 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     page.wait_for_selector("#events li.recovered")
     assert page.locator('.rank[data-rank="0"]').get_attribute("data-state") == "ok"
     shoot(page, shots, "cluster-recovered")
+
+
+@pytest.fixture(scope="module")
+def router(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two tiny models behind a router (docs/several-models.md)."""
+    models = ("--model", str(tiny_models["qwen3"]), "--model", str(tiny_models["llama"]))
+    with serving(tmp_path_factory, *models, "--speculate", "off") as started:
+        yield started
+
+
+def test_a_router_of_several_models_lets_the_page_pick_one_and_chat_with_it(
+    browser: Browser, router: Server, shots: Path
+) -> None:
+    body = {"model": "qwen3", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 200
+    page = browser.open(router)  # it shows the loaded model first
+    assert page.locator("#model-picker").is_visible()
+    assert page.locator("#model-picker option").all_text_contents() == ["qwen3 (loaded)", "llama (unloaded)"]
+    assert page.locator("#model-name").text_content() == "qwen3"
+    page.select_option("#model-picker", "llama")
+    page.wait_for_selector("#model-name:text('llama')")
+    assert "unloaded" in (page.locator("#readiness").text_content() or "")
+    reply = send(page, "Hello", 4)
+    page.wait_for_selector(".message.assistant[data-done=done]")
+    assert reply.locator(".error").count() == 0, reply.text_content()
+    assert router.find_log("request started", model="llama") is not None  # the chat went to the picked model
+    page.wait_for_selector("#readiness.ready")
+    shoot(page, shots, "router")

@@ -38,8 +38,9 @@ def test_each_server_gets_the_settings_given_here_and_its_own_table_over_them(tm
     args = _args(tmp_path, "--speculate", "off", "--models-max", "1", "--api-key", "secret", toml=toml)
     (a, b), problems = router.declare(args)
     assert problems == []
-    assert router.server_flags(args, a, 1) == ["--tp", "2", "--max-batch", "4", "--speculate", "off"]
-    assert router.server_flags(args, b, 1) == ["--tp", "1", "--pp", "2", "--max-batch", "4", "--speculate", "off"]
+    served = ["--max-batch", "4", "--speculate", "off"]
+    assert router.server_flags(args, a, 1) == ["--tp", "2", "--served-model-name", "a", *served]
+    assert router.server_flags(args, b, 1) == ["--tp", "1", "--pp", "2", "--served-model-name", "b", *served]
 
 
 def test_each_server_budgets_its_part_of_the_memory_as_many_as_may_be_loaded_at_once(tmp_path: Path) -> None:
@@ -47,10 +48,10 @@ def test_each_server_budgets_its_part_of_the_memory_as_many_as_may_be_loaded_at_
     args = _args(tmp_path, *models)
     declared, _ = router.declare(args)
     assert router.at_once(args, declared) == 3
-    assert router.server_flags(args, declared[0], 3) == ["--memory-share", "0.3333"]
+    assert router.server_flags(args, declared[0], 3) == ["--served-model-name", "a", "--memory-share", "0.3333"]
     capped = _args(tmp_path, *models, "--models-max", "2", "--memory-share", "0.8")
     assert router.at_once(capped, declared) == 2
-    assert router.server_flags(capped, declared[0], 2) == ["--memory-share", "0.4"]
+    assert router.server_flags(capped, declared[0], 2) == ["--served-model-name", "a", "--memory-share", "0.4"]
 
 
 def test_a_server_reads_no_setting_from_the_environment_and_gets_the_keys_there(

@@ -3,7 +3,7 @@ does, and an idle one unloads once its keep_alive has passed."""
 
 from __future__ import annotations
 
-from neuron.router.residency import Resident, expired, make_room
+from neuron.router.residency import Resident, expired, make_room, unload_to_fit
 
 
 def _resident(name: str, busy: int = 0, last_used: float = 0.0, keep_alive: float | None = None) -> Resident:
@@ -40,3 +40,18 @@ def test_an_idle_model_expires_after_its_keep_alive_and_a_busy_one_never() -> No
     ]
     assert expired(resident, now=10.0) == ["quick"]
     assert expired(resident, now=4.0) == []
+
+
+def test_a_model_that_fits_beside_the_others_unloads_none() -> None:
+    assert unload_to_fit([_resident("a", last_used=1.0)], need=100, free=500) == []
+
+
+def test_idle_models_unload_least_recently_used_first_until_the_new_one_fits() -> None:
+    resident = [
+        Resident("a", 0, 3.0, None, held=300),
+        Resident("b", 0, 1.0, None, held=100),
+        Resident("c", 1, 0.0, None, held=900),  # busy: never
+    ]
+    assert unload_to_fit(resident, need=200, free=100) == ["b"]
+    assert unload_to_fit(resident, need=450, free=100) == ["b", "a"]
+    assert unload_to_fit(resident, need=600, free=100) is None

@@ -262,6 +262,21 @@ $("attach").addEventListener("change", () => {
 // The cluster, from /v1/status.
 
 let modelId = null;
+// A router of several models (docs/several-models.md): the model the page shows and chats with, picked by the
+// person; its status is the router's /v1/status?model=NAME.
+let picked = null;
+
+function renderPicker(models) {
+  const picker = $("model-picker");
+  picker.classList.remove("hidden");
+  picker.replaceChildren(...models.map((m) => el("option", { value: m.id, text: `${m.id} (${m.status.value})` })));
+  picker.value = picked;
+}
+
+$("model-picker").addEventListener("change", () => {
+  picked = $("model-picker").value;
+  poll();
+});
 
 function bytes(n) {
   if (n === null || n === undefined) return "–";
@@ -319,6 +334,7 @@ function rankState(rank, events) {
 }
 
 function renderStatus(status) {
+  if (status.models) renderPicker(status.models);
   modelId = status.model.id;
   $("model-name").textContent = status.model.id;
   const ready = $("readiness");
@@ -406,9 +422,17 @@ function renderStatus(status) {
 
 async function poll() {
   try {
-    const response = await fetch("/v1/status", { headers: headers(false) });
+    const query = picked ? "?model=" + encodeURIComponent(picked) : "";
+    const response = await fetch("/v1/status" + query, { headers: headers(false) });
     if (response.status === 401) return askForKey();
-    if (response.ok) renderStatus(await response.json());
+    if (!response.ok) return;
+    const status = await response.json();
+    if (!status.model && status.models) {
+      // A router's overview: show a model of its, a loaded one where there is one.
+      picked = (status.models.find((m) => m.status.value === "loaded") || status.models[0]).id;
+      return poll();
+    }
+    renderStatus(status);
   } catch {
     $("readiness").textContent = "server unreachable";
     $("readiness").className = "badge unready";
