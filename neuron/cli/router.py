@@ -67,6 +67,38 @@ def server_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def overcommitted(args: argparse.Namespace, declared: list[Declared]) -> list[str]:
+    """Models on this host that can never fit its memory: one alone, or those preloaded together (the others load
+    on demand, and idle ones make room). Models whose weights are elsewhere or not known yet (a Hub name) are not
+    counted."""
+    from neuron.launch import cgroup
+    from neuron.launch.hosts import total_memory
+    from neuron.router.child import Child
+
+    group = cgroup.own_group()
+    total = total_memory(cgroup.room(group) if group else None)
+    needs = {m.name: n for m in declared if (n := Child(m, [], {}, local_ranks(args, m)).need()) is not None}
+    found = [
+        f"the model {name!r} needs about {_gib(need)} (its weights and its server), more than this host's "
+        f"{_gib(total)}: serve it over more hosts (hosts = ... in its [[models]] table), or a smaller quantization"
+        for name, need in needs.items()
+        if need > total
+    ]
+    preloaded = [(needs[m.name], m.name) for m in declared if m.preload and needs.get(m.name, total + 1) <= total]
+    if len(preloaded) > 1 and sum(n for n, _ in preloaded) > total:
+        names = ", ".join(repr(name) for _, name in preloaded)
+        found.append(
+            f"the models {names} are preloaded together but need about {_gib(sum(n for n, _ in preloaded))}, "
+            f"more than this host's {_gib(total)}: preload fewer (the others load on their first request, and the "
+            "least recently used idle one makes room)"
+        )
+    return found
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
 def local_ranks(args: argparse.Namespace, model: Declared) -> int | None:
     """How many ranks ``model``'s server runs on this host: all of them, or None where a hostfile places them."""
     own = dict(model.own)
@@ -86,6 +118,7 @@ def problems(args: argparse.Namespace) -> list[str]:
 
     declared, found = declare(args)
     found += [problem for model in declared if (problem := outside(model.source, args.model_dirs))]
+    found += overcommitted(args, declared)
     try:
         load(args.api_key, args.api_keys_file)
     except KeysError as e:

@@ -20,6 +20,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from testkit import Server, serving, sse_events, wait_until
+from testkit.adapters import make_adapter
 from testkit.arch_checks import PROMPTS, reference
 
 PROMPT = PROMPTS[0]
@@ -34,11 +35,18 @@ def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def huge(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model whose weights (a sparse file: nothing is written) no host here holds."""
+    """A model whose weights (a sparse file: nothing is written) need nearly all of this host's memory: less than
+    it has in all, so that it is not refused at start, and more than it has free beside this test's processes."""
+    from neuron.launch import cgroup
+    from neuron.launch.hosts import total_memory
+    from neuron.router.child import BESIDE_WEIGHTS, PER_PROCESS
+
+    group = cgroup.own_group()
+    total = total_memory(cgroup.room(group) if group else None)
     folder = tmp_path_factory.mktemp("huge")
     (folder / "config.json").write_text((tiny_models["qwen3"] / "config.json").read_text())
     with open(folder / "model.safetensors", "wb") as weights:
-        weights.truncate(1 << 40)
+        weights.truncate(int((total - (200 << 20) - PER_PROCESS) / (1 + BESIDE_WEIGHTS)))
     return folder
 
 
@@ -46,11 +54,12 @@ def huge(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 def router(
     tiny_models: dict[str, Path], broken: Path, huge: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
+    adapter = make_adapter(tiny_models["llama"], tmp_path_factory.mktemp("adapters") / "fr", seed=1)
     config = tmp_path_factory.mktemp("config") / "neuron.toml"
     config.write_text(
         "speculate = 'off'\n"
         f"[[models]]\nmodel = '{tiny_models['qwen3']}'\ntp = 2\n"
-        f"[[models]]\nmodel = '{tiny_models['llama']}'\nname = 'little'\npp = 2\n"
+        f"[[models]]\nmodel = '{tiny_models['llama']}'\nname = 'little'\npp = 2\nadapter = ['fr={adapter}']\n"
         f"[[models]]\nmodel = '{broken}'\nname = 'broken'\n"
         f"[[models]]\nmodel = '{huge}'\nname = 'huge'\n"
     )
@@ -75,13 +84,17 @@ def _states(router: Server) -> dict[str, str]:
 def test_two_models_at_once_each_split_its_own_way_answer_as_mlx_lm(
     router: Server, tiny_models: dict[str, Path]
 ) -> None:
-    assert _states(router) == {"qwen3": "unloaded", "little": "unloaded", "broken": "unloaded", "huge": "unloaded"}
+    assert _states(router) == {
+        "qwen3": "unloaded", "little": "unloaded", "broken": "unloaded", "huge": "unloaded", "fr": "unloaded"
+    }  # fmt: skip
     for name, folder in (("qwen3", "qwen3"), ("little", "llama")):  # the llama served under a name of its own
         reply = _complete(router, name)
         assert reply.status_code == 200, reply.text
         assert reply.json()["model"] == name
         assert reply.json()["choices"][0]["text"] == _greedy_text(tiny_models[folder])
-    assert _states(router) == {"qwen3": "loaded", "little": "loaded", "broken": "unloaded", "huge": "unloaded"}
+    assert _states(router) == {
+        "qwen3": "loaded", "little": "loaded", "broken": "unloaded", "huge": "unloaded", "fr": "loaded"
+    }  # fmt: skip
     status = {
         m["id"]: m["server"]["ranks"] for m in httpx.get(f"{router.url}/v1/status").json()["models"] if m["server"]
     }
@@ -108,9 +121,18 @@ def test_a_model_that_cannot_fit_says_what_it_needs_and_who_holds_the_memory(rou
     assert reply.status_code == 503, reply.text
     error = reply.json()["error"]
     assert error["code"] == "model_too_large"
-    assert error["message"].startswith("huge needs about 1229.0 GiB here (its weights and its server)"), error
+    assert error["message"].startswith("huge needs about"), error
+    assert "GiB here (its weights and its server), and this host has" in error["message"], error
     assert "qwen3 holds" in error["message"] and "GiB free" in error["message"]
     assert _states(router)["huge"] == "unloaded" and _states(router)["qwen3"] == "loaded"  # nothing was unloaded
+
+
+def test_an_adapter_stays_a_model_of_its_base(router: Server) -> None:
+    listed = {e["id"]: e for e in httpx.get(f"{router.url}/v1/models").json()["data"]}
+    assert listed["fr"]["parent"] == "little"
+    reply = _complete(router, "fr")
+    assert reply.status_code == 200 and reply.json()["model"] == "fr", reply.text
+    assert reply.json()["choices"][0]["text"] != _complete(router, "little").json()["choices"][0]["text"]
 
 
 def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shape(router: Server) -> None:
@@ -123,7 +145,7 @@ def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shap
     unknown = _complete(router, "gpt-4")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["message"] == (
-        "the model 'gpt-4' does not exist; this server serves qwen3, little, broken, huge"
+        "the model 'gpt-4' does not exist; this server serves qwen3, little, broken, huge, fr"
     )
     anthropic = httpx.post(f"{router.url}/v1/messages", json={**chat, "model": "claude"}, timeout=60)
     assert anthropic.status_code == 404 and anthropic.json()["error"]["type"] == "not_found_error"
@@ -236,7 +258,7 @@ def test_the_page_is_served_with_each_models_status_for_its_picker(router: Serve
     assert _complete(router, "qwen3").status_code == 200
     qwen3 = httpx.get(f"{router.url}/v1/status", params={"model": "qwen3"}, timeout=60).json()
     assert qwen3["model"]["id"] == "qwen3" and qwen3["ready"] is True and len(qwen3["ranks"]) == 2
-    assert [m["id"] for m in qwen3["models"]] == ["qwen3", "little", "broken", "huge"]
+    assert [m["id"] for m in qwen3["models"]] == ["qwen3", "little", "broken", "huge", "fr"]
     broken = httpx.get(f"{router.url}/v1/status", params={"model": "broken"}, timeout=60).json()
     assert broken["model"]["id"] == "broken" and broken["ready"] is False and broken["ranks"] == []
     assert httpx.get(f"{router.url}/v1/status", params={"model": "nope"}, timeout=60).status_code == 404

@@ -78,3 +78,36 @@ def test_the_same_name_twice_is_refused_at_start(tmp_path: Path) -> None:
 def test_preload_loads_every_table_at_start(tmp_path: Path) -> None:
     args = _args(tmp_path, "--preload", toml='[[models]]\nmodel = "/m/a"\n[[models]]\nmodel = "/m/b"\n')
     assert [m.preload for m in router.declare(args)[0]] == [True, True]
+
+
+def _total() -> int:
+    from neuron.launch import cgroup
+    from neuron.launch.hosts import total_memory
+
+    group = cgroup.own_group()
+    return total_memory(cgroup.room(group) if group else None)
+
+
+def _sparse_model(folder: Path, size: int) -> Path:
+    """A model folder whose weights' file is ``size`` bytes long and holds nothing (a sparse file)."""
+    folder.mkdir()
+    with open(folder / "model.safetensors", "wb") as weights:
+        weights.truncate(size)
+    return folder
+
+
+def test_a_model_larger_than_the_host_is_refused_at_start(tmp_path: Path) -> None:
+    big = _sparse_model(tmp_path / "big", _total())
+    small = _sparse_model(tmp_path / "small", 1 << 20)
+    problems = router.problems(_args(tmp_path, "--model", str(big), "--model", str(small)))
+    assert len(problems) == 1 and problems[0].startswith("the model 'big' needs about"), problems
+
+
+def test_models_preloaded_together_beyond_the_hosts_memory_are_refused_at_start_naming_them(tmp_path: Path) -> None:
+    half = int(_total() * 0.45)
+    models = [str(_sparse_model(tmp_path / name, half)) for name in ("a", "b")]
+    toml = f"[[models]]\nmodel = '{models[0]}'\npreload = true\n[[models]]\nmodel = '{models[1]}'\npreload = true\n"
+    problems = router.problems(_args(tmp_path, toml=toml))
+    assert len(problems) == 1 and problems[0].startswith("the models 'a', 'b' are preloaded together"), problems
+    on_demand = toml.replace("preload = true\n", "", 1)
+    assert router.problems(_args(tmp_path, toml=on_demand)) == []  # one loads on demand: the other makes room
