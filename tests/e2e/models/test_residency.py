@@ -6,6 +6,7 @@ long. Swaps and states are in /metrics. The decisions: tests/unit/router/test_re
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,17 @@ import pytest
 
 from testkit import Server, serving, sse_events
 
+USER = {"authorization": "Bearer user-key"}
+ADMIN = {"authorization": "Bearer admin-key"}
+
 
 @pytest.fixture(scope="module")
 def router(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    models = ("--model", str(tiny_models["qwen3"]), "--model", str(tiny_models["llama"]))
+    keys = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"name": "user", "key": "user-key"}, {"name": "ops", "key": "admin-key",
+                                                                              "admin": True}]}))  # fmt: skip
+    keys.chmod(0o600)
+    models = ("--model", str(tiny_models["qwen3"]), "--model", str(tiny_models["llama"]), "--api-keys-file", str(keys))
     # No drain: a model's server stopped under a stream would cut it at once, rather than let it finish.
     args = (*models, "--models-max", "1", "--speculate", "off", "--drain-timeout", "0")
     with serving(tmp_path_factory, *args) as started:
@@ -27,13 +35,13 @@ def router(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 def _complete(router: Server, model: str, **extra: object) -> str:
     body = {"model": model, "prompt": "The lamp", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **extra}
-    reply = httpx.post(f"{router.url}/v1/completions", json=body, timeout=120)
+    reply = httpx.post(f"{router.url}/v1/completions", json=body, headers=USER, timeout=120)
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["text"]
 
 
 def _loaded(router: Server) -> list[str]:
-    listed = httpx.get(f"{router.url}/v1/models").json()["data"]
+    listed = httpx.get(f"{router.url}/v1/models", headers=USER).json()["data"]
     return [entry["id"] for entry in listed if entry["status"]["value"] == "loaded"]
 
 
@@ -66,7 +74,7 @@ def test_a_model_is_never_unloaded_under_a_stream_the_other_waits_for_it(router:
     started = threading.Event()
 
     def stream() -> None:
-        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as reply:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=USER, timeout=120) as reply:
             for event in sse_events(reply):
                 if isinstance(event, dict):
                     finishes.extend(c["finish_reason"] for c in event["choices"] if c["finish_reason"])
@@ -88,3 +96,13 @@ def test_a_requests_keep_alive_unloads_its_model_once_idle_that_long(router: Ser
     _complete(router, "llama", keep_alive="1s")
     router.wait_log("model state", 30, model="llama", state="unloaded", why="idle for its keep_alive (1 s)")
     assert _loaded(router) == []
+
+
+def test_the_keys_guard_every_model_and_the_admin_routes_take_only_an_admin_key(router: Server) -> None:
+    body = {"model": "qwen3", "prompt": "The lamp", "max_tokens": 2}
+    assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 401
+    assert httpx.get(f"{router.url}/v1/models", timeout=60).status_code == 401
+    refused = httpx.post(f"{router.url}/models/unload", json={"model": "qwen3"}, headers=USER, timeout=60)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_needs_key"
+    allowed = httpx.post(f"{router.url}/models/load", json={"model": "qwen3"}, headers=ADMIN, timeout=60)
+    assert allowed.status_code == 200 and allowed.json()["status"]["value"] == "loaded"

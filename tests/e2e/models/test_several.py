@@ -58,7 +58,7 @@ def router(
     config = tmp_path_factory.mktemp("config") / "neuron.toml"
     config.write_text(
         "speculate = 'off'\n"
-        f"[[models]]\nmodel = '{tiny_models['qwen3']}'\ntp = 2\n"
+        f"[[models]]\nmodel = '{tiny_models['qwen3']}'\ntp = 2\npreload = true\n"
         f"[[models]]\nmodel = '{tiny_models['llama']}'\nname = 'little'\npp = 2\nadapter = ['fr={adapter}']\n"
         f"[[models]]\nmodel = '{broken}'\nname = 'broken'\n"
         f"[[models]]\nmodel = '{huge}'\nname = 'huge'\n"
@@ -84,8 +84,9 @@ def _states(router: Server) -> dict[str, str]:
 def test_two_models_at_once_each_split_its_own_way_answer_as_mlx_lm(
     router: Server, tiny_models: dict[str, Path]
 ) -> None:
+    router.wait_log("model state", 60, model="qwen3", state="loaded")  # preloaded: loaded at start, unasked
     assert _states(router) == {
-        "qwen3": "unloaded", "little": "unloaded", "broken": "unloaded", "huge": "unloaded", "fr": "unloaded"
+        "qwen3": "loaded", "little": "unloaded", "broken": "unloaded", "huge": "unloaded", "fr": "unloaded"
     }  # fmt: skip
     for name, folder in (("qwen3", "qwen3"), ("little", "llama")):  # the llama served under a name of its own
         reply = _complete(router, name)
@@ -100,6 +101,9 @@ def test_two_models_at_once_each_split_its_own_way_answer_as_mlx_lm(
     }
     assert [r["heads"] for r in status["qwen3"]] == [2, 2]  # TP=2: each rank half the heads of every layer
     assert [r["layers"] for r in status["little"]] == [[0, 2], [2, 4]]  # PP=2: each rank its run of layers
+    for rank in status["qwen3"]:  # five models may be loaded at once: each budgets its caches from a fifth
+        memory = rank["memory"]
+        assert memory["budget_bytes"] < (memory["free_bytes"] + memory["caches_bytes"]) / 5, memory
     for name in ("qwen3", "little"):  # every entry of a model's server names its model
         assert router.find_log("request started", model=name) is not None
         assert router.find_log("group ready", model=name) is not None
@@ -138,6 +142,9 @@ def test_an_adapter_stays_a_model_of_its_base(router: Server) -> None:
 def test_every_family_routes_by_model_and_refuses_an_unknown_one_in_its_own_shape(router: Server) -> None:
     chat = {"model": "little", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     assert httpx.post(f"{router.url}/v1/chat/completions", json=chat, timeout=60).json()["model"] == "little"
+    responses = {"model": "little", "input": "hi", "max_output_tokens": 3}
+    answered = httpx.post(f"{router.url}/v1/responses", json=responses, timeout=60)
+    assert answered.status_code == 200 and answered.json()["model"] == "little", answered.text
     messages = httpx.post(f"{router.url}/v1/messages", json=chat, timeout=60)
     assert messages.status_code == 200 and messages.json()["model"] == "little", messages.text
     tokens = httpx.post(f"{router.url}/tokenize", json={"model": "qwen3", "prompt": "hello"}, timeout=60)

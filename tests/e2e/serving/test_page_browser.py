@@ -255,7 +255,10 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     page.wait_for_selector('.rank[data-rank="1"] dt:text("memory used (read")')
     shoot(page, shots, "cluster")
     os.kill(worker_pid(server), signal.SIGKILL)
-    page.wait_for_selector('.rank[data-rank="1"][data-state=lost]')
+    # The card shows the loss while the recovery runs; one that takes less than a poll's interval (a few hundred
+    # ms on an idle machine) leaves no poll to see it, and the card goes straight to recovered, which it shows only
+    # after a loss of that rank. The events list keeps the loss either way.
+    page.wait_for_selector('.rank[data-rank="1"][data-state=lost], .rank[data-rank="1"][data-state=recovered]')
     page.wait_for_selector("#events li.lost")
     shoot(page, shots, "cluster-lost")
     page.wait_for_selector('.rank[data-rank="1"][data-state=recovered]', timeout=180_000)
