@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import subprocess
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from neuron.config.settings import SETTINGS
 from neuron.config.sources import CONFIG_ENV, names
 from neuron.router.child import NOT_INHERITED
 from neuron.router.declared import Declared, conflicts, from_flags, from_tables
+
+if TYPE_CHECKING:
+    from neuron.launch.hosts import Host
 
 # The router's own settings, or ones it sets for each model's server itself.
 NOT_PASSED = ("model", "host", "port", "log_format", "api_key", "models_max", "keep_alive", "preload")
@@ -95,6 +102,65 @@ def overcommitted(args: argparse.Namespace, declared: list[Declared]) -> list[st
     return found
 
 
+def shared_hosts(
+    args: argparse.Namespace, declared: list[Declared], memory_of: Callable[[Host], int | None]
+) -> list[str]:
+    """Entries whose hostfiles put ranks on one host beyond its memory (``memory_of``: its total, or None where it
+    cannot be read, which the model's server then reports as it starts): the largest shares of the models that
+    may be loaded at once, together. The router weighs only this host's memory before a load, so a host other
+    entries share is checked here, at start."""
+    from neuron.launch.hostfile import read_hostfile
+    from neuron.launch.hosts import HostsError
+    from neuron.router.child import BESIDE_WEIGHTS, PER_PROCESS, weights_bytes
+
+    on: dict[str, tuple[Host, dict[str, int]]] = {}
+    for model in declared:
+        path = dict(model.own).get("hosts") or args.hosts
+        if not path or (weights := weights_bytes(model.source)) is None:
+            continue
+        try:
+            hosts = read_hostfile(path).hosts
+        except HostsError:
+            continue  # its server says what is wrong with it as it starts
+        for host in hosts:  # a rank each: an even share of the weights, a process
+            shares = on.setdefault(host.ssh, (host, {}))[1]
+            share = int(weights / len(hosts) * (1 + BESIDE_WEIGHTS)) + PER_PROCESS
+            shares[model.name] = shares.get(model.name, 0) + share
+    found = []
+    for name, (host, shares) in on.items():
+        if len(shares) < 2 or (total := memory_of(host)) is None:
+            continue
+        largest = sorted(shares.items(), key=lambda item: item[1])[-at_once(args, declared) :]
+        if len(largest) > 1 and (need := sum(n for _, n in largest)) > total:
+            names = ", ".join(repr(m) for m, _ in largest)
+            found.append(
+                f"the models {names} have ranks on the host {name} and may be loaded together, needing about "
+                f"{_gib(need)} there, more than its {_gib(total)}: give them hosts apart, or set --models-max "
+                f"{len(largest) - 1} (models_max), so that fewer are loaded at once"
+            )
+    return found
+
+
+def host_memory(ssh_command: str, host: Host) -> int | None:
+    """``host``'s total memory: this machine's, or another's over SSH (``/proc/meminfo``); None where unread."""
+    from neuron.launch.cgroup import own_group, room
+    from neuron.launch.hosts import total_memory
+    from neuron.launch.ssh import SSH_OPTIONS
+
+    if host.local:
+        group = own_group()
+        return total_memory(room(group) if group else None)
+    argv = [*shlex.split(ssh_command), *SSH_OPTIONS, "--", host.ssh, "cat /proc/meminfo"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=15, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in done.stdout.splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
@@ -119,6 +185,7 @@ def problems(args: argparse.Namespace) -> list[str]:
     declared, found = declare(args)
     found += [problem for model in declared if (problem := outside(model.source, args.model_dirs))]
     found += overcommitted(args, declared)
+    found += shared_hosts(args, declared, lambda host: host_memory(args.ssh_command, host))
     try:
         load(args.api_key, args.api_keys_file)
     except KeysError as e:

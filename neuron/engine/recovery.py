@@ -158,14 +158,10 @@ class Recovery:
                 error = f"{type(e).__name__}: {e}"
                 named = ranks_named(e, self.pool.hosts)
                 spares.failed(named or [], answered=named is not None)
-                if self._move_to_spares(error):
+                changed, refused = await self._reshape(error, refused)
+                if changed:
                     delays = iter(RETRY_S)
                     continue
-                if refused is None:
-                    shrunk, refused = await self._shrink(error)
-                    if shrunk:
-                        delays = iter(RETRY_S)
-                        continue
                 delay: float = next(delays, RETRY_S[-1])
                 for due in (spares.until_due(), None if refused else spares.until_stranded()):
                     if due is not None:
@@ -178,12 +174,19 @@ class Recovery:
                 await anyio.sleep(delay)
                 # A move that came due during the pause goes first: another try at the lost host would wait out
                 # its SSH connection timeout before the move.
-                if self._move_to_spares(error):
+                changed, refused = await self._reshape(error, refused)
+                if changed:
                     delays = iter(RETRY_S)
-                elif refused is None:
-                    shrunk, refused = await self._shrink(error)
-                    if shrunk:
-                        delays = iter(RETRY_S)
+
+    async def _reshape(self, error: str, refused: str | None) -> tuple[bool, str | None]:
+        """The ranks out of reach too long moved to spares, or, with none left, left behind (once: ``refused``
+        says why the group could not shrink, and the ranks that remain do not change while it waits); whether the
+        group changed, and ``refused`` as it stands now."""
+        if self._move_to_spares(error):
+            return True, refused
+        if refused is None:
+            return await self._shrink(error)
+        return False, refused
 
     def _move_to_spares(self, error: str) -> bool:
         """Move the ranks whose hosts have been out of reach too long to spares, and say so; whether any moved."""

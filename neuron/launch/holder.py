@@ -62,13 +62,13 @@ HOLD_S = 60.0
 # word. Standard library only (it runs with ``-S``), and none of the words a process listing looks for to find
 # workers.
 RELEASE, SILENT = b"x", b"s"
-HOLDER = """
+HOLDER = f"""
 import os, select, socket, sys, time
 life, most, ssh = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 ends = [socket.socket(fileno=int(fd)) for fd in sys.argv[4:]]
 ready = select.select([life] + ([ssh] if ssh >= 0 else []), [], [])[0]
 said = os.read(life, 1) if life in ready else b""
-if said == b"x" or (ssh >= 0 and life in ready):
+if said == {RELEASE!r} or (ssh >= 0 and life in ready):
     sys.exit(0)  # left in order, or the leader is gone with its rank 0: nobody waits on these connections
 answer = ssh < 0 and not said  # the worker is gone without a word
 watch = [life] if ssh >= 0 else []  # the leader, alive, may still close the tunnel in order

@@ -73,11 +73,8 @@ class Child:
     def need(self) -> int | None:
         """The bytes its server will hold on this host, from its weights' files; None where that is not known
         before it loads (a Hub name) or not here (ranks on other hosts)."""
-        path = Path(self.model.source).expanduser()
-        files = [*path.glob("*.safetensors"), *path.glob("*.gguf")] if path.is_dir() else [path]
-        if self.ranks is None or not files or not all(f.is_file() for f in files):
+        if self.ranks is None or (weights := weights_bytes(self.model.source)) is None:
             return None
-        weights = sum(f.stat().st_size for f in files)
         return int(weights * (1 + BESIDE_WEIGHTS)) + self.ranks * PER_PROCESS
 
     def held(self) -> int:
@@ -202,6 +199,16 @@ class Child:
         if level == "error" and not self._served.is_set():
             self.why = str(entry.get("error") or entry.get("cause") or event)
         getattr(log, level)(event, model=self.model.name, **entry)
+
+
+def weights_bytes(source: str) -> int | None:
+    """The bytes of a model's weights' files (a folder's safetensors, a GGUF file); None where there are none here
+    to read (a Hub name)."""
+    path = Path(source).expanduser()
+    files = [*path.glob("*.safetensors"), *path.glob("*.gguf")] if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        return None
+    return sum(f.stat().st_size for f in files)
 
 
 def _tree(pid: int) -> list[int]:

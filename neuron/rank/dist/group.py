@@ -10,8 +10,10 @@ checks that).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,12 +47,35 @@ def join_failure(backend: str, env: dict[str, str], error: Exception) -> str:
     )
 
 
+@contextlib.contextmanager
+def _written(files: dict[str, str], prefix: str) -> Iterator[dict[str, str]]:
+    """Each of ``files`` (variable: content) written, and the path each variable should point at. On Linux, a
+    file in memory (memfd) that this process reads at ``/proc/self/fd/N`` and that ends with it; elsewhere, a
+    temporary folder's, removed on the way out."""
+    if hasattr(os, "memfd_create"):
+        fds = {variable: os.memfd_create(prefix + variable.lower()) for variable in files}
+        try:
+            for variable, fd in fds.items():
+                with open(fd, "w", closefd=False) as out:
+                    out.write(files[variable])
+            yield {variable: f"/proc/self/fd/{fd}" for variable, fd in fds.items()}
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        for variable, content in files.items():
+            (Path(folder) / variable.lower()).write_text(content)
+        yield {variable: str(Path(folder) / variable.lower()) for variable in files}
+
+
 def join(
     rank: int, world_size: int, backend: str, env: dict[str, str], files: dict[str, str]
 ) -> tuple[mx.distributed.Group, float]:
     """Join the group as ``rank`` of ``world_size``, with ``env`` set and each of ``files`` (variable: content,
     the ring's hostfile) written where its variable points; the group and the sanity all-reduce of 1.0 from every
-    rank. The files live only while MLX reads them: a process killed later leaves nothing behind."""
+    rank. The files live only while MLX reads them, and on Linux only in memory: a process killed even while it
+    joins (its peers never came) leaves nothing behind."""
     global _in_group
     if _in_group:
         raise RankError(
@@ -58,12 +83,8 @@ def join(
             "join another; start a fresh process for a new group"
         )
     _in_group = True
-    with tempfile.TemporaryDirectory(prefix=f"neuron-rank{rank}-") as folder:
-        for variable, content in files.items():
-            path = Path(folder) / variable.lower()
-            path.write_text(content)
-            env = {**env, variable: str(path)}
-        os.environ.update(env)
+    with _written(files, f"neuron-rank{rank}-") as paths:
+        os.environ.update({**env, **paths})
         try:
             group = mx.distributed.init(strict=True, backend=backend)
         except Exception as e:  # the library's own words alone: say what to check

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from testkit import Server, serving, sse_events, wait_until
+from testkit import Server, run_neuron, serving, sse_events, wait_until
 from testkit.adapters import make_adapter
 from testkit.arch_checks import PROMPTS, reference
 
@@ -269,3 +269,26 @@ def test_the_page_is_served_with_each_models_status_for_its_picker(router: Serve
     broken = httpx.get(f"{router.url}/v1/status", params={"model": "broken"}, timeout=60).json()
     assert broken["model"]["id"] == "broken" and broken["ready"] is False and broken["ranks"] == []
     assert httpx.get(f"{router.url}/v1/status", params={"model": "nope"}, timeout=60).status_code == 404
+
+
+def test_entries_whose_hosts_overlap_beyond_a_hosts_memory_are_refused_at_start(tmp_path: Path) -> None:
+    """Two tables whose hostfiles put a rank each on the host "far", which has 1 GiB: each model's share fits it
+    alone, both together do not. Its memory is read over SSH (here a stand-in for ssh that answers as that host)."""
+    ssh = tmp_path / "ssh"
+    ssh.write_text("#!/bin/sh\necho 'MemTotal:        1048576 kB'\n")
+    ssh.chmod(0o755)
+    tables = ""
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        with open(folder / "model.safetensors", "wb") as weights:
+            weights.truncate(600 << 20)  # sparse: nothing is written
+        hostfile = tmp_path / f"{name}.json"
+        hostfile.write_text('[{"ssh": "localhost"}, {"ssh": "far"}]')
+        tables += f"[[models]]\nmodel = '{folder}'\nhosts = '{hostfile}'\n"
+    config = tmp_path / "neuron.toml"
+    config.write_text(f"ssh_command = '{ssh}'\n{tables}")
+    done = run_neuron("serve", "--config", str(config), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "the models 'a', 'b' have ranks on the host far and may be loaded together" in done.stderr
+    assert "more than its 1.0 GiB" in done.stderr and "--models-max 1" in done.stderr

@@ -111,3 +111,23 @@ def test_models_preloaded_together_beyond_the_hosts_memory_are_refused_at_start_
     assert len(problems) == 1 and problems[0].startswith("the models 'a', 'b' are preloaded together"), problems
     on_demand = toml.replace("preload = true\n", "", 1)
     assert router.problems(_args(tmp_path, toml=on_demand)) == []  # one loads on demand: the other makes room
+
+
+def test_models_sharing_a_host_beyond_its_memory_are_refused_unless_fewer_may_be_loaded_at_once(
+    tmp_path: Path,
+) -> None:
+    tables = ""
+    for name in ("a", "b"):
+        folder = _sparse_model(tmp_path / name, 600 << 20)
+        hostfile = tmp_path / f"{name}.json"
+        hostfile.write_text('[{"ssh": "localhost"}, {"ssh": "far"}]')
+        tables += f"[[models]]\nmodel = '{folder}'\nhosts = '{hostfile}'\n"
+    gib = 1 << 30
+    args = _args(tmp_path, toml=tables)
+    declared, _ = router.declare(args)
+    found = router.shared_hosts(args, declared, lambda host: gib if host.ssh == "far" else 64 * gib)
+    assert len(found) == 1 and found[0].startswith("the models 'a', 'b' have ranks on the host far"), found
+    assert router.shared_hosts(args, declared, lambda host: 64 * gib) == []  # room for both
+    assert router.shared_hosts(args, declared, lambda host: None) == []  # unread: its server says, as it starts
+    capped = _args(tmp_path, "--models-max", "1", toml=tables)
+    assert router.shared_hosts(capped, router.declare(capped)[0], lambda host: gib) == []
