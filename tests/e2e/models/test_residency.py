@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -28,7 +29,8 @@ def router(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     keys.chmod(0o600)
     models = ("--model", str(tiny_models["qwen3"]), "--model", str(tiny_models["llama"]), "--api-keys-file", str(keys))
     # No drain: a model's server stopped under a stream would cut it at once, rather than let it finish.
-    args = (*models, "--models-max", "1", "--speculate", "off", "--drain-timeout", "0")
+    # One request may wait for a model to load: those past it are told to come back.
+    args = (*models, "--models-max", "1", "--speculate", "off", "--drain-timeout", "0", "--max-waiting", "1")
     with serving(tmp_path_factory, *args) as started:
         yield started
 
@@ -106,3 +108,18 @@ def test_the_keys_guard_every_model_and_the_admin_routes_take_only_an_admin_key(
     assert refused.status_code == 403 and refused.json()["error"]["code"] == "admin_needs_key"
     allowed = httpx.post(f"{router.url}/models/load", json={"model": "qwen3"}, headers=ADMIN, timeout=60)
     assert allowed.status_code == 200 and allowed.json()["status"]["value"] == "loaded"
+
+
+def test_requests_past_max_waiting_for_a_loading_model_are_told_to_come_back(router: Server) -> None:
+    httpx.post(f"{router.url}/models/unload", json={"model": "llama"}, headers=ADMIN, timeout=60).raise_for_status()
+    body = {"model": "llama", "prompt": "The lamp", "max_tokens": 2}
+
+    def ask(_: int) -> httpx.Response:
+        return httpx.post(f"{router.url}/v1/completions", json=body, headers=USER, timeout=120)
+
+    with ThreadPoolExecutor(3) as pool:  # all three sent while the model loads, which takes a second or more
+        replies = list(pool.map(ask, range(3)))
+    statuses = sorted(reply.status_code for reply in replies)
+    assert statuses[0] == 200 and statuses[-1] == 503, [reply.text for reply in replies]
+    crowded = next(reply for reply in replies if reply.status_code == 503)
+    assert crowded.json()["error"]["code"] == "model_queue_full" and crowded.headers["retry-after"]
