@@ -222,7 +222,7 @@ class Router:
             await stack.aclose()
             raise
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-        return StreamingResponse(_relay(upstream, stack), upstream.status_code, headers=headers)
+        return StreamingResponse(_relay(upstream, stack, child, path), upstream.status_code, headers=headers)
 
     async def _stream_once_loaded(self, child: Child, request: Request, content: bytes) -> AsyncIterator[bytes]:
         """A stream asked of a model that is not loaded: SSE comments while it loads, then its server's events;
@@ -357,7 +357,11 @@ def _not_loaded(child: Child) -> dict[str, Any]:
 
 
 def _event(refused: Refused, request: Request) -> bytes:
-    return b"data: " + bytes(refused.response(request.url.path).body) + b"\n\n"
+    return _event_body(refused, request.url.path)
+
+
+def _event_body(refused: Refused, path: str) -> bytes:
+    return b"data: " + bytes(refused.response(path).body) + b"\n\n"
 
 
 def _refusal(child: Child, error: Exception) -> Refused:
@@ -368,10 +372,17 @@ def _refusal(child: Child, error: Exception) -> Refused:
     return Refused(503, f"{child.model.name} failed to load: {error}", "model_load_failed")
 
 
-async def _relay(upstream: httpx.Response, stack: AsyncExitStack) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, stack: AsyncExitStack, child: Child, path: str) -> AsyncIterator[bytes]:
+    """The model's server's answer as it comes. Where that server goes away mid-answer (its process died), a stream
+    ends with an error event the client can read, rather than a cut connection; a whole answer can only be cut."""
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
+    except httpx.HTTPError as e:
+        log.error("model server went away mid-answer", model=child.model.name, path=path, error=str(e))
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            message = f"{child.model.name}'s server went away mid-answer ({e}); send the request again"
+            yield b"\n" + _event_body(Refused(502, message, "model_server_lost"), path)
     finally:
         with anyio.CancelScope(shield=True):
             await stack.aclose()

@@ -7,6 +7,8 @@ long. Swaps and states are in /metrics. The decisions: tests/unit/router/test_re
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +18,7 @@ import httpx
 import pytest
 
 from testkit import Server, serving, sse_events
+from testkit.testbed import children
 
 USER = {"authorization": "Bearer user-key"}
 ADMIN = {"authorization": "Bearer admin-key"}
@@ -123,3 +126,22 @@ def test_requests_past_max_waiting_for_a_loading_model_are_told_to_come_back(rou
     assert statuses[0] == 200 and statuses[-1] == 503, [reply.text for reply in replies]
     crowded = next(reply for reply in replies if reply.status_code == 503)
     assert crowded.json()["error"]["code"] == "model_queue_full" and crowded.headers["retry-after"]
+
+
+def test_a_model_server_that_dies_mid_stream_ends_the_stream_with_an_error_and_loads_again(router: Server) -> None:
+    """One model's server process killed under a stream: the stream ends with an error event the client reads,
+    not a cut connection; the router and the other model go on, and the next request loads the model again."""
+    _complete(router, "qwen3")
+    body = {"model": "qwen3", "prompt": "The lamp", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    errors: list[dict] = []
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=USER, timeout=120) as reply:
+        events = sse_events(reply)
+        next(events)
+        (server,) = [
+            pid for pid in children(router.process.pid) if b"qwen3" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(server, signal.SIGKILL)
+        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == "model_server_lost", errors
+    router.wait_log("model state", 30, model="qwen3", state="failed")  # its exit seen
+    assert _complete(router, "llama") and _complete(router, "qwen3")  # the other goes on; this one loads again
