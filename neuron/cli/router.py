@@ -212,7 +212,9 @@ def run(args: argparse.Namespace) -> int:
     declared, _ = declare(args)
     env = server_env(args)
     together = at_once(args, declared)
-    children = [Child(m, server_flags(args, m, together), env, local_ranks(args, m)) for m in declared]
+    children = [
+        Child(m, server_flags(args, m, together), env, local_ranks(args, m), args.drain_timeout) for m in declared
+    ]
     group = cgroup.own_group()
     fleet = Fleet(
         children, args.models_max, args.max_waiting, lambda: free_memory(cgroup.room(group) if group else None)

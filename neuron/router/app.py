@@ -200,9 +200,10 @@ class Router:
             body = await self._body(request)
             child = self._child(body.get("model"), path=path)
             if "keep_alive" in body:
-                child.keep_alive, problem = duration(body.pop("keep_alive"), "keep_alive")
+                keep_alive, problem = duration(body.pop("keep_alive"), "keep_alive")
                 if problem:
                     raise Refused(400, problem, "invalid_value")
+                child.keep_alive = keep_alive
         except Refused as e:
             return e.response(path)
         content = orjson.dumps(body)

@@ -41,7 +41,8 @@ LEVELS = {"trace": "debug", "debug": "debug", "info": "info", "warning": "warnin
 # under it could not.
 BESIDE_WEIGHTS = 0.2
 PER_PROCESS = 256 << 20
-STOP_GRACE_S = 30.0  # after SIGTERM (its own drain is then over, the router waits for idle first), then SIGKILL
+# After SIGTERM, beyond the server's own --drain-timeout (its requests' drain, then its workers' stop), SIGKILL.
+STOP_MARGIN_S = 15.0
 
 
 class LoadFailed(RuntimeError):
@@ -52,8 +53,11 @@ class Child:
     """``model``'s server process: its state (unloaded, loading, loaded, failed), the port it answers on, and how
     many requests are in flight for it."""
 
-    def __init__(self, model: Declared, argv: list[str], env: dict[str, str], ranks: int | None) -> None:
+    def __init__(
+        self, model: Declared, argv: list[str], env: dict[str, str], ranks: int | None, drain_timeout: float = 0.0
+    ) -> None:
         self.model = model
+        self.drain_timeout = drain_timeout  # its server's: how long a SIGTERM lets its requests finish
         self.ranks = ranks  # its ranks, all on this host; None where a hostfile places them
         self.argv = argv  # the server's settings and the model's own, as ``neuron serve`` flags
         self.env = env  # its whole environment
@@ -143,16 +147,17 @@ class Child:
         log.info("model state", model=self.model.name, state="loaded", port=self.port, ms=ms)
 
     async def stop(self, why: str) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within ``STOP_GRACE_S``; the caller has waited until no
-        request is in flight."""
+        """SIGTERM, then SIGKILL if it has not exited within its drain and ``STOP_MARGIN_S`` (an unload waits until
+        no request is in flight first; a stop of the router lets the server drain its own)."""
         process = self.process
         self.state = "unloading"
         if process is not None and process.returncode is None:
             process.send_signal(signal.SIGTERM)
-            with anyio.move_on_after(STOP_GRACE_S):
+            grace = self.drain_timeout + STOP_MARGIN_S
+            with anyio.move_on_after(grace):
                 await self._exited.wait()
             if process.returncode is None:
-                log.warning("model server did not stop; killed", model=self.model.name, grace_s=STOP_GRACE_S)
+                log.warning("model server did not stop; killed", model=self.model.name, grace_s=grace)
                 process.kill()
                 await self._exited.wait()
         self.state, self.why, self.port, self.process = "unloaded", why, 0, None

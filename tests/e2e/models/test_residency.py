@@ -98,6 +98,9 @@ def test_a_model_is_never_unloaded_under_a_stream_the_other_waits_for_it(router:
 
 
 def test_a_requests_keep_alive_unloads_its_model_once_idle_that_long(router: Server) -> None:
+    body = {"model": "llama", "prompt": "The lamp", "max_tokens": 2, "keep_alive": "later"}
+    refused = httpx.post(f"{router.url}/v1/completions", json=body, headers=USER, timeout=60)
+    assert refused.status_code == 400 and "keep_alive must be seconds" in refused.json()["error"]["message"]
     _complete(router, "llama", keep_alive="1s")
     router.wait_log("model state", 30, model="llama", state="unloaded", why="idle for its keep_alive (1 s)")
     assert _loaded(router) == []
