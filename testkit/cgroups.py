@@ -71,6 +71,7 @@ class MemoryLimit:
             if (swap := self.directory / "memory.swap.max").exists():
                 swap.write_text("0")
         self.procs = self.directory / "cgroup.procs"
+        self._peak: int | None = None  # v2: the descriptor ``reset_peak`` wrote to
 
     def add(self, pid: int) -> None:
         self.procs.write_text(str(pid))
@@ -84,8 +85,11 @@ class MemoryLimit:
         return int((self.directory / name).read_text())
 
     def peak(self) -> int | None:
-        """The most memory the group has held (page cache included), in bytes: v1's ``max_usage_in_bytes``,
-        v2's ``memory.peak`` where the kernel has it (5.19 on)."""
+        """The most memory the group has held (page cache included) since ``reset_peak``, else since it was made,
+        in bytes: v1's ``max_usage_in_bytes``, v2's ``memory.peak`` where the kernel has it (5.19 on)."""
+        if self._peak is not None:  # v2, reset through this descriptor: it reads the peak since then
+            os.lseek(self._peak, 0, os.SEEK_SET)
+            return int(os.read(self._peak, 64))
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         try:
             return int((self.directory / name).read_text())
@@ -93,8 +97,18 @@ class MemoryLimit:
             return None
 
     def reset_peak(self) -> None:
+        """Count the peak from now. v2's ``memory.peak`` is reset for the descriptor that writes to it (6.12 on);
+        an older kernel refuses the write, and the peak then counts from the group's making."""
         if self.version == 1:
             (self.directory / "memory.max_usage_in_bytes").write_text("0")
+            return
+        fd = os.open(self.directory / "memory.peak", os.O_RDWR)
+        try:
+            os.write(fd, b"reset\n")
+        except OSError:
+            os.close(fd)
+            return
+        self._peak = fd
 
     def oom_kills(self) -> int:
         counter = "memory.oom_control" if self.version == 1 else "memory.events"
@@ -102,6 +116,9 @@ class MemoryLimit:
 
     def close(self) -> None:
         """Kill what is left inside (a test's processes only: it made the group), then remove it."""
+        if self._peak is not None:
+            os.close(self._peak)
+            self._peak = None
         for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)
