@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from neuron.config.settings import SETTINGS
 from neuron.config.sources import CONFIG_ENV, names
-from neuron.router.child import NOT_INHERITED
+from neuron.router.child import NOT_INHERITED, gib
 from neuron.router.declared import Declared, conflicts, from_flags, from_tables
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ def overcommitted(args: argparse.Namespace, declared: list[Declared]) -> list[st
     total = total_memory(cgroup.room(group) if group else None)
     needs = {m.name: n for m in declared if (n := Child(m, [], {}, local_ranks(args, m)).need()) is not None}
     found = [
-        f"the model {name!r} needs about {_gib(need)} (its weights and its server), more than this host's "
-        f"{_gib(total)}: serve it over more hosts (hosts = ... in its [[models]] table), or a smaller quantization"
+        f"the model {name!r} needs about {gib(need)} (its weights and its server), more than this host's "
+        f"{gib(total)}: serve it over more hosts (hosts = ... in its [[models]] table), or a smaller quantization"
         for name, need in needs.items()
         if need > total
     ]
@@ -95,8 +95,8 @@ def overcommitted(args: argparse.Namespace, declared: list[Declared]) -> list[st
     if len(preloaded) > 1 and sum(n for n, _ in preloaded) > total:
         names = ", ".join(repr(name) for _, name in preloaded)
         found.append(
-            f"the models {names} are preloaded together but need about {_gib(sum(n for n, _ in preloaded))}, "
-            f"more than this host's {_gib(total)}: preload fewer (the others load on their first request, and the "
+            f"the models {names} are preloaded together but need about {gib(sum(n for n, _ in preloaded))}, "
+            f"more than this host's {gib(total)}: preload fewer (the others load on their first request, and the "
             "least recently used idle one makes room)"
         )
     return found
@@ -111,7 +111,7 @@ def shared_hosts(
     entries share is checked here, at start."""
     from neuron.launch.hostfile import read_hostfile
     from neuron.launch.hosts import HostsError
-    from neuron.router.child import BESIDE_WEIGHTS, PER_PROCESS, weights_bytes
+    from neuron.router.child import need_bytes, weights_bytes
 
     on: dict[str, tuple[Host, dict[str, int]]] = {}
     for model in declared:
@@ -124,7 +124,7 @@ def shared_hosts(
             continue  # its server says what is wrong with it as it starts
         for host in hosts:  # a rank each: an even share of the weights, a process
             shares = on.setdefault(host.ssh, (host, {}))[1]
-            share = int(weights / len(hosts) * (1 + BESIDE_WEIGHTS)) + PER_PROCESS
+            share = need_bytes(weights // len(hosts), 1)
             shares[model.name] = shares.get(model.name, 0) + share
     found = []
     for name, (host, shares) in on.items():
@@ -135,7 +135,7 @@ def shared_hosts(
             names = ", ".join(repr(m) for m, _ in largest)
             found.append(
                 f"the models {names} have ranks on the host {name} and may be loaded together, needing about "
-                f"{_gib(need)} there, more than its {_gib(total)}: give them hosts apart, or set --models-max "
+                f"{gib(need)} there, more than its {gib(total)}: give them hosts apart, or set --models-max "
                 f"{len(largest) - 1} (models_max), so that fewer are loaded at once"
             )
     return found
@@ -159,10 +159,6 @@ def host_memory(ssh_command: str, host: Host) -> int | None:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"
 
 
 def local_ranks(args: argparse.Namespace, model: Declared) -> int | None:

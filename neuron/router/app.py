@@ -30,6 +30,8 @@ from neuron.router.metrics import RouterMetrics
 from neuron.server.app import describe
 from neuron.server.common.fields import Served
 from neuron.server.common.schema import ADMIN, Spec, post
+from neuron.server.guard import loopback
+from neuron.server.keepalive import KEEP_ALIVE, KEEP_ALIVE_S
 from neuron.server.keys import Key, Keys, given_key
 from neuron.server.page.routes import CHALLENGE, FILES, HEADERS, TYPES
 
@@ -47,8 +49,6 @@ FORWARDED = (
     "/detokenize",
 )
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "te", "trailer"}
-KEEP_ALIVE = b": keep-alive\n\n"
-KEEP_ALIVE_S = 2.0  # as a single server's streams (``server.keepalive``): inside common proxies' read timeouts
 MAX_BODY_BYTES = 80 * 1024 * 1024  # above any model's own limit (images included): the model's server refuses first
 
 
@@ -329,8 +329,7 @@ class Router:
                 'the keys file marks "admin": true',
                 "admin_needs_key",
             )
-        client = request.client.host if request.client is not None else ""
-        if self.keys is None and client not in ("127.0.0.1", "::1"):
+        if self.keys is None and not loopback(request.client.host if request.client is not None else None):
             raise Refused(
                 403,
                 f"{request.url.path} is an admin route, and with no API key set it is taken from this host only "

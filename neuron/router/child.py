@@ -79,7 +79,7 @@ class Child:
         before it loads (a Hub name) or not here (ranks on other hosts)."""
         if self.ranks is None or (weights := weights_bytes(self.model.source)) is None:
             return None
-        return int(weights * (1 + BESIDE_WEIGHTS)) + self.ranks * PER_PROCESS
+        return need_bytes(weights, self.ranks)
 
     def held(self) -> int:
         """The bytes its server's processes hold now (their resident sets, from /proc): the leader's and its
@@ -204,6 +204,15 @@ class Child:
         if level == "error" and not self._served.is_set():
             self.why = str(entry.get("error") or entry.get("cause") or event)
         getattr(log, level)(event, model=self.model.name, **entry)
+
+
+def need_bytes(weights: int, processes: int) -> int:
+    """What a server holds on a host whose ``processes`` ranks hold ``weights`` bytes of the model between them."""
+    return int(weights * (1 + BESIDE_WEIGHTS)) + processes * PER_PROCESS
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
 
 
 def weights_bytes(source: str) -> int | None:

@@ -17,7 +17,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from neuron.router.child import Child, LoadFailed
+from neuron.router.child import Child, LoadFailed, gib
 from neuron.router.residency import Resident, expired, make_room, unload_to_fit
 
 log = structlog.get_logger("neuron.router")
@@ -208,16 +208,12 @@ class Fleet:
         more = unload_to_fit([r for r in resident if r.name not in victims], need, free)
         if more is not None:
             return more
-        holders = [f"{r.name} holds {_gib(r.held)}{' (in use)' if r.busy else ''}" for r in resident]
+        holders = [f"{r.name} holds {gib(r.held)}{' (in use)' if r.busy else ''}" for r in resident]
         raise CannotFit(
-            f"{child.model.name} needs about {_gib(need)} here (its weights and its server), and this host has "
-            f"{_gib(free)} free{'; ' + ', '.join(holders) if holders else ''}: unload one (/models/unload), wait "
+            f"{child.model.name} needs about {gib(need)} here (its weights and its server), and this host has "
+            f"{gib(free)} free{'; ' + ', '.join(holders) if holders else ''}: unload one (/models/unload), wait "
             "for the busy ones, or serve it on more hosts (a [[models]] table's hosts)"
         )
 
     def _idle(self, name: str) -> str:
         return f"{self.children[name].keep_alive:g} s"
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB"

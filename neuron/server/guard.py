@@ -135,3 +135,16 @@ class Guard:
             await send(body)
             return
         await self.app(scope, receive, send)
+
+
+def loopback(address: str | None) -> bool:
+    """Whether a client's address is this machine's loopback (127.0.0.0/8, ::1, or v4 mapped in v6)."""
+    if not address:
+        return False
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback

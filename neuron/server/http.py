@@ -9,7 +9,6 @@ engine drops the request at the next step boundary.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from neuron.server.common.errors import ApiError, not_ready, openai_body, within
 from neuron.server.common.fields import Served
 from neuron.server.common.generation import Generation
 from neuron.server.common.submit import cancel, submit
+from neuron.server.guard import loopback
 from neuron.server.keepalive import KEEP_ALIVE_S, pump, sse
 from neuron.server.keys import Key, Keys, given_key
 from neuron.tracing import RequestSpan, Tracing
@@ -230,19 +230,6 @@ def authorize_admin(request: Request, state: ServerState) -> Key | None:
             code="admin_needs_key",
         )
     return None
-
-
-def loopback(address: str | None) -> bool:
-    """Whether a client's address is this machine's loopback (127.0.0.0/8, ::1, or v4 mapped in v6)."""
-    if not address:
-        return False
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def open_to_others(address: str, keys: Keys | None) -> bool:
