@@ -197,16 +197,16 @@ class Router:
     async def forward(self, request: Request) -> Response:
         path = request.url.path
         try:
-            body = await self._body(request)
+            body, content = await self._body(request)
             child = self._child(body.get("model"), path=path)
             if "keep_alive" in body:
                 keep_alive, problem = duration(body.pop("keep_alive"), "keep_alive")
                 if problem:
                     raise Refused(400, problem, "invalid_value")
                 child.keep_alive = keep_alive
+                content = orjson.dumps(body)  # the field is the router's: the model's server is sent the rest
         except Refused as e:
             return e.response(path)
-        content = orjson.dumps(body)
         if child.state != "loaded" and body.get("stream") is True:
             return StreamingResponse(self._stream_once_loaded(child, request, content), media_type="text/event-stream")
         stack = AsyncExitStack()
@@ -276,8 +276,9 @@ class Router:
 
     # The request's parts.
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        data = b""
+    async def _body(self, request: Request) -> tuple[dict[str, Any], bytes]:
+        """The body read (up to ``MAX_BODY_BYTES``) and parsed, and its bytes, forwarded as they came."""
+        data = bytearray()
         async for chunk in request.stream():
             data += chunk
             if len(data) > MAX_BODY_BYTES:
@@ -288,10 +289,10 @@ class Router:
             raise Refused(400, f"the body is not valid JSON: {e}", "invalid_json") from None
         if not isinstance(body, dict):
             raise Refused(400, "the body must be a JSON object", "invalid_json")
-        return body
+        return body, bytes(data)
 
     async def _named(self, request: Request) -> Any:
-        return (await self._body(request)).get("model")
+        return (await self._body(request))[0].get("model")
 
     def _child(self, name: Any, path: str = "", own: bool = False) -> Child:
         known = ", ".join(self.fleet.names() if not own else self.fleet.children)
