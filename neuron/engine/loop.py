@@ -111,7 +111,8 @@ class Loop:
             for seq in turn.admitted:
                 if seq.paused is None:  # a paused sequence was started before, and resumes (``Output.resumed``)
                     self.output.started(seq)
-            self.pressure.said(turn.preempted, turn.unfit)
+            if turn.preempted or turn.unfit:
+                self.pressure.said(turn.preempted, turn.unfit)
             if turn.step is not None:
                 await self._step(turn.step, max(map(len, proposed.values()), default=0), draft_ms)
                 continue

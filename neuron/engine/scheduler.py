@@ -223,9 +223,11 @@ class Scheduler:
             self.queues.remove(seq, Status.FINISHED_STOPPED)
         self.queues.stopping.clear()
         preempted, unfit = self._fit()
-        preempted += self._make_room()
-        admitted = self.admission.admit()
-        unfit += self.admission.drop_stuck()
+        admitted: list[Sequence] = []
+        if self.waiting:  # a steady decode step has no one to make room for, admit or drop
+            preempted += self._make_room()
+            admitted = self.admission.admit()
+            unfit += self.admission.drop_stuck()
         limits = self.limits
         # The deepest position a prompt is fed from. One not yet started may restore a cached beginning of any
         # length (the plan looks it up): priced as fed from its end, its first chunk errs small.
