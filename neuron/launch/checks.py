@@ -10,6 +10,9 @@ leader keeps answering, says which host is missing, and tries again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import structlog
 
 from neuron import rpc
@@ -91,6 +94,49 @@ def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leade
                 f"ranks {names} are placed on it: nccl needs a GPU of its own for each rank; place at most {count} "
                 "there (a smaller --tp or --pp, or fewer hostfile entries naming it), or use --backend ring"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Crowded:
+    """A machine whose ranks compute on its CPU and outnumber its cores. Such ranks take turns on a core, and each
+    one's ring threads poll for its peers while they wait their turn: every collective waits on a rank that is not
+    running, and a step takes many times longer than with one rank per core. It is served anyway (the operator may
+    mean it, to try a split), with a warning at start and in ``/v1/status``."""
+
+    host: str  # the hostfile's name for it (localhost: the leader's)
+    hostname: str
+    ranks: tuple[int, ...]
+    cores: int
+
+    @property
+    def advice(self) -> str:
+        return (
+            f"{self.host} ({self.hostname}) runs {len(self.ranks)} ranks ({', '.join(map(str, self.ranks))}) on "
+            f"{self.cores} core{'' if self.cores == 1 else 's'}: ranks that share a core take turns, and each "
+            "waits in every collective for one that is not running, so a step takes many times longer than with a "
+            f"core for each rank; place at most {self.cores} there (a smaller --tp or --pp, or fewer hostfile "
+            "entries naming it)"
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {"host": self.host, "hostname": self.hostname, "ranks": list(self.ranks), "cores": self.cores,
+                "advice": self.advice}  # fmt: skip
+
+
+def crowded(backend: str, infos: list[rpc.HostInfo], hosts: list[Host]) -> list[Crowded]:
+    """The machines where ranks that compute on the CPU (a Linux host, not nccl's GPUs) outnumber the cores they
+    may run on: those their hostfile entries pin them to where every one names its own, else those the first of
+    them reported in its handshake."""
+    out = []
+    for first in sorted({machine_ranks(hosts, rank)[0] for rank in range(len(hosts))}):
+        ranks, info = machine_ranks(hosts, first), infos[first]
+        if len(ranks) < 2 or backend == "nccl" or not info.platform.lower().startswith("linux"):
+            continue
+        pinned = [hosts[r].cpus for r in ranks]
+        cores = len(set().union(*pinned)) if all(pinned) else len(info.cpus)
+        if 0 < cores < len(ranks):
+            out.append(Crowded(hosts[first].ssh, info.hostname, tuple(ranks), cores))
+    return out
 
 
 def model_differences(

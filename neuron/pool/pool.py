@@ -31,6 +31,7 @@ import anyio
 import structlog
 
 from neuron import metrics, rpc
+from neuron.launch.checks import Crowded
 from neuron.launch.hosts import Host
 from neuron.models import hub
 from neuron.pool.fanout import Deadlines, PoolError, Timing
@@ -242,6 +243,10 @@ class Pool:
     @property
     def said(self) -> tuple[rpc.HostInfo, ...]:
         return self._ranks.said
+
+    @property
+    def crowded(self) -> list[Crowded]:
+        return self._ranks.crowded
 
     @property
     def memory(self) -> dict[int, rpc.Memory]:

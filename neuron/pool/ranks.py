@@ -22,7 +22,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from neuron import metrics, rpc
 from neuron.config.settings import default
-from neuron.launch.checks import Unreachable, check_gpus, check_handshake
+from neuron.launch.checks import Crowded, Unreachable, check_gpus, check_handshake, crowded
 from neuron.launch.dataplane import spawn_env
 from neuron.launch.hosts import Host, MemoryGauge, describe_host
 from neuron.launch.launcher import Launcher
@@ -86,6 +86,7 @@ class Ranks:
         self.tunnels = Tunnels(self.launcher)  # --data-plane ssh's connections
         self.closing = False  # set by ``shutdown``: a worker or tunnel that exits now was asked to
         self._hosts_said: list[rpc.HostInfo] = []  # by rank, from each handshake (rank 0's: this process's)
+        self.crowded: list[Crowded] = []  # the machines whose ranks outnumber their cores, as the last start found
         self.memory: dict[int, rpc.Memory] = {}  # each rank's latest reading since its handshake, from the steps
         self.gauge = MemoryGauge()  # rank 0's, read as a worker reads its own
         self.addresses: list[list[str]] = []  # each rank's data-plane addresses in the group, once formed
@@ -232,6 +233,10 @@ class Ranks:
         check_handshake(pongs, mine, self.world_size, self.hosts)
         infos = [mine, *(pongs[r].host for r in range(1, self.world_size))]
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
+        self.crowded = crowded(self.backend, infos, self.launcher.hosts)
+        for machine in self.crowded:
+            log.warning("ranks outnumber cores", host=machine.host, hostname=machine.hostname,
+                        ranks=list(machine.ranks), cores=machine.cores, advice=machine.advice)  # fmt: skip
         self._hosts_said = infos
         self.memory = {}
         for worker in self.workers:

@@ -169,6 +169,7 @@ def status(call: Call) -> dict[str, Any]:
         "world_size": pool.world_size,
         "pipeline_stages": len(pool.layers) or 1,
         "ranks": ranks(engine),
+        "crowded": [machine.describe() for machine in pool.crowded],
         "queue": {"waiting": engine.waiting, "running": engine.running},
         "events": list(engine.recovery.events),
         "recoveries": engine.recovery.recoveries,
@@ -301,6 +302,22 @@ def openapi(spec: Spec) -> OpenApi:
                     "type": "object",
                     "required": ["host", "state"],
                     "properties": {"host": text, "state": {"enum": ["standing by", "returning"]}},
+                },
+            },
+            "crowded": {
+                "type": "array",
+                "description": "the machines whose ranks compute on their CPU and outnumber its cores, as the group "
+                "last started: such ranks take turns, and each step waits on them (``advice`` says what to change)",
+                "items": {
+                    "type": "object",
+                    "required": ["host", "hostname", "ranks", "cores", "advice"],
+                    "properties": {
+                        "host": text,
+                        "hostname": text,
+                        "ranks": {"type": "array", "items": integer},
+                        "cores": integer,
+                        "advice": text,
+                    },
                 },
             },
             "moves": {

@@ -11,6 +11,7 @@ saying which is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -59,13 +60,19 @@ def servers(
     smollm2: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Server]]:
     """Started side by side (a start is mostly one process importing): the embedded model, for the chat, behind an
-    API key the browser is asked for (HTTP Basic); and the tiny qwen3 over two ranks, one of which the last test
-    kills. Each must exit 0 on SIGTERM."""
+    API key the browser is asked for (HTTP Basic); the tiny qwen3 over two ranks, one of which the last test
+    kills; and the tiny llama over two ranks that a hostfile pins to one core. Each must exit 0 on SIGTERM."""
     folder = tmp_path_factory.mktemp("serve")
+    one_core = [{"ssh": "localhost", "ips": ["127.0.0.1"], "cpus": [0]}] * 2
+    (folder / "one-core.json").write_text(json.dumps({"hosts": one_core}))
     started = {
         "chat": Server("--model", str(smollm2), log_path=folder / "chat.log", api_key=KEY),
         "cluster": Server(
             "--model", str(tiny_models["qwen3"]), "--tp", "2", "--step-timeout", "5", log_path=folder / "cluster.log"
+        ),
+        "crowded": Server(
+            *("--model", str(tiny_models["llama"]), "--hosts", str(folder / "one-core.json")),
+            log_path=folder / "crowded.log",
         ),
     }
     try:
@@ -84,6 +91,11 @@ def chat_server(servers: dict[str, Server]) -> Server:
 @pytest.fixture(scope="module")
 def cluster(servers: dict[str, Server]) -> Server:
     return servers["cluster"]
+
+
+@pytest.fixture(scope="module")
+def crowded(servers: dict[str, Server]) -> Server:
+    return servers["crowded"]
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +277,27 @@ def test_the_cluster_shows_both_ranks_and_a_lost_worker_recovered(
     page.wait_for_selector("#events li.recovered")
     assert page.locator('.rank[data-rank="0"]').get_attribute("data-state") == "ok"
     shoot(page, shots, "cluster-recovered")
+
+
+def test_ranks_that_share_a_core_are_warned_of_at_start_and_on_the_page(
+    browser: Browser, crowded: Server, shots: Path
+) -> None:
+    """Two ranks a hostfile pins to core 0 take turns on it: the leader serves them, and says so where an operator
+    looks (the log, ``/v1/status``, the page) with what to change."""
+    said = crowded.find_log("ranks outnumber cores")
+    assert said is not None and said["level"] == "warning", said
+    assert (said["host"], said["ranks"], said["cores"]) == ("localhost", [0, 1], 1), said
+    assert "place at most 1 there" in said["advice"], said
+    status = httpx.get(f"{crowded.url}/v1/status").json()
+    document = httpx.get(f"{crowded.url}/openapi.json").json()
+    schema = document["paths"]["/v1/status"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    jsonschema.validate(status, {**schema, "components": document["components"]})
+    assert status["crowded"] == [{k: said[k] for k in ("host", "hostname", "ranks", "cores", "advice")}], status
+    page = browser.open(crowded)
+    page.click("#tab-cluster")
+    page.wait_for_selector('.rank[data-rank="1"]')
+    assert page.locator("#crowded .warning").text_content() == said["advice"]
+    shoot(page, shots, "crowded")
 
 
 @pytest.fixture(scope="module")

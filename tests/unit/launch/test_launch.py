@@ -248,3 +248,22 @@ def test_a_rank_alone_on_its_host_floats_and_an_entrys_own_cores_win() -> None:
     assert alone.cpus(0, [0, 1]) == [] and alone.cpus(1, [0, 1]) == []
     own = Launcher([Host("localhost", ("127.0.0.1",), cpus=(1,)), Host("localhost", ("127.0.0.1",))])
     assert own.cpus(0, [0, 1, 2, 3]) == [1] and own.cpus(1, [0, 1, 2, 3]) == [2, 3]
+
+
+def test_ranks_that_outnumber_their_machines_cores_are_named_with_what_fits() -> None:
+    """The README's tour at --tp 3 on two cores: each rank waits in every collective for one not running."""
+    here = dataclasses.replace(describe_host(0), hostname="vm", platform="linux-x86_64", cpus=[0, 1])
+    (crowded,) = checks.crowded("ring", [here] * 3, [Host("localhost")] * 3)
+    assert (crowded.host, crowded.ranks, crowded.cores) == ("localhost", (0, 1, 2), 2)
+    assert "runs 3 ranks (0, 1, 2) on 2 cores" in crowded.advice and "place at most 2 there" in crowded.advice
+    assert crowded.describe()["advice"] == crowded.advice
+    assert not checks.crowded("ring", [here] * 2, [Host("localhost")] * 2)  # a core each
+    # GPUs compute under nccl, and a Mac's ranks on Metal: their cores are not what the ranks share.
+    assert not checks.crowded("nccl", [here] * 3, [Host("localhost")] * 3)
+    assert not checks.crowded("ring", [dataclasses.replace(here, platform="darwin-arm64")] * 3, [Host("localhost")] * 3)
+    # Counted per machine: one rank here and two on mac2, which has two cores.
+    assert not checks.crowded("ring", [here] * 3, [Host("localhost"), Host("me@mac2"), Host("me@mac2")])
+    # Entries that pin their ranks count the cores they name: two ranks on core 0 share it, on 0 and 1 they do not.
+    (pinned,) = checks.crowded("ring", [here] * 2, [Host("localhost", cpus=(0,))] * 2)
+    assert pinned.cores == 1
+    assert not checks.crowded("ring", [here] * 2, [Host("localhost", cpus=(0,)), Host("localhost", cpus=(1,))])

@@ -372,6 +372,7 @@ function renderStatus(status) {
   chart($("chart-step"), $("chart-step-label"), step, "ms");
   chart($("chart-tps"), $("chart-tps-label"), tps, "tok/s");
 
+  $("crowded").replaceChildren(...(status.crowded || []).map((machine) => el("p", { cls: "warning", text: machine.advice })));
   const ranks = $("ranks");
   ranks.replaceChildren();
   for (const rank of status.ranks) {
