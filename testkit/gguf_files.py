@@ -39,9 +39,18 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default", sentencepiece: Path | None = None) -> Path:
+def write_gguf(
+    folder: Path,
+    out: Path,
+    arch: str,
+    pre: str = "default",
+    sentencepiece: Path | None = None,
+    quant: str | None = None,
+) -> Path:
     """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3, gemma); its tokenizer,
-    or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types)."""
+    or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types). With
+    ``quant`` (Q4_0, Q4_1, Q8_0), every matrix whose rows are whole blocks of 32 in that block format, as
+    llama.cpp's quantizer writes them (``gguf.quants``)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -81,7 +90,11 @@ def write_gguf(folder: Path, out: Path, arch: str, pre: str = "default", sentenc
             tensor = _permute(tensor, kv_heads)
         elif arch == "gemma" and name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp stores Gemma's norms as the scale they apply, 1 + w
-        writer.add_tensor(_gguf_name(name), tensor)
+        if quant is not None and tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType[quant]
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(_gguf_name(name), tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

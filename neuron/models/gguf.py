@@ -1,7 +1,8 @@
 """Convert a GGUF file (llama and Mistral, Qwen2, Qwen3, Gemma) into an MLX model folder, once.
 
 ``mx.load`` reads GGUF natively, quantized blocks included, so no llama.cpp
-code is needed: this module dequantizes, renames tensors to the Hugging Face
+code is needed: this module keeps the blocks MLX reads as its own quantized
+layout (and dequantizes the others), renames tensors to the Hugging Face
 names mlx-lm expects, undoes what llama.cpp's converter changed (the rotary
 permutation of llama's q/k rows, the 1 it adds to Gemma's norms), and rebuilds
 the tokenizer and chat template from the metadata.
@@ -24,6 +25,7 @@ import structlog
 from neuron.log import ms_since
 from neuron.models.progress import Meter
 from neuron.system import cpu
+from neuron.system.native import quantized_toolchain
 from neuron.system.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -48,7 +50,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,31 +104,46 @@ def _unpermute(weight: mx.array, heads: int) -> mx.array:
 
 
 def _weights(
-    arrays: dict[str, mx.array], arch: Arch, heads: int, kv_heads: int, dtype: mx.Dtype
-) -> dict[str, mx.array]:
+    arrays: dict[str, mx.array], arch: Arch, heads: int, kv_heads: int, dtype: mx.Dtype, quantized: bool
+) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
+    """The tensors under mlx-lm's names, the others in ``dtype``; a quantized block format that MLX reads as its
+    affine layout (Q4_0, Q4_1, Q8_0: exactly) kept so where ``quantized``, else dequantized. Returns the tensors,
+    and each module kept quantized with its bits, as a config's ``quantization`` names them."""
     import mlx.core as mx
 
-    out = {}
+    out, layouts = {}, {}
     names = [n for n in arrays if not n.endswith((".scales", ".biases"))]
     with Meter("converting", sum(a.nbytes for a in arrays.values())) as meter:
         for name in names:
             base = name.removesuffix(".weight")
-            weight = arrays[name]
+            parts = {"weight": arrays[name]}
             if f"{base}.scales" in arrays:
-                scales = arrays[f"{base}.scales"]
-                bits = weight.shape[-1] // scales.shape[-1]
-                weight = mx.dequantize(weight, scales, arrays.get(f"{base}.biases"), group_size=_GGUF_GROUP, bits=bits)
-            weight = weight.astype(dtype)
-            if arch.permuted and base.endswith(".attn_q"):
-                weight = _unpermute(weight, heads)
-            elif arch.permuted and base.endswith(".attn_k"):
-                weight = _unpermute(weight, kv_heads)
-            elif arch.norm_offset and base.endswith("norm"):
-                weight = weight - arch.norm_offset
-            mx.eval(weight)
-            out[_hf_name(name)] = weight
+                scales, biases = arrays[f"{base}.scales"], arrays.get(f"{base}.biases")
+                bits = parts["weight"].shape[-1] // scales.shape[-1]
+                if quantized and biases is not None:
+                    parts |= {"scales": scales, "biases": biases}
+                    layouts[_hf_name(name).removesuffix(".weight")] = {"group_size": _GGUF_GROUP, "bits": bits}
+                else:  # in float32, as the kernel dequantizes: float16 scales would round every weight to float16
+                    parts["weight"] = mx.dequantize(
+                        parts["weight"],
+                        scales.astype(mx.float32),
+                        None if biases is None else biases.astype(mx.float32),
+                        group_size=_GGUF_GROUP,
+                        bits=bits,
+                    )
+            if "scales" not in parts:
+                parts["weight"] = parts["weight"].astype(dtype)
+            for leaf, array in parts.items():  # a row's scales and biases move with its words
+                if arch.permuted and base.endswith(".attn_q"):
+                    array = _unpermute(array, heads)
+                elif arch.permuted and base.endswith(".attn_k"):
+                    array = _unpermute(array, kv_heads)
+                elif arch.norm_offset and base.endswith("norm"):
+                    array = array - arch.norm_offset
+                mx.eval(array)
+                out[_hf_name(f"{base}.{leaf}")] = array
             meter.advance(sum(arrays[k].nbytes for k in (name, f"{base}.scales", f"{base}.biases") if k in arrays))
-    return out
+    return out, layouts
 
 
 # Pre-tokenizer splits by ``tokenizer.ggml.pre``, as the models' own tokenizer.json files hold them.
@@ -251,21 +268,32 @@ def _publish(staging: Path, out: Path) -> None:
 def converted(gguf: Path) -> Path:
     """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
     # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
-    dtype = "float32" if cpu.is_linux_cpu_backend() else "float16"
+    linux_cpu = cpu.is_linux_cpu_backend()
+    dtype = "float32" if linux_cpu else "float16"
+    # Quantized blocks stay quantized where their products are fast: MLX's own on an accelerator, neuron's kernel
+    # on a Linux CPU. Where the kernel cannot be built, MLX's CPU product is slower than fp32 BLAS: dequantized.
+    tools = quantized_toolchain() if linux_cpu else None
+    why = tools if isinstance(tools, str) else ""
+    quantized = not why
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{CONVERTER_VERSION}".encode())
+    layout = "quantized" if quantized else "dequantized"
+    key = hashlib.sha256(
+        f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|mlx.core.{dtype}|{layout}|{CONVERTER_VERSION}".encode()
+    )
     out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
+        if why:
+            log.warning("gguf dequantized", source=str(gguf), why=why, fix="install a C++ compiler and neuron[cpu]")
         try:
-            convert(gguf, out, dtype)
+            convert(gguf, out, dtype, quantized)
         except KeyError as e:
             raise GGUFError(f"{gguf.name} lacks the metadata {e} its conversion needs: is it a whole GGUF file?") from e
     return out
 
 
-def convert(gguf: Path, out: Path, dtype_name: str) -> None:
-    """Write an MLX model folder for ``gguf`` at ``out``, weights in ``dtype_name`` (atomically: a crash leaves no
-    half folder)."""
+def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> None:
+    """Write an MLX model folder for ``gguf`` at ``out``, its quantized blocks kept quantized where ``quantized``
+    and the other weights in ``dtype_name`` (atomically: a crash leaves no half folder)."""
     import mlx.core as mx  # here, not at the top: ``converted`` finds a folder already made without MLX
 
     started = time.perf_counter()
@@ -337,7 +365,10 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        weights = _weights(arrays, arch, heads, kv_heads, dtype)
+        weights, layouts = _weights(arrays, arch, heads, kv_heads, dtype, quantized)
+        if layouts:  # as mlx-lm reads it: the most common layout, and each module that differs by name
+            common = max(layouts.values(), key=list(layouts.values()).count)
+            config["quantization"] = {**common, **{name: lay for name, lay in layouts.items() if lay != common}}
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(_tokenizer_json(meta))
@@ -352,5 +383,6 @@ def convert(gguf: Path, out: Path, dtype_name: str) -> None:
         source=str(gguf),
         folder=str(out),
         dtype=config["torch_dtype"],
+        quantized=len(layouts),  # tensors kept in their quantized blocks; the others in dtype
         ms=ms_since(started),
     )

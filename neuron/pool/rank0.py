@@ -52,6 +52,7 @@ class Rank0Thread:
         self._thread.start()
 
     def _run(self) -> None:
+        cores = self._cpus or sorted(os.sched_getaffinity(0))  # before one_core takes this thread to one of them
         if self._cpus:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))
@@ -61,7 +62,7 @@ class Rank0Thread:
                 self._core = core
             cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
         try:
-            self.rank = Rank(0, self._world_size)
+            self.rank = Rank(0, self._world_size, cores)
             while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
                 job()
         finally:

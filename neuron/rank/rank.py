@@ -13,6 +13,7 @@ holds, and a fingerprint of that state travels back with every step.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,9 +42,12 @@ __all__ = ["GroupError", "Loaded", "Rank", "RankError"]
 
 
 class Rank:
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, cores: list[int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
+        # The cores this rank's products may compute on (the quantized kernel's threads, ``rank.model.qmatmul``):
+        # its thread's own, unless rank 0 alone keeps its thread to one core and leaves the others to the products.
+        self.cores = cores if cores is not None else sorted(os.sched_getaffinity(0))
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
         self.runner: Sliced | Stage | None = None
@@ -73,7 +77,7 @@ class Rank:
             raise RankError(f"rank {self.rank}: load_share before init; send init first")
         start = time.perf_counter()
         self.unload()
-        share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits)
+        share = load(model_path, layers, self.rank, self.world_size, self.group, kv_bits, self.cores)
         self.held.entries.kv_bits = kv_bits
         self.peak = 0
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size

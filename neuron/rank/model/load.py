@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import structlog
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from neuron.models import architectures
@@ -14,9 +15,11 @@ from neuron.models.folder import KV_GROUP_SIZE, read_config, text_config
 from neuron.rank.failures import RankError
 from neuron.rank.kv import states
 from neuron.rank.kv.quantized import quantize_caches
-from neuron.rank.model import mrope, vision
+from neuron.rank.model import mrope, qmatmul, vision
 from neuron.rank.model.share import load_share, load_stage, parameter_count, slice_head
 from neuron.rank.runner import Sliced, Stage
+
+log = structlog.get_logger("neuron.rank")
 
 
 @dataclass(slots=True)
@@ -45,9 +48,11 @@ def load(
     world_size: int,
     group: mx.distributed.Group | None,
     kv_bits: int | None = None,
+    cores: list[int] | None = None,
 ) -> Share:
     """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
-    a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given."""
+    a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given; its quantized layers'
+    products through neuron's kernel on ``cores`` where it takes them (``rank.model.qmatmul``)."""
     config = read_config(model_path)  # the leader checked it can be split (rank.model.share.check_splittable)
     vocab_size = text_config(config)["vocab_size"]
     if layers:
@@ -62,6 +67,7 @@ def load(
             "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
             f"serve one of {', '.join(sorted(architectures.TABLE))}"
         )
+    quantized_products(model, rank, cores or [])
     support = architectures.supports(config)
     together = support is None or support.cuttable  # from the whole model: a stage may hold none
     recording = support is not None and support.caches == architectures.STATE
@@ -84,3 +90,17 @@ def load(
         quantize_caches(model, KV_GROUP_SIZE, kv_bits)
     layer_count = int(text_config(config)["num_hidden_layers"])
     return Share(model, runner, vocab_size, together, parameters, layer_count, recording)
+
+
+def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
+    """On a Linux CPU, the quantized layers' products through neuron's kernel; where it cannot be had, MLX's, and the
+    log says why and how to get it."""
+    if not any(type(layer) in qmatmul.KERNEL_CLASSES for _, layer in model.named_modules()):
+        return
+    kernel, why = qmatmul.load_kernel(cores)
+    if kernel is None:
+        if why != "not the Linux CPU backend":
+            log.warning("quantized products by MLX", rank=rank, why=why, fix="install a C++ compiler and neuron[cpu]")
+        return
+    log.info("quantized products by neuron's kernel", rank=rank, layers=qmatmul.use_kernel(model, kernel),
+             threads=kernel.threads())  # fmt: skip

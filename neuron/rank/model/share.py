@@ -68,6 +68,30 @@ def check_splittable(config: dict, world_size: int, stages: int = 1) -> None:
             raise ModelError(
                 f"{arch!r} has {count} {name}, which do not divide over {world_size} ranks; use --tp with one of {fits}"
             )
+    _check_quantized_split(config, text, arch, world_size)
+
+
+def _check_quantized_split(config: dict, text: dict, arch: str, world_size: int) -> None:
+    """A quantized layer whose inputs are split over the ranks (the attention's output projection, the MLP's down
+    projection) must give each rank whole quantization groups: MLX cannot split a group, and neuron does not
+    regroup one (that would change the model's weights). A layer too narrow to be quantized at all was left
+    unquantized by its converter, and splits as it is."""
+    group = (config.get("quantization") or {}).get("group_size")
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if not isinstance(group, int) or not isinstance(heads, int) or not isinstance(hidden, int):
+        return
+    widths = {
+        "attention output": heads * int(text.get("head_dim") or hidden // heads),
+        "MLP's down projection": text.get("intermediate_size"),
+    }
+    for name, width in widths.items():
+        if isinstance(width, int) and width % group == 0 and (width // world_size) % group:
+            fits = [n for n in range(1, heads + 1) if heads % n == 0 and width % n == 0 and (width // n) % group == 0]
+            raise ModelError(
+                f"{arch!r} is quantized in groups of {group}, and its {name}'s {width} inputs split over "
+                f"{world_size} ranks leave {width / world_size:g} to each, not whole groups; use --tp with one of "
+                f"{fits}, or a conversion quantized in smaller groups"
+            )
 
 
 # Architectures whose logits are exactly the head (or the tied embedding) applied to the backbone's output:

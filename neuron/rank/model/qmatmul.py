@@ -1,0 +1,134 @@
+"""Products against quantized weights on a Linux CPU through neuron's kernel (``neuron/system/native/quantized.cpp``,
+an MLX extension built on first use), in place of MLX's CPU ``quantized_matmul``.
+
+Why: a decode step reads every weight once, and MLX's CPU ``quantized_matmul`` reads 4-bit weights slower than fp32
+BLAS reads fp32 ones (BENCHMARKS.md, "Quantized weights on the CPU"). The kernel streams each packed word once,
+on every core of the rank.
+
+``use_kernel`` gives each quantized layer of a loaded model (MLX's ``QuantizedLinear``, its two tensor-parallel
+variants, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product, by making it an
+instance of a subclass that overrides the call: its parameters, their names and its type's checks stay as they
+are, and LoRA wraps it as before. Layouts the kernel does not take (bits other than 4 and 8, groups that are not
+whole multiples of 32, modes other than affine) keep MLX's product.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+from types import ModuleType
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import structlog
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
+from mlx.utils import tree_flatten
+
+from neuron.system import cpu
+from neuron.system.native import build_quantized
+
+log = structlog.get_logger("neuron.rank")
+
+BITS = (4, 8)
+
+
+def load_kernel(cores: list[int], arch: str | None = None) -> tuple[ModuleType | None, str]:
+    """The kernel's module (built for ``arch``, this machine's instruction set unless given), set to compute on
+    ``cores``; else None and why (no compiler, no CMake, another nanobind than MLX's), which the rank says once
+    with how to get it."""
+    if not cpu.is_linux_cpu_backend():
+        return None, "not the Linux CPU backend"
+    built = build_quantized(arch)
+    if built.path is None:
+        return None, built.problem
+    # OpenMP's helpers sleep between products rather than spin (read as its runtime loads, with the module): ranks
+    # that share cores (several on a host, or a pipeline's stages waiting on each other) would otherwise spin on
+    # the cores the others compute on, and one alone loses nothing measurable to the wake-up (BENCHMARKS.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    try:
+        loader = importlib.machinery.ExtensionFileLoader("_quantized", str(built.path))
+        spec = importlib.util.spec_from_loader("_quantized", loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        # A module built against a nanobind whose ABI is not MLX's cannot take MLX's arrays: find out now.
+        w, scales, biases = mx.quantize(mx.ones((1, 32)), group_size=32, bits=4)
+        mx.eval(module.quantized_rows(mx.ones((1, 32)), w, scales, biases, 32, 4))
+    except (ImportError, TypeError, RuntimeError, AssertionError) as e:
+        return None, f"the quantized kernel built at {built.path} does not load: {e}"
+    module.set_cores(cores)
+    return module, ""
+
+
+def fits(layer: nn.Module) -> bool:
+    """Whether the kernel takes this layer's layout."""
+    return (
+        getattr(layer, "mode", "affine") == "affine"
+        and getattr(layer, "bits", None) in BITS
+        and getattr(layer, "group_size", 0) % 32 == 0
+        and "biases" in layer
+    )
+
+
+def product(layer: Any, x: mx.array) -> mx.array:
+    """``x @ dequantize(layer's weight).T`` through the kernel."""
+    out: mx.array = layer.kernel.quantized_rows(x, layer["weight"], layer["scales"], layer["biases"],
+                                                layer.group_size, layer.bits)  # fmt: skip
+    return out
+
+
+class KernelLinear(nn.QuantizedLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = product(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelAllToSharded(QuantizedAllToShardedLinear):
+    def __call__(self, x: mx.array) -> mx.array:  # inference needs no gradient's sum (``sum_gradients``)
+        y = product(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelShardedToAll(QuantizedShardedToAllLinear):
+    def __call__(self, x: mx.array) -> mx.array:
+        y = mx.distributed.all_sum(product(self, x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelEmbedding(nn.QuantizedEmbedding):
+    def __call__(self, x: mx.array) -> mx.array:
+        # The rows in the activations' dtype, dequantized in float32 as the kernel does: MLX's own lookup gives the
+        # scales' dtype, and float16 scales (a GGUF file's) would round a float32 model's every input to float16.
+        scales, biases = (self[leaf][x].astype(mx.float32) for leaf in ("scales", "biases"))
+        rows = mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+        return rows.astype(self.activations)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return product(self, x)
+
+
+# Each of MLX's quantized layers, and its kernel's subclass. Exact types: a subclass of one (another library's)
+# may compute otherwise, and keeps its own call.
+KERNEL_CLASSES: dict[type, type] = {
+    nn.QuantizedLinear: KernelLinear,
+    QuantizedAllToShardedLinear: KernelAllToSharded,
+    QuantizedShardedToAllLinear: KernelShardedToAll,
+    nn.QuantizedEmbedding: KernelEmbedding,
+}
+
+
+def use_kernel(model: nn.Module, kernel: ModuleType) -> int:
+    """Send the products of ``model``'s quantized layers that the kernel takes through it; returns how many."""
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
+    count = 0
+    for _, layer in model.named_modules():
+        subclass = KERNEL_CLASSES.get(type(layer))
+        if subclass is not None and fits(layer):
+            layer.__class__ = subclass  # the same arrays, names and checks; only the product differs
+            layer.kernel = kernel
+            layer.activations = norms[0] if norms else layer["scales"].dtype  # norms are never quantized
+            count += 1
+    return count

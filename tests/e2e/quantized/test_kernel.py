@@ -1,0 +1,102 @@
+"""neuron's kernel for products against MLX's quantized weights (neuron/system/native/quantized.cpp), built here as
+an MLX extension on first use, against MLX's own ``quantized_matmul`` on the same weights; its place in a real model
+(``rank.model.qmatmul.use_kernel``), where a product through it equals MLX's; and the build's refusals, each saying
+how to get it. Greedy text through ``neuron serve`` on every split: tests/e2e/quantized/test_serving.py.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load
+
+from neuron.rank.model import qmatmul
+from neuron.system import native
+from testkit import make_tiny_model
+
+
+# Each SIMD path this machine can run, as the compiler builds it for a machine that has no more: AVX-512 (this
+# machine's own, where it has it), AVX2 with FMA and F16C (x86-64-v3), and the plain loops (x86-64's baseline, as
+# on a CPU without either; 64-bit ARM builds the same loops, vectorized as its compiler can: no NEON of its own).
+PATHS = ["native", "-march=x86-64-v3", "-march=x86-64"]
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def kernel(request: pytest.FixtureRequest) -> object:
+    arch = None if request.param == "native" else request.param
+    module, why = qmatmul.load_kernel(sorted(os.sched_getaffinity(0)), arch)
+    assert module is not None, why
+    return module
+
+
+def close(got: mx.array, want: mx.array) -> float:
+    """The largest difference, relative to the largest value: float32 sums in another order differ in the last bits."""
+    return (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max() / mx.abs(want).max()).item()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scales", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_kernel_gives_mlxs_product_for_every_layout_and_row_count(
+    kernel: object, bits: int, group_size: int, scales: mx.Dtype
+) -> None:
+    mx.random.seed(bits * group_size)
+    n, k = 193, 3 * 128  # an odd column count: the helpers' shares of the columns differ
+    w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
+    s, b = s.astype(scales), b.astype(scales)
+    for rows in (1, 3, 8, 11, 40):  # one pass over the weights up to 8 rows, more passes beyond
+        x = mx.random.normal((rows, k))
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+        got = kernel.quantized_rows(x, w, s, b, group_size, bits)  # type: ignore[attr-defined]
+        assert got.shape == (rows, n) and got.dtype == x.dtype
+        assert close(got, want) < 2e-6, (rows, close(got, want))
+    # Leading dimensions kept, and the rows' dtype. bfloat16 rows are summed in float32 and rounded once, which
+    # MLX's bfloat16 product does not do: the reference is the float32 product, rounded.
+    batched = mx.random.normal((2, 3, k)).astype(mx.bfloat16)
+    got = kernel.quantized_rows(batched, w, s, b, group_size, bits)  # type: ignore[attr-defined]
+    dense = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=group_size, bits=bits)
+    want = (batched.astype(mx.float32) @ dense.T).astype(mx.bfloat16)
+    assert got.shape == (2, 3, n) and got.dtype == mx.bfloat16 and close(got, want) < 1e-2
+
+
+def test_the_kernel_refuses_what_it_does_not_take(kernel: object) -> None:
+    w, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=4)
+    product = kernel.quantized_rows  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="4- or 8-bit"):
+        product(mx.ones((1, 128)), *mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=2), 64, 2)
+    with pytest.raises(ValueError, match="do not match"):
+        product(mx.ones((1, 96)), w, s, b, 64, 4)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        product(mx.ones((1, 128), dtype=mx.int32), w, s, b, 64, 4)
+
+
+def test_a_quantized_model_takes_the_kernel_in_every_layer_it_fits_and_answers_as_mlx(
+    kernel: object, tmp_path: Path
+) -> None:
+    folder = make_tiny_model(tmp_path / "tiny", "llama")
+    model, _ = load(str(folder))
+    nn.quantize(model, group_size=64, bits=4)
+    tokens = mx.array([[1, 5, 9, 200, 3]])
+    want = model(tokens)
+    quantized = [layer for _, layer in model.named_modules() if type(layer) in qmatmul.KERNEL_CLASSES]
+    assert qmatmul.use_kernel(model, kernel) == len(quantized) > 0  # type: ignore[arg-type]
+    assert all(isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding) for layer in quantized)
+    assert close(model(tokens), want) < 1e-5
+    assert model.parameters().keys() == load(str(folder))[0].parameters().keys()  # the same tree of names
+
+
+def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler, no CMake on it
+    monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
+    built = native.build_quantized()
+    assert built.path is None and "no C++ compiler found: install a C++ compiler" in built.problem
+    monkeypatch.setenv(native.QUANTIZED_ENV, "off")
+    assert native.build_quantized().problem == f"{native.QUANTIZED_ENV}=off"
+    assert qmatmul.load_kernel([0]) == (None, f"{native.QUANTIZED_ENV}=off")
