@@ -18,7 +18,6 @@ from neuron.rank.model import qmatmul
 from neuron.system import native
 from testkit import make_tiny_model
 
-
 # Each SIMD path this machine can run, as the compiler builds it for a machine that has no more: AVX-512 (this
 # machine's own, where it has it), AVX2 with FMA and F16C (x86-64-v3), and the plain loops (x86-64's baseline, as
 # on a CPU without either; 64-bit ARM builds the same loops, vectorized as its compiler can: no NEON of its own).
