@@ -43,10 +43,10 @@ def load_kernel(cores: list[int], arch: str | None = None) -> tuple[ModuleType |
     built = build_quantized(arch)
     if built.path is None:
         return None, built.problem
-    # OpenMP's helpers sleep between products rather than spin (read as its runtime loads, with the module): ranks
-    # that share cores (several on a host, or a pipeline's stages waiting on each other) would otherwise spin on
-    # the cores the others compute on, and one alone loses nothing measurable to the wake-up (BENCHMARKS.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    # OpenMP's helpers spin only briefly once a product is done (its runtime reads this as it loads, with the
+    # module): the BLAS's own threads (a prompt's products, attention) need the same cores next, and a helper that
+    # spins for its default hundreds of microseconds holds them off, where a wake-up costs a few (BENCHMARKS.md).
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     try:
         loader = importlib.machinery.ExtensionFileLoader("_quantized", str(built.path))
         spec = importlib.util.spec_from_loader("_quantized", loader)

@@ -15,9 +15,11 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <dlfcn.h>
 #include <omp.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +41,12 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr int MAX_ROWS = 8;  // rows multiplied per pass over the weights; more take further passes
+#ifndef THREADED_BYTES
+#define THREADED_BYTES (256 << 10)  // weights (times rows) from which a product is shared among the helpers
+#endif
+#ifndef BLAS_ROWS
+#define BLAS_ROWS 64  // rows from which a product is dequantized into BLAS (``through_blas``)
+#endif
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048  // how far ahead of its reads a helper asks for the weights it reads next
 #endif
@@ -110,11 +118,11 @@ void row_floats(const void* src, mx::Dtype dtype, size_t at, int count, float* o
   for (; i < count; i++) out[i] = as_float(src, dtype, at + i);
 }
 
-// Each helper's column scratch: the column's scales, then its biases.
-std::vector<float>& scratch(int groups) {
+// Each helper's scratch for the columns it works on: their scales, then their biases, as float32.
+float* scratch(size_t count) {
   thread_local std::vector<float> floats;
-  if (floats.size() < 2 * static_cast<size_t>(groups)) floats.resize(2 * static_cast<size_t>(groups));
-  return floats;
+  if (floats.size() < count) floats.resize(count);
+  return floats.data();
 }
 
 // One column's inputs: its packed row, the rows it multiplies, and its scales and biases as float32.
@@ -128,7 +136,7 @@ struct Column {
 
 Column column_of(const Problem& p, int first_row, int col, int bits) {
   const int words = p.k * bits / 32, groups = p.k / p.group_size;
-  float* scales = scratch(groups).data();
+  float* scales = scratch(2 * static_cast<size_t>(groups));
   row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col) * groups, groups, scales);
   row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col) * groups, groups, scales + groups);
   return {reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words),
@@ -137,43 +145,68 @@ Column column_of(const Problem& p, int first_row, int col, int bits) {
 
 #if defined(__AVX512F__)
 
-template <int M, int BITS>
-void column(const Problem& p, int first_row, int col) {
+// C consecutive columns at once: each row's loads of x serve every one of them, and their C x M sums are
+// independent chains the core overlaps (one column's sums wait on each other's latency).
+template <int M, int BITS, int C>
+void block(const Problem& p, int first_row, int col) {
   constexpr int STEP = BITS == 4 ? 32 : 16;  // elements one 16-byte load holds
-  const Column c = column_of(p, first_row, col, BITS);
-  const uint8_t* w = c.w;
-  const float *x = c.x, *scales = c.scales, *biases = c.biases;
-  const int groups = c.groups;
-  __m512 even[M], odd[M];
-  for (int m = 0; m < M; m++) even[m] = odd[m] = _mm512_setzero_ps();
+  const int words = p.k * BITS / 32, groups = p.k / p.group_size;
+  float* floats = scratch(2 * static_cast<size_t>(C) * groups);
+  const uint8_t* w[C];
+  for (int c = 0; c < C; c++) {
+    w[c] = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col + c) * words);
+    row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + c * groups);
+    row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + (C + c) * groups);
+  }
+  const float* x = p.x + static_cast<size_t>(first_row) * p.k;
+  __m512 even[M][C], odd[M][C];
+  for (int m = 0; m < M; m++)
+    for (int c = 0; c < C; c++) even[m][c] = odd[m][c] = _mm512_setzero_ps();
   // 4 bits take one of 16 values per group: the group's table of them, dequantized once, and each element looked
   // up by its nibble (a lane's low 4 bits index the table, whatever its higher bits hold).
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int g = 0; g < groups; g++) {
-    const __m512 scale = _mm512_set1_ps(scales[g]), bias = _mm512_set1_ps(biases[g]);
-    const __m512 table = _mm512_fmadd_ps(values, scale, bias);
+    __m512 scale[C], bias[C];
+    for (int c = 0; c < C; c++) {
+      scale[c] = _mm512_set1_ps(floats[c * groups + g]);
+      bias[c] = _mm512_set1_ps(floats[(C + c) * groups + g]);
+      if constexpr (BITS == 4) scale[c] = _mm512_fmadd_ps(values, scale[c], bias[c]);  // the table
+    }
     for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += STEP) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * BITS / 8));
-      _mm_prefetch(reinterpret_cast<const char*>(w + i * BITS / 8) + PREFETCH_BYTES, _MM_HINT_T0);
-      if constexpr (BITS == 4) {
-        const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
-        __m512 a = _mm512_permutexvar_ps(lanes, table);                         // the low nibbles
-        __m512 b = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);  // the high ones
-        for (int m = 0; m < M; m++) {
-          even[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i), even[m]);
-          odd[m] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i + 16), odd[m]);
+      __m512 xa[M], xb[M];
+      for (int m = 0; m < M; m++) {
+        xa[m] = _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i);
+        if constexpr (BITS == 4) xb[m] = _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i + 16);
+      }
+      for (int c = 0; c < C; c++) {
+        const uint8_t* at = w[c] + i * BITS / 8;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+        _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
+          const __m512 a = _mm512_permutexvar_ps(lanes, scale[c]);                         // the low nibbles
+          const __m512 b = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), scale[c]);  // the high ones
+          for (int m = 0; m < M; m++) {
+            even[m][c] = _mm512_fmadd_ps(a, xa[m], even[m][c]);
+            odd[m][c] = _mm512_fmadd_ps(b, xb[m], odd[m][c]);
+          }
+        } else {
+          const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), scale[c], bias[c]);
+          for (int m = 0; m < M; m++) even[m][c] = _mm512_fmadd_ps(a, xa[m], even[m][c]);
         }
-      } else {
-        __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), scale, bias);
-        for (int m = 0; m < M; m++)
-          even[m] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i), even[m]);
       }
     }
   }
-  for (int m = 0; m < M; m++) store(p, first_row + m, col, _mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])));
+  for (int m = 0; m < M; m++)
+    for (int c = 0; c < C; c++)
+      store(p, first_row + m, col + c, _mm512_reduce_add_ps(_mm512_add_ps(even[m][c], odd[m][c])));
 }
 
+constexpr int columns_at_once(int rows) { return rows <= 2 ? 4 : 1; }  // as many sums as registers hold
+
 #elif defined(__AVX2__)
+
+constexpr int columns_at_once(int) { return 1; }
 
 float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -224,6 +257,8 @@ void column(const Problem& p, int first_row, int col) {
 
 #else  // no x86 SIMD here (64-bit ARM among them): plain loops, which the compiler vectorizes as it can
 
+constexpr int columns_at_once(int) { return 1; }
+
 template <int M, int BITS>
 void column(const Problem& p, int first_row, int col) {
   const int words = p.k * BITS / 32, groups = p.k / p.group_size;
@@ -252,6 +287,13 @@ void column(const Problem& p, int first_row, int col) {
 
 #endif
 
+#if !defined(__AVX512F__)
+template <int M, int BITS, int C>
+void block(const Problem& p, int first_row, int col) {
+  for (int c = 0; c < C; c++) column<M, BITS>(p, first_row, col + c);
+}
+#endif
+
 // The cores a product may use (``set_cores``): as many threads, each helper free to run on any of them. The
 // calling thread (MLX's stream thread) stays where it is: a rank alone may pin it to one core beside the thread
 // that hands it the work (neuron/system/cpu.py, one_core), and the helpers must not inherit that one core.
@@ -275,22 +317,116 @@ void set_cores(const std::vector<int>& given) {
   omp_set_num_threads(cores.empty() ? 1 : static_cast<int>(cores.size()));
 }
 
-template <int M>
-void columns(const Problem& p, int first_row) {
-#pragma omp parallel
-  {
-    place_helper();
-    if (p.bits == 4) {
+template <int M, int BITS>
+void columns_of(const Problem& p, int first_row) {
+  constexpr int C = columns_at_once(M);
+  const int blocks = (p.n + C - 1) / C;
 #pragma omp for schedule(static)
-      for (int col = 0; col < p.n; col++) column<M, 4>(p, first_row, col);
-    } else {
-#pragma omp for schedule(static)
-      for (int col = 0; col < p.n; col++) column<M, 8>(p, first_row, col);
+  for (int b = 0; b < blocks; b++) {
+    const int col = b * C;
+    if (col + C <= p.n) {
+      block<M, BITS, C>(p, first_row, col);
+    } else {  // the last columns, fewer than a block
+      for (int c = col; c < p.n; c++) block<M, BITS, 1>(p, first_row, c);
     }
   }
 }
 
+template <int M>
+void columns(const Problem& p, int first_row) {
+  // A small product is done before helpers would have woken: the calling thread does it alone.
+  const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= THREADED_BYTES;
+#pragma omp parallel if (shared)
+  {
+    place_helper();
+    if (p.bits == 4)
+      columns_of<M, 4>(p, first_row);
+    else
+      columns_of<M, 8>(p, first_row);
+  }
+}
+
+// Many rows (a prompt's chunk): each weight serves every row, which a BLAS's sgemm does best. The weights are
+// dequantized a block of columns at a time into float32, in the order the rows were prepared in (so the sums are
+// the same products), and the block multiplied by the process's cblas_sgemm (the BLAS MLX uses, found at run time).
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+constexpr size_t BLOCK_BYTES = 4 << 20;  // float32 weights dequantized at once
+
+Sgemm sgemm() {
+  static const Sgemm found = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return found;
+}
+
+void dequantize(const Problem& p, int first, int count, float* out) {
+  const int words = p.k * p.bits / 32, groups = p.k / p.group_size;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES)
+  for (int c = 0; c < count; c++) {
+    const int col = first + c;
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words);
+    float* row = out + static_cast<size_t>(c) * p.k;
+#if defined(__AVX512F__)
+    float* floats = scratch(2 * static_cast<size_t>(groups));
+    row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col) * groups, groups, floats);
+    row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col) * groups, groups, floats + groups);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < groups; g++) {
+      const __m512 scale = _mm512_set1_ps(floats[g]), bias = _mm512_set1_ps(floats[groups + g]);
+      const __m512 table = _mm512_fmadd_ps(values, scale, bias);
+      for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += p.bits == 4 ? 32 : 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * p.bits / 8));
+        const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
+        if (p.bits == 4) {
+          _mm512_storeu_ps(row + i, _mm512_permutexvar_ps(lanes, table));
+          _mm512_storeu_ps(row + i + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table));
+        } else {
+          _mm512_storeu_ps(row + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, bias));
+        }
+      }
+    }
+    continue;
+#endif
+    for (int g = 0; g < groups; g++) {
+      const size_t at = static_cast<size_t>(col) * groups + g;
+      const float scale = as_float(p.scales, p.scale_dtype, at), bias = as_float(p.biases, p.scale_dtype, at);
+      for (int i = g * p.group_size; i < (g + 1) * p.group_size; i++) {
+        float q;
+        int slot = i;
+        if (p.bits == 4) {  // the prepared rows' order: each block of 32's low nibbles, then its high ones
+          q = static_cast<float>((w[i / 2] >> (4 * (i & 1))) & 0x0F);
+          slot = (i & ~31) + (i & 1) * 16 + (i & 31) / 2;
+        } else {
+          q = static_cast<float>(w[i]);
+        }
+        row[slot] = q * scale + bias;
+      }
+    }
+  }
+}
+
+bool through_blas(const Problem& p) {
+  const Sgemm multiply_blocks = sgemm();
+  if (multiply_blocks == nullptr || p.rows < BLAS_ROWS) return false;
+  const int per_block = std::max(1, static_cast<int>(BLOCK_BYTES / (sizeof(float) * p.k)));
+  thread_local std::vector<float> weights, sums;
+  weights.resize(static_cast<size_t>(std::min(per_block, p.n)) * p.k);
+  const bool direct = p.out_dtype == mx::float32;  // else summed here, then converted
+  if (!direct) sums.resize(static_cast<size_t>(p.rows) * p.n);
+  float* out = direct ? static_cast<float*>(p.out) : sums.data();
+  for (int first = 0; first < p.n; first += per_block) {
+    const int count = std::min(per_block, p.n - first);
+    dequantize(p, first, count, weights.data());
+    multiply_blocks(ROW_MAJOR, NO_TRANS, TRANS, p.rows, count, p.k, 1.0f, p.x, p.k, weights.data(), p.k, 0.0f,
+                    out + first, p.n);
+  }
+  if (!direct)
+    for (int m = 0; m < p.rows; m++)
+      for (int col = 0; col < p.n; col++) store(p, m, col, sums[static_cast<size_t>(m) * p.n + col]);
+  return true;
+}
+
 void multiply(const Problem& p) {
+  if (through_blas(p)) return;
   for (int first = 0; first < p.rows; first += MAX_ROWS) {
     switch (std::min(MAX_ROWS, p.rows - first)) {
       case 1: columns<1>(p, first); break;
@@ -374,4 +510,5 @@ NB_MODULE(_quantized, m) {
         "x @ dequantize(w, scales, biases).T (as mlx.core.quantized_matmul with transpose=True)");
   m.def("threads", []() { return omp_get_max_threads(); }, "the threads a product runs on");
   m.def("set_cores", &set_cores, nb::arg("cores"), "run the products on these cores, a thread for each");
+  m.def("blas", []() { return sgemm() != nullptr; }, "whether products of many rows go through cblas_sgemm");
 }

@@ -6,6 +6,7 @@ how to get it. Greedy text through ``neuron serve`` on every split: tests/e2e/qu
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 from mlx_lm import load
 
 from neuron.rank.model import qmatmul
-from neuron.system import native
+from neuron.system import cpu, native
 from testkit import make_tiny_model
 
 # Each SIMD path this machine can run, as the compiler builds it for a machine that has no more: AVX-512 (this
@@ -26,9 +27,14 @@ PATHS = ["native", "-march=x86-64-v3", "-march=x86-64"]
 
 @pytest.fixture(scope="module", params=PATHS)
 def kernel(request: pytest.FixtureRequest) -> object:
+    # The BLAS neuron preloads, where this machine has one, loaded as it is there (global): products of many rows
+    # go through its cblas_sgemm.
+    if (blas := cpu.find_blas()) is not None:
+        ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
     arch = None if request.param == "native" else request.param
     module, why = qmatmul.load_kernel(sorted(os.sched_getaffinity(0)), arch)
     assert module is not None, why
+    assert module.blas() == (blas is not None)  # type: ignore[attr-defined]
     return module
 
 
@@ -47,7 +53,8 @@ def test_the_kernel_gives_mlxs_product_for_every_layout_and_row_count(
     n, k = 193, 3 * 128  # an odd column count: the helpers' shares of the columns differ
     w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
     s, b = s.astype(scales), b.astype(scales)
-    for rows in (1, 3, 8, 11, 40):  # one pass over the weights up to 8 rows, more passes beyond
+    # One pass over the weights up to 8 rows, more passes beyond, and from 64 rows the BLAS path (``through_blas``).
+    for rows in (1, 3, 8, 11, 40, 100):
         x = mx.random.normal((rows, k))
         want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
         got = kernel.quantized_rows(x, w, s, b, group_size, bits)  # type: ignore[attr-defined]
