@@ -175,8 +175,8 @@ def _faulty_ranks(rank: ModuleType) -> None:
     from neuron.rpc import Evict, StepPlan
 
     class FaultyRank(rank.Rank):  # type: ignore[name-defined]
-        def __init__(self, number: int, world_size: int) -> None:
-            super().__init__(number, world_size)
+        def __init__(self, number: int, world_size: int, cores: list[int] | None = None) -> None:
+            super().__init__(number, world_size, cores)
             self.steps_sent = 0  # since the model loaded
 
         def init_group(self, backend: str, env: dict[str, str], files: dict[str, str]) -> float:
