@@ -25,7 +25,7 @@ import structlog
 from neuron.log import ms_since
 from neuron.models.progress import Meter
 from neuron.system import cpu
-from neuron.system.native import quantized_toolchain
+from neuron.system.native import QUANTIZED_FIX, quantized_toolchain
 from neuron.system.paths import cache_dir
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def _weights(
                 elif arch.norm_offset and base.endswith("norm"):
                     array = array - arch.norm_offset
                 mx.eval(array)
-                out[_hf_name(f"{base}.{leaf}")] = array
+                out[_hf_name(name if leaf == "weight" else f"{base}.{leaf}")] = array  # a bias is named as it is
             meter.advance(sum(arrays[k].nbytes for k in (name, f"{base}.scales", f"{base}.biases") if k in arrays))
     return out, layouts
 
@@ -283,7 +283,7 @@ def converted(gguf: Path) -> Path:
     out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
         if why:
-            log.warning("gguf dequantized", source=str(gguf), why=why, fix="install a C++ compiler and neuron[cpu]")
+            log.warning("gguf dequantized", source=str(gguf), why=why, fix=QUANTIZED_FIX)
         try:
             convert(gguf, out, dtype, quantized)
         except KeyError as e:

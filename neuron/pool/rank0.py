@@ -45,6 +45,7 @@ class Rank0Thread:
         self._loop_cores: set[int] | None = None  # the event loop's cores while it is kept off ``_core``
         self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
+        self._start_error: Exception | None = None  # why ``Rank`` could not be made, where it could not
         self.head = Head()  # touched only by jobs, on this thread
         # A daemon: if rank 0 is wedged inside a collective (a peer that never
         # answers), nothing can interrupt it, and it must not keep the process alive.
@@ -62,7 +63,10 @@ class Rank0Thread:
                 self._core = core
             cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
         try:
-            self.rank = Rank(0, self._world_size, cores)
+            try:
+                self.rank = Rank(0, self._world_size, cores)
+            except Exception as e:  # noqa: BLE001 - every job fails with it (``call``), rather than wait on nothing
+                self._start_error = e
             while (job := self._jobs.get()) is not None and not self._abandoned.is_set():
                 job()
         finally:
@@ -120,7 +124,8 @@ class Rank0Thread:
             if self._abandoned.is_set():
                 return
             try:
-                assert self.rank is not None
+                if self.rank is None:
+                    raise RuntimeError(f"rank 0 could not start: {self._start_error!r}")
                 outcome["value"] = fn(self.rank)
             except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises
                 outcome["error"] = e

@@ -18,6 +18,7 @@ from neuron.rank.kv.quantized import quantize_caches
 from neuron.rank.model import mrope, qmatmul, vision
 from neuron.rank.model.share import load_share, load_stage, parameter_count, slice_head
 from neuron.rank.runner import Sliced, Stage
+from neuron.system.native import QUANTIZED_FIX
 
 log = structlog.get_logger("neuron.rank")
 
@@ -100,7 +101,7 @@ def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
     kernel, why = qmatmul.load_kernel(cores)
     if kernel is None:
         if why != "not the Linux CPU backend":
-            log.warning("quantized products by MLX", rank=rank, why=why, fix="install a C++ compiler and neuron[cpu]")
+            log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
         return
     log.info("quantized products by neuron's kernel", rank=rank, layers=qmatmul.use_kernel(model, kernel),
              threads=kernel.threads())  # fmt: skip

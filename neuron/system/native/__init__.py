@@ -2,8 +2,9 @@
 
 - ``gemv.c``, one-row fp32 products through ``cblas_sgemv``, built with whatever C compiler is there (``$CC``,
   ``cc`` or ``gcc``);
-- ``quantized.cpp``, products against MLX's quantized weights, an MLX extension built with CMake (``CMakeLists.txt``;
-  nanobind and CMake come with the ``cpu`` extra) and whatever C++ compiler is there (``$CXX``, ``c++`` or ``g++``).
+- ``quantized.cpp``, products against MLX's quantized weights, an MLX extension built with the system's CMake
+  (``CMakeLists.txt``; nanobind comes with the ``cpu`` extra) and whatever C++ compiler is there (``$CXX``, ``c++`` or
+  ``g++``).
 
 Each is built once per machine into neuron's cache directory, keyed by a digest of what went into it (the sources,
 the compiler, the versions), so a new version or another compiler builds afresh and concurrent builds never see a
@@ -32,8 +33,9 @@ COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedor
 QUANTIZED_SOURCE = Path(__file__).with_name("quantized.cpp")
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
 CXX_HINT = "install a C++ compiler (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++)"
-EXTRA_HINT = "install neuron's cpu extra (pip install 'neuron[cpu]'), which brings nanobind and CMake"
+EXTRA_HINT = "install CMake (Debian/Ubuntu: apt-get install cmake) and neuron's cpu extra, which brings nanobind"
 BUILD_TIMEOUT_S = 600
+QUANTIZED_FIX = "install a C++ compiler, CMake and neuron[cpu] (scripts/fast-blas installs them)"
 QUANTIZED_ENV = "NEURON_QUANTIZED_KERNEL"  # "off": quantized products stay MLX's, and a GGUF file is dequantized
 
 

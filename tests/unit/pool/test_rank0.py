@@ -5,6 +5,7 @@ are short (``Rank0Thread.keep_loop_off``), and gets every core back when rank 0'
 from __future__ import annotations
 
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -51,3 +52,19 @@ async def test_rank0_alone_shares_one_core_with_mlxs_stream_thread() -> None:
     assert allowed(threading.get_native_id()) == everything  # and gets every core back at close
     assert started, "no thread started beside rank 0's"
     assert {allowed(t) for t in started if Path(f"/proc/self/task/{t}").exists()} == {own}  # MLX's stream thread
+
+
+async def test_a_rank_0_that_cannot_start_fails_each_call_at_once_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its thread goes on taking jobs, each failed with the reason, rather than leave every caller to wait for a
+    thread that is gone (a whole scenario once hung so, to its deadline)."""
+
+    def refuse(*_: object) -> None:
+        raise ValueError("no such rank")
+
+    monkeypatch.setattr("neuron.pool.rank0.Rank", refuse)
+    thread = Rank0Thread(1, None)
+    try:
+        with pytest.raises(RuntimeError, match=re.escape("rank 0 could not start: ValueError('no such rank')")):
+            await thread.call(lambda rank: rank, 30)
+    finally:
+        await thread.close(30)
