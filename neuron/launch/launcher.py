@@ -136,7 +136,7 @@ class Launcher:
         peers = machine_ranks(self.hosts, rank)
         if len(peers) == 1:
             return []
-        blocks = cpu.split_cores(reported or sorted(os.sched_getaffinity(0)), len(peers))
+        blocks = cpu.split_cores(reported or cpu.allowed_cores(), len(peers))
         return blocks[peers.index(rank)] if blocks else []
 
 

@@ -53,7 +53,7 @@ class Rank0Thread:
         self._thread.start()
 
     def _run(self) -> None:
-        cores = self._cpus or sorted(os.sched_getaffinity(0))  # before one_core takes this thread to one of them
+        cores = self._cpus or cpu.allowed_cores()  # before one_core takes this thread to one of them
         if self._cpus:
             cpu.pin(self._cpus)
             cpu.set_blas_threads(len(self._cpus))

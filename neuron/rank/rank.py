@@ -13,7 +13,6 @@ holds, and a fingerprint of that state travels back with every step.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +35,7 @@ from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.system import device
+from neuron.system import cpu, device
 
 __all__ = ["GroupError", "Loaded", "Rank", "RankError"]
 
@@ -47,7 +46,7 @@ class Rank:
         self.world_size = world_size
         # The cores this rank's products may compute on (the quantized kernel's threads, ``rank.model.qmatmul``):
         # its thread's own, unless rank 0 alone keeps its thread to one core and leaves the others to the products.
-        self.cores = cores if cores is not None else sorted(os.sched_getaffinity(0))
+        self.cores = cores if cores is not None else cpu.allowed_cores()
         self.group: mx.distributed.Group | None = None
         self.model: nn.Module | None = None
         self.runner: Sliced | Stage | None = None

@@ -203,6 +203,13 @@ def gemv_problem() -> str | None:
     return os.environ.get(GEMV_PROBLEM_ENV)
 
 
+def allowed_cores() -> list[int]:
+    """The cores the calling thread may run on; where the system does not say (macOS), every core."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def split_cores(cores: list[int], count: int) -> list[list[int]] | None:
     """``count`` contiguous blocks of ``cores``, one per rank on a host; None when there are too few to split."""
     if count < 1 or len(cores) < count:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from neuron.launch import checks, dataplane, stages
 from neuron.launch.hostfile import read_hostfile
 from neuron.launch.hosts import Host, HostsError, MemoryGauge, check_hosts, describe_host, local_hosts
 from neuron.launch.launcher import Launcher
+from neuron.system import cpu
 
 
 def hostfile(tmp_path: Path, content: object) -> Path:
@@ -267,3 +269,13 @@ def test_ranks_that_outnumber_their_machines_cores_are_named_with_what_fits() ->
     (pinned,) = checks.crowded("ring", [here] * 2, [Host("localhost", cpus=(0,))] * 2)
     assert pinned.cores == 1
     assert not checks.crowded("ring", [here] * 2, [Host("localhost", cpus=(0,)), Host("localhost", cpus=(1,))])
+
+
+def test_a_ranks_cores_where_the_system_does_not_say_are_every_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """macOS has no call for a thread's cores: there the ranks of one machine split its cores as counted."""
+    assert cpu.allowed_cores() == sorted(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")
+    counted = list(range(os.cpu_count() or 1))
+    assert cpu.allowed_cores() == counted
+    blocks = cpu.split_cores(counted, 2)
+    assert Launcher.local(2).cpus(1) == (blocks[1] if blocks else [])
