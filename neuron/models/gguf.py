@@ -300,9 +300,14 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
     dtype = getattr(mx, dtype_name)
     # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata. The format is named:
     # a file of the Hugging Face cache is a blob with no extension to infer it from.
-    arrays, meta = cast(
-        "tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), format="gguf", return_metadata=True)
-    )
+    try:
+        loaded = mx.load(str(gguf), format="gguf", return_metadata=True)
+    except RuntimeError as e:  # a block format MLX's reader neither holds nor converts (Q5_0, say)
+        raise GGUFError(
+            f"{gguf.name}: MLX's GGUF reader cannot read its tensors ({e}); it reads F32, F16, Q4_0, Q4_1 and Q8_0: "
+            "pass the model in one of those, or convert the original with mlx_lm.convert and pass the folder"
+        ) from None
+    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, Any]]", loaded)
     name = str(meta.get("general.architecture"))
     if name not in ARCHS:
         raise GGUFError(

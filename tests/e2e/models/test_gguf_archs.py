@@ -138,3 +138,13 @@ def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:
     assert "not 'phi3'" in line and "qwen3" in line and "mlx_lm.convert" in line
     assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-converted left to be taken for whole
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_a_block_format_mlxs_reader_cannot_read_is_refused_naming_those_it_reads(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "tiny", "llama", seed=7)
+    gguf = write_gguf(folder, tmp_path / "tiny-Q5_0.gguf", "llama", quant="Q5_0")
+    done = run_neuron(*_generating(gguf), env={"NEURON_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode != 0
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("neuron: error: tiny-Q5_0.gguf: MLX's GGUF reader cannot read its tensors"), said
+    assert "F32, F16, Q4_0, Q4_1 and Q8_0" in said and "mlx_lm.convert" in said
