@@ -235,8 +235,7 @@ class Ranks:
         check_gpus(self.backend, infos, self.launcher.hosts, leader_visible)
         self.crowded = crowded(self.backend, infos, self.launcher.hosts)
         for machine in self.crowded:
-            log.warning("ranks outnumber cores", host=machine.host, hostname=machine.hostname,
-                        ranks=list(machine.ranks), cores=machine.cores, advice=machine.advice)  # fmt: skip
+            log.warning("ranks outnumber cores", **machine.describe())
         self._hosts_said = infos
         self.memory = {}
         for worker in self.workers:

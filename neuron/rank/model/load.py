@@ -18,6 +18,7 @@ from neuron.rank.kv.quantized import quantize_caches
 from neuron.rank.model import mrope, qmatmul, vision
 from neuron.rank.model.share import load_share, load_stage, parameter_count, slice_head
 from neuron.rank.runner import Sliced, Stage
+from neuron.system import cpu
 from neuron.system.native import QUANTIZED_FIX
 
 log = structlog.get_logger("neuron.rank")
@@ -96,12 +97,13 @@ def load(
 def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
     """On a Linux CPU, the quantized layers' products through neuron's kernel; where it cannot be had, MLX's, and the
     log says why and how to get it."""
+    if not cpu.is_linux_cpu_backend():
+        return
     if not any(type(layer) in qmatmul.KERNEL_CLASSES for _, layer in model.named_modules()):
         return
     kernel, why = qmatmul.load_kernel(cores)
     if kernel is None:
-        if why != "not the Linux CPU backend":
-            log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
+        log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
         return
     log.info("quantized products by neuron's kernel", rank=rank, layers=qmatmul.use_kernel(model, kernel),
              threads=kernel.threads())  # fmt: skip
