@@ -128,9 +128,11 @@ def matrices(model: nn.Module) -> list[mx.array]:
     from neuron.rank.model import fuse
 
     out = []
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
+        if "._" in name:  # a fused group's own layers (``_fused``, ``_own``): its lead counts it once
+            continue
         if isinstance(module, fuse.FusedLead):
-            out.append(module._fused_weight)
+            out.append(module._fused["weight"])
         elif type(module) in (*fuse.PLAIN_LINEAR, ShardedToAllLinear) and module.weight.ndim == 2:
             out.append(module.weight)
     if "lm_head" not in model:

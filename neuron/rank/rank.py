@@ -44,7 +44,7 @@ class Rank:
     def __init__(self, rank: int, world_size: int, cores: list[int] | None = None) -> None:
         self.rank = rank
         self.world_size = world_size
-        # The cores this rank's products may compute on (the quantized kernel's threads, ``rank.model.qmatmul``):
+        # The cores this rank's products may compute on (the quantized kernel's threads, ``rank.model.kernels``):
         # its thread's own, unless rank 0 alone keeps its thread to one core and leaves the others to the products.
         self.cores = cores if cores is not None else cpu.allowed_cores()
         self.group: mx.distributed.Group | None = None

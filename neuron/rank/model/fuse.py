@@ -11,10 +11,16 @@ the ``k_proj`` and ``v_proj`` replacements hand back. Called with another input
 its rows of the fused weight, so the answer is right either way; only the saving
 is lost.
 
-No weight is held twice: each projection's ``weight`` (and ``bias``) is a view
-of its rows of the fused array, so the parameter tree keeps its names, shapes
-and count, and the fused arrays themselves are kept under ``_``-prefixed names,
-which MLX leaves out of ``parameters()``.
+Quantized projections fuse alike where they share a layout (bits, group size,
+mode and the scales' dtype): their packed words, scales and biases are
+concatenated by rows, and the fused product is a ``QuantizedLinear``'s, which
+on a Linux CPU goes through neuron's kernel (``rank.model.kernels``).
+
+No weight is held twice: each projection's ``weight`` (and ``bias``, scales and
+biases) is a view of its rows of the fused arrays, so the parameter tree keeps
+its names, shapes and count, and the layers that compute (the group's product,
+and each follower's own) hold the same arrays under ``_``-prefixed names, which
+MLX leaves out of ``parameters()``.
 
 Both groups pay, each on its own, at one row and at eight, with one-row
 products sent to sgemm or to sgemv (BENCHMARKS.md, "Fused projections"). At one
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import AllToShardedLinear
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 
 # Projections mlx-lm's models call in this order on one input; the first computes all of them.
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -47,6 +53,11 @@ GROUPS = (QKV, GATE_UP)
 # Linear layers whose forward is exactly ``x @ weight.T (+ bias)``: a sharded one's forward adds only an
 # identity for the gradients (``sum_gradients``), which inference never needs.
 PLAIN_LINEAR = (nn.Linear, AllToShardedLinear)
+# The same, against quantized weights: ``quantized_matmul(x, weight, scales, biases) (+ bias)``.
+QUANTIZED_LINEAR = (nn.QuantizedLinear, QuantizedAllToShardedLinear)
+# What a quantized layer's arrays and settings are, beside ``weight`` and ``bias``.
+QUANTIZED_ARRAYS = ("scales", "biases")
+QUANTIZED_SETTINGS = ("group_size", "bits", "mode")
 
 
 @dataclass(slots=True)
@@ -57,27 +68,43 @@ class _Pending:
     parts: dict[int, mx.array] = field(default_factory=dict)
 
 
+def _layer(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A layer of ``like``'s kind (plain, or quantized with its settings) over ``arrays``, computing the product
+    that kind computes; made small, then given the arrays, so that no weights of its own are ever drawn."""
+    layer: nn.Module
+    if type(like) in QUANTIZED_LINEAR:
+        layer = nn.QuantizedLinear(like.group_size, 1, "bias" in arrays, like.group_size, like.bits, like.mode)
+    else:
+        layer = nn.Linear(1, 1, "bias" in arrays)
+    layer.update(arrays)
+    return layer
+
+
+def _present(member: nn.Module, like: nn.Module, views: dict[str, mx.array]) -> None:
+    """Show a fused projection as the layer it replaces: its rows of each fused array, under that layer's names and
+    settings, so that the parameter tree, a LoRA's wrapping and a quantized layer's checks see that layer. The
+    layers that compute hold the same arrays under ``_``-prefixed names, which ``parameters()`` skips."""
+    for name in QUANTIZED_SETTINGS:
+        if hasattr(like, name):
+            setattr(member, name, getattr(like, name))
+    for name, view in views.items():
+        member[name] = view
+
+
 class FusedLead(nn.Module):
     """The first projection of a group: computes every member's product at once and keeps the others' parts."""
 
     sharded = False  # fused from projections whose outputs are split over the group (a LoRA slices B so)
 
-    def __init__(self, weight: mx.array, bias: mx.array | None, rows: list[int], pending: _Pending) -> None:
+    def __init__(self, like: nn.Module, fused: dict[str, mx.array], rows: list[int], pending: _Pending) -> None:
         super().__init__()
-        self._fused_weight = weight
-        self._fused_bias = bias
+        _present(self, like, {name: array[: rows[0]] for name, array in fused.items()})
+        self._fused = _layer(like, fused)
         self._cuts = [sum(rows[: i + 1]) for i in range(len(rows) - 1)]  # where each member's columns start
         self._pending = pending
-        self.weight = weight[: rows[0]]
-        if bias is not None:
-            self.bias = bias[: rows[0]]
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self._fused_bias is not None:
-            y = mx.addmm(self._fused_bias, x, self._fused_weight.T)  # as nn.Linear does: one call, bias included
-        else:
-            y = x @ self._fused_weight.T
-        parts = mx.split(y, self._cuts, axis=-1)
+        parts = mx.split(self._fused(x), self._cuts, axis=-1)
         self._pending.x = x
         self._pending.parts = dict(enumerate(parts[1:], start=1))
         return parts[0]
@@ -88,13 +115,12 @@ class FusedFollower(nn.Module):
 
     sharded = False
 
-    def __init__(self, weight: mx.array, bias: mx.array | None, index: int, pending: _Pending) -> None:
+    def __init__(self, like: nn.Module, views: dict[str, mx.array], index: int, pending: _Pending) -> None:
         super().__init__()
+        _present(self, like, views)
+        self._own = _layer(like, views)  # its product alone, from its rows of the fused arrays
         self._index = index
         self._pending = pending
-        self.weight = weight
-        if bias is not None:
-            self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
         pending = self._pending
@@ -103,47 +129,52 @@ class FusedFollower(nn.Module):
             if not pending.parts:
                 pending.x = None  # every part handed out: hold no array past the layer
             return part
-        if "bias" in self:  # not the lead's input: this projection's own product, from its view of the weights
-            return mx.addmm(self["bias"], x, self["weight"].T)
-        return x @ self["weight"].T
+        return self._own(x)  # not the lead's input: this projection's own product
+
+
+def _arrays(layer: nn.Module) -> dict[str, mx.array]:
+    return {name: layer[name] for name in ("weight", "bias", *QUANTIZED_ARRAYS) if name in layer}
 
 
 def _fusable(linears: list[nn.Module]) -> bool:
-    first = linears[0]
-    return (
-        all(type(m) in PLAIN_LINEAR for m in linears)
-        and all(mx.issubdtype(m.weight.dtype, mx.floating) for m in linears)
-        and len({(m.weight.dtype, m.weight.shape[1]) for m in linears}) == 1
-        and len({"bias" in m for m in linears}) == 1
-        and ("bias" not in first or len({m.bias.dtype for m in linears}) == 1)
-    )
+    kinds = {type(m) for m in linears}
+    if kinds <= set(PLAIN_LINEAR):
+        same = {(m.weight.dtype, m.weight.shape[1]) for m in linears}
+        floating = all(mx.issubdtype(m.weight.dtype, mx.floating) for m in linears)
+    elif kinds <= set(QUANTIZED_LINEAR):
+        same = {(m.weight.shape[1], m.scales.dtype, *(getattr(m, s) for s in QUANTIZED_SETTINGS)) for m in linears}
+        floating = True
+    else:
+        return False
+    arrays = {tuple(_arrays(m)) for m in linears}  # the same arrays in each (a bias in all or none)
+    biases = {m.bias.dtype for m in linears if "bias" in m}
+    return floating and len(same) == 1 and len(arrays) == 1 and len(biases) <= 1
 
 
 def fuse_group(owner: nn.Module, names: tuple[str, ...]) -> bool:
     """Replace ``owner``'s projections ``names`` by a fused lead and its followers; False where they don't fit
-    (missing, quantized, of different input widths or dtypes, biased unevenly), left as they were."""
+    (missing, of different kinds, input widths, dtypes or quantized layouts, biased unevenly), left as they were."""
     if not all(name in owner for name in names):
         return False
     linears = [owner[name] for name in names]
     if not _fusable(linears):
         return False
-    weight = mx.concatenate([m.weight for m in linears])
-    bias = mx.concatenate([m.bias for m in linears]) if "bias" in linears[0] else None
-    mx.eval(weight, bias)
+    like = linears[0]
+    fused = {name: mx.concatenate([m[name] for m in linears]) for name in _arrays(like)}
+    mx.eval(fused)
     rows = [m.weight.shape[0] for m in linears]
     pending = _Pending()
-    lead = FusedLead(weight, bias, rows, pending)
-    members: list[nn.Module] = [lead]
+    members: list[nn.Module] = [FusedLead(like, fused, rows, pending)]
     start = rows[0]
     for index, count in enumerate(rows[1:], start=1):
-        part_bias = None if bias is None else bias[start : start + count]
-        members.append(FusedFollower(weight[start : start + count], part_bias, index, pending))
+        views = {name: array[start : start + count] for name, array in fused.items()}
+        members.append(FusedFollower(like, views, index, pending))
         start += count
     # Row slices of an evaluated array share its buffer: evaluating them makes views, not copies, and drops the
     # separate arrays the model held (their memory is freed as the old modules go).
-    mx.eval([m.parameters() for m in members])
+    mx.eval([m.parameters() for m in members], [m._own.parameters() for m in members[1:]])
     for name, member in zip(names, members, strict=True):
-        member.sharded = type(linears[0]) is AllToShardedLinear
+        member.sharded = type(like) in (AllToShardedLinear, QuantizedAllToShardedLinear)
         owner[name] = member
     return True
 

@@ -15,7 +15,7 @@ from neuron.models.folder import KV_GROUP_SIZE, read_config, text_config
 from neuron.rank.failures import RankError
 from neuron.rank.kv import states
 from neuron.rank.kv.quantized import quantize_caches
-from neuron.rank.model import mrope, qmatmul, vision
+from neuron.rank.model import kernels, mrope, vision
 from neuron.rank.model.share import load_share, load_stage, parameter_count, slice_head
 from neuron.rank.runner import Sliced, Stage
 from neuron.system import cpu
@@ -54,7 +54,7 @@ def load(
 ) -> Share:
     """``rank``'s share of the model at ``model_path``: a slice of every layer, or (``layers`` = [first, end))
     a pipeline stage of whole layers; its KV caches quantized to ``kv_bits`` where given; its quantized layers'
-    products through neuron's kernel on ``cores`` where it takes them (``rank.model.qmatmul``)."""
+    products through neuron's kernel on ``cores`` where it takes them (``rank.model.kernels``)."""
     config = read_config(model_path)  # the leader checked it can be split (rank.model.share.check_splittable)
     vocab_size = text_config(config)["vocab_size"]
     if layers:
@@ -95,15 +95,16 @@ def load(
 
 
 def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
-    """On a Linux CPU, the quantized layers' products through neuron's kernel; where it cannot be had, MLX's, and the
-    log says why and how to get it."""
+    """On a Linux CPU, the quantized layers' products, and the norms and rotations, through neuron's kernel; where it
+    cannot be had, MLX's, and the log says why and how to get it."""
     if not cpu.is_linux_cpu_backend():
         return
-    if not any(type(layer) in qmatmul.KERNEL_CLASSES for _, layer in model.named_modules()):
+    if not any(type(layer) in kernels.PRODUCT_CLASSES for _, layer in model.named_modules()):
         return
-    kernel, why = qmatmul.load_kernel(cores)
+    kernel, why = kernels.load_kernel(cores)
     if kernel is None:
         log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
         return
-    log.info("quantized products by neuron's kernel", rank=rank, layers=qmatmul.use_kernel(model, kernel),
-             threads=kernel.threads())  # fmt: skip
+    taken = kernels.use_kernel(model, kernel)
+    log.info("quantized products by neuron's kernel", rank=rank, products=taken.products, norms=taken.norms,
+             rotations=taken.rotations, threads=kernel.threads())  # fmt: skip

@@ -2,9 +2,10 @@
 
 - ``gemv.c``, one-row fp32 products through ``cblas_sgemv``, built with whatever C compiler is there (``$CC``,
   ``cc`` or ``gcc``);
-- ``quantized.cpp``, products against MLX's quantized weights, an MLX extension built with the system's CMake
-  (``CMakeLists.txt``; nanobind comes with the ``cpu`` extra) and whatever C++ compiler is there (``$CXX``, ``c++`` or
-  ``g++``).
+- ``quantized.cpp``, products against MLX's quantized weights, with ``layers.cpp``, a layer's RMS norm and rotary
+  embedding as one node each: one MLX extension for a quantized model's step on the CPU, built with the system's
+  CMake (``CMakeLists.txt``; nanobind comes with the ``cpu`` extra) and whatever C++ compiler is there (``$CXX``,
+  ``c++`` or ``g++``).
 
 Each is built once per machine into neuron's cache directory, keyed by a digest of what went into it (the sources,
 the compiler, the versions), so a new version or another compiler builds afresh and concurrent builds never see a
@@ -30,7 +31,7 @@ from neuron.system.paths import cache_dir
 
 GEMV_SOURCE = Path(__file__).with_name("gemv.c")
 COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedora: dnf install gcc)"
-QUANTIZED_SOURCE = Path(__file__).with_name("quantized.cpp")
+QUANTIZED_SOURCES = [Path(__file__).with_name(name) for name in ("quantized.cpp", "layers.cpp", "strided.h")]
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
 CXX_HINT = "install a C++ compiler (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++)"
 EXTRA_HINT = "install CMake (Debian/Ubuntu: apt-get install cmake) and neuron's cpu extra, which brings nanobind"
@@ -107,7 +108,8 @@ def build_quantized(arch: str | None = None) -> Built:
         arch = "-mcpu=native" if platform.machine() in ("aarch64", "arm64") else "-march=native"
     versions = [importlib.metadata.version(name) for name in ("mlx", "nanobind")]
     digest = hashlib.blake2b(
-        QUANTIZED_SOURCE.read_bytes() + QUANTIZED_CMAKE.read_bytes() + "|".join([compiler, arch, *versions]).encode(),
+        b"".join(source.read_bytes() for source in [*QUANTIZED_SOURCES, QUANTIZED_CMAKE])
+        + "|".join([compiler, arch, *versions]).encode(),
         digest_size=8,
     ).hexdigest()
     target = cache_dir() / "native" / f"quantized-{platform.machine()}-{digest}" / "_quantized.so"
@@ -125,7 +127,6 @@ def build_quantized(arch: str | None = None) -> Built:
                 f"-DPython_EXECUTABLE={sys.executable}",
                 f"-Dnanobind_DIR={tools.nanobind_cmake}",
                 f"-DMLX_DIR={mlx_dir / 'share' / 'cmake' / 'MLX'}",
-                f"-DNEURON_SOURCE={QUANTIZED_SOURCE}",
                 f"-DNEURON_ARCH_FLAGS={arch}",
                 f"-DNEURON_MLX_LIB={mlx_dir / 'lib'}",
             ]

@@ -34,6 +34,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "strided.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -51,7 +52,7 @@ constexpr int MAX_ROWS = 8;  // rows multiplied per pass over the weights; more 
 #define PREFETCH_BYTES 2048  // how far ahead of its reads a helper asks for the weights it reads next
 #endif
 
-float as_float(const void* p, mx::Dtype dtype, size_t i) {
+float as_float(const void* p, mx::Dtype dtype, int64_t i) {
   if (dtype == mx::float32) return static_cast<const float*>(p)[i];
   if (dtype == mx::bfloat16) {  // the high half of a float32
     uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
@@ -68,7 +69,10 @@ float as_float(const void* p, mx::Dtype dtype, size_t i) {
 
 // The rows as float32, each 32-element block of a 4-bit product reordered to how a block's 16 bytes unpack: the
 // low nibbles (elements 0, 2, ..., 30), then the high ones (1, 3, ..., 31).
-std::vector<float> prepared(const void* x, mx::Dtype dtype, int rows, int k, int bits) {
+std::vector<float> prepared(const mx::array& x, int rows, int k, int bits) {
+  // Read in place, strided or not (strided.h).
+  const bool contiguous = x.flags().row_contiguous;
+  const void* data = x.data<void>();
   std::vector<float> out(static_cast<size_t>(rows) * k);
   for (int m = 0; m < rows; m++) {
     float* row = out.data() + static_cast<size_t>(m) * k;
@@ -78,7 +82,8 @@ std::vector<float> prepared(const void* x, mx::Dtype dtype, int rows, int k, int
         int block = i & ~31, j = i & 31;
         at = block + (j & 1) * 16 + j / 2;
       }
-      row[at] = as_float(x, dtype, static_cast<size_t>(m) * k + i);
+      const int64_t flat = static_cast<int64_t>(m) * k + i;
+      row[at] = as_float(data, x.dtype(), contiguous ? flat : offset_of(x, flat));
     }
   }
   return out;
@@ -454,7 +459,7 @@ class QuantizedRows : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     const int k = x.shape(-1), n = w.shape(0), rows = static_cast<int>(x.size() / k);
     encoder.dispatch([x, w, scales, biases, out, k, n, rows, group_size = group_size_, bits = bits_]() mutable {
-      std::vector<float> rows_prepared = prepared(x.data<void>(), x.dtype(), rows, k, bits);
+      std::vector<float> rows_prepared = prepared(x, rows, k, bits);
       Problem p{rows_prepared.data(), w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), scales.dtype(),
                 out.data<void>(), out.dtype(), rows, n, k, group_size, bits};
       multiply(p);
@@ -496,12 +501,16 @@ mx::array quantized_rows(const mx::array& x, const mx::array& w, const mx::array
   auto shape = x.shape();
   shape.back() = n;
   std::vector<mx::array> inputs;
-  for (const auto& a : {x, w, scales, biases}) inputs.push_back(mx::contiguous(a, false, stream));
+  inputs.push_back(x);  // read strided as it is (``prepared``)
+  for (const auto& a : {w, scales, biases})  // a model's weights are held contiguous already: no node to make them so
+    inputs.push_back(a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream));
   return mx::array(std::move(shape), x.dtype(), std::make_shared<QuantizedRows>(stream, group_size, bits),
                    std::move(inputs));
 }
 
 }  // namespace
+
+void bind_layers(nb::module_& m);  // layers.cpp
 
 NB_MODULE(_quantized, m) {
   m.doc() = "x @ dequantize(w).T for a few rows of x, on the CPU, against MLX's affine 4- and 8-bit layouts";
@@ -511,4 +520,5 @@ NB_MODULE(_quantized, m) {
   m.def("threads", []() { return omp_get_max_threads(); }, "the threads a product runs on");
   m.def("set_cores", &set_cores, nb::arg("cores"), "run the products on these cores, a thread for each");
   m.def("blas", []() { return sgemm() != nullptr; }, "whether products of many rows go through cblas_sgemm");
+  bind_layers(m);
 }

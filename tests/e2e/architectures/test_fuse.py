@@ -11,6 +11,7 @@ a wrong split misses it by orders of magnitude.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -85,8 +86,32 @@ def test_fusing_holds_no_weight_twice(models: dict[str, Path]) -> None:
     assert parameter_count(model) == count
 
 
-def test_quantized_projections_are_left_as_they_are(models: dict[str, Path]) -> None:
+def test_quantized_projections_fuse_into_one_product_and_answer_as_before(models: dict[str, Path]) -> None:
+    plain, _ = load_model(models["qwen2"], lazy=False)
+    nn.quantize(plain, group_size=64, bits=4)
+    fused, _ = load_model(models["qwen2"], lazy=False)
+    nn.quantize(fused, group_size=64, bits=4)
+    shapes = {name: v.shape for name, v in tree_flatten(fused.parameters())}
+    gc.collect()
+    before = mx.get_active_memory()
+    assert fuse.fuse_projections(fused) == 2 * len(fused.model.layers)
+    gc.collect()
+    assert mx.get_active_memory() <= before  # the words, scales and biases are views of each group's arrays
+    attention = fused.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, fuse.FusedLead) and isinstance(attention.q_proj._fused, nn.QuantizedLinear)
+    assert (attention.k_proj.bits, attention.k_proj.group_size) == (4, 64)  # as a LoRA reads a quantized layer
+    assert {name: v.shape for name, v in tree_flatten(fused.parameters())} == shapes
+    for want, got in zip(_logits(plain), _logits(fused), strict=True):
+        assert mx.abs(want - got).max().item() <= 1e-5 * mx.abs(want).max().item()
+
+
+def test_projections_quantized_unlike_are_left_as_they_are(models: dict[str, Path]) -> None:
     model, _ = load_model(models["llama"], lazy=False)
-    nn.quantize(model, group_size=64, bits=4)
-    assert fuse.fuse_projections(model) == 0
+
+    def unlike(bits: int) -> Callable[[str, nn.Module], bool]:  # v in 8 bits, the rest in 4
+        return lambda path, m: hasattr(m, "to_quantized") and path.endswith("v_proj") == (bits == 8)
+
+    nn.quantize(model, group_size=64, bits=8, class_predicate=unlike(8))
+    nn.quantize(model, group_size=64, bits=4, class_predicate=unlike(4))
+    assert fuse.fuse_projections(model) == len(model.model.layers)  # gate and up only: q and k differ from v
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)

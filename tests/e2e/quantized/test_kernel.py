@@ -1,6 +1,6 @@
 """neuron's kernel for products against MLX's quantized weights (neuron/system/native/quantized.cpp), built here as
 an MLX extension on first use, against MLX's own ``quantized_matmul`` on the same weights; its place in a real model
-(``rank.model.qmatmul.use_kernel``), where a product through it equals MLX's; and the build's refusals, each saying
+(``rank.model.kernels.use_kernel``), where a product through it equals MLX's; and the build's refusals, each saying
 how to get it. Greedy text through ``neuron serve`` on every split: tests/e2e/quantized/test_serving.py.
 """
 
@@ -14,8 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
-from neuron.rank.model import qmatmul
+from neuron.rank.model import fuse, kernels
 from neuron.system import cpu, native
 from testkit import make_tiny_model
 
@@ -32,7 +33,7 @@ def kernel(request: pytest.FixtureRequest) -> object:
     if (blas := cpu.find_blas()) is not None:
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
     arch = None if request.param == "native" else request.param
-    module, why = qmatmul.load_kernel(sorted(os.sched_getaffinity(0)), arch)
+    module, why = kernels.load_kernel(sorted(os.sched_getaffinity(0)), arch)
     assert module is not None, why
     assert module.blas() == (blas is not None)  # type: ignore[attr-defined]
     return module
@@ -69,6 +70,27 @@ def test_the_kernel_gives_mlxs_product_for_every_layout_and_row_count(
     assert got.shape == (2, 3, n) and got.dtype == mx.bfloat16 and close(got, want) < 1e-2
 
 
+def test_the_kernel_reads_strided_rows_in_place_and_weights_in_a_strided_view(kernel: object) -> None:
+    # Rows as a step hands them over (a transpose's, a reversed or every-other slice's, a broadcast's view) are
+    # read where they lie, with no copy in MLX's graph first; weights in a strided view are made contiguous.
+    mx.random.seed(7)
+    n, k = 96, 256
+    w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=4)
+    strided_w = mx.concatenate([w, w], axis=1)[:, : w.shape[1]]
+    views = {
+        "transposed": mx.random.normal((k, 3)).T,
+        "reversed": mx.random.normal((5, k))[::-1],
+        "every other": mx.random.normal((6, 2 * k))[:, ::2],
+        "broadcast": mx.broadcast_to(mx.random.normal((1, k)), (4, k)),
+    }
+    mx.eval(w, s, b, strided_w, *views.values())
+    for name, x in views.items():
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
+        for weights in (w, strided_w):
+            got = kernel.quantized_rows(x, weights, s, b, 64, 4)  # type: ignore[attr-defined]
+            assert close(got, want) < 2e-6, name
+
+
 def test_the_kernel_refuses_what_it_does_not_take(kernel: object) -> None:
     w, s, b = mx.quantize(mx.random.normal((64, 128)), group_size=64, bits=4)
     product = kernel.quantized_rows  # type: ignore[attr-defined]
@@ -86,13 +108,38 @@ def test_a_quantized_model_takes_the_kernel_in_every_layer_it_fits_and_answers_a
     folder = make_tiny_model(tmp_path / "tiny", "llama")
     model, _ = load(str(folder))
     nn.quantize(model, group_size=64, bits=4)
+    fuse.fuse_projections(model)  # as a rank loads it: q, k and v one product, gate and up another
     tokens = mx.array([[1, 5, 9, 200, 3]])
-    want = model(tokens)
-    quantized = [layer for _, layer in model.named_modules() if type(layer) in qmatmul.KERNEL_CLASSES]
-    assert qmatmul.use_kernel(model, kernel) == len(quantized) > 0  # type: ignore[arg-type]
-    assert all(isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding) for layer in quantized)
-    assert close(model(tokens), want) < 1e-5
+    cache = make_prompt_cache(model)
+    want = [model(tokens, cache=cache), model(tokens[:, :1], cache=cache)]  # a prompt, then a step at its offset
+    layers = len(model.model.layers)
+    taken = kernels.use_kernel(model, kernel)  # type: ignore[arg-type]
+    # Per layer o, down and the two fused groups, then the embedding and the head; two norms a layer and the last;
+    # one rotation a layer (q's and k's).
+    assert "lm_head" in model
+    assert taken == kernels.Taken(products=4 * layers + 2, norms=2 * layers + 1, rotations=layers)
+    cache = make_prompt_cache(model)
+    for got, expected in zip([model(tokens, cache=cache), model(tokens[:, :1], cache=cache)], want, strict=True):
+        assert close(got, expected) < 1e-5
     assert model.parameters().keys() == load(str(folder))[0].parameters().keys()  # the same tree of names
+
+
+def test_the_norm_and_the_rotation_are_mlxs_in_one_node(kernel: object) -> None:
+    mx.random.seed(3)
+    x, weight = mx.random.normal((3, 5, 96)), mx.random.normal((96,))
+    assert mx.array_equal(kernel.rms_norm_rows(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5))  # type: ignore[attr-defined]
+    # As attention hands them over: [B, heads, T, D] transposed from [B, T, heads, D]; one offset, or one a row.
+    queries = mx.random.normal((2, 7, 4, 64)).transpose(0, 2, 1, 3)
+    for traditional in (False, True):
+        for offset in (mx.array(37, dtype=mx.int32), mx.array([3, 900], dtype=mx.int32)):
+            for dims, base, scale in ((64, 100000.0, 1.0), (32, 10000.0, 0.5)):  # a partial rotation, scaled
+                want = mx.fast.rope(queries, dims, traditional=traditional, base=base, scale=scale, offset=offset)
+                got = kernel.rotary_rows(queries, offset, dims, traditional, base, scale)  # type: ignore[attr-defined]
+                # The C library's sines and cosines of angles up to ~1,000 radians differ from MLX's own by a few of
+                # the angle's float32 steps (~6e-5 there); a wrong pairing, position or frequency misses by far more.
+                assert close(got, want) < 3e-5, (traditional, offset, dims)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.rotary_rows(queries.astype(mx.float16), offset, 64, False, 1e4, 1.0)  # type: ignore[attr-defined]
 
 
 def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says_how_to_get_it(
@@ -105,4 +152,4 @@ def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says
     assert built.path is None and "no C++ compiler found: install a C++ compiler" in built.problem
     monkeypatch.setenv(native.QUANTIZED_ENV, "off")
     assert native.build_quantized().problem == f"{native.QUANTIZED_ENV}=off"
-    assert qmatmul.load_kernel([0]) == (None, f"{native.QUANTIZED_ENV}=off")
+    assert kernels.load_kernel([0]) == (None, f"{native.QUANTIZED_ENV}=off")

@@ -1,15 +1,19 @@
-"""Products against quantized weights on a Linux CPU through neuron's kernel (``neuron/system/native/quantized.cpp``,
-an MLX extension built on first use), in place of MLX's CPU ``quantized_matmul``.
+"""neuron's CPU kernels in a loaded quantized model on a Linux CPU (``neuron/system/native/``: an MLX extension
+built on first use): its products against quantized weights in place of MLX's CPU ``quantized_matmul``, and its
+RMS norms and rotary embeddings as one node each.
 
 Why: a decode step reads every weight once, and MLX's CPU ``quantized_matmul`` reads 4-bit weights slower than fp32
 BLAS reads fp32 ones (BENCHMARKS.md, "Quantized weights on the CPU"). The kernel streams each packed word once,
-on every core of the rank.
+on every core of the rank. Once the products are that fast, the rest of a small model's step is mostly MLX's
+dispatch of its graph's nodes, and on the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` expand into a dozen and
+about thirty nodes each (``layers.cpp``).
 
 ``use_kernel`` gives each quantized layer of a loaded model (MLX's ``QuantizedLinear``, its two tensor-parallel
-variants, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product, by making it an
-instance of a subclass that overrides the call: its parameters, their names and its type's checks stay as they
-are, and LoRA wraps it as before. Layouts the kernel does not take (bits other than 4 and 8, groups that are not
-whole multiples of 32, modes other than affine) keep MLX's product.
+variants, a fused group's product, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product,
+and each ``RMSNorm`` and ``RoPE`` the kernel's, by making it an instance of a subclass that overrides the call: its
+parameters, their names and its type's checks stay as they are, and LoRA wraps it as before. Layouts the kernel
+does not take (bits other than 4 and 8, groups that are not whole multiples of 32, modes other than affine) keep
+MLX's product, and rows other than float32 MLX's norm and rotation.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
@@ -106,26 +111,58 @@ class KernelEmbedding(nn.QuantizedEmbedding):
         return product(self, x)
 
 
+class KernelRMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.dtype == mx.float32 and self["weight"].dtype == mx.float32:
+            out: mx.array = self.kernel.rms_norm_rows(x, self["weight"], self.eps)
+            return out
+        return super().__call__(x)
+
+
+class KernelRoPE(nn.RoPE):
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.dtype != mx.float32:
+            return super().__call__(x, offset)  # type: ignore[arg-type]  # mlx-lm passes a batch's offsets too
+        offsets = mx.array(offset, dtype=mx.int32) if isinstance(offset, int) else offset.astype(mx.int32)
+        out: mx.array = self.kernel.rotary_rows(x, offsets, self.dims, self.traditional, self.base, self.scale)
+        return out
+
+
 # Each of MLX's quantized layers, and its kernel's subclass. Exact types: a subclass of one (another library's)
 # may compute otherwise, and keeps its own call.
-KERNEL_CLASSES: dict[type, type] = {
+PRODUCT_CLASSES: dict[type, type] = {
     nn.QuantizedLinear: KernelLinear,
     QuantizedAllToShardedLinear: KernelAllToSharded,
     QuantizedShardedToAllLinear: KernelShardedToAll,
     nn.QuantizedEmbedding: KernelEmbedding,
 }
+# MLX's norm and rotation layers, one node each through the kernel (float32 rows; others keep MLX's call).
+LAYER_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
 
 
-def use_kernel(model: nn.Module, kernel: ModuleType) -> int:
-    """Send the products of ``model``'s quantized layers that the kernel takes through it; returns how many."""
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations."""
+
+    products: int
+    norms: int
+    rotations: int
+
+
+def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
+    """Send ``model``'s quantized products that the kernel takes, and its norms and rotations, through it."""
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
-    count = 0
-    for _, layer in model.named_modules():
-        subclass = KERNEL_CLASSES.get(type(layer))
-        if subclass is not None and fits(layer):
-            layer.__class__ = subclass  # the same arrays, names and checks; only the product differs
-            layer.kernel = kernel
+    taken = {KernelRMSNorm: 0, KernelRoPE: 0, KernelLinear: 0}
+    for name, layer in model.named_modules():
+        subclass = LAYER_CLASSES.get(type(layer))
+        if subclass is None and type(layer) in PRODUCT_CLASSES and fits(layer):
+            subclass = PRODUCT_CLASSES[type(layer)]
             layer.activations = norms[0] if norms else layer["scales"].dtype  # norms are never quantized
-            count += 1
-    return count
+        if subclass is None:
+            continue
+        layer.__class__ = subclass  # the same arrays, names and checks; only the call differs
+        layer.kernel = kernel
+        if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
+            taken[subclass if subclass in taken else KernelLinear] += 1
+    return Taken(taken[KernelLinear], taken[KernelRMSNorm], taken[KernelRoPE])
