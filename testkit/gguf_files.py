@@ -25,6 +25,11 @@ _LAYER = {
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
+# Q4_K_M as llama.cpp mixes it, simplified: Q6_K for the value and down projections (llama.cpp: half of them, and
+# the output matrix), Q4_K for every other matrix.
+MIXES = {"Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}
+
+
 def _gguf_name(name: str) -> str:
     base, _, leaf = name.rpartition(".")
     if base in _TOP:
@@ -49,8 +54,9 @@ def write_gguf(
 ) -> Path:
     """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3, gemma); its tokenizer,
     or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types). With
-    ``quant`` (Q4_0, Q4_1, Q8_0), every matrix whose rows are whole blocks of 32 in that block format, as
-    llama.cpp's quantizer writes them (``gguf.quants``)."""
+    ``quant``, every matrix whose rows are whole blocks in that GGML type: a block format gguf-py writes (Q4_0,
+    Q4_1, Q8_0, Q5_0: as llama.cpp's quantizer does), Q4_K or Q6_K (``_k_quant``), a mix (``MIXES``: Q4_K_M), or
+    an integer type (I8: the values cast, a tensor no model holds)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -90,9 +96,14 @@ def write_gguf(
             tensor = _permute(tensor, kv_heads)
         elif arch == "gemma" and name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp stores Gemma's norms as the scale they apply, 1 + w
-        if quant is not None and tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
-            kind = gguf.GGMLQuantizationType[quant]
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, kind), raw_dtype=kind)
+        kind = _kind(name, quant)
+        if kind is not None and tensor.ndim == 2 and tensor.shape[1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            if kind.name == "I8":
+                writer.add_tensor(_gguf_name(name), tensor.astype(np.int8))
+            elif kind.name in ("Q4_K", "Q6_K"):
+                writer.add_tensor(_gguf_name(name), _k_quant(tensor, kind.name), raw_dtype=kind)
+            else:
+                writer.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, kind), raw_dtype=kind)
         else:
             writer.add_tensor(_gguf_name(name), tensor)
     writer.write_header_to_file()
@@ -100,6 +111,17 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _kind(name: str, quant: str | None) -> Any:
+    """The GGML type ``quant`` writes the tensor ``name`` in (a mix's own for its tensors), None for float32."""
+    import gguf
+
+    if quant is None:
+        return None
+    mix = MIXES.get(quant, {})
+    role = _gguf_name(name).split(".")[-2]
+    return gguf.GGMLQuantizationType[mix.get(role, quant.removesuffix("_M"))]
 
 
 def _sentencepiece_tokens(writer: Any, model: Path) -> None:
@@ -148,3 +170,63 @@ def train_sentencepiece(folder: Path, vocab: int = 330) -> Path:
         minloglevel=2,
     )
     return folder / "spm.model"
+
+
+def _k_quant(tensor: np.ndarray, kind: str) -> np.ndarray:
+    """``tensor`` (rows of whole super-blocks of 256) as Q4_K or Q6_K blocks, which gguf-py reads but does not write:
+    a valid encoding (each sub-block's range, its scales rounded to 6 or 8 bits against the super-block's),
+    not llama.cpp's search for the best one."""
+    blocks = tensor.reshape(-1, 256).astype(np.float32)
+    encode = _q4_k_blocks if kind == "Q4_K" else _q6_k_blocks
+    return encode(blocks).reshape(tensor.shape[0], -1)
+
+
+def _ratio(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return np.divide(x, scale, out=np.zeros(np.broadcast_shapes(x.shape, scale.shape), np.float32), where=scale != 0)
+
+
+def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    """144 bytes a super-block: d, dmin (float16), eight 6-bit (scale, min) pairs packed in 12 bytes, then four
+    runs of 32 bytes, sub-block 2r in the low nibbles and 2r + 1 in the high ones; value = d * sc * q - dmin * m."""
+    sub = x.reshape(-1, 8, 32)
+    low = np.minimum(sub.min(axis=-1), 0)
+    scale, floor = (sub.max(axis=-1) - low) / 15, -low
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = (floor.max(axis=-1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(_ratio(scale, d[:, None].astype(np.float32))), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(_ratio(floor, dmin[:, None].astype(np.float32))), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * m)[..., None]
+    q = np.clip(np.rint(_ratio(sub + offset, step)), 0, 15).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            (sc[:, :4] & 63) | (sc[:, 4:] >> 4 << 6),
+            (m[:, :4] & 63) | (m[:, 4:] >> 4 << 6),
+            (sc[:, 4:] & 0xF) | (m[:, 4:] << 4),
+        ],
+        axis=-1,
+    )
+    runs = q.reshape(-1, 4, 2, 32)
+    qs = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_bytes(d), _bytes(dmin), packed, qs], axis=-1)
+
+
+def _q6_k_blocks(x: np.ndarray) -> np.ndarray:
+    """210 bytes a super-block: 128 bytes of low nibbles, 64 of high bit pairs, sixteen int8 scales (one per 16
+    values), d (float16); value = d * scale * (q - 32). In each half of 128 values, value 64s + l's low nibble is
+    in byte l's nibble s, and value 32k + l's high pair at bits 2k of byte l."""
+    sub = x.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31
+    d = (scale.max(axis=-1) / 127).astype(np.float16)
+    sc = np.clip(np.rint(_ratio(scale, d[:, None].astype(np.float32))), 0, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    q = (np.clip(np.rint(_ratio(sub, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)
+    nibbles = (q & 0xF).reshape(-1, 2, 2, 64)
+    pairs = (q >> 4).reshape(-1, 2, 4, 32)
+    ql = (nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)).reshape(-1, 128)
+    qh = (pairs[:, :, 0] | (pairs[:, :, 1] << 2) | (pairs[:, :, 2] << 4) | (pairs[:, :, 3] << 6)).reshape(-1, 64)
+    return np.concatenate([ql, qh, sc.view(np.uint8), _bytes(d)], axis=-1)
+
+
+def _bytes(halves: np.ndarray) -> np.ndarray:
+    return halves.astype("<f2").reshape(-1, 1).view(np.uint8)

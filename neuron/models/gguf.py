@@ -1,11 +1,16 @@
 """Convert a GGUF file (llama and Mistral, Qwen2, Qwen3, Gemma) into an MLX model folder, once.
 
-``mx.load`` reads GGUF natively, quantized blocks included, so no llama.cpp
-code is needed: this module keeps the blocks MLX reads as its own quantized
-layout (and dequantizes the others), renames tensors to the Hugging Face
-names mlx-lm expects, undoes what llama.cpp's converter changed (the rotary
-permutation of llama's q/k rows, the 1 it adds to Gemma's norms), and rebuilds
-the tokenizer and chat template from the metadata.
+llama.cpp's own reader (gguf-py's ``GGUFReader``) maps the file; no llama.cpp
+code runs. Each tensor's blocks are repacked into MLX's quantized layout where
+it holds them exactly (Q4_0, Q4_1, Q8_0, Q4_K), or dequantized exactly
+(gguf-py's numpy decoders: Q5_K, Q6_K, Q5_0, ...). This module renames tensors
+to the Hugging Face names mlx-lm expects, undoes what llama.cpp's converter
+changed (the rotary permutation of llama's q/k rows, the 1 it adds to Gemma's
+norms), and rebuilds the tokenizer and chat template from the metadata.
+
+Why not ``mx.load``, which reads GGUF too: its reader (gguflib) gets Q4_K's odd
+sub-blocks wrong (each takes its even neighbour's scale and min), rounds Q6_K
+and BF16 to float16, and refuses a whole file for one Q5_K or Q5_0 tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
@@ -29,7 +34,11 @@ from neuron.system.native import QUANTIZED_FIX, quantized_toolchain
 from neuron.system.paths import cache_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import mlx.core as mx
+    import numpy as np
+    from gguf import GGUFReader, ReaderTensor
 
 log = structlog.get_logger("neuron.gguf")
 
@@ -50,7 +59,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,19 +81,9 @@ ARCHS = {
     "gemma": Arch("gemma", "GemmaForCausalLM", permuted=False, norm_offset=1.0),
 }
 
-# GGUF quantizes in blocks of 32 values (Q4_0, Q4_1, Q8_0), which MLX reads as groups of 32.
-_GGUF_GROUP = 32
-
 
 class GGUFError(ValueError):
     pass
-
-
-def _scalar(meta: dict[str, Any], key: str) -> Any:
-    import mlx.core as mx
-
-    value = meta[key]
-    return value.item() if isinstance(value, mx.array) else value
 
 
 def _hf_name(name: str) -> str:
@@ -94,7 +93,7 @@ def _hf_name(name: str) -> str:
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{leaf}"
-    raise GGUFError(f"unexpected tensor {name!r} in the GGUF file: neuron does not know where it goes")
+    raise GGUFError(f"unexpected tensor {name!r}: neuron does not know where it goes")
 
 
 def _unpermute(weight: mx.array, heads: int) -> mx.array:
@@ -103,36 +102,154 @@ def _unpermute(weight: mx.array, heads: int) -> mx.array:
     return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _weights(
-    arrays: dict[str, mx.array], arch: Arch, heads: int, kv_heads: int, dtype: mx.Dtype, quantized: bool
-) -> tuple[dict[str, mx.array], dict[str, dict[str, int]]]:
-    """The tensors under mlx-lm's names, the others in ``dtype``; a quantized block format that MLX reads as its
-    affine layout (Q4_0, Q4_1, Q8_0: exactly) kept so where ``quantized``, else dequantized. Returns the tensors,
-    and each module kept quantized with its bits, as a config's ``quantization`` names them."""
+# MLX's affine layout in groups of 32 values: a Q4_0, Q4_1 or Q8_0 block is one group, a Q4_K super-block eight.
+_GROUP = 32
+
+
+class Affine(NamedTuple):
+    """Blocks as MLX's affine layout holds them: value = scale * q + bias, a scale and a bias per group of 32."""
+
+    words: np.ndarray  # uint32: 32 // bits values a word, the first in the lowest bits
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+
+
+def _halves(field: np.ndarray) -> np.ndarray:
+    """A block's float16 field (its two bytes, last axis) as one float16 a block."""
+    import numpy as np
+
+    return np.ascontiguousarray(field).view(np.float16)[..., 0]
+
+
+def _words(q: np.ndarray, bits: int) -> np.ndarray:
+    """Values (uint8, a row's in order on the axes after the first) packed into MLX's uint32 words: at 4 bits two a
+    byte, the first in the low nibble; bytes little-endian within a word (checked against mx.dequantize)."""
+    import numpy as np
+
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    return np.ascontiguousarray(q).reshape(q.shape[0], -1).view("<u4")
+
+
+def _q4_0(blocks: np.ndarray) -> Affine:
+    """18 bytes: d (float16), then 16 bytes holding value j in the low nibble of byte j, value j + 16 in its high
+    nibble; value = d * (q - 8), so the bias -8d is as exact in float16 as d is."""
+    import numpy as np
+
+    d, qs = _halves(blocks[..., :2]), blocks[..., 2:]
+    return Affine(_words(np.concatenate([qs & 0xF, qs >> 4], axis=-1), 4), d, d * np.float16(-8), 4)
+
+
+def _q4_1(blocks: np.ndarray) -> Affine:
+    """20 bytes: d and m (float16), then Q4_0's nibbles; value = d * q + m."""
+    import numpy as np
+
+    d, m, qs = _halves(blocks[..., :2]), _halves(blocks[..., 2:4]), blocks[..., 4:]
+    return Affine(_words(np.concatenate([qs & 0xF, qs >> 4], axis=-1), 4), d, m, 4)
+
+
+def _q8_0(blocks: np.ndarray) -> Affine:
+    """34 bytes: d (float16), then 32 signed bytes; value = d * q = d * (q + 128) - 128d, MLX's words unsigned."""
+    import numpy as np
+
+    d = _halves(blocks[..., :2])
+    return Affine(_words(blocks[..., 2:] ^ np.uint8(0x80), 8), d, d * np.float16(-128), 8)
+
+
+def _q4_k(blocks: np.ndarray) -> Affine:
+    """144 bytes a super-block of 256 values: d and dmin (float16), twelve bytes of eight 6-bit (sc, m) pairs, then
+    four runs of 32 bytes, each holding sub-block 2r in its low nibbles and sub-block 2r + 1 in its high ones;
+    value = d * sc * q - dmin * m. A group's scale d * sc and bias -dmin * m are exact in float32: an 11-bit
+    significand times a 6-bit integer."""
+    import numpy as np
+
+    d, dmin = _halves(blocks[..., :2]).astype(np.float32), _halves(blocks[..., 2:4]).astype(np.float32)
+    low, mid, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    # As ggml's get_scale_min_k4: pairs 0-3 in the low six bits of the first eight bytes; pairs 4-7 in the last
+    # four bytes' nibbles, their top two bits in those eight bytes' top two.
+    sc = np.concatenate([low & 63, (high & 0xF) | (low >> 6 << 4)], axis=-1)
+    m = np.concatenate([mid & 63, (high >> 4) | (mid >> 6 << 4)], axis=-1)
+    runs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    q = np.concatenate([runs & 0xF, runs >> 4], axis=-2)
+    rows = blocks.shape[0]
+    scales = (d[..., None] * sc).reshape(rows, -1)
+    biases = (-(dmin[..., None] * m)).reshape(rows, -1)
+    return Affine(_words(q, 4), scales, biases, 4)
+
+
+# The block formats MLX's affine layout holds exactly, by GGML type name; every other one is dequantized.
+_REPACKS: dict[str, Callable[[np.ndarray], Affine]] = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
+# What gguf-py's decoders read, as a refused tensor type's message names it.
+_READ = "F32, F16, BF16 and the block formats (Q4_0 ... Q8_0, the K-quants, the IQ ones)"
+
+
+@dataclass
+class Tally:
+    """A format's tensors: how many, their bytes in the file, and theirs once converted."""
+
+    tensors: int = 0
+    file_bytes: int = 0
+    bytes: int = 0
+
+
+def _tallied(tallies: dict[str, Tally]) -> str:
+    """``Q4_K:169,Q6_K:25``: a log field's value that reads the same in JSON, on a console and in the journal."""
+    return ",".join(f"{kind}:{tally.tensors}" for kind, tally in sorted(tallies.items()))
+
+
+def _tensor(tensor: ReaderTensor, dtype: mx.Dtype, quantized: bool) -> tuple[dict[str, mx.array], int | None]:
+    """One tensor's arrays and, where its blocks are kept in MLX's layout (``quantized`` and a format it holds), their
+    bits: ``weight``, ``scales`` and ``biases``; else ``weight`` alone in ``dtype``, dequantized in float32 first."""
+    import gguf as ggml
     import mlx.core as mx
 
-    out, layouts = {}, {}
-    names = [n for n in arrays if not n.endswith((".scales", ".biases"))]
-    with Meter("converting", sum(a.nbytes for a in arrays.values())) as meter:
-        for name in names:
-            base = name.removesuffix(".weight")
-            parts = {"weight": arrays[name]}
-            if f"{base}.scales" in arrays:
-                scales, biases = arrays[f"{base}.scales"], arrays.get(f"{base}.biases")
-                bits = parts["weight"].shape[-1] // scales.shape[-1]
-                if quantized and biases is not None:
-                    parts |= {"scales": scales, "biases": biases}
-                    layouts[_hf_name(name).removesuffix(".weight")] = {"group_size": _GGUF_GROUP, "bits": bits}
-                else:  # in float32, as the kernel dequantizes: float16 scales would round every weight to float16
-                    parts["weight"] = mx.dequantize(
-                        parts["weight"],
-                        scales.astype(mx.float32),
-                        None if biases is None else biases.astype(mx.float32),
-                        group_size=_GGUF_GROUP,
-                        bits=bits,
-                    )
-            if "scales" not in parts:
-                parts["weight"] = parts["weight"].astype(dtype)
+    kind, data = tensor.tensor_type, tensor.data
+    repack = _REPACKS.get(kind.name)
+    if quantized and repack is not None:
+        _, size = ggml.GGML_QUANT_SIZES[kind]
+        affine = repack(data.reshape(data.shape[0], -1, size))
+        # Q4_0's, Q4_1's and Q8_0's scales are exact in float16, as the file holds them. Q4_K's (float32) go to
+        # the model's dtype: exact on a Linux CPU; on an accelerator float16, rounded as every weight dequantized
+        # there is. MLX would take float32 scales with float16 inputs, but its products would then be float32,
+        # and so the residual stream and the KV cache, at twice the memory.
+        scales, biases = (mx.array(a) for a in (affine.scales, affine.biases))
+        if scales.dtype != mx.float16:
+            scales, biases = scales.astype(dtype), biases.astype(dtype)
+        return {"weight": mx.array(affine.words), "scales": scales, "biases": biases}, affine.bits
+    if kind.name in ("F32", "F16"):
+        return {"weight": mx.array(data).astype(dtype)}, None
+    try:
+        dense = ggml.quants.dequantize(data, kind)
+    except NotImplementedError:
+        raise GGUFError(f"tensor {tensor.name} is {kind.name}, which neuron does not read: it reads {_READ}") from None
+    return {"weight": mx.array(dense).astype(dtype)}, None
+
+
+@dataclass
+class Converted:
+    """A file's tensors under mlx-lm's names, each module kept quantized with its layout (as a config's
+    ``quantization`` names them), and per GGML block format, what was kept quantized and what dequantized."""
+
+    weights: dict[str, mx.array]
+    layouts: dict[str, dict[str, int]]
+    kept: dict[str, Tally]
+    dequantized: dict[str, Tally]
+
+
+def _weights(
+    tensors: list[ReaderTensor], arch: Arch, heads: int, kv_heads: int, dtype: mx.Dtype, quantized: bool
+) -> Converted:
+    """The file's tensors converted (``_tensor``): its block formats MLX's layout holds kept so where ``quantized``,
+    the others in ``dtype``."""
+    import gguf as ggml
+    import mlx.core as mx
+
+    done = Converted({}, {}, {}, {})
+    with Meter("converting", sum(int(t.n_bytes) for t in tensors)) as meter:
+        for tensor in tensors:
+            base = tensor.name.removesuffix(".weight")
+            parts, bits = _tensor(tensor, dtype, quantized)
             for leaf, array in parts.items():  # a row's scales and biases move with its words
                 if arch.permuted and base.endswith(".attn_q"):
                     array = _unpermute(array, heads)
@@ -141,9 +258,16 @@ def _weights(
                 elif arch.norm_offset and base.endswith("norm"):
                     array = array - arch.norm_offset
                 mx.eval(array)
-                out[_hf_name(name if leaf == "weight" else f"{base}.{leaf}")] = array  # a bias is named as it is
-            meter.advance(sum(arrays[k].nbytes for k in (name, f"{base}.scales", f"{base}.biases") if k in arrays))
-    return out, layouts
+                done.weights[_hf_name(tensor.name if leaf == "weight" else f"{base}.{leaf}")] = array
+            if bits is not None:
+                done.layouts[_hf_name(tensor.name).removesuffix(".weight")] = {"group_size": _GROUP, "bits": bits}
+            if ggml.GGML_QUANT_SIZES[tensor.tensor_type][0] > 1:  # a block format, not a float one
+                tally = (done.kept if bits else done.dequantized).setdefault(tensor.tensor_type.name, Tally())
+                tally.tensors += 1
+                tally.file_bytes += int(tensor.n_bytes)
+                tally.bytes += sum(a.nbytes for a in parts.values())
+            meter.advance(int(tensor.n_bytes))
+    return done
 
 
 # Pre-tokenizer splits by ``tokenizer.ggml.pre``, as the models' own tokenizer.json files hold them.
@@ -165,7 +289,7 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
             "only byte-level BPE (gpt2) and SentencePiece BPE (llama) tokenizers are supported, not "
             f"{meta.get('tokenizer.ggml.model')!r}"
         )
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # none: bytes alone
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -180,7 +304,7 @@ def _tokenizer_json(meta: dict[str, Any]) -> str:
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    kinds = meta["tokenizer.ggml.token_type"].tolist()
+    kinds: list[int] = meta["tokenizer.ggml.token_type"]
     # Token types 3 (control) and 4 (user-defined) are special: matched whole, never split.
     tokenizer.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(kinds) if kind in (3, 4)]
@@ -195,9 +319,9 @@ def _sentencepiece_json(meta: dict[str, Any]) -> str:
     covers, "▁" for spaces and one before the text."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    scores = meta["tokenizer.ggml.scores"].tolist()
-    kinds = meta["tokenizer.ggml.token_type"].tolist()
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    scores: list[float] = meta["tokenizer.ggml.scores"]
+    kinds: list[int] = meta["tokenizer.ggml.token_type"]
     vocab = {token: i for i, token in enumerate(tokens)}
     ranked: list[tuple[float, int, int, str, str]] = []
     for piece, score, kind in zip(tokens, scores, kinds, strict=True):
@@ -208,7 +332,7 @@ def _sentencepiece_json(meta: dict[str, Any]) -> str:
             if left in vocab and right in vocab:
                 ranked.append((-score, vocab[left], vocab[right], left, right))
     ranked.sort()
-    unknown = int(_scalar(meta, "tokenizer.ggml.unknown_token_id")) if "tokenizer.ggml.unknown_token_id" in meta else 0
+    unknown = int(meta["tokenizer.ggml.unknown_token_id"]) if "tokenizer.ggml.unknown_token_id" in meta else 0
     model = models.BPE(
         vocab=vocab,
         merges=[(left, right) for *_, left, right in ranked],
@@ -219,15 +343,15 @@ def _sentencepiece_json(meta: dict[str, Any]) -> str:
     tokenizer = Tokenizer(model)
     # As Llama 2's own tokenizer.json: "▁" before the text, always (SentencePiece's dummy prefix, which Gemma's
     # vocabulary goes without: llama.cpp records add_space_prefix), and for spaces.
-    prefix = not ("tokenizer.ggml.add_space_prefix" in meta and not _scalar(meta, "tokenizer.ggml.add_space_prefix"))
+    prefix = not ("tokenizer.ggml.add_space_prefix" in meta and not meta["tokenizer.ggml.add_space_prefix"])
     spaces = normalizers.Replace(" ", "▁")
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if prefix else spaces
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", int(prefix), 0)]
     )
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token")) if "tokenizer.ggml.add_bos_token" in meta else True
+    add_bos = bool(meta["tokenizer.ggml.add_bos_token"]) if "tokenizer.ggml.add_bos_token" in meta else True
     if add_bos and "tokenizer.ggml.bos_token_id" in meta:  # SentencePiece models start every text with BOS
-        bos_id = int(_scalar(meta, "tokenizer.ggml.bos_token_id"))
+        bos_id = int(meta["tokenizer.ggml.bos_token_id"])
         bos = tokens[bos_id]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
@@ -265,6 +389,25 @@ def _publish(staging: Path, out: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# What dequantizing added to the model, as a share of the file, past which it is worth a warning.
+_GREW = 0.5
+
+
+def _reader(gguf: Path) -> GGUFReader:
+    """llama.cpp's own reader over the file, mapped: a tensor's blocks are read when converted."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf)
+    except ValueError as e:  # its magic, version or a tensor's extent
+        raise GGUFError(f"{gguf.name} is not a GGUF file gguf-py can read: {e}") from None
+
+
+def metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The file's key-value metadata: strings, numbers, booleans, and lists of them."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
 def converted(gguf: Path) -> Path:
     """The MLX folder converted from ``gguf``, made on first use and kept under the cache directory."""
     # fp32 on Linux CPU: it is the only dtype that goes through BLAS there.
@@ -298,16 +441,8 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
 
     started = time.perf_counter()
     dtype = getattr(mx, dtype_name)
-    # With its metadata, ``mx.load`` returns a pair: the arrays by name, and the metadata. The format is named:
-    # a file of the Hugging Face cache is a blob with no extension to infer it from.
-    try:
-        loaded = mx.load(str(gguf), format="gguf", return_metadata=True)
-    except RuntimeError as e:  # a block format MLX's reader neither holds nor converts (Q5_0, say)
-        raise GGUFError(
-            f"{gguf.name}: MLX's GGUF reader cannot read its tensors ({e}); it reads F32, F16, Q4_0, Q4_1 and Q8_0: "
-            "pass the model in one of those, or convert the original with mlx_lm.convert and pass the folder"
-        ) from None
-    arrays, meta = cast("tuple[dict[str, mx.array], dict[str, Any]]", loaded)
+    reader = _reader(gguf)
+    meta = metadata(reader)
     name = str(meta.get("general.architecture"))
     if name not in ARCHS:
         raise GGUFError(
@@ -321,7 +456,7 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
             if default is None:
                 raise GGUFError(f"{gguf.name} lacks the metadata {name}.{key} a {name} model needs")
             return default
-        return _scalar(meta, f"{name}.{key}")
+        return meta[f"{name}.{key}"]
 
     heads = int(number("attention.head_count"))
     kv_heads = int(number("attention.head_count_kv", heads))
@@ -340,15 +475,13 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
         "rope_theta": float(number("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(number("context_length")),
         "vocab_size": len(tokens),
-        "tie_word_embeddings": "output.weight" not in arrays,
-        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id"))
-        if "tokenizer.ggml.bos_token_id" in meta
-        else None,
-        "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"]) if "tokenizer.ggml.bos_token_id" in meta else None,
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"]),
         "torch_dtype": dtype_name,
     }
     special = {
-        k: tokens[int(_scalar(meta, f"tokenizer.ggml.{k}_token_id"))]
+        k: tokens[int(meta[f"tokenizer.ggml.{k}_token_id"])]
         for k in ("bos", "eos", "unknown", "padding")
         if f"tokenizer.ggml.{k}_token_id" in meta
     }
@@ -358,7 +491,7 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
         "eos_token": special.get("eos"),
         "unk_token": special.get("unknown"),
         "pad_token": special.get("padding"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token"))
+        "add_bos_token": bool(meta["tokenizer.ggml.add_bos_token"])
         if "tokenizer.ggml.add_bos_token" in meta
         else False,
         "clean_up_tokenization_spaces": False,
@@ -370,11 +503,15 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        weights, layouts = _weights(arrays, arch, heads, kv_heads, dtype, quantized)
+        try:
+            done = _weights(reader.tensors, arch, heads, kv_heads, dtype, quantized)
+        except GGUFError as e:  # a tensor's: say whose file
+            raise GGUFError(f"{gguf.name}: {e}") from None
+        layouts = list(done.layouts.values())
         if layouts:  # as mlx-lm reads it: the most common layout, and each module that differs by name
-            common = max(layouts.values(), key=list(layouts.values()).count)
-            config["quantization"] = {**common, **{name: lay for name, lay in layouts.items() if lay != common}}
-        mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "mlx"})
+            common = max(layouts, key=layouts.count)
+            config["quantization"] = {**common, **{name: lay for name, lay in done.layouts.items() if lay != common}}
+        mx.save_safetensors(str(staging / "model.safetensors"), done.weights, metadata={"format": "mlx"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(_tokenizer_json(meta))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
@@ -383,11 +520,37 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    size = sum(a.nbytes for a in done.weights.values())
+    dequantized = Tally()
+    for tally in done.dequantized.values():
+        dequantized.tensors += tally.tensors
+        dequantized.file_bytes += tally.file_bytes
+        dequantized.bytes += tally.bytes
     log.info(
         "gguf converted",
         source=str(gguf),
         folder=str(out),
         dtype=config["torch_dtype"],
-        quantized=len(layouts),  # tensors kept in their quantized blocks; the others in dtype
+        quantized=len(done.layouts),  # tensors kept in their quantized blocks, in MLX's layout
+        quantized_formats=_tallied(done.kept),
+        dequantized=dequantized.tensors,  # tensors of a block format converted to dtype
+        dequantized_formats=_tallied(done.dequantized),
+        dequantized_file_bytes=dequantized.file_bytes,
+        dequantized_bytes=dequantized.bytes,
+        file_bytes=file_bytes,
+        bytes=size,
         ms=ms_since(started),
     )
+    # Without the kernel, ``converted`` has warned already: everything is dequantized, and how to get it said.
+    if quantized and dequantized.bytes - dequantized.file_bytes >= _GREW * file_bytes:
+        log.warning(
+            "gguf grew by dequantizing",
+            source=str(gguf),
+            dequantized_formats=_tallied(done.dequantized),
+            file_bytes=file_bytes,
+            bytes=size,
+            grew=round(size / file_bytes, 1),
+            why="MLX's quantized layout holds none of these formats' blocks exactly",
+            fix="a Q8_0, Q4_0 or Q4_1 file stays quantized whole (a K-quant file mixes Q6_K or Q5_K into its Q4_K)",
+        )

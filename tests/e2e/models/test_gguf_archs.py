@@ -55,17 +55,16 @@ def test_a_gguf_file_gives_the_text_of_its_safetensors(tmp_path: Path, model_typ
 
 
 def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(tmp_path: Path) -> None:
-    import mlx.core as mx
+    import gguf as ggml
     import sentencepiece
     from tokenizers import Tokenizer
 
-    from neuron.models.gguf import _sentencepiece_json
+    from neuron.models.gguf import _sentencepiece_json, metadata
 
     model = train_sentencepiece(tmp_path / "spm")
     folder = make_tiny_model(tmp_path / "tiny-mistral", "mistral", vocab=330)
     gguf = write_gguf(folder, tmp_path / "tiny-mistral.gguf", "llama", sentencepiece=model)
-    _, meta = mx.load(str(gguf), return_metadata=True)  # type: ignore[misc]
-    tokenizer = Tokenizer.from_str(_sentencepiece_json(meta))
+    tokenizer = Tokenizer.from_str(_sentencepiece_json(metadata(ggml.GGUFReader(gguf))))
     reference = sentencepiece.SentencePieceProcessor(model_file=str(model))
     for text in ["The hub serves héllo 42", "  two  spaces", "tab\tand\nnewline", "ünïcödé 🙂 x", "12345 67890"]:
         ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -140,11 +139,13 @@ def test_another_architecture_is_refused_by_name(tmp_path: Path) -> None:
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
 
 
-def test_a_block_format_mlxs_reader_cannot_read_is_refused_naming_those_it_reads(tmp_path: Path) -> None:
+def test_a_tensor_type_no_decoder_reads_is_refused_naming_those_read(tmp_path: Path) -> None:
+    """Every block format is read (tests/e2e/models/test_gguf_kquants.py); an integer tensor is no model's weight."""
     folder = make_tiny_model(tmp_path / "tiny", "llama", seed=7)
-    gguf = write_gguf(folder, tmp_path / "tiny-Q5_0.gguf", "llama", quant="Q5_0")
+    gguf = write_gguf(folder, tmp_path / "tiny-I8.gguf", "llama", quant="I8")
     done = run_neuron(*_generating(gguf), env={"NEURON_CACHE_DIR": str(tmp_path / "cache")})
-    assert done.returncode != 0
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     said = done.stderr.strip().splitlines()[-1]
-    assert said.startswith("neuron: error: tiny-Q5_0.gguf: MLX's GGUF reader cannot read its tensors"), said
-    assert "F32, F16, Q4_0, Q4_1 and Q8_0" in said and "mlx_lm.convert" in said
+    assert said.startswith("neuron: error: tiny-I8.gguf: tensor ") and "is I8, which neuron does not read" in said
+    assert "F32, F16, BF16" in said and "K-quants" in said, said
+    assert not any((tmp_path / "cache").rglob("config.json"))

@@ -1,8 +1,9 @@
 """Quantized weights served on the CPU through neuron's kernel: a GGUF file's blocks kept as MLX's quantized layout
-(the embedded SmolLM2's Q4_1, tiny models written as Q4_1 and Q8_0), and folders ``mlx_lm.convert -q`` writes, give
-the greedy text of the same weights dequantized to float32, alone, in two tensor-parallel ranks and in two pipeline
-stages. The repack is exact, so the tokens are the same: the kernel sums the same products as BLAS does over the
-dequantized weights, in another order, which moves a logit by far less than these models' top two differ by.
+(the embedded SmolLM2's Q4_1, tiny models written as Q4_1, Q8_0 and Q4_K_M: its Q4_K kept, its Q6_K dequantized),
+and folders ``mlx_lm.convert -q`` writes, give the greedy text of the same weights dequantized to float32, alone, in
+two tensor-parallel ranks and in two pipeline stages. The repack is exact, so the tokens are the same: the kernel
+sums the same products as BLAS does over the dequantized weights, in another order, which moves a logit by far less
+than these models' top two differ by.
 ``NEURON_QUANTIZED_KERNEL=off`` (as a machine without a C++ compiler) keeps today's path: a GGUF file dequantized,
 an MLX folder through MLX's own product, each logged with how to get the kernel. The kernel itself:
 tests/e2e/quantized/test_kernel.py.
@@ -65,10 +66,14 @@ def test_the_embedded_q4_1_file_stays_quantized_and_answers_as_dequantized_alone
     assert dequantized.text.strip() and alone.text == dequantized.text and staged.text == dequantized.text
 
 
-# Every split for Q4_1; Q8_0's layout alone (the same code splits it).
+# Every split for Q4_1; Q8_0's layout and Q4_K's float32 scales alone (the same code splits them).
 @pytest.mark.parametrize(
     ("model_type", "arch", "quant", "splits"),
-    [("llama", "llama", "Q4_1", [(), ("--tp", "2"), ("--pp", "2")]), ("qwen3", "qwen3", "Q8_0", [()])],
+    [
+        ("llama", "llama", "Q4_1", [(), ("--tp", "2"), ("--pp", "2")]),
+        ("qwen3", "qwen3", "Q8_0", [()]),
+        ("llama", "llama", "Q4_K_M", [()]),
+    ],
 )
 def test_a_quantized_gguf_file_answers_as_dequantized_alone_split_and_in_stages(
     tmp_path: Path, cache: Path, model_type: str, arch: str, quant: str, splits: list[tuple[str, ...]]
