@@ -31,7 +31,9 @@ from neuron.system.paths import cache_dir
 
 GEMV_SOURCE = Path(__file__).with_name("gemv.c")
 COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedora: dnf install gcc)"
-QUANTIZED_SOURCES = [Path(__file__).with_name(name) for name in ("quantized.cpp", "layers.cpp", "strided.h")]
+QUANTIZED_SOURCES = [
+    Path(__file__).with_name(name) for name in ("quantized.cpp", "quantized.h", "layers.cpp", "strided.h")
+]
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
 CXX_HINT = "install a C++ compiler (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++)"
 EXTRA_HINT = "install CMake (Debian/Ubuntu: apt-get install cmake) and neuron's cpu extra, which brings nanobind"

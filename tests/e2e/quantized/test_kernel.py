@@ -1,5 +1,6 @@
 """neuron's kernel for products against MLX's quantized weights (neuron/system/native/quantized.cpp), built here as
-an MLX extension on first use, against MLX's own ``quantized_matmul`` on the same weights; its place in a real model
+an MLX extension on first use, against MLX's own ``quantized_matmul`` on the same weights, and each SIMD path's
+computing alone (kernel_check.cpp, NEON under qemu-user); its place in a real model
 (``rank.model.kernels.use_kernel``), where a product through it equals MLX's; and the build's refusals, each saying
 how to get it. Greedy text through ``neuron serve`` on every split: tests/e2e/quantized/test_serving.py.
 """
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,23 +24,66 @@ from neuron.rank.model import fuse, kernels
 from neuron.system import cpu, native
 from testkit import make_tiny_model
 
-# Each SIMD path this machine can run, as the compiler builds it for a machine that has no more: AVX-512 (this
-# machine's own, where it has it), AVX2 with FMA and F16C (x86-64-v3), and the plain loops (x86-64's baseline, as
-# on a CPU without either; 64-bit ARM builds the same loops, vectorized as its compiler can: no NEON of its own).
-PATHS = ["native", "-march=x86-64-v3", "-march=x86-64"]
 
-
-@pytest.fixture(scope="module", params=PATHS)
-def kernel(request: pytest.FixtureRequest) -> object:
+@pytest.fixture(scope="module")
+def kernel() -> object:
+    """The kernel as a rank builds it, for this machine's own instruction set; the other SIMD paths are checked
+    without MLX (``test_each_simd_path_gives_the_product``)."""
     # The BLAS neuron preloads, where this machine has one, loaded as it is there (global): products of many rows
     # go through its cblas_sgemm.
     if (blas := cpu.find_blas()) is not None:
         ctypes.CDLL(blas, mode=ctypes.RTLD_GLOBAL)
-    arch = None if request.param == "native" else request.param
-    module, why = kernels.load_kernel(sorted(os.sched_getaffinity(0)), arch)
+    module, why = kernels.load_kernel(sorted(os.sched_getaffinity(0)))
     assert module is not None, why
     assert module.blas() == (blas is not None)  # type: ignore[attr-defined]
     return module
+
+
+CHECK = Path(__file__).with_name("kernel_check.cpp")
+ARM_CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+# Each SIMD path, as the compiler builds it for a machine that has no more: AVX-512 (this machine's own, where it has
+# it), AVX2 with FMA and F16C (x86-64-v3), the plain loops (x86-64's baseline), and 64-bit ARM's NEON, run under
+# qemu-user. With the flags of /proc/cpuinfo each x86 build needs to run here.
+SIMD_PATHS = {
+    "-march=native": set(),
+    "-march=x86-64-v3": {"avx2", "fma", "f16c"},
+    "-march=x86-64": set(),
+    "aarch64 under qemu": set(),
+}
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+def test_each_simd_path_gives_the_product(path: str, tmp_path: Path) -> None:
+    # The kernel's computing alone (quantized.h), built by kernel_check.cpp against a plain reference: every layout
+    # (4 and 8 bits, groups of 32, 64 and 128, float32, float16 and bfloat16 scales), 1 to 11 rows a pass, a product
+    # shared among threads, a prompt's 100 rows through the BLAS where one is linked, and the half-float reads.
+    tools = native.quantized_toolchain()
+    if isinstance(tools, str):
+        pytest.skip(tools)
+    arm = path.startswith("aarch64")
+    if arm:
+        if shutil.which(ARM_CXX) is None or shutil.which(QEMU) is None:
+            pytest.skip(f"needs {ARM_CXX} and {QEMU}: apt-get install g++-aarch64-linux-gnu qemu-user")
+        compiler, flags, blas = ARM_CXX, ["-march=armv8-a"], []
+    else:
+        if platform.machine() != "x86_64":
+            pytest.skip(f"an x86-64 build: this machine is {platform.machine()}")
+        flags_here = set(Path("/proc/cpuinfo").read_text().split())
+        if not SIMD_PATHS[path] <= flags_here:
+            pytest.skip(f"this CPU lacks {', '.join(sorted(SIMD_PATHS[path] - flags_here))}")
+        found = cpu.find_blas()
+        compiler, flags, blas = tools.compiler, [path], ([] if found is None else ["-Wl,--no-as-needed", found])
+    program = tmp_path / "kernel_check"
+    include = [f"-I{native.QUANTIZED_CMAKE.parent}", f"-I{tools.mlx_dir / 'include'}"]
+    build = [compiler, "-O2", "-std=c++20", "-fopenmp", *flags, *include, str(CHECK), *blas, "-o", str(program)]
+    built = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    ran = subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", str(program)] if arm else [str(program)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    expected = "neon" if arm else {"-march=x86-64": "plain", "-march=x86-64-v3": "avx2"}.get(path)
+    assert expected is None or ran.stdout.startswith(f"{expected}, "), ran.stdout
+    assert (", BLAS linked:" in ran.stdout) == bool(blas), ran.stdout
 
 
 def close(got: mx.array, want: mx.array) -> float:

@@ -1,0 +1,475 @@
+// The quantized kernel's computing, free of MLX's arrays and graph (quantized.cpp wraps it as an MLX primitive):
+// included once by quantized.cpp, and by the test that builds it for another instruction set to run under
+// emulation (tests/e2e/quantized/kernel_check.cpp).
+//
+// Why: a decode step multiplies one row per sequence by every weight matrix once, so its time is the weights' bytes
+// over the memory's bandwidth. MLX's CPU quantized_matmul reads 4-bit weights slower than fp32 BLAS reads fp32 ones
+// (one thread, and a dequantize per element with no SIMD), which throws the quantization's gain away. This reads
+// each packed word once, dequantizes it in registers (scale * q + bias, as MLX defines the layout), and multiplies
+// it into every row, on every core of the rank.
+//
+// Paths, by the instruction set it is built for (the machine's own): AVX-512 (a 16-value table per group, looked up
+// by nibble, four columns at once), AVX2 with FMA and F16C, NEON on 64-bit ARM (unpacked and dequantized in
+// registers), else plain loops. tests/e2e/quantized/test_kernel.py checks each here, NEON under qemu-user.
+//
+// Layout (mlx.core.quantize): w is uint32 [N, K * bits / 32], element k of a row in bits [bits * (k % (32 / bits)),
+// ...) of word k / (32 / bits); scales and biases are [N, K / group_size]; the result is x @ dequantize(w).T.
+
+#pragma once
+
+#include <dlfcn.h>
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+#include "mlx/dtype.h"
+#include "mlx/types/half_types.h"
+
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int MAX_ROWS = 8;  // rows multiplied per pass over the weights; more take further passes
+#ifndef THREADED_BYTES
+#define THREADED_BYTES (256 << 10)  // weights (times rows) from which a product is shared among the helpers
+#endif
+#ifndef BLAS_ROWS
+#define BLAS_ROWS 64  // rows from which a product is dequantized into BLAS (``through_blas``)
+#endif
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048  // how far ahead of its reads a helper asks for the weights it reads next
+#endif
+
+float as_float(const void* p, mx::Dtype dtype, int64_t i) {
+  if (dtype == mx::float32) return static_cast<const float*>(p)[i];
+  if (dtype == mx::bfloat16) {  // the high half of a float32
+    uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+  }
+#if defined(__F16C__)
+  return _cvtsh_ss(static_cast<const uint16_t*>(p)[i]);
+#else
+  return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
+#endif
+}
+
+// Where element i of a row sits in its prepared copy: each 32-element block of a 4-bit product reordered to how
+// a block's 16 bytes unpack, the low nibbles (elements 0, 2, ..., 30), then the high ones (1, 3, ..., 31).
+inline int prepared_slot(int i, int bits) {
+  if (bits != 4) return i;
+  const int block = i & ~31, j = i & 31;
+  return block + (j & 1) * 16 + j / 2;
+}
+
+struct Problem {
+  const float* x;  // prepared rows
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  mx::Dtype scale_dtype;
+  void* out;
+  mx::Dtype out_dtype;
+  int rows, n, k, group_size, bits;
+};
+
+void store(const Problem& p, int m, int col, float value) {
+  size_t i = static_cast<size_t>(m) * p.n + col;
+  if (p.out_dtype == mx::float32)
+    static_cast<float*>(p.out)[i] = value;
+  else if (p.out_dtype == mx::float16)
+    static_cast<mx::float16_t*>(p.out)[i] = static_cast<mx::float16_t>(value);
+  else
+    static_cast<mx::bfloat16_t*>(p.out)[i] = static_cast<mx::bfloat16_t>(value);
+}
+
+// A column's scales or biases as float32, converted a vector at a time: read once per group in the inner loop.
+void row_floats(const void* src, mx::Dtype dtype, size_t at, int count, float* out) {
+  int i = 0;
+#if defined(__F16C__)
+  if (dtype == mx::float16) {
+    const uint16_t* h = static_cast<const uint16_t*>(src) + at;
+    for (; i + 8 <= count; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
+#endif
+  for (; i < count; i++) out[i] = as_float(src, dtype, at + i);
+}
+
+// Each helper's scratch for the columns it works on: their scales, then their biases, as float32.
+float* scratch(size_t count) {
+  thread_local std::vector<float> floats;
+  if (floats.size() < count) floats.resize(count);
+  return floats.data();
+}
+
+// One column's inputs: its packed row, the rows it multiplies, and its scales and biases as float32.
+struct Column {
+  const uint8_t* w;
+  const float* x;
+  const float* scales;
+  const float* biases;
+  int groups;
+};
+
+Column column_of(const Problem& p, int first_row, int col, int bits) {
+  const int words = p.k * bits / 32, groups = p.k / p.group_size;
+  float* scales = scratch(2 * static_cast<size_t>(groups));
+  row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col) * groups, groups, scales);
+  row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col) * groups, groups, scales + groups);
+  return {reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words),
+          p.x + static_cast<size_t>(first_row) * p.k, scales, scales + groups, groups};
+}
+
+#if defined(__AVX512F__)
+
+// C consecutive columns at once: each row's loads of x serve every one of them, and their C x M sums are
+// independent chains the core overlaps (one column's sums wait on each other's latency).
+template <int M, int BITS, int C>
+void block(const Problem& p, int first_row, int col) {
+  constexpr int STEP = BITS == 4 ? 32 : 16;  // elements one 16-byte load holds
+  const int words = p.k * BITS / 32, groups = p.k / p.group_size;
+  float* floats = scratch(2 * static_cast<size_t>(C) * groups);
+  const uint8_t* w[C];
+  for (int c = 0; c < C; c++) {
+    w[c] = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col + c) * words);
+    row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + c * groups);
+    row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + (C + c) * groups);
+  }
+  const float* x = p.x + static_cast<size_t>(first_row) * p.k;
+  __m512 even[M][C], odd[M][C];
+  for (int m = 0; m < M; m++)
+    for (int c = 0; c < C; c++) even[m][c] = odd[m][c] = _mm512_setzero_ps();
+  // 4 bits take one of 16 values per group: the group's table of them, dequantized once, and each element looked
+  // up by its nibble (a lane's low 4 bits index the table, whatever its higher bits hold).
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int g = 0; g < groups; g++) {
+    __m512 scale[C], bias[C];
+    for (int c = 0; c < C; c++) {
+      scale[c] = _mm512_set1_ps(floats[c * groups + g]);
+      bias[c] = _mm512_set1_ps(floats[(C + c) * groups + g]);
+      if constexpr (BITS == 4) scale[c] = _mm512_fmadd_ps(values, scale[c], bias[c]);  // the table
+    }
+    for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += STEP) {
+      __m512 xa[M], xb[M];
+      for (int m = 0; m < M; m++) {
+        xa[m] = _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i);
+        if constexpr (BITS == 4) xb[m] = _mm512_loadu_ps(x + static_cast<size_t>(m) * p.k + i + 16);
+      }
+      for (int c = 0; c < C; c++) {
+        const uint8_t* at = w[c] + i * BITS / 8;
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+        _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+        if constexpr (BITS == 4) {
+          const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
+          const __m512 a = _mm512_permutexvar_ps(lanes, scale[c]);                         // the low nibbles
+          const __m512 b = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), scale[c]);  // the high ones
+          for (int m = 0; m < M; m++) {
+            even[m][c] = _mm512_fmadd_ps(a, xa[m], even[m][c]);
+            odd[m][c] = _mm512_fmadd_ps(b, xb[m], odd[m][c]);
+          }
+        } else {
+          const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), scale[c], bias[c]);
+          for (int m = 0; m < M; m++) even[m][c] = _mm512_fmadd_ps(a, xa[m], even[m][c]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; m++)
+    for (int c = 0; c < C; c++)
+      store(p, first_row + m, col + c, _mm512_reduce_add_ps(_mm512_add_ps(even[m][c], odd[m][c])));
+}
+
+constexpr int columns_at_once(int rows) { return rows <= 2 ? 4 : 1; }  // as many sums as registers hold
+
+#elif defined(__AVX2__)
+
+constexpr int columns_at_once(int) { return 1; }
+
+float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int M, int BITS>
+void column(const Problem& p, int first_row, int col) {
+  constexpr int STEP = BITS == 4 ? 32 : 8;
+  const Column c = column_of(p, first_row, col, BITS);
+  const uint8_t* w = c.w;
+  const float *x = c.x, *scales = c.scales, *biases = c.biases;
+  const int groups = c.groups;
+  __m256 even[M], odd[M];
+  for (int m = 0; m < M; m++) even[m] = odd[m] = _mm256_setzero_ps();
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int g = 0; g < groups; g++) {
+    const __m256 scale = _mm256_set1_ps(scales[g]), bias = _mm256_set1_ps(biases[g]);
+    for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += STEP) {
+      if constexpr (BITS == 4) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i / 2));
+        __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        __m256 parts[4] = {
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), scale, bias),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), scale, bias),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), scale, bias),
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), scale, bias),
+        };
+        for (int m = 0; m < M; m++) {
+          const float* r = x + static_cast<size_t>(m) * p.k + i;
+          even[m] = _mm256_fmadd_ps(parts[0], _mm256_loadu_ps(r), even[m]);
+          odd[m] = _mm256_fmadd_ps(parts[1], _mm256_loadu_ps(r + 8), odd[m]);
+          even[m] = _mm256_fmadd_ps(parts[2], _mm256_loadu_ps(r + 16), even[m]);
+          odd[m] = _mm256_fmadd_ps(parts[3], _mm256_loadu_ps(r + 24), odd[m]);
+        }
+      } else {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
+        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, bias);
+        for (int m = 0; m < M; m++)
+          even[m] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + static_cast<size_t>(m) * p.k + i), even[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) store(p, first_row + m, col, sum8(_mm256_add_ps(even[m], odd[m])));
+}
+
+#elif defined(__ARM_NEON)
+
+constexpr int columns_at_once(int) { return 1; }
+
+// Four bytes' values as float32, dequantized: scale * q + bias.
+inline float32x4_t dequantized4(uint16x4_t q, float32x4_t scale, float32x4_t bias) {
+  return vfmaq_f32(bias, vcvtq_f32_u32(vmovl_u16(q)), scale);
+}
+
+// 64-bit ARM: unpack and dequantize in registers, as the AVX2 path does (a table lookup by nibble would need the
+// table's 64 bytes in four registers, where a widening and a multiply-add are two instructions).
+template <int M, int BITS>
+void column(const Problem& p, int first_row, int col) {
+  constexpr int STEP = BITS == 4 ? 32 : 16;  // elements one 16-byte load holds
+  const Column c = column_of(p, first_row, col, BITS);
+  float32x4_t even[M], odd[M];
+  for (int m = 0; m < M; m++) even[m] = odd[m] = vdupq_n_f32(0.0f);
+  const uint8x16_t nibble = vdupq_n_u8(0x0F);
+  for (int g = 0; g < c.groups; g++) {
+    const float32x4_t scale = vdupq_n_f32(c.scales[g]), bias = vdupq_n_f32(c.biases[g]);
+    for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += STEP) {
+      const uint8x16_t bytes = vld1q_u8(c.w + i * BITS / 8);
+      // A 4-bit block's low nibbles are its prepared row's first 16 values, its high ones the next 16.
+      uint8x16_t halves[2] = {bytes, bytes};
+      if constexpr (BITS == 4) halves[0] = vandq_u8(bytes, nibble), halves[1] = vshrq_n_u8(bytes, 4);
+      for (int h = 0; h < (BITS == 4 ? 2 : 1); h++) {
+        const uint16x8_t low = vmovl_u8(vget_low_u8(halves[h])), high = vmovl_u8(vget_high_u8(halves[h]));
+        const float32x4_t parts[4] = {dequantized4(vget_low_u16(low), scale, bias),
+                                      dequantized4(vget_high_u16(low), scale, bias),
+                                      dequantized4(vget_low_u16(high), scale, bias),
+                                      dequantized4(vget_high_u16(high), scale, bias)};
+        for (int m = 0; m < M; m++) {
+          const float* r = c.x + static_cast<size_t>(m) * p.k + i + 16 * h;
+          even[m] = vfmaq_f32(even[m], parts[0], vld1q_f32(r));
+          odd[m] = vfmaq_f32(odd[m], parts[1], vld1q_f32(r + 4));
+          even[m] = vfmaq_f32(even[m], parts[2], vld1q_f32(r + 8));
+          odd[m] = vfmaq_f32(odd[m], parts[3], vld1q_f32(r + 12));
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; m++) store(p, first_row + m, col, vaddvq_f32(vaddq_f32(even[m], odd[m])));
+}
+
+#else  // neither x86's SIMD nor ARM's: plain loops, which the compiler vectorizes as it can
+
+constexpr int columns_at_once(int) { return 1; }
+
+template <int M, int BITS>
+void column(const Problem& p, int first_row, int col) {
+  const int words = p.k * BITS / 32, groups = p.k / p.group_size;
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words);
+  const float* x = p.x + static_cast<size_t>(first_row) * p.k;
+  float acc[M] = {};
+  for (int g = 0; g < groups; g++) {
+    size_t at = static_cast<size_t>(col) * groups + g;
+    const float scale = as_float(p.scales, p.scale_dtype, at), bias = as_float(p.biases, p.scale_dtype, at);
+    for (int i = g * p.group_size; i < (g + 1) * p.group_size; i++) {
+      float value;
+      const int slot = prepared_slot(i, BITS);  // where element i's row value sits in the prepared rows
+      if constexpr (BITS == 4) {
+        value = static_cast<float>((w[i / 2] >> (4 * (i & 1))) & 0x0F);
+      } else {
+        value = static_cast<float>(w[i]);
+      }
+      const float dequantized = value * scale + bias;
+      for (int m = 0; m < M; m++) acc[m] += dequantized * x[static_cast<size_t>(m) * p.k + slot];
+    }
+  }
+  for (int m = 0; m < M; m++) store(p, first_row + m, col, acc[m]);
+}
+
+#endif
+
+#if !defined(__AVX512F__)
+template <int M, int BITS, int C>
+void block(const Problem& p, int first_row, int col) {
+  for (int c = 0; c < C; c++) column<M, BITS>(p, first_row, col + c);
+}
+#endif
+
+// The cores a product may use (``set_cores``): as many threads, each helper free to run on any of them. The
+// calling thread (MLX's stream thread) stays where it is: a rank alone may pin it to one core beside the thread
+// that hands it the work (neuron/system/cpu.py, one_core), and the helpers must not inherit that one core.
+std::vector<int> cores;
+std::atomic<int> placement{0};  // bumped by each set_cores: helpers placed under an older one place themselves again
+
+void place_helper() {
+  thread_local int placed = 0;
+  const int wanted = placement.load();
+  if (omp_get_thread_num() == 0 || placed == wanted || cores.empty()) return;
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  for (int core : cores) CPU_SET(core, &mask);
+  sched_setaffinity(0, sizeof mask, &mask);
+  placed = wanted;
+}
+
+void set_cores(const std::vector<int>& given) {
+  cores = given;
+  placement++;
+  omp_set_num_threads(cores.empty() ? 1 : static_cast<int>(cores.size()));
+}
+
+template <int M, int BITS>
+void columns_of(const Problem& p, int first_row) {
+  constexpr int C = columns_at_once(M);
+  const int blocks = (p.n + C - 1) / C;
+#pragma omp for schedule(static)
+  for (int b = 0; b < blocks; b++) {
+    const int col = b * C;
+    if (col + C <= p.n) {
+      block<M, BITS, C>(p, first_row, col);
+    } else {  // the last columns, fewer than a block
+      for (int c = col; c < p.n; c++) block<M, BITS, 1>(p, first_row, c);
+    }
+  }
+}
+
+template <int M>
+void columns(const Problem& p, int first_row) {
+  // A small product is done before helpers would have woken: the calling thread does it alone.
+  const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= THREADED_BYTES;
+#pragma omp parallel if (shared)
+  {
+    place_helper();
+    if (p.bits == 4)
+      columns_of<M, 4>(p, first_row);
+    else
+      columns_of<M, 8>(p, first_row);
+  }
+}
+
+// Many rows (a prompt's chunk): each weight serves every row, which a BLAS's sgemm does best. The weights are
+// dequantized a block of columns at a time into float32, in the order the rows were prepared in (so the sums are
+// the same products), and the block multiplied by the process's cblas_sgemm (the BLAS MLX uses, found at run time).
+using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+constexpr size_t BLOCK_BYTES = 4 << 20;  // float32 weights dequantized at once
+
+Sgemm sgemm() {
+  static const Sgemm found = reinterpret_cast<Sgemm>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return found;
+}
+
+void dequantize(const Problem& p, int first, int count, float* out) {
+  const int words = p.k * p.bits / 32, groups = p.k / p.group_size;
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES)
+  for (int c = 0; c < count; c++) {
+    const int col = first + c;
+    const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words);
+    float* row = out + static_cast<size_t>(c) * p.k;
+#if defined(__AVX512F__)
+    float* floats = scratch(2 * static_cast<size_t>(groups));
+    row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col) * groups, groups, floats);
+    row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col) * groups, groups, floats + groups);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < groups; g++) {
+      const __m512 scale = _mm512_set1_ps(floats[g]), bias = _mm512_set1_ps(floats[groups + g]);
+      const __m512 table = _mm512_fmadd_ps(values, scale, bias);
+      for (int i = g * p.group_size; i < (g + 1) * p.group_size; i += p.bits == 4 ? 32 : 16) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * p.bits / 8));
+        const __m512i lanes = _mm512_cvtepu8_epi32(bytes);
+        if (p.bits == 4) {
+          _mm512_storeu_ps(row + i, _mm512_permutexvar_ps(lanes, table));
+          _mm512_storeu_ps(row + i + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table));
+        } else {
+          _mm512_storeu_ps(row + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, bias));
+        }
+      }
+    }
+    continue;
+#endif
+    for (int g = 0; g < groups; g++) {
+      const size_t at = static_cast<size_t>(col) * groups + g;
+      const float scale = as_float(p.scales, p.scale_dtype, at), bias = as_float(p.biases, p.scale_dtype, at);
+      for (int i = g * p.group_size; i < (g + 1) * p.group_size; i++) {
+        float q;
+        const int slot = prepared_slot(i, p.bits);  // dequantized in the prepared rows' order
+        if (p.bits == 4) {
+          q = static_cast<float>((w[i / 2] >> (4 * (i & 1))) & 0x0F);
+        } else {
+          q = static_cast<float>(w[i]);
+        }
+        row[slot] = q * scale + bias;
+      }
+    }
+  }
+}
+
+bool through_blas(const Problem& p) {
+  const Sgemm multiply_blocks = sgemm();
+  if (multiply_blocks == nullptr || p.rows < BLAS_ROWS) return false;
+  const int per_block = std::max(1, static_cast<int>(BLOCK_BYTES / (sizeof(float) * p.k)));
+  thread_local std::vector<float> weights, sums;
+  weights.resize(static_cast<size_t>(std::min(per_block, p.n)) * p.k);
+  const bool direct = p.out_dtype == mx::float32;  // else summed here, then converted
+  if (!direct) sums.resize(static_cast<size_t>(p.rows) * p.n);
+  float* out = direct ? static_cast<float*>(p.out) : sums.data();
+  for (int first = 0; first < p.n; first += per_block) {
+    const int count = std::min(per_block, p.n - first);
+    dequantize(p, first, count, weights.data());
+    multiply_blocks(ROW_MAJOR, NO_TRANS, TRANS, p.rows, count, p.k, 1.0f, p.x, p.k, weights.data(), p.k, 0.0f,
+                    out + first, p.n);
+  }
+  if (!direct)
+    for (int m = 0; m < p.rows; m++)
+      for (int col = 0; col < p.n; col++) store(p, m, col, sums[static_cast<size_t>(m) * p.n + col]);
+  return true;
+}
+
+void multiply(const Problem& p) {
+  if (through_blas(p)) return;
+  for (int first = 0; first < p.rows; first += MAX_ROWS) {
+    switch (std::min(MAX_ROWS, p.rows - first)) {
+      case 1: columns<1>(p, first); break;
+      case 2: columns<2>(p, first); break;
+      case 3: columns<3>(p, first); break;
+      case 4: columns<4>(p, first); break;
+      case 5: columns<5>(p, first); break;
+      case 6: columns<6>(p, first); break;
+      case 7: columns<7>(p, first); break;
+      default: columns<8>(p, first); break;
+    }
+  }
+}
+
+}  // namespace
