@@ -28,6 +28,9 @@ _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_hea
 # Q4_K_M as llama.cpp mixes it, simplified: Q6_K for the value and down projections (llama.cpp: half of them, and
 # the output matrix), Q4_K for every other matrix.
 MIXES = {"Q4_K_M": {"attn_v": "Q6_K", "ffn_down": "Q6_K"}}
+# What llama.cpp's quantizer writes instead of a K-quant where a matrix's rows are not whole super-blocks of 256
+# (SmolLM2's 576 columns): most of a real Q4_K_M file of such a model is Q5_0.
+_NOT_WHOLE = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _gguf_name(name: str) -> str:
@@ -55,8 +58,9 @@ def write_gguf(
     """``folder``'s model as a float32 GGUF file of architecture ``arch`` (llama, qwen2, qwen3, gemma); its tokenizer,
     or the SentencePiece model ``sentencepiece`` as llama.cpp writes one (``llama``: pieces, scores, types). With
     ``quant``, every matrix whose rows are whole blocks in that GGML type: a block format gguf-py writes (Q4_0,
-    Q4_1, Q8_0, Q5_0: as llama.cpp's quantizer does), Q4_K or Q6_K (``_k_quant``), a mix (``MIXES``: Q4_K_M), or
-    an integer type (I8: the values cast, a tensor no model holds)."""
+    Q4_1, Q8_0, Q5_0, Q5_1: as llama.cpp's quantizer does), Q4_K, Q5_K or Q6_K (``_k_quant``; where rows are not
+    whole super-blocks, what llama.cpp writes instead: ``_NOT_WHOLE``), a mix (``MIXES``: Q4_K_M), or an integer
+    type (I8: the values cast, a tensor no model holds)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -97,10 +101,12 @@ def write_gguf(
         elif arch == "gemma" and name.endswith("norm.weight"):
             tensor = tensor + 1.0  # llama.cpp stores Gemma's norms as the scale they apply, 1 + w
         kind = _kind(name, quant)
+        if kind is not None and kind.name in _NOT_WHOLE and tensor.ndim == 2 and tensor.shape[1] % 256:
+            kind = gguf.GGMLQuantizationType[_NOT_WHOLE[kind.name]]
         if kind is not None and tensor.ndim == 2 and tensor.shape[1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
             if kind.name == "I8":
                 writer.add_tensor(_gguf_name(name), tensor.astype(np.int8))
-            elif kind.name in ("Q4_K", "Q6_K"):
+            elif kind.name in ("Q4_K", "Q5_K", "Q6_K"):
                 writer.add_tensor(_gguf_name(name), _k_quant(tensor, kind.name), raw_dtype=kind)
             else:
                 writer.add_tensor(_gguf_name(name), gguf.quants.quantize(tensor, kind), raw_dtype=kind)
@@ -173,11 +179,11 @@ def train_sentencepiece(folder: Path, vocab: int = 330) -> Path:
 
 
 def _k_quant(tensor: np.ndarray, kind: str) -> np.ndarray:
-    """``tensor`` (rows of whole super-blocks of 256) as Q4_K or Q6_K blocks, which gguf-py reads but does not write:
-    a valid encoding (each sub-block's range, its scales rounded to 6 or 8 bits against the super-block's),
+    """``tensor`` (rows of whole super-blocks of 256) as Q4_K, Q5_K or Q6_K blocks, which gguf-py reads but does not
+    write: a valid encoding (each sub-block's range, its scales rounded to 6 or 8 bits against the super-block's),
     not llama.cpp's search for the best one."""
     blocks = tensor.reshape(-1, 256).astype(np.float32)
-    encode = _q4_k_blocks if kind == "Q4_K" else _q6_k_blocks
+    encode = {"Q4_K": _q4_k_blocks, "Q5_K": _q5_k_blocks, "Q6_K": _q6_k_blocks}[kind]
     return encode(blocks).reshape(tensor.shape[0], -1)
 
 
@@ -185,19 +191,20 @@ def _ratio(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return np.divide(x, scale, out=np.zeros(np.broadcast_shapes(x.shape, scale.shape), np.float32), where=scale != 0)
 
 
-def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
-    """144 bytes a super-block: d, dmin (float16), eight 6-bit (scale, min) pairs packed in 12 bytes, then four
-    runs of 32 bytes, sub-block 2r in the low nibbles and 2r + 1 in the high ones; value = d * sc * q - dmin * m."""
+def _k_affine(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's common part: each 32-value sub-block's values q in 0..``top``, and the super-block's first
+    16 bytes: d, dmin (float16), then eight 6-bit (scale, min) pairs packed in 12 bytes; value = d * sc * q - dmin * m.
+    """
     sub = x.reshape(-1, 8, 32)
     low = np.minimum(sub.min(axis=-1), 0)
-    scale, floor = (sub.max(axis=-1) - low) / 15, -low
+    scale, floor = (sub.max(axis=-1) - low) / top, -low
     d = (scale.max(axis=-1) / 63).astype(np.float16)
     dmin = (floor.max(axis=-1) / 63).astype(np.float16)
     sc = np.clip(np.rint(_ratio(scale, d[:, None].astype(np.float32))), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(_ratio(floor, dmin[:, None].astype(np.float32))), 0, 63).astype(np.uint8)
     step = (d.astype(np.float32)[:, None] * sc)[..., None]
     offset = (dmin.astype(np.float32)[:, None] * m)[..., None]
-    q = np.clip(np.rint(_ratio(sub + offset, step)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(_ratio(sub + offset, step)), 0, top).astype(np.uint8)
     packed = np.concatenate(
         [
             (sc[:, :4] & 63) | (sc[:, 4:] >> 4 << 6),
@@ -206,9 +213,28 @@ def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
         ],
         axis=-1,
     )
-    runs = q.reshape(-1, 4, 2, 32)
-    qs = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([_bytes(d), _bytes(dmin), packed, qs], axis=-1)
+    return q, np.concatenate([_bytes(d), _bytes(dmin), packed], axis=-1)
+
+
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """Eight sub-blocks' low nibbles in four runs of 32 bytes, sub-block 2r in the low nibbles and 2r + 1 in the
+    high ones."""
+    runs = (q & 0xF).reshape(-1, 4, 2, 32)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _q4_k_blocks(x: np.ndarray) -> np.ndarray:
+    """144 bytes a super-block: ``_k_affine``'s 16, then the nibbles."""
+    q, head = _k_affine(x, 15)
+    return np.concatenate([head, _k_nibbles(q)], axis=-1)
+
+
+def _q5_k_blocks(x: np.ndarray) -> np.ndarray:
+    """176 bytes a super-block: ``_k_affine``'s 16, 32 bytes of fifth bits (sub-block i's value l at bit i of byte
+    l, unlike Q5_0's bit l of a block's 32-bit word), then Q4_K's nibbles."""
+    q, head = _k_affine(x, 31)
+    qh = np.packbits((q >> 4).swapaxes(-1, -2), axis=-1, bitorder="little").reshape(-1, 32)
+    return np.concatenate([head, qh, _k_nibbles(q)], axis=-1)
 
 
 def _q6_k_blocks(x: np.ndarray) -> np.ndarray:

@@ -2,11 +2,12 @@
 
 llama.cpp's own reader (gguf-py's ``GGUFReader``) maps the file; no llama.cpp
 code runs. Each tensor's blocks are repacked into MLX's quantized layout where
-it holds them exactly (Q4_0, Q4_1, Q8_0, Q4_K), or dequantized exactly
-(gguf-py's numpy decoders: Q5_K, Q6_K, Q5_0, ...). This module renames tensors
-to the Hugging Face names mlx-lm expects, undoes what llama.cpp's converter
-changed (the rotary permutation of llama's q/k rows, the 1 it adds to Gemma's
-norms), and rebuilds the tokenizer and chat template from the metadata.
+it holds them exactly (Q4_0, Q4_1 and Q4_K in 4 bits; Q8_0, Q5_0, Q5_1 and Q5_K
+in 8), or dequantized exactly (gguf-py's numpy decoders: Q6_K, Q3_K, ...). This
+module renames tensors to the Hugging Face names mlx-lm expects, undoes what
+llama.cpp's converter changed (the rotary permutation of llama's q/k rows, the
+1 it adds to Gemma's norms), and rebuilds the tokenizer and chat template from
+the metadata.
 
 Why not ``mx.load``, which reads GGUF too: its reader (gguflib) gets Q4_K's odd
 sub-blocks wrong (each takes its even neighbour's scale and min), rounds Q6_K
@@ -59,7 +60,7 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # Part of a converted folder's cache key: bump it when the conversion changes what it writes.
-CONVERTER_VERSION = 4
+CONVERTER_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,8 @@ def _unpermute(weight: mx.array, heads: int) -> mx.array:
     return weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-# MLX's affine layout in groups of 32 values: a Q4_0, Q4_1 or Q8_0 block is one group, a Q4_K super-block eight.
+# MLX's affine layout in groups of 32 values: a Q4_0, Q4_1, Q8_0, Q5_0 or Q5_1 block is one group, a Q4_K or Q5_K
+# super-block eight.
 _GROUP = 32
 
 
@@ -138,7 +140,9 @@ def _q4_0(blocks: np.ndarray) -> Affine:
     import numpy as np
 
     d, qs = _halves(blocks[..., :2]), blocks[..., 2:]
-    return Affine(_words(np.concatenate([qs & 0xF, qs >> 4], axis=-1), 4), d, d * np.float16(-8), 4)
+    with np.errstate(over="ignore"):  # an infinite bias is ``_tensor``'s to find
+        bias = d * np.float16(-8)
+    return Affine(_words(np.concatenate([qs & 0xF, qs >> 4], axis=-1), 4), d, bias, 4)
 
 
 def _q4_1(blocks: np.ndarray) -> Affine:
@@ -154,14 +158,14 @@ def _q8_0(blocks: np.ndarray) -> Affine:
     import numpy as np
 
     d = _halves(blocks[..., :2])
-    return Affine(_words(blocks[..., 2:] ^ np.uint8(0x80), 8), d, d * np.float16(-128), 8)
+    with np.errstate(over="ignore"):  # an infinite bias is ``_tensor``'s to find
+        bias = d * np.float16(-128)
+    return Affine(_words(blocks[..., 2:] ^ np.uint8(0x80), 8), d, bias, 8)
 
 
-def _q4_k(blocks: np.ndarray) -> Affine:
-    """144 bytes a super-block of 256 values: d and dmin (float16), twelve bytes of eight 6-bit (sc, m) pairs, then
-    four runs of 32 bytes, each holding sub-block 2r in its low nibbles and sub-block 2r + 1 in its high ones;
-    value = d * sc * q - dmin * m. A group's scale d * sc and bias -dmin * m are exact in float32: an 11-bit
-    significand times a 6-bit integer."""
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K or Q5_K super-block's eight sub-blocks' scales d * sc and biases -dmin * m, float32 (exact: an 11-bit
+    significand times a 6-bit integer), from its d and dmin (float16) and the twelve bytes of (sc, m) pairs after."""
     import numpy as np
 
     d, dmin = _halves(blocks[..., :2]).astype(np.float32), _halves(blocks[..., 2:4]).astype(np.float32)
@@ -170,16 +174,78 @@ def _q4_k(blocks: np.ndarray) -> Affine:
     # four bytes' nibbles, their top two bits in those eight bytes' top two.
     sc = np.concatenate([low & 63, (high & 0xF) | (low >> 6 << 4)], axis=-1)
     m = np.concatenate([mid & 63, (high >> 4) | (mid >> 6 << 4)], axis=-1)
-    runs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
-    q = np.concatenate([runs & 0xF, runs >> 4], axis=-2)
     rows = blocks.shape[0]
-    scales = (d[..., None] * sc).reshape(rows, -1)
-    biases = (-(dmin[..., None] * m)).reshape(rows, -1)
-    return Affine(_words(q, 4), scales, biases, 4)
+    return (d[..., None] * sc).reshape(rows, -1), (-(dmin[..., None] * m)).reshape(rows, -1)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """A super-block's 128 bytes of low nibbles as its eight sub-blocks' (axis -2): four runs of 32 bytes, each
+    holding sub-block 2r in its low nibbles and sub-block 2r + 1 in its high ones."""
+    import numpy as np
+
+    runs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([runs & 0xF, runs >> 4], axis=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _q4_k(blocks: np.ndarray) -> Affine:
+    """144 bytes a super-block of 256 values: d and dmin (float16), twelve bytes of eight 6-bit (sc, m) pairs, then
+    the 128 bytes of nibbles; value = d * sc * q - dmin * m."""
+    scales, biases = _k_scales(blocks)
+    return Affine(_words(_k_nibbles(blocks[..., 16:]), 4), scales, biases, 4)
+
+
+def _q5_nibbles(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """A Q5_0 or Q5_1 block's 32 five-bit values: value j's low four bits in byte j's low nibble, value j + 16's in
+    its high one; value j's fifth bit is bit j of the little-endian 32-bit word qh (as ggml's dequantize_row_q5_0)."""
+    import numpy as np
+
+    fifth = np.unpackbits(qh, axis=-1, bitorder="little")
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1) | (fifth << 4)
+
+
+# Five-bit values are kept as MLX's 8-bit layout, groups of 32: each in a byte of its own, with the block's scale and
+# bias as the group's. The 3 bits of a value left unused cost less than dequantizing (8 + 2 bits a value against 32).
+
+
+def _q5_0(blocks: np.ndarray) -> Affine:
+    """22 bytes: d (float16), qh (4 bytes), 16 bytes of nibbles; value = d * (q - 16). The bias -16d is exact in
+    float32, and in float16 as long as it does not overflow there (``_tensor`` checks)."""
+    import numpy as np
+
+    d = _halves(blocks[..., :2]).astype(np.float32)
+    return Affine(_words(_q5_nibbles(blocks[..., 2:6], blocks[..., 6:]), 8), d, d * np.float32(-16), 8)
+
+
+def _q5_1(blocks: np.ndarray) -> Affine:
+    """24 bytes: d and m (float16), then Q5_0's qh and nibbles; value = d * q + m."""
+    import numpy as np
+
+    d, m = _halves(blocks[..., :2]).astype(np.float32), _halves(blocks[..., 2:4]).astype(np.float32)
+    return Affine(_words(_q5_nibbles(blocks[..., 4:8], blocks[..., 8:]), 8), d, m, 8)
+
+
+def _q5_k(blocks: np.ndarray) -> Affine:
+    """176 bytes a super-block of 256 values: Q4_K's d, dmin and (sc, m) pairs, 32 bytes qh, then Q4_K's 128 bytes
+    of nibbles; value = d * sc * q - dmin * m. Unlike Q5_0's, the fifth bit of sub-block i's value l is bit i of
+    qh's byte l (as ggml's dequantize_row_q5_K)."""
+    import numpy as np
+
+    scales, biases = _k_scales(blocks)
+    qh = blocks[..., 16:48, None]  # byte l's bit i, unpacked little-endian onto the last axis: sub-block i's value l
+    fifth = np.unpackbits(qh, axis=-1, bitorder="little").swapaxes(-1, -2)
+    return Affine(_words(_k_nibbles(blocks[..., 48:]) | (fifth << 4), 8), scales, biases, 8)
 
 
 # The block formats MLX's affine layout holds exactly, by GGML type name; every other one is dequantized.
-_REPACKS: dict[str, Callable[[np.ndarray], Affine]] = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q4_K": _q4_k}
+_REPACKS: dict[str, Callable[[np.ndarray], Affine]] = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q5_K": _q5_k,
+}
 # What gguf-py's decoders read, as a refused tensor type's message names it.
 _READ = "F32, F16, BF16 and the block formats (Q4_0 ... Q8_0, the K-quants, the IQ ones)"
 
@@ -209,14 +275,18 @@ def _tensor(tensor: ReaderTensor, dtype: mx.Dtype, quantized: bool) -> tuple[dic
     if quantized and repack is not None:
         _, size = ggml.GGML_QUANT_SIZES[kind]
         affine = repack(data.reshape(data.shape[0], -1, size))
-        # Q4_0's, Q4_1's and Q8_0's scales are exact in float16, as the file holds them. Q4_K's (float32) go to
-        # the model's dtype: exact on a Linux CPU; on an accelerator float16, rounded as every weight dequantized
-        # there is. MLX would take float32 scales with float16 inputs, but its products would then be float32,
-        # and so the residual stream and the KV cache, at twice the memory.
+        # Q4_0's, Q4_1's and Q8_0's scales are exact in float16, as the file holds them. The others' (float32) go to
+        # the model's dtype: exact on a Linux CPU; on an accelerator float16, where Q5_0's and Q5_1's stay exact and
+        # the K-quants' d * sc and dmin * m round as every weight dequantized there does. MLX would take float32
+        # scales with float16 inputs, but its products would then be float32, and so the residual stream and the
+        # KV cache, at twice the memory.
         scales, biases = (mx.array(a) for a in (affine.scales, affine.biases))
         if scales.dtype != mx.float16:
             scales, biases = scales.astype(dtype), biases.astype(dtype)
-        return {"weight": mx.array(affine.words), "scales": scales, "biases": biases}, affine.bits
+        # A bias (-8d, -16d, -128d) or a K-quant's product past float16's 65504 is infinite there, and so would be
+        # every value of its group: such a tensor is dequantized instead, its values as exact as the dtype holds.
+        if mx.all(mx.isfinite(scales) & mx.isfinite(biases)).item():
+            return {"weight": mx.array(affine.words), "scales": scales, "biases": biases}, affine.bits
     if kind.name in ("F32", "F16"):
         return {"weight": mx.array(data).astype(dtype)}, None
     try:
@@ -552,5 +622,5 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
             bytes=size,
             grew=round(size / file_bytes, 1),
             why="MLX's quantized layout holds none of these formats' blocks exactly",
-            fix="a Q8_0, Q4_0 or Q4_1 file stays quantized whole (a K-quant file mixes Q6_K or Q5_K into its Q4_K)",
+            fix="a Q8_0, Q5_0, Q5_1, Q4_0 or Q4_1 file stays quantized whole (a K-quant one mixes in Q6_K)",
         )

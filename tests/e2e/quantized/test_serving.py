@@ -1,5 +1,6 @@
 """Quantized weights served on the CPU through neuron's kernel: a GGUF file's blocks kept as MLX's quantized layout
-(the embedded SmolLM2's Q4_1, tiny models written as Q4_1, Q8_0 and Q4_K_M: its Q4_K kept, its Q6_K dequantized),
+(the embedded SmolLM2's Q4_1, tiny models written as Q4_1, Q8_0 and Q4_K_M: its Q4_K, Q5_0 and Q8_0 kept, its Q6_K
+dequantized),
 and folders ``mlx_lm.convert -q`` writes, give the greedy text of the same weights dequantized to float32, alone, in
 two tensor-parallel ranks and in two pipeline stages. The repack is exact, so the tokens are the same: the kernel
 sums the same products as BLAS does over the dequantized weights, in another order, which moves a logit by far less
@@ -66,24 +67,28 @@ def test_the_embedded_q4_1_file_stays_quantized_and_answers_as_dequantized_alone
     assert dequantized.text.strip() and alone.text == dequantized.text and staged.text == dequantized.text
 
 
-# Every split for Q4_1; Q8_0's layout and Q4_K's float32 scales alone (the same code splits them).
+# Every split for Q4_1; Q8_0's layout and a Q4_K_M mix alone (the same code splits them). The mix is 288 wide: as
+# SmolLM2's 576, not whole super-blocks of 256, so that, as in its real Q4_K_M file, most matrices are the Q5_0
+# llama.cpp writes instead (8 bits, float32 scales), some Q8_0, beside Q4_K's 4 bits and Q6_K dequantized.
 @pytest.mark.parametrize(
-    ("model_type", "arch", "quant", "splits"),
+    ("model_type", "arch", "quant", "hidden", "splits"),
     [
-        ("llama", "llama", "Q4_1", [(), ("--tp", "2"), ("--pp", "2")]),
-        ("qwen3", "qwen3", "Q8_0", [()]),
-        ("llama", "llama", "Q4_K_M", [()]),
+        ("llama", "llama", "Q4_1", 256, [(), ("--tp", "2"), ("--pp", "2")]),
+        ("qwen3", "qwen3", "Q8_0", 256, [()]),
+        ("llama", "llama", "Q4_K_M", 288, [()]),
     ],
 )
 def test_a_quantized_gguf_file_answers_as_dequantized_alone_split_and_in_stages(
-    tmp_path: Path, cache: Path, model_type: str, arch: str, quant: str, splits: list[tuple[str, ...]]
+    tmp_path: Path, cache: Path, model_type: str, arch: str, quant: str, hidden: int, splits: list[tuple[str, ...]]
 ) -> None:
-    folder = make_tiny_model(tmp_path / f"tiny-{model_type}", model_type, seed=7)
+    folder = make_tiny_model(tmp_path / f"tiny-{model_type}", model_type, seed=7, hidden=hidden, intermediate=512)
     gguf = write_gguf(folder, tmp_path / f"tiny-{model_type}-{quant}.gguf", arch, quant=quant)
     model = ("--model", str(gguf), PROMPT)
     dequantized, *runs = generate([(OFF, model), *(({}, (*split, *model)) for split in splits)], cache)
     assert "gguf dequantized" in dequantized.log and f"{QUANTIZED_ENV}=off" in dequantized.log
     assert dequantized.text
+    if quant == "Q4_K_M":  # the mix is what it is said to be
+        assert '"quantized_formats": "Q4_K:4,Q5_0:18,Q8_0:4"' in runs[0].log
     for split, run in zip(splits, runs, strict=True):
         assert "quantized products by neuron's kernel" in run.log, split
         assert run.text == dequantized.text, split
