@@ -148,6 +148,14 @@ void block(const Problem& p, int first_row, int col) {
     row_floats(p.scales, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + c * groups);
     row_floats(p.biases, p.scale_dtype, static_cast<size_t>(col + c) * groups, groups, floats + (C + c) * groups);
   }
+  // The next block's scales and biases but one, asked for now: they are streams of their own beside the packed
+  // words, and SmolLM2's products waited on them for about a fifth of their time (BENCHMARKS.md). A prefetch
+  // past the arrays' end (the last blocks') never faults.
+  const size_t scale_bytes = p.scale_dtype.size(), ahead = static_cast<size_t>(col + 2 * C) * groups * scale_bytes;
+  for (size_t at = 0; at < static_cast<size_t>(C) * groups * scale_bytes; at += 64) {
+    _mm_prefetch(static_cast<const char*>(p.scales) + ahead + at, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(p.biases) + ahead + at, _MM_HINT_T0);
+  }
   const float* x = p.x + static_cast<size_t>(first_row) * p.k;
   __m512 even[M][C], odd[M][C];
   for (int m = 0; m < M; m++)
