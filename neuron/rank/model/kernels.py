@@ -153,7 +153,7 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
     """Send ``model``'s quantized products that the kernel takes, and its norms and rotations, through it."""
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
-    taken = {KernelRMSNorm: 0, KernelRoPE: 0, KernelLinear: 0}
+    taken = {"products": 0, "norms": 0, "rotations": 0}
     for name, layer in model.named_modules():
         subclass = LAYER_CLASSES.get(type(layer))
         if subclass is None and type(layer) in PRODUCT_CLASSES and fits(layer):
@@ -164,5 +164,5 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
         layer.__class__ = subclass  # the same arrays, names and checks; only the call differs
         layer.kernel = kernel
         if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
-            taken[subclass if subclass in taken else KernelLinear] += 1
-    return Taken(taken[KernelLinear], taken[KernelRMSNorm], taken[KernelRoPE])
+            taken[{KernelRMSNorm: "norms", KernelRoPE: "rotations"}.get(subclass, "products")] += 1
+    return Taken(**taken)
