@@ -140,6 +140,10 @@ PRODUCT_CLASSES: dict[type, type] = {
 LAYER_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
 
 
+# How ``Taken`` counts what each subclass computes; every other is a product.
+KINDS: dict[type, str] = {KernelRMSNorm: "norms", KernelRoPE: "rotations"}
+
+
 @dataclass(frozen=True, slots=True)
 class Taken:
     """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations."""
@@ -164,5 +168,5 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
         layer.__class__ = subclass  # the same arrays, names and checks; only the call differs
         layer.kernel = kernel
         if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
-            taken[{KernelRMSNorm: "norms", KernelRoPE: "rotations"}.get(subclass, "products")] += 1
+            taken[KINDS.get(subclass, "products")] += 1
     return Taken(**taken)
