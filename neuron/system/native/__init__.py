@@ -35,6 +35,7 @@ QUANTIZED_SOURCES = [
     Path(__file__).with_name(name) for name in ("quantized.cpp", "quantized.h", "layers.cpp", "strided.h")
 ]
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
+MLX_CMAKE = Path("share", "cmake", "MLX")  # in the MLX wheel's folder
 CXX_HINT = "install a C++ compiler (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++)"
 EXTRA_HINT = "install CMake (Debian/Ubuntu: apt-get install cmake) and neuron's cpu extra, which brings nanobind"
 BUILD_TIMEOUT_S = 600
@@ -91,11 +92,11 @@ def quantized_toolchain() -> Toolchain | str:
     nanobind, mlx = importlib.util.find_spec("nanobind"), importlib.util.find_spec("mlx")
     if cmake is None or nanobind is None or nanobind.origin is None:
         return f"no {'CMake' if cmake is None else 'nanobind'} found: {EXTRA_HINT}"
-    if mlx is None or not mlx.submodule_search_locations:
-        return "MLX is not installed"
-    return Toolchain(
-        compiler, cmake, Path(nanobind.origin).parent / "cmake", Path(next(iter(mlx.submodule_search_locations)))
-    )
+    # ``mlx`` is a namespace package: a folder named mlx in the working directory joins it, ahead of the wheel's.
+    wheels = [Path(p) for p in (mlx.submodule_search_locations or []) if (Path(p) / MLX_CMAKE).is_dir()] if mlx else []
+    if not wheels:
+        return "MLX is not installed (no MLX with its CMake files found)"
+    return Toolchain(compiler, cmake, Path(nanobind.origin).parent / "cmake", wheels[0])
 
 
 def build_quantized(arch: str | None = None) -> Built:
@@ -128,7 +129,7 @@ def build_quantized(arch: str | None = None) -> Built:
                 f"-DCMAKE_CXX_COMPILER={compiler}",
                 f"-DPython_EXECUTABLE={sys.executable}",
                 f"-Dnanobind_DIR={tools.nanobind_cmake}",
-                f"-DMLX_DIR={mlx_dir / 'share' / 'cmake' / 'MLX'}",
+                f"-DMLX_DIR={mlx_dir / MLX_CMAKE}",
                 f"-DNEURON_ARCH_FLAGS={arch}",
                 f"-DNEURON_MLX_LIB={mlx_dir / 'lib'}",
             ]

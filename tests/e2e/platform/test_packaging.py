@@ -123,10 +123,12 @@ def test_the_service_is_hardened(installed: Path) -> None:
 
 
 def test_the_packaged_server_answers(installed: Path) -> None:
-    """The packaged venv, on the system's Python, runs the embedded model (``/opt/neuron`` is not on this host)."""
+    """The packaged venv, on the system's Python, runs the embedded model (``/opt/neuron`` is not on this host), its
+    products through the kernel it builds from the package's own MLX headers and CMake files."""
     python = installed / "opt/neuron/bin/python"
+    question = ["--chat", "--max-tokens", "12", "--log-level", "info", "What is the capital of France?"]
     done = subprocess.run(
-        [python, "-m", "neuron", "generate", "--chat", "--max-tokens", "12", "What is the capital of France?"],
+        [python, "-m", "neuron", "generate", *question],
         capture_output=True,
         text=True,
         timeout=300,
@@ -134,3 +136,4 @@ def test_the_packaged_server_answers(installed: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+    assert "quantized products by neuron's kernel" in done.stderr, done.stderr[-3000:]

@@ -200,3 +200,16 @@ def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says
     monkeypatch.setenv(native.QUANTIZED_ENV, "off")
     assert native.build_quantized().problem == f"{native.QUANTIZED_ENV}=off"
     assert kernels.load_kernel([0]) == (None, f"{native.QUANTIZED_ENV}=off")
+
+
+def test_a_folder_named_mlx_where_neuron_starts_leaves_the_build_mlxs_own_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # MLX is a namespace package: ``python -m neuron`` started in a folder holding an ``mlx`` folder adds it to
+    # MLX's search path ahead of the wheel's, and the build once looked there for MLX's CMake files.
+    (tmp_path / "mlx").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tools = native.quantized_toolchain()
+    if isinstance(tools, str):
+        pytest.skip(tools)
+    assert (tools.mlx_dir / native.MLX_CMAKE / "MLXConfig.cmake").is_file(), tools.mlx_dir
