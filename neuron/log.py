@@ -152,6 +152,18 @@ def _bound_library_logs() -> None:
     logging.captureWarnings(True)  # a library's ``warnings.warn`` too, which would print a plain line
 
 
+def adopt_library_logger(name: str) -> None:
+    """Make the records of a library that writes them through a handler of its own (transformers: a plain
+    ``[transformers] ...`` line on stderr, which breaks a JSON log) entries of ours: its stream handlers go, and its
+    records pass up to the root's ``LibraryRecords``. Call it once the library is imported: it adds its handler then,
+    and never again."""
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        if isinstance(handler, logging.StreamHandler):
+            logger.removeHandler(handler)
+    logger.propagate = True
+
+
 class LibraryRecords(logging.Handler):
     """A library's record as an entry in this process's format, its logger's name in ``logger`` and its traceback
     (uvicorn's "Exception in ASGI application") in ``exception``."""

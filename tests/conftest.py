@@ -35,6 +35,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # Test modules import mlx_lm.utils, which would lower this process's hard descriptor limit for good; the
 # idle-connection tests open thousands of sockets, and start servers under limits of their own.
 descriptors.import_mlx_lm()
+# Importing mlx-vlm sets TRANSFORMERS_VERBOSITY=error in this process's environment, which every server and command
+# the tests start would inherit: they would run with transformers' warnings silenced, as an operator's never do (a
+# warning once broke the leader's JSON log unseen). Imported here, once, so that it is taken back before any starts.
+import mlx_vlm  # noqa: E402, F401
+
+os.environ.pop("TRANSFORMERS_VERBOSITY", None)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from neuron.log import adopt_library_logger
+
 
 def raise_soft_limit() -> tuple[int, int]:
     """Raise the soft limit to the hard one (the soft default, 1,024, is for select()-era programs); the limits."""
@@ -41,7 +43,9 @@ def limit_kept() -> Iterator[None]:
 
 def import_mlx_lm() -> None:
     """Import ``mlx_lm.utils`` (and MLX) with the descriptor limit kept; call it before anything else imports it (once
-    imported, a call changes nothing)."""
+    imported, a call changes nothing). The transformers it imports then logs as this process does
+    (``adopt_library_logger``)."""
     with limit_kept():
         import mlx_lm.utils  # noqa: F401
     raise_soft_limit()
+    adopt_library_logger("transformers")

@@ -4,6 +4,10 @@ real server: tests/e2e/platform/test_logging.py."""
 
 from __future__ import annotations
 
+import io
+import logging
+
+import pytest
 import structlog
 
 from neuron import log
@@ -52,3 +56,18 @@ def test_trace_is_off_below_trace_level(journal: Journal) -> None:
     finally:
         log.configure("warning", "json")
     assert journal.entries(EVENT="step") == []
+
+
+def test_an_adopted_librarys_records_leave_its_own_handler_for_ours(caplog: pytest.LogCaptureFixture) -> None:
+    # transformers writes its warnings through a stream handler of its own, not passed up: a plain line in a JSON log.
+    library = logging.getLogger("a_library")
+    own = io.StringIO()
+    library.addHandler(logging.StreamHandler(own))
+    library.propagate = False
+    try:
+        log.adopt_library_logger("a_library")
+        logging.getLogger("a_library.config").warning("the factor does not match")
+    finally:
+        library.propagate = True
+    assert own.getvalue() == ""
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [("a_library.config", "the factor does not match")]
