@@ -98,10 +98,10 @@ def check_gpus(backend: str, infos: list[rpc.HostInfo], hosts: list[Host], leade
 
 @dataclass(frozen=True, slots=True)
 class Crowded:
-    """A machine whose ranks compute on its CPU and outnumber its cores. Such ranks take turns on a core, and each
-    one's ring threads poll for its peers while they wait their turn: every collective waits on a rank that is not
-    running, and a step takes many times longer than with one rank per core. It is served anyway (the operator may
-    mean it, to try a split), with a warning at start and in ``/v1/status``."""
+    """A machine whose ranks compute on its CPU and outnumber its cores. Such ranks take turns on a core: every
+    collective waits on a rank that is not running, and a step takes longer than with one rank per core (a waiting
+    rank sleeps, ``system.sockets.calm``, rather than spin on the core the other needs). It is served anyway (the
+    operator may mean it, to try a split), with a warning at start and in ``/v1/status``."""
 
     host: str  # the hostfile's name for it (localhost: the leader's)
     hostname: str
@@ -113,8 +113,8 @@ class Crowded:
         return (
             f"{self.host} ({self.hostname}) runs {len(self.ranks)} ranks ({', '.join(map(str, self.ranks))}) on "
             f"{self.cores} core{'' if self.cores == 1 else 's'}: ranks that share a core take turns, and each "
-            "waits in every collective for one that is not running, so a step takes many times longer than with a "
-            f"core for each rank; place at most {self.cores} there (a smaller --tp or --pp, or fewer hostfile "
+            "waits in every collective for one that is not running, so a step takes longer than with a core for "
+            f"each rank; place at most {self.cores} there (a smaller --tp or --pp, or fewer hostfile "
             "entries naming it)"
         )
 

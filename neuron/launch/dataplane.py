@@ -26,17 +26,13 @@ import socket
 import threading
 
 from neuron.launch.hosts import Host
+from neuron.system.sockets import group_sockets, split_address
 
 PROBE_TIMEOUT_S = 3.0
 GREETING = b"\x01"
 # How soon a greeter notices its listener closing where shutting the listener down does not wake its accept (a close
 # never does; on Linux a shutdown does, at once).
 _ACCEPT_POLL_S = 0.1
-
-
-def split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def join_address(ip: str, port: int) -> str:
@@ -131,40 +127,6 @@ def probe(addresses: list[str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, s
             if answer != GREETING:
                 unreachable[address] = "connected, but closed before any listener answered (a tunnel to nothing?)"
     return unreachable
-
-
-def group_sockets(addresses: list[list[str]], connected: bool = False) -> list[int]:
-    """This process's descriptors of sockets bound to or connected to one of a group's ``addresses``; with
-    ``connected``, of connections alone (no listener)."""
-    wanted = {split_address(a) for rank in addresses for a in rank}
-    directory = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-    found = []
-    for name in os.listdir(directory):
-        try:
-            copy = os.dup(int(name))
-        except OSError:
-            continue  # closed meanwhile (the directory's own descriptor among them)
-        try:
-            sock = socket.socket(fileno=copy)
-        except OSError:
-            os.close(copy)
-            continue  # not a socket
-        with sock:
-            try:
-                if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                    continue
-                ends = {sock.getsockname()[:2]}
-                try:
-                    ends.add(sock.getpeername()[:2])
-                except OSError:
-                    if connected:
-                        continue
-                    # a listener: no peer
-                if ends & wanted:
-                    found.append(int(name))
-            except OSError:
-                continue
-    return found
 
 
 def cut(addresses: list[list[str]]) -> int:

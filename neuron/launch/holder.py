@@ -49,8 +49,8 @@ import os
 import socket
 import subprocess
 
-from neuron.launch.dataplane import group_sockets
 from neuron.launch.watchdog import companion
+from neuron.system.sockets import group_sockets
 
 # Seconds a holder keeps the connections after the process behind them is gone: past the leader's leaving a lost
 # group, which it does within seconds of noticing the loss.

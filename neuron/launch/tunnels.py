@@ -45,11 +45,12 @@ import anyio.abc
 import structlog
 
 from neuron.launch.checks import Refused, Unreachable
-from neuron.launch.dataplane import group_sockets, join_address, machine_ranks, split_address
+from neuron.launch.dataplane import join_address, machine_ranks
 from neuron.launch.holder import hold_tunnel, release_tunnel
 from neuron.launch.hosts import Host
 from neuron.launch.launcher import Launcher
 from neuron.launch.ssh import ForwardError, StderrRelay, forward_argv, run_forward, spawn_tunnel
+from neuron.system.sockets import group_sockets, split_address
 
 log = structlog.get_logger("neuron.launch")
 

@@ -22,9 +22,10 @@ reading them at a third of the bandwidth; ``neuron/system/native/gemv.c``, built
 once where there is a C compiler, sends those to ``cblas_sgemv`` instead
 (BENCHMARKS.md, "Decode toward the bandwidth"). ``NEURON_GEMV=off`` turns it off.
 
-Why pinning: the ring backend's socket threads busy-poll while a transfer is
-pending. Two ranks floating over two shared cores starve each other (a small
-all-reduce took 7-8 ms); pinned, each to its own core, 50-180 us.
+Why pinning: two ranks floating over two shared cores starve each other (a small
+all-reduce took 7-8 ms, measured while the ring's socket threads still spun as
+they waited; ``system.sockets.calm`` makes them sleep); pinned, each to its own
+core, 50-180 us.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ checks that).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import mlx.core as mx
 from neuron.rank.dist import backends
 from neuron.rank.failures import GroupError, RankError
 from neuron.rank.readback import scalar
+from neuron.system import sockets
 
 _in_group = False  # whether this process joined a group it has not left
 
@@ -94,6 +96,8 @@ def join(
             f"joined the {backend} group as rank {group.rank()} of {group.size()}, "
             f"expected rank {rank} of {world_size}: check MLX_RANK and the hostfile"
         )
+    if backend == "ring":  # its threads would spin on the connections while they wait (``system.sockets.calm``)
+        sockets.calm(json.loads(files["MLX_HOSTFILE"]))
     try:
         total = scalar(mx.distributed.all_sum(mx.array(1.0), group=group))
     except Exception as e:  # NCCL can fail at its first collective too

@@ -97,7 +97,7 @@ def test_a_worker_told_to_leave_takes_its_holder_with_it_and_the_connection_ends
 RANK0 = """
 import json, os, socket, sys
 import mlx.core as mx
-from neuron.launch.dataplane import group_sockets
+from neuron.system.sockets import group_sockets
 mx.distributed.init(backend="ring", strict=True)
 mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu))  # the worker's sanity all-reduce
 fds = group_sockets(json.loads(open(os.environ["MLX_HOSTFILE"]).read()), connected=True)

@@ -18,7 +18,7 @@ from neuron.launch import checks, dataplane, stages
 from neuron.launch.hostfile import read_hostfile
 from neuron.launch.hosts import Host, HostsError, MemoryGauge, check_hosts, describe_host, local_hosts
 from neuron.launch.launcher import Launcher
-from neuron.system import cpu
+from neuron.system import cpu, sockets
 
 
 def hostfile(tmp_path: Path, content: object) -> Path:
@@ -94,7 +94,7 @@ def test_what_each_backend_needs_of_the_hosts(hosts: list[Host], backend: str, s
 
 def test_addresses_split_and_join_for_both_families() -> None:
     for ip in ("10.0.0.2", "::1", "fe80::1"):
-        assert dataplane.split_address(dataplane.join_address(ip, 5000)) == (ip, 5000)
+        assert sockets.split_address(dataplane.join_address(ip, 5000)) == (ip, 5000)
     assert dataplane.join_address("::1", 80) == "[::1]:80"
 
 
