@@ -86,6 +86,19 @@ class Journal(DatagramSink):
         return found[0]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports free now (each held while the next is taken, so no two are the same), for a
+    ring's hostfile a test writes."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie counts as gone)."""
     try:

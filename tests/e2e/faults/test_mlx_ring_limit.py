@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from testkit.system import free_ports
 
 # One rank of a two-process ring over loopback. Rank 1 leaves once the group works; rank 0, told the peer is gone,
 # runs collectives one after another and says how each ended.
@@ -47,17 +48,6 @@ ATTEMPTS = 30
 TRIALS = 3
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _lines(process: subprocess.Popen[str]) -> queue.Queue[str]:
     """The process's stdout, line by line, read on a thread so that a wait has a deadline."""
     lines: queue.Queue[str] = queue.Queue()
@@ -82,7 +72,7 @@ def _stuck_collective(folder: Path) -> int | None:
     """One survivor's collectives after its peer left: the first that did not end, or None where all ended."""
     folder.mkdir()
     hostfile = folder / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in _free_ports(2)]))
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(RANK), str(ATTEMPTS)],

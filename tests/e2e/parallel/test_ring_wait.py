@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from testkit import ROOT
+from testkit.system import free_ports
 
 LATE_S = 1.0
 RANK = """
@@ -37,12 +37,7 @@ print(json.dumps({"waited_s": time.monotonic() - started, "cpu_s": cpu}), flush=
 
 
 def test_a_rank_waiting_for_a_late_peer_in_a_collective_spends_almost_no_cpu() -> None:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    hostfile = json.dumps([[f"127.0.0.1:{port}"] for port in ports])
+    hostfile = json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)])
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", RANK, str(rank), hostfile, str(LATE_S)],
