@@ -53,7 +53,7 @@ PROMPT = [(7 * i + 3) % 200 + 10 for i in range(32)]
 def decode_ms(rank: Rank, adapters: list[int], steps: int) -> float:
     """Median ms of a decode step (rank 0's step and greedy sampling) of one row per entry of ``adapters``."""
     from neuron.rank.head.head import Head
-    from neuron.rank.run import run
+    from neuron.rank.rank import run
 
     head = Head()
     rank.clear_kv_cache()

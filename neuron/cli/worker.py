@@ -145,7 +145,7 @@ class Worker:
                 self._joined().unload_adapter(adapter)
                 return rpc.AdapterUnloaded(id=id)
             case rpc.GenerateStep(id=id, plan=plan):
-                from neuron.rank.run import run  # loaded with the rank, in ``_init``
+                from neuron.rank.rank import run  # loaded with the rank, in ``_init``
 
                 rank = self._joined()
                 stepped = run(rank, Step(plan))  # the step rank 0 runs too, less the sampling

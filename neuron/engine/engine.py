@@ -31,13 +31,12 @@ from neuron.config.settings import KV_GROUP_SIZE
 from neuron.engine.adapter_registry import Adapters
 from neuron.engine.draining import Drains
 from neuron.engine.intake import Intake
-from neuron.engine.loop import REPROBE_S, Loop
+from neuron.engine.loop import REPROBE_S, Loop, Recent
 from neuron.engine.memory import Budget, Share
 from neuron.engine.output import Output
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
-from neuron.engine.recent import Recent
 from neuron.engine.recovery import Health, Recovery
 from neuron.engine.refusals import Overloaded, Unavailable
 from neuron.engine.scheduler import Scheduler, Scheduling, ahead_for

@@ -14,11 +14,15 @@ Readiness: the engine is ready once a probe step has succeeded on every rank sin
 (or a desync) fails the sequences in the batch, clears every rank's cache, makes the engine unready (requests get
 503), and probes again at once, then every few seconds until a probe passes. A lost group pauses the batch instead
 (``engine.recovery``), and an allocation that failed anyway pauses it within a lower budget (``engine.pressure``).
+
+The loop also keeps the steps of the last minutes, second by second (``Recent``), for the status route's charts: a
+page opened now should see the minutes before it, and a scrape's counters hold only totals since the process started.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import anyio
@@ -29,7 +33,6 @@ from neuron.engine.draining import Drains
 from neuron.engine.output import Output
 from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
-from neuron.engine.recent import Recent
 from neuron.engine.recovery import Recovery
 from neuron.engine.scheduler import Scheduler
 from neuron.log import trace
@@ -39,6 +42,7 @@ from neuron.step import Step
 log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
+KEPT_S = 300  # how long the status route's charts look back
 
 
 class Loop:
@@ -196,3 +200,26 @@ class Loop:
         self.fail_all("unavailable" if error.broken else "step_failed", str(error))
         with anyio.CancelScope(shield=True):
             await recovery.clear_cache(prefixes=True)
+
+
+class Recent:
+    """Per-second sums over the last ``kept`` seconds: ``[second, steps, step seconds, tokens]``."""
+
+    def __init__(self, kept: int = KEPT_S) -> None:
+        self.kept = kept
+        self._seconds: deque[list[float]] = deque(maxlen=kept)
+
+    def add(self, seconds: float, tokens: int, now: float | None = None) -> None:
+        second = float(int(time.time() if now is None else now))
+        if self._seconds and self._seconds[-1][0] == second:
+            bucket = self._seconds[-1]
+            bucket[1] += 1
+            bucket[2] += seconds
+            bucket[3] += tokens
+        else:
+            self._seconds.append([second, 1, seconds, tokens])
+
+    def seconds(self, now: float | None = None) -> list[list[float]]:
+        """The seconds with steps among the last ``kept``, oldest first (a second without one is left out)."""
+        since = int(time.time() if now is None else now) - self.kept
+        return [list(bucket) for bucket in self._seconds if bucket[0] > since]

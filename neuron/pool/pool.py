@@ -43,8 +43,7 @@ from neuron.pool.replacement import Replacement
 from neuron.pool.roster import Roster
 from neuron.pool.spares import Spares
 from neuron.pool.watch import Watch
-from neuron.rank.rank import Loaded, Rank
-from neuron.rank.run import Stepped, run
+from neuron.rank.rank import Loaded, Rank, Stepped, run
 from neuron.sampling_params import Sampled
 from neuron.step import DraftRow, Step
 

@@ -9,12 +9,22 @@ steps, in chunks) each has a cache of its own; once the prompt is done they
 join one batched cache and decode together, one token each per step. Every
 change is named by the step plan, so the leader can always say what a rank
 holds, and a fingerprint of that state travels back with every step.
+
+A step is one function on every rank, ``run`` (below), as nano-vllm's model
+runner: every rank runs the step's forward (its collectives must match), and
+only rank 0, which holds the logits, draws the tokens. Then, where the plan
+allows, every rank queues the next decode step (``rank.ahead``): rank 0 feeds it
+the tokens it has just drawn, still on the device, and the others receive them
+through an all-reduce in the same graph. Only after that does rank 0 read its
+tokens (the step's one wait on the device), and every rank returns the digest
+of what it holds.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,8 +34,10 @@ from neuron.images import Inputs
 from neuron.models.adapters import AdapterError, find
 from neuron.rank import ahead
 from neuron.rank.dist import backends, group
-from neuron.rank.embed import embed_inputs
+from neuron.rank.embed import as_sampled, embed_inputs
 from neuron.rank.failures import GroupError, RankError
+from neuron.rank.head.head import Head
+from neuron.rank.head.sampler import read
 from neuron.rank.holdings import Holdings
 from neuron.rank.kv import caches, rollback, states
 from neuron.rank.kv.batch import row_inputs
@@ -35,9 +47,11 @@ from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
+from neuron.sampling_params import Sampled
+from neuron.step import Step
 from neuron.system import cpu, device
 
-__all__ = ["GroupError", "Loaded", "Rank", "RankError"]
+__all__ = ["GroupError", "Loaded", "Rank", "RankError", "Stepped", "run"]
 
 
 class Rank:
@@ -55,7 +69,7 @@ class Rank:
         self.ahead = ahead.RunAhead(rank, None)  # the next decode step, queued before its plan came
         self.prompts_together = True  # new prompts fed as one left-padded batch: where every cache can be cut
         self.recording = False  # the model's gated delta layers record each position's state (``rank.kv.states``)
-        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``step.run`` reads
+        self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``run`` reads
         self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.model.lora``), once a model is
         # The most one step has taken beyond what the rank held before and after it (its activations, a joining
         # batch's copies), since the model loaded: what the leader's memory budget keeps free for steps.
@@ -257,6 +271,43 @@ class Rank:
         self.group = None
         self.ahead = ahead.RunAhead(self.rank, None)
         group.leave()
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """What a step left on one rank."""
+
+    fingerprint: str  # the digest of the rank's state, which every worker's must match
+    queued: bool  # whether the next step was run ahead
+    sampled: dict[int, Sampled] = field(default_factory=dict)  # rank 0's draws, by sequence; empty elsewhere
+
+
+def run(rank: Rank, step: Step, head: Head | None = None) -> Stepped:
+    """Run ``step`` on ``rank``; with ``head`` (rank 0's), draw each sequence's tokens too. The most the step
+    takes beyond what the rank holds before and after it raises ``rank.peak``."""
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    try:
+        return _run(rank, step, head)
+    finally:
+        transient = mx.get_peak_memory() - max(before, mx.get_active_memory())
+        rank.peak = max(rank.peak, transient)
+
+
+def _run(rank: Rank, step: Step, head: Head | None) -> Stepped:
+    logits = rank.step(step.plan, step.images) or {}
+    if head is None:
+        queued = rank.run_ahead(step.plan)  # queued or only built (``RunAhead.settle``), not waited for
+        return Stepped(rank.held.fingerprint(), queued)
+    draws, runs = head.draw(step, logits)
+    if step.plan.ahead and ahead.EVALUATES_ASYNC:  # queued before the next step, so the read waits on them alone
+        mx.async_eval([draw.arrays() for draw in draws.values()])
+    queued = rank.run_ahead(step.plan, {no: draw.token for no, draw in draws.items() if draw.error is None})
+    sampled = read(draws, runs)
+    if rank.embedded:
+        sampled |= as_sampled(rank.embedded)
+    rank.ahead.fed({no: one.token for no, one in sampled.items()})
+    return Stepped(rank.held.fingerprint(), queued, sampled)
 
 
 def _split(plan: StepPlan) -> tuple[list[Prefill], list[Prefill]]:

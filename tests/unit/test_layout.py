@@ -392,21 +392,20 @@ def test_the_inheritance_check_sees_a_chain() -> None:
 
 
 def test_every_rank_steps_through_one_function() -> None:
-    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.run.run`` alone: nothing else
+    """Rank 0 (the pool, on its thread) and the workers run a step through ``rank.rank.run`` alone: nothing else
     drives a rank's run-ahead or reads its fingerprint, so the two step paths cannot drift apart again."""
-    step_path = PACKAGE / "rank" / "run.py"
     driven = [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.func.attr}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path not in (step_path, *(PACKAGE / "rank" / name for name in ("rank.py", "ahead.py", "holdings.py")))
+        if path not in [PACKAGE / "rank" / name for name in ("rank.py", "ahead.py", "holdings.py")]
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in ("run_ahead", "fed", "fingerprint")
     ]
-    assert not driven, "a rank's step driven outside rank/run.py:\n" + "\n".join(driven)
+    assert not driven, "a rank's step driven outside rank/rank.py:\n" + "\n".join(driven)
     for caller in ("neuron/cli/worker.py", "neuron/pool/pool.py"):
-        assert "neuron.rank.run.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"
+        assert "neuron.rank.rank.run" in _runtime_imports(ROOT / caller), f"{caller} does not step through run"
 
 
 # The tests mirror the tree: a folder under tests/unit/ names the package (or module) of neuron/ whose unit tests it

@@ -1,6 +1,6 @@
 """Rank 0 runs the next decode step ahead of its plan: the device never waits for the host in steady decode.
 
-A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``rank.run.run``,
+A real tiny model on one rank, in this process (no worker, no HTTP): steps are driven through ``rank.rank.run``,
 the function every rank runs (rank 0's thread with its head). What is checked: a steady decode step reads the
 device once, in ``sampler.read``, and nowhere else (a stray ``.item()`` or ``.tolist()`` fails it); the tokens are
 those of the same steps run without running ahead, across a join, a leave and a sequence that finishes; and a plan that
@@ -23,8 +23,7 @@ from neuron.rank import readback
 from neuron.rank.ahead import EVALUATES_ASYNC
 from neuron.rank.head import sampler
 from neuron.rank.head.head import Head
-from neuron.rank.rank import Rank
-from neuron.rank.run import run
+from neuron.rank.rank import Rank, run
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step

@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from neuron.cli.main import _parser
 from neuron.config import sources
-from neuron.engine.recent import Recent
+from neuron.engine.loop import Recent
 from neuron.server.app import ServerState, build_app
 from neuron.server.keys import load
 from neuron.server.page.routes import FILES
