@@ -1,12 +1,12 @@
 """neuron's CPU kernels in a loaded quantized model on a Linux CPU (``neuron/system/native/``: an MLX extension
 built on first use): its products against quantized weights in place of MLX's CPU ``quantized_matmul``, and its
-RMS norms and rotary embeddings as one node each.
+RMS norms, rotary embeddings and gated activations as one node each.
 
 Why: a decode step reads every weight once, and MLX's CPU ``quantized_matmul`` reads 4-bit weights slower than fp32
 BLAS reads fp32 ones (BENCHMARKS.md, "Quantized weights on the CPU"). The kernel streams each packed word once,
 on every core of the rank. Once the products are that fast, the rest of a small model's step is mostly MLX's
 dispatch of its graph's nodes, and on the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` expand into a dozen and
-about thirty nodes each (``layers.cpp``).
+about thirty nodes each (``layers.cpp``), and mlx-lm's compiled ``swiglu`` computes its exp one element at a time.
 
 ``use_kernel`` gives each quantized layer of a loaded model (MLX's ``QuantizedLinear``, its two tensor-parallel
 variants, a fused group's product, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product,
@@ -14,6 +14,12 @@ and each ``RMSNorm`` and ``RoPE`` the kernel's, by making it an instance of a su
 parameters, their names and its type's checks stay as they are, and LoRA wraps it as before. Layouts the kernel
 does not take (bits other than 4 and 8, groups that are not whole multiples of 32, modes other than affine) keep
 MLX's product, and rows other than float32 MLX's norm and rotation.
+
+mlx-lm's models call ``swiglu`` as a name of their own module (``from .activations import swiglu``), not a layer,
+so ``use_kernel`` sets that name, in the modules of the model's layers, to the kernel's. It computes the same bits
+(``layers.cpp`` follows MLX's arithmetic operation for operation), so a model of the same architecture loaded in
+the process without the kernel answers exactly as before; anything but two float32 arrays of one shape goes to
+mlx-lm's own.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -30,6 +38,7 @@ import mlx.nn as nn
 import structlog
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten
+from mlx_lm.models import activations
 
 from neuron.system.native import build_quantized
 
@@ -144,17 +153,45 @@ LAYER_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoP
 KINDS: dict[type, str] = {KernelRMSNorm: "norms", KernelRoPE: "rotations"}
 
 
+def kernel_swiglu(kernel: ModuleType) -> Callable[[mx.array, mx.array], mx.array]:
+    """mlx-lm's ``swiglu(gate, x)`` through the kernel, where both are float32 arrays of one shape."""
+
+    def swiglu_rows(gate: mx.array, x: mx.array) -> mx.array:
+        if gate.dtype == x.dtype == mx.float32 and gate.shape == x.shape:
+            out: mx.array = kernel.swiglu_rows(gate, x)
+            return out
+        return activations.swiglu(gate, x)
+
+    swiglu_rows.through_kernel = True  # type: ignore[attr-defined]
+    return swiglu_rows
+
+
+def _gate_through(model: nn.Module, kernel: ModuleType) -> tuple[str, ...]:
+    """Point the ``swiglu`` of the mlx-lm modules that define ``model``'s layers at the kernel's; their names."""
+    taken = []
+    for name in sorted({type(layer).__module__ for _, layer in model.named_modules()}):
+        module = sys.modules.get(name)
+        called = getattr(module, "swiglu", None)
+        if module is not None and (called is activations.swiglu or getattr(called, "through_kernel", False)):
+            module.swiglu = kernel_swiglu(kernel)  # type: ignore[attr-defined]
+            taken.append(name.rsplit(".", 1)[-1])
+    return tuple(taken)
+
+
 @dataclass(frozen=True, slots=True)
 class Taken:
-    """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations."""
+    """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations,
+    and the mlx-lm modules whose gated activation does."""
 
     products: int
     norms: int
     rotations: int
+    activations: tuple[str, ...] = ()
 
 
 def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
-    """Send ``model``'s quantized products that the kernel takes, and its norms and rotations, through it."""
+    """Send ``model``'s quantized products that the kernel takes, and its norms, rotations and gated activations,
+    through it."""
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
     taken = {"products": 0, "norms": 0, "rotations": 0}
@@ -169,4 +206,4 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
         layer.kernel = kernel
         if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
             taken[KINDS.get(subclass, "products")] += 1
-    return Taken(**taken)
+    return Taken(**taken, activations=_gate_through(model, kernel))

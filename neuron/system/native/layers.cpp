@@ -1,5 +1,6 @@
-// A decoder layer's RMS norm and rotary embedding, each one node of MLX's graph on the CPU, for the models whose
-// products go through the quantized kernel (quantized.cpp; both are bound in its module).
+// A decoder layer's RMS norm, rotary embedding and gated activation (mlx-lm's swiglu), each one node of MLX's graph
+// on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all are bound in its
+// module).
 //
 // Why: on the CPU, mx.fast.rms_norm and mx.fast.rope have no kernel of their own; each call expands into the ops
 // of its fallback (eleven nodes for a norm, about thirty for a rotation), and MLX dispatches every node with a
@@ -7,12 +8,18 @@
 // (mlx/fast.cpp), in the same order of operations, for float32 rows, as one node each.
 //
 // Compiled without contracting a * b + c into one rounding (CMakeLists.txt), as MLX's separate ops round each.
+//
+// The activation: mlx-lm's swiglu is an mx.compile'd silu(gate) * up, which MLX's CPU backend compiles with no
+// instruction set beyond the baseline, so its exp runs one element at a time and calls the C library for each fma.
+// Here the same arithmetic, operation for operation (MLX's simd::exp and Sigmoid, mlx/backend/cpu/simd/math.h and
+// unary_ops.h), in a loop the compiler vectorizes for this machine: the same bits, many lanes at once.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -148,6 +155,82 @@ class RotaryRows : public mx::UnaryPrimitive {
   float base_, scale_;
 };
 
+// MLX's float exp (simd::exp), for each lane alike: a polynomial in the fraction of x / ln 2, times 2 to its whole
+// part built in the exponent's bits. The whole part is floor(x + 0.5) taken in double, as MLX's (a float x plus the
+// double 0.5): in float the sum could round up to the next whole number.
+inline float mlx_exp(float x_init) {
+  const float x = x_init * 1.442695f;
+  const float ipart = static_cast<float>(std::floor(static_cast<double>(x) + 0.5));
+  const float fpart = x - ipart;
+  float p = 1.535336188319500e-4f;
+  p = std::fma(p, fpart, 1.339887440266574e-3f);
+  p = std::fma(p, fpart, 9.618437357674640e-3f);
+  p = std::fma(p, fpart, 5.550332471162809e-2f);
+  p = std::fma(p, fpart, 2.402264791363012e-1f);
+  p = std::fma(p, fpart, 6.931472028550421e-1f);
+  p = std::fma(p, fpart, 1.000000000000000f);
+  // Unsigned, so that a whole part out of range (replaced below) wraps instead of overflowing.
+  const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(ipart)) + 127u) << 23;
+  float two;
+  std::memcpy(&two, &bits, sizeof two);
+  float result = x_init != x_init ? x_init : two * p;
+  result = x_init > 88.0f ? INFINITY : result;
+  return x_init < -88.0f ? 0.0f : result;
+}
+
+// silu(gate) * up as MLX computes it: sigmoid from exp(|g|) (Sigmoid), then g times it, then that times up.
+inline float silu_times(float g, float u) {
+  const float y = 1.0f / (1.0f + mlx_exp(std::fabs(g)));
+  const float sigmoid = g < 0.0f ? y : 1.0f - y;
+  return (g * sigmoid) * u;
+}
+
+class SwiGLURows : public mx::UnaryPrimitive {
+ public:
+  explicit SwiGLURows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array &gate = inputs[0], &up = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([gate, up, out]() mutable {
+      const int64_t width = gate.shape(-1), rows = static_cast<int64_t>(gate.size()) / width;
+      float* y = out.data<float>();
+      for (int64_t r = 0; r < rows; r++) {
+        // A fused gate/up product's halves are views of one array: rows apart by its width, elements adjacent.
+        const Row g = row_of(gate, r), u = row_of(up, r);
+        float* o = y + r * width;
+        if (g.step == 1 && u.step == 1) {
+          const float* __restrict a = g.start;
+          const float* __restrict b = u.start;
+          for (int64_t i = 0; i < width; i++) o[i] = silu_times(a[i], b[i]);
+        } else {
+          for (int64_t i = 0; i < width; i++) o[i] = silu_times(g.start[i * g.step], u.start[i * u.step]);
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("swiglu_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "SwiGLURows"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array swiglu_rows(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  if (gate.dtype() != mx::float32 || up.dtype() != mx::float32)
+    throw std::invalid_argument("swiglu_rows takes float32 gates and inputs");
+  if (gate.ndim() < 1 || gate.shape() != up.shape())
+    throw std::invalid_argument("swiglu_rows: the gate and the input must have one shape");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLURows>(stream), {gate, up});
+}
+
 mx::array rms_norm_rows(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32 || weight.dtype() != mx::float32)
     throw std::invalid_argument("rms_norm_rows takes float32 rows and weights");
@@ -178,4 +261,6 @@ void bind_layers(nb::module_& m) {
   m.def("rotary_rows", &rotary_rows, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("base"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx.core.fast.rope(x, dims, traditional=, base=, scale=, offset=) as one node, for float32");
+  m.def("swiglu_rows", &swiglu_rows, nb::arg("gate"), nb::arg("up"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "mlx-lm's swiglu(gate, up), silu(gate) * up, as one node, for float32");
 }
