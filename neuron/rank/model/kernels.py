@@ -1,12 +1,14 @@
 """neuron's CPU kernels in a loaded quantized model on a Linux CPU (``neuron/system/native/``: an MLX extension
 built on first use): its products against quantized weights in place of MLX's CPU ``quantized_matmul``, and its
-RMS norms, rotary embeddings and gated activations as one node each.
+RMS norms, rotary embeddings, gated activations and attention's softmax as one node each.
 
 Why: a decode step reads every weight once, and MLX's CPU ``quantized_matmul`` reads 4-bit weights slower than fp32
 BLAS reads fp32 ones (BENCHMARKS.md, "Quantized weights on the CPU"). The kernel streams each packed word once,
 on every core of the rank. Once the products are that fast, the rest of a small model's step is mostly MLX's
 dispatch of its graph's nodes, and on the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` expand into a dozen and
-about thirty nodes each (``layers.cpp``), and mlx-lm's compiled ``swiglu`` computes its exp one element at a time.
+about thirty nodes each (``layers.cpp``). And the CPU wheel's MLX computes every exp one element at a time (its
+SIMD types are one lane wide off ARM): mlx-lm's compiled ``swiglu``, and the softmax of attention, which over a
+long context or a prompt is most of attention's time.
 
 ``use_kernel`` gives each quantized layer of a loaded model (MLX's ``QuantizedLinear``, its two tensor-parallel
 variants, a fused group's product, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product,
@@ -15,11 +17,12 @@ parameters, their names and its type's checks stay as they are, and LoRA wraps i
 does not take (bits other than 4 and 8, groups that are not whole multiples of 32, modes other than affine) keep
 MLX's product, and rows other than float32 MLX's norm and rotation.
 
-mlx-lm's models call ``swiglu`` as a name of their own module (``from .activations import swiglu``), not a layer,
-so ``use_kernel`` sets that name, in the modules of the model's layers, to the kernel's. It computes the same bits
-(``layers.cpp`` follows MLX's arithmetic operation for operation), so a model of the same architecture loaded in
-the process without the kernel answers exactly as before; anything but two float32 arrays of one shape goes to
-mlx-lm's own.
+mlx-lm's models call ``swiglu`` and ``scaled_dot_product_attention`` as names of their own module (``from
+.activations import swiglu``), not as layers, so ``use_kernel`` sets those names, in the modules of the model's
+layers, to the kernel's (``FUNCTIONS``). They compute the same bits as mlx-lm's (``layers.cpp`` follows MLX's
+arithmetic operation for operation, and the attention is MLX's CPU fallback op for op with the softmax swapped), so a
+model of the same architecture loaded in the process without the kernel answers exactly as before; what they do not
+take (other dtypes, a quantized cache, attention sinks) goes to mlx-lm's own.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import mlx.nn as nn
 import structlog
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
 from mlx.utils import tree_flatten
-from mlx_lm.models import activations
+from mlx_lm.models import activations, base
 
 from neuron.system.native import build_quantized
 
@@ -162,36 +165,88 @@ def kernel_swiglu(kernel: ModuleType) -> Callable[[mx.array, mx.array], mx.array
             return out
         return activations.swiglu(gate, x)
 
-    swiglu_rows.through_kernel = True  # type: ignore[attr-defined]
     return swiglu_rows
 
 
-def _gate_through(model: nn.Module, kernel: ModuleType) -> tuple[str, ...]:
-    """Point the ``swiglu`` of the mlx-lm modules that define ``model``'s layers at the kernel's; their names."""
+def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
+    """mlx-lm's ``scaled_dot_product_attention`` with the kernel's softmax, where it would call MLX's
+    ``mx.fast.scaled_dot_product_attention`` on float32 arrays without sinks: MLX's CPU fallback for that
+    (``mlx/fast.cpp``), op for op. Anything else (a quantized cache, sinks, other dtypes) goes to mlx-lm's own."""
+
+    def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
+                  sinks: mx.array | None = None) -> mx.array:  # fmt: skip
+        if (
+            hasattr(cache, "bits")
+            or sinks is not None
+            or not queries.dtype == keys.dtype == values.dtype == mx.float32
+            or (isinstance(mask, str) and mask != "causal")
+        ):
+            return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        q = mx.multiply(mx.array(scale, mx.float32), queries)
+        heads, kv_heads = queries.shape[1], keys.shape[1]
+        repeats = heads // kv_heads
+        k, v = keys, values
+        if repeats > 1:
+            q, k, v = mx.unflatten(q, 1, (kv_heads, repeats)), mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+        scores = mx.matmul(q, mx.swapaxes(k, -1, -2))
+        if mask is not None:
+            if isinstance(mask, str):  # causal: each query row sees the keys up to its own position
+                offset = k.shape[-2] - q.shape[-2]
+                mask = mx.expand_dims(mx.arange(offset, q.shape[-2] + offset), 1) >= mx.expand_dims(
+                    mx.arange(0, k.shape[-2]), 0
+                )
+            elif mask.dtype != mx.bool_:
+                mask = mask.astype(mx.float32)
+            if repeats > 1 and mask.ndim >= 3:
+                mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mx.unflatten(mask, -3, (kv_heads, repeats))
+            if mask.dtype == mx.bool_:
+                scores = mx.where(mask, scores, mx.array(mx.finfo(mx.float32).min, mx.float32))
+            else:
+                scores = mx.add(scores, mask)
+        out = mx.matmul(kernel.softmax_rows(scores), v)
+        return mx.flatten(out, 1, 2) if repeats > 1 else out
+
+    return attention
+
+
+# The functions of mlx-lm's that its models call by a name of their own module (``from .activations import
+# swiglu``), and the kernel's for each.
+FUNCTIONS: dict[str, tuple[Callable[..., mx.array], Callable[[ModuleType], Callable[..., mx.array]]]] = {
+    "swiglu": (activations.swiglu, kernel_swiglu),
+    "scaled_dot_product_attention": (base.scaled_dot_product_attention, kernel_attention),
+}
+
+
+def _functions_through(model: nn.Module, kernel: ModuleType) -> tuple[str, ...]:
+    """Point the names in ``FUNCTIONS`` of the mlx-lm modules that define ``model``'s layers at the kernel's; each
+    as ``module.name``."""
     taken = []
-    for name in sorted({type(layer).__module__ for _, layer in model.named_modules()}):
-        module = sys.modules.get(name)
-        called = getattr(module, "swiglu", None)
-        if module is not None and (called is activations.swiglu or getattr(called, "through_kernel", False)):
-            module.swiglu = kernel_swiglu(kernel)  # type: ignore[attr-defined]
-            taken.append(name.rsplit(".", 1)[-1])
+    for module_name in sorted({type(layer).__module__ for _, layer in model.named_modules()}):
+        module = sys.modules.get(module_name)
+        for name, (original, through) in FUNCTIONS.items():
+            called = getattr(module, name, None)
+            if module is not None and (called is original or getattr(called, "through_kernel", False)):
+                replacement = through(kernel)
+                replacement.through_kernel = True  # type: ignore[attr-defined]
+                setattr(module, name, replacement)
+                taken.append(f"{module_name.rsplit('.', 1)[-1]}.{name}")
     return tuple(taken)
 
 
 @dataclass(frozen=True, slots=True)
 class Taken:
     """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations,
-    and the mlx-lm modules whose gated activation does."""
+    and the functions of mlx-lm's its layers call (``module.function``)."""
 
     products: int
     norms: int
     rotations: int
-    activations: tuple[str, ...] = ()
+    functions: tuple[str, ...] = ()
 
 
 def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
-    """Send ``model``'s quantized products that the kernel takes, and its norms, rotations and gated activations,
-    through it."""
+    """Send ``model``'s quantized products that the kernel takes, and its norms, rotations, gated activations and
+    attention's softmax, through it."""
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
     taken = {"products": 0, "norms": 0, "rotations": 0}
@@ -206,4 +261,4 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
         layer.kernel = kernel
         if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
             taken[KINDS.get(subclass, "products")] += 1
-    return Taken(**taken, activations=_gate_through(model, kernel))
+    return Taken(**taken, functions=_functions_through(model, kernel))

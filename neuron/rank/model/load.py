@@ -107,4 +107,4 @@ def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
         return
     taken = kernels.use_kernel(model, kernel)
     log.info("quantized products by neuron's kernel", rank=rank, products=taken.products, norms=taken.norms,
-             rotations=taken.rotations, activations=list(taken.activations), threads=kernel.threads())  # fmt: skip
+             rotations=taken.rotations, functions=list(taken.functions), threads=kernel.threads())  # fmt: skip

@@ -1,5 +1,5 @@
-// A decoder layer's RMS norm, rotary embedding and gated activation (mlx-lm's swiglu), each one node of MLX's graph
-// on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all are bound in its
+// A decoder layer's RMS norm, rotary embedding, gated activation (mlx-lm's swiglu) and attention's softmax, each one
+// node of MLX's graph on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all are bound in its
 // module).
 //
 // Why: on the CPU, mx.fast.rms_norm and mx.fast.rope have no kernel of their own; each call expands into the ops
@@ -185,6 +185,78 @@ inline float silu_times(float g, float u) {
   return (g * sigmoid) * u;
 }
 
+// The largest of a row's values as MLX's maximum finds it (a value that is no number wins, and stays), in lanes: the
+// same value in any order, bar the sign of a zero, which no exp(x - max) can tell.
+float row_maximum(const float* __restrict a, int64_t n) {
+  constexpr int LANES = 16;
+  float lane[LANES];
+  int nan[LANES];
+  for (int j = 0; j < LANES; j++) lane[j] = -INFINITY, nan[j] = 0;
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) {
+      const float v = a[i + j];
+      nan[j] |= v != v;
+      lane[j] = v > lane[j] ? v : lane[j];
+    }
+  float out = -INFINITY;
+  int any = 0;
+  for (int j = 0; j < LANES; j++) out = lane[j] > out ? lane[j] : out, any |= nan[j];
+  for (; i < n; i++) any |= a[i] != a[i], out = a[i] > out ? a[i] : out;
+  return any ? NAN : out;
+}
+
+// mx.softmax(x, axis=-1) (precise or not: float32 either way) as MLX's CPU backend computes it one lane wide
+// (mlx/backend/cpu/softmax.cpp): the row's maximum, each exp(x - max), their sum in order, then each times 1 / sum.
+// The exps and products here take many lanes at once; the sum keeps MLX's order, so the bits are MLX's.
+class SoftmaxRows : public mx::UnaryPrimitive {
+ public:
+  explicit SoftmaxRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x, out]() mutable {
+      const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
+      std::vector<float> gathered;
+      for (int64_t r = 0; r < rows; r++) {
+        const Row in = row_of(x, r);
+        const float* a = in.start;
+        if (in.step != 1) {  // scores are a product's rows, adjacent: only an unusual caller's are not
+          gathered.resize(width);
+          for (int64_t i = 0; i < width; i++) gathered[i] = in.start[i * in.step];
+          a = gathered.data();
+        }
+        float* __restrict o = out.data<float>() + r * width;
+        const float maximum = row_maximum(a, width);
+        for (int64_t i = 0; i < width; i++) o[i] = mlx_exp(a[i] - maximum);
+        float sum = 0.0f;
+        for (int64_t i = 0; i < width; i++) sum += o[i];
+        const float inverse = 1 / sum;
+        for (int64_t i = 0; i < width; i++) o[i] *= inverse;
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("softmax_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "SoftmaxRows"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array softmax_rows(const mx::array& x, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("softmax_rows takes float32 rows");
+  if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("softmax_rows: x needs rows of one value or more");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream), {x});
+}
+
 class SwiGLURows : public mx::UnaryPrimitive {
  public:
   explicit SwiGLURows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
@@ -261,6 +333,8 @@ void bind_layers(nb::module_& m) {
   m.def("rotary_rows", &rotary_rows, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("base"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx.core.fast.rope(x, dims, traditional=, base=, scale=, offset=) as one node, for float32");
+  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
+        "mlx.core.softmax(x, axis=-1) as MLX's CPU backend computes it, for float32, its exps vectorized");
   m.def("swiglu_rows", &swiglu_rows, nb::arg("gate"), nb::arg("up"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx-lm's swiglu(gate, up), silu(gate) * up, as one node, for float32");
 }

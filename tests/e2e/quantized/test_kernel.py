@@ -8,6 +8,7 @@ how to get it. Greedy text through ``neuron serve`` on every split: tests/e2e/qu
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import platform
 import shutil
@@ -18,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm import load
+from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
 from neuron.rank.model import fuse, kernels
@@ -162,9 +165,9 @@ def test_a_quantized_model_takes_the_kernel_in_every_layer_it_fits_and_answers_a
     layers = len(model.model.layers)
     taken = kernels.use_kernel(model, kernel)  # type: ignore[arg-type]
     # Per layer o, down and the two fused groups, then the embedding and the head; two norms a layer and the last;
-    # one rotation a layer (q's and k's).
+    # one rotation a layer (q's and k's); the gated activation and the attention that llama's module calls.
     assert "lm_head" in model
-    assert taken == kernels.Taken(products=4 * layers + 2, norms=2 * layers + 1, rotations=layers)
+    assert taken == kernels.Taken(products=4 * layers + 2, norms=2 * layers + 1, rotations=layers, functions=FUNCTIONS)
     cache = make_prompt_cache(model)
     for got, expected in zip([model(tokens, cache=cache), model(tokens[:, :1], cache=cache)], want, strict=True):
         assert close(got, expected) < 1e-5
@@ -187,6 +190,81 @@ def test_the_norm_and_the_rotation_are_mlxs_in_one_node(kernel: object) -> None:
                 assert close(got, want) < 3e-5, (traditional, offset, dims)
     with pytest.raises(ValueError, match="float32"):
         kernel.rotary_rows(queries.astype(mx.float16), offset, 64, False, 1e4, 1.0)  # type: ignore[attr-defined]
+
+
+def test_the_gated_activation_is_mlx_lms_bit_for_bit_in_one_node(kernel: object) -> None:
+    # As a fused gate/up product hands them over: two halves of one array, rows a whole product apart.
+    mx.random.seed(5)
+    fused = mx.random.normal((2, 3, 2 * 1536)) * 8
+    gate, up = fused[..., :1536], fused[..., 1536:]
+    assert mx.array_equal(kernel.swiglu_rows(gate, up), swiglu(gate, up))  # type: ignore[attr-defined]
+    # A fine grid of gates over the range where exp is neither 0 nor infinite, its ends, and values that are no
+    # number.
+    fine = mx.arange(-(2**21), 2**21, dtype=mx.float32) / 2**15
+    assert mx.array_equal(kernel.swiglu_rows(fine, fine), swiglu(fine, fine))  # type: ignore[attr-defined]
+    ends = mx.array([0.0, -0.0, 1e-30, 60.9, 61.1, -60.9, -61.1, 1e4, -1e4, float("inf"), -float("inf"), float("nan")])
+    assert mx.array_equal(kernel.swiglu_rows(ends, ends + 1), swiglu(ends, ends + 1), equal_nan=True)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.swiglu_rows(gate, up[..., :8])  # type: ignore[attr-defined]
+
+
+def test_the_softmax_is_mlxs_bit_for_bit_in_one_node(kernel: object) -> None:
+    mx.random.seed(6)
+    for shape in ((1, 9, 1, 37), (2, 3, 5, 700), (1, 1, 1, 1), (1, 9, 64, 513)):
+        x = mx.random.normal(shape) * 10
+        assert mx.array_equal(kernel.softmax_rows(x), mx.softmax(x, axis=-1, precise=True)), shape  # type: ignore[attr-defined]
+    # A value that is no number, a row of -inf, a masked row's float32 minimum, zeros of both signs.
+    ends = mx.array([[1.0, float("nan"), 3.0], [-float("inf")] * 3, [-3.4e38, 0.0, -3.4e38], [0.0, -0.0, 0.0]])
+    assert mx.array_equal(kernel.softmax_rows(ends), mx.softmax(ends, axis=-1), equal_nan=True)  # type: ignore[attr-defined]
+    assert mx.array_equal(kernel.softmax_rows(x.T), mx.softmax(x.T, axis=-1))  # type: ignore[attr-defined]  # strided rows
+
+
+# Each shape as mlx-lm's attention meets it: (batch, heads, key/value heads, queries, keys) and the mask.
+ATTENTION = {
+    "a decode step, heads sharing keys": ((1, 9, 3, 1, 40), None),
+    "a prompt": ((1, 9, 3, 17, 17), "causal"),
+    "a prompt's later chunk": ((1, 9, 3, 5, 50), "causal"),
+    "a batch, one head each": ((2, 4, 4, 1, 30), None),
+    "a padded batch": ((2, 9, 3, 3, 30), "bool"),
+    "an additive mask per head": ((2, 9, 3, 3, 30), "float"),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION)
+def test_attention_through_the_kernel_is_mlxs_bit_for_bit(kernel: object, case: str) -> None:
+    (batch, heads, kv_heads, queries, keys), mask = ATTENTION[case]
+    mx.random.seed(7)
+    q = mx.random.normal((batch, heads, queries, 64))
+    k, v = mx.random.normal((batch, kv_heads, keys, 64)), mx.random.normal((batch, kv_heads, keys, 64))
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(batch, 1, queries, keys)) > 0.3
+    elif mask == "float":
+        mask = mx.random.normal((batch, heads, queries, keys))
+    got = kernels.kernel_attention(kernel)(q, k, v, None, 0.125, mask)  # type: ignore[arg-type]
+    assert mx.array_equal(got, mlx_lm_base.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask))
+
+
+FUNCTIONS = ("llama.swiglu", "llama.scaled_dot_product_attention")
+
+
+def test_a_model_loaded_with_the_kernel_calls_its_activation_and_attention_through_it(
+    kernel: object, tmp_path: Path
+) -> None:
+    model, _ = load(str(make_tiny_model(tmp_path / "tiny", "llama")))
+    layer = model.layers[0]
+    module = importlib.import_module(type(layer).__module__)
+    tokens = mx.array([[1, 5, 9, 200, 3]])
+    x = mx.random.normal((1, 3, model.args.hidden_size))
+    before = (layer.mlp(x), model(tokens))
+    try:
+        assert kernels.use_kernel(model, kernel).functions == FUNCTIONS  # type: ignore[arg-type]
+        after = (layer.mlp(x), model(tokens))
+        mx.export_to_dot(str(tmp_path / "step.dot"), *after)
+        assert {"SwiGLURows", "SoftmaxRows"} <= set((tmp_path / "step.dot").read_text().replace('"', " ").split())
+        assert mx.array_equal(after[0], before[0])
+        assert close(after[1], before[1]) < 3e-5  # the rotations' sines are the C library's (above)
+    finally:
+        module.swiglu, module.scaled_dot_product_attention = swiglu, mlx_lm_base.scaled_dot_product_attention
 
 
 def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says_how_to_get_it(
