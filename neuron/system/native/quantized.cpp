@@ -117,7 +117,7 @@ NB_MODULE(_quantized, m) {
   m.def("quantized_rows", &quantized_rows, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "x @ dequantize(w, scales, biases).T (as mlx.core.quantized_matmul with transpose=True)");
-  m.def("threads", []() { return omp_get_max_threads(); }, "the threads a product runs on");
+  m.def("threads", &threads, "the threads a shared product runs on, from the calling thread");
   m.def("set_cores", &set_cores, nb::arg("cores"), "run the products on these cores, a thread for each");
   m.def("blas", []() { return sgemm() != nullptr; }, "whether products of many rows go through cblas_sgemm");
   bind_layers(m);

@@ -340,6 +340,11 @@ void block(const Problem& p, int first_row, int col) {
 std::vector<int> cores;
 std::atomic<int> placement{0};  // bumped by each set_cores: helpers placed under an older one place themselves again
 
+// The threads a shared product runs on, named in each parallel region: OpenMP's own count is per thread (set_cores
+// runs on the rank's thread, the products on MLX's stream thread), and its default is the cores the process was
+// allowed when the runtime loaded, one where the rank's thread was already pinned to its core.
+inline int team() { return cores.empty() ? 1 : static_cast<int>(cores.size()); }
+
 void place_helper() {
   thread_local int placed = 0;
   const int wanted = placement.load();
@@ -351,10 +356,22 @@ void place_helper() {
   placed = wanted;
 }
 
+// How many threads a shared product runs on, from the calling thread: a parallel region entered as the products
+// enter theirs, counted.
+inline int threads() {
+  int count = 1;
+#pragma omp parallel num_threads(team())
+  {
+#pragma omp single
+    count = omp_get_num_threads();
+  }
+  return count;
+}
+
 void set_cores(const std::vector<int>& given) {
   cores = given;
   placement++;
-  omp_set_num_threads(cores.empty() ? 1 : static_cast<int>(cores.size()));
+  omp_set_num_threads(team());
 }
 
 template <int M, int BITS>
@@ -376,7 +393,7 @@ template <int M>
 void columns(const Problem& p, int first_row) {
   // A small product is done before helpers would have woken: the calling thread does it alone.
   const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= THREADED_BYTES;
-#pragma omp parallel if (shared)
+#pragma omp parallel if (shared) num_threads(team())
   {
     place_helper();
     if (p.bits == 4)
@@ -400,7 +417,7 @@ Sgemm sgemm() {
 
 void dequantize(const Problem& p, int first, int count, float* out) {
   const int words = p.k * p.bits / 32, groups = p.k / p.group_size;
-#pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES)
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES) num_threads(team())
   for (int c = 0; c < count; c++) {
     const int col = first + c;
     const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w + static_cast<size_t>(col) * words);

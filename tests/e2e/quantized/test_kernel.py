@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -265,6 +266,37 @@ def test_a_model_loaded_with_the_kernel_calls_its_activation_and_attention_throu
         assert close(after[1], before[1]) < 3e-5  # the rotations' sines are the C library's (above)
     finally:
         module.swiglu, module.scaled_dot_product_attention = swiglu, mlx_lm_base.scaled_dot_product_attention
+
+
+# As in a rank alone: its thread is pinned to one core before the kernel loads (OpenMP's runtime with it), and MLX's
+# stream thread, started from it, runs the products.
+PINNED_RANK = """
+import os, sys, threading
+from neuron.rank.model import kernels
+cores = sorted(os.sched_getaffinity(0))
+seen = []
+def stream():
+    seen.append(kernel.threads())
+def rank():
+    global kernel
+    os.sched_setaffinity(0, cores[:1])
+    kernel, why = kernels.load_kernel(cores)
+    assert kernel is not None, why
+    thread = threading.Thread(target=stream)
+    thread.start()
+    thread.join()
+thread = threading.Thread(target=rank)
+thread.start()
+thread.join()
+print(seen[0])
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores for a product to share")
+def test_a_product_on_a_pinned_ranks_stream_thread_shares_the_ranks_cores(kernel: object) -> None:
+    ran = subprocess.run([sys.executable, "-c", PINNED_RANK], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert int(ran.stdout) == len(os.sched_getaffinity(0))
 
 
 def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says_how_to_get_it(
