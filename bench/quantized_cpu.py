@@ -1,7 +1,7 @@
 """Quantized weights on the CPU (issue 62): neuron's kernel against llama.cpp on the same GGUF file, against neuron's
 float32 path, and against mlx-lm on an MLX 4-bit folder, in one run, round by round.
 
-Run: .venv/bin/python bench/quantized_cpu.py [--rounds 5] [--tokens 64] [--llama-python PYTHON]
+Run: .venv/bin/python bench/quantized_cpu.py [--rounds 5] [--tokens 64] [--llama-python PYTHON] [--long 8100]
 
 Rows, each a process of its own with the same cores:
 - neuron: the embedded SmolLM2 Q4_1 file kept quantized, through the kernel (``neuron serve``, streamed over HTTP:
@@ -16,7 +16,8 @@ Columns: ms a token at batch 1 (a stream's time from its first token to its last
 first), at batch 8 (8 streams at once: each stream's ms a token, their median; neuron only), and prefill tokens a
 second for a 512-token prompt (its time to the first token). Medians over the rounds; the machine's noise hits
 every row alike because the rows alternate within each round. The prefix cache is off, so that every prefill
-computes.
+computes. ``--long N`` adds, after the rounds, one prompt of N tokens (most of the model's context) for neuron on
+the Q4_1 file and for llama.cpp: its seconds to the first token.
 """
 
 from __future__ import annotations
@@ -40,14 +41,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 # where it is used.
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 PREFILL = 512
+LONG = ("neuron, the Q4_1 file through the kernel", "llama.cpp, the Q4_1 file")  # the rows --long times, baseline last
 
 
-def child(kind: str, model: str, tokens: int) -> None:
-    """A persistent contender outside neuron: one measurement per stdin line ("decode" or "prefill")."""
+def prompt_of(tokens: list[int], n: int) -> list[int]:
+    """``n`` tokens: ``tokens`` over and over."""
+    return (tokens * (n // len(tokens) + 1))[:n]
+
+
+def child(kind: str, model: str, tokens: int, context: int) -> None:
+    """A persistent contender outside neuron: one measurement per stdin line ("decode", or "prefill" with the
+    prompt's tokens, 512 unless given)."""
     if kind == "llama.cpp":
         from llama_cpp import Llama
 
-        llm = Llama(model_path=model, n_threads=len(os.sched_getaffinity(0)), n_ctx=2048, verbose=False)
+        llm = Llama(model_path=model, n_threads=len(os.sched_getaffinity(0)), n_ctx=context, verbose=False)
         encode = llm.tokenize
     else:
         import mlx.core as mx
@@ -56,16 +64,18 @@ def child(kind: str, model: str, tokens: int) -> None:
 
         loaded, tokenizer = load(model)
         encode = tokenizer.encode  # type: ignore[assignment]
-    prefill = (encode(PROMPT.encode() if kind == "llama.cpp" else PROMPT) * 64)[:PREFILL]  # type: ignore[arg-type]
+    story = encode(PROMPT.encode() if kind == "llama.cpp" else PROMPT)  # type: ignore[arg-type]
     for line in sys.stdin:
-        if line.strip() == "prefill":
+        if line.startswith("prefill"):
+            size = int(line.split()[1]) if len(line.split()) > 1 else PREFILL
+            prefill = prompt_of(story, size)
             started = time.perf_counter()
             if kind == "llama.cpp":
                 llm.reset()
                 llm.eval(prefill)
             else:
                 mx.eval(loaded(mx.array([prefill]), cache=make_prompt_cache(loaded)))
-            print(json.dumps({"tok_s": PREFILL / (time.perf_counter() - started)}), flush=True)
+            print(json.dumps({"tok_s": size / (time.perf_counter() - started)}), flush=True)
             continue
         stamps = []
         if kind == "llama.cpp":
@@ -81,11 +91,11 @@ def child(kind: str, model: str, tokens: int) -> None:
 class Outside:
     """llama.cpp or mlx-lm in a process of its own, asked one measurement at a time."""
 
-    def __init__(self, kind: str, python: str, model: str, tokens: int) -> None:
+    def __init__(self, kind: str, python: str, model: str, tokens: int, context: int) -> None:
         from http_decode import blas_env
 
         self.process = subprocess.Popen(
-            [python, __file__, "--child", kind, model, str(tokens)],
+            [python, __file__, "--child", kind, model, str(tokens), str(context)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -98,10 +108,14 @@ class Outside:
         self.process.stdin.write(what + "\n")
         self.process.stdin.flush()
         answer = json.loads(self.process.stdout.readline())
-        return float(answer["tok_s" if what == "prefill" else "ms"])
+        return float(answer["tok_s" if what.startswith("prefill") else "ms"])
 
     def measure(self) -> dict[str, float]:
         return {"batch 1": self.ask("decode"), "prefill": self.ask("prefill")}
+
+    def long(self, size: int) -> float:
+        """Seconds to compute a prompt of ``size`` tokens."""
+        return size / self.ask(f"prefill {size}")
 
     def close(self) -> None:
         assert self.process.stdin is not None
@@ -131,15 +145,20 @@ class Served:
         return 1000 * (streamed.text_at[-1] - streamed.text_at[0]) / (len(streamed.text_at) - 1)
 
     def measure(self) -> dict[str, float]:
-        import httpx
 
         one = self._stream_ms()
         with ThreadPoolExecutor(8) as pool:
             eight = statistics.median(pool.map(lambda _: self._stream_ms(), range(8)))
-        body = {"model": self.id, "prompt": (self.prefill * 64)[:PREFILL], "max_tokens": 1, "temperature": 0.0}
+        return {"batch 1": one, "batch 8": eight, "prefill": PREFILL / self.long(PREFILL)}
+
+    def long(self, size: int) -> float:
+        """Seconds to a prompt of ``size`` tokens' first token."""
+        import httpx
+
+        body = {"model": self.id, "prompt": prompt_of(self.prefill, size), "max_tokens": 1, "temperature": 0.0}
         started = time.perf_counter()
-        assert httpx.post(f"{self.server.url}/v1/completions", json=body, timeout=300).status_code == 200
-        return {"batch 1": one, "batch 8": eight, "prefill": PREFILL / (time.perf_counter() - started)}
+        assert httpx.post(f"{self.server.url}/v1/completions", json=body, timeout=3600).status_code == 200
+        return time.perf_counter() - started
 
     def close(self) -> None:
         self.server.stop()
@@ -150,11 +169,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--llama-python", default=os.environ.get("LLAMA_PYTHON", sys.executable))
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--long", type=int, default=0, help="also time one prompt of this many tokens")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], int(args.child[2]))
+        child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
         return
+    context = max(2048, args.long + 64)
 
     from neuron.models.folder import resolve
     from neuron.models.gguf import converted
@@ -175,8 +196,12 @@ def main() -> None:
             "neuron, the same file in float32": lambda: Served(
                 str(gguf), args.tokens, Path(tmp) / "b", env={QUANTIZED_ENV: "off"}
             ),
-            "llama.cpp, the Q4_1 file": lambda: Outside("llama.cpp", args.llama_python, str(gguf), args.tokens),
-            "mlx-lm, an MLX 4-bit folder": lambda: Outside("mlx-lm", sys.executable, str(folder4), args.tokens),
+            "llama.cpp, the Q4_1 file": lambda: Outside(
+                "llama.cpp", args.llama_python, str(gguf), args.tokens, context
+            ),
+            "mlx-lm, an MLX 4-bit folder": lambda: Outside(
+                "mlx-lm", sys.executable, str(folder4), args.tokens, context
+            ),
             "neuron, that 4-bit folder": lambda: Served(str(folder4), args.tokens, Path(tmp) / "c"),
         }
         contenders = {name: make() for name, make in rows.items()}
@@ -185,6 +210,7 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, contender in contenders.items():
                     results[name].append(contender.measure())
+            long = {name: contenders[name].long(args.long) for name in LONG if args.long}  # type: ignore[attr-defined]
         finally:
             for contender in contenders.values():
                 contender.close()
@@ -198,6 +224,12 @@ def main() -> None:
         prefill = statistics.median(r["prefill"] for r in runs)
         batched = "-" if eight is None else f"{eight:.1f}"
         print(f"| {name} | {one:.1f} | {one / llama:.2f} | {batched} | {prefill:.0f} |")
+    if long:
+        print(f"\nA prompt of {args.long} tokens, once each: seconds to its first token\n")
+        print("| | s | tok/s | ÷ llama.cpp |")
+        print("|---|---|---|---|")
+        for name, seconds in long.items():
+            print(f"| {name} | {seconds:.1f} | {args.long / seconds:.0f} | {seconds / long[LONG[-1]]:.2f} |")
 
 
 if __name__ == "__main__":

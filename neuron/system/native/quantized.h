@@ -42,7 +42,14 @@ namespace {
 
 constexpr int MAX_ROWS = 8;  // rows multiplied per pass over the weights; more take further passes
 #ifndef THREADED_BYTES
-#define THREADED_BYTES (256 << 10)  // weights (times rows) from which a product is shared among the helpers
+#define THREADED_BYTES (256 << 10)  // weights in a block of a prompt's product from which its dequantizing is shared
+#endif
+// Packed weights (times rows) from which a few rows' product is shared among the helpers. Lower, on two cores where
+// the rank's Python takes the second, a small model's step was slower: each shared product of SmolLM2's layers
+// (30-60 microseconds) waited on a helper that was not running (BENCHMARKS.md, "Quantized weights on the CPU");
+// its head (14-28 MB) and a large model's every product are shared.
+#ifndef SHARED_BYTES
+#define SHARED_BYTES (4 << 20)
 #endif
 #ifndef BLAS_ROWS
 #define BLAS_ROWS 64  // rows from which a product is dequantized into BLAS (``through_blas``)
@@ -392,7 +399,7 @@ void columns_of(const Problem& p, int first_row) {
 template <int M>
 void columns(const Problem& p, int first_row) {
   // A small product is done before helpers would have woken: the calling thread does it alone.
-  const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= THREADED_BYTES;
+  const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= SHARED_BYTES;
 #pragma omp parallel if (shared) num_threads(team())
   {
     place_helper();

@@ -121,6 +121,16 @@ def test_the_kernel_gives_mlxs_product_for_every_layout_and_row_count(
     assert got.shape == (2, 3, n) and got.dtype == mx.bfloat16 and close(got, want) < 1e-2
 
 
+def test_a_product_large_enough_to_share_among_the_helpers_gives_mlxs(kernel: object) -> None:
+    mx.random.seed(11)
+    n, k = 4099, 2048  # 8 MB of 8-bit weights (from SHARED_BYTES, quantized.h), an odd count of columns to share
+    w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=8)
+    for rows in (1, 8):
+        x = mx.random.normal((rows, k))
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=8)
+        assert close(kernel.quantized_rows(x, w, s, b, 64, 8), want) < 2e-6  # type: ignore[attr-defined]
+
+
 def test_the_kernel_reads_strided_rows_in_place_and_weights_in_a_strided_view(kernel: object) -> None:
     # Rows as a step hands them over (a transpose's, a reversed or every-other slice's, a broadcast's view) are
     # read where they lie, with no copy in MLX's graph first; weights in a strided view are made contiguous.
