@@ -189,21 +189,16 @@ def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
         if repeats > 1:
             q, k, v = mx.unflatten(q, 1, (kv_heads, repeats)), mx.expand_dims(k, 2), mx.expand_dims(v, 2)
         scores = mx.matmul(q, mx.swapaxes(k, -1, -2))
-        if mask is not None:
-            if isinstance(mask, str):  # causal: each query row sees the keys up to its own position
-                offset = k.shape[-2] - q.shape[-2]
-                mask = mx.expand_dims(mx.arange(offset, q.shape[-2] + offset), 1) >= mx.expand_dims(
-                    mx.arange(0, k.shape[-2]), 0
-                )
-            elif mask.dtype != mx.bool_:
-                mask = mask.astype(mx.float32)
+        causal = isinstance(mask, str)  # the kernel's softmax puts MLX's causal mask in itself
+        if mask is not None and not causal:
+            mask = mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)
             if repeats > 1 and mask.ndim >= 3:
                 mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mx.unflatten(mask, -3, (kv_heads, repeats))
             if mask.dtype == mx.bool_:
                 scores = mx.where(mask, scores, mx.array(mx.finfo(mx.float32).min, mx.float32))
             else:
                 scores = mx.add(scores, mask)
-        out = mx.matmul(kernel.softmax_rows(scores), v)
+        out = mx.matmul(kernel.softmax_rows(scores, causal), v)
         return mx.flatten(out, 1, 2) if repeats > 1 else out
 
     return attention

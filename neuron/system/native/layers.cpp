@@ -17,9 +17,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -209,9 +211,15 @@ float row_maximum(const float* __restrict a, int64_t n) {
 // mx.softmax(x, axis=-1) (precise or not: float32 either way) as MLX's CPU backend computes it one lane wide
 // (mlx/backend/cpu/softmax.cpp): the row's maximum, each exp(x - max), their sum in order, then each times 1 / sum.
 // The exps and products here take many lanes at once; the sum keeps MLX's order, so the bits are MLX's.
+//
+// Causal: x is a prompt's scores, [..., queries, keys] with the queries the last of the keys, and each query's
+// row is what MLX's fallback makes of it with the causal mask (mlx/fast.cpp: the keys after the query replaced by
+// float32's lowest, then the softmax). Those keys are not read: each would add exp(lowest - max), the same for the
+// whole row (0, unless the row holds no number), to the maximum and the sum after the others, which is computed
+// once. The same bits, without the mask's select and for half the exps.
 class SoftmaxRows : public mx::UnaryPrimitive {
  public:
-  explicit SoftmaxRows(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  SoftmaxRows(mx::Stream stream, bool causal) : mx::UnaryPrimitive(stream), causal_(causal) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
@@ -219,10 +227,14 @@ class SoftmaxRows : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_output_array(out);
-    encoder.dispatch([x, out]() mutable {
+    encoder.dispatch([x, out, causal = causal_]() mutable {
       const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
+      const int64_t queries = causal ? x.shape(-2) : 1;
+      constexpr float lowest = -std::numeric_limits<float>::max();
       std::vector<float> gathered;
       for (int64_t r = 0; r < rows; r++) {
+        // The keys this row sees: all, or up to its query's own position.
+        const int64_t seen = causal ? std::clamp<int64_t>(r % queries + width - queries + 1, 0, width) : width;
         const Row in = row_of(x, r);
         const float* a = in.start;
         if (in.step != 1) {  // scores are a product's rows, adjacent: only an unusual caller's are not
@@ -231,12 +243,18 @@ class SoftmaxRows : public mx::UnaryPrimitive {
           a = gathered.data();
         }
         float* __restrict o = out.data<float>() + r * width;
-        const float maximum = row_maximum(a, width);
-        for (int64_t i = 0; i < width; i++) o[i] = mlx_exp(a[i] - maximum);
+        float maximum = row_maximum(a, seen);
+        if (seen < width && maximum == maximum) maximum = lowest > maximum ? lowest : maximum;
+        for (int64_t i = 0; i < seen; i++) o[i] = mlx_exp(a[i] - maximum);
+        const float hidden = mlx_exp(lowest - maximum);
         float sum = 0.0f;
-        for (int64_t i = 0; i < width; i++) sum += o[i];
+        for (int64_t i = 0; i < seen; i++) sum += o[i];
+        if (hidden != 0.0f)  // adding 0 to the sum would leave it as it is
+          for (int64_t i = seen; i < width; i++) sum += hidden;
         const float inverse = 1 / sum;
-        for (int64_t i = 0; i < width; i++) o[i] *= inverse;
+        for (int64_t i = 0; i < seen; i++) o[i] *= inverse;
+        const float beyond = hidden * inverse;
+        for (int64_t i = seen; i < width; i++) o[i] = beyond;
       }
     });
   }
@@ -247,14 +265,20 @@ class SoftmaxRows : public mx::UnaryPrimitive {
 
   const char* name() const override { return "SoftmaxRows"; }
 
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return causal_ == static_cast<const SoftmaxRows&>(other).causal_;
+  }
+
+ private:
+  bool causal_;
 };
 
-mx::array softmax_rows(const mx::array& x, mx::StreamOrDevice s) {
+mx::array softmax_rows(const mx::array& x, bool causal, mx::StreamOrDevice s) {
   if (x.dtype() != mx::float32) throw std::invalid_argument("softmax_rows takes float32 rows");
   if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("softmax_rows: x needs rows of one value or more");
+  if (causal && x.ndim() < 2) throw std::invalid_argument("softmax_rows: causal scores are [..., queries, keys]");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream), {x});
+  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, causal), {x});
 }
 
 class SwiGLURows : public mx::UnaryPrimitive {
@@ -333,8 +357,10 @@ void bind_layers(nb::module_& m) {
   m.def("rotary_rows", &rotary_rows, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("base"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx.core.fast.rope(x, dims, traditional=, base=, scale=, offset=) as one node, for float32");
-  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::kw_only(), nb::arg("stream") = nb::none(),
-        "mlx.core.softmax(x, axis=-1) as MLX's CPU backend computes it, for float32, its exps vectorized");
+  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("causal") = false, nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "mlx.core.softmax(x, axis=-1) as MLX's CPU backend computes it, for float32, its exps vectorized; causal: "
+        "with MLX's causal mask of scaled_dot_product_attention's fallback put in first");
   m.def("swiglu_rows", &swiglu_rows, nb::arg("gate"), nb::arg("up"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx-lm's swiglu(gate, up), silu(gate) * up, as one node, for float32");
 }

@@ -230,6 +230,20 @@ def test_the_softmax_is_mlxs_bit_for_bit_in_one_node(kernel: object) -> None:
     assert mx.array_equal(kernel.softmax_rows(x.T), mx.softmax(x.T, axis=-1))  # type: ignore[attr-defined]  # strided rows
 
 
+@pytest.mark.parametrize("queries, keys", [(5, 9), (1, 7), (9, 9), (9, 5)])
+def test_the_causal_softmax_is_mlxs_masked_softmax_bit_for_bit(kernel: object, queries: int, keys: int) -> None:
+    # MLX's fallback: the keys after each query (the queries being the last of the keys) set to float32's lowest,
+    # then the softmax. More queries than keys leaves the first rows wholly masked.
+    mx.random.seed(8)
+    x = mx.random.normal((2, 3, queries, keys)) * 10
+    x[0, 1, -1, 0] = float("nan")  # a row holding no number
+    x[1, 2, 0, 0] = -float("inf")
+    offset = keys - queries
+    seen = mx.expand_dims(mx.arange(offset, queries + offset), 1) >= mx.expand_dims(mx.arange(0, keys), 0)
+    want = mx.softmax(mx.where(seen, x, mx.array(mx.finfo(mx.float32).min, mx.float32)), axis=-1, precise=True)
+    assert mx.array_equal(kernel.softmax_rows(x, True), want, equal_nan=True)  # type: ignore[attr-defined]
+
+
 # Each shape as mlx-lm's attention meets it: (batch, heads, key/value heads, queries, keys) and the mask.
 ATTENTION = {
     "a decode step, heads sharing keys": ((1, 9, 3, 1, 40), None),
