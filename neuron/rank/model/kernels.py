@@ -20,7 +20,8 @@ MLX's product, and rows other than float32 MLX's norm and rotation.
 mlx-lm's models call ``swiglu`` and ``scaled_dot_product_attention`` as names of their own module (``from
 .activations import swiglu``), not as layers, so ``use_kernel`` sets those names, in the modules of the model's
 layers, to the kernel's (``FUNCTIONS``). They compute the same bits as mlx-lm's (``layers.cpp`` follows MLX's
-arithmetic operation for operation, and the attention is MLX's CPU fallback op for op with the softmax swapped), so a
+arithmetic operation for operation, and the attention is MLX's CPU fallback op for op with the softmax swapped and
+a causal mask put inside it), so a
 model of the same architecture loaded in the process without the kernel answers exactly as before; what they do not
 take (other dtypes, a quantized cache, attention sinks) goes to mlx-lm's own.
 """
@@ -171,7 +172,8 @@ def kernel_swiglu(kernel: ModuleType) -> Callable[[mx.array, mx.array], mx.array
 def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
     """mlx-lm's ``scaled_dot_product_attention`` with the kernel's softmax, where it would call MLX's
     ``mx.fast.scaled_dot_product_attention`` on float32 arrays without sinks: MLX's CPU fallback for that
-    (``mlx/fast.cpp``), op for op. Anything else (a quantized cache, sinks, other dtypes) goes to mlx-lm's own."""
+    (``mlx/fast.cpp``), op for op, but for a causal mask, which the softmax puts in itself. Anything else (a
+    quantized cache, sinks, other dtypes) goes to mlx-lm's own."""
 
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
                   sinks: mx.array | None = None) -> mx.array:  # fmt: skip
