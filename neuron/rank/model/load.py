@@ -4,6 +4,7 @@ layers, and the runner that drives it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,6 +71,8 @@ def load(
             f"serve one of {', '.join(sorted(architectures.TABLE))}"
         )
     quantized_products(model, rank, cores or [])
+    if world_size == 1 and cpu.is_linux_cpu_backend():
+        dispatch_layers(model)
     support = architectures.supports(config)
     together = support is None or support.cuttable  # from the whole model: a stage may hold none
     recording = support is not None and support.caches == architectures.STATE
@@ -92,6 +95,36 @@ def load(
         quantize_caches(model, KV_GROUP_SIZE, kv_bits)
     layer_count = int(text_config(config)["num_hidden_layers"])
     return Share(model, runner, vocab_size, together, parameters, layer_count, recording)
+
+
+def dispatch_layers(model: nn.Module) -> int:
+    """A rank alone on the CPU: each decoder layer hands its output to MLX's stream thread as soon as it is built
+    (``mx.async_eval``), so that the stream computes the first layers while this thread builds the rest. Built
+    whole, a step's graph was built while the stream waited: MLX's ``eval`` holds its caller back once more than
+    ten tasks are queued on the CPU (``MAX_ACTIVE_TASKS``, mlx/transforms.cpp), so it was computed after. Across
+    ranks nothing is dispatched early, so that no collective is ever in flight outside a step. Returns the layers
+    that do."""
+    made: dict[type, type] = {}
+    layers = list(getattr(model, "layers", []))
+    for layer in layers:
+        cls = type(layer)
+        if not getattr(cls, "dispatches", False):
+            if cls not in made:
+                made[cls] = _dispatching(cls)
+            layer.__class__ = made[cls]
+    return len(layers)
+
+
+def _dispatching(cls: type) -> type:
+    """``cls`` (a decoder layer's class) whose call hands its output to MLX's stream thread."""
+
+    def call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = cls.__call__(self, *args, **kwargs)
+        if isinstance(out, mx.array):
+            mx.async_eval(out)
+        return out
+
+    return type(f"Dispatching{cls.__name__}", (cls,), {"__call__": call, "dispatches": True})
 
 
 def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:

@@ -23,10 +23,12 @@ from neuron.rank import readback
 from neuron.rank.ahead import EVALUATES_ASYNC
 from neuron.rank.head import sampler
 from neuron.rank.head.head import Head
+from neuron.rank.model.load import dispatch_layers
 from neuron.rank.rank import Rank, run
 from neuron.rpc import Decode, Prefill, StepPlan
 from neuron.sampling_params import Sampled, SamplingParams
 from neuron.step import Start, Step
+from neuron.system import cpu
 
 pytestmark = pytest.mark.gpu  # where the device computes apart from the host: bench/gpu_table.py runs them there
 
@@ -168,3 +170,30 @@ def test_a_plan_that_is_not_the_step_run_ahead_undoes_it(rank: Rank) -> None:
         return token, [a - b for a, b in zip(after, before, strict=True)]
 
     assert run(ahead=True) == (run(ahead=False)[0], [0])  # the queued token undone, the plan's fed in its place
+
+
+@pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="a rank alone on the Linux CPU dispatches layers early")
+def test_a_rank_alone_on_the_cpu_hands_each_layer_to_the_stream_as_it_is_built(rank: Rank) -> None:
+    """MLX's CPU ``eval`` holds its caller back once ten tasks are queued, so a graph built whole is built while the
+    stream waits: each decoder layer is queued (``mx.async_eval``) as soon as it is built, with the same answers
+    (the tokens of ``test_running_ahead_gives_the_tokens_of_running_in_step`` are those of a rank that does)."""
+    assert rank.model is not None
+    layers = list(rank.model.layers)
+    assert all(getattr(type(layer), "dispatches", False) for layer in layers)
+    queued: list[object] = []
+    original = mx.async_eval
+
+    def counted(*args: Any) -> None:
+        queued.append(args)
+        original(*args)
+
+    mx.async_eval = counted
+    try:
+        tokens = mx.array([[5, 17, 99]])
+        mx.eval(rank.model(tokens))
+    finally:
+        mx.async_eval = original
+    assert len(queued) == len(layers)
+    classes = [type(layer) for layer in layers]
+    dispatch_layers(rank.model)  # again: no layer is wrapped twice
+    assert [type(layer) for layer in rank.model.layers] == classes
