@@ -1,6 +1,6 @@
 // A decoder layer's RMS norm, rotary embedding, gated activation (mlx-lm's swiglu) and attention's softmax, each one
-// node of MLX's graph on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all are bound in its
-// module).
+// node of MLX's graph on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all
+// are bound in its module).
 //
 // Why: on the CPU, mx.fast.rms_norm and mx.fast.rope have no kernel of their own; each call expands into the ops
 // of its fallback (eleven nodes for a norm, about thirty for a rotation), and MLX dispatches every node with a
@@ -25,10 +25,9 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "cpu_eval.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -53,11 +52,7 @@ class RMSNormRows : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array &x = inputs[0], &w = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x, w, out, eps = eps_]() mutable {
+    queue_on_cpu(stream(), inputs, out, [x, w, out, eps = eps_]() mutable {
       const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
       const Row weight = row_of(w, 0);
       float* y = out.data<float>();
@@ -96,11 +91,8 @@ class RotaryRows : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array &x = inputs[0], &offset = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x, offset, out, dims = dims_, traditional = traditional_, base = base_, scale = scale_]() mutable {
+    queue_on_cpu(stream(), inputs, out,
+                 [x, offset, out, dims = dims_, traditional = traditional_, base = base_, scale = scale_]() mutable {
       // x is [B, ..., T, D]: positions run along its next-to-last dimension, from the batch row's offset.
       const int64_t width = x.shape(-1), positions = x.shape(-2), batch = x.shape(0);
       const int64_t rows = static_cast<int64_t>(x.size()) / width, per_batch = rows / batch;
@@ -223,11 +215,7 @@ class SoftmaxRows : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([x, out, causal = causal_]() mutable {
+    queue_on_cpu(stream(), inputs, out, [x, out, causal = causal_]() mutable {
       const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
       const int64_t queries = causal ? x.shape(-2) : 1;
       constexpr float lowest = -std::numeric_limits<float>::max();
@@ -287,11 +275,7 @@ class SwiGLURows : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array &gate = inputs[0], &up = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([gate, up, out]() mutable {
+    queue_on_cpu(stream(), inputs, out, [gate, up, out]() mutable {
       const int64_t width = gate.shape(-1), rows = static_cast<int64_t>(gate.size()) / width;
       float* y = out.data<float>();
       for (int64_t r = 0; r < rows; r++) {

@@ -18,11 +18,10 @@
 #include <stdexcept>
 #include <vector>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "quantized.h"
+#include "cpu_eval.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -53,12 +52,9 @@ class QuantizedRows : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
     const int k = x.shape(-1), n = w.shape(0), rows = static_cast<int>(x.size() / k);
-    encoder.dispatch([x, w, scales, biases, out, k, n, rows, group_size = group_size_, bits = bits_]() mutable {
+    queue_on_cpu(stream(), inputs, out,
+                 [x, w, scales, biases, out, k, n, rows, group_size = group_size_, bits = bits_]() mutable {
       std::vector<float> rows_prepared = prepared(x, rows, k, bits);
       Problem p{rows_prepared.data(), w.data<uint32_t>(), scales.data<void>(), biases.data<void>(), scales.dtype(),
                 out.data<void>(), out.dtype(), rows, n, k, group_size, bits};

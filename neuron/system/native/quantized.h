@@ -378,7 +378,6 @@ inline int threads() {
 void set_cores(const std::vector<int>& given) {
   cores = given;
   placement++;
-  omp_set_num_threads(team());
 }
 
 template <int M, int BITS>
