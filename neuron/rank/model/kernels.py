@@ -1,6 +1,6 @@
 """neuron's CPU kernels in a loaded quantized model on a Linux CPU (``neuron/system/native/``: an MLX extension
 built on first use): its products against quantized weights in place of MLX's CPU ``quantized_matmul``, and its
-RMS norms, rotary embeddings, gated activations and attention's softmax as one node each.
+RMS norms, rotary embeddings, gated activations and attention (a prompt's: its softmax) as one node each.
 
 Why: a decode step reads every weight once, and MLX's CPU ``quantized_matmul`` reads 4-bit weights slower than fp32
 BLAS reads fp32 ones (BENCHMARKS.md, "Quantized weights on the CPU"). The kernel streams each packed word once,
@@ -8,7 +8,8 @@ on every core of the rank. Once the products are that fast, the rest of a small 
 dispatch of its graph's nodes, and on the CPU ``mx.fast.rms_norm`` and ``mx.fast.rope`` expand into a dozen and
 about thirty nodes each (``layers.cpp``). And the CPU wheel's MLX computes every exp one element at a time (its
 SIMD types are one lane wide off ARM): mlx-lm's compiled ``swiglu``, and the softmax of attention, which over a
-long context or a prompt is most of attention's time.
+long context or a prompt is most of attention's time. A decode step's attention, a dozen nodes and a BLAS call per
+head for a row each, is one (``attention.cpp``).
 
 ``use_kernel`` gives each quantized layer of a loaded model (MLX's ``QuantizedLinear``, its two tensor-parallel
 variants, a fused group's product, and a quantized embedding's ``as_linear`` for a tied head) the kernel's product,
@@ -169,11 +170,17 @@ def kernel_swiglu(kernel: ModuleType) -> Callable[[mx.array, mx.array], mx.array
     return swiglu_rows
 
 
+# Query rows a head up to which attention is the kernel's one node (``attention_rows``): a decode step's one, or a
+# speculative step's few. A prompt's many are products a BLAS does best.
+DECODE_QUERIES = 8
+
+
 def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
-    """mlx-lm's ``scaled_dot_product_attention`` with the kernel's softmax, where it would call MLX's
-    ``mx.fast.scaled_dot_product_attention`` on float32 arrays without sinks: MLX's CPU fallback for that
-    (``mlx/fast.cpp``), op for op, but for a causal mask, which the softmax puts in itself. Anything else (a
-    quantized cache, sinks, other dtypes) goes to mlx-lm's own."""
+    """mlx-lm's ``scaled_dot_product_attention`` through the kernel, where it would call MLX's
+    ``mx.fast.scaled_dot_product_attention`` on float32 arrays without sinks. For up to ``DECODE_QUERIES`` query
+    rows, one node (``attention_rows``), whose sums are taken in an order of its own; for more, MLX's CPU fallback
+    (``mlx/fast.cpp``) op for op, with the kernel's softmax, which puts a causal mask in itself: MLX's bits.
+    Anything else (a quantized cache, sinks, other dtypes) goes to mlx-lm's own."""
 
     def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float, mask: Any,
                   sinks: mx.array | None = None) -> mx.array:  # fmt: skip
@@ -184,6 +191,14 @@ def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
             or (isinstance(mask, str) and mask != "causal")
         ):
             return base.scaled_dot_product_attention(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        causal = isinstance(mask, str)  # the kernel's softmax puts MLX's causal mask in itself
+        if mask is not None and not causal:
+            mask = mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)
+        if queries.shape[2] <= DECODE_QUERIES:
+            if mask is not None and not causal:
+                mask = mx.broadcast_to(mask, (*queries.shape[:3], keys.shape[2]))
+            out: mx.array = kernel.attention_rows(queries, keys, values, scale, None if causal else mask, causal)
+            return out
         q = mx.multiply(mx.array(scale, mx.float32), queries)
         heads, kv_heads = queries.shape[1], keys.shape[1]
         repeats = heads // kv_heads
@@ -191,9 +206,7 @@ def kernel_attention(kernel: ModuleType) -> Callable[..., mx.array]:
         if repeats > 1:
             q, k, v = mx.unflatten(q, 1, (kv_heads, repeats)), mx.expand_dims(k, 2), mx.expand_dims(v, 2)
         scores = mx.matmul(q, mx.swapaxes(k, -1, -2))
-        causal = isinstance(mask, str)  # the kernel's softmax puts MLX's causal mask in itself
         if mask is not None and not causal:
-            mask = mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)
             if repeats > 1 and mask.ndim >= 3:
                 mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mx.unflatten(mask, -3, (kv_heads, repeats))
             if mask.dtype == mx.bool_:
@@ -243,7 +256,7 @@ class Taken:
 
 def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
     """Send ``model``'s quantized products that the kernel takes, and its norms, rotations, gated activations and
-    attention's softmax, through it."""
+    attention, through it."""
     parameters = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     norms = [array.dtype for name, array in parameters if name.endswith("norm.weight")]
     taken = {"products": 0, "norms": 0, "rotations": 0}

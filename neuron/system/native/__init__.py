@@ -32,7 +32,8 @@ from neuron.system.paths import cache_dir
 GEMV_SOURCE = Path(__file__).with_name("gemv.c")
 COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedora: dnf install gcc)"
 QUANTIZED_SOURCES = [
-    Path(__file__).with_name(name) for name in ("quantized.cpp", "quantized.h", "layers.cpp", "strided.h")
+    Path(__file__).with_name(name)
+    for name in ("quantized.cpp", "quantized.h", "layers.cpp", "attention.cpp", "mlx_math.h", "strided.h", "cpu_eval.h")
 ]
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
 MLX_CMAKE = Path("share", "cmake", "MLX")  # in the MLX wheel's folder

@@ -1,6 +1,6 @@
-// A decoder layer's RMS norm, rotary embedding, gated activation (mlx-lm's swiglu) and attention's softmax, each one
+// A decoder layer's RMS norm, rotary embedding and gated activation (mlx-lm's swiglu), each one
 // node of MLX's graph on the CPU, for the models whose products go through the quantized kernel (quantized.cpp; all
-// are bound in its module).
+// are bound in its module; attention.cpp holds the attention).
 //
 // Why: on the CPU, mx.fast.rms_norm and mx.fast.rope have no kernel of their own; each call expands into the ops
 // of its fallback (eleven nodes for a norm, about thirty for a rotation), and MLX dispatches every node with a
@@ -28,6 +28,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "cpu_eval.h"
+#include "mlx_math.h"
 #include "strided.h"
 
 namespace nb = nanobind;
@@ -149,124 +150,11 @@ class RotaryRows : public mx::UnaryPrimitive {
   float base_, scale_;
 };
 
-// MLX's float exp (simd::exp), for each lane alike: a polynomial in the fraction of x / ln 2, times 2 to its whole
-// part built in the exponent's bits. The whole part is floor(x + 0.5) taken in double, as MLX's (a float x plus the
-// double 0.5): in float the sum could round up to the next whole number.
-inline float mlx_exp(float x_init) {
-  const float x = x_init * 1.442695f;
-  const float ipart = static_cast<float>(std::floor(static_cast<double>(x) + 0.5));
-  const float fpart = x - ipart;
-  float p = 1.535336188319500e-4f;
-  p = std::fma(p, fpart, 1.339887440266574e-3f);
-  p = std::fma(p, fpart, 9.618437357674640e-3f);
-  p = std::fma(p, fpart, 5.550332471162809e-2f);
-  p = std::fma(p, fpart, 2.402264791363012e-1f);
-  p = std::fma(p, fpart, 6.931472028550421e-1f);
-  p = std::fma(p, fpart, 1.000000000000000f);
-  // Unsigned, so that a whole part out of range (replaced below) wraps instead of overflowing.
-  const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(ipart)) + 127u) << 23;
-  float two;
-  std::memcpy(&two, &bits, sizeof two);
-  float result = x_init != x_init ? x_init : two * p;
-  result = x_init > 88.0f ? INFINITY : result;
-  return x_init < -88.0f ? 0.0f : result;
-}
-
 // silu(gate) * up as MLX computes it: sigmoid from exp(|g|) (Sigmoid), then g times it, then that times up.
 inline float silu_times(float g, float u) {
   const float y = 1.0f / (1.0f + mlx_exp(std::fabs(g)));
   const float sigmoid = g < 0.0f ? y : 1.0f - y;
   return (g * sigmoid) * u;
-}
-
-// The largest of a row's values as MLX's maximum finds it (a value that is no number wins, and stays), in lanes: the
-// same value in any order, bar the sign of a zero, which no exp(x - max) can tell.
-float row_maximum(const float* __restrict a, int64_t n) {
-  constexpr int LANES = 16;
-  float lane[LANES];
-  int nan[LANES];
-  for (int j = 0; j < LANES; j++) lane[j] = -INFINITY, nan[j] = 0;
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int j = 0; j < LANES; j++) {
-      const float v = a[i + j];
-      nan[j] |= v != v;
-      lane[j] = v > lane[j] ? v : lane[j];
-    }
-  float out = -INFINITY;
-  int any = 0;
-  for (int j = 0; j < LANES; j++) out = lane[j] > out ? lane[j] : out, any |= nan[j];
-  for (; i < n; i++) any |= a[i] != a[i], out = a[i] > out ? a[i] : out;
-  return any ? NAN : out;
-}
-
-// mx.softmax(x, axis=-1) (precise or not: float32 either way) as MLX's CPU backend computes it one lane wide
-// (mlx/backend/cpu/softmax.cpp): the row's maximum, each exp(x - max), their sum in order, then each times 1 / sum.
-// The exps and products here take many lanes at once; the sum keeps MLX's order, so the bits are MLX's.
-//
-// Causal: x is a prompt's scores, [..., queries, keys] with the queries the last of the keys, and each query's
-// row is what MLX's fallback makes of it with the causal mask (mlx/fast.cpp: the keys after the query replaced by
-// float32's lowest, then the softmax). Those keys are not read: each would add exp(lowest - max), the same for the
-// whole row (0, unless the row holds no number), to the maximum and the sum after the others, which is computed
-// once. The same bits, without the mask's select and for half the exps.
-class SoftmaxRows : public mx::UnaryPrimitive {
- public:
-  SoftmaxRows(mx::Stream stream, bool causal) : mx::UnaryPrimitive(stream), causal_(causal) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    queue_on_cpu(stream(), inputs, out, [x, out, causal = causal_]() mutable {
-      const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
-      const int64_t queries = causal ? x.shape(-2) : 1;
-      constexpr float lowest = -std::numeric_limits<float>::max();
-      std::vector<float> gathered;
-      for (int64_t r = 0; r < rows; r++) {
-        // The keys this row sees: all, or up to its query's own position.
-        const int64_t seen = causal ? std::clamp<int64_t>(r % queries + width - queries + 1, 0, width) : width;
-        const Row in = row_of(x, r);
-        const float* a = in.start;
-        if (in.step != 1) {  // scores are a product's rows, adjacent: only an unusual caller's are not
-          gathered.resize(width);
-          for (int64_t i = 0; i < width; i++) gathered[i] = in.start[i * in.step];
-          a = gathered.data();
-        }
-        float* __restrict o = out.data<float>() + r * width;
-        float maximum = row_maximum(a, seen);
-        if (seen < width && maximum == maximum) maximum = lowest > maximum ? lowest : maximum;
-        for (int64_t i = 0; i < seen; i++) o[i] = mlx_exp(a[i] - maximum);
-        const float hidden = mlx_exp(lowest - maximum);
-        float sum = 0.0f;
-        for (int64_t i = 0; i < seen; i++) sum += o[i];
-        if (hidden != 0.0f)  // adding 0 to the sum would leave it as it is
-          for (int64_t i = seen; i < width; i++) sum += hidden;
-        const float inverse = 1 / sum;
-        for (int64_t i = 0; i < seen; i++) o[i] *= inverse;
-        const float beyond = hidden * inverse;
-        for (int64_t i = seen; i < width; i++) o[i] = beyond;
-      }
-    });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("softmax_rows runs on the CPU only");
-  }
-
-  const char* name() const override { return "SoftmaxRows"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return causal_ == static_cast<const SoftmaxRows&>(other).causal_;
-  }
-
- private:
-  bool causal_;
-};
-
-mx::array softmax_rows(const mx::array& x, bool causal, mx::StreamOrDevice s) {
-  if (x.dtype() != mx::float32) throw std::invalid_argument("softmax_rows takes float32 rows");
-  if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("softmax_rows: x needs rows of one value or more");
-  if (causal && x.ndim() < 2) throw std::invalid_argument("softmax_rows: causal scores are [..., queries, keys]");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, causal), {x});
 }
 
 class SwiGLURows : public mx::UnaryPrimitive {
@@ -341,10 +229,6 @@ void bind_layers(nb::module_& m) {
   m.def("rotary_rows", &rotary_rows, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("traditional"),
         nb::arg("base"), nb::arg("scale"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx.core.fast.rope(x, dims, traditional=, base=, scale=, offset=) as one node, for float32");
-  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("causal") = false, nb::kw_only(),
-        nb::arg("stream") = nb::none(),
-        "mlx.core.softmax(x, axis=-1) as MLX's CPU backend computes it, for float32, its exps vectorized; causal: "
-        "with MLX's causal mask of scaled_dot_product_attention's fallback put in first");
   m.def("swiglu_rows", &swiglu_rows, nb::arg("gate"), nb::arg("up"), nb::kw_only(), nb::arg("stream") = nb::none(),
         "mlx-lm's swiglu(gate, up), silu(gate) * up, as one node, for float32");
 }

@@ -106,7 +106,8 @@ mx::array quantized_rows(const mx::array& x, const mx::array& w, const mx::array
 
 }  // namespace
 
-void bind_layers(nb::module_& m);  // layers.cpp
+void bind_layers(nb::module_& m);     // layers.cpp
+void bind_attention(nb::module_& m);  // attention.cpp
 
 NB_MODULE(_quantized, m) {
   m.doc() = "x @ dequantize(w).T for a few rows of x, on the CPU, against MLX's affine 4- and 8-bit layouts";
@@ -117,4 +118,5 @@ NB_MODULE(_quantized, m) {
   m.def("set_cores", &set_cores, nb::arg("cores"), "run the products on these cores, a thread for each");
   m.def("blas", []() { return sgemm() != nullptr; }, "whether products of many rows go through cblas_sgemm");
   bind_layers(m);
+  bind_attention(m);
 }

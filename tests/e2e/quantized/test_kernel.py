@@ -244,29 +244,71 @@ def test_the_causal_softmax_is_mlxs_masked_softmax_bit_for_bit(kernel: object, q
     assert mx.array_equal(kernel.softmax_rows(x, True), want, equal_nan=True)  # type: ignore[attr-defined]
 
 
-# Each shape as mlx-lm's attention meets it: (batch, heads, key/value heads, queries, keys) and the mask.
-ATTENTION = {
-    "a decode step, heads sharing keys": ((1, 9, 3, 1, 40), None),
+# Each shape as mlx-lm's attention meets it: (batch, heads, key/value heads, queries, keys) and the mask. A prompt's
+# queries, more than ``DECODE_QUERIES``, go through MLX's fallback with the kernel's softmax.
+PROMPTS = {
     "a prompt": ((1, 9, 3, 17, 17), "causal"),
-    "a prompt's later chunk": ((1, 9, 3, 5, 50), "causal"),
+    "a prompt's later chunk": ((1, 9, 3, 12, 50), "causal"),
+    "a padded batch": ((2, 9, 3, 12, 30), "bool"),
+    "an additive mask per head": ((2, 9, 3, 12, 30), "float"),
+}
+# A few queries a head, one node (``attention_rows``).
+STEPS = {
+    "a decode step, heads sharing keys": ((1, 9, 3, 1, 40), None),
     "a batch, one head each": ((2, 4, 4, 1, 30), None),
-    "a padded batch": ((2, 9, 3, 3, 30), "bool"),
-    "an additive mask per head": ((2, 9, 3, 3, 30), "float"),
+    "a padded batch": ((2, 9, 3, 1, 30), "bool"),
+    "an additive mask per head": ((2, 9, 3, 2, 30), "float"),
+    "a speculative step's drafts": ((1, 9, 3, 5, 50), "causal"),
+    "more queries than keys": ((1, 2, 1, 8, 5), "causal"),
 }
 
 
-@pytest.mark.parametrize("case", ATTENTION)
-def test_attention_through_the_kernel_is_mlxs_bit_for_bit(kernel: object, case: str) -> None:
-    (batch, heads, kv_heads, queries, keys), mask = ATTENTION[case]
+def attention_case(shape: tuple[int, ...], mask: object) -> tuple[mx.array, mx.array, mx.array, object]:
+    """Queries, keys and values of ``shape``; the keys and values, as a cache gives them, views of a longer buffer."""
+    batch, heads, kv_heads, queries, keys = shape
     mx.random.seed(7)
     q = mx.random.normal((batch, heads, queries, 64))
-    k, v = mx.random.normal((batch, kv_heads, keys, 64)), mx.random.normal((batch, kv_heads, keys, 64))
+    k = mx.random.normal((batch, kv_heads, keys + 11, 64))[:, :, :keys]
+    v = mx.random.normal((batch, kv_heads, keys + 11, 64))[:, :, :keys]
     if mask == "bool":
         mask = mx.random.uniform(shape=(batch, 1, queries, keys)) > 0.3
     elif mask == "float":
         mask = mx.random.normal((batch, heads, queries, keys))
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("case", PROMPTS)
+def test_a_prompts_attention_through_the_kernel_is_mlxs_bit_for_bit(kernel: object, case: str) -> None:
+    q, k, v, mask = attention_case(*PROMPTS[case])
     got = kernels.kernel_attention(kernel)(q, k, v, None, 0.125, mask)  # type: ignore[arg-type]
     assert mx.array_equal(got, mlx_lm_base.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask))
+
+
+@pytest.mark.parametrize("case", STEPS)
+def test_a_steps_attention_is_one_node_giving_mlxs_to_float32s_rounding(
+    kernel: object, case: str, tmp_path: Path
+) -> None:
+    """Its sums are the kernel's, in an order of their own: equal to MLX's to the last bits, not in them."""
+    q, k, v, mask = attention_case(*STEPS[case])
+    got = kernels.kernel_attention(kernel)(q, k, v, None, 0.125, mask)  # type: ignore[arg-type]
+    mx.export_to_dot(str(tmp_path / "attention.dot"), got)  # before it is evaluated, when it has a graph
+    nodes = set((tmp_path / "attention.dot").read_text().replace('"', " ").split())
+    assert "AttentionRows" in nodes and not nodes & {"Matmul", "SoftmaxRows", "Softmax"}
+    want = mlx_lm_base.scaled_dot_product_attention(q, k, v, None, scale=0.125, mask=mask)
+    assert got.shape == want.shape
+    assert close(got, want) < 1e-6
+
+
+def test_a_steps_attention_refuses_what_it_cannot_take_saying_why(kernel: object) -> None:
+    q, k, v, _ = attention_case((1, 9, 3, 1, 40), None)
+    with pytest.raises(ValueError, match="divide"):
+        kernel.attention_rows(q, k[:, :2], v[:, :2], 0.125)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="broadcast it"):
+        kernel.attention_rows(q, k, v, 0.125, mx.ones((1, 1, 1, 40), mx.bool_))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="not both"):
+        kernel.attention_rows(q, k, v, 0.125, mx.ones((1, 9, 1, 40), mx.bool_), True)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="float32"):
+        kernel.attention_rows(q.astype(mx.float16), k, v, 0.125)  # type: ignore[attr-defined]
 
 
 FUNCTIONS = ("llama.swiglu", "llama.scaled_dot_product_attention")
@@ -278,16 +320,19 @@ def test_a_model_loaded_with_the_kernel_calls_its_activation_and_attention_throu
     model, _ = load(str(make_tiny_model(tmp_path / "tiny", "llama")))
     layer = model.layers[0]
     module = importlib.import_module(type(layer).__module__)
-    tokens = mx.array([[1, 5, 9, 200, 3]])
+    step, prompt = mx.array([[1, 5, 9, 200, 3]]), mx.array([list(range(1, 13))])  # a few queries, and many
     x = mx.random.normal((1, 3, model.args.hidden_size))
-    before = (layer.mlp(x), model(tokens))
+    before = (layer.mlp(x), model(step), model(prompt))
     try:
         assert kernels.use_kernel(model, kernel).functions == FUNCTIONS  # type: ignore[arg-type]
-        after = (layer.mlp(x), model(tokens))
-        mx.export_to_dot(str(tmp_path / "step.dot"), *after)
-        assert {"SwiGLURows", "SoftmaxRows"} <= set((tmp_path / "step.dot").read_text().replace('"', " ").split())
+        after = (layer.mlp(x), model(step), model(prompt))
+        expected = (("step", after[1], {"SwiGLURows", "AttentionRows"}), ("prompt", after[2], {"SoftmaxRows"}))
+        for name, out, nodes in expected:
+            mx.export_to_dot(str(tmp_path / f"{name}.dot"), out)
+            assert nodes <= set((tmp_path / f"{name}.dot").read_text().replace('"', " ").split()), name
         assert mx.array_equal(after[0], before[0])
         assert close(after[1], before[1]) < 3e-5  # the rotations' sines are the C library's (above)
+        assert close(after[2], before[2]) < 3e-5
     finally:
         module.swiglu, module.scaled_dot_product_attention = swiglu, mlx_lm_base.scaled_dot_product_attention
 
@@ -334,6 +379,14 @@ def test_without_a_compiler_or_turned_off_there_is_no_kernel_and_the_reason_says
     monkeypatch.setenv(native.QUANTIZED_ENV, "off")
     assert native.build_quantized().problem == f"{native.QUANTIZED_ENV}=off"
     assert kernels.load_kernel([0]) == (None, f"{native.QUANTIZED_ENV}=off")
+
+
+def test_every_source_of_the_kernel_names_its_build() -> None:
+    """The build is cached by its sources' bytes (``native.build_quantized``): a file left out could change and leave
+    the kernel built from its old self, as ``cpu_eval.h`` once was."""
+    folder = native.QUANTIZED_CMAKE.parent
+    sources = {p.name for p in folder.iterdir() if p.suffix in (".cpp", ".h")}
+    assert sources == {p.name for p in native.QUANTIZED_SOURCES}
 
 
 def test_a_folder_named_mlx_where_neuron_starts_leaves_the_build_mlxs_own_files(

@@ -1,0 +1,256 @@
+// Attention for the models whose products go through the quantized kernel (quantized.cpp binds it): the softmax of
+// MLX's fallback as one node, and a decode step's whole attention as one node.
+//
+// The softmax: mx.softmax as MLX's CPU backend computes it, its exps vectorized, MLX's bits (SoftmaxRows).
+//
+// A decode step's attention: on the CPU, mx.fast.scaled_dot_product_attention is MLX's fallback (mlx/fast.cpp), a
+// dozen nodes a layer (scaling, head grouping, two products, the mask, the softmax). For one query row a head, its
+// products are a row each, which MLX hands to the BLAS one head at a time. The nodes' dispatch and those calls cost
+// more than the arithmetic, and a threaded BLAS's idle threads then spin beside the step (BENCHMARKS.md, "One node
+// for a decode step's attention"). AttentionRows computes the same, for a few query rows, in one node: the scores
+// of each key read once for every query row of its head group, the mask, the softmax above, and the weighted sum
+// of the values. Its sums are taken in an order of its own, so its bits are not the BLAS's.
+//
+// Compiled without contracting a * b + c into one rounding (CMakeLists.txt), as MLX's separate ops round each.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+#include "cpu_eval.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx_math.h"
+#include "strided.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr float LOWEST = -std::numeric_limits<float>::max();  // what MLX's fallback puts in a masked score
+
+// One row's softmax as MLX's CPU backend computes it one lane wide (mlx/backend/cpu/softmax.cpp): the row's
+// maximum, each exp(x - max), their sum in order, then each times 1 / sum. The exps and products take many lanes
+// at once; the sum keeps MLX's order, so the bits are MLX's.
+//
+// Only the first ``seen`` of the row's ``width`` scores are read: the others stand for keys after a query under
+// the causal mask (MLX's fallback sets them to float32's lowest, then takes the softmax). Each would add
+// exp(lowest - max), the same for the whole row (0, unless the row holds no number), to the maximum and the sum
+// after the others, which is computed once. The same bits, without the mask's select and for fewer exps.
+void softmax_row(const float* __restrict a, float* __restrict o, int64_t width, int64_t seen) {
+  float maximum = row_maximum(a, seen);
+  if (seen < width && maximum == maximum) maximum = LOWEST > maximum ? LOWEST : maximum;
+  for (int64_t i = 0; i < seen; i++) o[i] = mlx_exp(a[i] - maximum);
+  const float hidden = mlx_exp(LOWEST - maximum);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < seen; i++) sum += o[i];
+  if (hidden != 0.0f)  // adding 0 to the sum would leave it as it is
+    for (int64_t i = seen; i < width; i++) sum += hidden;
+  const float inverse = 1 / sum;
+  for (int64_t i = 0; i < seen; i++) o[i] *= inverse;
+  const float beyond = hidden * inverse;
+  for (int64_t i = seen; i < width; i++) o[i] = beyond;
+}
+
+// The keys a causal query row sees: up to its own position, the queries being the last of the keys.
+inline int64_t seen_by(int64_t query, int64_t queries, int64_t keys) {
+  return std::clamp<int64_t>(query + keys - queries + 1, 0, keys);
+}
+
+// mx.softmax(x, axis=-1) for float32 rows; causal: x is a prompt's scores, [..., queries, keys], with the causal
+// mask of MLX's fallback in it (softmax_row).
+class SoftmaxRows : public mx::UnaryPrimitive {
+ public:
+  SoftmaxRows(mx::Stream stream, bool causal) : mx::UnaryPrimitive(stream), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    queue_on_cpu(stream(), inputs, out, [x, out, causal = causal_]() mutable {
+      const int64_t width = x.shape(-1), rows = static_cast<int64_t>(x.size()) / width;
+      const int64_t queries = causal ? x.shape(-2) : 1;
+      std::vector<float> gathered;
+      for (int64_t r = 0; r < rows; r++) {
+        const int64_t seen = causal ? seen_by(r % queries, queries, width) : width;
+        const float* start = x.data<float>() + offset_of(x, r * width);
+        const int64_t step = x.strides().back();
+        const float* a = start;
+        if (step != 1) {  // scores are a product's rows, adjacent: only an unusual caller's are not
+          gathered.resize(width);
+          for (int64_t i = 0; i < width; i++) gathered[i] = start[i * step];
+          a = gathered.data();
+        }
+        softmax_row(a, out.data<float>() + r * width, width, seen);
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("softmax_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "SoftmaxRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return causal_ == static_cast<const SoftmaxRows&>(other).causal_;
+  }
+
+ private:
+  bool causal_;
+};
+
+mx::array softmax_rows(const mx::array& x, bool causal, mx::StreamOrDevice s) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("softmax_rows takes float32 rows");
+  if (x.ndim() < 1 || x.shape(-1) == 0) throw std::invalid_argument("softmax_rows: x needs rows of one value or more");
+  if (causal && x.ndim() < 2) throw std::invalid_argument("softmax_rows: causal scores are [..., queries, keys]");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(x.shape(), mx::float32, std::make_shared<SoftmaxRows>(stream, causal), {x});
+}
+
+// Sixteen partial sums, then their total: the compiler keeps the sixteen in one vector register (with std::fma it
+// would not).
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  constexpr int LANES = 16;
+  float lane[LANES] = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int j = 0; j < LANES; j++) lane[j] += a[i + j] * b[i + j];
+  float sum = 0.0f;
+  for (int j = 0; j < LANES; j++) sum += lane[j];
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+// Element [i0, i1, i2, 0] of a 4-dimensional array, whatever its strides (a cache's keys are a view of its buffer,
+// a mask is broadcast over heads).
+inline const float* at4(const mx::array& a, int64_t i0, int64_t i1, int64_t i2) {
+  const auto& st = a.strides();
+  return a.data<float>() + i0 * st[0] + i1 * st[1] + i2 * st[2];
+}
+
+// q [B, H, L, D], keys and values [B, KV, S, D] (H a multiple of KV: each group of H / KV query heads reads one
+// key head), and a mask, where there is one, [B, H, L, S]: true keeps a key (bool), or a number is added to the
+// score (float32). The result is [B, H, L, D], as the fallback's.
+class AttentionRows : public mx::UnaryPrimitive {
+ public:
+  AttentionRows(mx::Stream stream, float scale, bool causal)
+      : mx::UnaryPrimitive(stream), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    const std::optional<mx::array> mask = inputs.size() > 3 ? std::optional(inputs[3]) : std::nullopt;
+    queue_on_cpu(stream(), inputs, out, [q, k, v, mask, out, scale = scale_, causal = causal_]() mutable {
+      const int64_t batch = q.shape(0), heads = q.shape(1), queries = q.shape(2), width = q.shape(3);
+      const int64_t kv_heads = k.shape(1), keys = k.shape(2), repeats = heads / kv_heads;
+      const int64_t rows = repeats * queries;  // one key head's query rows: its heads' in order, each its queries
+      std::vector<float> scaled(rows * width), scores(rows * keys), weights(rows * keys), sums(rows * width);
+      std::vector<float> key(width), value(width);
+      const int64_t q_step = q.strides()[3], k_step = k.strides()[3], v_step = v.strides()[3];
+      float* y = out.data<float>();
+      for (int64_t b = 0; b < batch; b++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+          for (int64_t r = 0; r < rows; r++) {  // scaled first, as the fallback scales the queries
+            const float* in = at4(q, b, g * repeats + r / queries, r % queries);
+            for (int64_t d = 0; d < width; d++) scaled[r * width + d] = scale * in[d * q_step];
+          }
+          for (int64_t s = 0; s < keys; s++) {
+            const float* row = at4(k, b, g, s);
+            if (k_step != 1) {
+              for (int64_t d = 0; d < width; d++) key[d] = row[d * k_step];
+              row = key.data();
+            }
+            for (int64_t r = 0; r < rows; r++) scores[r * keys + s] = dot(scaled.data() + r * width, row, width);
+          }
+          for (int64_t r = 0; r < rows; r++) {
+            float* score = scores.data() + r * keys;
+            if (mask) {
+              const mx::array& m = *mask;
+              const int64_t m_step = m.strides()[3];
+              const int64_t h = g * repeats + r / queries, l = r % queries;
+              if (m.dtype() == mx::bool_) {
+                const bool* keep = m.data<bool>() + b * m.strides()[0] + h * m.strides()[1] + l * m.strides()[2];
+                for (int64_t s = 0; s < keys; s++) score[s] = keep[s * m_step] ? score[s] : LOWEST;
+              } else {
+                const float* add = at4(m, b, h, l);
+                for (int64_t s = 0; s < keys; s++) score[s] = score[s] + add[s * m_step];
+              }
+            }
+            softmax_row(score, weights.data() + r * keys, keys, causal ? seen_by(r % queries, queries, keys) : keys);
+          }
+          std::fill(sums.begin(), sums.end(), 0.0f);
+          for (int64_t s = 0; s < keys; s++) {
+            const float* row = at4(v, b, g, s);
+            if (v_step != 1) {
+              for (int64_t d = 0; d < width; d++) value[d] = row[d * v_step];
+              row = value.data();
+            }
+            for (int64_t r = 0; r < rows; r++) {
+              const float weight = weights[r * keys + s];
+              float* __restrict sum = sums.data() + r * width;
+              for (int64_t d = 0; d < width; d++) sum[d] += weight * row[d];
+            }
+          }
+          for (int64_t r = 0; r < rows; r++) {
+            const int64_t h = g * repeats + r / queries, l = r % queries;
+            std::copy_n(sums.data() + r * width, width, y + ((b * heads + h) * queries + l) * width);
+          }
+        }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("attention_rows runs on the CPU only");
+  }
+
+  const char* name() const override { return "AttentionRows"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AttentionRows&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+mx::array attention_rows(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                         const std::optional<mx::array>& mask, bool causal, mx::StreamOrDevice s) {
+  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
+    throw std::invalid_argument("attention_rows takes float32 queries, keys and values");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape())
+    throw std::invalid_argument("attention_rows: queries are [B, H, L, D]; keys and values one shape, [B, KV, S, D]");
+  if (k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0)
+    throw std::invalid_argument("attention_rows: keys need the queries' batch and width, and heads that divide theirs");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) {
+    if (causal) throw std::invalid_argument("attention_rows: a mask or causal, not both");
+    if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32)
+      throw std::invalid_argument("attention_rows: a mask is bool (keep) or float32 (added to the scores)");
+    if (mask->shape() != mx::Shape{q.shape(0), q.shape(1), q.shape(2), k.shape(2)})
+      throw std::invalid_argument("attention_rows: a mask is [B, H, L, S] (broadcast it there)");
+    inputs.push_back(*mask);
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(q.shape(), mx::float32, std::make_shared<AttentionRows>(stream, scale, causal), std::move(inputs));
+}
+
+}  // namespace
+
+void bind_attention(nb::module_& m) {
+  m.def("softmax_rows", &softmax_rows, nb::arg("x"), nb::arg("causal") = false, nb::kw_only(),
+        nb::arg("stream") = nb::none(),
+        "mlx.core.softmax(x, axis=-1) as MLX's CPU backend computes it, for float32, its exps vectorized; causal: "
+        "with MLX's causal mask of scaled_dot_product_attention's fallback put in first");
+  m.def("attention_rows", &attention_rows, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"),
+        nb::arg("mask") = nb::none(), nb::arg("causal") = false, nb::kw_only(), nb::arg("stream") = nb::none(),
+        "mlx.core.fast.scaled_dot_product_attention(q, k, v, scale=, mask=) for a few float32 query rows, as one "
+        "node; mask: None, or [B, H, L, S], bool or float32; causal: the fallback's causal mask");
+}
