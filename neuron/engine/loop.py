@@ -158,7 +158,7 @@ class Loop:
             if seq.trace is not None:  # before its deliveries: the last one closes its span
                 seq.trace.stepped(started, self.pool.timing.ranks)
         if self.scheduler.running:  # between requests it stays as the last batch left it
-            self.pool.keep_loop_off_rank0(self.scheduler.steps_short)
+            self.pool.place_rank0(self.scheduler.steps_short)
         self.recent.add((ms + draft_ms) / 1000, sum(1 for d in deliveries if d.kept))
         trace(
             log,

@@ -119,8 +119,9 @@ def prefill_budget(limits: Scheduling, cost: StepCost, decoding: int, depth: int
 
 # A decode step measured at most this long is mostly host time. On MLX's CPU backend a rank alone then runs the
 # next step ahead (``--run-ahead auto``: ``engine.ahead_for``), as the thread hops that running ahead hides outweigh
-# the forward it wastes where a plan changes, and the event loop keeps off rank 0's core (``Pool.keep_loop_off_rank0``);
-# above it, measured on SmolLM2 and the tiny model's wider batches, neither paid (BENCHMARKS.md, issue 49).
+# the forward it wastes where a plan changes, and the event loop keeps off rank 0's core; above it, measured on SmolLM2
+# and the tiny model's wider batches, neither paid (BENCHMARKS.md, issue 49), and rank 0's threads spread over its
+# cores (``Pool.place_rank0``).
 SHORT_STEP_MS = 3.0
 
 
@@ -193,8 +194,10 @@ class Scheduler:
         return self.queues.batch
 
     @property
-    def steps_short(self) -> bool:
-        """Whether the batch's decode steps, as timed, are ``short``: mostly host time."""
+    def steps_short(self) -> bool | None:
+        """Whether the batch's decode steps, as timed, are ``short``: mostly host time; None until timed."""
+        if self.cost.measured.get(len(self.running)) is None:
+            return None
         return short(self.cost, len(self.running))
 
     # The turn: what runs next, and what it did.

@@ -90,9 +90,9 @@ class Pool:
         with anyio.CancelScope(shield=True):
             await self.shutdown()
 
-    def keep_loop_off_rank0(self, off: bool) -> None:
-        """Keep the event loop's thread off rank 0's core, or let it float again (``Rank0Thread.keep_loop_off``)."""
-        self._ranks.rank0.keep_loop_off(off)
+    def place_rank0(self, short: bool | None) -> None:
+        """Place rank 0's threads, and the event loop's, for steps as long as timed (``Rank0Thread.place``)."""
+        self._ranks.rank0.place(short)
 
     @property
     def timing(self) -> Timing:

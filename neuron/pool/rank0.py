@@ -10,7 +10,6 @@ the workers wait inside them forever.
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import sys
 import threading
@@ -42,6 +41,9 @@ class Rank0Thread:
         self._world_size = world_size
         self._caller = threading.get_native_id()  # the event loop's thread, which starts this one
         self._core: list[int] | None = None  # the one core this thread runs on, where others are left to the loop
+        self._cores: list[int] = []  # every core the rank may use, over which it spreads where steps are long
+        self._placed: list[int] = []  # this thread and the stream thread MLX started beside it, by native id
+        self._spread = False  # whether they float over ``_cores`` now (``place``)
         self._loop_cores: set[int] | None = None  # the event loop's cores while it is kept off ``_core``
         self._abandoned = threading.Event()  # left behind, wedged: it must run nothing more when it comes out
         self.rank: Rank | None = None
@@ -59,9 +61,12 @@ class Rank0Thread:
             cpu.set_blas_threads(len(self._cpus))
         elif self._world_size == 1 and cpu.is_linux_cpu_backend():
             core = cpu.one_core()
-            if len(os.sched_getaffinity(0)) > 1:
-                self._core = core
-            cpu.pin(core)  # beside MLX's stream thread, started by this one (``cpu.one_core``)
+            if len(cores) > 1:
+                self._core, self._cores = core, cores
+            before = cpu.thread_ids()
+            cpu.pin(core)
+            backends.evaluates()  # MLX starts this thread's stream thread now, on its core (``cpu.one_core``)
+            self._placed = sorted(cpu.thread_ids() - before | {threading.get_native_id()})
         try:
             try:
                 self.rank = Rank(0, self._world_size, cores)
@@ -72,11 +77,28 @@ class Rank0Thread:
         finally:
             backends.thread_ends()  # before ``close``'s join returns and the interpreter may exit
 
-    def keep_loop_off(self, off: bool) -> None:
-        """Keep the event loop's thread (the caller's) off this thread's core, or give it its cores back. Where a
-        step is mostly host time, a stream's write each token, and the client it wakes, would otherwise preempt
-        the forward on that core (``cpu.keep_off``); where steps are long the loop's work is better spread over
-        every core. Only for a rank alone on the Linux CPU backend (``one_core``); a no-op elsewhere."""
+    def place(self, short: bool | None) -> None:
+        """Where this thread, MLX's stream thread beside it and the event loop's thread (the caller's) run, by how
+        long the engine's steps are as timed (None: not yet). Only for a rank alone on the Linux CPU backend
+        (``one_core``); a no-op elsewhere.
+
+        - Short, mostly host time: this thread hands MLX's stream thread hundreds of operations a step, a cheap
+          switch on one core and a costly wake-up across two, so the two share one core (as they start); the event
+          loop is kept off it, where a stream's write each token, and the client it wakes, would preempt the step.
+        - Long, mostly the forward's own work (the quantized kernel's products): this thread builds each layer
+          while the stream thread computes the one before (``rank.model.load.dispatch_layers``), and on one core
+          they take turns, so both float over the rank's cores, as the loop does.
+        """
+        self._keep_loop_off(short is True)
+        spread = short is False
+        if self._core is None or spread == self._spread:
+            return
+        cpu.place(self._placed, self._cores if spread else self._core)
+        self._spread = spread
+
+    def _keep_loop_off(self, off: bool) -> None:
+        """Keep the event loop's thread (the caller's) off this thread's core, or give it its cores back
+        (``cpu.keep_off``, ``place``)."""
         if self._core is None or off == (self._loop_cores is not None):
             return
         if off:
@@ -101,7 +123,7 @@ class Rank0Thread:
         it runs no queued job (one would touch the group that replaced its own) and ends."""
         self._abandoned.set()
         self._jobs.put(None)
-        self.keep_loop_off(False)
+        self._keep_loop_off(False)
 
     async def call(self, fn: Callable[[Rank], T], deadline: float, abandon: Alarm | None = None) -> T:
         """Run ``fn(rank)`` on the rank-0 thread and return its result.
@@ -157,7 +179,7 @@ class Rank0Thread:
         """
         self._jobs.put(None)
         await anyio.to_thread.run_sync(self._thread.join, deadline)
-        self.keep_loop_off(False)  # a process that opens another pool starts as it did
+        self._keep_loop_off(False)  # a process that opens another pool starts as it did
 
 
 def _wake(woken: asyncio.Future[None]) -> None:

@@ -228,11 +228,28 @@ def pin(cpus: list[int]) -> None:
     os.sched_setaffinity(0, cpus)
 
 
+def thread_ids() -> set[int]:
+    """This process's threads, by native id (none where the system does not list them)."""
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def place(threads: list[int], cores: list[int]) -> None:
+    """Confine each of ``threads`` (native ids) to ``cores``; one that has ended is passed over."""
+    for thread in threads:
+        try:
+            os.sched_setaffinity(thread, cores)
+        except OSError:
+            pass
+
+
 def keep_off(thread: int, cores: list[int]) -> set[int] | None:
     """Confine the thread ``thread`` (a native id) to the cores other than ``cores``, where there are any, and return
     the cores it had (None where it was left as it was). For the event loop's thread, off the core a rank alone and
     MLX's stream thread share (``one_core``): a stream's writes and the client they wake then never preempt the
-    step's forward (``Rank0Thread.keep_loop_off``)."""
+    step's forward (``Rank0Thread.place``)."""
     try:
         had = os.sched_getaffinity(thread)
         others = sorted(had - set(cores))

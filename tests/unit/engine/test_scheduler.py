@@ -373,6 +373,23 @@ def test_auto_runs_ahead_once_steps_of_the_batchs_size_are_timed_short() -> None
     assert not timed_run(s, SHORT_STEP_MS / 2).ahead  # two rows: not timed yet at that size
 
 
+def test_the_batchs_steps_are_short_or_long_once_timed_at_its_size_and_neither_before() -> None:
+    """Where rank 0's threads run follows it (``Pool.place_rank0``): not timed is neither short nor long."""
+    for ms, timed in ((SHORT_STEP_MS / 2, True), (SHORT_STEP_MS * 2, False)):
+        s = scheduler(max_batch=4, speculate="off")
+        admitted(s, request(2))
+        run(s)  # its prompt: no decode step timed yet
+        assert s.steps_short is None
+        said = []
+        for _ in range(MIN_SAMPLES + 1):
+            timed_run(s, ms)
+            said.append(s.steps_short)
+        assert said[0] is None and said[-1] is timed
+        s.queues.add(request(2))
+        run(s)
+        assert s.steps_short is None  # two rows: not timed yet at that size
+
+
 def test_auto_means_on_for_a_gpu_and_for_one_cpu_rank_is_left_to_the_measured_step() -> None:
     assert ahead_for("cuda", 2, 1) == ahead_for("metal", 1, 1) == "on"
     assert ahead_for("cpu", 1, 1) == "auto"

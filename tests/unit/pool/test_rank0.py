@@ -1,6 +1,7 @@
 """Rank 0's thread alone in its group (TP=1) on the Linux CPU backend runs on one core, beside the thread MLX
-starts for its stream (``cpu.one_core``); the event loop's thread is kept on the others while the engine's steps
-are short (``Rank0Thread.keep_loop_off``), and gets every core back when rank 0's thread closes."""
+starts for its stream (``cpu.one_core``), while the engine's steps are short or not yet timed, and the event loop's
+thread is kept on the other cores while they are short; where they are long, the two threads and the loop float
+over every core (``Rank0Thread.place``). The loop gets every core back when rank 0's thread closes."""
 
 from __future__ import annotations
 
@@ -30,28 +31,35 @@ def test_one_core_is_a_core_this_process_may_use() -> None:
 @pytest.mark.skipif(
     not cpu.is_linux_cpu_backend() or len(os.sched_getaffinity(0)) < 2, reason="Linux CPU backend, two cores or more"
 )
-async def test_rank0_alone_shares_one_core_with_mlxs_stream_thread() -> None:
+async def test_rank0_alone_shares_one_core_with_mlxs_stream_thread_until_its_steps_are_long() -> None:
     before = set(os.listdir("/proc/self/task"))
     everything = allowed(threading.get_native_id())
     thread = Rank0Thread(1, None)
+    seen: dict[str, tuple[str, set[str], str]] = {}  # rank 0's cores, its stream thread's, the loop's, by placing
+
+    def look(when: str) -> None:
+        started = {int(t) for t in set(os.listdir("/proc/self/task")) - before} - {tid}
+        threads = {allowed(t) for t in started if Path(f"/proc/self/task/{t}").exists()}
+        seen[when] = (allowed(tid), threads, allowed(threading.get_native_id()))
+
     try:
         tid = await thread.call(lambda _: (mx.eval(mx.arange(4) * 2), threading.get_native_id())[1], 30)
-        own = allowed(tid)
-        started = {int(t) for t in set(os.listdir("/proc/self/task")) - before} - {tid}
-        floating = allowed(threading.get_native_id())
-        thread.keep_loop_off(True)  # the engine's steps are short
-        kept_off = os.sched_getaffinity(threading.get_native_id())
-        thread.keep_loop_off(False)  # they are not
-        given_back = allowed(threading.get_native_id())
-        thread.keep_loop_off(True)
+        look("started")
+        for when, short in (("short", True), ("long", False), ("short again", True), ("not timed", None)):
+            thread.place(short)
+            look(when)
+        thread.place(True)
     finally:
         await thread.close(30)
-    assert own.isdigit()  # one core
-    assert floating == given_back == everything  # the event loop's thread floats unless kept off
-    assert kept_off and int(own) not in kept_off
-    assert allowed(threading.get_native_id()) == everything  # and gets every core back at close
-    assert started, "no thread started beside rank 0's"
-    assert {allowed(t) for t in started if Path(f"/proc/self/task/{t}").exists()} == {own}  # MLX's stream thread
+    core = seen["started"][0]
+    assert core.isdigit()  # one core
+    assert seen["started"] == (core, {core}, everything), "no thread started beside rank 0's, or not on its core"
+    assert seen["short"][:2] == seen["short again"][:2] == (core, {core})
+    kept_off = seen["short"][2]
+    assert kept_off != everything and core not in kept_off.replace("-", ",").split(",")  # the loop off its core
+    assert seen["long"] == (everything, {everything}, everything)  # all float
+    assert seen["not timed"] == (core, {core}, everything)
+    assert allowed(threading.get_native_id()) == everything  # the loop gets every core back at close
 
 
 async def test_a_rank_0_that_cannot_start_fails_each_call_at_once_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
