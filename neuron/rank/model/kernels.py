@@ -45,6 +45,7 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 from mlx.utils import tree_flatten
 from mlx_lm.models import activations, base
 
+from neuron.rank.model.fuse import FusedFollower, FusedLead
 from neuron.system.native import build_quantized
 
 log = structlog.get_logger("neuron.rank")
@@ -89,9 +90,10 @@ def fits(layer: nn.Module) -> bool:
 
 
 def product(layer: Any, x: mx.array) -> mx.array:
-    """``x @ dequantize(layer's weight).T`` through the kernel."""
+    """``x @ dequantize(layer's weight).T`` through the kernel (its weights packed, where ``pack_layers`` did)."""
+    packed = getattr(layer, "packed", False)
     out: mx.array = layer.kernel.quantized_rows(x, layer["weight"], layer["scales"], layer["biases"],
-                                                layer.group_size, layer.bits)  # fmt: skip
+                                                layer.group_size, layer.bits, packed)  # fmt: skip
     return out
 
 
@@ -152,6 +154,8 @@ PRODUCT_CLASSES: dict[type, type] = {
 }
 # MLX's norm and rotation layers, one node each through the kernel (float32 rows; others keep MLX's call).
 LAYER_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+# The products whose weights the kernel may pack (``pack_layers``): the embedding's lookup reads MLX's layout.
+PACKED_CLASSES = (KernelLinear, KernelAllToSharded, KernelShardedToAll)
 
 
 # How ``Taken`` counts what each subclass computes; every other is a product.
@@ -246,12 +250,48 @@ def _functions_through(model: nn.Module, kernel: ModuleType) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class Taken:
     """What of a model goes through the kernel: its quantized products (a fused group's once), norms and rotations,
-    and the functions of mlx-lm's its layers call (``module.function``)."""
+    the functions of mlx-lm's its layers call (``module.function``), and the products whose weights it packed."""
 
     products: int
     norms: int
     rotations: int
     functions: tuple[str, ...] = ()
+    packed: int = 0
+
+
+# A block of rows the kernel packs together (``PACKED_COLUMNS`` in quantized.h).
+PACKED_ROWS = 16
+
+
+def pack_layers(model: nn.Module, kernel: ModuleType) -> int:
+    """Pack the 4-bit weights of ``model``'s kernel products in place (``kernel.pack``), where the kernel was built
+    with a packed product, and return how many it packed; call it as the model is loaded, before any graph reads
+    them. Not the embedding, whose lookup reads MLX's layout. A fused group's members compute from views of its
+    rows: it is packed only where each member's rows are whole blocks, and its members are then marked packed too."""
+    if not kernel.packs():
+        return 0
+    modules = dict(model.named_modules())
+    followers: dict[int, list[nn.Module]] = {}  # by their group's shared pending outputs
+    for module in modules.values():
+        if isinstance(module, FusedFollower):
+            followers.setdefault(id(module._pending), []).append(module)
+    packed = 0
+    for name, layer in modules.items():
+        if type(layer) not in PACKED_CLASSES or layer.bits != 4 or name.endswith("._own"):
+            continue
+        if layer["weight"].shape[0] % PACKED_ROWS:
+            continue
+        lead = modules.get(name.removesuffix("._fused")) if name.endswith("._fused") else None
+        if isinstance(lead, FusedLead) and any(cut % PACKED_ROWS for cut in lead._cuts):
+            continue
+        if not kernel.pack(layer["weight"], layer["scales"], layer["biases"]):
+            continue  # a view of some columns (a slice of the inputs), left in MLX's layout
+        layer.packed = True
+        if isinstance(lead, FusedLead):
+            for follower in followers.get(id(lead._pending), []):
+                follower._own.packed = True
+        packed += 1
+    return packed
 
 
 def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
@@ -271,4 +311,4 @@ def use_kernel(model: nn.Module, kernel: ModuleType) -> Taken:
         layer.kernel = kernel
         if not name.endswith("._own"):  # a fused group's member alone: called only off the group's input
             taken[KINDS.get(subclass, "products")] += 1
-    return Taken(**taken, functions=_functions_through(model, kernel))
+    return Taken(**taken, functions=_functions_through(model, kernel), packed=pack_layers(model, kernel))

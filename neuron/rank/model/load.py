@@ -139,5 +139,6 @@ def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
         log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
         return
     taken = kernels.use_kernel(model, kernel)
-    log.info("quantized products by neuron's kernel", rank=rank, products=taken.products, norms=taken.norms,
-             rotations=taken.rotations, functions=list(taken.functions), threads=kernel.threads())  # fmt: skip
+    log.info("quantized products by neuron's kernel", rank=rank, products=taken.products, packed=taken.packed,
+             norms=taken.norms, rotations=taken.rotations, functions=list(taken.functions),
+             threads=kernel.threads())  # fmt: skip

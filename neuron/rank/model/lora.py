@@ -35,6 +35,7 @@ from mlx.nn.layers.distributed import (
 
 from neuron.models.adapters import AdapterError, AdapterSpec
 from neuron.rank.failures import RankError
+from neuron.rank.model import kernels
 from neuron.rank.model.fuse import FusedFollower, FusedLead
 from neuron.rank.model.parts import backbone
 
@@ -97,7 +98,9 @@ class Lora(nn.Module):
             return base(x) + deltas
         # The base's own call, with the partial products added before its one all-reduce: a rank's collectives
         # stay the same whatever its rows' adapters.
-        if isinstance(base, QuantizedShardedToAllLinear):
+        if getattr(base, "kernel", None) is not None:  # its weights may be packed for the kernel (``pack_layers``)
+            partial = kernels.product(base, x)
+        elif isinstance(base, QuantizedShardedToAllLinear):
             partial = mx.quantized_matmul(
                 x,
                 base["weight"],

@@ -10,7 +10,8 @@
 //
 // Paths, by the instruction set it is built for (the machine's own): AVX-512 (a 16-value table per group, looked up
 // by nibble, four columns at once), AVX2 with FMA and F16C, NEON on 64-bit ARM (unpacked and dequantized in
-// registers), else plain loops. tests/e2e/quantized/test_kernel.py checks each here, NEON under qemu-user.
+// registers), else plain loops. tests/e2e/quantized/test_kernel.py checks each here, NEON under qemu-user. On
+// AVX-512, a model's 4-bit weights are packed at load for a faster product (``pack``, below).
 //
 // Layout (mlx.core.quantize): w is uint32 [N, K * bits / 32], element k of a row in bits [bits * (k % (32 / bits)),
 // ...) of word k / (32 / bits); scales and biases are [N, K / group_size]; the result is x @ dequantize(w).T.
@@ -90,6 +91,7 @@ struct Problem {
   void* out;
   mx::Dtype out_dtype;
   int rows, n, k, group_size, bits;
+  bool packed = false;  // w, scales and biases interleaved by ``pack`` (4 bits, an AVX-512 build)
 };
 
 void store(const Problem& p, int m, int col, float value) {
@@ -421,7 +423,14 @@ Sgemm sgemm() {
   return found;
 }
 
+void packed_column(const Problem& p, int col, float* row);
+
 void dequantize(const Problem& p, int first, int count, float* out) {
+  if (p.packed) {
+#pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES) num_threads(team())
+    for (int c = 0; c < count; c++) packed_column(p, first + c, out + static_cast<size_t>(c) * p.k);
+    return;
+  }
   const int words = p.k * p.bits / 32, groups = p.k / p.group_size;
 #pragma omp parallel for schedule(static) if (static_cast<size_t>(count) * p.k >= THREADED_BYTES) num_threads(team())
   for (int c = 0; c < count; c++) {
@@ -466,10 +475,149 @@ void dequantize(const Problem& p, int first, int count, float* out) {
   }
 }
 
+// Packed weights (``pack``): each block of PACKED_COLUMNS rows (output columns) of w, scales and biases transposed
+// in place, so that one 64-byte load holds the same word of 16 columns, a lane each. A decode step's product then
+// needs no widening of bytes to lanes and one lookup per 16 weights, where the layout MLX writes needs a widening
+// and two lookups per 32 (BENCHMARKS.md, "Weights packed for the lanes"), and each group's scale is applied once to
+// the group's sum: s * sum(q * x) + b * sum(x). The block stays where its rows were, so a view of whole blocks (a
+// fused group member's rows) is packed too.
+constexpr int PACKED_COLUMNS = 16;
+
+constexpr bool packs() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Each block of PACKED_COLUMNS rows of an [n, width] array of ``size``-byte elements, transposed in place to
+// [width, PACKED_COLUMNS].
+void interleave(void* data, int n, int width, int size) {
+  std::vector<uint8_t> block(static_cast<size_t>(PACKED_COLUMNS) * width * size);
+  uint8_t* bytes = static_cast<uint8_t*>(data);
+  for (int first = 0; first < n; first += PACKED_COLUMNS) {
+    uint8_t* at = bytes + static_cast<size_t>(first) * width * size;
+    std::memcpy(block.data(), at, block.size());
+    for (int c = 0; c < PACKED_COLUMNS; c++)
+      for (int i = 0; i < width; i++)
+        std::memcpy(at + (static_cast<size_t>(i) * PACKED_COLUMNS + c) * size,
+                    block.data() + (static_cast<size_t>(c) * width + i) * size, size);
+  }
+}
+
+// Column ``col`` of packed 4-bit weights, dequantized in order (a packed product's rows are not reordered).
+void packed_column(const Problem& p, int col, float* row) {
+  const int words = p.k / 8, groups = p.k / p.group_size, lane = col % PACKED_COLUMNS;
+  const size_t first = static_cast<size_t>(col - lane);
+  const uint32_t* w = p.w + first * words;
+  for (int g = 0; g < groups; g++) {
+    const size_t at = first * groups + static_cast<size_t>(g) * PACKED_COLUMNS + lane;
+    const float scale = as_float(p.scales, p.scale_dtype, static_cast<int64_t>(at));
+    const float bias = as_float(p.biases, p.scale_dtype, static_cast<int64_t>(at));
+    for (int i = g * p.group_size / 8; i < (g + 1) * p.group_size / 8; i++) {
+      const uint32_t word = w[static_cast<size_t>(i) * PACKED_COLUMNS + lane];
+      for (int nibble = 0; nibble < 8; nibble++)
+        row[i * 8 + nibble] = static_cast<float>((word >> (4 * nibble)) & 0x0F) * scale + bias;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+
+// A group's 16 scales (or biases), one a lane, as float32.
+inline __m512 lane_floats(const void* src, mx::Dtype dtype, size_t at) {
+  if (dtype == mx::float32) return _mm512_loadu_ps(static_cast<const float*>(src) + at);
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(src) + at));
+  if (dtype == mx::float16) return _mm512_cvtph_ps(half);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));  // bfloat16: a float32's high half
+}
+
+// M rows times one block of 16 packed columns. ``sums``: each row's sum over each group.
+template <int M>
+void packed_block(const Problem& p, const float* sums, int first_row, int block) {
+  constexpr int CHAINS = M == 1 ? 4 : (M == 2 ? 2 : 1);  // independent sums a row, so that the FMAs overlap
+  const int words = p.k / 8, groups = p.k / p.group_size, per_group = p.group_size / 8;
+  const size_t first = static_cast<size_t>(block) * PACKED_COLUMNS;
+  const uint32_t* w = p.w + first * words;
+  const float* x = p.x + static_cast<size_t>(first_row) * p.k;
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 total[M];
+  for (int m = 0; m < M; m++) total[m] = _mm512_setzero_ps();
+  for (int g = 0; g < groups; g++) {
+    __m512 acc[M][CHAINS];
+    for (int m = 0; m < M; m++)
+      for (int c = 0; c < CHAINS; c++) acc[m][c] = _mm512_setzero_ps();
+    for (int i = g * per_group; i < (g + 1) * per_group; i++) {
+      const uint32_t* at = w + static_cast<size_t>(i) * PACKED_COLUMNS;
+      const __m512i word = _mm512_loadu_si512(at);
+      _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
+      for (int nibble = 0; nibble < 8; nibble++) {
+        // A lane's low 4 bits index the table, whatever its higher bits hold.
+        const __m512 q = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 4 * nibble), values);
+        for (int m = 0; m < M; m++)
+          acc[m][nibble % CHAINS] =
+              _mm512_fmadd_ps(q, _mm512_set1_ps(x[static_cast<size_t>(m) * p.k + i * 8 + nibble]), acc[m][nibble % CHAINS]);
+      }
+    }
+    const size_t at = first * groups + static_cast<size_t>(g) * PACKED_COLUMNS;
+    const __m512 scale = lane_floats(p.scales, p.scale_dtype, at), bias = lane_floats(p.biases, p.scale_dtype, at);
+    for (int m = 0; m < M; m++) {
+      __m512 sum = acc[m][0];
+      for (int c = 1; c < CHAINS; c++) sum = _mm512_add_ps(sum, acc[m][c]);
+      total[m] = _mm512_fmadd_ps(scale, sum, total[m]);
+      total[m] = _mm512_fmadd_ps(bias, _mm512_set1_ps(sums[static_cast<size_t>(first_row + m) * groups + g]), total[m]);
+    }
+  }
+  alignas(64) float lanes[PACKED_COLUMNS];
+  for (int m = 0; m < M; m++) {
+    _mm512_store_ps(lanes, total[m]);
+    for (int c = 0; c < PACKED_COLUMNS; c++) store(p, first_row + m, static_cast<int>(first) + c, lanes[c]);
+  }
+}
+
+template <int M>
+void packed_columns(const Problem& p, const float* sums, int first_row) {
+  const int blocks = p.n / PACKED_COLUMNS;
+  const bool shared = static_cast<size_t>(p.n) * p.k / 2 * M >= SHARED_BYTES;
+#pragma omp parallel if (shared) num_threads(team())
+  {
+    place_helper();
+#pragma omp for schedule(static)
+    for (int b = 0; b < blocks; b++) packed_block<M>(p, sums, first_row, b);
+  }
+}
+
+void packed_multiply(const Problem& p) {
+  const int groups = p.k / p.group_size;
+  std::vector<float> sums(static_cast<size_t>(p.rows) * groups);
+  for (int m = 0; m < p.rows; m++)
+    for (int g = 0; g < groups; g++) {
+      float sum = 0.0f;
+      for (int i = g * p.group_size; i < (g + 1) * p.group_size; i++) sum += p.x[static_cast<size_t>(m) * p.k + i];
+      sums[static_cast<size_t>(m) * groups + g] = sum;
+    }
+  for (int first = 0; first < p.rows; first += MAX_ROWS) {
+    switch (std::min(MAX_ROWS, p.rows - first)) {
+      case 1: packed_columns<1>(p, sums.data(), first); break;
+      case 2: packed_columns<2>(p, sums.data(), first); break;
+      case 3: packed_columns<3>(p, sums.data(), first); break;
+      case 4: packed_columns<4>(p, sums.data(), first); break;
+      case 5: packed_columns<5>(p, sums.data(), first); break;
+      case 6: packed_columns<6>(p, sums.data(), first); break;
+      case 7: packed_columns<7>(p, sums.data(), first); break;
+      default: packed_columns<8>(p, sums.data(), first); break;
+    }
+  }
+}
+
+#endif
+
 bool through_blas(const Problem& p) {
   const Sgemm multiply_blocks = sgemm();
   if (multiply_blocks == nullptr || p.rows < BLAS_ROWS) return false;
-  const int per_block = std::max(1, static_cast<int>(BLOCK_BYTES / (sizeof(float) * p.k)));
+  int per_block = std::max(1, static_cast<int>(BLOCK_BYTES / (sizeof(float) * p.k)));
+  if (p.packed) per_block = std::max(PACKED_COLUMNS, per_block / PACKED_COLUMNS * PACKED_COLUMNS);
   thread_local std::vector<float> weights, sums;
   weights.resize(static_cast<size_t>(std::min(per_block, p.n)) * p.k);
   const bool direct = p.out_dtype == mx::float32;  // else summed here, then converted
@@ -489,6 +637,12 @@ bool through_blas(const Problem& p) {
 
 void multiply(const Problem& p) {
   if (through_blas(p)) return;
+#if defined(__AVX512F__)
+  if (p.packed) {
+    packed_multiply(p);
+    return;
+  }
+#endif
   for (int first = 0; first < p.rows; first += MAX_ROWS) {
     switch (std::min(MAX_ROWS, p.rows - first)) {
       case 1: columns<1>(p, first); break;

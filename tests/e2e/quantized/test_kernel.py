@@ -173,16 +173,75 @@ def test_a_quantized_model_takes_the_kernel_in_every_layer_it_fits_and_answers_a
     tokens = mx.array([[1, 5, 9, 200, 3]])
     cache = make_prompt_cache(model)
     want = [model(tokens, cache=cache), model(tokens[:, :1], cache=cache)]  # a prompt, then a step at its offset
+    mx.eval(want)  # before the weights are packed in place
     layers = len(model.model.layers)
     taken = kernels.use_kernel(model, kernel)  # type: ignore[arg-type]
     # Per layer o, down and the two fused groups, then the embedding and the head; two norms a layer and the last;
     # one rotation a layer (q's and k's); the gated activation and the attention that llama's module calls.
     assert "lm_head" in model
-    assert taken == kernels.Taken(products=4 * layers + 2, norms=2 * layers + 1, rotations=layers, functions=FUNCTIONS)
+    # Packed where the kernel has a packed product: o, down, the two groups and the head, not the embedding.
+    packed = 4 * layers + (model["lm_head"]["weight"].shape[0] % kernels.PACKED_ROWS == 0) if kernel.packs() else 0  # type: ignore[attr-defined]
+    assert taken == kernels.Taken(
+        products=4 * layers + 2, norms=2 * layers + 1, rotations=layers, functions=FUNCTIONS, packed=packed
+    )
     cache = make_prompt_cache(model)
     for got, expected in zip([model(tokens, cache=cache), model(tokens[:, :1], cache=cache)], want, strict=True):
         assert close(got, expected) < 1e-5
     assert model.parameters().keys() == load(str(folder))[0].parameters().keys()  # the same tree of names
+
+
+def packed_copy(kernel: object, w: mx.array, scales: mx.array, biases: mx.array) -> tuple[mx.array, ...]:
+    copies = tuple(a + 0 for a in (w, scales, biases))  # arrays of their own, packed in place
+    mx.eval(*copies)
+    kernel.pack(*copies)  # type: ignore[attr-defined]
+    return copies
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scales", [mx.float32, mx.float16, mx.bfloat16])
+def test_packed_weights_give_mlxs_product_for_every_layout_and_row_count(
+    kernel: object, group_size: int, scales: mx.Dtype
+) -> None:
+    if not kernel.packs():  # type: ignore[attr-defined]
+        pytest.skip("the kernel's packed product needs AVX-512")
+    mx.random.seed(group_size)
+    w, s, b = mx.quantize(mx.random.normal((96, 384)) * 0.1, group_size=group_size, bits=4)
+    s, b = s.astype(scales), b.astype(scales)
+    packed = packed_copy(kernel, w, s, b)
+    for rows in (1, 2, 3, 8, 11, 100):  # one pass, a pass and some, and a prompt's through the BLAS
+        x = mx.random.normal((rows, 384))
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=4)
+        got = kernel.quantized_rows(x, *packed, group_size, 4, True)  # type: ignore[attr-defined]
+        assert close(got, want) < 1e-5, rows
+    assert not mx.array_equal(packed[0], w)  # packed in place, the shape kept
+    assert packed[0].shape == w.shape
+
+
+def test_a_packed_groups_member_computes_from_its_own_rows_alone(kernel: object, tmp_path: Path) -> None:
+    """A fused group's member computes from views of the group's rows when called off the group's input: packed
+    as whole blocks, they answer as the member's own weights."""
+    model, _ = load(str(make_tiny_model(tmp_path / "tiny", "llama")))
+    nn.quantize(model, group_size=64, bits=4)
+    k_proj = model.model.layers[0].self_attn.k_proj
+    x = mx.random.normal((1, 2, model.args.hidden_size))
+    want = k_proj(x)
+    mx.eval(want)  # before the weights are packed in place
+    fuse.fuse_projections(model)
+    kernels.use_kernel(model, kernel)  # type: ignore[arg-type]
+    member = model.model.layers[0].self_attn.k_proj
+    assert isinstance(member, fuse.FusedFollower) and member._own.packed == kernel.packs()  # type: ignore[attr-defined]
+    assert close(member(x), want) < 1e-5
+
+
+def test_packing_refuses_what_it_cannot_take_saying_why(kernel: object) -> None:
+    if not kernel.packs():  # type: ignore[attr-defined]
+        pytest.skip("the kernel's packed product needs AVX-512")
+    w, s, b = mx.quantize(mx.random.normal((40, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="blocks of 16"):
+        kernel.pack(w, s, b)  # type: ignore[attr-defined]
+    w8, s8, b8 = mx.quantize(mx.random.normal((32, 64)), group_size=32, bits=8)
+    with pytest.raises(ValueError, match="4-bit"):
+        kernel.quantized_rows(mx.ones((1, 64)), w8, s8, b8, 32, 8, True)  # type: ignore[attr-defined]
 
 
 def test_the_norm_and_the_rotation_are_mlxs_in_one_node(kernel: object) -> None:
