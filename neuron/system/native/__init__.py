@@ -33,7 +33,16 @@ GEMV_SOURCE = Path(__file__).with_name("gemv.c")
 COMPILER_HINT = "install a C compiler (Debian/Ubuntu: apt-get install gcc; Fedora: dnf install gcc)"
 QUANTIZED_SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("quantized.cpp", "quantized.h", "layers.cpp", "attention.cpp", "mlx_math.h", "strided.h", "cpu_eval.h")
+    for name in (
+        "quantized.cpp",
+        "quantized.h",
+        "layers.cpp",
+        "attention.cpp",
+        "mlx_math.h",
+        "strided.h",
+        "cpu_eval.h",
+        "team.h",
+    )
 ]
 QUANTIZED_CMAKE = Path(__file__).with_name("CMakeLists.txt")
 MLX_CMAKE = Path("share", "cmake", "MLX")  # in the MLX wheel's folder

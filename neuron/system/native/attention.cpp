@@ -29,6 +29,7 @@
 #include "mlx/primitives.h"
 #include "mlx_math.h"
 #include "strided.h"
+#include "team.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -36,6 +37,9 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr float LOWEST = -std::numeric_limits<float>::max();  // what MLX's fallback puts in a masked score
+// Products of a step's attention (query rows x keys x width) from which its key heads are shared among the rank's
+// cores: about 2,000 keys for a small model. Below, a helper's wake-up costs more than it saves.
+constexpr int64_t SHARED_PRODUCTS = int64_t{1} << 20;
 
 // One row's softmax as MLX's CPU backend computes it one lane wide (mlx/backend/cpu/softmax.cpp): the row's
 // maximum, each exp(x - max), their sum in order, then each times 1 / sum. The exps and products take many lanes
@@ -150,58 +154,64 @@ class AttentionRows : public mx::UnaryPrimitive {
       const int64_t batch = q.shape(0), heads = q.shape(1), queries = q.shape(2), width = q.shape(3);
       const int64_t kv_heads = k.shape(1), keys = k.shape(2), repeats = heads / kv_heads;
       const int64_t rows = repeats * queries;  // one key head's query rows: its heads' in order, each its queries
-      std::vector<float> scaled(rows * width), scores(rows * keys), weights(rows * keys), sums(rows * width);
-      std::vector<float> key(width), value(width);
       const int64_t q_step = q.strides()[3], k_step = k.strides()[3], v_step = v.strides()[3];
       float* y = out.data<float>();
-      for (int64_t b = 0; b < batch; b++)
-        for (int64_t g = 0; g < kv_heads; g++) {
-          for (int64_t r = 0; r < rows; r++) {  // scaled first, as the fallback scales the queries
-            const float* in = at4(q, b, g * repeats + r / queries, r % queries);
-            for (int64_t d = 0; d < width; d++) scaled[r * width + d] = scale * in[d * q_step];
+      // Each key head of each batch row on its own, over the rank's cores where the context is long (team.h).
+      const int64_t pairs = batch * kv_heads;
+      const bool shared = pairs > 1 && pairs * rows * keys * width >= SHARED_PRODUCTS;
+#pragma omp parallel for schedule(static) if (shared) num_threads(neuron::team())
+      for (int64_t pair = 0; pair < pairs; pair++) {
+        neuron::place_helper();
+        const int64_t b = pair / kv_heads, g = pair % kv_heads;
+        thread_local std::vector<float> scaled, scores, weights, sums, key, value;
+        scaled.resize(rows * width), scores.resize(rows * keys), weights.resize(rows * keys);
+        sums.resize(rows * width), key.resize(width), value.resize(width);
+        for (int64_t r = 0; r < rows; r++) {  // scaled first, as the fallback scales the queries
+          const float* in = at4(q, b, g * repeats + r / queries, r % queries);
+          for (int64_t d = 0; d < width; d++) scaled[r * width + d] = scale * in[d * q_step];
+        }
+        for (int64_t s = 0; s < keys; s++) {
+          const float* row = at4(k, b, g, s);
+          if (k_step != 1) {
+            for (int64_t d = 0; d < width; d++) key[d] = row[d * k_step];
+            row = key.data();
           }
-          for (int64_t s = 0; s < keys; s++) {
-            const float* row = at4(k, b, g, s);
-            if (k_step != 1) {
-              for (int64_t d = 0; d < width; d++) key[d] = row[d * k_step];
-              row = key.data();
-            }
-            for (int64_t r = 0; r < rows; r++) scores[r * keys + s] = dot(scaled.data() + r * width, row, width);
-          }
-          for (int64_t r = 0; r < rows; r++) {
-            float* score = scores.data() + r * keys;
-            if (mask) {
-              const mx::array& m = *mask;
-              const int64_t m_step = m.strides()[3];
-              const int64_t h = g * repeats + r / queries, l = r % queries;
-              if (m.dtype() == mx::bool_) {
-                const bool* keep = m.data<bool>() + b * m.strides()[0] + h * m.strides()[1] + l * m.strides()[2];
-                for (int64_t s = 0; s < keys; s++) score[s] = keep[s * m_step] ? score[s] : LOWEST;
-              } else {
-                const float* add = at4(m, b, h, l);
-                for (int64_t s = 0; s < keys; s++) score[s] = score[s] + add[s * m_step];
-              }
-            }
-            softmax_row(score, weights.data() + r * keys, keys, causal ? seen_by(r % queries, queries, keys) : keys);
-          }
-          std::fill(sums.begin(), sums.end(), 0.0f);
-          for (int64_t s = 0; s < keys; s++) {
-            const float* row = at4(v, b, g, s);
-            if (v_step != 1) {
-              for (int64_t d = 0; d < width; d++) value[d] = row[d * v_step];
-              row = value.data();
-            }
-            for (int64_t r = 0; r < rows; r++) {
-              const float weight = weights[r * keys + s];
-              float* __restrict sum = sums.data() + r * width;
-              for (int64_t d = 0; d < width; d++) sum[d] += weight * row[d];
-            }
-          }
-          for (int64_t r = 0; r < rows; r++) {
+          for (int64_t r = 0; r < rows; r++) scores[r * keys + s] = dot(scaled.data() + r * width, row, width);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+          float* score = scores.data() + r * keys;
+          if (mask) {
+            const mx::array& m = *mask;
+            const int64_t m_step = m.strides()[3];
             const int64_t h = g * repeats + r / queries, l = r % queries;
-            std::copy_n(sums.data() + r * width, width, y + ((b * heads + h) * queries + l) * width);
+            if (m.dtype() == mx::bool_) {
+              const bool* keep = m.data<bool>() + b * m.strides()[0] + h * m.strides()[1] + l * m.strides()[2];
+              for (int64_t s = 0; s < keys; s++) score[s] = keep[s * m_step] ? score[s] : LOWEST;
+            } else {
+              const float* add = at4(m, b, h, l);
+              for (int64_t s = 0; s < keys; s++) score[s] = score[s] + add[s * m_step];
+            }
+          }
+          softmax_row(score, weights.data() + r * keys, keys, causal ? seen_by(r % queries, queries, keys) : keys);
+        }
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t s = 0; s < keys; s++) {
+          const float* row = at4(v, b, g, s);
+          if (v_step != 1) {
+            for (int64_t d = 0; d < width; d++) value[d] = row[d * v_step];
+            row = value.data();
+          }
+          for (int64_t r = 0; r < rows; r++) {
+            const float weight = weights[r * keys + s];
+            float* __restrict sum = sums.data() + r * width;
+            for (int64_t d = 0; d < width; d++) sum[d] += weight * row[d];
           }
         }
+        for (int64_t r = 0; r < rows; r++) {
+          const int64_t h = g * repeats + r / queries, l = r % queries;
+          std::copy_n(sums.data() + r * width, width, y + ((b * heads + h) * queries + l) * width);
+        }
+      }
     });
   }
 

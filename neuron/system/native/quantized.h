@@ -36,6 +36,7 @@
 
 #include "mlx/dtype.h"
 #include "mlx/types/half_types.h"
+#include "team.h"
 
 namespace mx = mlx::core;
 
@@ -343,27 +344,10 @@ void block(const Problem& p, int first_row, int col) {
 }
 #endif
 
-// The cores a product may use (``set_cores``): as many threads, each helper free to run on any of them. The
-// calling thread (MLX's stream thread) stays where it is: a rank alone may pin it to one core beside the thread
-// that hands it the work (neuron/system/cpu.py, one_core), and the helpers must not inherit that one core.
-std::vector<int> cores;
-std::atomic<int> placement{0};  // bumped by each set_cores: helpers placed under an older one place themselves again
-
-// The threads a shared product runs on, named in each parallel region: OpenMP's own count is per thread (set_cores
-// runs on the rank's thread, the products on MLX's stream thread), and its default is the cores the process was
-// allowed when the runtime loaded, one where the rank's thread was already pinned to its core.
-inline int team() { return cores.empty() ? 1 : static_cast<int>(cores.size()); }
-
-void place_helper() {
-  thread_local int placed = 0;
-  const int wanted = placement.load();
-  if (omp_get_thread_num() == 0 || placed == wanted || cores.empty()) return;
-  cpu_set_t mask;
-  CPU_ZERO(&mask);
-  for (int core : cores) CPU_SET(core, &mask);
-  sched_setaffinity(0, sizeof mask, &mask);
-  placed = wanted;
-}
+using neuron::cores;  // team.h: the rank's cores, shared with attention.cpp's parallel regions
+using neuron::place_helper;
+using neuron::placement;
+using neuron::team;
 
 // How many threads a shared product runs on, from the calling thread: a parallel region entered as the products
 // enter theirs, counted.

@@ -319,6 +319,7 @@ STEPS = {
     "an additive mask per head": ((2, 9, 3, 2, 30), "float"),
     "a speculative step's drafts": ((1, 9, 3, 5, 50), "causal"),
     "more queries than keys": ((1, 2, 1, 8, 5), "causal"),
+    "a long context, its key heads over the cores": ((2, 9, 3, 1, 2500), "bool"),
 }
 
 
