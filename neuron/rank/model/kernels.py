@@ -51,6 +51,8 @@ from neuron.system.native import build_quantized
 log = structlog.get_logger("neuron.rank")
 
 BITS = (4, 8)
+# A block of rows the kernel packs together (``PACKED_COLUMNS`` in quantized.h).
+PACKED_ROWS = 16
 
 
 def load_kernel(cores: list[int], arch: str | None = None) -> tuple[ModuleType | None, str]:
@@ -119,12 +121,22 @@ class KernelEmbedding(nn.QuantizedEmbedding):
     def __call__(self, x: mx.array) -> mx.array:
         # The rows in the activations' dtype, dequantized in float32 as the kernel does: MLX's own lookup gives the
         # scales' dtype, and float16 scales (a GGUF file's) would round a float32 model's every input to float16.
-        scales, biases = (self[leaf][x].astype(mx.float32) for leaf in ("scales", "biases"))
-        rows = mx.dequantize(self["weight"][x], scales, biases, group_size=self.group_size, bits=self.bits)
+        weight, scales, biases = (_rows(self[leaf], x, getattr(self, "packed", False)) for leaf in ARRAYS)
+        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        rows = mx.dequantize(weight, scales, biases, group_size=self.group_size, bits=self.bits)
         return rows.astype(self.activations)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return product(self, x)
+
+
+def _rows(array: mx.array, ids: mx.array, packed: bool) -> mx.array:
+    """Rows ``ids`` of one of a quantized layer's arrays, in MLX's layout or packed (``pack_layers``: each block of
+    ``PACKED_ROWS`` rows transposed, so row r is lane r % 16 of its block's columns)."""
+    if not packed:
+        return array[ids]
+    blocks = array.reshape(array.shape[0] // PACKED_ROWS, array.shape[1], PACKED_ROWS)
+    return blocks[ids // PACKED_ROWS, :, ids % PACKED_ROWS]
 
 
 class KernelRMSNorm(nn.RMSNorm):
@@ -154,8 +166,9 @@ PRODUCT_CLASSES: dict[type, type] = {
 }
 # MLX's norm and rotation layers, one node each through the kernel (float32 rows; others keep MLX's call).
 LAYER_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
-# The products whose weights the kernel may pack (``pack_layers``): the embedding's lookup reads MLX's layout.
-PACKED_CLASSES = (KernelLinear, KernelAllToSharded, KernelShardedToAll)
+# The layers whose weights the kernel may pack (``pack_layers``), and the arrays it packs.
+PACKED_CLASSES = (KernelLinear, KernelAllToSharded, KernelShardedToAll, KernelEmbedding)
+ARRAYS = ("weight", "scales", "biases")
 
 
 # How ``Taken`` counts what each subclass computes; every other is a product.
@@ -259,15 +272,12 @@ class Taken:
     packed: int = 0
 
 
-# A block of rows the kernel packs together (``PACKED_COLUMNS`` in quantized.h).
-PACKED_ROWS = 16
-
-
 def pack_layers(model: nn.Module, kernel: ModuleType) -> int:
-    """Pack the 4-bit weights of ``model``'s kernel products in place (``kernel.pack``), where the kernel was built
-    with a packed product, and return how many it packed; call it as the model is loaded, before any graph reads
-    them. Not the embedding, whose lookup reads MLX's layout. A fused group's members compute from views of its
-    rows: it is packed only where each member's rows are whole blocks, and its members are then marked packed too."""
+    """Pack the weights of ``model``'s kernel products in place (``kernel.pack``), where the kernel was built with a
+    packed product, and return how many it packed; call it as the model is loaded, before any graph reads them. An
+    embedding's lookup reads its packed rows (``KernelEmbedding``), and its ``as_linear`` (a tied head) packed is
+    the product's. A fused group's members compute from views of its rows: it is packed only where each member's
+    rows are whole blocks, and its members are then marked packed too."""
     if not kernel.packs():
         return 0
     modules = dict(model.named_modules())
@@ -277,7 +287,7 @@ def pack_layers(model: nn.Module, kernel: ModuleType) -> int:
             followers.setdefault(id(module._pending), []).append(module)
     packed = 0
     for name, layer in modules.items():
-        if type(layer) not in PACKED_CLASSES or layer.bits != 4 or name.endswith("._own"):
+        if type(layer) not in PACKED_CLASSES or name.endswith("._own"):
             continue
         if layer["weight"].shape[0] % PACKED_ROWS:
             continue

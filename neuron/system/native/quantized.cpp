@@ -80,8 +80,8 @@ class QuantizedRows : public mx::UnaryPrimitive {
 
 mx::array quantized_rows(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                          int group_size, int bits, bool packed, mx::StreamOrDevice s) {
-  if (packed && (!packs() || bits != 4 || w.shape(0) % PACKED_COLUMNS != 0))
-    throw std::invalid_argument("quantized_rows: packed weights are 4-bit, in blocks of 16 rows, on an AVX-512 build");
+  if (packed && (!packs() || w.shape(0) % PACKED_COLUMNS != 0))
+    throw std::invalid_argument("quantized_rows: packed weights are in blocks of 16 rows, on an AVX-512 build");
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_rows takes 4- or 8-bit weights");
   if (group_size % 32 != 0) throw std::invalid_argument("quantized_rows takes groups of a multiple of 32");
   if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
@@ -107,14 +107,14 @@ mx::array quantized_rows(const mx::array& x, const mx::array& w, const mx::array
                    std::move(inputs));
 }
 
-// w, scales and biases of 4-bit weights, packed in place for ``quantized_rows(..., packed=True)`` (``interleave``);
+// w, scales and biases of 4- or 8-bit weights, packed in place for ``quantized_rows(..., packed=True)`` (``interleave``);
 // false, and left as they are, where one is a view that is not row-contiguous (a slice of a matrix's columns). A
 // graph still to be evaluated that reads them would read them packed: pack a model's weights as it is loaded.
 bool pack(mx::array& w, mx::array& scales, mx::array& biases) {
   if (!packs()) throw std::invalid_argument("pack: this build of the kernel has no packed product (AVX-512)");
   if (w.dtype() != mx::uint32 || w.ndim() != 2 || scales.ndim() != 2 || biases.shape() != scales.shape() ||
       scales.shape(0) != w.shape(0) || scales.dtype() != biases.dtype())
-    throw std::invalid_argument("pack: w [N, K / 8] uint32, scales and biases [N, K / group_size], one float type");
+    throw std::invalid_argument("pack: w [N, K * bits / 32] uint32, scales and biases [N, K / group_size], one float type");
   if (w.shape(0) % PACKED_COLUMNS != 0) throw std::invalid_argument("pack: rows in blocks of 16");
   mx::eval({w, scales, biases});
   for (const auto* a : {&w, &scales, &biases})
@@ -138,7 +138,7 @@ NB_MODULE(_quantized, m) {
         nb::arg("stream") = nb::none(),
         "x @ dequantize(w, scales, biases).T (as mlx.core.quantized_matmul with transpose=True); packed: by pack()");
   m.def("pack", &pack, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        "pack 4-bit weights in place for quantized_rows(..., packed=True): each 16 rows' words interleaved; false where "
+        "pack 4- or 8-bit weights in place for quantized_rows(..., packed=True): each 16 rows' words interleaved; false where "
         "one is not row-contiguous (left as it is)");
   m.def("packs", []() { return packs(); }, "whether this build has the packed product (AVX-512)");
   m.def("threads", &threads, "the threads a shared product runs on, from the calling thread");

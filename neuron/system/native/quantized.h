@@ -11,7 +11,7 @@
 // Paths, by the instruction set it is built for (the machine's own): AVX-512 (a 16-value table per group, looked up
 // by nibble, four columns at once), AVX2 with FMA and F16C, NEON on 64-bit ARM (unpacked and dequantized in
 // registers), else plain loops. tests/e2e/quantized/test_kernel.py checks each here, NEON under qemu-user. On
-// AVX-512, a model's 4-bit weights are packed at load for a faster product (``pack``, below).
+// AVX-512, a model's 4- and 8-bit weights are packed at load for a faster product (``pack``, below).
 //
 // Layout (mlx.core.quantize): w is uint32 [N, K * bits / 32], element k of a row in bits [bits * (k % (32 / bits)),
 // ...) of word k / (32 / bits); scales and biases are [N, K / group_size]; the result is x @ dequantize(w).T.
@@ -92,7 +92,7 @@ struct Problem {
   void* out;
   mx::Dtype out_dtype;
   int rows, n, k, group_size, bits;
-  bool packed = false;  // w, scales and biases interleaved by ``pack`` (4 bits, an AVX-512 build)
+  bool packed = false;  // w, scales and biases interleaved by ``pack`` (an AVX-512 build)
 };
 
 void store(const Problem& p, int m, int col, float value) {
@@ -490,19 +490,20 @@ void interleave(void* data, int n, int width, int size) {
   }
 }
 
-// Column ``col`` of packed 4-bit weights, dequantized in order (a packed product's rows are not reordered).
+// Column ``col`` of packed weights, dequantized in order (a packed product's rows are not reordered).
 void packed_column(const Problem& p, int col, float* row) {
-  const int words = p.k / 8, groups = p.k / p.group_size, lane = col % PACKED_COLUMNS;
+  const int each = 32 / p.bits, words = p.k / each, groups = p.k / p.group_size, lane = col % PACKED_COLUMNS;
+  const uint32_t mask = (1u << p.bits) - 1;
   const size_t first = static_cast<size_t>(col - lane);
   const uint32_t* w = p.w + first * words;
   for (int g = 0; g < groups; g++) {
     const size_t at = first * groups + static_cast<size_t>(g) * PACKED_COLUMNS + lane;
     const float scale = as_float(p.scales, p.scale_dtype, static_cast<int64_t>(at));
     const float bias = as_float(p.biases, p.scale_dtype, static_cast<int64_t>(at));
-    for (int i = g * p.group_size / 8; i < (g + 1) * p.group_size / 8; i++) {
+    for (int i = g * p.group_size / each; i < (g + 1) * p.group_size / each; i++) {
       const uint32_t word = w[static_cast<size_t>(i) * PACKED_COLUMNS + lane];
-      for (int nibble = 0; nibble < 8; nibble++)
-        row[i * 8 + nibble] = static_cast<float>((word >> (4 * nibble)) & 0x0F) * scale + bias;
+      for (int e = 0; e < each; e++)
+        row[i * each + e] = static_cast<float>((word >> (p.bits * e)) & mask) * scale + bias;
     }
   }
 }
@@ -518,10 +519,11 @@ inline __m512 lane_floats(const void* src, mx::Dtype dtype, size_t at) {
 }
 
 // M rows times one block of 16 packed columns. ``sums``: each row's sum over each group.
-template <int M>
+template <int M, int BITS>
 void packed_block(const Problem& p, const float* sums, int first_row, int block) {
   constexpr int CHAINS = M == 1 ? 4 : (M == 2 ? 2 : 1);  // independent sums a row, so that the FMAs overlap
-  const int words = p.k / 8, groups = p.k / p.group_size, per_group = p.group_size / 8;
+  constexpr int EACH = 32 / BITS;                          // elements a word holds
+  const int words = p.k / EACH, groups = p.k / p.group_size, per_group = p.group_size / EACH;
   const size_t first = static_cast<size_t>(block) * PACKED_COLUMNS;
   const uint32_t* w = p.w + first * words;
   const float* x = p.x + static_cast<size_t>(first_row) * p.k;
@@ -536,12 +538,16 @@ void packed_block(const Problem& p, const float* sums, int first_row, int block)
       const uint32_t* at = w + static_cast<size_t>(i) * PACKED_COLUMNS;
       const __m512i word = _mm512_loadu_si512(at);
       _mm_prefetch(reinterpret_cast<const char*>(at) + PREFETCH_BYTES, _MM_HINT_T0);
-      for (int nibble = 0; nibble < 8; nibble++) {
-        // A lane's low 4 bits index the table, whatever its higher bits hold.
-        const __m512 q = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 4 * nibble), values);
+      for (int e = 0; e < EACH; e++) {
+        __m512 q;
+        if constexpr (BITS == 4)  // a lane's low 4 bits index the table, whatever its higher bits hold
+          q = _mm512_permutexvar_ps(_mm512_srli_epi32(word, 4 * e), values);
+        else  // the top byte needs no mask
+          q = _mm512_cvtepi32_ps(e == 3 ? _mm512_srli_epi32(word, 24)
+                                        : _mm512_and_si512(_mm512_srli_epi32(word, 8 * e), _mm512_set1_epi32(0xFF)));
         for (int m = 0; m < M; m++)
-          acc[m][nibble % CHAINS] =
-              _mm512_fmadd_ps(q, _mm512_set1_ps(x[static_cast<size_t>(m) * p.k + i * 8 + nibble]), acc[m][nibble % CHAINS]);
+          acc[m][e % CHAINS] =
+              _mm512_fmadd_ps(q, _mm512_set1_ps(x[static_cast<size_t>(m) * p.k + i * EACH + e]), acc[m][e % CHAINS]);
       }
     }
     const size_t at = first * groups + static_cast<size_t>(g) * PACKED_COLUMNS;
@@ -563,12 +569,17 @@ void packed_block(const Problem& p, const float* sums, int first_row, int block)
 template <int M>
 void packed_columns(const Problem& p, const float* sums, int first_row) {
   const int blocks = p.n / PACKED_COLUMNS;
-  const bool shared = static_cast<size_t>(p.n) * p.k / 2 * M >= SHARED_BYTES;
+  const bool shared = static_cast<size_t>(p.n) * p.k * p.bits / 8 * M >= SHARED_BYTES;
 #pragma omp parallel if (shared) num_threads(team())
   {
     place_helper();
 #pragma omp for schedule(static)
-    for (int b = 0; b < blocks; b++) packed_block<M>(p, sums, first_row, b);
+    for (int b = 0; b < blocks; b++) {
+      if (p.bits == 4)
+        packed_block<M, 4>(p, sums, first_row, b);
+      else
+        packed_block<M, 8>(p, sums, first_row, b);
+    }
   }
 }
 

@@ -179,8 +179,8 @@ def test_a_quantized_model_takes_the_kernel_in_every_layer_it_fits_and_answers_a
     # Per layer o, down and the two fused groups, then the embedding and the head; two norms a layer and the last;
     # one rotation a layer (q's and k's); the gated activation and the attention that llama's module calls.
     assert "lm_head" in model
-    # Packed where the kernel has a packed product: o, down, the two groups and the head, not the embedding.
-    packed = 4 * layers + (model["lm_head"]["weight"].shape[0] % kernels.PACKED_ROWS == 0) if kernel.packs() else 0  # type: ignore[attr-defined]
+    # Packed where the kernel has a packed product: o, down, the two groups, the embedding and the head.
+    packed = 4 * layers + 2 * (model["lm_head"]["weight"].shape[0] % kernels.PACKED_ROWS == 0) if kernel.packs() else 0  # type: ignore[attr-defined]
     assert taken == kernels.Taken(
         products=4 * layers + 2, norms=2 * layers + 1, rotations=layers, functions=FUNCTIONS, packed=packed
     )
@@ -197,21 +197,22 @@ def packed_copy(kernel: object, w: mx.array, scales: mx.array, biases: mx.array)
     return copies
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("scales", [mx.float32, mx.float16, mx.bfloat16])
 def test_packed_weights_give_mlxs_product_for_every_layout_and_row_count(
-    kernel: object, group_size: int, scales: mx.Dtype
+    kernel: object, bits: int, group_size: int, scales: mx.Dtype
 ) -> None:
     if not kernel.packs():  # type: ignore[attr-defined]
         pytest.skip("the kernel's packed product needs AVX-512")
     mx.random.seed(group_size)
-    w, s, b = mx.quantize(mx.random.normal((96, 384)) * 0.1, group_size=group_size, bits=4)
+    w, s, b = mx.quantize(mx.random.normal((96, 384)) * 0.1, group_size=group_size, bits=bits)
     s, b = s.astype(scales), b.astype(scales)
     packed = packed_copy(kernel, w, s, b)
     for rows in (1, 2, 3, 8, 11, 100):  # one pass, a pass and some, and a prompt's through the BLAS
         x = mx.random.normal((rows, 384))
-        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=4)
-        got = kernel.quantized_rows(x, *packed, group_size, 4, True)  # type: ignore[attr-defined]
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group_size, bits=bits)
+        got = kernel.quantized_rows(x, *packed, group_size, bits, True)  # type: ignore[attr-defined]
         assert close(got, want) < 1e-5, rows
     assert not mx.array_equal(packed[0], w)  # packed in place, the shape kept
     assert packed[0].shape == w.shape
@@ -233,15 +234,32 @@ def test_a_packed_groups_member_computes_from_its_own_rows_alone(kernel: object,
     assert close(member(x), want) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_packed_embedding_looks_up_mlxs_rows_and_projects_as_a_tied_head(kernel: object, bits: int) -> None:
+    if not kernel.packs():  # type: ignore[attr-defined]
+        pytest.skip("the kernel's packed product needs AVX-512")
+    mx.random.seed(bits)
+    embedding = nn.QuantizedEmbedding(64, 96, group_size=32, bits=bits)
+    ids, x = mx.array([[0, 17, 63, 5], [16, 15, 31, 2]]), mx.random.normal((3, 96))
+    want = [embedding(ids), embedding.as_linear(x)]
+    mx.eval(want)  # before the weights are packed in place
+    holder = nn.Module()
+    holder.embed = embedding
+    holder.norm = nn.RMSNorm(96)  # the activations' dtype, as a model's norms give it
+    assert kernels.use_kernel(holder, kernel).packed == 1  # type: ignore[arg-type]
+    assert holder.embed.packed
+    assert mx.array_equal(holder.embed(ids), want[0])
+    assert close(holder.embed.as_linear(x), want[1]) < 1e-5
+
+
 def test_packing_refuses_what_it_cannot_take_saying_why(kernel: object) -> None:
     if not kernel.packs():  # type: ignore[attr-defined]
         pytest.skip("the kernel's packed product needs AVX-512")
     w, s, b = mx.quantize(mx.random.normal((40, 64)), group_size=32, bits=4)
     with pytest.raises(ValueError, match="blocks of 16"):
         kernel.pack(w, s, b)  # type: ignore[attr-defined]
-    w8, s8, b8 = mx.quantize(mx.random.normal((32, 64)), group_size=32, bits=8)
-    with pytest.raises(ValueError, match="4-bit"):
-        kernel.quantized_rows(mx.ones((1, 64)), w8, s8, b8, 32, 8, True)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="blocks of 16"):
+        kernel.quantized_rows(mx.ones((1, 64)), w, s, b, 32, 4, True)  # type: ignore[attr-defined]
 
 
 def test_the_norm_and_the_rotation_are_mlxs_in_one_node(kernel: object) -> None:

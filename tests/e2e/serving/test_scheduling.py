@@ -81,9 +81,10 @@ def test_an_urgent_request_preempts_a_full_batch_of_low_priority_streams_and_eve
     assert urgent.started.wait(60)
     # Its first token within the step running as it came and the one that fed it: a stream of the batch got a
     # few tokens meanwhile (those two steps, a pipeline's passes, and the skew of four clients' threads on a
-    # loaded 2-core box), where waiting for a place let each get 20 to 30 (measured under fcfs).
+    # loaded 2-core box, where a clean clone's suite once saw 9), where waiting for a place let each get 20 to 30
+    # (measured under fcfs): the bound sits between.
     gained = [len(low.pieces) - n for low, n in zip(lows, before, strict=True)]
-    assert max(gained) <= 8, gained
+    assert max(gained) <= 12, gained
     assert urgent.text() == urgent_alone
     assert [low.text() for low in lows] == undisturbed
     preemptions = server.metrics()[("neuron_num_preemptions_total", (("reason", "priority"),))]
