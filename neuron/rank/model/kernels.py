@@ -121,7 +121,8 @@ class KernelEmbedding(nn.QuantizedEmbedding):
     def __call__(self, x: mx.array) -> mx.array:
         # The rows in the activations' dtype, dequantized in float32 as the kernel does: MLX's own lookup gives the
         # scales' dtype, and float16 scales (a GGUF file's) would round a float32 model's every input to float16.
-        weight, scales, biases = (_rows(self[leaf], x, getattr(self, "packed", False)) for leaf in ARRAYS)
+        packed = getattr(self, "packed", False)
+        weight, scales, biases = (_rows(self[leaf], x, packed) for leaf in ARRAYS)
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
         rows = mx.dequantize(weight, scales, biases, group_size=self.group_size, bits=self.bits)
         return rows.astype(self.activations)

@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -95,16 +96,28 @@ def close(got: mx.array, want: mx.array) -> float:
     return (mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max() / mx.abs(want).max()).item()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("scales", [mx.float32, mx.float16, mx.bfloat16])
+def every_layout(test: Callable[..., None]) -> Callable[..., None]:
+    """``test`` for each of MLX's affine layouts the kernel takes: 4 and 8 bits, groups of 32, 64 and 128, and
+    float32, float16 or bfloat16 scales."""
+    for name, values in (("scales", [mx.float32, mx.float16, mx.bfloat16]), ("group_size", [32, 64, 128]),
+                         ("bits", [4, 8])):  # fmt: skip
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
+def quantized(weights: mx.array, bits: int, group_size: int, scales: mx.Dtype) -> tuple[mx.array, ...]:
+    """``weights`` quantized in that layout."""
+    w, s, b = mx.quantize(weights, group_size=group_size, bits=bits)
+    return w, s.astype(scales), b.astype(scales)
+
+
+@every_layout
 def test_the_kernel_gives_mlxs_product_for_every_layout_and_row_count(
     kernel: object, bits: int, group_size: int, scales: mx.Dtype
 ) -> None:
     mx.random.seed(bits * group_size)
     n, k = 193, 3 * 128  # an odd column count: the helpers' shares of the columns differ
-    w, s, b = mx.quantize(mx.random.normal((n, k)), group_size=group_size, bits=bits)
-    s, b = s.astype(scales), b.astype(scales)
+    w, s, b = quantized(mx.random.normal((n, k)), bits, group_size, scales)
     # One pass over the weights up to 8 rows, more passes beyond, and from 64 rows the BLAS path (``through_blas``).
     for rows in (1, 3, 8, 11, 40, 100):
         x = mx.random.normal((rows, k))
@@ -197,17 +210,14 @@ def packed_copy(kernel: object, w: mx.array, scales: mx.array, biases: mx.array)
     return copies
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("scales", [mx.float32, mx.float16, mx.bfloat16])
+@every_layout
 def test_packed_weights_give_mlxs_product_for_every_layout_and_row_count(
     kernel: object, bits: int, group_size: int, scales: mx.Dtype
 ) -> None:
     if not kernel.packs():  # type: ignore[attr-defined]
         pytest.skip("the kernel's packed product needs AVX-512")
     mx.random.seed(group_size)
-    w, s, b = mx.quantize(mx.random.normal((96, 384)) * 0.1, group_size=group_size, bits=bits)
-    s, b = s.astype(scales), b.astype(scales)
+    w, s, b = quantized(mx.random.normal((96, 384)) * 0.1, bits, group_size, scales)
     packed = packed_copy(kernel, w, s, b)
     for rows in (1, 2, 3, 8, 11, 100):  # one pass, a pass and some, and a prompt's through the BLAS
         x = mx.random.normal((rows, 384))
