@@ -19,6 +19,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -37,6 +40,11 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr float LOWEST = -std::numeric_limits<float>::max();  // what MLX's fallback puts in a masked score
+#if defined(__AVX512F__)
+constexpr bool BLOCKS = true;  // a decode step's scores and sums a block of query rows at a time (block_scores)
+#else
+constexpr bool BLOCKS = false;
+#endif
 // Products of a step's attention (query rows x keys x width) from which its key heads are shared among the rank's
 // cores: about 2,000 keys for a small model. Below, a helper's wake-up costs more than it saves.
 constexpr int64_t SHARED_PRODUCTS = int64_t{1} << 20;
@@ -132,6 +140,60 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
+#if defined(__AVX512F__)
+// With AVX-512, heads 64 or 128 wide (W vectors of 16) whose elements are adjacent: a block of 16 / W query rows at
+// a time, in registers, and each key and value row read once for the block. A row's score is one vector's products
+// summed as the instruction sums them, and the weighted sum is multiplied and added in one rounding: the same sums
+// to float32's rounding, in another order.
+template <int W>
+inline void load_vectors(const float* at, __m512 (&out)[W]) {
+  for (int w = 0; w < W; w++) out[w] = _mm512_loadu_ps(at + w * 16);
+}
+
+// Each block of query rows: its first row and how many it holds (16 / W, the last block fewer).
+template <int W, class Block>
+void in_blocks(int64_t rows, Block&& block) {
+  constexpr int R = 16 / W;
+  for (int64_t first = 0; first < rows; first += R) block(first, static_cast<int>(std::min<int64_t>(R, rows - first)));
+}
+
+template <int W>
+void block_scores(const float* q, int64_t rows, const float* k, int64_t k_row, int64_t keys, float* scores) {
+  in_blocks<W>(rows, [&](int64_t first, int n) {
+    __m512 queries[16 / W][W];
+    for (int r = 0; r < n; r++) load_vectors<W>(q + (first + r) * W * 16, queries[r]);
+    for (int64_t s = 0; s < keys; s++) {
+      __m512 key[W];
+      load_vectors<W>(k + s * k_row, key);
+      for (int r = 0; r < n; r++) {
+        __m512 products = _mm512_mul_ps(queries[r][0], key[0]);
+        for (int w = 1; w < W; w++) products = _mm512_fmadd_ps(queries[r][w], key[w], products);
+        scores[(first + r) * keys + s] = _mm512_reduce_add_ps(products);
+      }
+    }
+  });
+}
+
+template <int W>
+void block_sums(const float* weights, int64_t rows, const float* v, int64_t v_row, int64_t keys, float* sums) {
+  in_blocks<W>(rows, [&](int64_t first, int n) {
+    __m512 sum[16 / W][W];
+    for (auto& row : sum)
+      for (auto& vector : row) vector = _mm512_setzero_ps();
+    for (int64_t s = 0; s < keys; s++) {
+      __m512 value[W];
+      load_vectors<W>(v + s * v_row, value);
+      for (int r = 0; r < n; r++) {
+        const __m512 weight = _mm512_set1_ps(weights[(first + r) * keys + s]);
+        for (int w = 0; w < W; w++) sum[r][w] = _mm512_fmadd_ps(weight, value[w], sum[r][w]);
+      }
+    }
+    for (int r = 0; r < n; r++)
+      for (int w = 0; w < W; w++) _mm512_storeu_ps(sums + (first + r) * W * 16 + w * 16, sum[r][w]);
+  });
+}
+#endif
+
 // Element [i0, i1, i2, 0] of a 4-dimensional array, whatever its strides (a cache's keys are a view of its buffer,
 // a mask is broadcast over heads).
 inline const float* at4(const mx::array& a, int64_t i0, int64_t i1, int64_t i2) {
@@ -170,8 +232,15 @@ class AttentionRows : public mx::UnaryPrimitive {
           const float* in = at4(q, b, g * repeats + r / queries, r % queries);
           for (int64_t d = 0; d < width; d++) scaled[r * width + d] = scale * in[d * q_step];
         }
-        for (int64_t s = 0; s < keys; s++) {
-          const float* row = at4(k, b, g, s);
+        const int blocked = k_step == 1 && v_step == 1 && (width == 64 || width == 128) ? width / 16 : 0;
+        const float *k0 = at4(k, b, g, 0), *v0 = at4(v, b, g, 0);
+        const int64_t k_row = k.strides()[2], v_row = v.strides()[2];
+#if defined(__AVX512F__)
+        if (blocked == 4) block_scores<4>(scaled.data(), rows, k0, k_row, keys, scores.data());
+        if (blocked == 8) block_scores<8>(scaled.data(), rows, k0, k_row, keys, scores.data());
+#endif
+        for (int64_t s = 0; s < keys && !(BLOCKS && blocked); s++) {
+          const float* row = k0 + s * k_row;
           if (k_step != 1) {
             for (int64_t d = 0; d < width; d++) key[d] = row[d * k_step];
             row = key.data();
@@ -194,9 +263,13 @@ class AttentionRows : public mx::UnaryPrimitive {
           }
           softmax_row(score, weights.data() + r * keys, keys, causal ? seen_by(r % queries, queries, keys) : keys);
         }
-        std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t s = 0; s < keys; s++) {
-          const float* row = at4(v, b, g, s);
+#if defined(__AVX512F__)
+        if (blocked == 4) block_sums<4>(weights.data(), rows, v0, v_row, keys, sums.data());
+        if (blocked == 8) block_sums<8>(weights.data(), rows, v0, v_row, keys, sums.data());
+#endif
+        if (!(BLOCKS && blocked)) std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t s = 0; s < keys && !(BLOCKS && blocked); s++) {
+          const float* row = v0 + s * v_row;
           if (v_step != 1) {
             for (int64_t d = 0; d < width; d++) value[d] = row[d * v_step];
             row = value.data();

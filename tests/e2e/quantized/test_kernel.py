@@ -348,16 +348,21 @@ STEPS = {
     "a speculative step's drafts": ((1, 9, 3, 5, 50), "causal"),
     "more queries than keys": ((1, 2, 1, 8, 5), "causal"),
     "a long context, its key heads over the cores": ((2, 9, 3, 1, 2500), "bool"),
+    # Query rows a block at a time where heads are 64 or 128 wide (AVX-512), the last block short; else row by row.
+    "heads 128 wide, drafts": ((1, 8, 2, 3, 40, 128), "causal"),
+    "heads 128 wide, three rows a key head": ((2, 6, 2, 1, 33, 128), "bool"),
+    "heads 32 wide": ((1, 4, 2, 2, 20, 32), None),
 }
 
 
 def attention_case(shape: tuple[int, ...], mask: object) -> tuple[mx.array, mx.array, mx.array, object]:
-    """Queries, keys and values of ``shape``; the keys and values, as a cache gives them, views of a longer buffer."""
-    batch, heads, kv_heads, queries, keys = shape
+    """Queries, keys and values of ``shape`` (heads 64 wide unless it gives a width); the keys and values, as a cache
+    gives them, views of a longer buffer."""
+    batch, heads, kv_heads, queries, keys, width = (*shape, 64)[:6]
     mx.random.seed(7)
-    q = mx.random.normal((batch, heads, queries, 64))
-    k = mx.random.normal((batch, kv_heads, keys + 11, 64))[:, :, :keys]
-    v = mx.random.normal((batch, kv_heads, keys + 11, 64))[:, :, :keys]
+    q = mx.random.normal((batch, heads, queries, width))
+    k = mx.random.normal((batch, kv_heads, keys + 11, width))[:, :, :keys]
+    v = mx.random.normal((batch, kv_heads, keys + 11, width))[:, :, :keys]
     if mask == "bool":
         mask = mx.random.uniform(shape=(batch, 1, queries, keys)) > 0.3
     elif mask == "float":
