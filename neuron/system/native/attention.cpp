@@ -40,11 +40,6 @@ namespace mx = mlx::core;
 namespace {
 
 constexpr float LOWEST = -std::numeric_limits<float>::max();  // what MLX's fallback puts in a masked score
-#if defined(__AVX512F__)
-constexpr bool BLOCKS = true;  // a decode step's scores and sums a block of query rows at a time (block_scores)
-#else
-constexpr bool BLOCKS = false;
-#endif
 // Products of a step's attention (query rows x keys x width) from which its key heads are shared among the rank's
 // cores: about 2,000 keys for a small model. Below, a helper's wake-up costs more than it saves.
 constexpr int64_t SHARED_PRODUCTS = int64_t{1} << 20;
@@ -194,6 +189,32 @@ void block_sums(const float* weights, int64_t rows, const float* v, int64_t v_ro
 }
 #endif
 
+// The vectors of 16 a head's row holds where this build takes a decode step's query rows a block at a time
+// (AVX-512, heads 64 or 128 wide whose keys' and values' elements are adjacent); else 0, for the loops below.
+inline int block_vectors(int64_t width, int64_t k_step, int64_t v_step) {
+#if defined(__AVX512F__)
+  if (k_step == 1 && v_step == 1 && (width == 64 || width == 128)) return static_cast<int>(width / 16);
+#endif
+  return 0;
+}
+
+// block_scores and block_sums for ``vectors`` (block_vectors, not 0).
+void scores_in_blocks(int vectors, const float* q, int64_t rows, const float* k, int64_t k_row, int64_t keys,
+                      float* scores) {
+#if defined(__AVX512F__)
+  if (vectors == 4) block_scores<4>(q, rows, k, k_row, keys, scores);
+  if (vectors == 8) block_scores<8>(q, rows, k, k_row, keys, scores);
+#endif
+}
+
+void sums_in_blocks(int vectors, const float* weights, int64_t rows, const float* v, int64_t v_row, int64_t keys,
+                    float* sums) {
+#if defined(__AVX512F__)
+  if (vectors == 4) block_sums<4>(weights, rows, v, v_row, keys, sums);
+  if (vectors == 8) block_sums<8>(weights, rows, v, v_row, keys, sums);
+#endif
+}
+
 // Element [i0, i1, i2, 0] of a 4-dimensional array, whatever its strides (a cache's keys are a view of its buffer,
 // a mask is broadcast over heads).
 inline const float* at4(const mx::array& a, int64_t i0, int64_t i1, int64_t i2) {
@@ -232,14 +253,11 @@ class AttentionRows : public mx::UnaryPrimitive {
           const float* in = at4(q, b, g * repeats + r / queries, r % queries);
           for (int64_t d = 0; d < width; d++) scaled[r * width + d] = scale * in[d * q_step];
         }
-        const int blocked = k_step == 1 && v_step == 1 && (width == 64 || width == 128) ? width / 16 : 0;
+        const int vectors = block_vectors(width, k_step, v_step);
         const float *k0 = at4(k, b, g, 0), *v0 = at4(v, b, g, 0);
         const int64_t k_row = k.strides()[2], v_row = v.strides()[2];
-#if defined(__AVX512F__)
-        if (blocked == 4) block_scores<4>(scaled.data(), rows, k0, k_row, keys, scores.data());
-        if (blocked == 8) block_scores<8>(scaled.data(), rows, k0, k_row, keys, scores.data());
-#endif
-        for (int64_t s = 0; s < keys && !(BLOCKS && blocked); s++) {
+        if (vectors) scores_in_blocks(vectors, scaled.data(), rows, k0, k_row, keys, scores.data());
+        for (int64_t s = 0; s < keys && !vectors; s++) {
           const float* row = k0 + s * k_row;
           if (k_step != 1) {
             for (int64_t d = 0; d < width; d++) key[d] = row[d * k_step];
@@ -263,12 +281,9 @@ class AttentionRows : public mx::UnaryPrimitive {
           }
           softmax_row(score, weights.data() + r * keys, keys, causal ? seen_by(r % queries, queries, keys) : keys);
         }
-#if defined(__AVX512F__)
-        if (blocked == 4) block_sums<4>(weights.data(), rows, v0, v_row, keys, sums.data());
-        if (blocked == 8) block_sums<8>(weights.data(), rows, v0, v_row, keys, sums.data());
-#endif
-        if (!(BLOCKS && blocked)) std::fill(sums.begin(), sums.end(), 0.0f);
-        for (int64_t s = 0; s < keys && !(BLOCKS && blocked); s++) {
+        if (vectors) sums_in_blocks(vectors, weights.data(), rows, v0, v_row, keys, sums.data());
+        if (!vectors) std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t s = 0; s < keys && !vectors; s++) {
           const float* row = v0 + s * v_row;
           if (v_step != 1) {
             for (int64_t d = 0; d < width; d++) value[d] = row[d * v_step];
