@@ -92,8 +92,8 @@ def _main(argv: list[str] | None) -> int:
         from neuron.cli.worker import models_without_tokenizers, run_worker
 
         try:
-            cpu.reexec_with_blas()  # on a host of its own a worker picks its BLAS there, as the leader did here
-        except cpu.BlasError as e:
+            cpu.reexec_with_preloads()  # on a host of its own a worker picks its BLAS there, as the leader did here
+        except cpu.PreloadError as e:
             parser.error(f"rank {args.rank}: {e}")
         models_without_tokenizers()
         descriptors.import_mlx_lm()
@@ -146,8 +146,8 @@ def _main(argv: list[str] | None) -> int:
     from neuron.system import device
 
     try:
-        cpu.reexec_with_blas()
-    except cpu.BlasError as e:
+        cpu.reexec_with_preloads()
+    except cpu.PreloadError as e:
         parser.error(str(e))
     try:
         import mlx.core  # noqa: F401 - loaded here, after the re-exec, to say what to install when it cannot be
@@ -227,7 +227,8 @@ def _run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("neuron.cli")
     if cpu.is_linux_cpu_backend():
         blas = cpu.blas_in_use()
-        log.info("starting", device=device.this_device(), blas=blas, tp=args.tp, pp=args.pp)
+        malloc = cpu.malloc_in_use()
+        log.info("starting", device=device.this_device(), blas=blas, malloc=malloc, tp=args.tp, pp=args.pp)
         if blas.startswith("reference"):
             log.warning(cpu.BLAS_HINT)
         elif (problem := cpu.gemv_problem()) and not problem.endswith("=off"):

@@ -197,7 +197,7 @@ class Worker:
         if pinned:
             cpu.set_blas_threads(len(pinned))
         self.in_step = (NotReady, RankError)
-        blas = {"blas": cpu.blas_in_use()} if cpu.is_linux_cpu_backend() else {}
+        blas = {"blas": cpu.blas_in_use(), "malloc": cpu.malloc_in_use()} if cpu.is_linux_cpu_backend() else {}
         self.log.info(
             "worker started",
             pid=os.getpid(),

@@ -22,6 +22,14 @@ reading them at a third of the bandwidth; ``neuron/system/native/gemv.c``, built
 once where there is a C compiler, sends those to ``cblas_sgemv`` instead
 (BENCHMARKS.md, "Decode toward the bandwidth"). ``NEURON_GEMV=off`` turns it off.
 
+Why jemalloc: MLX's CPU backend allocates each operation's output with ``malloc`` on the thread that evaluates,
+and its stream's thread frees it; glibc's malloc serves that hand-over slowly (a chain of small operations took
+about twice as long a node). jemalloc, preloaded beside the BLAS where it is installed, serves it in per-thread
+caches (BENCHMARKS.md, "A malloc for MLX's hand-over"). Its freed pages go back to the system within a second, from
+a thread of its own (``MALLOC_CONF``, unless the operator sets one), so that a rank's memory still says what it
+holds (``system.device.return_freed_memory`` does the same for glibc's). ``NEURON_MALLOC=off`` keeps glibc's;
+a path preloads another.
+
 Why pinning: two ranks floating over two shared cores starve each other (a small
 all-reduce took 7-8 ms, measured while the ring's socket threads still spun as
 they waited; ``system.sockets.calm`` makes them sleep); pinned, each to its own
@@ -45,6 +53,17 @@ BLAS_ENV = "NEURON_BLAS"  # openblas, blis, reference (none), or a library's pat
 REEXEC_GUARD = "NEURON_REEXECED"
 GEMV_ENV = "NEURON_GEMV"  # "off": one-row products stay on the BLAS's own sgemm
 GEMV_PROBLEM_ENV = "NEURON_GEMV_PROBLEM"  # why the re-executed process runs without the interposer
+MALLOC_ENV = "NEURON_MALLOC"  # "off": glibc's own malloc; or the path of another malloc library
+MALLOC_CONF_ENV = "MALLOC_CONF"  # jemalloc's own settings
+JEMALLOC_FILES = (  # where distributions install it, {arch} for the machine
+    "/usr/lib/{arch}-linux-gnu/libjemalloc.so.2",  # Debian, Ubuntu
+    "/usr/lib64/libjemalloc.so.2",  # Fedora, RHEL
+    "/usr/lib/libjemalloc.so.2",  # Arch
+)
+JEMALLOC_PACKAGES = "Debian/Ubuntu: apt-get install libjemalloc2; Fedora: dnf install jemalloc"
+# Freed pages back to the system within a second, by a thread of jemalloc's, rather than its default ten seconds
+# and only when the process next allocates: an idle server's memory says what it holds.
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +95,16 @@ LIBRARIES = (  # in order of preference: see the module's docstring
 )
 
 
-class BlasError(ValueError):
+class PreloadError(ValueError):
+    """An environment variable names a library this process cannot preload."""
+
+
+class BlasError(PreloadError):
     """``NEURON_BLAS`` names something that cannot serve MLX's matmuls."""
+
+
+class MallocError(PreloadError):
+    """``NEURON_MALLOC`` names something that cannot be preloaded."""
 
 
 def is_linux_cpu_backend() -> bool:
@@ -149,35 +176,66 @@ def preload_for(library: str) -> tuple[list[str], str | None]:
     return [str(built.path), library], None  # the interposer first: it calls on the sgemm found after it
 
 
-def reexec_with_blas() -> None:
-    """Restart this process with the fast BLAS preloaded (``preload_for``), once, if there is one and it is not
-    yet loaded.
+def find_malloc() -> str | None:
+    """The malloc library to preload: ``NEURON_MALLOC``'s path, else jemalloc where it is installed; None for
+    glibc's own. Raises ``MallocError`` when ``NEURON_MALLOC`` names a file that is missing or cannot be loaded."""
+    choice = os.environ.get(MALLOC_ENV, "")
+    if choice == "off":
+        return None
+    if not choice:
+        arch = platform.machine()
+        return next((f for f in (f.format(arch=arch) for f in JEMALLOC_FILES) if Path(f).is_file()), None)
+    if not Path(choice).is_file():
+        raise MallocError(f"{MALLOC_ENV}={choice}: no such file; give off or the path of a malloc library")
+    try:
+        ctypes.CDLL(choice)
+    except OSError as e:
+        raise MallocError(f"{MALLOC_ENV}={choice}: cannot be loaded: {e}") from None
+    return choice
+
+
+def preloads() -> tuple[list[str], dict[str, str]]:
+    """What this process should be started with: the libraries to preload (the BLAS with its interposer, then the
+    malloc) and the environment that goes with them. Raises ``PreloadError`` for a choice that cannot be had."""
+    env: dict[str, str] = {}
+    preload: list[str] = []
+    if (library := find_blas()) is not None:
+        preload, problem = preload_for(library)
+        if problem:
+            env[GEMV_PROBLEM_ENV] = problem
+    if (malloc := find_malloc()) is not None:
+        preload.append(malloc)
+        if _is_jemalloc(malloc) and MALLOC_CONF_ENV not in os.environ:
+            env[MALLOC_CONF_ENV] = JEMALLOC_CONF
+    return preload, env
+
+
+def reexec_with_preloads() -> None:
+    """Restart this process with the fast BLAS and the malloc preloaded (``preloads``), once, if there is either
+    and no BLAS is loaded yet.
 
     Call it before anything heavy is imported: ``execv`` replaces the process.
     """
     if not is_linux_cpu_backend() or preloaded_blas() or os.environ.get(REEXEC_GUARD):
         return
-    library = find_blas()
-    if library is None:
+    preload, extra = preloads()
+    if not preload:
         return
-    env = dict(os.environ)
-    preload, problem = preload_for(library)
-    if problem:
-        env[GEMV_PROBLEM_ENV] = problem
+    env = {**os.environ, **extra}
     env[PRELOAD_ENV] = ":".join(filter(None, [*preload, env.get(PRELOAD_ENV)]))
     env[REEXEC_GUARD] = "1"
     reexec(env)
 
 
 def reexec_early(argv: list[str]) -> None:
-    """``reexec_with_blas`` at once for a command that runs MLX (serve, generate, a worker), before the command
+    """``reexec_with_preloads`` at once for a command that runs MLX (serve, generate, a worker), before the command
     line is parsed: parsing imports the settings and the logging, which the replaced process would import for
     nothing. A problem (``NEURON_BLAS`` naming nothing usable) is left for the CLI to say once the arguments are
     checked: it meets it again there."""
     if "--worker" in argv or argv[:1] in (["serve"], ["generate"]):
         try:
-            reexec_with_blas()
-        except BlasError:
+            reexec_with_preloads()
+        except PreloadError:
             pass
 
 
@@ -197,6 +255,23 @@ def blas_in_use() -> str:
     name = next((lib.name for lib in LIBRARIES if Path(library).name.startswith(_stem(lib))), "cblas")
     rows = "sgemv" if "/native/gemv-" in maps else "sgemm"
     return f"{name} ({Path(library).resolve()}), one-row products by {rows}"
+
+
+def malloc_in_use() -> str:
+    """Which malloc serves this process, for the startup log: a preloaded one that is mapped, else glibc's."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown (no /proc)"
+    chosen = os.environ.get(MALLOC_ENV, "")
+    for path in filter(None, os.environ.get(PRELOAD_ENV, "").split(":")):
+        if (_is_jemalloc(path) or path == chosen) and Path(path).resolve().as_posix() in maps:
+            return f"{'jemalloc' if _is_jemalloc(path) else 'preloaded'} ({Path(path).resolve()})"
+    return "glibc"
+
+
+def _is_jemalloc(path: str) -> bool:
+    return Path(path).name.startswith("libjemalloc")
 
 
 def gemv_problem() -> str | None:

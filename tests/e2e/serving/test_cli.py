@@ -122,9 +122,10 @@ def test_startup_log_names_the_blas(smollm2: Path) -> None:
     assert done.returncode == 0, done.stderr
     if not cpu.is_linux_cpu_backend():
         return
-    if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/fast-blas installed OpenBLAS and gcc
+    if os.geteuid() == 0 and shutil.which("apt-get"):  # scripts/fast-blas installed OpenBLAS, jemalloc and gcc
         assert '"blas": "OpenBLAS' in done.stderr, "run scripts/fast-blas (the README's commands do)"
         assert "one-row products by sgemv" in done.stderr, done.stderr
+        assert '"malloc": "jemalloc (' in done.stderr, done.stderr
     elif cpu.find_blas():
         assert re.search(r'"blas": "(OpenBLAS|BLIS) ', done.stderr), done.stderr
     else:
@@ -148,6 +149,16 @@ def test_neuron_blas_picks_the_library_or_says_what_is_wrong(smollm2: Path, tmp_
             assert done.returncode == 2 and f"{library.name} is not installed" in done.stderr, done.stderr
         else:
             assert done.returncode == 0 and f'"blas": "{library.name} (' in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not cpu.is_linux_cpu_backend(), reason="the malloc is chosen on the Linux CPU backend")
+def test_neuron_malloc_keeps_glibcs_or_says_what_is_wrong(smollm2: Path) -> None:
+    """``NEURON_MALLOC=off`` keeps glibc's malloc (the log says so), and a path that names nothing is refused before
+    loading, saying what to give."""
+    done = _one_token_logged(smollm2, {cpu.MALLOC_ENV: "off"})
+    assert done.returncode == 0 and '"malloc": "glibc"' in done.stderr, done.stderr
+    done = run_neuron("generate", "--model", str(smollm2), "Hi", env={cpu.MALLOC_ENV: "/no/such/libmalloc.so"})
+    assert done.returncode == 2 and "no such file; give off or the path of a malloc library" in done.stderr
 
 
 @pytest.mark.parametrize(
