@@ -60,7 +60,6 @@ JEMALLOC_FILES = (  # where distributions install it, {arch} for the machine
     "/usr/lib64/libjemalloc.so.2",  # Fedora, RHEL
     "/usr/lib/libjemalloc.so.2",  # Arch
 )
-JEMALLOC_PACKAGES = "Debian/Ubuntu: apt-get install libjemalloc2; Fedora: dnf install jemalloc"
 # Freed pages back to the system within a second, by a thread of jemalloc's, rather than its default ten seconds
 # and only when the process next allocates: an idle server's memory says what it holds.
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
@@ -113,8 +112,13 @@ def is_linux_cpu_backend() -> bool:
 
 
 def installed(library: Library) -> str | None:
+    return _first_file(library.files)
+
+
+def _first_file(files: tuple[str, ...]) -> str | None:
+    """The first of ``files`` ({arch} for the machine) that this host has."""
     arch = platform.machine()
-    return next((f for f in (f.format(arch=arch) for f in library.files) if Path(f).is_file()), None)
+    return next((f for f in (f.format(arch=arch) for f in files) if Path(f).is_file()), None)
 
 
 def find_blas() -> str | None:
@@ -183,8 +187,7 @@ def find_malloc() -> str | None:
     if choice == "off":
         return None
     if not choice:
-        arch = platform.machine()
-        return next((f for f in (f.format(arch=arch) for f in JEMALLOC_FILES) if Path(f).is_file()), None)
+        return _first_file(JEMALLOC_FILES)
     if not Path(choice).is_file():
         raise MallocError(f"{MALLOC_ENV}={choice}: no such file; give off or the path of a malloc library")
     try:
@@ -230,8 +233,8 @@ def reexec_with_preloads() -> None:
 def reexec_early(argv: list[str]) -> None:
     """``reexec_with_preloads`` at once for a command that runs MLX (serve, generate, a worker), before the command
     line is parsed: parsing imports the settings and the logging, which the replaced process would import for
-    nothing. A problem (``NEURON_BLAS`` naming nothing usable) is left for the CLI to say once the arguments are
-    checked: it meets it again there."""
+    nothing. A problem (``NEURON_BLAS`` or ``NEURON_MALLOC`` naming nothing usable) is left for the CLI to say once
+    the arguments are checked: it meets it again there."""
     if "--worker" in argv or argv[:1] in (["serve"], ["generate"]):
         try:
             reexec_with_preloads()
