@@ -61,8 +61,13 @@ JEMALLOC_FILES = (  # where distributions install it, {arch} for the machine
     "/usr/lib/libjemalloc.so.2",  # Arch
 )
 # Freed pages back to the system within a second, by a thread of jemalloc's, rather than its default ten seconds
-# and only when the process next allocates: an idle server's memory says what it holds.
-JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+# and only when the process next allocates: an idle server's memory says what it holds. Blocks from glibc's mmap
+# threshold up (a KV cache's arrays, a prompt's activations) come from jemalloc's arena for oversize blocks, which
+# gives their pages back as they are freed: under a memory limit, caches grown and freed within the second would
+# otherwise read as held, and the memory budget would shrink under requests it had admitted.
+JEMALLOC_CONF = (
+    f"background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0,oversize_threshold:{device.MMAP_THRESHOLD}"
+)
 
 
 @dataclass(frozen=True, slots=True)
