@@ -27,9 +27,9 @@ from testkit.system import Journal
 TESTS = Path(__file__).resolve().parent
 
 os.environ.setdefault("NEURON_LOG_LEVEL", "warning")
-# The suite runs one file per core. A leader alone on its host keeps OpenBLAS's default of a thread per core, and
-# between calls the idle one spins (sched_yield) on the core the other file's processes need. Ranks given cores
-# (``--cpus``) still set their own count (``cpu.set_blas_threads``).
+# The suite runs a file per core and one more (``pytest_xdist_auto_num_workers``). A leader alone on its host keeps
+# OpenBLAS's default of a thread per core, and between calls the idle one spins (sched_yield) on the core the other
+# files' processes need. Ranks given cores (``--cpus``) still set their own count (``cpu.set_blas_threads``).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # Test modules import mlx_lm.utils, which would lower this process's hard descriptor limit for good; the
@@ -105,6 +105,13 @@ def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Journal
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers given here
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject's addopts): a worker per core and one more, up to ``--maxprocesses``. A test spends
+    part of its time waiting on the processes it started (a server's start, a stream, a worker's exit), which a
+    worker more fills (BENCHMARKS.md, "The suite a worker more")."""
+    return len(os.sched_getaffinity(0)) + 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         where = item.path.relative_to(TESTS)
