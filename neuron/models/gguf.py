@@ -495,6 +495,7 @@ def converted(gguf: Path) -> Path:
     )
     out = cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
+        prune_stale(out.parent)
         if why:
             log.warning("gguf dequantized", source=str(gguf), why=why, fix=QUANTIZED_FIX)
         try:
@@ -502,6 +503,32 @@ def converted(gguf: Path) -> Path:
         except KeyError as e:
             raise GGUFError(f"{gguf.name} lacks the metadata {e} its conversion needs: is it a whole GGUF file?") from e
     return out
+
+
+def prune_stale(models: Path) -> list[Path]:
+    """Delete the folders converted into ``models`` that nothing will read again: their GGUF file is gone (a venv or
+    a clone deleted, a file renamed), or an older converter made them (its folders are keyed apart). Called before
+    each new conversion, so that the cache holds one folder per file and layout in use, not every one ever made.
+    A folder without a ``source.json`` is not this converter's and is left alone. Returns what it deleted."""
+    pruned = []
+    for folder in sorted(models.glob("*/source.json")):
+        try:
+            source = json.loads(folder.read_text())
+            gone = not Path(source["gguf"]).is_file() or int(source["converter"]) < CONVERTER_VERSION
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being written, or not ours to judge
+        if gone:
+            # Renamed aside first, then removed: a reader never finds a folder half deleted.
+            aside = folder.parent.with_name(f".{folder.parent.name}.stale.{os.getpid()}")
+            try:
+                os.rename(folder.parent, aside)
+            except OSError:
+                continue  # another process pruned it first
+            shutil.rmtree(aside, ignore_errors=True)
+            pruned.append(folder.parent)
+    if pruned:
+        log.info("gguf cache pruned", folders=[str(p) for p in pruned])
+    return pruned
 
 
 def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> None:

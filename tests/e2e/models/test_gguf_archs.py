@@ -149,3 +149,29 @@ def test_a_tensor_type_no_decoder_reads_is_refused_naming_those_read(tmp_path: P
     assert said.startswith("neuron: error: tiny-I8.gguf: tensor ") and "is I8, which neuron does not read" in said
     assert "F32, F16, BF16" in said and "K-quants" in said, said
     assert not any((tmp_path / "cache").rglob("config.json"))
+
+
+def test_a_new_conversion_prunes_the_folders_no_file_will_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache keeps a folder per GGUF file in use: a conversion first deletes those whose file is gone (a deleted
+    venv or clone) or that an older converter made, and leaves alone any folder it did not write."""
+    from neuron.models.gguf import CONVERTER_VERSION, converted
+
+    monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model(tmp_path / "tiny-qwen3", "qwen3", seed=7)
+    kept = write_gguf(folder, tmp_path / "kept-F32.gguf", "qwen3", "qwen2")
+    gone, later = (shutil.copy(kept, tmp_path / name) for name in ("gone-F32.gguf", "later-F32.gguf"))
+    in_use = converted(kept)
+    orphan = converted(Path(gone))
+    Path(gone).unlink()
+    older = shutil.copytree(in_use, in_use.with_name("kept-F32-000000000000"))
+    (older / "source.json").write_text(json.dumps({"gguf": str(kept), "converter": CONVERTER_VERSION - 1}))
+    foreign, unreadable = (tmp_path / "cache" / "models" / name for name in ("mine", "half-written"))
+    foreign.mkdir()
+    unreadable.mkdir()
+    (unreadable / "source.json").write_text("{")
+    made = converted(Path(later))
+    assert not orphan.exists() and not older.exists()
+    assert sorted((tmp_path / "cache" / "models").iterdir()) == sorted([in_use, made, foreign, unreadable])
+    assert converted(kept) == in_use and (in_use / "config.json").is_file()
