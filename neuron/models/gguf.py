@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -506,18 +507,20 @@ def converted(gguf: Path) -> Path:
 
 
 def prune_stale(models: Path) -> list[Path]:
-    """Delete the folders converted into ``models`` that nothing will read again: their GGUF file is gone (a venv or
-    a clone deleted, a file renamed), or an older converter made them (its folders are keyed apart). Called before
-    each new conversion, so that the cache holds one folder per file and layout in use, not every one ever made.
-    A folder without a ``source.json`` is not this converter's and is left alone. Returns what it deleted."""
+    """Delete the folders converted into ``models`` that nothing will read again: an older converter made them (its
+    folders are keyed apart), or this host made them and their GGUF file is gone (a venv or a clone deleted, a file
+    renamed). Called before each new conversion, so that the cache holds one folder per file and layout in use, not
+    every one ever made. A folder another host converted into a shared cache names a file of that host's, and is
+    left to it; so is a folder without a ``source.json``, which is not this converter's. Returns what it deleted."""
     pruned = []
     for folder in sorted(models.glob("*/source.json")):
         try:
             source = json.loads(folder.read_text())
-            gone = not Path(source["gguf"]).is_file() or int(source["converter"]) < CONVERTER_VERSION
-        except (OSError, ValueError, KeyError, TypeError):
+            older = int(source["converter"]) < CONVERTER_VERSION
+            gone = source.get("host") == socket.gethostname() and not Path(source["gguf"]).is_file()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being written, or not ours to judge
-        if gone:
+        if older or gone:
             # Renamed aside first, then removed: a reader never finds a folder half deleted.
             aside = folder.parent.with_name(f".{folder.parent.name}.stale.{os.getpid()}")
             try:
@@ -612,7 +615,8 @@ def convert(gguf: Path, out: Path, dtype_name: str, quantized: bool = True) -> N
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "tokenizer.json").write_text(_tokenizer_json(meta))
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        (staging / "source.json").write_text(json.dumps({"gguf": str(gguf), "converter": CONVERTER_VERSION}))
+        source = {"gguf": str(gguf), "host": socket.gethostname(), "converter": CONVERTER_VERSION}
+        (staging / "source.json").write_text(json.dumps(source))
         _publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

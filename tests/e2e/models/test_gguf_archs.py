@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import httpx
@@ -154,8 +155,9 @@ def test_a_tensor_type_no_decoder_reads_is_refused_naming_those_read(tmp_path: P
 def test_a_new_conversion_prunes_the_folders_no_file_will_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cache keeps a folder per GGUF file in use: a conversion first deletes those whose file is gone (a deleted
-    venv or clone) or that an older converter made, and leaves alone any folder it did not write."""
+    """The cache keeps a folder per GGUF file in use: a conversion first deletes those whose file is gone from this
+    host (a deleted venv or clone) or that an older converter made, and leaves alone any folder it did not write and
+    any another host converted into a shared cache (its file is on that host)."""
     from neuron.models.gguf import CONVERTER_VERSION, converted
 
     monkeypatch.setenv("NEURON_CACHE_DIR", str(tmp_path / "cache"))
@@ -167,11 +169,15 @@ def test_a_new_conversion_prunes_the_folders_no_file_will_read_again(
     Path(gone).unlink()
     older = shutil.copytree(in_use, in_use.with_name("kept-F32-000000000000"))
     (older / "source.json").write_text(json.dumps({"gguf": str(kept), "converter": CONVERTER_VERSION - 1}))
+    elsewhere = shutil.copytree(orphan, orphan.with_name("gone-F32-111111111111"))
+    said = json.loads((elsewhere / "source.json").read_text())
+    assert said["host"] == socket.gethostname()
+    (elsewhere / "source.json").write_text(json.dumps({**said, "host": f"not-{said['host']}"}))
     foreign, unreadable = (tmp_path / "cache" / "models" / name for name in ("mine", "half-written"))
     foreign.mkdir()
     unreadable.mkdir()
     (unreadable / "source.json").write_text("{")
     made = converted(Path(later))
     assert not orphan.exists() and not older.exists()
-    assert sorted((tmp_path / "cache" / "models").iterdir()) == sorted([in_use, made, foreign, unreadable])
+    assert sorted((tmp_path / "cache" / "models").iterdir()) == sorted([in_use, made, elsewhere, foreign, unreadable])
     assert converted(kept) == in_use and (in_use / "config.json").is_file()
