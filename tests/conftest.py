@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from neuron import log
-from neuron.system import descriptors
+from neuron.system import cpu, descriptors
 from testkit import ROOT, Server, run_neuron, serving
 from testkit.layout import TIERS, UNIT, tier_problem
 from testkit.models import make_thinking_model, make_tiny_model
@@ -104,14 +104,14 @@ def journal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Journal
         yield sink
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers given here
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (pyproject's addopts): a worker per core and one more, up to ``--maxprocesses``. A test spends
     part of its time waiting on the processes it started (a server's start, a stream, a worker's exit), which a
     worker more fills (BENCHMARKS.md, "The suite a worker more")."""
-    return len(os.sched_getaffinity(0)) + 1
+    return len(cpu.allowed_cores()) + 1
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers given here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         where = item.path.relative_to(TESTS)

@@ -434,6 +434,14 @@ def _sentencepiece_json(meta: dict[str, Any]) -> str:
     return tokenizer.to_str()
 
 
+def _remove_aside(folder: Path, why: str) -> None:
+    """Delete ``folder`` once renamed aside (a hidden name of this process's), so that no reader ever finds it half
+    deleted; raises OSError where it cannot be renamed."""
+    aside = folder.with_name(f".{folder.name}.{why}.{os.getpid()}")
+    os.rename(folder, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def _publish(staging: Path, out: Path) -> None:
     """Move a finished conversion into place; when another process (or host, on a shared cache) got there first
     with a whole folder, use theirs. A folder whose conversion died half-way is never at ``out``: each process
@@ -449,9 +457,7 @@ def _publish(staging: Path, out: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
             return
     # Not ours and not whole (a converter before atomic renames, or a copy cut short): set it aside, then retry.
-    aside = out.with_name(f".{out.name}.broken.{os.getpid()}")
-    os.rename(out, aside)
-    shutil.rmtree(aside, ignore_errors=True)
+    _remove_aside(out, "broken")
     try:
         os.rename(staging, out)
     except OSError:
@@ -521,13 +527,10 @@ def prune_stale(models: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # being written, or not ours to judge
         if older or gone:
-            # Renamed aside first, then removed: a reader never finds a folder half deleted.
-            aside = folder.parent.with_name(f".{folder.parent.name}.stale.{os.getpid()}")
             try:
-                os.rename(folder.parent, aside)
+                _remove_aside(folder.parent, "stale")
             except OSError:
                 continue  # another process pruned it first
-            shutil.rmtree(aside, ignore_errors=True)
             pruned.append(folder.parent)
     if pruned:
         log.info("gguf cache pruned", folders=[str(p) for p in pruned])
