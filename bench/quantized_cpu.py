@@ -5,7 +5,8 @@ Run: .venv/bin/python bench/quantized_cpu.py [--rounds 5] [--tokens 64] [--llama
 
 Rows, each a process of its own with the same cores:
 - neuron: the embedded SmolLM2 Q4_1 file kept quantized, through the kernel (``neuron serve``, streamed over HTTP:
-  sampling, detokenizing and the client included, as users meet it);
+  sampling, detokenizing and the client included, as users meet it, n-gram speculation on as by default), and
+  again with ``--speculate off``, as llama.cpp runs (it drafts nothing);
 - neuron float32: the same file dequantized (``NEURON_QUANTIZED_KERNEL=off``: today's path where no compiler is);
 - llama.cpp: the same file in llama-cpp-python (``--llama-python``: a Python where ``import llama_cpp`` works; built
   for AVX2, FMA and F16C, see BENCHMARKS.md), its own threads set to the cores;
@@ -126,12 +127,14 @@ class Outside:
 class Served:
     """``neuron serve`` on one model, measured over HTTP."""
 
-    def __init__(self, model: str, tokens: int, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, model: str, tokens: int, log: Path, env: dict[str, str] | None = None, flags: tuple[str, ...] = ()
+    ) -> None:
         import httpx
 
         from testkit.server import Server
 
-        self.server = Server("--model", model, "--prefix-cache-bytes", "0", log_path=log, env=env).start()
+        self.server = Server("--model", model, "--prefix-cache-bytes", "0", *flags, log_path=log, env=env).start()
         self.tokens = tokens
         self.id = httpx.get(f"{self.server.url}/v1/models", timeout=30).json()["data"][0]["id"]
         self.prefill = httpx.post(
@@ -193,6 +196,10 @@ def main() -> None:
         convert(str(dequantized), str(folder4), quantize=True, q_bits=4, q_group_size=64)
         rows = {
             "neuron, the Q4_1 file through the kernel": lambda: Served(str(quantized), args.tokens, Path(tmp) / "a"),
+            # llama.cpp drafts nothing: neuron's greedy stream without its n-gram speculation, as like for like.
+            "neuron, the same, --speculate off": lambda: Served(
+                str(quantized), args.tokens, Path(tmp) / "d", flags=("--speculate", "off")
+            ),
             "neuron, the same file in float32": lambda: Served(
                 str(gguf), args.tokens, Path(tmp) / "b", env={QUANTIZED_ENV: "off"}
             ),

@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -42,6 +43,7 @@ from neuron.rank.holdings import Holdings
 from neuron.rank.kv import caches, rollback, states
 from neuron.rank.kv.batch import row_inputs
 from neuron.rank.kv.disk import Disk
+from neuron.rank.model import kernels
 from neuron.rank.model.load import Loaded, load
 from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
@@ -71,6 +73,7 @@ class Rank:
         self.recording = False  # the model's gated delta layers record each position's state (``rank.kv.states``)
         self.embedded: dict[int, mx.array] = {}  # the last step's embedding vectors (rank 0), until ``run`` reads
         self.adapters: Adapters | None = None  # the LoRA adapters loaded (``rank.model.lora``), once a model is
+        self.kernel: ModuleType | None = None  # neuron's CPU kernels, where the model's products go through them
         # The most one step has taken beyond what the rank held before and after it (its activations, a joining
         # batch's copies), since the model loaded: what the leader's memory budget keeps free for steps.
         self.peak = 0
@@ -95,6 +98,7 @@ class Rank:
         self.peak = 0
         self.model, self.runner, self.vocab_size = share.model, share.runner, share.vocab_size
         self.prompts_together, self.recording = share.prompts_together, share.recording
+        self.kernel = share.kernel
         split = self.group if not layers else None  # a stage holds whole layers: its adapters too
         self.adapters = Adapters(share.model, split, layers[0] if layers else 0, share.layers, share.runner.selection)
         return Loaded(share.parameters, time.perf_counter() - start)
@@ -262,6 +266,7 @@ class Rank:
         self.model = None
         self.runner = None
         self.adapters = None
+        self.kernel = None
         backends.clear_cache()
 
     def leave_group(self) -> None:
@@ -288,7 +293,8 @@ def run(rank: Rank, step: Step, head: Head | None = None) -> Stepped:
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     try:
-        return _run(rank, step, head)
+        with kernels.decode_queue(rank.kernel, lone=not step.plan.prefill and len(step.plan.decode) == 1):
+            return _run(rank, step, head)
     finally:
         transient = mx.get_peak_memory() - max(before, mx.get_active_memory())
         rank.peak = max(rank.peak, transient)

@@ -4,6 +4,7 @@ layers, and the runner that drives it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +43,7 @@ class Share:
     parameters: int
     layers: int  # the whole model's, of which a stage holds some
     recording: bool  # its gated delta layers record each position's state (``rank.kv.states``)
+    kernel: ModuleType | None  # neuron's CPU kernels, where its products go through them (``rank.model.kernels``)
 
 
 def load(
@@ -70,7 +72,7 @@ def load(
             "architectures) builds caches other than mlx-lm's KVCache (a sliding window or a state); "
             f"serve one of {', '.join(sorted(architectures.TABLE))}"
         )
-    quantized_products(model, rank, cores or [])
+    kernel = quantized_products(model, rank, cores or [])
     if world_size == 1 and cpu.is_linux_cpu_backend():
         dispatch_layers(model)
     support = architectures.supports(config)
@@ -94,7 +96,7 @@ def load(
             raise RankError(f"rank {rank}: {e}") from None
         quantize_caches(model, KV_GROUP_SIZE, kv_bits)
     layer_count = int(text_config(config)["num_hidden_layers"])
-    return Share(model, runner, vocab_size, together, parameters, layer_count, recording)
+    return Share(model, runner, vocab_size, together, parameters, layer_count, recording, kernel)
 
 
 def dispatch_layers(model: nn.Module) -> int:
@@ -127,18 +129,19 @@ def _dispatching(cls: type) -> type:
     return type(f"Dispatching{cls.__name__}", (cls,), {"__call__": call, "dispatches": True})
 
 
-def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> None:
-    """On a Linux CPU, the quantized layers' products, and the norms and rotations, through neuron's kernel; where it
-    cannot be had, MLX's, and the log says why and how to get it."""
+def quantized_products(model: nn.Module, rank: int, cores: list[int]) -> ModuleType | None:
+    """On a Linux CPU, the quantized layers' products, and the norms and rotations, through neuron's kernel, whose
+    module it returns; where it cannot be had, MLX's, and the log says why and how to get it."""
     if not cpu.is_linux_cpu_backend():
-        return
+        return None
     if not any(type(layer) in kernels.PRODUCT_CLASSES for _, layer in model.named_modules()):
-        return
+        return None
     kernel, why = kernels.load_kernel(cores)
     if kernel is None:
         log.warning("quantized products by MLX", rank=rank, why=why, fix=QUANTIZED_FIX)
-        return
+        return None
     taken = kernels.use_kernel(model, kernel)
     log.info("quantized products by neuron's kernel", rank=rank, products=taken.products, packed=taken.packed,
              norms=taken.norms, rotations=taken.rotations, functions=list(taken.functions),
              threads=kernel.threads())  # fmt: skip
+    return kernel

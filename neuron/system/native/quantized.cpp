@@ -20,6 +20,7 @@
 
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 #include "quantized.h"
 #include "cpu_eval.h"
 #include "strided.h"
@@ -126,6 +127,17 @@ bool pack(mx::array& w, mx::array& scales, mx::array& biases) {
   return true;
 }
 
+// MLX's CPU evaluation holds its caller while more than ten tasks of ten operations each are queued on its streams
+// (MAX_ACTIVE_TASKS in mlx/transforms.cpp), to bound the memory that operations queued ahead hold. A small model's
+// decode step is hundreds of operations, so the stream ran dry while the caller built and read the step. The count
+// is the scheduler's own, public in mlx/scheduler.h: lowering it by ``tasks`` lets the caller queue that many more
+// before it waits, and raising it by as many takes them back; the stream's own counting is unchanged between.
+void queue_more(int tasks) {
+  const auto stream = mx::default_stream(mx::Device::cpu);
+  for (int i = 0; i < tasks; ++i) mx::scheduler::notify_task_completion(stream);
+  for (int i = 0; i < -tasks; ++i) mx::scheduler::notify_new_task(stream);
+}
+
 }  // namespace
 
 void bind_layers(nb::module_& m);     // layers.cpp
@@ -144,6 +156,8 @@ NB_MODULE(_quantized, m) {
   m.def("threads", &threads, "the threads a shared product runs on, from the calling thread");
   m.def("set_cores", &set_cores, nb::arg("cores"), "run the products on these cores, a thread for each");
   m.def("blas", []() { return sgemm() != nullptr; }, "whether products of many rows go through cblas_sgemm");
+  m.def("queue_more", &queue_more, nb::arg("tasks"),
+        "let a caller of MLX's CPU evaluation queue this many tasks more before it waits; negative: take them back");
   bind_layers(m);
   bind_attention(m);
 }

@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -493,3 +494,29 @@ def test_a_folder_named_mlx_where_neuron_starts_leaves_the_build_mlxs_own_files(
     if isinstance(tools, str):
         pytest.skip(tools)
     assert (tools.mlx_dir / native.MLX_CMAKE / "MLXConfig.cmake").is_file(), tools.mlx_dir
+
+
+def queued_in(kernel: object, lone: bool) -> float:
+    """Seconds ``mx.async_eval`` held its caller over a slow product followed by 400 operations on its result (about
+    100 of MLX's tasks), within ``decode_queue`` for a step ``lone`` or not; the product is waited for after."""
+    a = mx.random.normal((1024, 1024))
+    mx.eval(a)
+    x = (a @ a)[0, :8]
+    for _ in range(400):
+        x = x + 1
+    start = time.perf_counter()
+    with kernels.decode_queue(kernel, lone):  # type: ignore[arg-type]
+        mx.async_eval(x)
+    held = time.perf_counter() - start
+    mx.eval(x)
+    return held
+
+
+def test_a_lone_decode_step_is_queued_whole_and_others_as_mlx_queues_them(kernel: object) -> None:
+    # MLX holds its caller while more than ten tasks are queued: the 400 operations wait on the product, which runs
+    # first. A step that decodes one sequence queues them all and returns at once; any other step, and any
+    # evaluation after it (the allowance is taken back), waits as MLX makes it.
+    other = queued_in(kernel, False)
+    lone = queued_in(kernel, True)
+    after = queued_in(kernel, False)
+    assert lone < min(other, after) / 4, (other, lone, after)
