@@ -23,7 +23,8 @@ of what it holds.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -43,7 +44,6 @@ from neuron.rank.holdings import Holdings
 from neuron.rank.kv import caches, rollback, states
 from neuron.rank.kv.batch import row_inputs
 from neuron.rank.kv.disk import Disk
-from neuron.rank.model import kernels
 from neuron.rank.model.load import Loaded, load
 from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
@@ -287,13 +287,36 @@ class Stepped:
     sampled: dict[int, Sampled] = field(default_factory=dict)  # rank 0's draws, by sequence; empty elsewhere
 
 
+# Tasks MLX's CPU evaluation may queue beyond its own ten during a step that decodes one sequence (``queue_more`` in
+# quantized.cpp). A task is ten of the stream's dispatches, and a node takes two or three (its computing, then
+# releasing its inputs): enough for a small model's whole step, whose stream then computes while rank 0 builds the
+# rest of it and the leader plans the next. What one sequence's rows hold ahead is small beside the weights. Only
+# one: with eight streams decoding, steps queued whole were slower (BENCHMARKS.md, "A decode step queued whole"; most
+# likely rank 0's thread, no longer held, takes the interpreter from the event loop that writes the streams).
+DECODE_TASKS = 200
+
+
+@contextmanager
+def decode_queue(kernel: ModuleType | None, lone: bool) -> Iterator[None]:
+    """Within it, MLX's CPU evaluation queues ``DECODE_TASKS`` more tasks before it holds its caller, where the step
+    is ``lone`` (it decodes one sequence and feeds no prompt) and the kernel is loaded."""
+    if kernel is None or not lone:
+        yield
+        return
+    kernel.queue_more(DECODE_TASKS)
+    try:
+        yield
+    finally:
+        kernel.queue_more(-DECODE_TASKS)
+
+
 def run(rank: Rank, step: Step, head: Head | None = None) -> Stepped:
     """Run ``step`` on ``rank``; with ``head`` (rank 0's), draw each sequence's tokens too. The most the step
     takes beyond what the rank holds before and after it raises ``rank.peak``."""
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     try:
-        with kernels.decode_queue(rank.kernel, lone=not step.plan.prefill and len(step.plan.decode) == 1):
+        with decode_queue(rank.kernel, lone=not step.plan.prefill and len(step.plan.decode) == 1):
             return _run(rank, step, head)
     finally:
         transient = mx.get_peak_memory() - max(before, mx.get_active_memory())

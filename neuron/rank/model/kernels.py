@@ -33,8 +33,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
@@ -80,29 +79,6 @@ def load_kernel(cores: list[int], arch: str | None = None) -> tuple[ModuleType |
         return None, f"the quantized kernel built at {built.path} does not load: {e}"
     module.set_cores(cores)
     return module, ""
-
-
-# Tasks MLX's CPU evaluation may queue beyond its own ten during a step that decodes one sequence (``queue_more`` in
-# quantized.cpp). A task is ten of the stream's dispatches, and a node takes two or three (its computing, then
-# releasing its inputs): enough for a small model's whole step, whose stream then computes while rank 0 builds the
-# rest of it and the leader plans the next. What one sequence's rows hold ahead is small beside the weights. Only
-# one: with eight streams decoding, steps queued whole were slower (BENCHMARKS.md, "A decode step queued whole"; most
-# likely rank 0's thread, no longer held, takes the interpreter from the event loop that writes the streams).
-DECODE_TASKS = 200
-
-
-@contextmanager
-def decode_queue(kernel: ModuleType | None, lone: bool) -> Iterator[None]:
-    """Within it, MLX's CPU evaluation queues ``DECODE_TASKS`` more tasks before it holds its caller, where the step
-    is ``lone`` (it decodes one sequence and feeds no prompt) and the kernel is loaded."""
-    if kernel is None or not lone:
-        yield
-        return
-    kernel.queue_more(DECODE_TASKS)
-    try:
-        yield
-    finally:
-        kernel.queue_more(-DECODE_TASKS)
 
 
 def fits(layer: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
 from neuron.rank.model import fuse, kernels
+from neuron.rank.rank import decode_queue
 from neuron.system import cpu, native
 from testkit import make_tiny_model
 
@@ -505,7 +506,7 @@ def queued_in(kernel: object, lone: bool) -> float:
     for _ in range(400):
         x = x + 1
     start = time.perf_counter()
-    with kernels.decode_queue(kernel, lone):  # type: ignore[arg-type]
+    with decode_queue(kernel, lone):  # type: ignore[arg-type]
         mx.async_eval(x)
     held = time.perf_counter() - start
     mx.eval(x)
