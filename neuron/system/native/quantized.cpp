@@ -127,11 +127,12 @@ bool pack(mx::array& w, mx::array& scales, mx::array& biases) {
   return true;
 }
 
-// MLX's CPU evaluation holds its caller while more than ten tasks of ten operations each are queued on its streams
-// (MAX_ACTIVE_TASKS in mlx/transforms.cpp), to bound the memory that operations queued ahead hold. A small model's
-// decode step is hundreds of operations, so the stream ran dry while the caller built and read the step. The count
-// is the scheduler's own, public in mlx/scheduler.h: lowering it by ``tasks`` lets the caller queue that many more
-// before it waits, and raising it by as many takes them back; the stream's own counting is unchanged between.
+// MLX's CPU evaluation holds its caller while more than ten tasks of ten dispatches each are queued on its streams
+// (MAX_ACTIVE_TASKS in mlx/transforms.cpp), to bound the memory that operations queued ahead hold. A node takes two
+// or three dispatches, and a small model's decode step is hundreds of nodes, so the stream ran dry while the caller
+// built and read the step. The count is the scheduler's own, public in mlx/scheduler.h: lowering it by ``tasks``
+// lets the caller queue that many more before it waits, and raising it by as many takes them back; the stream's own
+// counting is unchanged between.
 void queue_more(int tasks) {
   const auto stream = mx::default_stream(mx::Device::cpu);
   for (int i = 0; i < tasks; ++i) mx::scheduler::notify_task_completion(stream);
