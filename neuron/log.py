@@ -51,8 +51,14 @@ def configured() -> tuple[str, str]:
 
 def debugging() -> bool:
     """Whether debug events are written: a per-step caller checks this before building one, as even a dropped
-    event costs structlog a logger bound per call."""
+    event costs structlog a logger bound per call. The level is set once, before the objects that step are built,
+    so they read this once, when built."""
     return _debugging
+
+
+def tracing() -> bool:
+    """Whether trace events (``trace``) are written; read once, as ``debugging``."""
+    return _tracing
 
 
 def configure(level: str, fmt: str, native_stderr: bool = False, **bound: object) -> str:

@@ -1,9 +1,9 @@
-"""What a request asks of generation, and what rank 0's sampler answers: plain data, no MLX.
+"""What a request asks of generation: plain data, no MLX.
 
 The HTTP server and the CLI fill ``SamplingParams`` and the engine checks them
 (``problems``, the one place each limit is checked), before anything touches a
 model; rank 0's sampler (``neuron.rank.head.sampler``) is built from them and answers
-each step with a ``Sampled`` per sequence.
+each step with a ``step.Sampled`` per sequence.
 """
 
 from __future__ import annotations
@@ -81,28 +81,6 @@ class SamplingParams:
                 out.append(f"stop_token_ids names token {token}, outside the vocabulary [0, {vocab_size})")
                 break
         return out
-
-
-NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
-
-
-@dataclass(frozen=True, slots=True)
-class Sampled:
-    """What rank 0 sampled for one sequence in one step (for an embedding input, its vector)."""
-
-    token: int
-    # Of the chosen token, under the model's own distribution (before penalties and
-    # temperature); NOT_ASKED unless the request asked for logprobs.
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
-    # With the first token of a request that asked for prompt_logprobs: each prompt token's (logprob, top) but
-    # the first's, which nothing predicts.
-    prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
-    error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
-    # Speculation: the tokens kept after this one in the same step, in order (a verified draft, then the bonus).
-    more: tuple[Sampled, ...] = ()
-    # An embedding input's outcome instead of a token: its pooled, unit-length vector, float32 little-endian.
-    embedding: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""A step: everything the scheduler decided for one batched step, the one contract the pool and every rank read.
+"""A step: everything the scheduler decided for one batched step, the one contract the pool and every rank read,
+and what rank 0 answers for each of its sequences (``Sampled``).
 
 ``Step.plan`` is what every rank runs (it travels to the workers as
 ``rpc.GenerateStep``); ``Step.starts`` is what only rank 0's sampler reads:
@@ -45,6 +46,28 @@ class Step:
     # Rank 0 only: the pixel inputs of the images whose features the plan's prompt chunks put in, by digest (rank 0
     # encodes them; it runs in the leader, so they never cross a pipe).
     images: dict[str, Inputs] = field(default_factory=dict)
+
+
+NOT_ASKED = float("nan")  # the logprob of a token whose request asked for none
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """What rank 0 sampled for one sequence in one step (for an embedding input, its vector)."""
+
+    token: int
+    # Of the chosen token, under the model's own distribution (before penalties and
+    # temperature); NOT_ASKED unless the request asked for logprobs.
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs, when asked for
+    # With the first token of a request that asked for prompt_logprobs: each prompt token's (logprob, top) but
+    # the first's, which nothing predicts.
+    prompt: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] = ()
+    error: str | None = None  # the sequence's constraint failed: it ends with this error, the token unused
+    # Speculation: the tokens kept after this one in the same step, in order (a verified draft, then the bonus).
+    more: tuple[Sampled, ...] = ()
+    # An embedding input's outcome instead of a token: its pooled, unit-length vector, float32 little-endian.
+    embedding: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

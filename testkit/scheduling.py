@@ -9,8 +9,8 @@ import itertools
 from neuron.engine.scheduler import Delivery, Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
 from neuron.rpc import StepPlan
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
-from neuron.step import Step
+from neuron.sampling_params import SamplingParams
+from neuron.step import NOT_ASKED, Sampled, Step
 
 EOS = 2
 sequence_numbers = itertools.count(1)  # each request its own, as the engine numbers them

@@ -1,8 +1,8 @@
 """Admission: which waiting requests join the batch, in arrival order (with requests of several API keys waiting,
 in the order their fair share gives: ``engine.fairness``), while it has places (``--max-batch``) and
-the memory budget room for each one's reservation (``engine.memory``); and, as the batch grows, which of its
-sequences must step out for memory (the newest admitted first). Decisions only, as the scheduler's, whose queues it
-reads and fills (``Scheduler`` applies a preemption: every rank drops the sequence, and it waits to resume).
+the memory budget room for each one's reservation (``engine.memory``). Decisions only, as the scheduler's, whose
+queues it reads and fills. Which sequences of the batch step out for memory as it grows is the scheduler's own
+check of every step (``Scheduler._fit``, by ``memory.overflow``).
 
 First come, first served: one that waits for memory holds back those behind it, so that a long request is never
 starved by short ones. An embedding request holds no place (its inputs are fed and leave, and no decode row is
@@ -91,18 +91,6 @@ class Admission:
     def rows(self) -> list[list[int]]:
         """The batch's rows by micro-batch, as the tokens each one's caches may hold by the end of the next step."""
         return memory.rows_by_micro_batch(self.filling, self.running, self.limits.micro_batches)
-
-    def usage(self) -> int:
-        """The bytes (the reference share's: ``engine.memory``) the batch's caches may hold by the end of the next
-        step."""
-        return self.budget.usage(self.rows()) if self.budget is not None else 0
-
-    def overflow(self) -> tuple[list[Sequence], Sequence | None]:
-        """Whom to preempt so that the batch's caches fit the budget by the end of the next step, and one that does
-        not fit even alone (``memory.overflow``); nothing without a budget."""
-        if self.budget is None:
-            return [], None
-        return memory.overflow(self.budget, self.filling, self.running, self.limits.micro_batches)
 
 
 def members(seq: Sequence) -> list[Sequence]:

@@ -35,7 +35,7 @@ from neuron.engine.prefix_disk import PrefixDisk
 from neuron.engine.pressure import Pressure
 from neuron.engine.recovery import Recovery
 from neuron.engine.scheduler import Scheduler
-from neuron.log import trace
+from neuron.log import trace, tracing
 from neuron.pool import Pool, PoolError
 from neuron.step import Step
 
@@ -70,6 +70,7 @@ class Loop:
         self.idle = anyio.Event()  # set when nothing is queued or running
         self.busy_since: float | None = None  # when the loop's current pool call began; None while it waits
         self.probe_failed = False  # True while the loop waits to probe again
+        self._tracing = tracing()
 
     def wake(self) -> None:
         """A request was queued (or the batch changed between steps): the loop takes it up."""
@@ -160,6 +161,13 @@ class Loop:
         if self.scheduler.running:  # between requests it stays as the last batch left it
             self.pool.place_rank0(self.scheduler.steps_short)
         self.recent.add((ms + draft_ms) / 1000, sum(1 for d in deliveries if d.kept))
+        if self._tracing:  # its fields cost a step's host time even when dropped
+            self._trace_step(step, ms, draft_ms)
+        for delivery in deliveries:
+            self.output.deliver(delivery)
+
+    def _trace_step(self, step: Step, ms: float, draft_ms: float) -> None:
+        plan, cost = step.plan, self.scheduler.cost
         trace(
             log,
             "step",
@@ -175,8 +183,6 @@ class Loop:
             token_ms=None if cost.token_ms is None else round(cost.token_ms, 3),
             pair_ms=round(cost.pair_ms, 6),
         )
-        for delivery in deliveries:
-            self.output.deliver(delivery)
 
     async def _failed(self, error: PoolError, step: Step | None) -> None:
         """A step (or the draft model's proposals for it) failed on some rank."""

@@ -18,7 +18,7 @@ from neuron import metrics
 from neuron.engine.scheduler import Delivery
 from neuron.engine.sequence import Chunk, Failure, Finish, Sequence
 from neuron.log import ms_since
-from neuron.sampling_params import Sampled
+from neuron.step import Sampled
 
 log = structlog.get_logger("neuron.engine")
 

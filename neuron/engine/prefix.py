@@ -65,7 +65,7 @@ class PrefixIndex:
         self._roots: dict[int, _Node] = {}  # by LoRA adapter (0: the base model)
         self._entries: OrderedDict[int, list[int]] = OrderedDict()  # id -> tokens, least recently used first
         self._adapter: dict[int, int] = {}  # id -> the adapter whose trie holds it
-        self._pinned: set[int] = set()  # restored in the plan being run: never evicted under it
+        self.pinned: set[int] = set()  # restored in the plan being run: never evicted under it
         self._next = 1
         # Entries read back from disk while serving (``reload``) made room by evicting others: every rank still
         # holds those until the next plan evicts them.
@@ -83,7 +83,7 @@ class PrefixIndex:
         if hit is None:
             return None
         self._entries.move_to_end(hit.entry)
-        self._pinned.add(hit.entry)
+        self.pinned.add(hit.entry)
         return hit
 
     def reach(self, prompt: list[int], adapter: int = 0) -> int:
@@ -106,7 +106,7 @@ class PrefixIndex:
 
     def unpin(self) -> None:
         """The plan that restored the pinned entries has run."""
-        self._pinned.clear()
+        self.pinned.clear()
 
     def store(self, prompt: list[int], adapter: int = 0) -> Stored | None:
         """Make ``prompt`` (fed under LoRA ``adapter``) an entry, evicting the least recently used to stay within
@@ -133,7 +133,7 @@ class PrefixIndex:
         for entry, tokens in self._entries.items():
             if self.bytes - freed + size <= self.budget:
                 break
-            if entry not in self._pinned and entry not in covered:
+            if entry not in self.pinned and entry not in covered:
                 evicted.append(entry)
                 freed += self._size(len(tokens))
         if self.bytes - freed + size > self.budget:
@@ -175,7 +175,7 @@ class PrefixIndex:
         for entry, tokens in self._entries.items():
             if self.bytes - freed <= budget:
                 break
-            if entry not in self._pinned:
+            if entry not in self.pinned:
                 evicted.append(entry)
                 freed += self._size(len(tokens))
         if not evicted:
@@ -213,7 +213,7 @@ class PrefixIndex:
         self._roots.clear()
         self._adapter.clear()
         self._entries.clear()
-        self._pinned.clear()
+        self.pinned.clear()
         self.deferred.clear()
         self.bytes = 0
 

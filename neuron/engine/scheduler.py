@@ -36,7 +36,7 @@ from neuron.config.settings import (  # its fields are settings of ``serve``, de
     MIN_PREFILL_CHUNK,
     Scheduling,
 )
-from neuron.engine import fairness
+from neuron.engine import fairness, memory
 from neuron.engine.admission import Admission
 from neuron.engine.drafts import StepCost, attended
 from neuron.engine.memory import Budget
@@ -44,8 +44,7 @@ from neuron.engine.planner import plan_step
 from neuron.engine.prefix import PrefixIndex
 from neuron.engine.queues import Queues
 from neuron.engine.sequence import Pause, Sequence, Status
-from neuron.sampling_params import Sampled
-from neuron.step import DraftRow, Step
+from neuron.step import DraftRow, Sampled, Step
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +190,9 @@ class Scheduler:
 
     @property
     def batch(self) -> tuple[Sequence, ...]:
-        return self.queues.batch
+        """Every admitted sequence: prompts being fed, then the decoding ones (``Queues.batch``, read here from the
+        queues' own lists)."""
+        return (*self.filling, *self.running)
 
     @property
     def steps_short(self) -> bool | None:
@@ -274,7 +275,7 @@ class Scheduler:
         plan = step.plan
         self.queues.steps += 1
         self.queues.leaving.clear()
-        if self.prefix is not None:
+        if self.prefix is not None and self.prefix.pinned:
             self.prefix.unpin()
         if plan.decode and not plan.prefill and not plan.restore:  # a prompt's tokens would blur the decode cost
             self.cost.observe(plan.rows_fed, ms)
@@ -330,17 +331,22 @@ class Scheduler:
     def usage(self) -> int:
         """The bytes (the reference share's: ``engine.memory``) the batch's caches may hold by the end of the next
         step."""
-        return self.admission.usage()
+        if self.budget is None:
+            return 0
+        queues = self.queues
+        return self.budget.usage(memory.rows_by_micro_batch(queues.filling, queues.running, self.limits.micro_batches))
 
     # Memory.
 
     def _fit(self) -> tuple[list[Sequence], list[Sequence]]:
         """Preempt the newest generating sequences while the batch's caches would pass the memory budget by the end
-        of the next step (``Admission.overflow``; the prefix cache gives way first: it holds only what the batch
+        of the next step (``memory.overflow``; the prefix cache gives way first: it holds only what the batch
         leaves). One alone that would still pass it ends: it is returned second."""
-        preempted, unfit = self.admission.overflow()
+        if self.budget is None:  # places alone decide (the scheduler's own tests)
+            return [], []
+        queues = self.queues
+        preempted, unfit = memory.overflow(self.budget, queues.filling, queues.running, self.limits.micro_batches)
         for seq in preempted:
-            assert self.budget is not None
             rank, host = self.budget.where()
             cause = f"the batch's caches would pass the memory budget ({self.budget.bytes} bytes on rank {rank})"
             self.queues.preempt(seq, Pause("memory", rank, host, cause, time.perf_counter()))
@@ -385,7 +391,11 @@ class Scheduler:
             return
         left = max(0, self.budget.bytes - self.usage())
         cap = self.limits.prefix_cache_bytes
-        self.prefix.shrink(left if cap is None else min(cap, left))
+        bound = left if cap is None else min(cap, left)
+        if self.prefix.bytes > bound:
+            self.prefix.shrink(bound)
+        else:  # what it holds fits: only the bound moves, for the entries to come
+            self.prefix.budget = bound
 
 
 def _emptiest(running: list[Sequence], micro_batches: int) -> int:

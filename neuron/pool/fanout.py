@@ -113,6 +113,7 @@ class FanOut:
         # step's plan reaches rank 0 before the streams of the step before run.
         self._lock = anyio.Lock(fast_acquire=True)
         self._lost = Alarm()  # set when a worker is lost mid-operation
+        self._debug = debugging()
 
     def renew(self) -> None:
         """Trust the group again: a recovery has replaced every worker and rank 0's group."""
@@ -147,7 +148,7 @@ class FanOut:
             raise self.broken
         async with self._lock:
             began = time.perf_counter()
-            debug = debugging()
+            debug = self._debug
             results: dict[int, Any] = {}
             failures: dict[int, _RankFailure] = {}
             sent: list[tuple[Link, rpc.Request]] = []

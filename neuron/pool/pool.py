@@ -44,8 +44,7 @@ from neuron.pool.roster import Roster
 from neuron.pool.spares import Spares
 from neuron.pool.watch import Watch
 from neuron.rank.rank import Loaded, Rank, Stepped, run
-from neuron.sampling_params import Sampled
-from neuron.step import DraftRow, Step
+from neuron.step import DraftRow, Sampled, Step
 
 log = structlog.get_logger("neuron.pool")
 
@@ -71,6 +70,7 @@ class Pool:
         model = hub.pinned(model, self.model_path)  # what --model said: a host of its own resolves it there
         self.deadlines = deadlines or Deadlines()
         self._ranks = ranks = Ranks(self.layout, self.deadlines, model)
+        self._fan_out = ranks.fan_out  # the same for the pool's life: a step reaches it without a hop through ranks
         self.launcher = ranks.launcher
         self.backend = ranks.backend
         self.hosts = ranks.hosts
@@ -92,12 +92,12 @@ class Pool:
 
     def place_rank0(self, short: bool | None) -> None:
         """Place rank 0's threads, and the event loop's, for steps as long as timed (``Rank0Thread.place``)."""
-        self._ranks.rank0.place(short)
+        self._fan_out.rank0.place(short)
 
     @property
     def timing(self) -> Timing:
         """Where the latest operation's seconds went, each rank's among them (a step's, after ``step``)."""
-        return self._ranks.fan_out.timing
+        return self._fan_out.timing
 
     async def step(self, step: Step) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
@@ -113,7 +113,7 @@ class Pool:
             raise PoolError(
                 "generate_step", {0: "no model is loaded on every rank; load one first"}, broken=False, hosts=self.hosts
             )
-        head = self._ranks.rank0.head
+        head = self._fan_out.rank0.head
         plan = step.plan
         gauge = self._ranks.gauge
         read: list[rpc.Memory | None] = [None]
@@ -123,10 +123,10 @@ class Pool:
             read[0] = gauge.fresh(lambda: (rank.held.nbytes(), rank.peak))  # on rank 0's thread, as a worker's
             return stepped
 
-        replies = await self._ranks.fan_out(
+        replies = await self._fan_out(
             "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
         )
-        timing = self._ranks.fan_out.timing
+        timing = self._fan_out.timing
         metrics.STEP_SECONDS.labels("total").observe(timing.total)
         metrics.STEP_SECONDS.labels("rank0").observe(timing.rank0)
         if self.workers:
@@ -145,27 +145,33 @@ class Pool:
             metrics.DESYNCS.inc()
             log.error("desync", op="generate_step", failures=desynced)
             raise PoolError("generate_step", desynced, broken=False, hosts=self.hosts)
-        self._ranks.keep_memory(read[0], replies)
+        # Each rank's latest memory reading: the workers' ride on their replies, rank 0 read its own the same way.
+        memory = self._ranks.memory
+        if read[0] is not None:
+            memory[0] = read[0]
+        for rank, reply in replies.items():
+            if rank != 0 and reply.memory is not None:
+                memory[rank] = reply.memory
         return mine.sampled
 
     async def draft(self, rows: list[DraftRow]) -> dict[int, list[int]]:
         """The draft model's tokens for ``rows``, proposed on rank 0's thread (``rank.head.drafter``), which keeps their
         distributions for the step that verifies them: call it right before that step."""
-        head = self._ranks.rank0.head
+        head = self._fan_out.rank0.head
         try:
-            return await self._ranks.rank0.call(lambda _: head.propose(rows), self.deadlines.step)
+            return await self._fan_out.rank0.call(lambda _: head.propose(rows), self.deadlines.step)
         except Exception as e:  # any reason is the operator's to read, as a failed step's
             raise PoolError("draft", {0: f"{type(e).__name__}: {e}"}, broken=False, hosts=self.hosts) from e
 
     async def clear_kv_cache(self, prefixes: bool = True) -> None:
         """Drop every sequence on every rank; with ``prefixes``, every prefix-cache entry too."""
-        head = self._ranks.rank0.head
+        head = self._fan_out.rank0.head
 
         def clear(rank: Rank) -> None:
             rank.clear_kv_cache(prefixes)
             head.clear()
 
-        await self._ranks.fan_out(
+        await self._fan_out(
             "clear_kv_cache", lambda _, id: rpc.ClearKvCache(id=id, prefixes=prefixes), clear, self.deadlines.control
         )
         log.debug("kv cache cleared", ranks=self.world_size, prefixes=prefixes)
@@ -173,7 +179,7 @@ class Pool:
     async def open_prefix_disk(self, folder: str, budget: int, stamp: str) -> dict[int, dict[str, int]]:
         """Have every rank spill prefix-cache entries to ``folder`` (``rpc.OpenPrefixDisk``); returns, per rank,
         the files there it may load: key -> tokens."""
-        opened = await self._ranks.fan_out(
+        opened = await self._fan_out(
             "open_prefix_disk",
             lambda _, id: rpc.OpenPrefixDisk(id=id, folder=folder, budget=budget, stamp=stamp),
             lambda rank: rpc.PrefixDiskOpened(id=0, saved=rank.open_disk(folder, budget, stamp)),
@@ -185,7 +191,7 @@ class Pool:
         """Every rank drops the entries ``drop`` names where it holds them, then loads the files ``entries`` names
         (key -> entry id); returns the keys some rank could not load."""
         dropped = drop or []
-        loaded = await self._ranks.fan_out(
+        loaded = await self._fan_out(
             "load_prefixes",
             lambda _, id: rpc.LoadPrefixes(id=id, entries=entries, drop=dropped),
             lambda rank: rpc.PrefixesLoaded(id=0, failed=rank.held.entries.load(entries, dropped)),
@@ -195,7 +201,7 @@ class Pool:
 
     async def flush_prefix_disk(self) -> bool:
         """Wait for every rank's spilled entries to be written; True if all were in time."""
-        flushed = await self._ranks.fan_out(
+        flushed = await self._fan_out(
             "flush_prefix_disk",
             lambda _, id: rpc.FlushPrefixDisk(id=id),
             lambda rank: rpc.PrefixDiskFlushed(id=0, written=rank.flush_disk(rpc.FLUSH_S)),
@@ -233,11 +239,11 @@ class Pool:
 
     @property
     def workers(self) -> tuple[Link, ...]:
-        return self._ranks.workers
+        return tuple(self._fan_out.workers)
 
     @property
     def broken(self) -> PoolError | None:
-        return self._ranks.broken
+        return self._fan_out.broken
 
     @property
     def said(self) -> tuple[rpc.HostInfo, ...]:

@@ -14,7 +14,6 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import structlog
@@ -142,15 +141,6 @@ class Ranks:
     def workers(self) -> tuple[Link, ...]:
         """The workers' links, by rank; the fan-out owns the list."""
         return tuple(self.fan_out.workers)
-
-    def keep_memory(self, mine: rpc.Memory | None, replies: dict[int, Any]) -> None:
-        """Keep each rank's latest memory reading from a step: the workers' ride on their replies, rank 0 read its
-        own the same way (``mine``, on its thread)."""
-        if mine is not None:
-            self.memory[0] = mine
-        for rank, reply in replies.items():
-            if rank != 0 and reply.memory is not None:
-                self.memory[rank] = reply.memory
 
     async def read_memory(self, limits: dict[int, tuple[int, int]] | None = None) -> dict[int, rpc.Memory]:
         """Every rank's memory read now (``rpc.ReadMemory``), kept as the steps' readings are; by rank. ``limits``:

@@ -26,7 +26,7 @@ from neuron.rank.kv import caches
 from neuron.rank.kv.sequence import SeqState
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Prefill
-from neuron.sampling_params import NOT_ASKED, Sampled
+from neuron.step import NOT_ASKED, Sampled
 
 # torch's F.normalize guards a zero vector the same way: it stays zero instead of becoming NaN.
 _NORM_FLOOR = 1e-12

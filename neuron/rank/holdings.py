@@ -69,7 +69,7 @@ class Holdings:
         state = [
             self.batch.state(),
             sorted((s, q.position, q.last, q.prompt_done) for s, q in self.seqs.items()),
-            self.entries.state(),
+            self.entries.state,
         ]
         return hashlib.blake2b(repr(state).encode(), digest_size=8).hexdigest()
 

@@ -49,8 +49,7 @@ from neuron.rank.model.lora import Adapters
 from neuron.rank.prefill import feed_prompts
 from neuron.rank.runner import Sliced, Stage
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import Sampled
-from neuron.step import Step
+from neuron.step import Sampled, Step
 from neuron.system import cpu, device
 
 __all__ = ["GroupError", "Loaded", "Rank", "RankError", "Stepped", "run"]

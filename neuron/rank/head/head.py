@@ -12,8 +12,7 @@ import mlx.core as mx
 
 from neuron.rank.head.rejection import Rejection
 from neuron.rank.head.sampler import Draw, Run, Sampler, Verdict, draw_all, read
-from neuron.sampling_params import Sampled
-from neuron.step import DraftRow, Step
+from neuron.step import DraftRow, Sampled, Step
 
 if TYPE_CHECKING:
     from neuron.rank.head.drafter import Drafter, Proposal

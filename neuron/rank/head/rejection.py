@@ -21,7 +21,7 @@ from typing import cast
 import mlx.core as mx
 
 from neuron.rank.head.sampler import Mark, Sampler
-from neuron.sampling_params import NOT_ASKED, Sampled
+from neuron.step import NOT_ASKED, Sampled
 
 
 @dataclasses.dataclass(slots=True)

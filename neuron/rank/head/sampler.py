@@ -25,7 +25,8 @@ import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from neuron.rank.readback import floats, ints, scalar
-from neuron.sampling_params import NOT_ASKED, PENALTY_WINDOW, Sampled, SamplingParams
+from neuron.sampling_params import PENALTY_WINDOW, SamplingParams
+from neuron.step import NOT_ASKED, Sampled
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -49,9 +49,10 @@ class Entries:
         self._held: dict[int, _Entry] = {}
         self.disk: Disk | None = None  # where spilled entries go (``OpenPrefixDisk``); None: they are dropped
         self.kv_bits: int | None = None  # the bits plain layers are quantized to (``--kv-bits``); None: not
-        # Every held entry's (id, length), folded as it comes and goes: the fingerprint is taken every step, and
-        # listing a full cache's entries each time would cost the step more the more the cache holds.
-        self._digest = 0
+        # How many entries, and every held entry's (id, length) folded as it comes and goes, for the fingerprint:
+        # it is taken every step, and listing a full cache's entries each time would cost the step more the more
+        # the cache holds.
+        self.state = (0, 0)
         self.nbytes = 0  # what the held entries take, counted as they come and go (the rank's memory reading)
 
     def __contains__(self, entry: int) -> bool:
@@ -63,22 +64,18 @@ class Entries:
     def length(self, entry: int) -> int:
         return self._held[entry].tokens
 
-    def state(self) -> tuple[int, int]:
-        """How many entries, and a digest of each one's id and length, for the fingerprint."""
-        return len(self._held), self._digest
-
-    def _fold(self, entry: int) -> None:
-        """Add ``entry`` to the digest, or take it out again (an XOR: order does not matter)."""
-        self._digest ^= hash((entry, self.length(entry)))  # ints hash alike in every process
+    def _fold(self, entry: int, tokens: int) -> None:
+        """Add an entry that came to the digest, or take out one that went (an XOR: order does not matter)."""
+        self.state = (len(self._held), self.state[1] ^ hash((entry, tokens)))  # ints hash alike in every process
 
     def _hold(self, entry: int, held: _Entry) -> None:
         self._held[entry] = held
-        self._fold(entry)
+        self._fold(entry, held.tokens)
         self.nbytes += caches.nbytes(held.layers)
 
     def _drop(self, entry: int) -> _Entry:
-        self._fold(entry)
         gone = self._held.pop(entry)
+        self._fold(entry, gone.tokens)
         self.nbytes -= caches.nbytes(gone.layers)
         return gone
 
@@ -177,7 +174,7 @@ class Entries:
 
     def clear(self) -> None:
         self._held.clear()
-        self._digest = 0
+        self.state = (0, 0)
         self.nbytes = 0
 
     def load(self, entries: dict[str, int], drop: Collection[int] = ()) -> list[str]:

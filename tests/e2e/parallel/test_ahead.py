@@ -26,8 +26,8 @@ from neuron.rank.head.head import Head
 from neuron.rank.model.load import dispatch_layers
 from neuron.rank.rank import Rank, run
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import Sampled, SamplingParams
-from neuron.step import Start, Step
+from neuron.sampling_params import SamplingParams
+from neuron.step import Sampled, Start, Step
 from neuron.system import cpu
 
 pytestmark = pytest.mark.gpu  # where the device computes apart from the host: bench/gpu_table.py runs them there

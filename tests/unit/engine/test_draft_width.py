@@ -27,7 +27,8 @@ from neuron.engine.drafts import (
 )
 from neuron.engine.scheduler import Scheduler, Scheduling
 from neuron.engine.sequence import Sequence, StopText
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+from neuron.sampling_params import SamplingParams
+from neuron.step import NOT_ASKED, Sampled
 
 CPU = StepCost()  # the prior: compute-bound, about 50 ms at batch 1 and 95 at batch 8
 _numbers = itertools.count(1)

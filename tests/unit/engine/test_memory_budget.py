@@ -18,7 +18,8 @@ from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduler, Scheduling, Turn
 from neuron.engine.sequence import Sequence, Status, StopText
 from neuron.rpc import Memory
-from neuron.sampling_params import Sampled, SamplingParams
+from neuron.sampling_params import SamplingParams
+from neuron.step import Sampled
 
 MIB = 1 << 20
 PER_TOKEN = 1000  # bytes of keys and values per token on the reference rank

@@ -15,7 +15,7 @@ from neuron.config.settings import MIN_PREFILL_CHUNK, Scheduling
 from neuron.engine.drafts import MIN_SAMPLES, PROMPT_WINDOW, StepCost, attended
 from neuron.engine.scheduler import Scheduler, prefill_budget
 from neuron.rpc import ImageRun, StepPlan
-from neuron.sampling_params import NOT_ASKED, Sampled
+from neuron.step import NOT_ASKED, Sampled
 from testkit.scheduling import admitted, next_step, request, scheduler
 
 

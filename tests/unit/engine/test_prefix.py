@@ -17,7 +17,8 @@ from neuron.rank.kv.batch import Batch, MicroBatch
 from neuron.rank.kv.entries import Entries
 from neuron.rank.kv.sequence import SeqState
 from neuron.rpc import Evict, Prefill, Restore, Save, StepPlan
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+from neuron.sampling_params import SamplingParams
+from neuron.step import NOT_ASKED, Sampled
 
 _numbers = itertools.count(1)
 
@@ -151,12 +152,12 @@ def test_a_ranks_entries_state_tells_apart_holdings_of_the_same_count() -> None:
             entries.evict_and_save(StepPlan(save=[Save(entry, entry)]), {entry: seq(tokens)})
         return entries
 
-    assert held((1, 3), (2, 4)).state() == held((2, 4), (1, 3)).state()
-    assert held((1, 3), (2, 4)).state() != held((1, 3), (5, 4)).state()
-    assert held((1, 3), (2, 4)).state() != held((1, 3), (2, 5)).state()
+    assert held((1, 3), (2, 4)).state == held((2, 4), (1, 3)).state
+    assert held((1, 3), (2, 4)).state != held((1, 3), (5, 4)).state
+    assert held((1, 3), (2, 4)).state != held((1, 3), (2, 5)).state
     emptied = held((1, 3), (2, 4))
     emptied.evict_and_save(StepPlan(evict=[Evict(1), Evict(2)]), {})
-    assert emptied.state() == Entries().state()
+    assert emptied.state == Entries().state
 
 
 def test_a_finished_reply_is_saved_with_its_prompt_as_it_leaves_and_the_next_turn_restores_through_it() -> None:

@@ -15,8 +15,8 @@ from neuron.engine.sequence import Pause, Status
 from neuron.launch import dataplane
 from neuron.rank.head.sampler import Sampler, rewound
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
-from neuron.step import Start, Step
+from neuron.sampling_params import SamplingParams
+from neuron.step import NOT_ASKED, Sampled, Start, Step
 from testkit.scheduling import apply, next_step, request, run, scheduler
 
 LOST = Pause("lost", 1, "mac2", "rank 1 died", 0.0)

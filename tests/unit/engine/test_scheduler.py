@@ -16,8 +16,8 @@ from neuron.engine.refusals import Overloaded
 from neuron.engine.scheduler import SHORT_STEP_MS, Delivery, Scheduler, Scheduling, ahead_for
 from neuron.engine.sequence import Chunk, Event, Finish, Sequence, Status, StopText
 from neuron.rpc import Decode, Prefill, StepPlan
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
-from neuron.step import Start
+from neuron.sampling_params import SamplingParams
+from neuron.step import NOT_ASKED, Sampled, Start
 from testkit.scheduling import (
     EOS,
     admitted,

@@ -16,9 +16,10 @@ from neuron.engine.refusals import RequestError
 from neuron.engine.scheduler import Scheduling
 from neuron.engine.sequence import Sequence, StopText
 from neuron.models.folder import Embedding, card_pooling, embedding
-from neuron.sampling_params import NOT_ASKED, Sampled, SamplingParams
+from neuron.sampling_params import SamplingParams
 from neuron.server import embeddings
 from neuron.server.common.errors import ApiError
+from neuron.step import NOT_ASKED, Sampled
 from testkit.scheduling import admitted, request, run, scheduler
 
 
