@@ -82,12 +82,17 @@ async def generate(
     async with Pool(model, Layout.local(world_size, stages, tuple(split or ()))) as pool:
         loaded = await pool.load()
         tokens = await greedy(pool, PROMPT, count)
+        read_unasked = dict(pool.memory)  # no step asked every rank to read its memory
+        await pool.step(follow(tokens[-1]), read_memory=True)
+        read = {rank: {"used": m.used, "free": m.free, "caches": m.caches} for rank, m in pool.memory.items()}
         await pool.load()
         return {
             "tokens": tokens,
             "after_reload": await greedy(pool, PROMPT, count),
             "parameters": [loaded[r].parameters for r in loaded],
             "layers": pool.layers,
+            "read_unasked": list(read_unasked),
+            "read": read,
         }
 
 

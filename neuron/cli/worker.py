@@ -144,12 +144,12 @@ class Worker:
             case rpc.UnloadAdapter(id=id, adapter=adapter):
                 self._joined().unload_adapter(adapter)
                 return rpc.AdapterUnloaded(id=id)
-            case rpc.GenerateStep(id=id, plan=plan):
+            case rpc.GenerateStep(id=id, plan=plan, read_memory=read_memory):
                 from neuron.rank.rank import run  # loaded with the rank, in ``_init``
 
                 rank = self._joined()
                 stepped = run(rank, Step(plan))  # the step rank 0 runs too, less the sampling
-                memory = self.memory.fresh(lambda: (rank.held.nbytes(), rank.peak))
+                memory = self.memory.read(lambda: (rank.held.nbytes(), rank.peak)) if read_memory else None
                 return rpc.GenerateStepOk(id=id, fingerprint=stepped.fingerprint, memory=memory)
             case rpc.ReadMemory(id=id, memory_limit=memory_limit, cache_limit=cache_limit):
                 state = self.state

@@ -15,8 +15,10 @@ Readiness: the engine is ready once a probe step has succeeded on every rank sin
 503), and probes again at once, then every few seconds until a probe passes. A lost group pauses the batch instead
 (``engine.recovery``), and an allocation that failed anyway pauses it within a lower budget (``engine.pressure``).
 
-The loop also keeps the steps of the last minutes, second by second (``Recent``), for the status route's charts: a
-page opened now should see the minutes before it, and a scrape's counters hold only totals since the process started.
+Every few seconds the loop has a step read every rank's memory, all at the same step, and the memory budget follows
+the readings (``engine.pressure``). The loop also keeps the steps of the last minutes, second by second
+(``Recent``), for the status route's charts: a page opened now should see the minutes before it, and a scrape's
+counters hold only totals since the process started.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ log = structlog.get_logger("neuron.engine")
 
 REPROBE_S = 5.0
 KEPT_S = 300  # how long the status route's charts look back
+# How often a step reads every rank's memory: often enough for the budget to follow a host that fills up, and rare
+# enough to cost a step nothing in the mean (a reading is a few small files, or MLX's counters, on every rank).
+MEMORY_EVERY_S = 5.0
 
 
 class Loop:
@@ -71,6 +76,8 @@ class Loop:
         self.busy_since: float | None = None  # when the loop's current pool call began; None while it waits
         self.probe_failed = False  # True while the loop waits to probe again
         self._tracing = tracing()
+        # Every few seconds a step reads every rank's memory, and the budget follows the readings (``Pressure``).
+        self.memory_due = Every(MEMORY_EVERY_S)
 
     def wake(self) -> None:
         """A request was queued (or the batch changed between steps): the loop takes it up."""
@@ -140,7 +147,8 @@ class Loop:
         plan = step.plan
         self.recovery.in_flight = step
         try:
-            sampled = await self.pool.step(step)
+            read_memory = self.memory_due()
+            sampled = await self.pool.step(step, read_memory)
             metrics.PREFILL_TOKENS.inc(plan.prefill_tokens)
         except PoolError as e:
             await self._failed(e, step)
@@ -148,7 +156,8 @@ class Loop:
         finally:
             self.recovery.in_flight = None
         ms = (time.perf_counter() - started) * 1000
-        self.pressure.follow()
+        if read_memory:
+            self.pressure.follow()
         metrics.PREFIX_EVICTIONS.inc(len(plan.evict))
         if self.disk is not None:
             self.disk.written(step.spilled)
@@ -206,6 +215,23 @@ class Loop:
         self.fail_all("unavailable" if error.broken else "step_failed", str(error))
         with anyio.CancelScope(shield=True):
             await recovery.clear_cache(prefixes=True)
+
+
+class Every:
+    """Whether something done at most once every ``seconds`` is due now: it is the first time, and a call that says
+    so counts as doing it."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.at: float | None = None
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if self.at is not None and now - self.at < self.seconds:
+            return False
+        self.at = now
+        return True
 
 
 class Recent:

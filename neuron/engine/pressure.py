@@ -43,7 +43,6 @@ class Pressure:
         self.output = output
         self.vocab_size = vocab_size
         self.vision = vision  # the model takes images: the budget keeps room for them on rank 0
-        self._read_at: tuple[float, ...] = ()  # when the readings the budget follows were taken
 
     async def read(self, calibrate: bool = False) -> None:
         """Read every rank's memory now and follow it (``calibrate``: right after the calibration step, which says
@@ -56,7 +55,6 @@ class Pressure:
         readings = await self.pool.read_memory({budget.rank: budget.mlx_limits for budget in self.budget.ranks})
         self.budget.read(readings)
         self.scheduler.size_prefix_cache()
-        self._read_at = tuple(reading.at for reading in readings.values())
         self._publish()
         self.scheduler.scored_chunk = self.budget.scored_chunk(self.vocab_size)
         rank, host = self.budget.where()
@@ -71,13 +69,9 @@ class Pressure:
         )
 
     def follow(self) -> None:
-        """The budget follows each rank's memory as the steps read it again (every few seconds)."""
-        memory = self.pool.memory
-        read_at = tuple(reading.at for reading in memory.values())
-        if read_at != self._read_at:
-            self._read_at = read_at
-            self.budget.read(memory)
-            self._publish()
+        """The budget follows each rank's memory, as a step has just read it again (every few seconds: ``Loop``)."""
+        self.budget.read(self.pool.memory)
+        self._publish()
 
     def usage(self) -> float:
         """The share of the budget the batch's caches and the prefix cache hold (vLLM's KV cache usage)."""

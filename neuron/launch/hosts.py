@@ -155,23 +155,14 @@ Held = Callable[[], tuple[int, int]]
 
 
 class MemoryGauge:
-    """This process's memory, read live at low cost for the leader's memory budget and the status route: ``fresh``
-    reads it (a few small files, or MLX's counters) at most once every ``every_s`` seconds, and says None between,
-    so that a step that comes sooner costs nothing and its reply carries nothing; ``read`` reads it now."""
+    """This process's memory, read live at low cost (a few small files, or MLX's counters) for the leader's memory
+    budget and the status route: after a step that asks for it (the leader's loop does, every few seconds), and on
+    ``rpc.ReadMemory``."""
 
-    def __init__(self, every_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.every_s = every_s
-        self.clock = clock
-        self.read_at: float | None = None
+    def __init__(self) -> None:
         self.group = cgroup.own_group()
 
-    def fresh(self, held: Held | None = None) -> Memory | None:
-        if self.read_at is not None and self.clock() - self.read_at < self.every_s:
-            return None
-        return self.read(held)
-
     def read(self, held: Held | None = None) -> Memory:
-        self.read_at = self.clock()
         room = cgroup.room(self.group) if self.group is not None else None
         caches, peak = held() if held is not None else (0, 0)
         return Memory(

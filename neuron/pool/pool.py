@@ -99,10 +99,11 @@ class Pool:
         """Where the latest operation's seconds went, each rank's among them (a step's, after ``step``)."""
         return self._fan_out.timing
 
-    async def step(self, step: Step) -> dict[int, Sampled]:
+    async def step(self, step: Step, read_memory: bool = False) -> dict[int, Sampled]:
         """One batched step on every rank; returns what rank 0 sampled for each sequence that has logits.
 
-        Every rank runs ``step.plan``; rank 0's sampler also reads ``step.starts``.
+        Every rank runs ``step.plan``; rank 0's sampler also reads ``step.starts``. With ``read_memory``, every
+        rank then reads its memory, and the pool keeps the readings (``memory``).
         Every worker's fingerprint of its state must equal rank 0's, or the step
         fails as a desync naming the rank (the group stays usable once cleared).
         """
@@ -120,11 +121,15 @@ class Pool:
 
         def on_rank(rank: Rank) -> Stepped:
             stepped = run(rank, step, head)
-            read[0] = gauge.fresh(lambda: (rank.held.nbytes(), rank.peak))  # on rank 0's thread, as a worker's
+            if read_memory:  # on rank 0's thread, as a worker reads its own
+                read[0] = gauge.read(lambda: (rank.held.nbytes(), rank.peak))
             return stepped
 
         replies = await self._fan_out(
-            "generate_step", lambda _, id: rpc.GenerateStep(id=id, plan=plan), on_rank, self.deadlines.step
+            "generate_step",
+            lambda _, id: rpc.GenerateStep(id=id, plan=plan, read_memory=read_memory),
+            on_rank,
+            self.deadlines.step,
         )
         timing = self._fan_out.timing
         metrics.STEP_SECONDS.labels("total").observe(timing.total)

@@ -183,6 +183,9 @@ class GenerateStep:
     op: ClassVar[str] = "generate_step"
     id: int
     plan: StepPlan
+    # Every rank reads its memory once the step has run, and the reply carries the reading: the leader asks every
+    # few seconds, on the same step for every rank.
+    read_memory: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +343,7 @@ class GenerateStepOk:
     op: ClassVar[str] = "generate_step_ok"
     id: int
     fingerprint: str
-    memory: Memory | None = None  # a fresh reading, every few seconds at most; None between them
+    memory: Memory | None = None  # read after the step where it asked (``GenerateStep.read_memory``); else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,11 @@ def test_tp2_greedy_equals_tp1(tiny_models: dict[str, Path], tiny_tp1: dict[str,
     assert result["after_reload"] == alone["tokens"]  # loaded again over the first
     assert len(set(alone["tokens"])) > 8  # a degenerate model would make the comparison meaningless
     assert result["parameters"][0] == result["parameters"][1] < alone["parameters"][0]  # each rank holds its slices
+    # Steps read no memory unless asked (the engine's loop asks every few seconds); a step that asks has every rank
+    # read its own, after the step, holding the sequence's caches.
+    assert result["read_unasked"] == []
+    assert sorted(result["read"]) == ["0", "1"], result["read"]
+    assert all(m["used"] > 0 and m["free"] > 0 and m["caches"] > 0 for m in result["read"].values()), result["read"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -107,7 +107,7 @@ def _step_line(**fields: object) -> bytes:
         "evict": [{"entry": 3, "key": ""}],
         "ahead": False,
     }
-    return json.dumps({"op": "generate_step", "id": 4, "plan": plan}).encode()
+    return json.dumps({"op": "generate_step", "id": 4, "plan": plan, "read_memory": False}).encode()
 
 
 MALFORMED = [
