@@ -200,6 +200,12 @@ class Server:
             for sample in family.samples
         }
 
+    def exit_code(self, timeout: float = 60) -> int:
+        """Its exit code once it has ended on its own (the signal already sent, say): a client's stream can end
+        while the server still shuts down, and ``stop``'s SIGTERM then would be a second one, which ends it at once
+        (``neuron serve``'s rule), by the signal itself where its handler has already gone."""
+        return self.process.wait(timeout=timeout)
+
     def stop(self, timeout: float = 60) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

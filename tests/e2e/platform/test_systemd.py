@@ -153,7 +153,8 @@ def test_sigterm_past_the_drain_deadline_ends_the_stream_with_an_error_event(
         assert rest and isinstance(rest[-1], dict) and "error" in rest[-1], rest[-3:]
         assert "shutting down" in rest[-1]["error"]["message"]
         assert "[DONE]" not in rest
+        rc = server.exit_code()
     finally:
-        rc = server.stop()
+        server.stop()
     assert rc == 0, server.stderr()
     assert server.find_log("drain timed out; failing the requests left") is not None

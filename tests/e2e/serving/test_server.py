@@ -285,8 +285,9 @@ def test_sigterm_lets_the_running_stream_finish_then_exits_0(tiny_models: dict[s
         rest = sigterm_mid_stream(server, 200)
         assert rest[-1] == "[DONE]"
         assert rest[-2]["choices"][0]["finish_reason"] == "length"
+        rc = server.exit_code()
     finally:
-        rc = server.stop()
+        server.stop()
     assert rc == 0, server.stderr()
     assert server.find_log("draining") is not None and server.find_log("stopped") is not None
 
