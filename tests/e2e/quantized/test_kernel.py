@@ -242,7 +242,9 @@ def test_a_packed_groups_member_computes_from_its_own_rows_alone(kernel: object,
     fuse.fuse_projections(model)
     kernels.use_kernel(model, kernel)  # type: ignore[arg-type]
     member = model.model.layers[0].self_attn.k_proj
-    assert isinstance(member, fuse.FusedFollower) and member._own.packed == kernel.packs()  # type: ignore[attr-defined]
+    # Packed only where the kernel packs (AVX-512); elsewhere the views are of MLX's own layout.
+    assert isinstance(member, fuse.FusedFollower)
+    assert getattr(member._own, "packed", False) == kernel.packs()  # type: ignore[attr-defined]
     assert close(member(x), want) < 1e-5
 
 
